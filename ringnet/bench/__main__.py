@@ -1,0 +1,26 @@
+"""python -m ringnet.bench {layers,comm,scaling} ... — benchmarks that print tables."""
+import importlib
+import sys
+
+COMMANDS = {
+    "layers": ("ringnet.bench.layers", "per-layer and full-step times, optionally against PyTorch CPU"),
+    "comm": ("ringnet.bench.comm", "nccl-tests style table of ring/tree/master/native allreduce (run under mpirun)"),
+    "scaling": ("ringnet.bench.scaling", "launches mpirun at several N and prints speedup per mode"),
+}
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: python -m ringnet.bench {layers,comm,scaling} [options]\n")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:8s} {text}")
+        print("\n`python -m ringnet.bench NAME --help` lists each benchmark's options.")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    from ringnet.errors import run_main
+    run_main(main)
