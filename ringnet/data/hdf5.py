@@ -21,6 +21,20 @@ __all__ = ["SPLITS", "write_dataset", "atomic_output", "validate_file"]
 SPLITS = ("train", "test")
 
 
+def _umask():
+    """Return the process umask without changing it (os.umask alone must set one)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 class atomic_output:
     """Context manager yielding a temp path next to ``path``; renamed onto it on success.
 
@@ -39,6 +53,8 @@ class atomic_output:
         fd, self.tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".",
                                         suffix=self.suffix, dir=directory)
         os.close(fd)
+        # mkstemp creates mode 0600; give the result the mode a plain open() would.
+        os.chmod(self.tmp, 0o666 & ~_umask())
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
