@@ -1,0 +1,67 @@
+"""HDF5 checkpoints: one data set per parameter name, optimizer state, step counters.
+
+Layout::
+
+    /params/<name>            full tensor, PyTorch layout (conv (out,in,kh,kw), linear (out,in))
+    /momentum/<name>          SGD momentum buffer of that parameter (same shape)
+    /prev_params/<name>       delay-1 runs only: the weights the next step computes on
+    attrs: format ("ringnet-checkpoint"), version, model, mode, delay, ranks, step, epoch,
+           seed, dtype, lr policy settings
+
+Files are written to a temporary name next to the target and renamed on success, so
+an interrupted save never replaces a good checkpoint with a half-written one.
+"""
+import h5py
+import numpy as np
+
+from ringnet.data.hdf5 import atomic_output
+from ringnet.errors import UsageError
+
+__all__ = ["save_checkpoint", "load_checkpoint", "FORMAT"]
+
+FORMAT = "ringnet-checkpoint"
+VERSION = 1
+
+
+def save_checkpoint(path, params, momentum=None, prev_params=None, **attrs):
+    """Write named host arrays and scalar ``attrs`` to ``path`` atomically."""
+    with atomic_output(path, suffix=".h5.tmp") as tmp:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["version"] = VERSION
+            for key, value in attrs.items():
+                f.attrs[key] = "" if value is None else value
+            for group_name, tensors in (("params", params), ("momentum", momentum),
+                                        ("prev_params", prev_params)):
+                if tensors is None:
+                    continue
+                group = f.create_group(group_name)
+                for name, array in tensors.items():
+                    group.create_dataset(name, data=np.asarray(array))
+    return path
+
+
+def load_checkpoint(path):
+    """Return ``(params, momentum or None, prev_params or None, attrs)`` read from ``path``.
+
+    Raises :class:`UsageError` when the file is missing, unreadable or not a checkpoint.
+    """
+    try:
+        f = h5py.File(path, "r")
+    except FileNotFoundError:
+        raise UsageError(f"checkpoint {path} does not exist") from None
+    except OSError as exc:
+        raise UsageError(f"checkpoint {path} is not a readable HDF5 file ({exc})") from None
+    with f:
+        if f.attrs.get("format") != FORMAT or "params" not in f:
+            raise UsageError(f"{path} is not a ringnet checkpoint")
+        try:
+            groups = {}
+            for group_name in ("params", "momentum", "prev_params"):
+                groups[group_name] = ({name: ds[()] for name, ds in f[group_name].items()}
+                                      if group_name in f else None)
+            attrs = {key: (value.item() if isinstance(value, np.generic) else value)
+                     for key, value in f.attrs.items()}
+        except (OSError, KeyError, ValueError) as exc:
+            raise UsageError(f"checkpoint {path} is corrupt ({exc})") from None
+    return groups["params"], groups["momentum"], groups["prev_params"], attrs
