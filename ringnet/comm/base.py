@@ -1,0 +1,89 @@
+"""CommunicatorBase: what every communicator shares (shards, streams, scratch, checks)."""
+import numpy as np
+
+from ringnet.backend import get_array_module, is_gpu_array
+from ringnet.comm.stream import current_tag
+
+__all__ = ["CommunicatorBase", "shard_bounds", "OPS"]
+
+OPS = ("sum", "mean")
+_DTYPES = (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
+           np.uint8, np.uint16, np.uint32, np.uint64)
+
+
+def shard_bounds(length, size):
+    """Split ``[0, length)`` into ``size`` contiguous shards, the first ``length % size`` one longer."""
+    base, extra = divmod(int(length), int(size))
+    bounds, start = [], 0
+    for r in range(size):
+        stop = start + base + (1 if r < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class CommunicatorBase:
+    """A parallel structure over a transport: rank, size, streams and argument checks."""
+
+    name = "base"
+
+    def __init__(self, transport="auto", mpi_comm=None):
+        from ringnet.comm import make_transport  # noqa: WPS433 - avoids an import cycle
+        if isinstance(transport, str):
+            transport = make_transport(transport, mpi_comm=mpi_comm)
+        self.transport = transport
+        self.rank = transport.rank
+        self.size = transport.size
+        self._scratch = {}
+
+    def __repr__(self):
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size}, transport={self.transport.name})"
+
+    def shard_bounds(self, length):
+        """Return (start, stop) per rank: contiguous, as even as possible."""
+        return shard_bounds(length, self.size)
+
+    def new_stream(self):
+        """Return a new stream for this communicator's transport."""
+        return self.transport.new_stream()
+
+    # -- helpers for the collectives ---------------------------------------------------
+    def _launch(self, fn, args, stream):
+        """Run ``fn(*args)`` now (blocking) or queue it on ``stream`` (returns a Handle)."""
+        if stream is not None:
+            return stream.submit(fn, *args)
+        fn(*args)
+        if is_gpu_array(args[0]):
+            self.transport.finish(f"{self.name} collective")
+        return None
+
+    def _scratch_for(self, buf, length):
+        """Return a reusable receive buffer of ``length`` elements like ``buf``."""
+        # Keyed by stream tag: a blocking call and a stream call may run at once.
+        key = (current_tag(), is_gpu_array(buf), buf.dtype.str)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.size < length:
+            xp = get_array_module(buf)
+            scratch = self._scratch[key] = xp.empty(max(length, 1), buf.dtype)
+        return scratch[:length]
+
+    def _check(self, buf, op="sum", root=None):
+        if getattr(buf, "ndim", None) != 1 or not buf.flags.c_contiguous:
+            raise ValueError("buffer must be a flat (1-D) C-contiguous NumPy/CuPy array, "
+                             f"got {type(buf).__name__} with shape {getattr(buf, 'shape', None)}")
+        if buf.dtype.type not in _DTYPES:
+            raise ValueError(f"unsupported dtype {buf.dtype}: use float16/32/64 or an integer type")
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}: choose sum or mean")
+        if op == "mean" and buf.dtype.kind != "f":
+            raise ValueError(f"op 'mean' needs a floating dtype, got {buf.dtype}")
+        if root is not None and not (isinstance(root, (int, np.integer)) and 0 <= root < self.size):
+            raise ValueError(f"root {root!r} is not a rank of this {self.size}-rank communicator")
+
+    def _divide(self, part):
+        """Turn a sum into a mean in place."""
+        if self.size > 1 and part.size:
+            get_array_module(part).divide(part, part.dtype.type(self.size), out=part)
+
+    def _add_from(self, part, scratch):
+        get_array_module(part).add(part, scratch, out=part)

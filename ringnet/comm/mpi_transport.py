@@ -1,0 +1,163 @@
+"""MpiTransport: point-to-point transfers with mpi4py's buffer interface."""
+import os
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ringnet.backend import cupy, is_gpu_array
+from ringnet.comm.stream import current_tag
+from ringnet.comm.transport import CommTimeoutError, Transport, describe
+
+__all__ = ["MpiTransport", "mpi_cuda_aware"]
+
+# Polling: spin (yielding the core to other ranks with sleep(0)) for SPIN_S, then
+# sleep with a growing pause up to MAX_PAUSE_S. MPI progress only happens inside MPI
+# calls, so long pauses would slow large transfers; pure spinning would starve other
+# ranks that share a core.
+SPIN_S = 0.05
+MAX_PAUSE_S = 0.001
+
+_MPI_OPS = {"sum": MPI.SUM}
+
+
+def mpi_cuda_aware():
+    """Return True when the MPI library accepts device pointers.
+
+    Asks ``MPI.Query_cuda_support`` (mpi4py >= 4 on an MPI with the MPIX extension);
+    ``RINGNET_CUDA_AWARE_MPI=0/1`` overrides the answer.
+    """
+    forced = os.environ.get("RINGNET_CUDA_AWARE_MPI", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    query = getattr(MPI, "Query_cuda_support", None)
+    if query is None:
+        return False
+    try:
+        return bool(query())
+    except Exception:  # noqa: BLE001 - an MPI without the extension
+        return False
+
+
+class _Pending:
+    """Requests of one paired transfer; wait() polls them against the timeout."""
+
+    __slots__ = ("transport", "requests", "what", "unstage")
+
+    def __init__(self, transport, requests, what, unstage):
+        self.transport, self.requests, self.what, self.unstage = transport, requests, what, unstage
+
+    def wait(self):
+        self.transport._wait(self.requests, self.what)
+        if self.unstage is not None:
+            device_out, host = self.unstage
+            device_out.set(host)  # host-staged receive: copy into the CuPy buffer
+        return None
+
+
+class MpiTransport(Transport):
+    """Transfers over MPI: NumPy buffers directly, CuPy buffers direct or host-staged."""
+
+    name = "mpi"
+
+    def __init__(self, mpi_comm=None, timeout_s=None):
+        parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        # A private duplicate keeps ringnet's messages apart from the caller's own.
+        super().__init__(parent.Dup(), timeout_s)
+        # With only MPI_THREAD_SERIALIZED, the stream thread and the caller must not
+        # be inside MPI at the same time: every MPI call then takes this lock.
+        self._lock = threading.Lock() if MPI.Query_thread() < MPI.THREAD_MULTIPLE else None
+        self.cuda_aware = mpi_cuda_aware()
+        self._host = {}
+
+    def uses_gpu(self):
+        return False if cupy is None else super().uses_gpu()
+
+    def _host_buffer(self, array, role):
+        key = (current_tag(), role, array.dtype.str, array.size)
+        host = self._host.get(key)
+        if host is None:
+            host = self._host[key] = np.empty(array.size, array.dtype)
+        return host
+
+    def isendrecv(self, send_array, send_peer, recv_array, recv_peer):
+        """Post Isend/Irecv for a paired transfer; zero-byte sides are skipped on both ends."""
+        self._check_pair(send_array, send_peer, recv_array, recv_peer)
+        send_bytes = 0 if send_array is None else send_array.nbytes
+        recv_bytes = 0 if recv_array is None else recv_array.nbytes
+        tag = current_tag()
+        unstage = None
+        send_buf = recv_buf = None
+        if send_bytes:
+            send_buf = send_array
+            if is_gpu_array(send_array):
+                # The kernel producing the buffer must be finished before MPI reads it.
+                cupy.cuda.get_current_stream().synchronize()
+                if not self.cuda_aware:
+                    send_buf = send_array.get(out=self._host_buffer(send_array, "send"))
+        if recv_bytes:
+            recv_buf = recv_array
+            if is_gpu_array(recv_array):
+                cupy.cuda.get_current_stream().synchronize()
+                if not self.cuda_aware:
+                    recv_buf = self._host_buffer(recv_array, "recv")
+                    unstage = (recv_array, recv_buf)
+        requests = []
+        if self._lock is not None:
+            self._lock.acquire()
+        try:
+            if recv_bytes:
+                requests.append(self.mpi_comm.Irecv([recv_buf, MPI.BYTE], recv_peer, tag))
+            if send_bytes:
+                requests.append(self.mpi_comm.Isend([send_buf, MPI.BYTE], send_peer, tag))
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+        self._count(send_bytes, recv_bytes)
+        what = ("sendrecv" if send_bytes and recv_bytes else "send" if send_bytes else "recv",
+                send_peer if send_bytes else None, recv_peer if recv_bytes else None,
+                max(send_bytes, recv_bytes))
+        return _Pending(self, requests, what, unstage)
+
+    def _test(self, requests):
+        if self._lock is None:
+            return MPI.Request.Testall(requests)
+        with self._lock:
+            return MPI.Request.Testall(requests)
+
+    def _wait(self, requests, what):
+        if not requests or self._test(requests):
+            return
+        start = time.perf_counter()
+        pause = 0.0
+        while not self._test(requests):
+            now = time.perf_counter()
+            if now - start > self.timeout_s:
+                for request in requests:
+                    # Cancel what can be cancelled so the buffers are not written later.
+                    try:
+                        request.Cancel()
+                    except MPI.Exception:
+                        pass
+                raise CommTimeoutError(f"{describe(*what)} did not complete within "
+                                       f"{self.timeout_s:g} s")
+            if now - start > SPIN_S:
+                pause = min(MAX_PAUSE_S, pause + 1e-5)
+            time.sleep(pause)
+
+    def allreduce_native(self, buf, op="sum"):
+        """MPI_Allreduce in place (the reference the ring is measured against)."""
+        if is_gpu_array(buf):
+            cupy.cuda.get_current_stream().synchronize()
+            if not self.cuda_aware:
+                host = buf.get()
+                self.mpi_comm.Allreduce(MPI.IN_PLACE, host, op=_MPI_OPS[op])
+                buf.set(host)
+                return
+        self.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+
+    def close(self):
+        if self.mpi_comm is not None and self.mpi_comm != MPI.COMM_NULL:
+            self.mpi_comm.Free()
+            self.mpi_comm = None

@@ -1,0 +1,107 @@
+"""RingCommunicator: reduce-scatter, all-gather and all-reduce in N-1 neighbour steps."""
+from ringnet.comm.base import CommunicatorBase
+
+__all__ = ["RingCommunicator"]
+
+
+class RingCommunicator(CommunicatorBase):
+    """Ranks form a ring; rank r sends to r+1 and receives from r-1 at every step.
+
+    Each rank moves 2(N-1)/N of the buffer per all-reduce, independent of N. With
+    ``chunk_bytes`` every step is cut into chunks; with ``pipeline`` (default) the
+    transfer of chunk k+1 is in flight while chunk k is being added.
+    """
+
+    name = "ring"
+
+    def __init__(self, transport="auto", mpi_comm=None, chunk_bytes=None, pipeline=True):
+        super().__init__(transport, mpi_comm)
+        if chunk_bytes is not None and int(chunk_bytes) <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
+        self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)
+        self.pipeline = bool(pipeline)
+        self.right = (self.rank + 1) % self.size
+        self.left = (self.rank - 1) % self.size
+
+    # -- public collectives -------------------------------------------------------------
+    def reduce_scatter(self, buf, op="sum", bounds=None, stream=None):
+        """Reduce ``buf`` over ranks so that ``buf[bounds[rank]]`` holds this rank's reduced shard."""
+        self._check(buf, op)
+        bounds = self._bounds(buf, bounds)
+        return self._launch(self._reduce_scatter, (buf, op, bounds), stream)
+
+    def allgather(self, buf, bounds=None, stream=None):
+        """Fill all of ``buf`` from every rank's ``buf[bounds[rank]]``."""
+        self._check(buf)
+        bounds = self._bounds(buf, bounds)
+        return self._launch(self._allgather, (buf, bounds), stream)
+
+    def allreduce(self, buf, op="sum", stream=None):
+        """Reduce ``buf`` over ranks in place on every rank (reduce-scatter + all-gather)."""
+        self._check(buf, op)
+        bounds = self.shard_bounds(buf.size)
+        return self._launch(self._allreduce, (buf, op, bounds), stream)
+
+    # -- implementation -----------------------------------------------------------------
+    def _bounds(self, buf, bounds):
+        if bounds is None:
+            return self.shard_bounds(buf.size)
+        bounds = [(int(a), int(b)) for a, b in bounds]
+        ok = len(bounds) == self.size and bounds[0][0] == 0 and bounds[-1][1] == buf.size \
+            and all(a <= b for a, b in bounds) \
+            and all(bounds[i][1] == bounds[i + 1][0] for i in range(self.size - 1))
+        if not ok:
+            raise ValueError(f"bounds must be {self.size} contiguous (start, stop) pairs covering "
+                             f"[0, {buf.size}), got {bounds}")
+        return bounds
+
+    def _chunks(self, send_len, recv_len, itemsize):
+        """Return element ranges cutting a step into pipeline chunks."""
+        longest = max(send_len, recv_len)
+        if self.chunk_bytes is None or longest == 0:
+            return [(0, longest)]
+        step = max(1, self.chunk_bytes // itemsize)
+        return [(a, min(a + step, longest)) for a in range(0, longest, step)]
+
+    def _reduce_scatter(self, buf, op, bounds):
+        n, r = self.size, self.rank
+        if n > 1:
+            scratch = self._scratch_for(buf, max(b - a for a, b in bounds))
+            send = self.transport.isendrecv
+            for k in range(n - 1):
+                # Step k: pass on the shard summed at step k-1, receive the next one.
+                sa, sb = bounds[(r - k - 1) % n]
+                ra, rb = bounds[(r - k - 2) % n]
+                out, got = buf[sa:sb], scratch[:rb - ra]
+                mine = buf[ra:rb]
+                chunks = self._chunks(sb - sa, rb - ra, buf.itemsize)
+                if self.pipeline and len(chunks) > 1:
+                    a, b = chunks[0]
+                    pending = send(out[a:b], self.right, got[a:b], self.left)
+                    for j, (a, b) in enumerate(chunks):
+                        pending.wait()
+                        if j + 1 < len(chunks):
+                            c, d = chunks[j + 1]
+                            pending = send(out[c:d], self.right, got[c:d], self.left)
+                        self._add_from(mine[a:b], got[a:b])
+                else:
+                    for a, b in chunks:
+                        send(out[a:b], self.right, got[a:b], self.left).wait()
+                        self._add_from(mine[a:b], got[a:b])
+        if op == "mean":
+            a, b = bounds[r]
+            self._divide(buf[a:b])
+
+    def _allgather(self, buf, bounds):
+        n, r = self.size, self.rank
+        for k in range(n - 1):
+            # Step k: forward the shard that arrived at step k-1 (own shard first).
+            sa, sb = bounds[(r - k) % n]
+            ra, rb = bounds[(r - k - 1) % n]
+            for a, b in self._chunks(sb - sa, rb - ra, buf.itemsize):
+                self.transport.isendrecv(buf[sa:sb][a:b], self.right,
+                                         buf[ra:rb][a:b], self.left).wait()
+
+    def _allreduce(self, buf, op, bounds):
+        self._reduce_scatter(buf, op, bounds)
+        self._allgather(buf, bounds)
