@@ -1,0 +1,132 @@
+"""python -m ringnet.bench scaling — strong scaling of each parallel mode, as the research reports it.
+
+Launches ``mpirun -np N python -m ringnet.train ... --json`` for every (mode, delay, N),
+one BLAS thread per rank, the same global batch at every N, repeated in interleaved
+rounds (every configuration once per round) so machine noise hits all of them alike;
+each row is the median over rounds. Speedup is over ``single`` at N=1.
+"""
+import argparse
+import csv
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+from ringnet.errors import UsageError
+
+__all__ = ["main", "run_config"]
+
+DEFAULT_DELAYS = {"ring": (1, 0), "tree": (0,), "master": (0,), "split-fc": (0,)}
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m ringnet.bench scaling", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--np", type=int, nargs="+", default=[1, 2], help="rank counts (default 1 2)")
+    p.add_argument("--modes", default="ring,tree,master",
+                   help="comma list of ring, tree, master, split-fc (single at N=1 is always run)")
+    p.add_argument("--delays", default=None,
+                   help="comma list of delays for every mode (default: ring 1 and 0, others 0)")
+    p.add_argument("--model", default="cifar10_quick")
+    p.add_argument("--dataset", default="synthetic")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--transport", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
+                   help="launcher (default $MPIRUN or mpirun)")
+    p.add_argument("--csv", default=None, metavar="PATH", help="also write the table as CSV")
+    p.add_argument("--json", action="store_true", help='print {"rows": [...]} instead of the table')
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
+    return p
+
+
+def run_config(args, mode, delay, nranks):
+    """Run one training job under mpirun; return its --json summary dict."""
+    cmd = [args.mpirun, "-np", str(nranks), sys.executable, "-m", "ringnet.train",
+           "--model", args.model, "--dataset", args.dataset, "--mode", mode,
+           "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+           "--transport", args.transport, "--device", args.device,
+           "--json", "--quiet", "--no-progress", "--no-eval"]
+    if mode != "single":
+        cmd += ["--delay", str(delay)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"{' '.join(cmd)} did not finish within {args.timeout:.0f} s") from None
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise UsageError(f"{mode} delay {delay} at N={nranks} failed (exit {proc.returncode}): {tail}")
+    return json.loads(lines[-1])
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    if shutil.which(args.mpirun) is None:
+        raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in DEFAULT_DELAYS:
+            raise UsageError(f"unknown mode {m!r} in --modes; choose from {', '.join(DEFAULT_DELAYS)}")
+    if any(n < 1 for n in args.np):
+        raise UsageError("--np values must be >= 1")
+    bad = [n for n in args.np if args.batch_size % n]
+    if bad:
+        raise UsageError(f"--batch-size {args.batch_size} is not divisible by N = {bad}")
+    delays = None if args.delays is None else [int(d) for d in args.delays.split(",")]
+    configs = [("single", 0, 1)]
+    for n in sorted(set(args.np)):
+        if n == 1:
+            continue
+        for m in modes:
+            for d in (delays if delays is not None else DEFAULT_DELAYS[m]):
+                configs.append((m, d, n))
+    runs = {c: [] for c in configs}
+    total = len(configs) * args.repeats
+    done = 0
+    for _ in range(args.repeats):
+        for config in configs:
+            runs[config].append(run_config(args, *config))
+            done += 1
+            print(f"\r[{done}/{total}] {config[0]} delay {config[1]} N={config[2]}   ",
+                  end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    rows = []
+    base_ms = statistics.median(r["step_ms"] for r in runs[configs[0]])
+    for (mode, delay, n), results in runs.items():
+        step_ms = statistics.median(r["step_ms"] for r in results)
+        med = lambda key: statistics.median(r.get(key, 0) or 0 for r in results)  # noqa: E731
+        speedup = base_ms / step_ms
+        rows.append({
+            "mode": mode, "delay": delay, "np": n, "step_ms": round(step_ms, 3),
+            "images_per_sec": round(args.batch_size / step_ms * 1000, 1),
+            "speedup": round(speedup, 3), "efficiency": round(speedup / n, 3),
+            "exposed_comm_ms": round(1000 * med("comm_wait_s") / max(1, results[0]["steps"]), 3),
+            "overlap": round(med("overlap"), 3),
+            "bytes_per_step": int(med("bytes_per_step")),
+            "fc_params_per_rank": results[0].get("fc_params_per_rank"),
+        })
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    if args.json:
+        print(json.dumps({"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
+                          "repeats": args.repeats, "rows": rows}))
+        return 0
+    print(f"# model {args.model}, data {args.dataset}, global batch {args.batch_size}, "
+          f"{args.steps} steps, median of {args.repeats} interleaved rounds, 1 BLAS thread/rank")
+    header = (f"{'mode':>8} {'delay':>5} {'N':>3} {'step ms':>9} {'img/s':>8} {'speedup':>8} "
+              f"{'effic.':>7} {'exposed comm ms':>16} {'overlap':>8} {'bytes/step':>12}")
+    print(header)
+    for r in rows:
+        print(f"{r['mode']:>8} {r['delay']:>5} {r['np']:>3} {r['step_ms']:>9.2f} "
+              f"{r['images_per_sec']:>8.0f} {r['speedup']:>8.2f} {r['efficiency']:>7.2f} "
+              f"{r['exposed_comm_ms']:>16.2f} {r['overlap']:>8.2f} {r['bytes_per_step']:>12,}")
+    return 0
