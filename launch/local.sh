@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Run ringnet on this workstation: one rank per GPU (or N CPU ranks), BLAS threads split evenly.
+# Usage: launch/local.sh [-n N] [train flags...]      e.g.  launch/local.sh -n 4 --mode ring --delay 1
+set -euo pipefail
+N=""
+if [ "${1:-}" = "-n" ]; then N=$2; shift 2; fi
+if [ -z "$N" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    N=$(nvidia-smi -L | wc -l)          # one rank per GPU
+  else
+    N=$(python -c "import os; print(max(1, len(os.sched_getaffinity(0))))")
+  fi
+fi
+MPIRUN=${MPIRUN:-mpirun}
+command -v "$MPIRUN" >/dev/null || { echo "mpirun not found: pip install mpich (or load your MPI)" >&2; exit 2; }
+exec "$MPIRUN" -np "$N" python -m ringnet.train "$@"
