@@ -1,0 +1,124 @@
+"""Layer base class, parameter init schemes and memory-layout helpers."""
+import math
+
+import numpy as np
+
+__all__ = ["Layer", "init_array", "check_init", "empty_like_layout", "zeros_like_layout",
+           "as_channel_rows"]
+
+
+class Layer:
+    """A forward/backward pair; parameterised layers own views into the model's flat buffers.
+
+    ``forward(x, train=True)`` caches what ``backward`` needs; ``backward(dy)`` returns
+    ``dx`` and *overwrites* the layer's gradient views. ``needs_dx = False`` (set by the
+    model on its first layer) lets ``backward`` skip the input gradient and return None.
+    """
+
+    needs_dx = True
+
+    def param_specs(self, in_shape):
+        """Return [(suffix, shape, init spec)] for a per-sample input shape."""
+        return []
+
+    def bind(self, params, grads):
+        """Point the layer at parameter and gradient views (dicts suffix -> array)."""
+        self.params, self.grads = params, grads
+
+    def output_shape(self, in_shape):
+        """Return the per-sample output shape for a per-sample input shape."""
+        return tuple(in_shape)
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+# --- initialisation: always drawn on the host with a seeded Generator, then copied to xp
+
+def check_init(spec):
+    """Validate an init spec: ("xavier",), ("he",)/("msra",), ("gaussian", std), ("constant", value)."""
+    if isinstance(spec, str):
+        spec = (spec,)
+    spec = tuple(spec)
+    kind = spec[0] if spec else None
+    if kind in ("xavier", "he", "msra") and len(spec) == 1:
+        return spec
+    if kind == "gaussian" and len(spec) == 2 and float(spec[1]) > 0:
+        return spec
+    if kind == "constant" and len(spec) == 2:
+        return spec
+    raise ValueError(f"bad init spec {spec!r}: use ('xavier',), ('he',), ('gaussian', std) "
+                     "or ('constant', value)")
+
+
+def init_array(spec, shape, rng, dtype=np.float32):
+    """Draw a host array for ``shape`` from ``spec`` (fan_in = prod(shape[1:])).
+
+    xavier follows Caffe's XavierFiller (variance_norm FAN_IN): U(-a, a), a = sqrt(3 / fan_in).
+    he/msra follows Caffe's MSRAFiller: N(0, 2 / fan_in). Values are drawn in float64 and
+    cast, so float32 and float64 models start from the same numbers.
+    """
+    spec = check_init(spec)
+    kind = spec[0]
+    fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else int(shape[0])
+    if kind == "xavier":
+        a = math.sqrt(3.0 / fan_in)
+        values = rng.uniform(-a, a, size=shape)
+    elif kind in ("he", "msra"):
+        values = rng.normal(0.0, math.sqrt(2.0 / fan_in), size=shape)
+    elif kind == "gaussian":
+        values = rng.normal(0.0, float(spec[1]), size=shape)
+    else:
+        values = np.full(shape, float(spec[1]))
+    return values.astype(dtype)
+
+
+# --- layout: layers take and return logical (B, C, H, W) arrays, but conv outputs live in
+# channel-major memory (C, B, H, W) because that is what the GEMM produces without a
+# transposing copy; element-wise and pooling layers keep whatever memory order they get.
+
+def _is_channel_major(x):
+    return x.ndim == 4 and x.transpose(1, 0, 2, 3).flags.c_contiguous and not x.flags.c_contiguous
+
+
+def empty_like_layout(xp, x, shape):
+    """Return an empty logical (B, C, H, W) array of ``shape`` in ``x``'s memory order."""
+    if _is_channel_major(x):
+        b, c, h, w = shape
+        return xp.empty((c, b, h, w), dtype=x.dtype).transpose(1, 0, 2, 3)
+    return xp.empty(shape, dtype=x.dtype)
+
+
+def zeros_like_layout(xp, x, shape):
+    """Return a zero logical (B, C, H, W) array of ``shape`` in ``x``'s memory order."""
+    if _is_channel_major(x):
+        b, c, h, w = shape
+        return xp.zeros((c, b, h, w), dtype=x.dtype).transpose(1, 0, 2, 3)
+    return xp.zeros(shape, dtype=x.dtype)
+
+
+def as_channel_rows(x):
+    """Return (B, C, H, W) as a (C, B*H*W) matrix (a view when x is channel-major)."""
+    b, c, h, w = x.shape
+    return x.transpose(1, 0, 2, 3).reshape(c, b * h * w)
+
+
+def tap_ranges(size_in, size_out, kernel, stride, pad):
+    """Return per kernel tap k: (lo, hi, start) or None.
+
+    Output positions o in [lo, hi) read input position start + (o - lo) * stride for
+    tap k (o * stride + k - pad inside [0, size_in)); positions outside read padding.
+    """
+    ranges = []
+    for k in range(kernel):
+        lo = max(0, -((k - pad) // stride))        # ceil((pad - k) / stride)
+        last = size_in - 1 - k + pad
+        hi = min(size_out, last // stride + 1) if last >= 0 else 0
+        ranges.append((lo, hi, lo * stride + k - pad) if hi > lo else None)
+    return ranges
+
+
+def tap_slice(rng, stride):
+    """Return (output slice, input slice) for a (lo, hi, start) tap range."""
+    lo, hi, start = rng
+    return slice(lo, hi), slice(start, start + (hi - lo - 1) * stride + 1, stride)

@@ -1,0 +1,126 @@
+"""MaxPool2d and AvgPool2d with Caffe's ceil-mode output size, as sums over kernel taps."""
+import numpy as np
+
+from ringnet.backend import get_array_module
+from ringnet.layers.base import (Layer, empty_like_layout, tap_ranges, tap_slice,
+                                 zeros_like_layout)
+from ringnet.layers.conv import _pair
+
+__all__ = ["MaxPool2d", "AvgPool2d", "pool_output_size"]
+
+
+def pool_output_size(size, kernel, stride, pad):
+    """Return Caffe's pooled size: ceil((size + 2*pad - kernel) / stride) + 1.
+
+    As in Caffe (and PyTorch ``ceil_mode=True``) the last window must start inside the
+    input or its left padding, so one is dropped when (out - 1) * stride >= size + pad.
+    Example: cifar10_quick's 3/2 pools take 32 -> 16 -> 8 -> 4 (floor mode would give 15).
+    """
+    if size + 2 * pad < kernel:
+        raise ValueError(f"pool kernel {kernel} (pad {pad}) does not fit input size {size}")
+    out = -(-(size + 2 * pad - kernel) // stride) + 1
+    if (out - 1) * stride >= size + pad:
+        out -= 1
+    return out
+
+
+class _Pool2d(Layer):
+    def __init__(self, kernel_size, stride=None, padding=0):
+        self.kernel_size = _pair(kernel_size, "kernel_size")
+        self.stride = _pair(self.kernel_size if stride is None else stride, "stride")
+        self.padding = _pair(padding, "padding")
+        if min(self.kernel_size) < 1 or min(self.stride) < 1 or min(self.padding) < 0:
+            raise ValueError(f"bad pool geometry: kernel {self.kernel_size}, "
+                             f"stride {self.stride}, padding {self.padding}")
+        if any(2 * p > k for p, k in zip(self.padding, self.kernel_size)):
+            raise ValueError(f"pool padding {self.padding} must be at most half the "
+                             f"kernel {self.kernel_size}")
+        self._cache = None
+
+    def __repr__(self):
+        return (f"{type(self).__name__}({self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding})")
+
+    def output_shape(self, in_shape):
+        c, h, w = in_shape
+        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
+        return (c, pool_output_size(h, kh, sh, ph), pool_output_size(w, kw, sw, pw))
+
+    def _taps(self, h, w):
+        """Yield (tap index, output slices, input slices) for in-bounds taps."""
+        _, ho, wo = self.output_shape((1, h, w))
+        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
+        rows, cols = tap_ranges(h, ho, kh, sh, ph), tap_ranges(w, wo, kw, sw, pw)
+        taps = []
+        for i, ri in enumerate(rows):
+            for j, rj in enumerate(cols):
+                if ri is not None and rj is not None:
+                    (oi, ii), (oj, ij) = tap_slice(ri, sh), tap_slice(rj, sw)
+                    taps.append((i * kw + j, (Ellipsis, oi, oj), (Ellipsis, ii, ij)))
+        return ho, wo, taps
+
+
+class MaxPool2d(_Pool2d):
+    """Max pooling; padding never wins; ties go to the first tap in row-major order (Caffe)."""
+
+    def forward(self, x, train=True):
+        xp = get_array_module(x)
+        b, c, h, w = x.shape                                     # (B, C, H, W)
+        ho, wo, taps = self._taps(h, w)
+        y = empty_like_layout(xp, x, (b, c, ho, wo))             # (B, C, Ho, Wo)
+        y.fill(-np.inf)
+        argmax = xp.zeros(y.shape, dtype=np.uint16) if train else None
+        for t, out_sl, in_sl in taps:
+            src, dst = x[in_sl], y[out_sl]
+            if train:
+                xp.copyto(argmax[out_sl], t, where=src > dst)
+            xp.maximum(dst, src, out=dst)
+        self._cache = (x, argmax, taps) if train else None
+        return y
+
+    def backward(self, dy):
+        # y = x[argmax]  =>  dx[argmax] += dy, zero elsewhere (overlapping windows add up).
+        if self._cache is None:
+            raise RuntimeError("MaxPool2d.backward called without a forward(train=True)")
+        xp = get_array_module(dy)
+        x, argmax, taps = self._cache
+        dx = zeros_like_layout(xp, x, x.shape)                   # (B, C, H, W)
+        for t, out_sl, in_sl in taps:
+            dx[in_sl] += dy[out_sl] * (argmax[out_sl] == t)
+        return dx
+
+
+class AvgPool2d(_Pool2d):
+    """Average pooling; divisor counts padding but not the ceil-mode overhang (Caffe AVE)."""
+
+    def _inv_count(self, xp, h, w, ho, wo, dtype):
+        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
+        def count(size, out, k, s, p):
+            start = np.arange(out) * s - p
+            return np.minimum(start + k, size + p) - start
+        inv = 1.0 / np.outer(count(h, ho, kh, sh, ph), count(w, wo, kw, sw, pw))
+        return xp.asarray(inv.astype(dtype))                      # (Ho, Wo)
+
+    def forward(self, x, train=True):
+        xp = get_array_module(x)
+        b, c, h, w = x.shape                                     # (B, C, H, W)
+        ho, wo, taps = self._taps(h, w)
+        y = zeros_like_layout(xp, x, (b, c, ho, wo))             # (B, C, Ho, Wo)
+        for _, out_sl, in_sl in taps:
+            y[out_sl] += x[in_sl]
+        inv = self._inv_count(xp, h, w, ho, wo, x.dtype)
+        y *= inv
+        self._cache = (x, inv, taps) if train else None
+        return y
+
+    def backward(self, dy):
+        # y[o] = inv[o] * sum_{taps} x[o*s + k - p]  =>  dx[o*s + k - p] += inv[o] * dy[o].
+        if self._cache is None:
+            raise RuntimeError("AvgPool2d.backward called without a forward(train=True)")
+        xp = get_array_module(dy)
+        x, inv, taps = self._cache
+        g = dy * inv                                             # (B, C, Ho, Wo)
+        dx = zeros_like_layout(xp, x, x.shape)                   # (B, C, H, W)
+        for _, out_sl, in_sl in taps:
+            dx[in_sl] += g[out_sl]
+        return dx

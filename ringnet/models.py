@@ -1,0 +1,283 @@
+"""Models: layer sequences whose parameters and gradients live in one flat buffer each."""
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ringnet.backend import get_array_module, make_rng, resolve_dtype, to_numpy
+from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU,
+                            SoftmaxCrossEntropy, init_array)
+
+__all__ = ["MODELS", "ModelSpec", "Model", "build_model"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named architecture: per-sample input shape, default class count, layer builder."""
+
+    name: str
+    input_shape: tuple
+    num_classes: int
+    build: Callable  # (num_classes, seed) -> [(name, layer)]
+    description: str = ""
+
+
+def _lenet(num_classes, seed):
+    # Caffe examples/mnist/lenet_train_test.prototxt
+    return [("conv1", Conv2d(1, 20, 5)),
+            ("pool1", MaxPool2d(2, 2)),
+            ("conv2", Conv2d(20, 50, 5)),
+            ("pool2", MaxPool2d(2, 2)),
+            ("flatten", Flatten()),
+            ("ip1", Linear(800, 500)),
+            ("relu1", ReLU()),
+            ("ip2", Linear(500, num_classes))]
+
+
+def _cifar10_quick(num_classes, seed):
+    # Caffe examples/cifar10/cifar10_quick_train_test.prototxt (ceil-mode pools: 32-16-8-4)
+    def g(std):
+        return {"weight_init": ("gaussian", std), "bias_init": ("constant", 0.0)}
+    return [("conv1", Conv2d(3, 32, 5, padding=2, **g(0.0001))),
+            ("pool1", MaxPool2d(3, 2)),
+            ("relu1", ReLU()),
+            ("conv2", Conv2d(32, 32, 5, padding=2, **g(0.01))),
+            ("relu2", ReLU()),
+            ("pool2", AvgPool2d(3, 2)),
+            ("conv3", Conv2d(32, 64, 5, padding=2, **g(0.01))),
+            ("relu3", ReLU()),
+            ("pool3", AvgPool2d(3, 2)),
+            ("flatten", Flatten()),
+            ("ip1", Linear(64 * 4 * 4, 64, **g(0.1))),
+            ("ip2", Linear(64, num_classes, **g(0.1)))]
+
+
+def _digits(num_classes, seed):
+    he = {"weight_init": ("he",)}
+    return [("conv1", Conv2d(1, 16, 3, padding=1, **he)),
+            ("relu1", ReLU()),
+            ("pool1", MaxPool2d(2, 2)),
+            ("conv2", Conv2d(16, 32, 3, padding=1, **he)),
+            ("relu2", ReLU()),
+            ("pool2", MaxPool2d(2, 2)),
+            ("flatten", Flatten()),
+            ("ip1", Linear(32 * 2 * 2, 64, **he)),
+            ("relu3", ReLU()),
+            ("ip2", Linear(64, num_classes))]
+
+
+def _carnet(num_classes, seed):
+    # AlexNet-style, scaled to 64x64: strided conv1 then pools, 64 -> 32 -> 16 -> 8 -> 4.
+    he = {"weight_init": ("he",)}
+    return [("conv1", Conv2d(3, 32, 5, stride=2, padding=2, **he)),
+            ("relu1", ReLU()),
+            ("pool1", MaxPool2d(2, 2)),
+            ("conv2", Conv2d(32, 64, 5, padding=2, **he)),
+            ("relu2", ReLU()),
+            ("pool2", MaxPool2d(3, 2)),
+            ("conv3", Conv2d(64, 96, 3, padding=1, **he)),
+            ("relu3", ReLU()),
+            ("conv4", Conv2d(96, 64, 3, padding=1, **he)),
+            ("relu4", ReLU()),
+            ("pool3", MaxPool2d(3, 2)),
+            ("flatten", Flatten()),
+            ("ip1", Linear(64 * 4 * 4, 256, **he)),
+            ("relu5", ReLU()),
+            ("drop1", Dropout(0.5, seed=seed + 1)),
+            ("ip2", Linear(256, num_classes, weight_init=("gaussian", 0.01)))]
+
+
+MODELS = {
+    "lenet": ModelSpec("lenet", (1, 28, 28), 10, _lenet, "Caffe MNIST LeNet"),
+    "cifar10_quick": ModelSpec("cifar10_quick", (3, 32, 32), 10, _cifar10_quick,
+                               "Caffe CIFAR-10 quick"),
+    "digits": ModelSpec("digits", (1, 8, 8), 10, _digits, "small CNN for 8x8 digits"),
+    "carnet": ModelSpec("carnet", (3, 64, 64), 4, _carnet,
+                        "small AlexNet-style net for 64x64 vehicle images"),
+}
+
+
+class Model:
+    """A layer sequence with all parameters in ``params`` and all gradients in ``grads``.
+
+    Both are flat contiguous 1-D arrays of length ``num_params``; every layer holds views
+    into them (layer order, weight before bias), so one array is what a communicator sends.
+    """
+
+    def __init__(self, layers, input_shape, num_classes, dtype="float32", xp=np, seed=0,
+                 name="model"):
+        self.name = name
+        self.layers = list(layers)
+        self.input_shape = tuple(input_shape)
+        self.num_classes = int(num_classes)
+        self.dtype = resolve_dtype(dtype)
+        self.xp = xp
+        self.loss_layer = SoftmaxCrossEntropy()
+        names = [n for n, _ in self.layers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate layer names in {names}")
+        # Walk the shapes once: it validates the architecture and fixes the buffer layout.
+        self.shapes = []              # [(layer name, per-sample in shape, out shape)]
+        self._slots = []              # [(layer index, suffix, full name, start, stop, shape, init)]
+        shape, offset = self.input_shape, 0
+        for index, (lname, layer) in enumerate(self.layers):
+            for suffix, pshape, init in layer.param_specs(shape):
+                size = int(np.prod(pshape))
+                self._slots.append((index, suffix, f"{lname}.{suffix}", offset, offset + size,
+                                    tuple(pshape), init))
+                offset += size
+            out = layer.output_shape(shape)
+            self.shapes.append((lname, shape, out))
+            shape = out
+        if shape != (self.num_classes,):
+            raise ValueError(f"model output shape {shape} != ({self.num_classes},)")
+        self.num_params = offset
+        host = np.empty(offset, dtype=self.dtype)
+        rng = make_rng(seed)
+        for _, _, _, start, stop, pshape, init in self._slots:
+            host[start:stop] = init_array(init, pshape, rng, self.dtype).reshape(-1)
+        self.params = xp.asarray(host)
+        self.grads = xp.zeros(offset, dtype=self.dtype)
+        if self.layers:
+            # Nothing upstream of the first layer wants an input gradient.
+            self.layers[0][1].needs_dx = False
+        self.bind_flat(self.params, self.grads)
+
+    # --- flat buffers and names
+
+    def _views(self, flat, grads):
+        per_layer = [({}, {}) for _ in self.layers]
+        for index, suffix, _, start, stop, shape, _ in self._slots:
+            per_layer[index][0][suffix] = flat[start:stop].reshape(shape)
+            per_layer[index][1][suffix] = grads[start:stop].reshape(shape)
+        return per_layer
+
+    def _check_flat(self, array, what):
+        if array.ndim != 1 or array.shape[0] != self.num_params or array.dtype != self.dtype:
+            raise ValueError(f"{what} buffer must be 1-D {self.dtype} of length "
+                             f"{self.num_params}, got {array.dtype} {array.shape}")
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{what} buffer must be contiguous")
+        if get_array_module(array) is not self.xp:
+            raise ValueError(f"{what} buffer lives on the wrong device for this model")
+
+    def bind_flat(self, params=None, grads=None):
+        """Re-point every layer's views at other flat buffers (same length and dtype)."""
+        params = self.params if params is None else params
+        grads = self.grads if grads is None else grads
+        self._check_flat(params, "params")
+        self._check_flat(grads, "grads")
+        self.params, self.grads = params, grads
+        for (_, layer), (pviews, gviews) in zip(self.layers, self._views(params, grads)):
+            layer.bind(pviews, gviews)
+
+    def param_names(self):
+        """Return parameter names in buffer order."""
+        return [s[2] for s in self._slots]
+
+    def param_offsets(self):
+        """Return name -> (start, stop, shape) in the flat buffers."""
+        return {s[2]: (s[3], s[4], s[5]) for s in self._slots}
+
+    def named_params(self):
+        """Return name -> view of ``params`` in PyTorch layout."""
+        return {s[2]: self.params[s[3]:s[4]].reshape(s[5]) for s in self._slots}
+
+    def named_grads(self):
+        """Return name -> view of ``grads`` in PyTorch layout."""
+        return {s[2]: self.grads[s[3]:s[4]].reshape(s[5]) for s in self._slots}
+
+    def fc_start(self):
+        """Return the index in ``layers`` of the first Linear layer."""
+        for index, (_, layer) in enumerate(self.layers):
+            if isinstance(layer, Linear):
+                return index
+        raise ValueError(f"model {self.name} has no Linear layer")
+
+    # --- compute
+
+    def _input(self, x):
+        x = self.xp.asarray(x)
+        if x.ndim != 4 or tuple(x.shape[1:]) != self.input_shape:
+            raise ValueError(f"model {self.name} expects input (B, {', '.join(map(str, self.input_shape))}), "
+                             f"got {tuple(x.shape)}")
+        return x.astype(self.dtype, copy=False)
+
+    def forward(self, x, train=True):
+        """Return logits (B, num_classes)."""
+        x = self._input(x)
+        for _, layer in self.layers:
+            x = layer.forward(x, train)
+        return x
+
+    def backward(self, dlogits):
+        """Back-propagate dlogits; every slot of ``grads`` is overwritten."""
+        d = dlogits
+        for _, layer in reversed(self.layers):
+            d = layer.backward(d)
+        return d
+
+    def _correct(self, logits, labels):
+        return int(to_numpy((logits.argmax(axis=1) == labels).sum()))
+
+    def loss_and_grad(self, x, labels):
+        """Forward, mean softmax cross-entropy, backward into ``grads``; return (loss, correct)."""
+        labels = self.xp.asarray(labels).reshape(-1)
+        logits = self.forward(x, train=True)
+        loss = self.loss_layer.forward(logits, labels)
+        self.backward(self.loss_layer.backward())
+        return float(loss), self._correct(logits, labels)
+
+    def evaluate(self, x, labels, batch_size=256):
+        """Return (mean loss, correct count) over x in inference mode; grads untouched."""
+        n = len(x)
+        if n == 0:
+            raise ValueError("evaluate needs at least one sample")
+        total, correct = 0.0, 0
+        loss_layer = SoftmaxCrossEntropy()
+        for start in range(0, n, batch_size):
+            xb = x[start:start + batch_size]
+            yb = self.xp.asarray(labels[start:start + batch_size]).reshape(-1)
+            logits = self.forward(xb, train=False)
+            total += float(loss_layer.forward(logits, yb)) * len(xb)
+            correct += self._correct(logits, yb)
+        return total / n, correct
+
+    # --- export / import
+
+    def state(self):
+        """Return name -> host NumPy copy in PyTorch layout."""
+        return {name: to_numpy(view).copy() for name, view in self.named_params().items()}
+
+    def load_state(self, state):
+        """Copy ``state`` (name -> array) into the parameters; names and shapes must match."""
+        views = self.named_params()
+        missing = [n for n in views if n not in state]
+        extra = [n for n in state if n not in views]
+        if missing or extra:
+            raise ValueError(f"state does not match model {self.name}: "
+                             f"missing {missing}, unexpected {extra}")
+        for name, view in views.items():
+            value = np.asarray(to_numpy(state[name]))
+            if value.shape != view.shape:
+                raise ValueError(f"parameter {name}: shape {value.shape}, model has {view.shape}")
+        for name, view in views.items():
+            view[...] = self.xp.asarray(to_numpy(state[name]).astype(self.dtype, copy=False))
+
+    def __repr__(self):
+        lines = [f"Model({self.name}, input {self.input_shape}, {self.num_params} params, {self.dtype})"]
+        for (lname, layer), (_, _, out) in zip(self.layers, self.shapes):
+            lines.append(f"  {lname:8s} {layer!r:50s} -> {out}")
+        return "\n".join(lines)
+
+
+def build_model(name, dtype="float32", xp=np, seed=0, num_classes=None):
+    """Build model ``name`` from MODELS with seeded initial parameters on ``xp``."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+    spec = MODELS[name]
+    classes = spec.num_classes if num_classes is None else int(num_classes)
+    if classes < 2:
+        raise ValueError(f"num_classes must be >= 2, got {classes}")
+    return Model(spec.build(classes, seed), spec.input_shape, classes, dtype=dtype, xp=xp,
+                 seed=seed, name=name)
