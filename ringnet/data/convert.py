@@ -31,6 +31,11 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
+def _one_line(exc):
+    # Some library messages (tarfile's "could not be opened" list) span several lines.
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 # --------------------------------------------------------------------------- MNIST
 
 
@@ -42,7 +47,7 @@ def _read_maybe_gzip(path):
     try:
         return gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as exc:
-        raise UsageError(f"{path}: corrupt or truncated gzip data ({exc})") from None
+        raise UsageError(f"{path}: corrupt or truncated gzip data ({_one_line(exc)})") from None
 
 
 def read_idx(path, expect_magic=None):
@@ -141,7 +146,7 @@ def _unpickle(data, what):
         return _BatchUnpickler(io.BytesIO(data), encoding="bytes").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
             IndexError, KeyError, MemoryError, OverflowError) as exc:
-        raise UsageError(f"{what}: not a valid CIFAR-10 pickle ({exc})") from None
+        raise UsageError(f"{what}: not a valid CIFAR-10 pickle ({_one_line(exc)})") from None
 
 
 _BATCH_KEYS = {b"data", b"labels", b"batch_label", b"filenames"}
@@ -209,7 +214,7 @@ def _cifar_members(src):
                     raise UsageError(f"{src}: {CIFAR10_DIR}/{name} is not a regular file")
                 members[name] = handle.read()
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        raise UsageError(f"{src}: corrupt or truncated archive ({exc})") from None
+        raise UsageError(f"{src}: corrupt or truncated archive ({_one_line(exc)})") from None
     return members
 
 
@@ -284,7 +289,7 @@ def read_imagefolder(src_dir, size):
                     image = image.resize((size, size), Image.BILINEAR)
                 images[i] = np.asarray(image)
         except (OSError, SyntaxError, ValueError) as exc:
-            raise UsageError(f"{path}: cannot read image ({exc})") from None
+            raise UsageError(f"{path}: cannot read image ({_one_line(exc)})") from None
     return images.transpose(0, 3, 1, 2), np.asarray(labels, dtype=np.int64), classes
 
 
