@@ -404,3 +404,7 @@ def test_bad_arguments_one_line(tmp_path):
     result = run_cli("convert", "svhn", tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "invalid choice" in result.stderr
+    (tmp_path / "fake.h5").write_text("not hdf5")
+    result = run_cli("info", tmp_path / "fake.h5")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "is not a readable HDF5 file" in result.stderr
