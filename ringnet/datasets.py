@@ -59,15 +59,22 @@ def _build_parser():
     parser = _Parser(prog="python -m ringnet.datasets",
                      description="Download, convert and inspect data sets in the ringnet HDF5 layout "
                                  "(/train and /test groups with uint8 images (N, C, H, W) and int64 "
-                                 "labels, class names in the 'classes' attribute).")
+                                 "labels, class names in the 'classes' attribute).",
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog="examples:\n"
+                            "  python -m ringnet.datasets download mnist\n"
+                            "  python -m ringnet.datasets convert cifar10 cifar-10-python.tar.gz --out cifar10.h5\n"
+                            "  python -m ringnet.datasets convert imagefolder cars/ --size 64 --out cars.h5\n"
+                            "  python -m ringnet.datasets info datasets/mnist.h5\n"
+                            "`python -m ringnet.datasets COMMAND --help` explains each command.")
     commands = parser.add_subparsers(dest="command", metavar="{download,convert,info}", required=True)
 
     default_dir = _download.default_data_dir()
     p = commands.add_parser(
-        "download", help="fetch MNIST or CIFAR-10, check SHA-256, convert to DIR/NAME.h5",
+        "download", help="fetch MNIST or CIFAR-10, check SHA-256, convert to D/NAME.h5",
         description="Fetch the canonical files of MNIST (four idx .gz files) or CIFAR-10 "
                     "(cifar-10-python.tar.gz), check each against its published SHA-256, and "
-                    "convert them to DIR/NAME.h5. An interrupted download leaves FILE.part, "
+                    "convert them to D/NAME.h5. An interrupted download leaves FILE.part, "
                     "which the next run resumes with an HTTP Range request.")
     p.add_argument("name", choices=sorted(_download.REMOTES), help="data set")
     p.add_argument("--dir", default=None, metavar="D",

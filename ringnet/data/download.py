@@ -9,6 +9,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from ringnet.errors import UsageError
 
 __all__ = ["Remote", "REMOTES", "Unreachable", "default_data_dir", "file_sha256", "fetch", "download"]
@@ -107,7 +109,6 @@ def _transfer(url, part, timeout, progress):
         length = response.headers.get("Content-Length")
         length = int(length) if length and length.isdigit() else None
         received = 0
-        from tqdm import tqdm
         with open(part, mode) as f, tqdm(total=None if length is None else offset + length,
                                          initial=offset, unit="B", unit_scale=True, unit_divisor=1024,
                                          desc=part.name[:-len(".part")], file=sys.stderr,
