@@ -8,7 +8,7 @@ import pytest
 
 from ringnet.data import (ShardedLoader, Split, check_compatible, default_data_dir,
                           iterate_eval, make_synthetic, open_dataset, write_dataset)
-from ringnet.data.loader import PAD, augment_batch, augment_params
+from ringnet.data.loader import PAD, _read, augment_batch, augment_params
 from ringnet.errors import UsageError
 
 DIGITS = default_data_dir() / "digits.h5"
@@ -71,6 +71,18 @@ def test_file_backed_equals_in_memory(digits):
         b = ShardedLoader(digits.train, 40, rank=1, size=2, prefetch=0)
         for (xa, ya), (xb, yb) in zip(a.epoch(3), b.epoch(3)):
             assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
+
+
+@pytest.mark.parametrize("chunks", [None, (1, 3, 5, 4), (7, 3, 5, 4)])
+def test_file_reads_equal_numpy_indexing(tmp_path, chunks):
+    split = small_split(n=50)
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        f.create_dataset("x", data=split.images, chunks=chunks)
+    rng = np.random.default_rng(0)
+    with h5py.File(tmp_path / "x.h5", "r") as f:
+        for idx in (rng.permutation(50)[:13], np.array([49, 3, 3, 20, 21, 0]), np.arange(50),
+                    np.array([], dtype=np.int64)):
+            assert np.array_equal(_read(f["x"], idx), split.images[idx])
 
 
 # -- batch order ------------------------------------------------------------------
@@ -168,26 +180,26 @@ def test_start_step_resumes_the_epoch():
 
 
 class FailingImages:
-    """Array-like whose reads fail after ``ok`` successful ones."""
+    """File-like image array (one chunk) whose reads fail when they touch index ``bad``."""
 
-    def __init__(self, images, ok):
-        self.images, self.ok, self.shape, self.dtype = images, ok, images.shape, images.dtype
+    def __init__(self, images, bad):
+        self.images, self.bad, self.shape, self.dtype = images, bad, images.shape, images.dtype
+        self.chunks = images.shape
 
     def __len__(self):
         return len(self.images)
 
     def __getitem__(self, index):
-        if self.ok == 0:
+        if index.start <= self.bad < index.stop:
             raise OSError("disk read failed")
-        self.ok -= 1
         return self.images[index]
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_reader_error_surfaces_in_consumer(prefetch):
     base = small_split(n=40)
-    split = Split(FailingImages(base.images, ok=2), base.labels)
-    loader = ShardedLoader(split, 8, prefetch=prefetch)
+    split = Split(FailingImages(base.images, bad=16), base.labels)
+    loader = ShardedLoader(split, 8, prefetch=prefetch, shuffle=False)  # 16 is in batch 2
     got = []
     with pytest.raises(OSError, match="disk read failed"):
         for batch in loader.epoch(0):
@@ -217,7 +229,7 @@ def test_wait_time_accumulates_when_reading_is_slow():
             return self.images[index]
 
     base = small_split(n=40)
-    loader = ShardedLoader(Split(SlowImages(base.images, ok=0), base.labels), 8, prefetch=1)
+    loader = ShardedLoader(Split(SlowImages(base.images, bad=-1), base.labels), 8, prefetch=1)
     list(loader.epoch(0))
     assert 5 * 0.02 * 0.8 <= loader.wait_s < 5.0
 

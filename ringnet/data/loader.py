@@ -88,13 +88,24 @@ def augment_batch(images, dy, dx, flip, pad=PAD):
 
 
 def _read(images, indices):
-    """Return images[indices] (any order); files are read with increasing indices."""
+    """Return images[indices] (any order); files are read chunk by chunk in increasing order."""
+    indices = np.asarray(indices)
     if isinstance(images, np.ndarray):
         return images[indices]
     order = np.argsort(indices, kind="stable")
-    data = images[indices[order]]  # h5py wants increasing indices
-    out = np.empty_like(data)
-    out[order] = data
+    ordered = indices[order]
+    out = np.empty((len(indices),) + tuple(images.shape[1:]), dtype=images.dtype)
+    if len(ordered) == 0:
+        return out
+    # h5py's point selections cost ~0.4 ms per index; one slice per touched chunk
+    # decompresses each chunk once and is several times faster.
+    chunks = getattr(images, "chunks", None)
+    rows = chunks[0] if chunks else 1
+    groups = np.flatnonzero(np.diff(ordered // rows)) + 1
+    for start, stop in zip(np.r_[0, groups], np.r_[groups, len(ordered)]):
+        lo, hi = ordered[start], ordered[stop - 1] + 1
+        block = np.asarray(images[lo:hi])
+        out[order[start:stop]] = block[ordered[start:stop] - lo]
     return out
 
 
