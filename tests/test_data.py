@@ -1,11 +1,13 @@
 """Data sets and sharded loading, checked against sklearn, NumPy references and N=1 runs."""
 import threading
 import time
+import types
 
 import h5py
 import numpy as np
 import pytest
 
+from ringnet.backend import gpu_available, to_numpy
 from ringnet.data import (ShardedLoader, Split, check_compatible, default_data_dir,
                           iterate_eval, make_synthetic, open_dataset, write_dataset)
 from ringnet.data.loader import PAD, _read, augment_batch, augment_params
@@ -247,6 +249,98 @@ def test_iterate_eval_parts_cover_split():
         assert np.array_equal(np.concatenate(ys), split.labels)
         ref = (split.images - np.array(mean)[:, None, None]) / np.array(std)[:, None, None]
         np.testing.assert_allclose(np.concatenate(xs), ref, rtol=1e-6)
+
+
+class FakeCupy:
+    """Just enough of CuPy's API, on NumPy, to run the loader's GPU code path on a CPU.
+
+    Copies are synchronous here, so this checks the data flow (pinned slots, copy
+    stream, events, threads), not the timing; the GPU test below runs it for real.
+    """
+
+    class ndarray(np.ndarray):
+        def set(self, arr, stream=None):
+            self[...] = arr
+
+    class _Event:
+        def synchronize(self):
+            pass
+
+    class _Stream:
+        def __init__(self, non_blocking=False):
+            self.waited = []
+
+        def record(self):
+            return FakeCupy._Event()
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class _Device:
+        def __init__(self, device_id=0):
+            self.id = device_id
+
+        def use(self):
+            pass
+
+    def __init__(self):
+        main = self._Stream()
+        self.cuda = types.SimpleNamespace(
+            Device=self._Device, Stream=self._Stream, get_current_stream=lambda: main,
+            alloc_pinned_memory=bytearray)
+        self.main = main
+        self.subtract, self.divide = np.subtract, np.divide
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype).view(self.ndarray)
+
+    def asarray(self, a, dtype=None):
+        return np.asarray(a, dtype).view(self.ndarray)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_gpu_code_path_on_fake_device(monkeypatch, prefetch):
+    fake = FakeCupy()
+    monkeypatch.setattr("ringnet.data.loader.cupy", fake)
+    split = small_split(n=90)
+    kwargs = dict(rank=1, size=3, seed=4, mean=[9, 8, 7], std=[3, 2, 1], augment=True)
+    reference = ShardedLoader(split, 9, **kwargs)
+    device = ShardedLoader(split, 9, xp=fake, prefetch=prefetch, **kwargs)
+    for epoch in (0, 1):
+        got = list(device.epoch(epoch))
+        want = list(reference.epoch(epoch))
+        assert len(got) == len(want) == 10
+        for (x, y), (xr, yr) in zip(got, want):
+            assert isinstance(x, fake.ndarray) and x.dtype == np.float32
+            assert np.array_equal(x, xr) and np.array_equal(y, yr)
+    assert len(fake.main.waited) == 20  # the compute stream waited for every copy
+    gen = device.epoch(2)
+    next(gen)
+    gen.close()
+    assert not prefetch_threads()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU with CuPy")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gpu_batches_equal_host_batches(dtype):
+    import cupy
+    split = small_split(n=96)
+    kwargs = dict(rank=0, size=2, seed=6, dtype=dtype, mean=[9, 8, 7], std=[3, 2, 1])
+    reference = list(ShardedLoader(split, 16, **kwargs).epoch(0))
+    got = [(to_numpy(x), to_numpy(y)) for x, y in
+           ShardedLoader(split, 16, xp=cupy, prefetch=2, **kwargs).epoch(0)]
+    assert len(got) == len(reference) == 6
+    for (x, y), (xr, yr) in zip(got, reference):
+        np.testing.assert_allclose(x, xr, rtol=1e-6)
+        assert np.array_equal(y, yr)
+    assert not prefetch_threads()
 
 
 # -- augmentation -----------------------------------------------------------------

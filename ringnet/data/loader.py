@@ -119,9 +119,10 @@ class _PinnedSlot:
 
     def __init__(self, shape):
         count = int(np.prod(shape))
-        mem = cupy.cuda.alloc_pinned_memory(count + 8 * shape[0])
+        offset = -(-count // 8) * 8  # labels 8-byte aligned after the images
+        mem = cupy.cuda.alloc_pinned_memory(offset + 8 * shape[0])
         self.images = np.frombuffer(mem, np.uint8, count).reshape(shape)
-        self.labels = np.frombuffer(mem, np.int64, shape[0], offset=count)
+        self.labels = np.frombuffer(mem, np.int64, shape[0], offset=offset)
         self.free = threading.Event()
         self.free.set()
         self.copied = None  # cupy Event: the device copy from this buffer has finished
