@@ -132,10 +132,15 @@ class Dataset:
                 f"shape={_shape_str(self.input_shape)}, classes={self.num_classes})")
 
 
+def _looks_like_path(name):
+    name = str(name)
+    return name.endswith((".h5", ".hdf5")) or os.sep in name or name.startswith("~")
+
+
 def find_dataset(name, data_dir=None):
     """Return the path of data set ``name`` (a known name or an .h5 path) or raise UsageError."""
     path = Path(os.path.expanduser(str(name)))
-    if str(name).endswith(".h5") or os.sep in str(name) or path.is_file():
+    if _looks_like_path(name) or (name not in NAMED and path.is_file()):
         if not path.is_file():
             raise UsageError(f"data set file {path} does not exist")
         return path
@@ -203,8 +208,7 @@ def open_dataset(name, seed=0, data_dir=None, input_shape=None, num_classes=None
                        [str(c) for c in range(num_classes)],
                        attrs={"name": "synthetic", "source": f"ringnet synthetic, seed {seed}"})
     path = find_dataset(name, data_dir)
-    is_path = str(name).endswith(".h5") or os.sep in str(name) or name not in NAMED
-    label = path.stem if is_path else name
+    label = name if name in NAMED else path.stem
     return _open_file(path, label, in_memory)
 
 
