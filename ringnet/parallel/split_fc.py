@@ -86,13 +86,22 @@ class FcSlice:
         z = W a + b  =>  dW = dz a^T,  db = sum_B dz,  dA = W^T dz (a partial sum: the
         other ranks' rows contribute the rest).
         """
+        self.backward_input(dz, da, dx)
+        self.backward_params(dz, a)
+
+    def backward_input(self, dz, da=None, dx=None):
+        """Write the partial input gradient: dA = W_r^T dz (in, B) and/or dX = dz^T W_r (B, in)."""
         xp = self.xp
-        xp.matmul(dz, a.T, out=self.dweight)                     # (out_r, in)
-        xp.sum(dz, axis=1, out=self.dbias)                       # (out_r,)
         if da is not None:
             xp.matmul(self.weight.T, dz, out=da)                 # (in, B)
         if dx is not None:
             xp.matmul(dz.T, self.weight, out=dx)                 # (B, in)
+
+    def backward_params(self, dz, a):
+        """Write dW_r = dz a^T (out_r, in) and db_r = sum_B dz (out_r,)."""
+        xp = self.xp
+        xp.matmul(dz, a.T, out=self.dweight)
+        xp.sum(dz, axis=1, out=self.dbias)
 
     @property
     def xp(self):
@@ -190,7 +199,10 @@ class SplitFCStrategy(Strategy):
         self.fc_regions = [r for block in self.blocks for r in block.regions()]
         self.fc_optimizers = [make_optimizer(b - a) for a, b in self.fc_regions]
 
+        # conv exchange on one stream, activation traffic on another: with delay 1 the
+        # exchange of the previous step must not hold up this step's activations
         self.stream = comm.new_stream()
+        self.act_stream = comm.new_stream()
         self.pending = None
         if delay:
             # newest conv weights (receiving the exchange in flight) and its gradient copy;
@@ -238,7 +250,7 @@ class SplitFCStrategy(Strategy):
     # -- one step --------------------------------------------------------------------
     def step(self, x, labels, it):
         t0 = time.perf_counter()
-        comm_before = self.stats.comm_wait_s
+        comm_before, update_before = self.stats.comm_wait_s, self.stats.update_s
         model, xp, comm = self.model, self.xp, self.comm
         self._restore_front()
         self._gathered = False
@@ -248,10 +260,12 @@ class SplitFCStrategy(Strategy):
         bufs = self._bufs(batch, local)
         rank = self.rank
 
-        # labels of the global batch (sample-major, rank blocks in rank order)
+        # labels of the global batch (sample-major, rank blocks in rank order), gathered
+        # on the activation stream while the conv part computes
         lab = bufs["labels"]
         lab[rank * local:(rank + 1) * local] = xp.asarray(labels).reshape(-1)
-        self._comm(comm.allgather, lab, bounds=bufs["label_bounds"])
+        _synchronize(xp)
+        labels_done = self.act_stream.submit(self._timed, comm.allgather, lab, bufs["label_bounds"])
 
         # conv part on this rank's samples
         h = x
@@ -276,49 +290,52 @@ class SplitFCStrategy(Strategy):
             self._comm(comm.allgather, out, bounds=ob)
             a = out.reshape(block.out_features, batch)                      # (out, B)
         logits = a.T                                                        # (B, classes)
+        self._wait(labels_done)
         loss = model.loss_layer.forward(logits, lab)
         dlogits = model.loss_layer.backward()
         mine = slice(rank * local, (rank + 1) * local)
         correct = int(to_numpy((logits[mine].argmax(axis=1) == lab[mine]).sum()))
 
-        # FC backward: complete slice gradients, partial input gradients reduce-scattered
+        # FC backward: complete slice gradients, partial input gradients reduce-scattered.
+        # The reduce-scatter runs on the activation stream while this thread computes
+        # the slice's dW and db (and, at the first FC layer, the FC updates).
         last = self.blocks[-1]
         dz = xp.ascontiguousarray(dlogits[:, last.lo:last.hi].T)           # (out_r, B)
         for k in range(len(self.blocks) - 1, -1, -1):
             block = self.blocks[k]
             dz = block.act_backward(dz)
             if k > 0:
-                prev = self.blocks[k - 1]
-                da = bufs["da"][k]
-                block.slice.backward(dz, inputs[k], da=da.reshape(block.in_features, batch))
-                _synchronize(xp)
-                pb = bufs["out_bounds"][k - 1]
-                self._comm(comm.reduce_scatter, da, op="sum", bounds=pb)
-                dz = da[pb[rank][0]:pb[rank][1]].reshape(prev.hi - prev.lo, batch)
+                da, pb = bufs["da"][k], bufs["out_bounds"][k - 1]
+                block.slice.backward_input(dz, da=da.reshape(block.in_features, batch))
             else:
-                dfeat = bufs["dfeatures"]
-                block.slice.backward(dz, inputs[0], dx=dfeat.reshape(batch, features))
-                _synchronize(xp)
-                self._comm(comm.reduce_scatter, dfeat, op="sum", bounds=bufs["sample_bounds"])
-                d = dfeat[lo:hi].reshape(h.shape)
+                da, pb = bufs["dfeatures"], bufs["sample_bounds"]
+                block.slice.backward_input(dz, dx=da.reshape(batch, features))
+            _synchronize(xp)
+            reduced = self.act_stream.submit(self._timed, comm.reduce_scatter, da, "sum", pb)
+            block.slice.backward_params(dz, inputs[k])
+            if k == 0:
+                self._update_fc(it)
+            self._wait(reduced)
+            if k > 0:
+                prev = self.blocks[k - 1]
+                dz = da[pb[rank][0]:pb[rank][1]].reshape(prev.hi - prev.lo, batch)
+        d = bufs["dfeatures"][lo:hi].reshape(h.shape)
 
         # conv backward on this rank's samples (the first layer returns None)
         for _, layer in reversed(model.layers[:self.fc_index]):
             d = layer.backward(d)
         _synchronize(xp)
         t1 = time.perf_counter()
-        self.stats.compute_s += (t1 - t0) - (self.stats.comm_wait_s - comm_before)
+        self.stats.compute_s += (t1 - t0) - (self.stats.comm_wait_s - comm_before) \
+            - (self.stats.update_s - update_before)
         loss = float(loss)
 
         if not self.delay:
-            # the conv exchange runs on the stream while this thread updates the FC slices
-            pending = self.stream.submit(self._conv_exchange, model.grads[:self.conv_size],
-                                         model.params[:self.conv_size], it)
-            self._update_fc(it)
-            self.pending = pending
-            self._wait_pending()
+            before = self.stats.comm_total_s
+            self._conv_exchange(model.grads[:self.conv_size], model.params[:self.conv_size], it)
+            # a synchronous exchange exposes all of its communication
+            self.stats.comm_wait_s += self.stats.comm_total_s - before
         else:
-            self._update_fc(it)
             self._wait_pending()
             n = self.conv_size
             model.params[:n] = self.conv_latest       # w[t]: what step t+1 computes on
@@ -329,6 +346,18 @@ class SplitFCStrategy(Strategy):
         self.stats.steps += 1
         self.stats.step_times.append(time.perf_counter() - t0)
         return loss, correct
+
+    def _timed(self, fn, *args):
+        """Run a collective (on a stream) and count its duration as communication time."""
+        t = time.perf_counter()
+        fn(*args)
+        self.stats.comm_total_s += time.perf_counter() - t
+
+    def _wait(self, handle):
+        """Wait for a stream operation; count the blocked time as exposed communication."""
+        t = time.perf_counter()
+        handle.wait()
+        self.stats.comm_wait_s += time.perf_counter() - t
 
     def _update_fc(self, it):
         t = time.perf_counter()
@@ -453,6 +482,7 @@ class SplitFCStrategy(Strategy):
 
     def close(self):
         self.drain()
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
+        for stream in (self.stream, self.act_stream):
+            if stream is not None:
+                stream.close()
+        self.stream = self.act_stream = None
