@@ -24,7 +24,7 @@ class ReLU(Layer):
         if self._y is None:
             raise RuntimeError("ReLU.backward called without a forward(train=True)")
         xp = get_array_module(dy)
-        return xp.where(self._y > 0, dy, 0).astype(dy.dtype, copy=False)
+        return xp.multiply(dy, self._y > 0)
 
 
 class Dropout(Layer):

@@ -4,7 +4,7 @@ import math
 import numpy as np
 
 __all__ = ["Layer", "init_array", "check_init", "empty_like_layout", "zeros_like_layout",
-           "as_channel_rows"]
+           "as_channel_rows", "batch_last", "tap_ranges", "tap_slice"]
 
 
 class Layer:
@@ -74,33 +74,40 @@ def init_array(spec, shape, rng, dtype=np.float32):
 
 
 # --- layout: layers take and return logical (B, C, H, W) arrays, but conv outputs live in
-# channel-major memory (C, B, H, W) because that is what the GEMM produces without a
-# transposing copy; element-wise and pooling layers keep whatever memory order they get.
+# (C, H, W, B) memory: the GEMM produces that order without a transposing copy, and with
+# the batch innermost every kernel-tap slice of it is a run of whole (W, B) rows, so the
+# im2col/col2im and pooling loops move long contiguous blocks. Element-wise and pooling
+# layers keep whatever memory order they are given.
 
-def _is_channel_major(x):
-    return x.ndim == 4 and x.transpose(1, 0, 2, 3).flags.c_contiguous and not x.flags.c_contiguous
-
-
-def empty_like_layout(xp, x, shape):
-    """Return an empty logical (B, C, H, W) array of ``shape`` in ``x``'s memory order."""
-    if _is_channel_major(x):
-        b, c, h, w = shape
-        return xp.empty((c, b, h, w), dtype=x.dtype).transpose(1, 0, 2, 3)
-    return xp.empty(shape, dtype=x.dtype)
+def _memory_order(x):
+    """Return the axes of ``x`` from outermost to innermost in memory."""
+    return sorted(range(x.ndim), key=lambda a: (-abs(x.strides[a]), -a))
 
 
-def zeros_like_layout(xp, x, shape):
-    """Return a zero logical (B, C, H, W) array of ``shape`` in ``x``'s memory order."""
-    if _is_channel_major(x):
-        b, c, h, w = shape
-        return xp.zeros((c, b, h, w), dtype=x.dtype).transpose(1, 0, 2, 3)
-    return xp.zeros(shape, dtype=x.dtype)
+def empty_like_layout(xp, x, shape, dtype=None):
+    """Return an empty array of logical ``shape`` whose memory order is ``x``'s."""
+    order = _memory_order(x)
+    inverse = [order.index(a) for a in range(x.ndim)]
+    buf = xp.empty([shape[a] for a in order], dtype=x.dtype if dtype is None else dtype)
+    return buf.transpose(inverse)
 
 
-def as_channel_rows(x):
-    """Return (B, C, H, W) as a (C, B*H*W) matrix (a view when x is channel-major)."""
+def zeros_like_layout(xp, x, shape, dtype=None):
+    """Return a zero array of logical ``shape`` whose memory order is ``x``'s."""
+    out = empty_like_layout(xp, x, shape, dtype)
+    out.fill(0)
+    return out
+
+
+def batch_last(xp, x):
+    """Return logical (B, C, H, W) ``x`` as a C-contiguous (C, H, W, B) array (a view if it is one)."""
+    return xp.ascontiguousarray(x.transpose(1, 2, 3, 0))
+
+
+def as_channel_rows(xp, x):
+    """Return logical (B, C, H, W) as a (C, H*W*B) matrix (a view for batch-last memory)."""
     b, c, h, w = x.shape
-    return x.transpose(1, 0, 2, 3).reshape(c, b * h * w)
+    return batch_last(xp, x).reshape(c, h * w * b)
 
 
 def tap_ranges(size_in, size_out, kernel, stride, pad):

@@ -1,6 +1,6 @@
 """Linear (fully connected) and Flatten."""
 from ringnet.backend import get_array_module
-from ringnet.layers.base import Layer, check_init
+from ringnet.layers.base import Layer, check_init, empty_like_layout
 
 __all__ = ["Linear", "Flatten"]
 
@@ -53,7 +53,7 @@ class Flatten(Layer):
     """(B, C, H, W) -> (B, C*H*W) in C order, so Linear weights match PyTorch's."""
 
     def __init__(self):
-        self._shape = None
+        self._x = None
 
     def output_shape(self, in_shape):
         size = 1
@@ -62,9 +62,13 @@ class Flatten(Layer):
         return (size,)
 
     def forward(self, x, train=True):
-        self._shape = x.shape
+        self._x = x
         return x.reshape(x.shape[0], -1)                         # (B, C*H*W)
 
     def backward(self, dy):
-        # pure re-indexing: dx is dy read back in the input's shape.
-        return dy.reshape(self._shape)                           # (B, C, H, W)
+        # pure re-indexing: dx is dy read back in the input's shape (and memory order,
+        # so the layers below keep working on their own layout).
+        xp = get_array_module(dy)
+        dx = empty_like_layout(xp, self._x, self._x.shape)       # (B, C, H, W)
+        dx[...] = dy.reshape(self._x.shape)
+        return dx

@@ -32,6 +32,8 @@ class _Pool2d(Layer):
         if min(self.kernel_size) < 1 or min(self.stride) < 1 or min(self.padding) < 0:
             raise ValueError(f"bad pool geometry: kernel {self.kernel_size}, "
                              f"stride {self.stride}, padding {self.padding}")
+        if self.kernel_size[0] * self.kernel_size[1] > 255:
+            raise ValueError(f"pool kernel {self.kernel_size} has more than 255 taps")
         if any(2 * p > k for p, k in zip(self.padding, self.kernel_size)):
             raise ValueError(f"pool padding {self.padding} must be at most half the "
                              f"kernel {self.kernel_size}")
@@ -69,11 +71,19 @@ class MaxPool2d(_Pool2d):
         ho, wo, taps = self._taps(h, w)
         y = empty_like_layout(xp, x, (b, c, ho, wo))             # (B, C, Ho, Wo)
         y.fill(-np.inf)
-        argmax = xp.zeros(y.shape, dtype=np.uint16) if train else None
+        argmax = zeros_like_layout(xp, x, y.shape, np.uint8) if train else None
+        if train:
+            wins = empty_like_layout(xp, x, y.shape, np.bool_)
+            step = empty_like_layout(xp, x, y.shape, np.uint8)
         for t, out_sl, in_sl in taps:
             src, dst = x[in_sl], y[out_sl]
             if train:
-                xp.copyto(argmax[out_sl], t, where=src > dst)
+                # argmax <- t where src wins, branch-free: a += win * (t - a) (mod 256)
+                win, delta, arg = wins[out_sl], step[out_sl], argmax[out_sl]
+                xp.greater(src, dst, out=win)
+                xp.subtract(np.uint8(t), arg, out=delta)
+                xp.multiply(delta, win, out=delta)
+                xp.add(arg, delta, out=arg)
             xp.maximum(dst, src, out=dst)
         self._cache = (x, argmax, taps) if train else None
         return y
@@ -84,9 +94,18 @@ class MaxPool2d(_Pool2d):
             raise RuntimeError("MaxPool2d.backward called without a forward(train=True)")
         xp = get_array_module(dy)
         x, argmax, taps = self._cache
+        (kh, kw), (sh, sw) = self.kernel_size, self.stride
         dx = zeros_like_layout(xp, x, x.shape)                   # (B, C, H, W)
+        hit = empty_like_layout(xp, argmax, argmax.shape, np.bool_)
+        part = empty_like_layout(xp, argmax, argmax.shape, dy.dtype)
         for t, out_sl, in_sl in taps:
-            dx[in_sl] += dy[out_sl] * (argmax[out_sl] == t)
+            xp.equal(argmax[out_sl], np.uint8(t), out=hit[out_sl])
+            if t // kw < sh and t % kw < sw:
+                # taps in the first stride x stride block never share an input pixel
+                xp.multiply(dy[out_sl], hit[out_sl], out=dx[in_sl])
+            else:
+                xp.multiply(dy[out_sl], hit[out_sl], out=part[out_sl])
+                dx[in_sl] += part[out_sl]
         return dx
 
 

@@ -1,0 +1,185 @@
+"""python -m ringnet.bench layers: per-layer and full-step times, optionally against PyTorch CPU."""
+import argparse
+import json
+import os
+import sys
+import time
+
+# One BLAS thread, fixed before NumPy is first imported (the comparison is core for core).
+os.environ["RINGNET_BLAS_THREADS"] = "1"
+from ringnet._threads import configure_blas_threads  # noqa: E402
+
+configure_blas_threads()
+
+import numpy as np  # noqa: E402
+
+from ringnet.errors import UsageError  # noqa: E402
+from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d,  # noqa: E402
+                            ReLU)
+from ringnet.models import MODELS, build_model  # noqa: E402
+from ringnet.optim import SGD, LRPolicy  # noqa: E402
+
+__all__ = ["main", "torch_model", "layer_times", "step_times"]
+
+DEFAULT_MODELS = ("lenet", "cifar10_quick")
+
+
+def _median_ms(samples):
+    return float(np.median(samples)) * 1e3
+
+
+def _batch(model, batch_size, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch_size,) + model.input_shape).astype(model.dtype)
+    y = rng.integers(0, model.num_classes, size=batch_size)
+    return x, y
+
+
+def layer_times(model, x, iters):
+    """Return [(name, forward ms, backward ms)] medians over ``iters`` passes."""
+    fwd = {name: [] for name, _ in model.layers}
+    bwd = {name: [] for name, _ in model.layers}
+    for _ in range(iters):
+        a = model._input(x)
+        for name, layer in model.layers:
+            t0 = time.perf_counter()
+            a = layer.forward(a, True)
+            fwd[name].append(time.perf_counter() - t0)
+        d = np.ones_like(a) / a.size
+        for name, layer in reversed(model.layers):
+            t0 = time.perf_counter()
+            d = layer.backward(d)
+            bwd[name].append(time.perf_counter() - t0)
+    return [(name, _median_ms(fwd[name]), _median_ms(bwd[name])) for name, _ in model.layers]
+
+
+def torch_model(model):
+    """Return a torch.nn.Sequential equal to ``model`` with its current weights (float32/64)."""
+    try:
+        import torch
+        from torch import nn
+    except ImportError as exc:
+        raise UsageError("--vs torch needs PyTorch (pip install torch); it is not installed") from exc
+    from collections import OrderedDict
+    modules = []
+    for name, layer in model.layers:
+        if isinstance(layer, Conv2d):
+            mod = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size,
+                            layer.stride, layer.padding)
+        elif isinstance(layer, MaxPool2d):
+            mod = nn.MaxPool2d(layer.kernel_size, layer.stride, layer.padding, ceil_mode=True)
+        elif isinstance(layer, AvgPool2d):
+            mod = nn.AvgPool2d(layer.kernel_size, layer.stride, layer.padding, ceil_mode=True)
+        elif isinstance(layer, Linear):
+            mod = nn.Linear(layer.in_features, layer.out_features)
+        elif isinstance(layer, ReLU):
+            mod = nn.ReLU()
+        elif isinstance(layer, Flatten):
+            mod = nn.Flatten()
+        elif isinstance(layer, Dropout):
+            mod = nn.Dropout(layer.p)
+        else:
+            raise UsageError(f"no PyTorch equivalent for layer {name} ({layer!r})")
+        modules.append((name, mod))
+    net = nn.Sequential(OrderedDict(modules)).to(torch.float64 if model.dtype == np.float64
+                                                 else torch.float32)
+    net.load_state_dict({k: torch.from_numpy(v) for k, v in model.state().items()})
+    return net
+
+
+def step_times(model, x, y, iters, vs_torch):
+    """Time full training steps, interleaved with PyTorch's when asked; return a result dict."""
+    lr = 0.001  # small, so many steps stay finite on random data
+    sgd = SGD(model.num_params, LRPolicy("fixed", lr), momentum=0.9, xp=np, dtype=model.dtype)
+    result = {"model": model.name, "batch_size": int(x.shape[0])}
+    net = None
+    if vs_torch:
+        import torch
+        torch.set_num_threads(1)
+        net = torch_model(model)
+        net.eval()  # dropout off for the agreement check only
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        with torch.no_grad():
+            torch_loss = float(torch.nn.functional.cross_entropy(net(xt), yt))
+        ours, _ = model.evaluate(x, y, batch_size=len(x))
+        result["loss"], result["torch_loss"] = ours, torch_loss
+        if not abs(ours - torch_loss) <= 1e-4 * max(1.0, abs(torch_loss)):
+            raise RuntimeError(f"{model.name}: loss {ours} differs from PyTorch's {torch_loss} "
+                               "on the same weights and batch")
+        net.train()
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+
+        def torch_step():
+            opt.zero_grad(set_to_none=False)
+            loss = torch.nn.functional.cross_entropy(net(xt), yt)
+            loss.backward()
+            opt.step()
+
+    def our_step(it):
+        model.loss_and_grad(x, y)
+        sgd.step(model.params, model.grads, it)
+
+    ours, theirs = [], []
+    for it in range(iters + 2):                    # two warm-up rounds, not recorded
+        t0 = time.perf_counter()
+        our_step(it)
+        t1 = time.perf_counter()
+        if net is not None:
+            torch_step()
+        t2 = time.perf_counter()
+        if it >= 2:
+            ours.append(t1 - t0)
+            theirs.append(t2 - t1)
+    result["step_ms"] = _median_ms(ours)
+    if net is not None:
+        result["torch_step_ms"] = _median_ms(theirs)
+        result["ratio_vs_torch"] = result["step_ms"] / result["torch_step_ms"]
+    return result
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m ringnet.bench layers",
+                                description="Per-layer forward/backward times and full training "
+                                            "steps (forward, loss, backward, SGD) on one BLAS thread.")
+    p.add_argument("--model", action="append", choices=sorted(MODELS),
+                   help="model to time (repeatable; default: lenet and cifar10_quick)")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per step (default 64)")
+    p.add_argument("--iters", type=int, default=20, help="timed repetitions (default 20)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--vs", choices=["torch"], help="also time the same net in PyTorch CPU, "
+                                                   "interleaved step by step, and report the ratio")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of tables")
+    args = p.parse_args(argv)
+    if args.batch_size < 1 or args.iters < 1:
+        raise UsageError("--batch-size and --iters must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    results = []
+    for name in args.model or DEFAULT_MODELS:
+        model = build_model(name, dtype=args.dtype, seed=args.seed)
+        x, y = _batch(model, args.batch_size, args.seed)
+        per_layer = layer_times(model, x, max(3, args.iters // 2))
+        result = step_times(model, x, y, args.iters, args.vs == "torch")
+        result["layers"] = [{"layer": n, "forward_ms": f, "backward_ms": b} for n, f, b in per_layer]
+        results.append(result)
+        if not args.json:
+            print(f"{name}: batch {args.batch_size}, {args.dtype}, 1 BLAS thread, "
+                  f"{model.num_params} parameters")
+            print(f"  {'layer':10s} {'forward ms':>11s} {'backward ms':>12s}")
+            for n, f, b in per_layer:
+                print(f"  {n:10s} {f:11.3f} {b:12.3f}")
+            line = f"  step (fwd+loss+bwd+SGD): {result['step_ms']:.2f} ms"
+            if "torch_step_ms" in result:
+                line += (f"   PyTorch: {result['torch_step_ms']:.2f} ms   "
+                         f"ratio {result['ratio_vs_torch']:.2f}   "
+                         f"(loss {result['loss']:.6f} vs {result['torch_loss']:.6f})")
+            print(line, flush=True)
+    if args.json:
+        keys = ("model", "step_ms", "torch_step_ms", "ratio_vs_torch")
+        print(json.dumps({"models": [{k: r[k] for k in keys if k in r} | {"layers": r["layers"]}
+                                     for r in results]}))
+    return 0
