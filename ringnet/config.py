@@ -12,7 +12,7 @@ DEFAULT_DELAY = {"single": 0, "ring": 1, "tree": 0, "master": 0, "split-fc": 0}
 
 # Per-model defaults (learning rate, epochs) for runs that do not set them.
 MODEL_DEFAULTS = {
-    "digits": {"lr": 0.05, "epochs": 10, "dataset": "digits"},
+    "digits": {"lr": 0.01, "epochs": 20, "dataset": "digits"},
     "lenet": {"lr": 0.01, "epochs": 10, "dataset": "mnist"},
     "cifar10_quick": {"lr": 0.001, "epochs": 10, "dataset": "cifar10"},
     "carnet": {"lr": 0.01, "epochs": 10, "dataset": "synthetic"},

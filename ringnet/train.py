@@ -69,7 +69,7 @@ def _setup(cfg, world):
         ds = open_dataset(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir,
                           input_shape=spec.input_shape, num_classes=spec.num_classes,
                           synthetic_size=cfg.synthetic_size)
-        check_compatible(ds, spec.input_shape, spec.num_classes)
+        check_compatible(ds, spec.input_shape, spec.num_classes, model=cfg.model)
         if len(ds.train) < cfg.batch_size:
             raise UsageError(f"data set {cfg.dataset} has {len(ds.train)} training images, "
                              f"fewer than one global batch of {cfg.batch_size}")
@@ -171,10 +171,8 @@ def train(cfg=None, world=None, **overrides):
     try:
         while step < total_steps:
             epoch, offset = divmod(step, spe)
-            batches = loader.epoch(epoch)
-            for index, (x, labels) in enumerate(batches):
-                if index < offset:
-                    continue
+            batches = loader.epoch(epoch, start_step=offset)
+            for x, labels in batches:
                 loss, _ = strategy.step(x, labels, step)
                 loss = float(loss)
                 if not math.isfinite(loss):

@@ -1,0 +1,131 @@
+"""python -m ringnet.train end to end: accuracy, checkpoints, resume, and bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ringnet.backend import to_numpy
+from ringnet.checkpoint import load_checkpoint
+from ringnet.config import TrainConfig
+from ringnet.train import train
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+QUIET = dict(progress=False, quiet=True, eval_every_epoch=False)
+
+
+def run_cli(*args, np_=None, timeout=240):
+    cmd = [sys.executable, "-m", "ringnet.train", *args]
+    if np_:
+        cmd = ["mpirun", "-np", str(np_), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ringnet: error:"), lines[0]
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_default_run_reaches_95_percent_and_reports_json():
+    proc = run_cli("--json", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["mode"] == "single" and summary["ranks"] == 1
+    assert summary["model"] == "digits" and summary["dataset"] == "digits"
+    assert summary["test_accuracy"] >= 0.95, summary
+    spe = 1437 // 64
+    assert summary["steps"] == 20 * spe
+    for key in ("train_loss", "images_per_sec", "time_s", "compute_s", "comm_wait_s",
+                "update_s", "data_s", "bytes_sent", "overlap"):
+        assert key in summary
+    assert summary["bytes_sent"] == 0 and summary["train_loss"] < 0.5
+
+
+def _weights(result):
+    return np.array(to_numpy(result.strategy.eval_model().params))
+
+
+def test_checkpoint_round_trip_and_exact_resume(tmp_path):
+    cfg = TrainConfig(model="digits", dataset="digits", batch_size=32, dtype="float64",
+                      seed=5, **QUIET)
+    whole = train(cfg, world=MPI.COMM_SELF, steps=70)        # crosses an epoch (44 steps)
+    path = tmp_path / "ck.h5"
+    first = train(cfg, world=MPI.COMM_SELF, steps=30, save=str(path))
+    params, momentum, prev, attrs = load_checkpoint(str(path))
+    named = first.strategy.eval_model().named_params()
+    for name, value in named.items():
+        np.testing.assert_array_equal(params[name], to_numpy(value), err_msg=name)
+    assert attrs["step"] == 30 and attrs["model"] == "digits" and attrs["mode"] == "single"
+    assert set(momentum) == set(params) and any(np.abs(m).max() > 0 for m in momentum.values())
+    assert params["conv1.weight"].ndim == 4            # PyTorch layout (out, in, kh, kw)
+    resumed = train(cfg, world=MPI.COMM_SELF, steps=70, resume=str(path))
+    np.testing.assert_array_equal(_weights(resumed), _weights(whole))
+    assert resumed.summary["steps"] == 70
+
+
+def test_failed_run_keeps_previous_checkpoint(tmp_path):
+    path = tmp_path / "good.h5"
+    proc = run_cli("--steps", "3", "--save", str(path), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    before = path.read_bytes()
+    proc = run_cli("--steps", "40", "--lr", "1e9", "--save", str(path), "--quiet")
+    assert proc.returncode != 0
+    assert "loss is" in proc.stderr and "diverged" in proc.stderr
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["good.h5"]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--model", "resnet"], ["unknown model", "resnet"]),
+    (["--model", "lenet", "--dataset", "digits"], ["1x8x8", "1x28x28"]),
+    (["--dataset", "/nonexistent/x.h5"], ["/nonexistent/x.h5"]),
+    (["--dataset", "mnist", "--data-dir", "/nonexistent"], ["python -m ringnet.datasets download mnist"]),
+    (["--batch-size", "0"], ["batch-size"]),
+    (["--lr", "-1"], ["--lr"]),
+    (["--delay", "1"], ["delay"]),
+    (["--resume", "/nonexistent/ck.h5"], ["/nonexistent/ck.h5"]),
+    (["--epochs", "x"], ["--epochs"]),
+])
+def test_bad_input_exits_2_with_one_line(args, needles):
+    assert_one_line_error(run_cli(*args, "--steps", "1") if "--epochs" not in args else run_cli(*args),
+                          *needles)
+
+
+def test_corrupt_data_file_exits_2(tmp_path):
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(os.urandom(4096))
+    assert_one_line_error(run_cli("--dataset", str(bad), "--steps", "1"), str(bad))
+    wrong = tmp_path / "wrong.h5"
+    with h5py.File(wrong, "w") as f:
+        f.create_dataset("train/images", data=np.zeros((4, 1, 8, 8), np.uint8))
+    assert_one_line_error(run_cli("--dataset", str(wrong), "--steps", "1"), str(wrong))
+
+
+def test_batch_not_divisible_exits_2_on_every_rank():
+    proc = run_cli("--batch-size", "64", "--steps", "1", np_=3, timeout=120)
+    assert_one_line_error(proc, "64", "3 ranks")
+
+
+def test_single_mode_under_mpirun_is_refused():
+    proc = run_cli("--mode", "single", "--steps", "1", np_=2, timeout=120)
+    assert_one_line_error(proc, "single")
+
+
+def test_mpirun_default_is_ring_and_replicas_agree():
+    proc = run_cli("--steps", "12", "--json", "--quiet", "--check-every", "4", np_=2, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["mode"] == "ring" and summary["delay"] == 1 and summary["ranks"] == 2
+    # ring traffic per rank per step: reduce-scatter + all-gather, each (N-1)/N of the model
+    itemsize = 4
+    expected = 2 * (1 / 2) * summary["num_params"] * itemsize
+    assert abs(summary["bytes_per_step"] - expected) <= 0.01 * expected
