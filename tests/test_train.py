@@ -129,3 +129,43 @@ def test_mpirun_default_is_ring_and_replicas_agree():
     itemsize = 4
     expected = 2 * (1 / 2) * summary["num_params"] * itemsize
     assert abs(summary["bytes_per_step"] - expected) <= 0.01 * expected
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _pids_with_args(*needles):
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()
+            and all(n in _cmdline(int(p)) for n in needles)]
+
+
+def test_a_rank_dying_ends_the_whole_job_promptly():
+    import signal
+    import time
+    marker = "987654321"                        # unique seed to find this job's ranks
+    cmd = ["mpirun", "-np", "2", sys.executable, "-m", "ringnet.train", "--steps", "100000",
+           "--seed", marker, "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        pids = []
+        deadline = time.time() + 60
+        while len(pids) < 2 and time.time() < deadline:
+            time.sleep(0.5)
+            pids = [pid for pid in _pids_with_args("ringnet.train", marker) if pid != proc.pid
+                    and "mpirun" not in _cmdline(pid) and "hydra" not in _cmdline(pid)]
+        assert len(pids) >= 2, "ranks did not start"
+        time.sleep(2)                            # let them reach the training loop
+        os.kill(max(pids), signal.SIGKILL)
+        start = time.time()
+        proc.wait(timeout=60)
+        assert time.time() - start < 60
+        assert proc.returncode != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
