@@ -121,3 +121,20 @@ def test_ring_delay1_reaches_95_percent_on_digits():
     result.strategy.close()
     assert acc >= 0.95, f"ring delay 1 at N={size}: test accuracy {acc:.3f}"
     assert 0.0 <= overlap <= 1.0
+
+
+@pytest.mark.mpi
+def test_diverged_replicas_are_detected_and_named():
+    from ringnet.errors import TrainingError
+    from ringnet.train import check_replicas
+    size = WORLD.Get_size()
+    if size < 2:
+        pytest.skip("needs two ranks")
+    result = train(TrainConfig(mode="ring", delay=0, **BASE), world=WORLD)
+    model = result.strategy.eval_model()
+    check_replicas(result.strategy, WORLD, 7)            # identical: no error
+    if WORLD.Get_rank() == size - 1:
+        model.params[0] += 1e-3
+    with pytest.raises(TrainingError, match=rf"rank\(s\) {size - 1} differ"):
+        check_replicas(result.strategy, WORLD, 7)
+    result.strategy.close()
