@@ -6,10 +6,13 @@ import sys
 import time
 
 # One BLAS thread, fixed before NumPy is first imported (the comparison is core for core).
-os.environ["RINGNET_BLAS_THREADS"] = "1"
-from ringnet._threads import configure_blas_threads  # noqa: E402
+# When NumPy is already loaded (imported as a library) the caller's setting stays.
+_PINNED = "numpy" not in sys.modules
+if _PINNED:
+    os.environ["RINGNET_BLAS_THREADS"] = "1"
+    from ringnet._threads import configure_blas_threads
 
-configure_blas_threads()
+    configure_blas_threads()
 
 import numpy as np  # noqa: E402
 
@@ -158,6 +161,8 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not _PINNED and not args.json:
+        print("note: NumPy was loaded before the benchmark, BLAS threads not pinned to 1")
     results = []
     for name in args.model or DEFAULT_MODELS:
         model = build_model(name, dtype=args.dtype, seed=args.seed)

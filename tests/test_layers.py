@@ -1,0 +1,346 @@
+"""Layers against central finite differences (float64), naive loops and PyTorch."""
+import numpy as np
+import pytest
+
+from ringnet.backend import gpu_available
+from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU,
+                            SoftmaxCrossEntropy, init_array, pool_output_size)
+
+try:
+    import torch
+except ImportError:  # torch is optional: only the cross-checks need it
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch not installed")
+
+
+def bound(layer, in_shape, seed=0, dtype=np.float64):
+    """Bind random parameters (and gradient buffers) to ``layer``; return (params, grads)."""
+    rng = np.random.default_rng(seed)
+    params, grads = {}, {}
+    for suffix, shape, _ in layer.param_specs(in_shape):
+        params[suffix] = rng.normal(size=shape).astype(dtype)
+        grads[suffix] = np.full(shape, np.nan, dtype=dtype)   # must be overwritten
+    layer.bind(params, grads)
+    return params, grads
+
+
+def batch_last(x):
+    """Return the same logical array stored in (C, H, W, B) memory."""
+    return np.ascontiguousarray(x.transpose(1, 2, 3, 0)).transpose(3, 0, 1, 2)
+
+
+def fd_check(layer, x, params, grads, seed=1, n_coords=40, eps=1e-6, tol=1e-6):
+    """Compare backward's dx and parameter grads with central differences of sum(y * r)."""
+    rng = np.random.default_rng(seed)
+    y = layer.forward(x, train=True)
+    r = rng.normal(size=y.shape)
+    dx = layer.backward(r)
+
+    def loss():
+        return float(np.sum(layer.forward(x, train=True) * r))
+
+    targets = [("x", x, dx)] + [(k, params[k], grads[k]) for k in params]
+    for name, array, analytic in targets:
+        assert analytic.shape == array.shape, name
+        coords = rng.choice(array.size, size=min(n_coords, array.size), replace=False)
+        for c in coords:
+            idx = np.unravel_index(c, array.shape)
+            old = array[idx]
+            array[idx] = old + eps
+            up = loss()
+            array[idx] = old - eps
+            down = loss()
+            array[idx] = old
+            numeric = (up - down) / (2 * eps)
+            assert abs(numeric - analytic[idx]) <= tol * max(1.0, abs(numeric)), \
+                f"{type(layer).__name__} d{name}{idx}: analytic {analytic[idx]} vs FD {numeric}"
+
+
+def naive_conv(x, w, b, stride, pad):
+    bsz, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    xp = np.zeros((bsz, c, h + 2 * pad[0], wd + 2 * pad[1]))
+    xp[:, :, pad[0]:pad[0] + h, pad[1]:pad[1] + wd] = x
+    ho = (h + 2 * pad[0] - kh) // stride[0] + 1
+    wo = (wd + 2 * pad[1] - kw) // stride[1] + 1
+    y = np.zeros((bsz, o, ho, wo))
+    for n in range(bsz):
+        for f in range(o):
+            for i in range(ho):
+                for j in range(wo):
+                    patch = xp[n, :, i * stride[0]:i * stride[0] + kh, j * stride[1]:j * stride[1] + kw]
+                    y[n, f, i, j] = np.sum(patch * w[f]) + b[f]
+    return y
+
+
+def naive_pool(x, k, s, p, mode):
+    """Caffe's pooling loops: ceil-mode size, windows clipped to the input (max) or to
+    input+pad for the divisor (ave)."""
+    bsz, c, h, w = x.shape
+    ho, wo = pool_output_size(h, k, s, p), pool_output_size(w, k, s, p)
+    y = np.zeros((bsz, c, ho, wo))
+    for i in range(ho):
+        for j in range(wo):
+            hs, ws = i * s - p, j * s - p
+            he, we = min(hs + k, h + p), min(ws + k, w + p)
+            size = (he - hs) * (we - ws)
+            hs, ws, he, we = max(hs, 0), max(ws, 0), min(he, h), min(we, w)
+            window = x[:, :, hs:he, ws:we].reshape(bsz, c, -1)
+            y[:, :, i, j] = window.max(-1) if mode == "max" else window.sum(-1) / size
+    return y
+
+
+CONV_CASES = [  # (B, C, H, W, O, kernel, stride, padding)
+    (2, 3, 7, 6, 4, 3, 1, 1),          # same padding: transposed-conv input gradient
+    (1, 2, 9, 8, 3, 3, 2, 0),          # stride 2, batch 1
+    (3, 2, 6, 7, 2, 5, 1, 2),          # big kernel, same padding
+    (2, 2, 7, 9, 3, (3, 2), (2, 1), (1, 0)),
+    (2, 3, 8, 8, 2, 5, 1, 0),          # valid conv: col2im input gradient
+    (1, 1, 5, 5, 2, 3, 3, 1),          # stride 3 with padding
+]
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv_gradients_match_finite_differences(case):
+    b, c, h, w, o, k, s, p = case
+    layer = Conv2d(c, o, k, stride=s, padding=p)
+    params, grads = bound(layer, (c, h, w))
+    x = np.random.default_rng(2).normal(size=(b, c, h, w))
+    fd_check(layer, x, params, grads)
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv_forward_matches_naive_loops(case):
+    b, c, h, w, o, k, s, p = case
+    layer = Conv2d(c, o, k, stride=s, padding=p)
+    params, _ = bound(layer, (c, h, w))
+    x = np.random.default_rng(3).normal(size=(b, c, h, w))
+    ref = naive_conv(x, params["weight"], params["bias"], layer.stride, layer.padding)
+    for xin in (x, batch_last(x)):      # any memory order gives the same values
+        y = layer.forward(xin)
+        assert y.shape == (b, o) + layer.output_shape((c, h, w))[1:]
+        np.testing.assert_allclose(y, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_conv_first_layer_skips_input_gradient():
+    layer = Conv2d(2, 3, 3, padding=1)
+    params, grads = bound(layer, (2, 5, 5))
+    layer.needs_dx = False
+    x = np.random.default_rng(0).normal(size=(2, 2, 5, 5))
+    dy = np.random.default_rng(1).normal(size=layer.forward(x).shape)
+    assert layer.backward(dy) is None
+    np.testing.assert_allclose(grads["bias"], dy.sum(axis=(0, 2, 3)))
+
+
+POOL_CASES = [  # (B, C, H, W, kernel, stride, padding)
+    (2, 3, 8, 8, 2, 2, 0),             # non-overlapping
+    (1, 2, 7, 9, 3, 2, 0),             # overlapping with ceil-mode overhang, batch 1
+    (2, 2, 6, 5, 3, 1, 1),             # padding
+    (2, 1, 5, 5, 2, 2, 1),             # ceil rule drops the window starting in the pad
+    (1, 2, 11, 11, 3, 2, 1),
+]
+
+
+@pytest.mark.parametrize("cls", [MaxPool2d, AvgPool2d])
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_pool_gradients_match_finite_differences(cls, case):
+    b, c, h, w, k, s, p = case
+    layer = cls(k, s, p)
+    x = np.random.default_rng(4).normal(size=(b, c, h, w))
+    fd_check(layer, x, {}, {})
+
+
+@pytest.mark.parametrize("cls,mode", [(MaxPool2d, "max"), (AvgPool2d, "ave")])
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_pool_forward_matches_caffe_loops(cls, mode, case):
+    b, c, h, w, k, s, p = case
+    layer = cls(k, s, p)
+    x = np.random.default_rng(5).normal(size=(b, c, h, w))
+    ref = naive_pool(x, k, s, p, mode)
+    for xin in (x, batch_last(x)):
+        np.testing.assert_allclose(layer.forward(xin), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_pool_output_size_is_caffe_ceil_mode():
+    # cifar10_quick: 3/2 pools take 32 -> 16 -> 8 -> 4 (floor mode would give 15 -> 7 -> 3)
+    sizes = [32]
+    for _ in range(3):
+        sizes.append(pool_output_size(sizes[-1], 3, 2, 0))
+    assert sizes == [32, 16, 8, 4]
+    assert pool_output_size(24, 2, 2, 0) == 12            # LeNet
+    assert pool_output_size(7, 2, 2, 0) == 4              # ceil((7-2)/2)+1
+    assert pool_output_size(5, 2, 2, 1) == 3              # 4 dropped: last window would start in the pad
+
+
+def test_max_pool_ties_go_to_the_first_tap():
+    x = np.zeros((1, 1, 4, 4))
+    layer = MaxPool2d(2, 2)
+    layer.forward(x)
+    dx = layer.backward(np.ones((1, 1, 2, 2)))
+    expected = np.zeros((4, 4))
+    expected[::2, ::2] = 1
+    np.testing.assert_array_equal(dx[0, 0], expected)
+
+
+@pytest.mark.parametrize("b", [1, 5])
+def test_linear_gradients_and_forward(b):
+    layer = Linear(7, 4)
+    params, grads = bound(layer, (7,))
+    x = np.random.default_rng(6).normal(size=(b, 7))
+    np.testing.assert_allclose(layer.forward(x), x @ params["weight"].T + params["bias"])
+    fd_check(layer, x, params, grads)
+
+
+def test_relu_and_flatten_gradients():
+    x = np.random.default_rng(7).normal(size=(3, 2, 4, 5))
+    x[np.abs(x) < 1e-3] = 0.5                                 # keep FD away from the kink
+    fd_check(ReLU(), x, {}, {})
+    fd_check(Flatten(), batch_last(x), {}, {})
+    y = Flatten().forward(batch_last(x))
+    np.testing.assert_array_equal(y, x.reshape(3, -1))        # C-order, as PyTorch flattens
+
+
+def test_dropout_mask_scale_and_reproducibility():
+    x = np.random.default_rng(8).normal(size=(50, 40))
+    a, b = Dropout(0.3, seed=11), Dropout(0.3, seed=11)
+    ya, yb = a.forward(x), b.forward(x)
+    np.testing.assert_array_equal(ya, yb)
+    kept = ya != 0
+    np.testing.assert_allclose(ya[kept], x[kept] / 0.7)
+    assert 0.6 < kept.mean() < 0.8
+    dy = np.random.default_rng(9).normal(size=x.shape)
+    np.testing.assert_allclose(a.backward(dy), np.where(kept, dy / 0.7, 0.0))
+    np.testing.assert_array_equal(a.forward(x, train=False), x)
+    with pytest.raises(ValueError, match="dropout probability"):
+        Dropout(1.0, seed=0)
+
+
+def test_softmax_cross_entropy_closed_form_and_fd():
+    rng = np.random.default_rng(10)
+    z = rng.normal(size=(6, 5))
+    labels = rng.integers(0, 5, size=6)
+    ce = SoftmaxCrossEntropy()
+    loss = float(ce.forward(z, labels))
+    p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    assert abs(loss - np.mean(-np.log(p[np.arange(6), labels]))) < 1e-12
+    g = ce.backward()
+    onehot = np.eye(5)[labels]
+    np.testing.assert_allclose(g, (p - onehot) / 6, atol=1e-14)
+    eps = 1e-6
+    for idx in [(0, 0), (2, 3), (5, 4)]:
+        zp, zm = z.copy(), z.copy()
+        zp[idx] += eps
+        zm[idx] -= eps
+        numeric = (float(ce.forward(zp, labels)) - float(ce.forward(zm, labels))) / (2 * eps)
+        assert abs(numeric - g[idx]) < 1e-8, idx
+
+
+def test_softmax_cross_entropy_is_stable_for_huge_logits():
+    ce = SoftmaxCrossEntropy()
+    z = np.array([[1000.0, 0.0], [-1000.0, 0.0]], dtype=np.float32)
+    loss = float(ce.forward(z, np.array([0, 0])))
+    assert np.isfinite(loss) and abs(loss - 500.0) < 1e-3   # (0 + 1000) / 2
+    assert np.all(np.isfinite(ce.backward()))
+
+
+def test_float32_stays_float32():
+    x = np.random.default_rng(11).normal(size=(2, 3, 9, 9)).astype(np.float32)
+    conv = Conv2d(3, 4, 3, padding=1)
+    _, grads = bound(conv, (3, 9, 9), dtype=np.float32)
+    a = conv.forward(x)
+    stack = [ReLU(), MaxPool2d(3, 2), AvgPool2d(2, 2), Flatten()]
+    for layer in stack:
+        a = layer.forward(a)
+        assert a.dtype == np.float32, type(layer).__name__
+    lin = Linear(a.shape[1], 3)
+    _, lgrads = bound(lin, (a.shape[1],), dtype=np.float32)
+    logits = lin.forward(a)
+    ce = SoftmaxCrossEntropy()
+    ce.forward(logits, np.array([0, 2]))
+    d = lin.backward(ce.backward())
+    for layer in reversed(stack):
+        d = layer.backward(d)
+        assert d.dtype == np.float32, type(layer).__name__
+    assert conv.backward(d).dtype == np.float32
+    for g in list(grads.values()) + list(lgrads.values()):
+        assert g.dtype == np.float32 and np.all(np.isfinite(g))
+
+
+def test_init_schemes_are_seeded_and_scaled():
+    shape = (64, 32, 3, 3)
+    a = init_array(("xavier",), shape, np.random.default_rng(0))
+    b = init_array(("xavier",), shape, np.random.default_rng(0))
+    np.testing.assert_array_equal(a, b)
+    bound_ = np.sqrt(3.0 / (32 * 9))                          # Caffe XavierFiller, fan_in
+    assert np.abs(a).max() <= bound_ and np.abs(a).max() > 0.9 * bound_
+    he = init_array(("he",), (256, 128), np.random.default_rng(1), np.float64)
+    assert abs(he.std() - np.sqrt(2.0 / 128)) < 0.01 * np.sqrt(2.0 / 128) * 5
+    g = init_array(("gaussian", 0.01), (300, 300), np.random.default_rng(2), np.float64)
+    assert abs(g.std() - 0.01) < 2e-4
+    assert np.all(init_array(("constant", 0.2), (5,), np.random.default_rng(3)) == np.float32(0.2))
+    with pytest.raises(ValueError, match="init spec"):
+        init_array(("uniform",), (3,), np.random.default_rng(0))
+
+
+@needs_torch
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv_matches_torch(case):
+    b, c, h, w, o, k, s, p = case
+    layer = Conv2d(c, o, k, stride=s, padding=p)
+    params, grads = bound(layer, (c, h, w))
+    x = np.random.default_rng(12).normal(size=(b, c, h, w))
+    y = layer.forward(x)
+    dy = np.random.default_rng(13).normal(size=y.shape)
+    dx = layer.backward(dy)
+    xt = torch.tensor(x, requires_grad=True)
+    wt = torch.tensor(params["weight"], requires_grad=True)
+    bt = torch.tensor(params["bias"], requires_grad=True)
+    yt = torch.nn.functional.conv2d(xt, wt, bt, stride=layer.stride, padding=layer.padding)
+    yt.backward(torch.tensor(dy))
+    np.testing.assert_allclose(y, yt.detach().numpy(), atol=1e-10)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), atol=1e-10)
+    np.testing.assert_allclose(grads["weight"], wt.grad.numpy(), atol=1e-10)
+    np.testing.assert_allclose(grads["bias"], bt.grad.numpy(), atol=1e-10)
+
+
+@needs_torch
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_pools_match_torch_ceil_mode(case):
+    b, c, h, w, k, s, p = case
+    x = np.random.default_rng(14).normal(size=(b, c, h, w))
+    for ours, theirs in [(MaxPool2d(k, s, p), torch.nn.MaxPool2d(k, s, p, ceil_mode=True)),
+                         (AvgPool2d(k, s, p), torch.nn.AvgPool2d(k, s, p, ceil_mode=True))]:
+        y = ours.forward(x)
+        dy = np.random.default_rng(15).normal(size=y.shape)
+        xt = torch.tensor(x, requires_grad=True)
+        yt = theirs(xt)
+        yt.backward(torch.tensor(dy))
+        name = type(ours).__name__
+        np.testing.assert_allclose(y, yt.detach().numpy(), atol=1e-12, err_msg=name)
+        np.testing.assert_allclose(ours.backward(dy), xt.grad.numpy(), atol=1e-12, err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU with CuPy")
+def test_layers_on_gpu_match_numpy():
+    import cupy
+    x = np.random.default_rng(16).normal(size=(4, 3, 11, 11)).astype(np.float32)
+    stack = [("conv", Conv2d(3, 5, 3, padding=1)), ("pool", MaxPool2d(3, 2)),
+             ("relu", ReLU()), ("avg", AvgPool2d(2, 2)), ("flat", Flatten())]
+    results = {}
+    for xp in (np, cupy):
+        params, grads = bound(stack[0][1], (3, 11, 11), dtype=np.float32)
+        params = {k: xp.asarray(v) for k, v in params.items()}
+        grads = {k: xp.zeros_like(v) for k, v in params.items()}
+        stack[0][1].bind(params, grads)
+        a = xp.asarray(x)
+        for _, layer in stack:
+            a = layer.forward(a)
+        d = xp.ones_like(a)
+        for _, layer in reversed(stack):
+            d = layer.backward(d)
+        results[xp.__name__] = [cupy.asnumpy(v) if xp is cupy else v
+                                for v in (a, d, grads["weight"], grads["bias"])]
+    for ref, got in zip(results["numpy"], results["cupy"]):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
