@@ -178,8 +178,10 @@ def test_train_delay0_equals_single_and_reports_fc_memory():
     model = build_model("digits")
     fc = sum(model.named_params()[f"{l}.{s}"].size for l in ("ip1", "ip2") for s in ("weight", "bias"))
     assert summary["fc_params"] == fc and summary["conv_params"] == model.num_params - fc
-    # ip1 (64 outputs x 129) and ip2 (10 x 65) split as evenly as rows allow
-    assert summary["fc_params_per_rank"] == -(-64 // SIZE) * 129 + -(-10 // SIZE) * 65
+    # rank 0 holds the ceil(out / N) rows of every FC layer, each row in_features + 1 values
+    linear = [layer for _, layer in model.layers if isinstance(layer, Linear)]
+    assert summary["fc_params_per_rank"] == sum(-(-l.out_features // SIZE) * (l.in_features + 1)
+                                                for l in linear)
     assert sum(summary["fc_params_by_rank"]) == fc
 
 

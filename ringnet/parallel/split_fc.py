@@ -4,8 +4,9 @@ Per step, with N ranks, global batch B and b = B/N samples per rank:
 
 * conv part (every layer before ``model.fc_start()``) runs on this rank's b samples
   with the whole conv prefix of the flat parameter buffer on every rank;
-* data conversion layer: the (b, F) features of all ranks are all-gathered into one
-  sample-major (B, F) block, so every rank sees the global batch;
+* data conversion layer: the (b, F) features of all ranks (each sample's label
+  appended as one more number) are all-gathered into one sample-major (B, F + 1)
+  block, so every rank sees the global batch;
 * every Linear layer is split by output neurons (``comm.shard_bounds(out)``): rank r
   owns rows [lo, hi) of its weight (out, in) and bias. Activations between FC layers
   live as (features, B) so a rank's rows are one contiguous block: the slice output
@@ -171,7 +172,7 @@ class SplitFCStrategy(Strategy):
     """Conv layers data-parallel over the ring, FC layers split by output neurons."""
     name = "split-fc"
 
-    def __init__(self, model, make_optimizer, world, comm, delay=0):
+    def __init__(self, model, make_optimizer, world, comm, delay=0, overlap=None):
         super().__init__(model, make_optimizer, world, delay)
         if delay not in (0, 1):
             raise UsageError(f"split-fc supports delay 0 or 1, got {delay}")
@@ -199,10 +200,14 @@ class SplitFCStrategy(Strategy):
         self.fc_regions = [r for block in self.blocks for r in block.regions()]
         self.fc_optimizers = [make_optimizer(b - a) for a, b in self.fc_regions]
 
-        # conv exchange on one stream, activation traffic on another: with delay 1 the
-        # exchange of the previous step must not hold up this step's activations
-        self.stream = comm.new_stream()
-        self.act_stream = comm.new_stream()
+        # conv exchange on one stream (delay 1), activation traffic on another so that the
+        # exchange of the previous step does not hold up this step's activations.
+        # ``overlap`` (default: on a GPU only) runs the input-gradient reduce-scatters on
+        # the activation stream behind dW/db; on the CPU the stream thread's polling
+        # competes with the BLAS for the cores and was measured slower than blocking.
+        self.overlap = (xp is not np) if overlap is None else bool(overlap)
+        self.stream = comm.new_stream() if delay else None
+        self.act_stream = comm.new_stream() if self.overlap else None
         self.pending = None
         if delay:
             # newest conv weights (receiving the exchange in flight) and its gradient copy;
@@ -222,14 +227,14 @@ class SplitFCStrategy(Strategy):
         if bufs is None:
             xp, dtype = self.xp, self.model.dtype
             features = self.blocks[0].in_features
-            sample_bounds = [(r * local * features, (r + 1) * local * features)
-                             for r in range(self.size)]
+            row = features + 1      # each sample's features, then its label as a number
             bufs = {
-                "features": xp.empty(batch * features, dtype=dtype),      # (B, F)
+                # (B, F + 1): the labels travel with the features in one all-gather
+                "features": xp.empty(batch * row, dtype=dtype),
+                "sample_bounds": [(r * local * row, (r + 1) * local * row) for r in range(self.size)],
                 "dfeatures": xp.empty(batch * features, dtype=dtype),     # (B, F)
-                "labels": xp.empty(batch, dtype=xp.int64),
-                "sample_bounds": sample_bounds,
-                "label_bounds": [(r * local, (r + 1) * local) for r in range(self.size)],
+                "dsample_bounds": [(r * local * features, (r + 1) * local * features)
+                                   for r in range(self.size)],
                 # per block: its gathered output (out, B) and the partial dA (in, B)
                 "out": [xp.empty(bl.out_features * batch, dtype=dtype) for bl in self.blocks],
                 "out_bounds": [[(a * batch, b * batch) for a, b in bl.bounds] for bl in self.blocks],
@@ -260,26 +265,26 @@ class SplitFCStrategy(Strategy):
         bufs = self._bufs(batch, local)
         rank = self.rank
 
-        # labels of the global batch (sample-major, rank blocks in rank order), gathered
-        # on the activation stream while the conv part computes
-        lab = bufs["labels"]
-        lab[rank * local:(rank + 1) * local] = xp.asarray(labels).reshape(-1)
-        _synchronize(xp)
-        labels_done = self.act_stream.submit(self._timed, comm.allgather, lab, bufs["label_bounds"])
-
         # conv part on this rank's samples
         h = x
         for _, layer in model.layers[:self.fc_index]:
             h = layer.forward(h, True)
+
+        # data conversion: features and labels of the global batch, sample-major, rank
+        # blocks in rank order (labels as floats: exact, class counts are far below 2**24)
         features = self.blocks[0].in_features
         feat = bufs["features"]
         lo, hi = bufs["sample_bounds"][rank]
-        feat[lo:hi].reshape(local, features)[...] = h.reshape(local, features)
+        block_rows = feat[lo:hi].reshape(local, features + 1)
+        block_rows[:, :features] = h.reshape(local, features)
+        block_rows[:, features] = xp.asarray(labels).reshape(-1)
         _synchronize(xp)
-        self._comm(comm.allgather, feat, bounds=bufs["sample_bounds"])    # data conversion
+        self._comm(comm.allgather, feat, bounds=bufs["sample_bounds"])
+        rows = feat.reshape(batch, features + 1)
+        lab = rows[:, features].astype(xp.int64)
 
         # FC forward: slices in (features, B) layout, gathered between layers
-        a = feat.reshape(batch, features).T                                 # (F, B)
+        a = rows[:, :features].T                                            # (F, B)
         inputs = []
         for block, out, ob in zip(self.blocks, bufs["out"], bufs["out_bounds"]):
             inputs.append(a)
@@ -290,15 +295,14 @@ class SplitFCStrategy(Strategy):
             self._comm(comm.allgather, out, bounds=ob)
             a = out.reshape(block.out_features, batch)                      # (out, B)
         logits = a.T                                                        # (B, classes)
-        self._wait(labels_done)
         loss = model.loss_layer.forward(logits, lab)
         dlogits = model.loss_layer.backward()
         mine = slice(rank * local, (rank + 1) * local)
         correct = int(to_numpy((logits[mine].argmax(axis=1) == lab[mine]).sum()))
 
         # FC backward: complete slice gradients, partial input gradients reduce-scattered.
-        # The reduce-scatter runs on the activation stream while this thread computes
-        # the slice's dW and db (and, at the first FC layer, the FC updates).
+        # With ``overlap`` the reduce-scatter runs on the activation stream while this
+        # thread computes the slice's dW and db (and, at the first FC layer, the FC updates).
         last = self.blocks[-1]
         dz = xp.ascontiguousarray(dlogits[:, last.lo:last.hi].T)           # (out_r, B)
         for k in range(len(self.blocks) - 1, -1, -1):
@@ -308,10 +312,10 @@ class SplitFCStrategy(Strategy):
                 da, pb = bufs["da"][k], bufs["out_bounds"][k - 1]
                 block.slice.backward_input(dz, da=da.reshape(block.in_features, batch))
             else:
-                da, pb = bufs["dfeatures"], bufs["sample_bounds"]
+                da, pb = bufs["dfeatures"], bufs["dsample_bounds"]
                 block.slice.backward_input(dz, dx=da.reshape(batch, features))
             _synchronize(xp)
-            reduced = self.act_stream.submit(self._timed, comm.reduce_scatter, da, "sum", pb)
+            reduced = self._start(comm.reduce_scatter, da, "sum", pb)
             block.slice.backward_params(dz, inputs[k])
             if k == 0:
                 self._update_fc(it)
@@ -319,7 +323,8 @@ class SplitFCStrategy(Strategy):
             if k > 0:
                 prev = self.blocks[k - 1]
                 dz = da[pb[rank][0]:pb[rank][1]].reshape(prev.hi - prev.lo, batch)
-        d = bufs["dfeatures"][lo:hi].reshape(h.shape)
+        dlo, dhi = bufs["dsample_bounds"][rank]
+        d = bufs["dfeatures"][dlo:dhi].reshape(h.shape)
 
         # conv backward on this rank's samples (the first layer returns None)
         for _, layer in reversed(model.layers[:self.fc_index]):
@@ -353,8 +358,17 @@ class SplitFCStrategy(Strategy):
         fn(*args)
         self.stats.comm_total_s += time.perf_counter() - t
 
+    def _start(self, fn, *args):
+        """Start a collective on the activation stream, or run it now without ``overlap``."""
+        if self.act_stream is None:
+            self._comm(fn, *args)
+            return None
+        return self.act_stream.submit(self._timed, fn, *args)
+
     def _wait(self, handle):
         """Wait for a stream operation; count the blocked time as exposed communication."""
+        if handle is None:
+            return
         t = time.perf_counter()
         handle.wait()
         self.stats.comm_wait_s += time.perf_counter() - t
