@@ -205,15 +205,21 @@ class Model:
 
     def forward(self, x, train=True):
         """Return logits (B, num_classes)."""
-        x = self._input(x)
-        for _, layer in self.layers:
-            x = layer.forward(x, train)
-        return x
+        return self.forward_layers(self._input(x), 0, None, train)
 
     def backward(self, dlogits):
         """Back-propagate dlogits; every slot of ``grads`` is overwritten."""
-        d = dlogits
-        for _, layer in reversed(self.layers):
+        return self.backward_layers(dlogits, 0, None)
+
+    def forward_layers(self, x, start=0, stop=None, train=True):
+        """Run ``layers[start:stop]`` forward on activations ``x`` (no input checks)."""
+        for _, layer in self.layers[start:stop]:
+            x = layer.forward(x, train)
+        return x
+
+    def backward_layers(self, d, start=0, stop=None):
+        """Run ``layers[start:stop]`` backward from their output gradient ``d``; return dx."""
+        for _, layer in reversed(self.layers[start:stop]):
             d = layer.backward(d)
         return d
 

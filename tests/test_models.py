@@ -64,6 +64,12 @@ def test_shapes_names_and_pytorch_layouts():
     assert shapes["ip1.weight"] == (500, 800) and shapes["ip2.weight"] == (10, 500)
     assert m.num_params == sum(int(np.prod(s)) for s in shapes.values()) == 431080
     assert m.layers[m.fc_start()][0] == "ip1"
+    # the feature part and the FC part run separately give the whole forward
+    x = np.random.default_rng(0).normal(size=(2, 1, 28, 28)).astype(np.float32)
+    features = m.forward_layers(x, 0, m.fc_start(), train=False)
+    assert features.shape == (2, 800)
+    np.testing.assert_array_equal(m.forward_layers(features, m.fc_start(), train=False),
+                                  m.forward(x, train=False))
     q = build_model("cifar10_quick")
     pooled = [out for name, _, out in q.shapes if name.startswith("pool")]
     assert pooled == [(32, 16, 16), (32, 8, 8), (64, 4, 4)]   # Caffe's 32-16-8-4

@@ -87,7 +87,7 @@ def _memory_order(x):
 def empty_like_layout(xp, x, shape, dtype=None):
     """Return an empty array of logical ``shape`` whose memory order is ``x``'s."""
     order = _memory_order(x)
-    inverse = [order.index(a) for a in range(x.ndim)]
+    inverse = tuple(order.index(a) for a in range(x.ndim))
     buf = xp.empty([shape[a] for a in order], dtype=x.dtype if dtype is None else dtype)
     return buf.transpose(inverse)
 
