@@ -123,10 +123,12 @@ def main(argv=None):
     print(f"# model {args.model}, data {args.dataset}, global batch {args.batch_size}, "
           f"{args.steps} steps, median of {args.repeats} interleaved rounds, 1 BLAS thread/rank")
     header = (f"{'mode':>8} {'delay':>5} {'N':>3} {'step ms':>9} {'img/s':>8} {'speedup':>8} "
-              f"{'effic.':>7} {'exposed comm ms':>16} {'overlap':>8} {'bytes/step':>12}")
+              f"{'effic.':>7} {'exposed comm ms':>16} {'overlap':>8} {'bytes/step':>12} "
+              f"{'FC params/rank':>15}")
     print(header)
     for r in rows:
         print(f"{r['mode']:>8} {r['delay']:>5} {r['np']:>3} {r['step_ms']:>9.2f} "
               f"{r['images_per_sec']:>8.0f} {r['speedup']:>8.2f} {r['efficiency']:>7.2f} "
-              f"{r['exposed_comm_ms']:>16.2f} {r['overlap']:>8.2f} {r['bytes_per_step']:>12,}")
+              f"{r['exposed_comm_ms']:>16.2f} {r['overlap']:>8.2f} {r['bytes_per_step']:>12,} "
+              f"{r['fc_params_per_rank'] if r['fc_params_per_rank'] is not None else '-':>15}")
     return 0
