@@ -93,6 +93,17 @@ class Strategy:
             return 0, 0
         return int(self.transport.bytes_sent), int(self.transport.bytes_recv)
 
+    def extra_summary(self):
+        """Return mode-specific fields for the --json summary (FC parameter memory per rank)."""
+        model = self.model
+        try:
+            first_fc = model.layers[model.fc_start()][0]
+        except ValueError:
+            return {}
+        conv = model.param_offsets()[f"{first_fc}.weight"][0]
+        fc = model.num_params - conv
+        return {"conv_params": int(conv), "fc_params": int(fc), "fc_params_per_rank": int(fc)}
+
     def checksum(self):
         """Return a CRC32 of this rank's newest complete weights (bit-exact replica check)."""
         return zlib.crc32(np.ascontiguousarray(to_numpy(self.eval_model().params)).view(np.uint8))
