@@ -234,7 +234,7 @@ class Model:
         self.backward(self.loss_layer.backward())
         return float(loss), self._correct(logits, labels)
 
-    def evaluate(self, x, labels, batch_size=256):
+    def evaluate(self, x, labels, batch_size=128):
         """Return (mean loss, correct count) over x in inference mode; grads untouched."""
         n = len(x)
         if n == 0:

@@ -1,4 +1,4 @@
-"""Conv2d: im2col on strided tap slices + one GEMM per pass, channel-major activations."""
+"""Conv2d: im2col from per-tap slices + one GEMM per pass, on batch-last (C, H, W, B) memory."""
 from ringnet.backend import get_array_module
 from ringnet.layers.base import (Layer, as_channel_rows, batch_last, check_init, tap_ranges,
                                  tap_slice)

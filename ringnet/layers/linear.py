@@ -32,6 +32,8 @@ class Linear(Layer):
 
     def forward(self, x, train=True):
         xp = get_array_module(x)
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"Linear expects (B, {self.in_features}), got {tuple(x.shape)}")
         y = xp.matmul(x, self.params["weight"].T)                # (B, out)
         y += self.params["bias"]
         self._x = x if train else None                           # (B, in)
