@@ -24,6 +24,12 @@ def pool_output_size(size, kernel, stride, pad):
     return out
 
 
+def _covers(tap, ho, wo):
+    """Return True when a (t, out slices, in slices) tap reaches every output position."""
+    _, (_, rows, cols), _ = tap
+    return tap[0] == 0 and rows == slice(0, ho) and cols == slice(0, wo)
+
+
 class _Pool2d(Layer):
     def __init__(self, kernel_size, stride=None, padding=0):
         self.kernel_size = _pair(kernel_size, "kernel_size")
@@ -70,11 +76,15 @@ class MaxPool2d(_Pool2d):
         b, c, h, w = x.shape                                     # (B, C, H, W)
         ho, wo, taps = self._taps(h, w)
         y = empty_like_layout(xp, x, (b, c, ho, wo))             # (B, C, Ho, Wo)
-        y.fill(-np.inf)
         argmax = zeros_like_layout(xp, x, y.shape, np.uint8) if train else None
         if train:
             wins = empty_like_layout(xp, x, y.shape, np.bool_)
             step = empty_like_layout(xp, x, y.shape, np.uint8)
+        if _covers(taps[0], ho, wo):
+            y[...] = x[taps[0][2]]                               # tap 0 starts every window
+            taps = taps[1:]
+        else:
+            y.fill(-np.inf)
         for t, out_sl, in_sl in taps:
             src, dst = x[in_sl], y[out_sl]
             if train:
@@ -85,7 +95,7 @@ class MaxPool2d(_Pool2d):
                 xp.multiply(delta, win, out=delta)
                 xp.add(arg, delta, out=arg)
             xp.maximum(dst, src, out=dst)
-        self._cache = (x, argmax, taps) if train else None
+        self._cache = (x, argmax, self._taps(h, w)[2]) if train else None
         return y
 
     def backward(self, dy):
@@ -124,8 +134,13 @@ class AvgPool2d(_Pool2d):
         xp = get_array_module(x)
         b, c, h, w = x.shape                                     # (B, C, H, W)
         ho, wo, taps = self._taps(h, w)
-        y = zeros_like_layout(xp, x, (b, c, ho, wo))             # (B, C, Ho, Wo)
-        for _, out_sl, in_sl in taps:
+        if _covers(taps[0], ho, wo):
+            y = empty_like_layout(xp, x, (b, c, ho, wo))         # (B, C, Ho, Wo)
+            y[...] = x[taps[0][2]]
+            rest = taps[1:]
+        else:
+            y, rest = zeros_like_layout(xp, x, (b, c, ho, wo)), taps
+        for _, out_sl, in_sl in rest:
             y[out_sl] += x[in_sl]
         inv = self._inv_count(xp, h, w, ho, wo, x.dtype)
         y *= inv
