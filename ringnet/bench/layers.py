@@ -141,6 +141,7 @@ def step_times(model, x, y, iters, vs_torch):
 
 
 def parse_args(argv):
+    """Parse the benchmark's flags."""
     p = argparse.ArgumentParser(prog="python -m ringnet.bench layers",
                                 description="Per-layer forward/backward times and full training "
                                             "steps (forward, loss, backward, SGD) on one BLAS thread.")
@@ -160,6 +161,7 @@ def parse_args(argv):
 
 
 def main(argv=None):
+    """Run the benchmark; print tables or one JSON line."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not _PINNED and not args.json:
         print("note: NumPy was loaded before the benchmark, BLAS threads not pinned to 1")

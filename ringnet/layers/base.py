@@ -29,6 +29,14 @@ class Layer:
         """Return the per-sample output shape for a per-sample input shape."""
         return tuple(in_shape)
 
+    def forward(self, x, train=True):
+        """Return the output for ``x``; with ``train``, keep what backward needs."""
+        raise NotImplementedError
+
+    def backward(self, dy):
+        """Return dx for the output gradient ``dy``; overwrite this layer's gradient views."""
+        raise NotImplementedError
+
     def __repr__(self):
         return f"{type(self).__name__}()"
 
