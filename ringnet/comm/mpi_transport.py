@@ -12,10 +12,11 @@ from ringnet.comm.transport import CommTimeoutError, Transport, describe
 
 __all__ = ["MpiTransport", "mpi_cuda_aware"]
 
-# Polling: spin (yielding the core to other ranks with sleep(0)) for SPIN_S, then
+# Polling: spin (yielding the core to other ranks with sched_yield) for SPIN_S, then
 # sleep with a growing pause up to MAX_PAUSE_S. MPI progress only happens inside MPI
-# calls, so long pauses would slow large transfers; pure spinning would starve other
-# ranks that share a core.
+# calls, so long pauses would slow large transfers; spinning without yielding starves
+# ranks that share a core (measured 5-20x slower with 4 ranks on 2 cores); a yielding
+# spin measured as fast as MPI's own blocking Waitall.
 SPIN_S = 0.05
 MAX_PAUSE_S = 0.001
 
@@ -144,7 +145,9 @@ class MpiTransport(Transport):
                                        f"{self.timeout_s:g} s")
             if now - start > SPIN_S:
                 pause = min(MAX_PAUSE_S, pause + 1e-5)
-            time.sleep(pause)
+                time.sleep(pause)
+            else:
+                os.sched_yield()
 
     def allreduce_native(self, buf, op="sum"):
         """MPI_Allreduce in place (the reference the ring is measured against)."""

@@ -39,6 +39,10 @@ class Transport:
     Subclasses implement :meth:`isendrecv`; ``send``/``recv``/``sendrecv`` are built
     on it. With ``stream`` given, each call is queued on that stream and returns a
     :class:`~ringnet.comm.stream.Handle`; without, it blocks until done.
+
+    Messages are matched per stream: a send queued on a rank's k-th stream pairs
+    with the receive queued on its peer's k-th stream (every rank creates its
+    streams in the same order), and calls off any stream pair with each other.
     """
 
     name = "base"
