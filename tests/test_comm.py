@@ -1,0 +1,109 @@
+"""Single-process checks of ringnet.comm: argument errors, shards, timeout, streams, bench parsing."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ringnet.bench.comm import bus_bandwidth, parse_sizes
+from ringnet.comm import (CommTimeoutError, CpuStream, MpiTransport, RingCommunicator, create,
+                          make_transport, shard_bounds)
+from ringnet.errors import UsageError
+
+
+@pytest.fixture
+def transport():
+    t = MpiTransport(MPI.COMM_SELF, timeout_s=0.3)
+    yield t
+    t.close()
+
+
+def test_unknown_names_raise_value_error(transport):
+    with pytest.raises(ValueError, match="bogus"):
+        create("bogus", transport=transport)
+    with pytest.raises(ValueError, match="bogus"):
+        make_transport("bogus", mpi_comm=MPI.COMM_SELF)
+
+
+@pytest.mark.parametrize("length,size", [(0, 3), (2, 4), (10, 4), (100003, 3), (7, 1)])
+def test_shard_bounds_contiguous_and_balanced(length, size):
+    bounds = shard_bounds(length, size)
+    lengths = [b - a for a, b in bounds]
+    assert bounds[0][0] == 0 and bounds[-1][1] == length
+    assert all(bounds[i][1] == bounds[i + 1][0] for i in range(size - 1))
+    # closed form: the first length % size shards hold one element more
+    assert lengths == [length // size + (1 if r < length % size else 0) for r in range(size)]
+
+
+def test_bad_buffers_and_arguments_are_refused(transport):
+    ring = create("ring", transport=transport)
+    tree = create("tree", transport=transport)
+    with pytest.raises(ValueError, match="flat"):
+        ring.allreduce(np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match="flat"):
+        ring.allreduce(np.zeros(10, np.float32)[::2])
+    with pytest.raises(ValueError, match="op"):
+        ring.allreduce(np.zeros(3, np.float32), op="max")
+    with pytest.raises(ValueError, match="mean"):
+        ring.allreduce(np.zeros(3, np.int32), op="mean")
+    with pytest.raises(ValueError, match="bounds"):
+        ring.reduce_scatter(np.zeros(5), bounds=[(0, 4)])
+    with pytest.raises(ValueError, match="root"):
+        tree.reduce(np.zeros(3), root=1)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        RingCommunicator(transport, chunk_bytes=0)
+    with pytest.raises(ValueError, match="peer"):
+        transport.send(np.zeros(3), 5)
+
+
+def test_transfer_timeout_names_operation_peer_and_size(transport):
+    # A receive nobody sends to: it must fail after ~timeout_s, not hang.
+    out = np.empty(1024, np.float32)
+    with pytest.raises(CommTimeoutError, match=r"recv from rank 0 of 4096 bytes did not complete within 0.3 s"):
+        transport.recv(out, 0)
+
+
+def test_transfer_timeout_on_stream_surfaces_at_wait(transport):
+    stream = transport.new_stream()
+    try:
+        handle = transport.recv(np.empty(8, np.float64), 0, stream=stream)
+        with pytest.raises(CommTimeoutError, match="of 64 bytes"):
+            handle.wait()
+    finally:
+        stream.close()
+
+
+def test_single_rank_collectives_are_identity(transport):
+    # With one rank, sum and mean over ranks leave the buffer as it was.
+    x = np.arange(11, dtype=np.float32)
+    for name in ("ring", "tree", "master"):
+        buf = x.copy()
+        create(name, transport=transport).allreduce(buf, op="mean")
+        np.testing.assert_array_equal(buf, x)
+    assert transport.bytes_sent == 0 and transport.bytes_recv == 0
+
+
+def test_stream_runs_in_submission_order():
+    order = []
+    with CpuStream() as stream:
+        handles = [stream.submit(order.append, i) for i in range(50)]
+        stream.synchronize()
+    assert order == list(range(50))
+    assert all(h.done() for h in handles)
+
+
+def test_timeout_env_variable(monkeypatch):
+    monkeypatch.setenv("RINGNET_COMM_TIMEOUT", "12.5")
+    t = MpiTransport(MPI.COMM_SELF)
+    assert t.timeout_s == 12.5
+    t.close()
+    monkeypatch.setenv("RINGNET_COMM_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="RINGNET_COMM_TIMEOUT"):
+        MpiTransport(MPI.COMM_SELF)
+
+
+def test_bench_sizes_and_bus_bandwidth():
+    assert parse_sizes("8,1K,1M") == [8, 1024, 1 << 20]
+    assert parse_sizes("1K:8K") == [1024, 2048, 4096, 8192]
+    with pytest.raises(UsageError):
+        parse_sizes("lots")
+    # closed form: 4 ranks move 2*3/4 of the buffer per link
+    assert bus_bandwidth(2.0, 4) == pytest.approx(3.0)
