@@ -34,6 +34,9 @@ def _parser():
     p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--lr", type=float, default=0.001,
+                   help="learning rate (default 0.001: small enough that no mode diverges in a "
+                        "timing run; step time does not depend on it)")
     p.add_argument("--transport", default="auto")
     p.add_argument("--device", default="cpu")
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
@@ -48,7 +51,7 @@ def run_config(args, mode, delay, nranks):
     """Run one training job under mpirun; return its --json summary dict."""
     cmd = [args.mpirun, "-np", str(nranks), sys.executable, "-m", "ringnet.train",
            "--model", args.model, "--dataset", args.dataset, "--mode", mode,
-           "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+           "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--lr", str(args.lr),
            "--transport", args.transport, "--device", args.device,
            "--json", "--quiet", "--no-progress", "--no-eval"]
     if mode != "single":
