@@ -35,15 +35,6 @@ def _world():
     return MPI.COMM_WORLD
 
 
-def _local_rank(world):
-    from mpi4py import MPI
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_rank()
-    finally:
-        node.Free()
-
-
 def _setup(cfg, world):
     """Resolve the config, pick the device, open the data, build model and strategy."""
     from ringnet.data import ShardedLoader, check_compatible, open_dataset
@@ -61,7 +52,8 @@ def _setup(cfg, world):
             raise UsageError(str(exc)) from None
     xp = collective(world, pick_device)
     if xp is not np:
-        backend.bind_device(_local_rank(world))
+        from ringnet.comm import local_rank
+        backend.bind_device(local_rank(world)[0])
 
     spec = MODELS[cfg.model]
 
@@ -223,6 +215,8 @@ def train(cfg=None, world=None, **overrides):
     per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, loader.wait_s,
                          stats.comm_total_s, sent, received], dtype=np.float64)
     mean = world.allreduce(per_rank) / size
+    from mpi4py import MPI
+    busiest = world.allreduce(float(sent), op=MPI.MAX)     # the root of tree/master carries most
     times = stats.step_times[2:] or stats.step_times
     step_ms = 1000 * statistics.median(times) if times else float("nan")
     summary = {
@@ -238,6 +232,7 @@ def train(cfg=None, world=None, **overrides):
         "comm_total_s": mean[4], "overlap": stats.overlap(),
         "bytes_sent": int(mean[5]), "bytes_recv": int(mean[6]),
         "bytes_per_step": int(mean[5] / steps_run) if steps_run else 0,
+        "bytes_sent_max": int(busiest),
         "num_params": model.num_params,
     }
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
