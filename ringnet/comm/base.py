@@ -4,7 +4,7 @@ import numpy as np
 from ringnet.backend import get_array_module, is_gpu_array
 from ringnet.comm.stream import current_tag
 
-__all__ = ["CommunicatorBase", "shard_bounds", "OPS"]
+__all__ = ["CommunicatorBase", "RootedCommunicator", "shard_bounds", "OPS"]
 
 OPS = ("sum", "mean")
 _DTYPES = (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
@@ -87,3 +87,32 @@ class CommunicatorBase:
 
     def _add_from(self, part, scratch):
         get_array_module(part).add(part, scratch, out=part)
+
+
+class RootedCommunicator(CommunicatorBase):
+    """Collectives through one root: subclasses define ``_reduce`` and ``_bcast``."""
+
+    def reduce(self, buf, root=0, op="sum", stream=None):
+        """Combine every rank's ``buf`` on ``root`` (other ranks' ``buf``: see the subclass)."""
+        self._check(buf, op, root)
+        return self._launch(self._reduce, (buf, root, op), stream)
+
+    def bcast(self, buf, root=0, stream=None):
+        """Copy ``root``'s ``buf`` into every rank's ``buf``."""
+        self._check(buf, root=root)
+        return self._launch(self._bcast, (buf, root), stream)
+
+    def allreduce(self, buf, op="sum", stream=None):
+        """Reduce to rank 0, then broadcast from it."""
+        self._check(buf, op)
+        return self._launch(self._allreduce, (buf, op), stream)
+
+    def _reduce(self, buf, root, op):
+        raise NotImplementedError
+
+    def _bcast(self, buf, root):
+        raise NotImplementedError
+
+    def _allreduce(self, buf, op):
+        self._reduce(buf, 0, op)
+        self._bcast(buf, 0)

@@ -1,14 +1,15 @@
 """TreeCommunicator: binary-tree reduce to a root and tree broadcast, any N."""
-from ringnet.comm.base import CommunicatorBase
+from ringnet.comm.base import RootedCommunicator
 
 __all__ = ["TreeCommunicator"]
 
 
-class TreeCommunicator(CommunicatorBase):
+class TreeCommunicator(RootedCommunicator):
     """Ranks, renumbered so that ``root`` is 0, form a binary heap: v has children 2v+1, 2v+2.
 
     A reduce takes ceil(log2(N+1)) - 1 rounds of depth; every inner node receives the
     whole buffer from up to two children, so the root's link carries 2x the buffer.
+    After ``reduce`` the non-root ranks' ``buf`` holds partial sums (scratch).
     """
 
     name = "tree"
@@ -20,21 +21,6 @@ class TreeCommunicator(CommunicatorBase):
         parent = None if v == 0 else ((v - 1) // 2 + root) % n
         children = [(c + root) % n for c in (2 * v + 1, 2 * v + 2) if c < n]
         return parent, children
-
-    def reduce(self, buf, root=0, op="sum", stream=None):
-        """Reduce ``buf`` to ``root`` (other ranks' ``buf`` is scratch afterwards)."""
-        self._check(buf, op, root)
-        return self._launch(self._reduce, (buf, root, op), stream)
-
-    def bcast(self, buf, root=0, stream=None):
-        """Copy ``root``'s ``buf`` into every rank's ``buf``."""
-        self._check(buf, root=root)
-        return self._launch(self._bcast, (buf, root), stream)
-
-    def allreduce(self, buf, op="sum", stream=None):
-        """Reduce to rank 0, then broadcast from it."""
-        self._check(buf, op)
-        return self._launch(self._allreduce, (buf, op), stream)
 
     def _reduce(self, buf, root, op):
         parent, children = self._family(root)
@@ -56,7 +42,3 @@ class TreeCommunicator(CommunicatorBase):
         pending = [self.transport.isendrecv(buf, child, None, None) for child in children]
         for p in pending:
             p.wait()
-
-    def _allreduce(self, buf, op):
-        self._reduce(buf, 0, op)
-        self._bcast(buf, 0)

@@ -62,6 +62,7 @@ class Strategy:
         self.make_optimizer = make_optimizer
         self.stats = StepStats()
         self.transport = None
+        self.pending = None     # Handle of the exchange in flight (delay 1)
 
     # -- contract -----------------------------------------------------------
     def step(self, x, labels, it):
@@ -70,6 +71,7 @@ class Strategy:
 
     def drain(self):
         """Wait for any exchange still in flight; afterwards the newest weights are complete."""
+        self._wait_pending()
 
     def eval_model(self):
         """Return a full model holding the newest complete weights (call after drain)."""
@@ -87,6 +89,35 @@ class Strategy:
         """Release streams and communicators."""
 
     # -- shared -------------------------------------------------------------
+    def _wait_pending(self):
+        """Block on the exchange in flight (if any), counting the time as exposed communication."""
+        if self.pending is not None:
+            t = time.perf_counter()
+            pending, self.pending = self.pending, None
+            pending.wait()
+            self.stats.comm_wait_s += time.perf_counter() - t
+
+    def _named(self, flat):
+        flat = to_numpy(flat)
+        return {name: flat[start:stop].reshape(shape).copy()
+                for name, (start, stop, shape) in self.model.param_offsets().items()}
+
+    def _flat(self, named):
+        offsets = self.model.param_offsets()
+        missing = set(offsets) - set(named)
+        extra = set(named) - set(offsets)
+        if missing or extra:
+            raise ValueError(f"checkpoint parameters do not match model {self.model.name!r}: "
+                             f"missing {sorted(missing)}, unexpected {sorted(extra)}")
+        flat = np.empty(self.model.num_params, dtype=self.model.dtype)
+        for name, (start, stop, shape) in offsets.items():
+            value = np.asarray(named[name])
+            if value.shape != tuple(shape):
+                raise ValueError(f"checkpoint parameter {name} has shape {value.shape}, "
+                                 f"model expects {tuple(shape)}")
+            flat[start:stop] = value.ravel()
+        return flat
+
     def bytes_moved(self):
         """Return (bytes_sent, bytes_recv) of this rank so far."""
         if self.transport is None:
@@ -190,42 +221,11 @@ class DataParallelStrategy(Strategy):
         self.stats.step_times.append(time.perf_counter() - t0)
         return loss, correct
 
-    def _wait_pending(self):
-        if self.pending is not None:
-            t = time.perf_counter()
-            pending, self.pending = self.pending, None
-            pending.wait()
-            self.stats.comm_wait_s += time.perf_counter() - t
-
-    def drain(self):
-        self._wait_pending()
-
     def eval_model(self):
         self.model.bind_flat(params=self.weights[self.latest])
         return self.model
 
     # -- checkpoints ---------------------------------------------------------
-    def _named(self, flat):
-        flat = to_numpy(flat)
-        return {name: flat[start:stop].reshape(shape).copy()
-                for name, (start, stop, shape) in self.model.param_offsets().items()}
-
-    def _flat(self, named):
-        offsets = self.model.param_offsets()
-        missing = set(offsets) - set(named)
-        extra = set(named) - set(offsets)
-        if missing or extra:
-            raise ValueError(f"checkpoint parameters do not match model {self.model.name!r}: "
-                             f"missing {sorted(missing)}, unexpected {sorted(extra)}")
-        flat = np.empty(self.model.num_params, dtype=self.model.dtype)
-        for name, (start, stop, shape) in offsets.items():
-            value = np.asarray(named[name])
-            if value.shape != tuple(shape):
-                raise ValueError(f"checkpoint parameter {name} has shape {value.shape}, "
-                                 f"model expects {tuple(shape)}")
-            flat[start:stop] = value.ravel()
-        return flat
-
     def _full_momentum(self):
         """Return the whole momentum vector on rank 0 (None elsewhere)."""
         return to_numpy(self.optimizer.state_dict()["momentum"])

@@ -34,7 +34,7 @@ import numpy as np
 from ringnet.backend import get_array_module, to_numpy
 from ringnet.errors import UsageError
 from ringnet.layers import Dropout, Linear, ReLU
-from ringnet.parallel.base import DataParallelStrategy, Strategy, _synchronize
+from ringnet.parallel.base import Strategy, _synchronize
 
 __all__ = ["SplitFCStrategy", "FcSlice", "check_split", "fc_blocks"]
 
@@ -396,16 +396,6 @@ class SplitFCStrategy(Strategy):
         self.stats.comm_total_s += (t1 - t0) + (t3 - t2)
         self.stats.update_s += t2 - t1
 
-    def _wait_pending(self):
-        if self.pending is not None:
-            t = time.perf_counter()
-            pending, self.pending = self.pending, None
-            pending.wait()
-            self.stats.comm_wait_s += time.perf_counter() - t
-
-    def drain(self):
-        self._wait_pending()
-
     # -- full model ------------------------------------------------------------------
     def _restore_front(self):
         if self._showing_latest:
@@ -449,20 +439,20 @@ class SplitFCStrategy(Strategy):
         return np.asarray(to_numpy(full))
 
     def full_state(self):
-        params = DataParallelStrategy._named(self, self.eval_model().params)
+        params = self._named(self.eval_model().params)
         prev = None
         if self.delay:
             flat = to_numpy(self.model.params).copy()
             flat[:self.conv_size] = to_numpy(self._front_saved)
-            prev = DataParallelStrategy._named(self, flat)
-        momentum = DataParallelStrategy._named(self, self._momentum())
+            prev = self._named(flat)
+        momentum = self._named(self._momentum())
         return params, momentum, prev
 
     def load_full_state(self, params, momentum=None, prev_params=None):
         self.drain()
         xp, n = self.xp, self.conv_size
-        flat = DataParallelStrategy._flat(self, params)
-        full_m = (DataParallelStrategy._flat(self, momentum) if momentum
+        flat = self._flat(params)
+        full_m = (self._flat(momentum) if momentum
                   else np.zeros(self.model.num_params, self.model.dtype))
         self.model.params[...] = xp.asarray(flat)
         self._showing_latest = False
@@ -470,7 +460,7 @@ class SplitFCStrategy(Strategy):
         if self.delay:
             self.conv_latest[...] = xp.asarray(flat[:n])
             if prev_params:
-                front = DataParallelStrategy._flat(self, prev_params)[:n]
+                front = self._flat(prev_params)[:n]
                 self.model.params[:n] = xp.asarray(front)
         lo, hi = self.conv_owned.start, self.conv_owned.stop
         self.conv_optimizer.load_state_dict({"momentum": full_m[lo:hi]})
