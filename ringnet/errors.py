@@ -14,7 +14,7 @@ import os
 import sys
 import traceback
 
-__all__ = ["UsageError", "TrainingError", "collective", "run_main", "abort"]
+__all__ = ["UsageError", "TrainingError", "collective", "run_main", "abort", "import_mpi"]
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -34,6 +34,18 @@ def _world():
     except Exception:  # pragma: no cover - mpi4py is a hard dependency
         return None
     return MPI.COMM_WORLD
+
+
+def import_mpi():
+    """Return mpi4py's MPI module, or raise UsageError saying how to get an MPI library."""
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(f"mpi4py cannot load an MPI library ({first}): `pip install mpich` "
+                         "for a local one, or load your cluster's MPI and "
+                         "`pip install --no-binary=mpi4py mpi4py`") from None
+    return MPI
 
 
 def _print_error(message):

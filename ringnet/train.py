@@ -12,7 +12,7 @@ import numpy as np
 
 from ringnet import backend
 from ringnet.config import TrainConfig, config_from_args
-from ringnet.errors import TrainingError, UsageError, collective, run_main
+from ringnet.errors import TrainingError, UsageError, collective, import_mpi, run_main
 
 __all__ = ["train", "main", "TrainResult"]
 
@@ -31,8 +31,7 @@ class TrainResult:
 
 
 def _world():
-    from mpi4py import MPI
-    return MPI.COMM_WORLD
+    return import_mpi().COMM_WORLD
 
 
 def _setup(cfg, world):
@@ -215,7 +214,7 @@ def train(cfg=None, world=None, **overrides):
     per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, loader.wait_s,
                          stats.comm_total_s, sent, received], dtype=np.float64)
     mean = world.allreduce(per_rank) / size
-    from mpi4py import MPI
+    MPI = import_mpi()
     busiest = world.allreduce(float(sent), op=MPI.MAX)     # the root of tree/master carries most
     times = stats.step_times[2:] or stats.step_times
     step_ms = 1000 * statistics.median(times) if times else float("nan")

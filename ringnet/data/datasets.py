@@ -1,5 +1,6 @@
 """Open data sets by name or path: the ringnet HDF5 layout, or synthetic data."""
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +27,16 @@ def default_data_dir():
     return Path(ringnet.__file__).resolve().parent.parent / "datasets"
 
 
+def installed_data_dir():
+    """Return where a non-editable install puts the embedded data sets (setup.cfg data_files)."""
+    return Path(sys.prefix) / "share" / "ringnet" / "datasets"
+
+
 def data_dirs(data_dir=None):
     """Return the folders searched for ``<name>.h5``, in order, without duplicates."""
     candidates = [data_dir, os.environ.get("RINGNET_DATA") or None, default_data_dir()]
+    if installed_data_dir().is_dir():
+        candidates.append(installed_data_dir())
     dirs = []
     for d in candidates:
         if d is not None and Path(d).resolve() not in [x.resolve() for x in dirs]:

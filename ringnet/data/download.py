@@ -62,8 +62,8 @@ def default_data_dir():
     env = os.environ.get("RINGNET_DATA")
     if env:
         return Path(env)
-    import ringnet
-    return Path(ringnet.__file__).resolve().parent.parent / "datasets"
+    from ringnet.data.datasets import default_data_dir as repo_data_dir
+    return repo_data_dir()
 
 
 def file_sha256(path):
