@@ -7,7 +7,7 @@ from ringnet.backend import gpu_available, to_numpy
 from ringnet.config import TrainConfig
 from ringnet.train import train
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi,
               pytest.mark.skipif(not gpu_available(), reason="needs a usable CUDA GPU (CuPy)")]
 
 BASE = dict(model="digits", dataset="digits", batch_size=32, steps=8, dtype="float64",

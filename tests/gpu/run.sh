@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the GPU communication tests on a machine with at least one CUDA GPU.
+# Run the GPU tests (communication and training) on a machine with at least one CUDA GPU.
 # Usage: tests/gpu/run.sh   (from the repository root, virtual environment active)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,5 +15,12 @@ mpirun -np 2 python -m pytest -q --with-mpi -m "gpu and mpi" tests/gpu
 echo "== 2 ranks sharing GPUs: NCCL with NCCL_MULTI_RANK_GPU_ENABLE=1 (may be unsupported)"
 NCCL_MULTI_RANK_GPU_ENABLE=1 mpirun -np 2 python -m pytest -q --with-mpi -m "gpu and mpi" -k nccl tests/gpu || \
     echo "NCCL with two ranks per GPU failed: this NCCL build does not support it"
+echo "== training on the GPU equals the same run on the CPU (1 and 2 ranks)"
+python -m pytest -q --with-mpi -m gpu tests/test_gpu_train.py
+mpirun -np 2 python -m pytest -q --with-mpi -m gpu tests/test_gpu_train.py
+echo "== ring delay 1 and split-fc on the GPU, 2 ranks, MPI transport"
+mpirun -np 2 python -m ringnet.train --device gpu --transport mpi --steps 60 --json --quiet
+mpirun -np 2 python -m ringnet.train --device gpu --transport mpi --mode split-fc --model lenet \
+    --dataset synthetic --steps 20 --lr 0.001 --json --quiet
 echo "== comm benchmark, 2 ranks"
 mpirun -np 2 python -m ringnet.bench comm --transport mpi --sizes 1K,1M,16M --iters 5
