@@ -138,3 +138,47 @@ def test_diverged_replicas_are_detected_and_named():
     with pytest.raises(TrainingError, match=rf"rank\(s\) {size - 1} differ"):
         check_replicas(result.strategy, WORLD, 7)
     result.strategy.close()
+
+
+def _dropout_model():
+    from ringnet.layers import Conv2d, Dropout, Flatten, Linear, ReLU
+    from ringnet.models import Model
+    layers = [("conv1", Conv2d(1, 4, 3, padding=1)), ("relu1", ReLU()), ("flatten", Flatten()),
+              ("ip1", Linear(4 * 8 * 8, 16)), ("relu2", ReLU()), ("drop1", Dropout(0.5, seed=7)),
+              ("ip2", Linear(16, 10))]
+    return Model(layers, (1, 8, 8), 10, dtype="float64", seed=1, name="dropnet")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["ring", "tree", "master"])
+def test_dropout_masks_match_single_at_any_rank_count(mode):
+    """With dropout, the same sample gets the same mask at every N: delay 0 still equals single."""
+    from ringnet import comm as ringcomm
+    from ringnet.parallel.ring import RingStrategy
+    from ringnet.parallel.single import SingleStrategy
+    from ringnet.parallel.tree import TreeStrategy
+    from ringnet.parallel.master import MasterStrategy
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, 1, 8, 8))
+    y = rng.integers(0, 10, size=BATCH)
+
+    def optimizer(n):
+        return SGD(n, LRPolicy("fixed", 0.1), momentum=0.9, weight_decay=1e-3, dtype="float64")
+
+    cls = {"ring": RingStrategy, "tree": TreeStrategy, "master": MasterStrategy}[mode]
+    communicator = ringcomm.create("ring" if mode == "ring" else mode, transport="mpi",
+                                   mpi_comm=WORLD)
+    strategy = cls(_dropout_model(), optimizer, WORLD, communicator, delay=0)
+    part = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+    for it in range(4):
+        strategy.step(x[part], y[part], it)
+    params = np.array(strategy.eval_model().params)
+    strategy.close()
+    single = SingleStrategy(_dropout_model(), optimizer)
+    for it in range(4):
+        single.step(x, y, it)
+    reference = np.array(single.eval_model().params)
+    no_dropout = _dropout_model()
+    assert _rel(params, reference) <= 1e-9, f"{mode} with dropout differs from single"
+    assert not np.allclose(reference, no_dropout.params)   # training moved the weights

@@ -31,7 +31,10 @@ class Dropout(Layer):
     """Inverted dropout: in training keep with probability 1 - p and scale by 1 / (1 - p).
 
     The mask stream is seeded (``seed``) and reproducible for a given array module;
-    evaluation (``train=False``) is the identity.
+    evaluation (``train=False``) is the identity. ``batch_part = (part, parts)`` says this
+    forward sees part ``part`` of ``parts`` equal parts of a global batch (data-parallel
+    ranks): the mask is drawn for the whole global batch and this part's rows are used,
+    so every rank count applies the same mask to the same sample as one process would.
     """
 
     def __init__(self, p=0.5, seed=0):
@@ -39,6 +42,7 @@ class Dropout(Layer):
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p, self.seed = float(p), int(seed)
         self._rng, self._rng_xp, self._mask = None, None, None
+        self.batch_part = (0, 1)
 
     def __repr__(self):
         return f"Dropout(p={self.p})"
@@ -55,7 +59,13 @@ class Dropout(Layer):
             self._mask = None
             return x
         xp = get_array_module(x)
-        keep = self._uniform(xp, x.shape, x.dtype) >= self.p
+        part, parts = self.batch_part
+        if parts == 1:
+            keep = self._uniform(xp, x.shape, x.dtype) >= self.p
+        else:  # (B, ...) rows of a (parts * B, ...) global mask
+            b = x.shape[0]
+            whole = self._uniform(xp, (parts * b,) + x.shape[1:], x.dtype)
+            keep = whole[part * b:(part + 1) * b] >= self.p
         self._mask = keep.astype(x.dtype) * x.dtype.type(1.0 / (1.0 - self.p))
         return x * self._mask
 

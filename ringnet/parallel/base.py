@@ -147,6 +147,10 @@ class DataParallelStrategy(Strategy):
         super().__init__(model, make_optimizer, world, delay)
         self.comm = comm
         self.transport = comm.transport if comm is not None else None
+        from ringnet.layers import Dropout
+        for _, layer in model.layers:
+            if isinstance(layer, Dropout):      # this rank's rows of the global-batch mask
+                layer.batch_part = (self.rank, self.size)
         size = model.num_params
         self.owned = self._owned_slice(size)
         self.optimizer = make_optimizer(self.owned.stop - self.owned.start)
