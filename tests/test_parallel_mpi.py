@@ -182,3 +182,20 @@ def test_dropout_masks_match_single_at_any_rank_count(mode):
     no_dropout = _dropout_model()
     assert _rel(params, reference) <= 1e-9, f"{mode} with dropout differs from single"
     assert not np.allclose(reference, no_dropout.params)   # training moved the weights
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode, delay", [("ring", 1), ("tree", 0), ("split-fc", 0)])
+def test_resume_continues_the_exact_trajectory(tmp_path, mode, delay):
+    """k steps + checkpoint + resume to k+m equals an uninterrupted k+m run (delay 1 included)."""
+    path = WORLD.bcast(str(tmp_path / "ck.h5"))
+    cfg = TrainConfig(mode=mode, delay=delay, **dict(BASE, steps=None))
+    whole = train(cfg, world=WORLD, steps=9)
+    expected = _params(whole)
+    whole.strategy.close()
+    first = train(cfg, world=WORLD, steps=4, save=path)
+    first.strategy.close()
+    resumed = train(cfg, world=WORLD, steps=9, resume=path)
+    got = _params(resumed)
+    resumed.strategy.close()
+    assert np.array_equal(got, expected), f"{mode} delay {delay}: resumed run differs"
