@@ -108,6 +108,18 @@ def check_replicas(strategy, world, step):
                             f"{', '.join(map(str, differ))} differ from rank 0")
 
 
+def _interactive():
+    """Return True when a person watches: stderr is a terminal, or (under mpirun, where
+    stderr is a pipe to the launcher) the process still has a controlling terminal."""
+    if sys.stderr.isatty():
+        return True
+    try:
+        with open("/dev/tty", "rb"):
+            return True
+    except OSError:
+        return False
+
+
 def _log(cfg, world, text):
     if world.Get_rank() == 0 and not cfg.quiet:
         from tqdm import tqdm
@@ -153,7 +165,7 @@ def train(cfg=None, world=None, **overrides):
     if rank == 0 and cfg.progress and not cfg.quiet:
         from tqdm import tqdm
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True,
-                   disable=None, leave=False, file=sys.stderr)
+                   disable=not _interactive(), leave=False, file=sys.stderr)
 
     recent = []                    # local losses of the last epoch's worth of steps
     first_step = step
