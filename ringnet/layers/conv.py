@@ -120,20 +120,13 @@ class Conv2d(Layer):
             return dxc.reshape(c, h, w, b).transpose(3, 0, 1, 2)  # (B, C, H, W)
         dcols = xp.matmul(weight.T, dy2).reshape(c, kh, kw, ho, wo, b)
         dxc = xp.zeros((c, h, w, b), dtype=dy.dtype)             # (C, H, W, B)
-        for i, ri in enumerate(rows):
-            if ri is None:
-                continue
-            out_i, in_i = tap_slice(ri, sh)
-            for j, rj in enumerate(cols_r):
-                if rj is None:
-                    continue
-                out_j, in_j = tap_slice(rj, sw)
-                dxc[:, in_i, in_j] += dcols[:, i, j, out_i, out_j]
+        for i, j, out_i, out_j, in_i, in_j in _kernel_taps(rows, cols_r, (sh, sw)):
+            dxc[:, in_i, in_j] += dcols[:, i, j, out_i, out_j]   # col2im: the adjoint of _im2col
         return dxc.transpose(3, 0, 1, 2)                         # (B, C, H, W)
 
 
-def _im2col(xc, cols, rows, cols_r, stride):
-    """Copy each kernel tap's in-bounds slice of xc (C, H, W, B) into cols (C, kh, kw, Ho, Wo, B)."""
+def _kernel_taps(rows, cols_r, stride):
+    """Yield (i, j, out rows, out cols, in rows, in cols) for each in-bounds kernel tap."""
     sh, sw = stride
     for i, ri in enumerate(rows):
         if ri is None:
@@ -143,4 +136,10 @@ def _im2col(xc, cols, rows, cols_r, stride):
             if rj is None:
                 continue
             out_j, in_j = tap_slice(rj, sw)
-            cols[:, i, j, out_i, out_j] = xc[:, in_i, in_j]
+            yield i, j, out_i, out_j, in_i, in_j
+
+
+def _im2col(xc, cols, rows, cols_r, stride):
+    """Copy each kernel tap's in-bounds slice of xc (C, H, W, B) into cols (C, kh, kw, Ho, Wo, B)."""
+    for i, j, out_i, out_j, in_i, in_j in _kernel_taps(rows, cols_r, stride):
+        cols[:, i, j, out_i, out_j] = xc[:, in_i, in_j]
