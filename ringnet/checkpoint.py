@@ -11,20 +11,47 @@ Layout::
 Files are written to a temporary name next to the target and renamed on success, so
 an interrupted save never replaces a good checkpoint with a half-written one.
 """
+import os
+
 import h5py
 import numpy as np
 
 from ringnet.data.hdf5 import atomic_output
 from ringnet.errors import UsageError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "FORMAT"]
+__all__ = ["save_checkpoint", "load_checkpoint", "check_writable", "FORMAT"]
 
 FORMAT = "ringnet-checkpoint"
 VERSION = 1
 
 
+def check_writable(path):
+    """Raise UsageError unless a checkpoint can be created at ``path``."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    existing = directory
+    while not os.path.isdir(existing):          # the first folder that exists must be writable
+        parent = os.path.dirname(existing)
+        if parent == existing or os.path.exists(existing):
+            raise UsageError(f"cannot write checkpoint {path}: {existing} is not a folder")
+        existing = parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write checkpoint {path}: folder {existing} is not writable")
+    if os.path.isdir(path):
+        raise UsageError(f"cannot write checkpoint {path}: it is a folder")
+
+
 def save_checkpoint(path, params, momentum=None, prev_params=None, **attrs):
-    """Write named host arrays and scalar ``attrs`` to ``path`` atomically."""
+    """Write named host arrays and scalar ``attrs`` to ``path`` atomically.
+
+    An OS error becomes a UsageError naming the file; the old file at ``path`` is untouched.
+    """
+    try:
+        return _write(path, params, momentum, prev_params, attrs)
+    except OSError as exc:
+        raise UsageError(f"cannot write checkpoint {path} ({exc})") from None
+
+
+def _write(path, params, momentum, prev_params, attrs):
     with atomic_output(path, suffix=".h5.tmp") as tmp:
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = FORMAT

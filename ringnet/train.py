@@ -66,6 +66,10 @@ def _setup(cfg, world):
                              f"fewer than one global batch of {cfg.batch_size}")
         return ds
     dataset = collective(world, open_data)
+    if cfg.save:
+        from ringnet.checkpoint import check_writable
+        # Before training, not after hours of it: only rank 0 writes the file.
+        collective(world, lambda: check_writable(cfg.save) if rank == 0 else None)
 
     model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed)
     policy = LRPolicy(cfg.lr_policy, cfg.lr, gamma=cfg.gamma, stepsize=cfg.stepsize, power=cfg.power)
@@ -213,12 +217,14 @@ def train(cfg=None, world=None, **overrides):
     if cfg.save:
         from ringnet.checkpoint import save_checkpoint
         params, momentum, prev = strategy.full_state()
-        if rank == 0:
-            collective(None, save_checkpoint, cfg.save, params, momentum,
-                       prev if cfg.delay else None, model=cfg.model, mode=cfg.mode,
-                       delay=cfg.delay, ranks=size, step=step, epoch=step // spe,
-                       seed=cfg.seed, dtype=cfg.dtype, lr=cfg.lr, lr_policy=cfg.lr_policy)
-        world.Barrier()
+
+        def save():  # rank 0 writes; every rank learns whether it worked
+            if rank == 0:
+                save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
+                                model=cfg.model, mode=cfg.mode, delay=cfg.delay, ranks=size,
+                                step=step, epoch=step // spe, seed=cfg.seed, dtype=cfg.dtype,
+                                lr=cfg.lr, lr_policy=cfg.lr_policy)
+        collective(world, save)
 
     stats = strategy.stats
     steps_run = step - first_step

@@ -169,3 +169,13 @@ def test_a_rank_dying_ends_the_whole_job_promptly():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("np_", [None, 2])
+def test_unwritable_save_path_is_refused_before_training(tmp_path, np_):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = run_cli("--epochs", "50", "--save", str(blocker / "ck.h5"), np_=np_, timeout=120)
+    assert_one_line_error(proc, "cannot write checkpoint", "is not a folder")
+    assert "epoch" not in proc.stdout                    # refused before any training
+    assert_one_line_error(run_cli("--steps", "1", "--save", str(tmp_path)), "it is a folder")
