@@ -1,7 +1,7 @@
 """Training configuration: one dataclass, filled from argparse, checked before any work."""
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ringnet.errors import UsageError
 
@@ -51,7 +51,6 @@ class TrainConfig:
     synthetic_size: tuple = (2048, 512)
     progress: bool = True
     quiet: bool = False
-    extra: dict = field(default_factory=dict)
 
     def resolved(self, world_size):
         """Return a copy with defaults filled in for ``world_size`` ranks; raise UsageError on bad values."""
@@ -79,9 +78,8 @@ class TrainConfig:
             cfg.lr = defaults["lr"]
         if cfg.epochs is None and cfg.steps is None:
             cfg.epochs = defaults["epochs"]
-        for name in ("batch_size",):
-            if getattr(cfg, name) <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+        if cfg.batch_size <= 0:
+            raise UsageError(f"--batch-size must be positive, got {cfg.batch_size}")
         if cfg.epochs is not None and cfg.epochs <= 0:
             raise UsageError(f"--epochs must be positive, got {cfg.epochs}")
         if cfg.steps is not None and cfg.steps <= 0:

@@ -2,6 +2,7 @@
 
 ``train(cfg, world)`` is the same run as a function (tests and benchmarks call it).
 """
+import collections
 import json
 import math
 import statistics
@@ -171,7 +172,7 @@ def train(cfg=None, world=None, **overrides):
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True,
                    disable=not _interactive(), leave=False, file=sys.stderr)
 
-    recent = []                    # local losses of the last epoch's worth of steps
+    recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
     first_step = step
     t_train = time.perf_counter()
     test_acc = test_loss = None
@@ -186,7 +187,6 @@ def train(cfg=None, world=None, **overrides):
                     raise TrainingError(f"loss is {loss} at step {step} (epoch {epoch}): training "
                                         f"diverged; try a lower --lr (now {cfg.lr})")
                 recent.append(loss)
-                del recent[:-spe]
                 step += 1
                 if bar is not None:
                     bar.update(1)

@@ -166,7 +166,6 @@ class DataParallelStrategy(Strategy):
             self.stream = None
         self.front = 0      # buffer the next step computes on
         self.latest = 0     # buffer that holds (or is receiving) the newest weights
-        self.pending = None
         self._k = 0         # which gradient buffer the next step writes
 
     # -- what subclasses define ------------------------------------------------

@@ -208,7 +208,6 @@ class SplitFCStrategy(Strategy):
         self.overlap = (xp is not np) if overlap is None else bool(overlap)
         self.stream = comm.new_stream() if delay else None
         self.act_stream = comm.new_stream() if self.overlap else None
-        self.pending = None
         if delay:
             # newest conv weights (receiving the exchange in flight) and its gradient copy;
             # model.params[:conv] holds the weights the next step computes on
