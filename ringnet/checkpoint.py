@@ -6,72 +6,240 @@ Layout::
     /momentum/<name>          SGD momentum buffer of that parameter (same shape)
     /prev_params/<name>       delay-1 runs only: the weights the next step computes on
     attrs: format ("ringnet-checkpoint"), version, model, mode, delay, ranks, step, epoch,
-           seed, dtype, lr policy settings
+           seed, dtype, lr policy settings, rng (JSON: the state of every layer's random
+           stream, e.g. Dropout masks, so a resumed run continues the same trajectory)
 
-Files are written to a temporary name next to the target and renamed on success, so
-an interrupted save never replaces a good checkpoint with a half-written one.
+Durability: the file is written to ``<name>.<host>.<pid>.<random>.h5.tmp`` next to the
+target, flushed to disk (``fsync``), renamed onto the target, and the folder is
+fsynced, so an interrupted save never replaces a good checkpoint with a half-written
+one. SIGTERM and SIGINT during the write remove the temporary file; temporaries that
+a killed process (``kill -9``) left behind are swept by the next save to the same
+target. :func:`check_writable` tries a real write and compares the free space with
+the checkpoint's size before training, not after it.
 """
+import json
 import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
 
 import h5py
 import numpy as np
 
-from ringnet.data.hdf5 import atomic_output
-from ringnet.errors import UsageError
+from ringnet.data.hdf5 import file_mode
+from ringnet.errors import UsageError, fault_point
 
-__all__ = ["save_checkpoint", "load_checkpoint", "check_writable", "FORMAT"]
+__all__ = ["save_checkpoint", "load_checkpoint", "check_writable", "checkpoint_bytes",
+           "stale_temporaries", "FORMAT"]
 
 FORMAT = "ringnet-checkpoint"
 VERSION = 1
+TMP_SUFFIX = ".h5.tmp"
+# A temporary of another host (shared file system) counts as stale after this long.
+FOREIGN_STALE_S = 24 * 3600
+_HOST = socket.gethostname().replace(".", "_")
 
 
-def check_writable(path):
-    """Raise UsageError unless a checkpoint can be created at ``path``."""
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    existing = directory
-    while not os.path.isdir(existing):          # the first folder that exists must be writable
-        parent = os.path.dirname(existing)
-        if parent == existing or os.path.exists(existing):
-            raise UsageError(f"cannot write checkpoint {path}: {existing} is not a folder")
-        existing = parent
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write checkpoint {path}: folder {existing} is not writable")
+def checkpoint_bytes(num_params, itemsize, tensors=3):
+    """Return an upper estimate of a checkpoint's size (params, momentum, prev_params)."""
+    return int(num_params) * int(itemsize) * int(tensors) + (1 << 20)
+
+
+def check_writable(path, nbytes=0):
+    """Raise UsageError unless a checkpoint of ``nbytes`` can be written at ``path``.
+
+    Creates missing folders, writes and removes a small test file (a read-only or
+    full file system fails here), and compares the free space with ``nbytes``.
+    """
     if os.path.isdir(path):
         raise UsageError(f"cannot write checkpoint {path}: it is a folder")
-
-
-def save_checkpoint(path, params, momentum=None, prev_params=None, **attrs):
-    """Write named host arrays and scalar ``attrs`` to ``path`` atomically.
-
-    An OS error becomes a UsageError naming the file; the old file at ``path`` is untouched.
-    """
+    directory = os.path.dirname(os.path.abspath(path))
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"cannot write checkpoint {path}: {existing} is not a folder")
     try:
-        return _write(path, params, momentum, prev_params, attrs)
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot write checkpoint {path}: cannot create folder {directory} "
+                         f"({exc.strerror or exc})") from None
+    probe = None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=TMP_SUFFIX, dir=directory)
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise UsageError(f"cannot write checkpoint {path}: a test write in {directory} failed "
+                         f"({exc.strerror or exc})") from None
+    finally:
+        if probe is not None and os.path.exists(probe):
+            os.remove(probe)
+    free = shutil.disk_usage(directory).free
+    if nbytes and free < nbytes:
+        raise UsageError(f"cannot write checkpoint {path}: {free / 2**20:.1f} MiB free in "
+                         f"{directory}, the checkpoint needs about {nbytes / 2**20:.1f} MiB")
+
+
+def _tmp_prefix(path):
+    return f"{os.path.basename(path)}.{_HOST}.{os.getpid()}."
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_temporaries(path):
+    """Return the temporaries of ``path`` whose writer is gone (killed during a save)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(path) + "."
+    stale = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        if not (name.startswith(base) and name.endswith(TMP_SUFFIX)):
+            continue
+        parts = name[len(base):-len(TMP_SUFFIX)].split(".")
+        full = os.path.join(directory, name)
+        if len(parts) == 3 and parts[0] == _HOST and parts[1].isdigit():
+            if not _pid_alive(int(parts[1])) and int(parts[1]) != os.getpid():
+                stale.append(full)
+            continue
+        try:    # another host's, or an older ringnet's name without host and pid
+            if time.time() - os.path.getmtime(full) > FOREIGN_STALE_S:
+                stale.append(full)
+        except OSError:
+            pass
+    return sorted(stale)
+
+
+class _RemoveOnSignal:
+    """While active, SIGTERM and SIGINT remove ``tmp`` before the process ends."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, tmp):
+        self.tmp = tmp
+        self.previous = {}
+
+    def _handler(self, signum, frame):
+        try:
+            os.remove(self.tmp)
+        except OSError:
+            pass
+        previous = self.previous.get(signum)
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signum)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        return False
+
+
+def _fsync_dir(directory):
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass        # some file systems cannot fsync a folder
+    finally:
+        os.close(fd)
+
+
+def _check_finite(path, groups):
+    for group_name, tensors in groups:
+        for name, array in (tensors or {}).items():
+            array = np.asarray(array)
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+                raise UsageError(f"checkpoint {path}: {group_name}/{name} holds {bad} NaN or "
+                                 "infinite value(s); it cannot be trained from")
+
+
+def save_checkpoint(path, params, momentum=None, prev_params=None, rng=None, **attrs):
+    """Write named host arrays, layer RNG states and scalar ``attrs`` to ``path`` atomically.
+
+    Refuses non-finite weights; an OS error becomes a UsageError naming the file; the
+    old file at ``path`` is untouched in every case.
+    """
+    _check_finite(path, (("params", params), ("momentum", momentum), ("prev_params", prev_params)))
+    for stale in stale_temporaries(path):
+        try:
+            os.remove(stale)
+        except OSError:
+            pass
+    try:
+        return _write(path, params, momentum, prev_params, rng, attrs)
     except OSError as exc:
         raise UsageError(f"cannot write checkpoint {path} ({exc})") from None
 
 
-def _write(path, params, momentum, prev_params, attrs):
-    with atomic_output(path, suffix=".h5.tmp") as tmp:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format"] = FORMAT
-            f.attrs["version"] = VERSION
-            for key, value in attrs.items():
-                f.attrs[key] = "" if value is None else value
-            for group_name, tensors in (("params", params), ("momentum", momentum),
-                                        ("prev_params", prev_params)):
-                if tensors is None:
-                    continue
-                group = f.create_group(group_name)
-                for name, array in tensors.items():
-                    group.create_dataset(name, data=np.asarray(array))
+def _write(path, params, momentum, prev_params, rng, attrs):
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=TMP_SUFFIX, dir=directory)
+    os.close(fd)
+    with _RemoveOnSignal(tmp):
+        try:
+            os.chmod(tmp, file_mode())
+            with h5py.File(tmp, "w") as f:
+                f.attrs["format"] = FORMAT
+                f.attrs["version"] = VERSION
+                for key, value in attrs.items():
+                    f.attrs[key] = "" if value is None else value
+                if rng:
+                    f.attrs["rng"] = json.dumps(rng)
+                for group_name, tensors in (("params", params), ("momentum", momentum),
+                                            ("prev_params", prev_params)):
+                    if tensors is None:
+                        continue
+                    group = f.create_group(group_name)
+                    for name, array in tensors.items():
+                        group.create_dataset(name, data=np.asarray(array))
+                fault_point("save-write")
+            with open(tmp, "rb+") as written:
+                os.fsync(written.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+    _fsync_dir(directory)
     return path
 
 
 def load_checkpoint(path):
     """Return ``(params, momentum or None, prev_params or None, attrs)`` read from ``path``.
 
-    Raises :class:`UsageError` when the file is missing, unreadable or not a checkpoint.
+    ``attrs["rng"]`` is the dict of layer RNG states (None when the file has none).
+    Raises :class:`UsageError` when the file is missing, unreadable, not a checkpoint,
+    or holds non-finite values.
     """
     try:
         f = h5py.File(path, "r")
@@ -89,6 +257,8 @@ def load_checkpoint(path):
                                       if group_name in f else None)
             attrs = {key: (value.item() if isinstance(value, np.generic) else value)
                      for key, value in f.attrs.items()}
-        except (OSError, KeyError, ValueError) as exc:
+            attrs["rng"] = json.loads(attrs["rng"]) if attrs.get("rng") else None
+        except (OSError, KeyError, ValueError, AttributeError) as exc:
             raise UsageError(f"checkpoint {path} is corrupt ({exc})") from None
+    _check_finite(path, groups.items())
     return groups["params"], groups["momentum"], groups["prev_params"], attrs

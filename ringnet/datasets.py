@@ -8,7 +8,7 @@ import numpy as np
 
 from ringnet.data import convert as _convert
 from ringnet.data import download as _download
-from ringnet.data.hdf5 import SPLITS, validate_file
+from ringnet.data.hdf5 import SPLITS, validate_file, verify_file
 from ringnet.errors import UsageError, run_main
 
 __all__ = ["main", "info"]
@@ -21,8 +21,13 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
-def info(path):
-    """Return a dict describing the data set file ``path``: counts, shape, classes, SHA-256."""
+def info(path, verify=False):
+    """Return a dict describing the data set file ``path``: counts, shape, classes, SHA-256.
+
+    ``verify`` also reads every image chunk (a corrupt one raises UsageError).
+    """
+    if verify:
+        verify_file(path)
     with validate_file(path) as f:
         classes = [c.decode() if isinstance(c, bytes) else str(c) for c in f.attrs["classes"]]
         splits = {}
@@ -35,7 +40,7 @@ def info(path):
         attrs = {key: str(f.attrs.get(key, "")) for key in ("name", "source", "licence")}
     return {"file": os.fspath(path), "bytes": os.path.getsize(path),
             "sha256": _download.file_sha256(path), **attrs, "image_shape": shape,
-            "classes": classes, "splits": splits}
+            "classes": classes, "splits": splits, "verified": bool(verify)}
 
 
 def _print_info(summary):
@@ -53,6 +58,8 @@ def _print_info(summary):
         row = " ".join(f"{summary['splits'][split]['per_class'][name]:8d}" for split in SPLITS)
         print(f"  {name:{width}s} {row}")
     print(f"  {'total':{width}s} " + " ".join(f"{summary['splits'][s]['count']:8d}" for s in SPLITS))
+    if summary["verified"]:
+        print("verified  every image chunk read without error")
 
 
 def _build_parser():
@@ -118,10 +125,14 @@ def _build_parser():
     q.add_argument("--out", metavar="F.h5", help=f"output file (default: {default_dir}/<SRC_DIR name>.h5)")
 
     p = commands.add_parser("info", help="counts, shape, classes and SHA-256 of a data set file",
-                            description="Validate F.h5 and print per-split and per-class counts, the "
-                                        "image shape, the classes and the file's SHA-256.")
+                            description="Validate F.h5 (layout, integer labels within the classes) and "
+                                        "print per-split and per-class counts, the image shape, the "
+                                        "classes and the file's SHA-256. --verify also reads every "
+                                        "image chunk.")
     p.add_argument("file", metavar="F.h5")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
+    p.add_argument("--verify", action="store_true",
+                   help="also read every image chunk (finds a corrupt file before training does)")
     return parser
 
 
@@ -143,7 +154,7 @@ def main(argv=None):
                                          seed=args.seed, name=args.name)
         print(f"wrote {out}")
     else:
-        summary = info(args.file)
+        summary = info(args.file, verify=args.verify)
         if args.json:
             print(json.dumps(summary, sort_keys=True))
         else:

@@ -1,23 +1,45 @@
 """How ringnet entry points fail: one clear message, a non-zero exit, never a hang.
 
-* :class:`UsageError` — bad input (flags, data files, a world size a mode cannot use).
-  Exit code 2 with one line ``ringnet: error: ...``.
-* any other exception — a bug or a runtime failure (NaN loss, a transfer timeout, a
-  dead peer). The failing rank prints its traceback once, prefixed with its rank, and
-  the whole MPI job is aborted (``MPI_Abort``) so no other rank waits forever.
+* :class:`UsageError` — bad input (flags, data files, a world size a mode cannot use,
+  ranks started with different settings). Exit code 2 with one line ``ringnet: error: ...``.
+* :class:`TrainingError` — a run that cannot go on (NaN loss, replicas that diverged, a
+  rank that stopped answering). The rank that saw it prints one line naming the step
+  or phase and the rank(s) at fault, then the whole MPI job is aborted.
+* any other exception — a bug. The failing rank prints its traceback once, prefixed
+  with its rank, and the whole MPI job is aborted (``MPI_Abort``).
 
-Setup code that every rank runs (argument checks, opening data) goes through
-:func:`collective`: every rank reports whether it failed, so a problem seen by one
-rank only (a file missing on one node) still ends every rank with exit code 2.
+No rank waits for another without a deadline. Transfers inside a step are bounded by
+the transport's timeout; everything else that needs every rank (the setup agreement
+of :func:`collective`, evaluation, the replica check, the final statistics, the save)
+goes through :func:`exchange`: non-blocking sends and receives and one wait loop that,
+at its deadline, names the rank(s) that did not arrive and the phase. Blocking MPI
+calls that cannot be made non-blocking (communicator creation) run under a
+:func:`watchdog`.
+
+Deadlines (:class:`Deadline`): ``RINGNET_COMM_TIMEOUT`` seconds (default 300) until
+step times are known; then ``FACTOR`` times the median recent step time, never below
+``min(FLOOR_S, RINGNET_COMM_TIMEOUT)`` nor above ``RINGNET_COMM_TIMEOUT``.
+
+``RINGNET_FAULT=SIGNAL:PHASE:RANK`` (e.g. ``STOP:evaluation:1``) makes rank RANK send
+itself SIGNAL (STOP, KILL, TERM, INT) when it enters PHASE: the hook of the
+fault-injection tests and of ``python -m ringnet.bench faults``.
 """
+import collections
 import os
+import signal
+import statistics
 import sys
+import threading
+import time
 import traceback
 
-__all__ = ["UsageError", "TrainingError", "collective", "run_main", "abort", "import_mpi"]
+__all__ = ["UsageError", "TrainingError", "StallError", "Deadline", "collective", "exchange",
+           "watchdog", "set_phase", "current_phase", "fault_point", "comm_timeout",
+           "run_main", "abort", "import_mpi", "EXIT_USAGE", "EXIT_FAILURE"]
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
+_TAG = 0x5249       # control messages of exchange() on the caller's communicator
 
 
 class UsageError(Exception):
@@ -25,7 +47,23 @@ class UsageError(Exception):
 
 
 class TrainingError(RuntimeError):
-    """A run that cannot go on (NaN loss, replicas that diverged)."""
+    """A run that cannot go on (NaN loss, replicas that diverged): one line, job aborted."""
+
+
+class StallError(TrainingError):
+    """Ranks that did not arrive at a phase within the deadline."""
+
+    def __init__(self, missing, phase, seconds, detail=None):
+        self.missing, self.phase, self.seconds = list(missing), phase, seconds
+        who = _ranks(self.missing)
+        text = (f"{who} did not arrive at {phase} within {seconds:.3g} s "
+                f"(stopped, hung or far slower than the others; deadline: RINGNET_COMM_TIMEOUT)")
+        super().__init__(text + (f"; {detail}" if detail else ""))
+
+
+def _ranks(ranks):
+    ranks = list(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def _world():
@@ -48,17 +86,147 @@ def import_mpi():
     return MPI
 
 
-def _print_error(message):
-    sys.stdout.flush()
-    print(f"ringnet: error: {message}", file=sys.stderr, flush=True)
+# -- phases and fault injection ------------------------------------------------------
+_phase = "setup"
+_fault = None
 
 
-def collective(comm, fn, *args, **kwargs):
+def current_phase():
+    """Return the phase this rank is in ("setup", "step 12", "evaluation", ...)."""
+    return _phase
+
+
+def set_phase(name):
+    """Record that this rank enters phase ``name`` (used in messages; a fault point)."""
+    global _phase
+    _phase = name
+    fault_point(name)
+
+
+def _parse_fault():
+    spec = os.environ.get("RINGNET_FAULT", "")
+    if not spec:
+        return ()
+    try:
+        sig, phase, rank = spec.split(":")
+        return (getattr(signal, "SIG" + sig.upper()), phase, int(rank))
+    except (ValueError, AttributeError):
+        raise UsageError(f"RINGNET_FAULT={spec!r}: expected SIGNAL:PHASE:RANK, "
+                         "e.g. STOP:evaluation:1") from None
+
+
+def fault_point(name):
+    """Send this rank the signal named by ``RINGNET_FAULT`` when ``name`` is its phase."""
+    global _fault
+    if _fault is None:
+        _fault = _parse_fault()
+    if _fault and _fault[1] == name:
+        comm = _world()
+        if (comm.Get_rank() if comm is not None else 0) == _fault[2]:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), _fault[0])
+
+
+# -- deadlines -------------------------------------------------------------------------
+def comm_timeout():
+    """Return ``RINGNET_COMM_TIMEOUT`` in seconds (default 300); UsageError unless positive and finite."""
+    from ringnet.comm.transport import default_timeout
+    try:
+        return default_timeout()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+class Deadline:
+    """How long a rank waits for its peers, following the measured step time.
+
+    Until ``WARMUP`` steps are measured: the ceiling (``RINGNET_COMM_TIMEOUT``). Then
+    ``FACTOR`` x the median of the last ``WINDOW`` step times, clamped to
+    ``[min(FLOOR_S, ceiling), ceiling]``: a 0.1 s step stalls out after 30 s instead
+    of 300 s, and no healthy step is 20x slower than its recent median.
+    """
+
+    FACTOR = 20.0
+    FLOOR_S = 30.0
+    WARMUP = 3
+    WINDOW = 50
+
+    def __init__(self, ceiling=None):
+        self.ceiling = comm_timeout() if ceiling is None else float(ceiling)
+        self.floor = min(self.FLOOR_S, self.ceiling)
+        self.times = collections.deque(maxlen=self.WINDOW)
+
+    def record(self, seconds):
+        """Add one measured step time."""
+        self.times.append(float(seconds))
+
+    @property
+    def seconds(self):
+        """Return the current deadline in seconds."""
+        if len(self.times) < self.WARMUP:
+            return self.ceiling
+        return min(self.ceiling, max(self.floor, self.FACTOR * statistics.median(self.times)))
+
+
+# -- agreement across ranks ------------------------------------------------------------
+def _sleep_backoff(pause):
+    time.sleep(pause)
+    return min(0.01, pause * 2 + 1e-4)
+
+
+def exchange(comm, value, phase=None, timeout=None):
+    """Return every rank's ``value`` (a small picklable object), ordered by rank.
+
+    Non-blocking point-to-point messages on ``comm`` and one wait loop: at ``timeout``
+    seconds (default :func:`comm_timeout`) it raises :class:`StallError` naming the
+    ranks whose value did not arrive and ``phase``. A rank that arrives at another
+    phase raises :class:`TrainingError` naming both phases.
+    """
+    phase = phase or _phase
+    if comm is None or comm.Get_size() == 1:
+        return [value]
+    if timeout is None:
+        try:
+            timeout = comm_timeout()
+        except UsageError:      # reported by whoever reads it; do not fail the agreement
+            timeout = 300.0
+    rank, size = comm.Get_rank(), comm.Get_size()
+    sends = [comm.isend((phase, value), dest=r, tag=_TAG) for r in range(size) if r != rank]
+    got = {rank: value}
+    start = time.monotonic()
+    pause = 1e-4
+    while len(got) < size:
+        arrived = False
+        for r in range(size):
+            if r not in got and comm.iprobe(source=r, tag=_TAG):
+                their_phase, their_value = comm.recv(source=r, tag=_TAG)
+                if their_phase != phase:
+                    raise TrainingError(f"ranks out of step: rank {r} is at {their_phase} while "
+                                        f"rank {rank} is at {phase}")
+                got[r] = their_value
+                arrived = True
+        if arrived:
+            continue
+        if time.monotonic() - start > timeout:
+            raise StallError([r for r in range(size) if r not in got], phase, timeout)
+        pause = _sleep_backoff(pause)
+    while sends:    # small messages leave at once; this only waits on a full network buffer
+        sends = [s for s in sends if not s.Test()]
+        if sends and time.monotonic() - start > timeout:
+            raise StallError(["?"], phase, timeout, detail="a control message was not delivered")
+        if sends:
+            pause = _sleep_backoff(pause)
+    return [got[r] for r in range(size)]
+
+
+def collective(comm, fn, *args, phase=None, timeout=None, **kwargs):
     """Run ``fn`` on every rank of ``comm``; if it raised on any rank, all exit 2.
 
     Returns ``fn``'s value on success. A :class:`UsageError` on some ranks is printed
     once by the lowest failing rank (with its rank when not every rank failed).
     Other exceptions propagate after the agreement, so :func:`run_main` aborts.
+    The agreement goes through :func:`exchange` (bounded by ``timeout``).
     """
     error = None
     try:
@@ -67,10 +235,8 @@ def collective(comm, fn, *args, **kwargs):
         error = ("usage", str(exc))
     except Exception as exc:  # noqa: BLE001 - re-raised below once agreed
         error = ("other", exc)
-    if comm is None or comm.Get_size() == 1:
-        errors = [None if error is None else (error[0], str(error[1]))]
-    else:
-        errors = comm.allgather(None if error is None else (error[0], str(error[1])))
+    report = None if error is None else (error[0], str(error[1]))
+    errors = exchange(comm, report, phase=phase, timeout=timeout)
     failed = [r for r, e in enumerate(errors) if e is not None]
     if not failed:
         return value
@@ -86,6 +252,40 @@ def collective(comm, fn, *args, **kwargs):
     raise SystemExit(EXIT_USAGE)
 
 
+class watchdog:
+    """Context manager: abort the job when the block has not finished within ``seconds``.
+
+    For blocking MPI calls without a non-blocking form (communicator creation).
+    """
+
+    def __init__(self, phase, seconds):
+        self.phase, self.seconds = phase, float(seconds)
+        self._timer = None
+
+    def _fire(self):
+        abort(f"{self.phase} did not finish within {self.seconds:.3g} s: another rank stopped "
+              "answering (deadline: RINGNET_COMM_TIMEOUT)")
+
+    def __enter__(self):
+        self._timer = threading.Timer(self.seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._timer.cancel()
+        return False
+
+
+# -- exits -----------------------------------------------------------------------------
+def _print_error(message):
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    print(f"ringnet: error: {message}", file=sys.stderr, flush=True)
+
+
 def abort(message=None, code=EXIT_FAILURE):
     """Print ``message`` (once, from this rank) and abort the whole MPI job."""
     comm = _world()
@@ -95,6 +295,21 @@ def abort(message=None, code=EXIT_FAILURE):
     if comm is not None and comm.Get_size() > 1:
         comm.Abort(code)
     os._exit(code)
+
+
+def _quiet_broken_pipe():
+    """Exit quietly when the reader of stdout went away (``... | head``), as Unix tools do."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    os._exit(128 + signal.SIGPIPE)
+
+
+def _mpi_exception_type():
+    mpi = sys.modules.get("mpi4py.MPI")
+    return getattr(mpi, "Exception", ()) if mpi is not None else ()
 
 
 def run_main(main, argv=None):
@@ -110,14 +325,31 @@ def run_main(main, argv=None):
         sys.exit(EXIT_USAGE)
     except SystemExit:
         raise
+    except BrokenPipeError:
+        _quiet_broken_pipe()
     except KeyboardInterrupt:
         abort("interrupted", code=130)
+    except TrainingError as exc:
+        # Often seen by several ranks at once (NaN loss): the lowest rank speaks first
+        # and its abort ends the others before they print.
+        comm = _world()
+        rank = comm.Get_rank() if comm is not None else 0
+        time.sleep(0.3 * min(rank, 10))
+        abort(str(exc))
     except BaseException as exc:  # noqa: BLE001 - last line of defence
+        if isinstance(exc, _mpi_exception_type()):
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            abort(f"MPI call failed during {_phase} ({first}); another rank probably exited "
+                  "(see its message above)")
         comm = _world()
         rank = comm.Get_rank() if comm is not None else 0
         lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
         text = "".join(f"[rank {rank}] {line}" for chunk in lines for line in chunk.splitlines(True))
         sys.stderr.write(text)
         summary = str(exc) or type(exc).__name__
-        abort(summary if isinstance(exc, TrainingError) else f"{type(exc).__name__}: {summary}")
+        abort(f"{type(exc).__name__}: {summary}")
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_broken_pipe()
     sys.exit(code or 0)

@@ -13,7 +13,8 @@ import numpy as np
 
 from ringnet import backend
 from ringnet.config import TrainConfig, config_from_args
-from ringnet.errors import TrainingError, UsageError, collective, import_mpi, run_main
+from ringnet.errors import (Deadline, StallError, TrainingError, UsageError, collective, current_phase,
+                            exchange, import_mpi, run_main, set_phase, watchdog)
 
 __all__ = ["train", "main", "TrainResult"]
 
@@ -44,6 +45,8 @@ def _setup(cfg, world):
 
     rank, size = world.Get_rank(), world.Get_size()
     cfg = collective(world, cfg.resolved, size)
+    # Before anything whose control flow depends on the settings: every rank runs the same.
+    check_same_run(world, config_fingerprint(cfg))
 
     def pick_device():
         try:
@@ -65,14 +68,16 @@ def _setup(cfg, world):
         if len(ds.train) < cfg.batch_size:
             raise UsageError(f"data set {cfg.dataset} has {len(ds.train)} training images, "
                              f"fewer than one global batch of {cfg.batch_size}")
+        ds.mean     # the statistics pass reads every training image: read errors show here
         return ds
     dataset = collective(world, open_data)
-    if cfg.save:
-        from ringnet.checkpoint import check_writable
-        # Before training, not after hours of it: only rank 0 writes the file.
-        collective(world, lambda: check_writable(cfg.save) if rank == 0 else None)
-
+    check_same_run(world, collective(world, dataset.fingerprint))
     model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed)
+    if cfg.save:
+        from ringnet.checkpoint import check_writable, checkpoint_bytes
+        # Before training, not after hours of it: only rank 0 writes the file.
+        need = checkpoint_bytes(model.num_params, np.dtype(cfg.dtype).itemsize)
+        collective(world, lambda: check_writable(cfg.save, need) if rank == 0 else None)
     policy = LRPolicy(cfg.lr_policy, cfg.lr, gamma=cfg.gamma, stepsize=cfg.stepsize, power=cfg.power)
 
     def make_optimizer(n):
@@ -88,9 +93,67 @@ def _setup(cfg, world):
     return cfg, xp, dataset, model, strategy, loader
 
 
-def evaluate(strategy, dataset, cfg, world, xp, batch_size=256):
-    """Return (test accuracy, mean test loss) over the whole test set, summed over ranks."""
+# Settings that may differ between ranks: where files are and what is printed.
+_PER_RANK = ("dataset", "data_dir", "save", "resume", "json", "progress", "quiet")
+
+
+def config_fingerprint(cfg):
+    """Return {field: value} of the resolved settings every rank must share."""
+    import dataclasses
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _PER_RANK}
+    fields["save"] = cfg.save is not None        # the paths may differ, whether they are set not
+    fields["resume"] = cfg.resume is not None
+    return {"--" + k.replace("_", "-"): repr(v) for k, v in fields.items()}
+
+
+def check_same_run(world, fingerprint):
+    """Exit 2 on every rank, naming the fields and the ranks, unless all ranks sent the same."""
+    prints = exchange(world, fingerprint, phase="setup")
+    problems = []
+    for field in sorted(set().union(*prints)):
+        values = [p.get(field) for p in prints]
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        if differ:
+            problems.append(f"{field} is {values[0]} on rank 0 but {values[differ[0]]} on rank(s) "
+                            f"{', '.join(str(r) for r in differ)}")
+    if problems:
+        raise UsageError("ranks were started with different settings or data: " + "; ".join(problems)
+                         + " (every rank must run the same command on the same data)")
+
+
+def _transport_deadline(strategy, seconds):
+    """Bound every transfer of ``strategy``'s transport by ``seconds``."""
+    transport = getattr(strategy, "transport", None)
+    if transport is not None and hasattr(transport, "timeout_s"):
+        transport.timeout_s = seconds
+
+
+def _stalled(world, exc, deadline):
+    """Turn a transfer timeout into a message naming the rank(s) that stopped answering.
+
+    The ranks that are alive also time out (each waits on the chain that leads to the
+    stalled one) and meet here; those that do not arrive are the ones at fault.
+    """
+    phase = current_phase()
+    try:
+        exchange(world, phase, phase="stall check", timeout=0.5 * deadline.seconds + 2.0)
+    except StallError as stall:
+        return StallError(stall.missing, phase, deadline.seconds, detail=f"here: {exc}")
+    except TrainingError as other:
+        return other
+    return TrainingError(f"{phase}: {exc}")
+
+
+def evaluate(strategy, dataset, cfg, world, xp, batch_size=256, deadline=None):
+    """Return (test accuracy, mean test loss) over the whole test set, summed over ranks.
+
+    Returns (None, None) when the data set has no test split.
+    """
     from ringnet.data import iterate_eval
+    if len(dataset.test) == 0:
+        return None, None
+    set_phase("evaluation")
+    t0 = time.perf_counter()
     model = strategy.eval_model()
     loss_sum, correct = 0.0, 0
     for x, labels in iterate_eval(dataset.test, batch_size, rank=world.Get_rank(),
@@ -99,14 +162,22 @@ def evaluate(strategy, dataset, cfg, world, xp, batch_size=256):
         mean_loss, c = model.evaluate(x, labels)
         loss_sum += float(mean_loss) * len(labels)
         correct += int(c)
-    totals = world.allreduce(np.array([loss_sum, correct], dtype=np.float64))
-    n = max(1, len(dataset.test))
-    return float(totals[1]) / n, float(totals[0]) / n
+    # Peers evaluate as many samples as this rank: allow twice its own time beyond the deadline.
+    local_s = time.perf_counter() - t0
+    parts = exchange(world, (loss_sum, correct), phase="evaluation",
+                     timeout=_timeout(deadline) + 2 * local_s)
+    n = len(dataset.test)
+    return sum(c for _, c in parts) / n, sum(loss for loss, _ in parts) / n
 
 
-def check_replicas(strategy, world, step):
+def _timeout(deadline):
+    return deadline.seconds if deadline is not None else None
+
+
+def check_replicas(strategy, world, step, deadline=None):
     """Abort when the ranks' weights are not bit-identical (names the ranks that differ)."""
-    sums = world.allgather(strategy.checksum())
+    sums = exchange(world, strategy.checksum(), phase=f"replica check after step {step}",
+                    timeout=_timeout(deadline))
     differ = [r for r, s in enumerate(sums) if s != sums[0]]
     if differ:
         raise TrainingError(f"replicas diverged at step {step}: weights on rank(s) "
@@ -136,27 +207,27 @@ def train(cfg=None, world=None, **overrides):
     import dataclasses
     cfg = dataclasses.replace(cfg or TrainConfig(), **overrides)
     world = world or _world()
+    from ringnet.comm.transport import CommTimeoutError     # after _world(): needs mpi4py
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
-    cfg, xp, dataset, model, strategy, loader = _setup(cfg, world)
+    set_phase("setup")
+    deadline = collective(world, Deadline)
+    try:
+        return _train(cfg, world, deadline, rank, size, t_start)
+    except CommTimeoutError as exc:
+        raise _stalled(world, exc, deadline) from None
 
+
+def _train(cfg, world, deadline, rank, size, t_start):
+    """The run once the deadline is known (see :func:`train`)."""
+    # Communicator creation blocks inside MPI: a watchdog bounds the whole setup.
+    with watchdog("setup", 2 * deadline.ceiling + 10):
+        cfg, xp, dataset, model, strategy, loader = _setup(cfg, world)
+        step = _resume(cfg, world, strategy) if cfg.resume else 0
+    _transport_deadline(strategy, deadline.seconds)
     spe = loader.steps_per_epoch
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
-    step = 0
     if cfg.resume:
-        from ringnet.checkpoint import load_checkpoint
-        params, momentum, prev, attrs = collective(world, load_checkpoint, cfg.resume)
-
-        def restore():
-            if attrs.get("model") != cfg.model:
-                raise UsageError(f"checkpoint {cfg.resume} holds model {attrs.get('model')!r}, "
-                                 f"not {cfg.model!r}")
-            try:
-                strategy.load_full_state(params, momentum, prev if cfg.delay else None)
-            except ValueError as exc:
-                raise UsageError(f"checkpoint {cfg.resume}: {exc}") from None
-        collective(world, restore)
-        step = int(attrs.get("step", 0))
         if step >= total_steps:
             _log(cfg, world, f"checkpoint is at step {step}, already >= {total_steps} steps")
 
@@ -176,11 +247,15 @@ def train(cfg=None, world=None, **overrides):
     first_step = step
     t_train = time.perf_counter()
     test_acc = test_loss = None
+    errstate = np.errstate(over="ignore", invalid="ignore", divide="ignore")  # NaN loss: one line
     try:
+        errstate.__enter__()
+        t_step = time.perf_counter()
         while step < total_steps:
             epoch, offset = divmod(step, spe)
             batches = loader.epoch(epoch, start_step=offset)
             for x, labels in batches:
+                set_phase(f"step {step}")
                 loss, _ = strategy.step(x, labels, step)
                 loss = float(loss)
                 if not math.isfinite(loss):
@@ -188,52 +263,64 @@ def train(cfg=None, world=None, **overrides):
                                         f"diverged; try a lower --lr (now {cfg.lr})")
                 recent.append(loss)
                 step += 1
+                now = time.perf_counter()
+                deadline.record(now - t_step)     # data wait included: it delays peers too
+                t_step = now
+                _transport_deadline(strategy, deadline.seconds)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", refresh=False)
                 if cfg.check_every and step % cfg.check_every == 0:
                     strategy.drain()
-                    check_replicas(strategy, world, step)
+                    check_replicas(strategy, world, step, deadline)
                 if step >= total_steps:
                     break
             if hasattr(batches, "close"):
                 batches.close()
             if step % spe == 0 and cfg.eval_every_epoch and step < total_steps:
                 strategy.drain()
-                test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp)
-                _log(cfg, world, f"epoch {step // spe:3d}  train loss {np.mean(recent):.4f}  "
-                                 f"test acc {100 * test_acc:6.2f}%")
+                test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp, deadline=deadline)
+                if test_acc is not None:
+                    _log(cfg, world, f"epoch {step // spe:3d}  train loss {np.mean(recent):.4f}  "
+                                     f"test acc {100 * test_acc:6.2f}%")
+                t_step = time.perf_counter()
+        set_phase(f"step {step}")
         strategy.drain()
     finally:
+        errstate.__exit__(None, None, None)
         if bar is not None:
             bar.close()
     train_s = time.perf_counter() - t_train
 
-    check_replicas(strategy, world, step)
-    test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp)
-    local_loss = float(np.mean(recent)) if recent else float("nan")
-    train_loss = world.allreduce(local_loss) / size
+    check_replicas(strategy, world, step, deadline)
+    test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp, deadline=deadline)
 
     if cfg.save:
+        set_phase("save")
         from ringnet.checkpoint import save_checkpoint
         params, momentum, prev = strategy.full_state()
+        rng = rng_states(strategy.model)
 
         def save():  # rank 0 writes; every rank learns whether it worked
             if rank == 0:
-                save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
+                save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None, rng=rng,
                                 model=cfg.model, mode=cfg.mode, delay=cfg.delay, ranks=size,
                                 step=step, epoch=step // spe, seed=cfg.seed, dtype=cfg.dtype,
                                 lr=cfg.lr, lr_policy=cfg.lr_policy)
-        collective(world, save)
+        # Writing takes as long as the disk needs: the others wait up to RINGNET_COMM_TIMEOUT.
+        collective(world, save, phase="save", timeout=deadline.ceiling)
 
+    set_phase("statistics")
     stats = strategy.stats
     steps_run = step - first_step
     sent, received = strategy.bytes_moved()
+    local_loss = float(np.mean(recent)) if recent else float("nan")
     per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, loader.wait_s,
-                         stats.comm_total_s, sent, received], dtype=np.float64)
-    mean = world.allreduce(per_rank) / size
-    MPI = import_mpi()
-    busiest = world.allreduce(float(sent), op=MPI.MAX)     # the root of tree/master carries most
+                         stats.comm_total_s, sent, received, local_loss], dtype=np.float64)
+    every = np.array(exchange(world, per_rank, phase="statistics", timeout=deadline.seconds))
+    mean = every.mean(axis=0)
+    train_loss = float(mean[7])
+    busiest = every[:, 5].max()     # the root of tree/master carries most
     times = stats.step_times[2:] or stats.step_times
     step_ms = 1000 * statistics.median(times) if times else float("nan")
     summary = {
@@ -253,18 +340,53 @@ def train(cfg=None, world=None, **overrides):
         "num_params": model.num_params,
     }
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
-    _log(cfg, world, f"done: {step} steps, test accuracy {100 * test_acc:.2f}%, "
+    accuracy = "no test split" if test_acc is None else f"test accuracy {100 * test_acc:.2f}%"
+    _log(cfg, world, f"done: {step} steps, {accuracy}, "
                      f"{summary['images_per_sec']:.0f} images/s, {summary['time_s']:.1f} s")
     if cfg.json and rank == 0:
         print(json.dumps(summary), flush=True)
     return TrainResult(summary, strategy, cfg)
 
 
+def _resume(cfg, world, strategy):
+    """Load ``cfg.resume`` into ``strategy`` on every rank; return the checkpoint's step."""
+    from ringnet.checkpoint import load_checkpoint
+    params, momentum, prev, attrs = collective(world, load_checkpoint, cfg.resume)
+
+    def restore():
+        if attrs.get("model") != cfg.model:
+            raise UsageError(f"checkpoint {cfg.resume} holds model {attrs.get('model')!r}, "
+                             f"not {cfg.model!r}")
+        try:
+            strategy.load_full_state(params, momentum, prev if cfg.delay else None)
+            set_rng_states(strategy.model, attrs.get("rng"))
+        except ValueError as exc:
+            raise UsageError(f"checkpoint {cfg.resume}: {exc}") from None
+    collective(world, restore)
+    return int(attrs.get("step", 0))
+
+
+def rng_states(model):
+    """Return {layer name: state} of every layer with a random stream (Dropout)."""
+    return {name: layer.rng_state() for name, layer in model.layers if hasattr(layer, "rng_state")}
+
+
+def set_rng_states(model, states):
+    """Restore what :func:`rng_states` returned (None: a checkpoint without RNG states)."""
+    for name, layer in model.layers:
+        if states and name in states and hasattr(layer, "set_rng_state"):
+            layer.set_rng_state(states[name])
+
+
 def main(argv=None):
     """Entry point of ``python -m ringnet.train``."""
     cfg = config_from_args(argv)
     result = train(cfg)
+    set_phase("shutdown")
+    world = _world()
+    # Drains the last exchange (under the transport deadline); then every rank arrives.
     result.strategy.close()
+    exchange(world, None, phase="shutdown")
     return 0
 
 

@@ -18,9 +18,12 @@ def default_timeout():
     """Return the transfer timeout in seconds: ``RINGNET_COMM_TIMEOUT`` or 300."""
     value = os.environ.get("RINGNET_COMM_TIMEOUT", "")
     try:
-        return float(value) if value else 300.0
+        seconds = float(value) if value else 300.0
     except ValueError:
-        raise ValueError(f"RINGNET_COMM_TIMEOUT={value!r} is not a number of seconds") from None
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):     # 0, negative, NaN or inf: no usable deadline
+        raise ValueError(f"RINGNET_COMM_TIMEOUT={value!r} is not a positive number of seconds")
+    return seconds
 
 
 def describe(what, send_peer, recv_peer, nbytes):

@@ -1,4 +1,5 @@
 """Open data sets by name or path: the ringnet HDF5 layout, or synthetic data."""
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ DOWNLOADABLE = ("mnist", "cifar10")
 # file and each rank reads only the samples it needs.
 IN_MEMORY_BYTES = int(os.environ.get("RINGNET_DATA_IN_MEMORY_MB", "1024")) << 20
 _STATS_CHUNK = 4096
+FINGERPRINT_SAMPLES = 64
 
 
 def default_data_dir():
@@ -109,8 +111,35 @@ class Dataset:
 
     def _channel_stats(self):
         if self._stats is None:
-            self._stats = channel_stats(self.train.images)
+            try:
+                self._stats = channel_stats(self.train.images)
+            except OSError as exc:      # a corrupt chunk of a file-backed split
+                raise UsageError(f"{self.path or self.name}: reading /train/images failed, the "
+                                 f"file is corrupt ({exc}); check it with `python -m "
+                                 f"ringnet.datasets info --verify FILE`") from None
         return self._stats
+
+    def fingerprint(self, samples=FINGERPRINT_SAMPLES):
+        """Return {"data set size", "data set shape", "data set classes", "data set content"}.
+
+        The content is a SHA-256 over every label and ``samples`` evenly spaced images
+        of each split: cheap for any size, and it differs for different files, a
+        different conversion, or scrambled labels. Raises UsageError on a read error.
+        """
+        digest = hashlib.sha256()
+        for split in (self.train, self.test):
+            digest.update(np.ascontiguousarray(split.labels, dtype=np.int64).tobytes())
+            n = len(split)
+            index = np.unique(np.linspace(0, n - 1, min(n, samples)).astype(np.int64)) if n else []
+            try:
+                digest.update(np.ascontiguousarray(split.images[index] if n else b"").tobytes())
+            except OSError as exc:
+                raise UsageError(f"{self.path or self.name}: reading images failed, the file is "
+                                 f"corrupt ({exc})") from None
+        return {"data set size": f"{len(self.train)} train / {len(self.test)} test",
+                "data set shape": _shape_str(self.input_shape),
+                "data set classes": ",".join(self.classes),
+                "data set content": "sha256 " + digest.hexdigest()[:16]}
 
     @property
     def mean(self):
@@ -181,7 +210,7 @@ def _open_file(path, label, in_memory):
             splits[split] = Split(images[()] if keep else images, labels)
         classes = [c.decode() if isinstance(c, bytes) else str(c) for c in f.attrs["classes"]]
         attrs = {k: f.attrs[k] for k in f.attrs if k != "classes"}
-    except (OSError, KeyError, ValueError) as exc:
+    except (OSError, KeyError, ValueError, TypeError) as exc:
         f.close()
         raise UsageError(f"{path} is corrupt ({exc})") from None
     except BaseException:

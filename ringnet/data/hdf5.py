@@ -16,7 +16,8 @@ import numpy as np
 
 from ringnet.errors import UsageError
 
-__all__ = ["SPLITS", "write_dataset", "atomic_output", "validate_file", "image_chunks"]
+__all__ = ["SPLITS", "write_dataset", "atomic_output", "validate_file", "image_chunks", "file_mode",
+           "verify_file"]
 
 SPLITS = ("train", "test")
 
@@ -33,6 +34,11 @@ def _umask():
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def file_mode():
+    """Return the mode a plain ``open()`` gives a new file (0666 less the umask)."""
+    return 0o666 & ~_umask()
 
 
 CHUNK_BYTES = 64 << 10  # target size of one compressed chunk of images
@@ -70,7 +76,7 @@ class atomic_output:
                                         suffix=self.suffix, dir=directory)
         os.close(fd)
         # mkstemp creates mode 0600; give the result the mode a plain open() would.
-        os.chmod(self.tmp, 0o666 & ~_umask())
+        os.chmod(self.tmp, file_mode())
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
@@ -91,6 +97,8 @@ def write_dataset(path, train_images, train_labels, test_images, test_labels,
         labels = np.asarray(labels)
         if images.dtype != np.uint8 or images.ndim != 4:
             raise UsageError(f"{split} images must be uint8 (N, C, H, W), got {images.dtype} {images.shape}")
+        if labels.dtype.kind not in "iu":
+            raise UsageError(f"{split} labels must be integers, got {labels.dtype}")
         if labels.ndim != 1 or len(labels) != len(images):
             raise UsageError(f"{split}: {len(images)} images but labels of shape {labels.shape}")
         if len(labels) and (labels.min() < 0 or labels.max() >= len(classes)):
@@ -113,10 +121,34 @@ def write_dataset(path, train_images, train_labels, test_images, test_labels,
     return path
 
 
+def _classes(path, f):
+    """Return the class names of open file ``f``: a 1-D array of strings, at least one."""
+    if "classes" not in f.attrs:
+        raise UsageError(f"{path}: missing attribute 'classes'")
+    classes = f.attrs["classes"]
+    if not isinstance(classes, np.ndarray) or classes.ndim != 1 or not len(classes) \
+            or not all(isinstance(c, (str, bytes)) for c in classes):
+        raise UsageError(f"{path}: attribute 'classes' must be a list of class names, "
+                         f"got {type(classes).__name__} {np.asarray(classes).dtype}")
+    return [c.decode() if isinstance(c, bytes) else str(c) for c in classes]
+
+
+def _dataset(path, f, name):
+    """Return the h5py data set ``name`` of ``f`` or raise UsageError (missing, or a group)."""
+    obj = f.get(name)
+    if obj is None:
+        raise UsageError(f"{path}: missing data set /{name}")
+    if not isinstance(obj, h5py.Dataset):
+        raise UsageError(f"{path}: /{name} must be a data set, got a {type(obj).__name__}")
+    return obj
+
+
 def validate_file(path):
     """Open ``path`` read-only and check the layout; return the open h5py.File.
 
-    Raises :class:`UsageError` naming the file and the problem.
+    Checks the structure, dtypes and shapes, that labels are integers within the
+    classes, and reads every label. Raises :class:`UsageError` naming the file and the
+    problem. :func:`verify_file` also reads every image chunk.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -126,18 +158,17 @@ def validate_file(path):
     except OSError as exc:
         raise UsageError(f"{path} is not a readable HDF5 file ({exc})") from None
     try:
-        if "classes" not in f.attrs:
-            raise UsageError(f"{path}: missing attribute 'classes'")
-        num_classes = len(f.attrs["classes"])
+        num_classes = len(_classes(path, f))
         shape = None
         for split in SPLITS:
-            for key in ("images", "labels"):
-                if f"{split}/{key}" not in f:
-                    raise UsageError(f"{path}: missing data set /{split}/{key}")
-            images, labels = f[split]["images"], f[split]["labels"]
+            images = _dataset(path, f, f"{split}/images")
+            labels = _dataset(path, f, f"{split}/labels")
             if images.dtype != np.uint8 or images.ndim != 4:
                 raise UsageError(f"{path}: /{split}/images must be uint8 (N, C, H, W), "
                                  f"got {images.dtype} {images.shape}")
+            if labels.dtype.kind not in "iu":
+                raise UsageError(f"{path}: /{split}/labels must be integers, got {labels.dtype} "
+                                 "(convert them with the class index of each image)")
             if labels.shape != (images.shape[0],):
                 raise UsageError(f"{path}: /{split} has {images.shape[0]} images but "
                                  f"labels of shape {labels.shape}")
@@ -150,7 +181,30 @@ def validate_file(path):
     except UsageError:
         f.close()
         raise
-    except (OSError, KeyError, ValueError) as exc:
+    except (OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
         f.close()
         raise UsageError(f"{path} is corrupt ({exc})") from None
     return f
+
+
+def verify_file(path, progress=None):
+    """Validate ``path`` and read every chunk of every data set; raise UsageError on the first bad one.
+
+    ``progress(done, total)`` is called after each block of images.
+    """
+    with validate_file(path) as f:
+        total = sum(f[f"{split}/images"].shape[0] for split in SPLITS)
+        done = 0
+        for split in SPLITS:
+            images = f[f"{split}/images"]
+            step = images.chunks[0] if images.chunks else max(1, MAX_CHUNK_IMAGES)
+            for start in range(0, images.shape[0], step):
+                stop = min(images.shape[0], start + step)
+                try:
+                    images[start:stop]
+                except (OSError, ValueError) as exc:
+                    raise UsageError(f"{path}: /{split}/images {start}..{stop - 1} cannot be read, "
+                                     f"the file is corrupt ({exc})") from None
+                done += stop - start
+                if progress is not None:
+                    progress(done, total)

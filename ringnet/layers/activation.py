@@ -47,6 +47,19 @@ class Dropout(Layer):
     def __repr__(self):
         return f"Dropout(p={self.p})"
 
+    def rng_state(self):
+        """Return the mask stream's state (JSON-able; None before the first draw or on a GPU)."""
+        if self._rng is None or self._rng_xp is not np:
+            return None
+        return self._rng.bit_generator.state
+
+    def set_rng_state(self, state):
+        """Continue the mask stream from ``state`` (as returned by :meth:`rng_state`)."""
+        self._rng, self._rng_xp = None, None
+        if state is not None:
+            self._rng, self._rng_xp = np.random.default_rng(self.seed), np
+            self._rng.bit_generator.state = state
+
     def _uniform(self, xp, shape, dtype):
         if self._rng_xp is not xp:
             self._rng = (np.random.default_rng(self.seed) if xp is np
