@@ -91,13 +91,19 @@ def _tmp_prefix(path):
 
 
 def _pid_alive(pid):
+    """Return True while process ``pid`` exists on this host and is not a zombie."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
         return True
-    return True
 
 
 def stale_temporaries(path):

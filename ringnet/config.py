@@ -1,6 +1,7 @@
 """Training configuration: one dataclass, filled from argparse, checked before any work."""
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ringnet.errors import UsageError
@@ -84,6 +85,11 @@ class TrainConfig:
             raise UsageError(f"--epochs must be positive, got {cfg.epochs}")
         if cfg.steps is not None and cfg.steps <= 0:
             raise UsageError(f"--steps must be positive, got {cfg.steps}")
+        for flag, value in (("--lr", cfg.lr), ("--momentum", cfg.momentum),
+                            ("--weight-decay", cfg.weight_decay), ("--gamma", cfg.gamma),
+                            ("--power", cfg.power)):
+            if not math.isfinite(value):
+                raise UsageError(f"{flag} must be a finite number, got {value}")
         if not cfg.lr > 0:
             raise UsageError(f"--lr must be positive, got {cfg.lr}")
         if not 0 <= cfg.momentum < 1:

@@ -1,0 +1,416 @@
+"""python -m ringnet.bench faults — inject faults into training runs; print each case's time to exit.
+
+Every case launches ``python -m ringnet.train`` (under mpirun for N > 1) with one fault:
+
+* ``stop``: one rank sends itself SIGSTOP on entering a phase (``RINGNET_FAULT``):
+  setup, step 3, evaluation, save (before the weights are gathered), save-write
+  (rank 0 halfway through writing the file), statistics, shutdown. The others must
+  end the job within the deadline, one line naming the stopped rank and the phase.
+* ``kill``: the same with SIGKILL: the launcher ends the job at once.
+* ``mpmd``: ranks started with different settings or data (``mpirun -np 1 A : -np 1 B``):
+  exit 2 naming the field and the ranks.
+* ``bad``: bad files, flags and environment: exit 2, one line, no traceback.
+
+Each case checks the exit code, the message (exactly one ``ringnet: error:`` line, no
+traceback), the time to exit against a bound, that no process of the run is left,
+and that the checkpoint the run was asked to overwrite (``--save``) is still a valid
+checkpoint with no temporary file beside it except one a killed writer left, which
+the next save sweeps. Runs use ``RINGNET_COMM_TIMEOUT`` seconds (``--timeout``).
+"""
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from ringnet.errors import UsageError
+
+__all__ = ["Case", "Outcome", "all_cases", "quick_cases", "prepare", "run_case", "main"]
+
+MODES = ("ring", "tree", "master", "split-fc")
+STOP_PHASES = ("setup", "step 3", "evaluation", "save", "save-write", "statistics", "shutdown")
+KILL_PHASES = ("setup", "step 3", "evaluation", "save-write")
+TRAIN = ["-m", "ringnet.train", "--steps", "6", "--batch-size", "16", "--no-eval",
+         "--no-progress"]
+DEFAULT_TIMEOUT = 8.0
+
+
+@dataclasses.dataclass
+class Case:
+    """One fault: how to start the run, and what must come out of it."""
+    name: str
+    kind: str                   # stop, kill, mpmd, bad
+    ranks: int = 1
+    mode: str = None
+    fault: str = None           # RINGNET_FAULT value
+    args: tuple = ()            # extra train flags (``{dir}`` is the prepared files' folder)
+    per_rank: tuple = None      # MPMD: one extra-flags tuple per rank
+    env: dict = None
+    code: int = None            # expected exit code (None: any non-zero)
+    message: str = None         # regular expression the error line must match
+    launcher_message: str = None    # ... or the launcher's output (kill cases)
+    bound: str = "deadline"     # "deadline": 3 x timeout + startup; "quick": startup only
+    command: tuple = None       # another command than train (datasets info)
+
+
+@dataclasses.dataclass
+class Outcome:
+    case: Case
+    code: int
+    seconds: float
+    bound_s: float
+    problems: list
+    output: str
+
+    @property
+    def ok(self):
+        return not self.problems
+
+
+def _victim(phase, ranks):
+    return 0 if phase.startswith("save") else ranks - 1
+
+
+def _phase_re(phase):
+    if phase.startswith("step"):
+        return r"step \d+"
+    return "save" if phase == "save-write" else re.escape(phase)
+
+
+def stop_case(phase, ranks, mode):
+    victim = _victim(phase, ranks)
+    return Case(f"stop {phase} r{victim} {mode} N={ranks}", "stop", ranks, mode,
+                fault=f"STOP:{phase}:{victim}", code=1,
+                message=rf"^\[rank (?!{victim}\])\d+\] ringnet: error: rank {victim} did not "
+                        rf"arrive at {_phase_re(phase)} within")
+
+
+def kill_case(phase, ranks, mode):
+    victim = _victim(phase, ranks)
+    return Case(f"kill {phase} r{victim} {mode} N={ranks}", "kill", ranks, mode,
+                fault=f"KILL:{phase}:{victim}", launcher_message=r"Killed \(signal 9\)",
+                bound="quick")
+
+
+def mpmd_cases():
+    differ = [("--lr", "0.01", "0.02"), ("--seed", "0", "3"), ("--batch-size", "16", "32"),
+              ("--steps", "6", "9"), ("--mode", "ring", "tree"), ("--delay", "0", "1"),
+              ("--model", "digits", "lenet"), ("--dtype", "float32", "float64")]
+    cases = []
+    for flag, a, b in differ:
+        cases.append(Case(f"mpmd {flag}", "mpmd", 2, None, per_rank=((flag, a), (flag, b)), code=2,
+                          message=rf"^ringnet: error: ranks were started with different settings.*"
+                                  rf"{re.escape(flag)} is '?{re.escape(a)}'? on rank 0 but "
+                                  rf"'?{re.escape(b)}'? on rank\(s\) 1", bound="quick"))
+    cases.append(Case("mpmd scrambled labels", "mpmd", 2, "ring",
+                      per_rank=(("--dataset", "{dir}/digits.h5"), ("--dataset", "{dir}/scrambled.h5")),
+                      code=2, message=r"data set content is sha256 \w+ on rank 0 but sha256 \w+ on "
+                                      r"rank\(s\) 1", bound="quick"))
+    return cases
+
+
+def bad_cases():
+    def bad(name, args, message, ranks=1, env=None, command=None):
+        return Case(f"bad {name} N={ranks}", "bad", ranks, "ring" if ranks > 1 else None,
+                    args=tuple(args), env=env, code=2, message="^ringnet: error: " + message,
+                    bound="quick", command=command)
+    return [
+        bad("float NaN labels", ["--dataset", "{dir}/nan_labels.h5"], r".*labels must be integers", 2),
+        bad("fractional labels", ["--dataset", "{dir}/fractional.h5"], r".*labels must be integers"),
+        bad("classes not names", ["--dataset", "{dir}/classes_int.h5"],
+            r".*attribute 'classes' must be a list of class names", 2),
+        bad("group for data set", ["--dataset", "{dir}/group.h5"], r".*/train/labels must be a data set"),
+        bad("not HDF5", ["--dataset", "{dir}/not_hdf5.h5"], r".*not a readable HDF5 file", 2),
+        bad("truncated file", ["--dataset", "{dir}/truncated.h5"], r".*(not a readable HDF5|corrupt)"),
+        bad("corrupt chunk (file-backed)", ["--dataset", "{dir}/corrupt_chunk.h5"],
+            r".*(train/images|corrupt)", 2, env={"RINGNET_DATA_IN_MEMORY_MB": "0"}),
+        bad("corrupt chunk: datasets info --verify", ["info", "--verify", "{dir}/corrupt_chunk.h5"],
+            r".*/train/images \d+\.\.\d+ cannot be read", command=("-m", "ringnet.datasets")),
+        bad("RINGNET_COMM_TIMEOUT=0", [], r"RINGNET_COMM_TIMEOUT='0' is not a positive", 2,
+            env={"RINGNET_COMM_TIMEOUT": "0"}),
+        bad("RINGNET_COMM_TIMEOUT=nan", [], r"RINGNET_COMM_TIMEOUT='nan' is not a positive",
+            env={"RINGNET_COMM_TIMEOUT": "nan"}),
+        bad("RINGNET_COMM_TIMEOUT=-1", [], r"RINGNET_COMM_TIMEOUT='-1' is not a positive",
+            env={"RINGNET_COMM_TIMEOUT": "-1"}),
+        bad("--lr inf", ["--lr", "inf"], r"--lr must be a finite number"),
+        bad("--weight-decay nan", ["--weight-decay", "nan"], r"--weight-decay must be a finite number", 2),
+        bad("resume non-finite", ["--resume", "{dir}/ck_nan.h5"], r".*holds 1 NaN or infinite", 2),
+        bad("resume not a checkpoint", ["--resume", "{dir}/digits.h5"], r".*is not a ringnet checkpoint"),
+    ]
+
+
+def all_cases():
+    """Return the full matrix: stop and kill at every phase, N = 2 and 4, every mode; MPMD; bad input."""
+    cases = []
+    for ranks in (2, 4):
+        for mode in MODES:
+            cases += [stop_case(p, ranks, mode) for p in STOP_PHASES]
+            cases += [kill_case(p, ranks, mode) for p in KILL_PHASES]
+    return cases + mpmd_cases() + bad_cases()
+
+
+def quick_cases():
+    """Return the CI subset: every phase and mode once, both N, each kind."""
+    picks = [stop_case("setup", 2, "ring"), stop_case("step 3", 4, "master"),
+             stop_case("step 3", 2, "split-fc"), stop_case("evaluation", 4, "tree"),
+             stop_case("save-write", 2, "ring"), stop_case("statistics", 2, "tree"),
+             kill_case("step 3", 4, "ring"), kill_case("save-write", 2, "master")]
+    mpmd = [c for c in mpmd_cases() if c.name in ("mpmd --lr", "mpmd --mode", "mpmd scrambled labels")]
+    return picks + mpmd + bad_cases()
+
+
+# -- the files the cases read ----------------------------------------------------------
+def _corrupt_first_chunk(path):
+    import h5py
+    with h5py.File(path, "r") as f:
+        info = f["train/images"].id.get_chunk_info(0)
+    with open(path, "r+b") as raw:
+        raw.seek(info.byte_offset + 8)
+        raw.write(b"\xff" * max(1, min(info.size - 16, 512)))
+
+
+def prepare(folder, python=sys.executable):
+    """Write the data sets and checkpoints the cases use into ``folder``; return it."""
+    import h5py
+    from ringnet.data import open_dataset
+    from ringnet.data.hdf5 import write_dataset
+    os.makedirs(folder, exist_ok=True)
+    ds = open_dataset("digits")
+    tr, te = ds.train, ds.test
+    good = os.path.join(folder, "digits.h5")
+    write_dataset(good, tr.images, tr.labels, te.images, te.labels, ds.classes, name="digits")
+    scrambled = np.random.default_rng(1).permutation(tr.labels)
+    write_dataset(os.path.join(folder, "scrambled.h5"), tr.images, scrambled, te.images,
+                  te.labels, ds.classes, name="digits")
+
+    def variant(name, edit):
+        path = os.path.join(folder, name)
+        shutil.copyfile(good, path)
+        with h5py.File(path, "r+") as f:
+            edit(f)
+
+    def float_labels(value):
+        def edit(f):
+            labels = f["train/labels"][()].astype(np.float32)
+            labels[5] = value
+            del f["train/labels"]
+            f["train/labels"] = labels
+        return edit
+
+    def group_labels(f):
+        del f["train/labels"]
+        f.create_group("train/labels")
+    variant("nan_labels.h5", float_labels(np.nan))
+    variant("fractional.h5", float_labels(1.5))
+    variant("classes_int.h5", lambda f: f.attrs.__setitem__("classes", 7))
+    variant("group.h5", group_labels)
+    with open(os.path.join(folder, "not_hdf5.h5"), "w") as f:
+        f.write("this is not an HDF5 file\n")
+    with open(good, "rb") as src:
+        data = src.read()
+    with open(os.path.join(folder, "truncated.h5"), "wb") as f:
+        f.write(data[:len(data) // 2])
+    shutil.copyfile(good, os.path.join(folder, "corrupt_chunk.h5"))
+    _corrupt_first_chunk(os.path.join(folder, "corrupt_chunk.h5"))
+    ck = os.path.join(folder, "ck.h5")
+    subprocess.run([python, *TRAIN[:2], "--steps", "2", "--quiet", "--no-progress", "--save", ck],
+                   check=True, env=_env(), capture_output=True)
+    nan = os.path.join(folder, "ck_nan.h5")
+    shutil.copyfile(ck, nan)
+    with h5py.File(nan, "r+") as f:
+        first = sorted(f["params"])[0]
+        values = f["params"][first][()]
+        values.flat[0] = np.nan
+        f["params"][first][...] = values
+    return folder
+
+
+# -- running one case ------------------------------------------------------------------
+def _env(extra=None):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "MPI_", "HYDRA_", "OMPI_"))}
+    env.update(OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RINGNET_FAULT", None)
+    env.update(extra or {})
+    return env
+
+
+def _digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _processes_under(marker):
+    """Return pids whose command line mentions ``marker`` (this run's private folder)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(entry))
+        except OSError:
+            pass
+    return pids
+
+
+def _command(case, files, save, python, mpirun):
+    def fill(args):
+        return [a.replace("{dir}", files) for a in args]
+    base = list(case.command) if case.command else list(TRAIN)
+    train_extra = [] if case.command else ["--save", save]
+    if case.per_rank:
+        cmd = [mpirun]
+        for i, extra in enumerate(case.per_rank):
+            mode = ["--mode", case.mode] if case.mode else []
+            cmd += (([":"] if i else []) + ["-np", "1", python] + base + mode + train_extra
+                    + fill(case.args) + fill(extra))
+        return cmd
+    mode = ["--mode", case.mode] if case.mode else []
+    argv = [python] + base + (mode if not case.command else []) + train_extra + fill(case.args)
+    return argv if case.ranks == 1 else [mpirun, "-np", str(case.ranks)] + argv
+
+
+def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun="mpirun"):
+    """Run ``case`` with the files of :func:`prepare`; return an Outcome (``ok`` or its problems)."""
+    from ringnet.checkpoint import TMP_SUFFIX, load_checkpoint, stale_temporaries
+    run_dir = tempfile.mkdtemp(prefix="fault-", dir=files)
+    save = os.path.join(run_dir, "ck.h5")
+    shutil.copyfile(os.path.join(files, "ck.h5"), save)
+    before = _digest(save)
+    env = _env({"RINGNET_COMM_TIMEOUT": f"{timeout:g}", **(case.env or {})})
+    if case.fault:
+        env["RINGNET_FAULT"] = case.fault
+    # deadline cases: the deadline, the stall check (half of it) and the setup agreement
+    startup = 30.0 * max(1, case.ranks) / 2
+    bound = startup + (2.5 * timeout if case.bound == "deadline" else 0.0)
+    cmd = _command(case, files, save, python, mpirun)
+    start = time.monotonic()
+    problems = []
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=bound + 60)
+        code, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code = None
+        output = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+        problems.append(f"still running after {bound + 60:.0f} s (hang)")
+    seconds = time.monotonic() - start
+    if seconds > bound:
+        problems.append(f"took {seconds:.1f} s, bound {bound:.0f} s")
+    if case.code is not None and code != case.code:
+        problems.append(f"exit code {code}, expected {case.code}")
+    if case.code is None and not code:
+        problems.append(f"exit code {code}, expected non-zero")
+    errors = [line for line in output.splitlines() if "ringnet: error:" in line]
+    if case.message is not None:
+        if len(errors) != 1:
+            problems.append(f"{len(errors)} 'ringnet: error:' lines, expected 1")
+        if not any(re.search(case.message, line) for line in errors):
+            problems.append(f"no error line matches {case.message!r}")
+        if "Traceback" in output:
+            problems.append("a traceback was printed")
+    if case.launcher_message is not None and not re.search(case.launcher_message, output):
+        problems.append(f"output does not match {case.launcher_message!r}")
+    left = []
+    for _ in range(50):
+        left = _processes_under(run_dir)
+        if not left:
+            break
+        time.sleep(0.1)
+    if left:
+        problems.append(f"processes left: {left}")
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    try:
+        load_checkpoint(save)
+    except UsageError as exc:
+        problems.append(f"checkpoint damaged: {exc}")
+    if code != 0 and os.path.exists(save) and _digest(save) != before and case.kind != "stop":
+        problems.append("checkpoint changed by a failed run")
+    temporaries = sorted(os.path.join(run_dir, n) for n in os.listdir(run_dir) if n.endswith(TMP_SUFFIX))
+    stale = stale_temporaries(save)
+    if case.fault and case.fault.startswith("KILL:save-write"):
+        if temporaries != stale or len(temporaries) > 1:
+            problems.append(f"temporaries {temporaries} not all recognised as stale {stale}")
+    elif temporaries and not (case.kind == "stop" and "save-write" in case.fault and temporaries == stale):
+        problems.append(f"temporary files left: {temporaries}")
+    if not problems:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return Outcome(case, code, seconds, bound, problems, output)
+
+
+# -- command line ----------------------------------------------------------------------
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m ringnet.bench faults", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="only the CI subset")
+    p.add_argument("--filter", default=None, metavar="TEXT", help="only cases whose name contains TEXT")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help=f"RINGNET_COMM_TIMEOUT of the runs, seconds (default {DEFAULT_TIMEOUT:g})")
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
+    p.add_argument("--list", action="store_true", help="print the case names and exit")
+    p.add_argument("--json", action="store_true", help="print one JSON line per case")
+    p.add_argument("--keep", action="store_true", help="keep the work folder")
+    return p
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout}")
+    cases = quick_cases() if args.quick else all_cases()
+    if args.filter:
+        cases = [c for c in cases if args.filter in c.name]
+    if not cases:
+        raise UsageError(f"no case matches {args.filter!r} (see --list)")
+    if args.list:
+        for case in cases:
+            print(case.name)
+        return 0
+    if shutil.which(args.mpirun) is None:
+        raise UsageError(f"{args.mpirun} not found: the fault cases need an MPI launcher")
+    files = tempfile.mkdtemp(prefix="ringnet-faults-")
+    failed = 0
+    try:
+        prepare(files)
+        if not args.json:
+            print(f"{'case':44s} {'exit':>5s} {'time to exit':>13s} {'bound':>6s}  result")
+        for case in cases:
+            out = run_case(case, files, timeout=args.timeout, mpirun=args.mpirun)
+            failed += not out.ok
+            if args.json:
+                print(json.dumps({"case": case.name, "kind": case.kind, "ranks": case.ranks,
+                                  "mode": case.mode, "exit": out.code, "seconds": round(out.seconds, 2),
+                                  "bound_s": out.bound_s, "ok": out.ok, "problems": out.problems}),
+                      flush=True)
+            else:
+                result = "ok" if out.ok else "FAIL: " + "; ".join(out.problems)
+                print(f"{case.name:44s} {str(out.code):>5s} {out.seconds:11.1f} s {out.bound_s:5.0f}s  "
+                      f"{result}", flush=True)
+        if not args.json:
+            print(f"{len(cases) - failed} of {len(cases)} cases passed "
+                  f"(RINGNET_COMM_TIMEOUT={args.timeout:g})")
+    finally:
+        if not args.keep:
+            shutil.rmtree(files, ignore_errors=True)
+        else:
+            print(f"work folder kept: {files}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    from ringnet.errors import run_main
+    run_main(main)
