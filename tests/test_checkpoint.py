@@ -1,0 +1,113 @@
+"""Checkpoint durability: signals and kill -9 leave nothing behind, fsync before rename,
+a real write test before training, non-finite weights refused, RNG states round-trip."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from ringnet import checkpoint
+from ringnet.checkpoint import (check_writable, load_checkpoint, save_checkpoint,
+                                stale_temporaries)
+from ringnet.errors import UsageError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(2, np.float32)}
+
+
+def _tmp_files(folder):
+    return sorted(n for n in os.listdir(folder) if n.endswith(checkpoint.TMP_SUFFIX))
+
+
+@pytest.mark.parametrize("sig", ["TERM", "INT"])
+def test_signal_during_write_removes_the_temporary_and_keeps_the_old_file(tmp_path, sig):
+    path = tmp_path / "ck.h5"
+    save_checkpoint(path, PARAMS, step=1)
+    before = path.read_bytes()
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from ringnet.checkpoint import save_checkpoint
+        save_checkpoint({str(path)!r}, {{"w": np.zeros(1000, np.float32)}}, step=2)
+        """)
+    env = dict(os.environ, RINGNET_FAULT=f"{sig}:save-write:0",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
+    assert proc.returncode in (-getattr(signal, "SIG" + sig), 128 + getattr(signal, "SIG" + sig), 1), proc
+    assert _tmp_files(tmp_path) == [], "the interrupted save left its temporary file"
+    assert path.read_bytes() == before, "the interrupted save changed the old checkpoint"
+
+
+def test_kill9_temporary_is_swept_by_the_next_save(tmp_path):
+    path = tmp_path / "ck.h5"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"ck.h5.{checkpoint._HOST}.{dead_pid}.abc123.h5.tmp"
+    live = tmp_path / f"ck.h5.{checkpoint._HOST}.{os.getppid()}.def456.h5.tmp"   # a writer still running
+    other = tmp_path / f"other.h5.{checkpoint._HOST}.{dead_pid}.x.h5.tmp"        # another target's
+    for f in (stale, live, other):
+        f.write_bytes(b"half a checkpoint")
+    assert stale_temporaries(path) == [str(stale)]
+    save_checkpoint(path, PARAMS, step=1)
+    assert not stale.exists() and live.exists() and other.exists()
+    load_checkpoint(path)
+
+
+def test_file_and_folder_are_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append(("replace", None))
+        return real_replace(src, dst)
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    save_checkpoint(tmp_path / "ck.h5", PARAMS, step=1)
+    assert calls == [("fsync", False), ("replace", None), ("fsync", True)], calls
+
+
+def test_write_check_tries_a_real_write_and_the_free_space(tmp_path):
+    check_writable(str(tmp_path / "new" / "ck.h5"), 1 << 20)
+    assert _tmp_files(tmp_path / "new") == []
+    with pytest.raises(UsageError, match="MiB free"):
+        check_writable(str(tmp_path / "ck.h5"), 1 << 60)
+    # /proc passes os.access for root but takes no files: only a real write finds out
+    with pytest.raises(UsageError, match="test write in /proc failed"):
+        check_writable("/proc/ck.h5")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_weights_are_refused_on_save_and_load(tmp_path, bad):
+    params = {k: v.copy() for k, v in PARAMS.items()}
+    params["b"][1] = bad
+    with pytest.raises(UsageError, match="params/b holds 1 NaN or infinite"):
+        save_checkpoint(tmp_path / "a.h5", params)
+    assert not (tmp_path / "a.h5").exists()
+    import h5py
+    path = tmp_path / "b.h5"
+    save_checkpoint(path, PARAMS, momentum=PARAMS)
+    with h5py.File(path, "r+") as f:
+        f["momentum/w"][0, 0] = bad
+    with pytest.raises(UsageError, match="momentum/w holds 1 NaN"):
+        load_checkpoint(path)
+
+
+def test_dropout_rng_state_round_trips_through_a_checkpoint(tmp_path):
+    from ringnet.layers import Dropout
+    layer = Dropout(0.5, seed=3)
+    x = np.ones((4, 5))
+    layer.forward(x)                                   # advance the stream
+    path = tmp_path / "ck.h5"
+    save_checkpoint(path, PARAMS, rng={"drop": layer.rng_state()})
+    expected = layer.forward(x)
+    restored = Dropout(0.5, seed=3)
+    restored.set_rng_state(load_checkpoint(path)[3]["rng"]["drop"])
+    assert np.array_equal(restored.forward(x), expected)
+    assert not np.array_equal(Dropout(0.5, seed=3).forward(x), expected)   # fresh stream differs
