@@ -436,6 +436,15 @@ def split_fc_plan(model, n, batch):
     return plan, conv, blocks
 
 
+def _overlapped_block(label, blocks):
+    """Return the FC block whose dW/db a backward reduce-scatter of the plan runs beside."""
+    if label == "conversion: feature gradient":
+        return blocks[0][0]
+    if label.endswith(" input gradient"):
+        return label[:-len(" input gradient")]
+    return None
+
+
 def traffic(model, mode, n, batch):
     """Return the bytes each of N ranks sends in one step of ``mode`` (a list of N ints)."""
     itemsize = model.dtype.itemsize
@@ -567,13 +576,25 @@ def predict(system, model, mode, delay, n, batch):
         compute = (cp.step_compute(name, batch / n, conv_names)
                    + cp.step_compute(name, batch, fc_names, share)
                    + cp.overhead_s(name, batch)) * slow
-        # the activation collectives block the training thread; the conv exchange is the ring's
-        act = sum(_ring_time(system, bounds, itemsize, kind) for label, kind, bounds in plan
-                  if not label.startswith("conv "))
         conv_bounds = _shard_bounds(conv, n)
         fc_rows = sum(max(b - a for a, b in _shard_bounds(layer.out_features, n))
                       * (layer.in_features + 1) for _, layer, _ in blocks)
         fc_update = cp.update(fc_rows, 2 * len(blocks)) * slow
+        # The activation collectives block the training thread. On a GPU the strategy
+        # overlaps each backward reduce-scatter with the same block's dW/db (about half
+        # the layer's backward), the conversion layer's also with the FC update.
+        hidden = {}
+        if system.cores is None:
+            for k, (bname, _, _) in enumerate(blocks):
+                hidden[bname] = 0.5 * cp.layer(name, bname, batch, share)[1] * slow
+            hidden[blocks[0][0]] += fc_update
+        act = 0.0
+        for label, kind, bounds in plan:
+            if label.startswith("conv "):
+                continue
+            t = _ring_time(system, bounds, itemsize, kind)
+            block = _overlapped_block(label, blocks)
+            act += max(0.0, t - hidden.get(block, 0.0)) if block else t
         conv_update = cp.update(max(b - a for a, b in conv_bounds)) * slow
         exch = sum(_ring_time(streamed, conv_bounds, itemsize, kind) for kind in ("rs", "ag"))
         before = compute + act + fc_update
