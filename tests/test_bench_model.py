@@ -182,6 +182,31 @@ def test_cpu_contention_slows_compute_past_the_cores():
     assert pm.predict(system, lenet, "ring", 0, 4, 64).compute_s == pytest.approx(2 * free)
 
 
+def test_cpu_delay1_overlap_hand_computed():
+    system = _system()
+    system.cores, system.steal, system.rate = 2.0, 0.5, 0.5
+    # exchange of 2 s needs 4 s beside the compute, which it slows by 0.5 * 4 s
+    assert pm._overlap(system, 2, 10.0, 2.0, 0.25) == pytest.approx(10.0 + 2.0 + 0.25)
+    # a 1 s compute stretches to 2 s; 1 s of exchange done, 1 s left at full speed
+    assert pm._overlap(system, 2, 1.0, 2.0, 0.25) == pytest.approx(2.0 + 1.0 + 0.25)
+    # a spare core takes the update off the compute's core
+    assert pm._overlap(system, 1, 10.0, 2.0, 0.25) == pytest.approx(12.0)
+
+
+def test_calibration_record_from_raw_timings():
+    # blocking exchange 10 ms; beside 40 ms of work (30 ms with nothing beside it) it
+    # spans 50 ms: 10 ms after the work, so none was done during the 40 ms of overlap
+    raw = {"solo_s": 0.020, "together_s": 0.030,
+           "blocking": {"4096": 0.004, "1048576": 0.010},
+           "streamed": {"1048576": [0.050, 0.040]}}
+    record = pm._calibration_record(2, raw, 0.0)
+    assert record["slowdown"] == pytest.approx(1.5)
+    assert record["steal"] == pytest.approx(0.25)      # 10 ms lost over 40 ms of overlap
+    assert record["rate"] == pytest.approx(1e-3)       # clamped: no progress beside compute
+    raw["streamed"] = {"1048576": [0.020, 0.040]}      # done within the work
+    assert pm._calibration_record(2, raw, 0.0)["rate"] == pytest.approx(0.5)
+
+
 # -- consistency -------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["lenet", "cifar10_quick"])
 def test_predictions_are_consistent(name):

@@ -34,8 +34,10 @@ split-fc   conv part on B/N samples; conversion layer all-gathers (B, F+1)
 
 Contention on a CPU machine is modelled, not hidden: ranks beyond the free cores
 slow compute by the measured factor ``s(N) = max(1, N / cores_eff)``, and a delay-1
-exchange on the communication thread steals a measured fraction κ of its rank's
-core while it runs (shared-memory MPI copies and polling are CPU work).
+exchange on the communication thread progresses at a measured fraction ρ of its
+blocking speed while its rank computes, and steals a measured fraction κ of the core
+while it runs (shared-memory MPI copies and polling are CPU work); what is left of it
+when the compute ends runs at blocking speed.
 """
 import argparse
 import dataclasses
@@ -321,7 +323,7 @@ class System:
     ``cores`` is None for GPUs (compute and transfers do not share a core). On a CPU
     machine (profile ``local``) it is the effective number of free cores, ``steal``
     the fraction of its rank's core a delay-1 exchange takes while it runs, and
-    ``stream`` the link as the communication thread sees it beside the compute
+    ``rate`` the fraction of its blocking speed that exchange makes meanwhile
     (all measured; ``calibrated`` holds them per calibrated N).
     """
     name: str
@@ -331,7 +333,7 @@ class System:
     compute: ComputeProfile
     cores: float = None
     steal: float = 0.0
-    stream: Link = None
+    rate: float = 1.0
     calibrated: dict = None
 
     def hop(self, a, b):
@@ -346,16 +348,8 @@ class System:
         near = min(self.calibrated, key=lambda k: (abs(math.log2(k) - math.log2(max(n, 1))), k))
         c = self.calibrated[near]
         link = Link(f"local@{near}", c["alpha_s"], c["beta_Bps"], "calibrated here")
-        stream = Link(f"local-stream@{near}", c["stream_alpha_s"], c["stream_beta_Bps"],
-                      "calibrated here, on the communication thread beside compute")
-        return dataclasses.replace(self, intra=link, inter=link, stream=stream,
+        return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"],
                                    cores=near / max(c["slowdown"], 1e-9), steal=c["steal"])
-
-    def streamed(self):
-        """Return the system whose hops are the communication thread's (CPU) or unchanged (GPU)."""
-        if self.stream is None:
-            return self
-        return dataclasses.replace(self, intra=self.stream, inter=self.stream)
 
     def contention(self, n):
         """Return the compute slowdown of N ranks busy at once on this node: max(1, N / cores)."""
@@ -369,7 +363,10 @@ def make_system(spec, compute, ranks_per_node, calibration=None):
     if spec == "local":
         if calibration is None:
             raise UsageError("profile 'local' needs a calibration (--calibrate or --calibration FILE)")
-        records = {int(k): v for k, v in calibration["by_np"].items()}
+        # from the raw timings when present, so a saved calibration follows this code
+        records = {int(k): (_calibration_record(int(k), v["raw"], compute.add_s_per_elem)
+                            if "raw" in v and compute is not None else v)
+                   for k, v in calibration["by_np"].items()}
         system = System("local", None, None, 1 << 30, compute, calibrated=records)
         return system.at(min(records))
     names = spec.split("/")
@@ -546,10 +543,18 @@ def _overlap(system, n, compute_s, comm_s, device_s):
     if system.cores is None:
         # GPU: transfers overlap, but the update kernels share the device with compute
         return max(compute_s + device_s, comm_s + device_s)
-    # CPU: the exchange thread polls and copies on its rank's core while it runs, and its
-    # update is CPU work that competes with the compute unless a spare core is free
+    # CPU: beside the compute the exchange moves at ``rate`` of its blocking speed and
+    # takes ``steal`` of the core; what is left when the compute ends runs at full speed.
+    # Its update is CPU work that competes with the compute unless a spare core is free.
+    steal, rate = min(system.steal, 0.9), max(system.rate, 1e-3)
+    span = comm_s / rate
+    if span <= compute_s + steal * span:        # the exchange ends during the compute
+        busy, left = compute_s + steal * span, 0.0
+    else:
+        busy = compute_s / (1.0 - steal)
+        left = comm_s - rate * busy
     spare = system.cores / max(n, 1) >= 2
-    return max(comm_s + device_s, compute_s + system.steal * comm_s + (0.0 if spare else device_s))
+    return busy + left + (0.0 if spare else device_s)
 
 
 def predict(system, model, mode, delay, n, batch):
@@ -564,7 +569,6 @@ def predict(system, model, mode, delay, n, batch):
     slow = system.contention(n)
     sent = traffic(model, mode, n, batch)
     bytes_mean, bytes_max = float(np.mean(sent)), int(max(sent))
-    streamed = system.streamed() if delay else system
 
     if mode == "split-fc":
         plan, conv, blocks = split_fc_plan(model, n, batch)
@@ -596,7 +600,7 @@ def predict(system, model, mode, delay, n, batch):
             block = _overlapped_block(label, blocks)
             act += max(0.0, t - hidden.get(block, 0.0)) if block else t
         conv_update = cp.update(max(b - a for a, b in conv_bounds)) * slow
-        exch = sum(_ring_time(streamed, conv_bounds, itemsize, kind) for kind in ("rs", "ag"))
+        exch = sum(_ring_time(system, conv_bounds, itemsize, kind) for kind in ("rs", "ag"))
         before = compute + act + fc_update
         step = _overlap(system, n, before, exch, conv_update) if delay \
             else before + exch + conv_update
@@ -609,7 +613,7 @@ def predict(system, model, mode, delay, n, batch):
     else:
         owned = model.num_params          # single, tree and master: the root updates all of it
     update = cp.update(owned) * slow
-    comm = _exchange_s(streamed, model, mode, n)
+    comm = _exchange_s(system, model, mode, n)
     step = _overlap(system, n, compute, comm, update) if delay else compute + comm + update
     return Prediction(step, compute, comm, update, max(0.0, step - compute - update),
                       bytes_mean, bytes_max)
@@ -805,18 +809,21 @@ def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300):
 
 
 def _calibration_record(n, raw, add_s_per_elem):
-    """Turn one worker's timings into link, stream link, contention and steal."""
+    """Turn one worker's timings into link, contention, and the stream's rate and steal."""
     blocking = sorted((int(k), v) for k, v in raw["blocking"].items())
-    streamed = sorted((int(k), v) for k, v in raw["streamed"].items())
     alpha, beta = _fit_link(n, blocking, add_s_per_elem) if n > 1 else (0.0, 1e30)
-    s_alpha, s_beta = (_fit_link(n, [(k, span) for k, (span, _) in streamed], add_s_per_elem)
-                       if n > 1 else (0.0, 1e30))
     together = raw["together_s"]
-    # the share of its core the exchange thread took: work slowed by it, per second it ran
-    steals = [min(1.0, max(0.0, (w - together) / min(span, w))) for _, (span, w) in streamed
-              if span > 0]
-    return {"alpha_s": alpha, "beta_Bps": beta, "stream_alpha_s": s_alpha,
-            "stream_beta_Bps": s_beta, "slowdown": together / raw["solo_s"],
+    rates, steals = [], []
+    for size, (span, work) in sorted((int(k), v) for k, v in raw["streamed"].items()):
+        alone = dict(blocking).get(size)
+        overlap = min(span, work)
+        if not alone or overlap <= 0:
+            continue
+        tail = max(0.0, span - work)            # ran after the compute, at blocking speed
+        rates.append(min(1.0, max(1e-3, (alone - min(tail, alone)) / overlap)))
+        steals.append(min(0.9, max(0.0, (work - together) / overlap)))
+    return {"alpha_s": alpha, "beta_Bps": beta, "slowdown": together / raw["solo_s"],
+            "rate": float(np.mean(rates)) if rates else 1.0,
             "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
 
 
@@ -1116,9 +1123,10 @@ def main(argv=None):
                   f"{LINKS[part].beta_Bps / 1e9:.2f} GB/s ({LINKS[part].source})")
     if calibration:
         for n, c in sorted((int(k), v) for k, v in calibration["by_np"].items()):
+            c = _calibration_record(n, c["raw"], compute.add_s_per_elem) if "raw" in c else c
             print(f"# local at N={n}: alpha {c['alpha_s'] * 1e6:.1f} us, beta "
-                  f"{c['beta_Bps'] / 1e9:.2f} GB/s blocking; on the stream alpha "
-                  f"{c['stream_alpha_s'] * 1e6:.1f} us, beta {c['stream_beta_Bps'] / 1e9:.2f} GB/s; "
+                  f"{c['beta_Bps'] / 1e9:.2f} GB/s; beside compute the stream moves at "
+                  f"{c['rate']:.2f} of that speed; "
                   f"compute slowdown {c['slowdown']:.2f} (effective cores "
                   f"{n / max(c['slowdown'], 1e-9):.2f}); stream steals {c['steal']:.2f} of a core")
     _print_tables(predictions, args.batch_size, args.scaling, nps)
