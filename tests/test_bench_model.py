@@ -287,10 +287,9 @@ def gpu_profile(tmp_path_factory):
     return str(path)
 
 
-def test_cli_json_has_the_documented_shape(gpu_profile, tmp_path):
-    png = tmp_path / "scaling.png"
+def test_cli_json_has_the_documented_shape(gpu_profile):
     proc = _cli("--compute", gpu_profile, "--profile", "pcie3", "--profile", "nvlink4/ib-hdr",
-                "--np", "1", "2", "4", "8", "--json", "--plot", str(png))
+                "--np", "1", "2", "4", "8", "--json")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1
@@ -304,6 +303,15 @@ def test_cli_json_has_the_documented_shape(gpu_profile, tmp_path):
     assert {(r["model"], r["np"], r["reported_speedup"]) for r in out["paper"]} == \
         {("lenet", 4, 3.77), ("cifar10_quick", 4, 3.79)}
     assert all(set(r) == {"model", "np", "predicted_speedup", "reported_speedup"} for r in out["paper"])
+
+
+def test_cli_plot_writes_a_png(gpu_profile, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "scaling.png"
+    proc = _cli("--compute", gpu_profile, "--models", "lenet", "--profile", "pcie3",
+                "--np", "1", "2", "4", "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    assert f"plot written to {png}" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -943,7 +943,10 @@ def _print_tables(rows, batch, scaling, nps):
 
 def plot(rows, path, title):
     """Step time, speedup and efficiency against N: one row of panels per model."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install -e \".[plot]\"") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -1053,6 +1056,11 @@ def main(argv=None):
         raise UsageError(f"--paper-compute {args.paper_compute!r}: use here, "
                          f"{', '.join(GPUS)} or a profile file")
 
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install -e \".[plot]\"") from None
     compute = _compute(args.compute, models, args.dtype)
     if args.save_compute:
         with open(args.save_compute, "w") as f:
