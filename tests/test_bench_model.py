@@ -81,6 +81,23 @@ def test_split_fc_bytes_hand_computed():
     assert pm.traffic(lenet, "split-fc", n, batch) == [per_rank, per_rank]
 
 
+def test_split_fc_plan_matches_the_conversion_layer_buffers():
+    from ringnet.parallel.conversion import DataConversion
+    from ringnet.parallel.fc_slices import FcBlock, fc_blocks
+    model = build_model("lenet")
+    for n, batch in ((2, 12), (3, 12), (4, 8)):
+        plan, conv, blocks = pm.split_fc_plan(model, n, batch)
+        bounds = {label: b for label, _, b in plan}
+        layer = DataConversion(None, 0, n, blocks[0][1].in_features)
+        layer._prepare(np.empty(1, model.dtype), batch // n)
+        assert bounds["conversion: features+labels"] == layer._bounds
+        assert bounds["conversion: feature gradient"] == layer._grad_bounds
+        for name, lin, acts in fc_blocks(model):
+            block = FcBlock(name, lin, acts, model, pm._shard_bounds(lin.out_features, n), 0)
+            block.prepare(batch, model.dtype)
+            assert bounds[f"{name} output"] == block.out_bounds
+
+
 class _Done:
     def wait(self):
         return None

@@ -410,7 +410,7 @@ def split_fc_plan(model, n, batch):
     feature gradient in sample blocks, each FC block's (out, B) output in row blocks,
     each later block's (in, B) input gradient, and the conv prefix.
     """
-    from ringnet.parallel.split_fc import fc_blocks
+    from ringnet.parallel.fc_slices import fc_blocks
     blocks = fc_blocks(model)
     first = blocks[0][0]
     conv = model.param_offsets()[f"{first}.weight"][0]
@@ -644,7 +644,7 @@ def sweep(system, model, nps, batch, scaling, modes=MODES):
 
 
 def _splittable(model, n):
-    from ringnet.parallel.split_fc import fc_blocks
+    from ringnet.parallel.fc_slices import fc_blocks
     return all(layer.out_features >= n for _, layer, _ in fc_blocks(model))
 
 
