@@ -63,8 +63,21 @@ __all__ = ["Link", "LINKS", "GPUS", "System", "ComputeProfile", "measure_compute
 
 DEFAULT_MODELS = ("lenet", "cifar10_quick")
 DEFAULT_NP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-# (mode, delay) in the order tables print them
-MODES = (("single", 0), ("ring", 1), ("ring", 0), ("tree", 0), ("master", 0), ("split-fc", 0))
+
+
+def _mode_rows():
+    """(mode, delay) in the order tables print them: every mode of the registry at its
+    default delay, and the ring also at delay 0 (what the delayed update buys)."""
+    from ringnet.parallel import MODES as REGISTRY
+    rows = []
+    for mode in REGISTRY.values():
+        rows.append((mode.name, mode.default_delay))
+        if mode.name == "ring":
+            rows.append(("ring", 1 - mode.default_delay))
+    return tuple(rows)
+
+
+MODES = _mode_rows()
 DEFAULT_PROFILES = ("pcie3/eth-10g", "pcie5/ib-hdr", "nvlink4/ib-hdr")
 # The research's setting: 4 GPUs, Caffe's per-GPU batches (LeNet 64, cifar10_quick 100).
 PAPER = {"lenet": (64, 3.77), "cifar10_quick": (100, 3.79)}
@@ -829,7 +842,7 @@ def _calibration_record(n, raw, add_s_per_elem):
 
 # -- validation: predicted against measured on this machine -----------------------------------
 VALIDATION_NP = (1, 2, 4)
-VALIDATION_MODES = (("ring", 1), ("ring", 0), ("tree", 0), ("master", 0), ("split-fc", 0))
+VALIDATION_MODES = tuple(md for md in MODES if md[0] != "single")
 
 
 def load_probe(repeats=5):
