@@ -6,8 +6,9 @@ Layout::
     /momentum/<name>          SGD momentum buffer of that parameter (same shape)
     /prev_params/<name>       delay-1 runs only: the weights the next step computes on
     attrs: format ("ringnet-checkpoint"), version, model, mode, delay, ranks, step, epoch,
-           seed, dtype, lr policy settings, rng (JSON: the state of every layer's random
-           stream, e.g. Dropout masks, so a resumed run continues the same trajectory)
+           dtype, the hyperparameters a resume continues with (HYPERPARAMETERS), rng (JSON:
+           the state of every layer's random stream, e.g. Dropout masks, so a resumed run
+           continues the same trajectory)
 
 Durability: the file is written to ``<name>.<host>.<pid>.<random>.h5.tmp`` next to the
 target, flushed to disk (``fsync``), renamed onto the target, and the folder is
@@ -33,10 +34,14 @@ from ringnet.data.hdf5 import file_mode
 from ringnet.errors import UsageError, fault_point
 
 __all__ = ["save_checkpoint", "load_checkpoint", "check_writable", "checkpoint_bytes",
-           "stale_temporaries", "FORMAT"]
+           "stale_temporaries", "resume_settings", "HYPERPARAMETERS", "FORMAT"]
 
 FORMAT = "ringnet-checkpoint"
 VERSION = 1
+
+# Settings stored as attributes that a resumed run continues with unless told otherwise.
+HYPERPARAMETERS = ("batch_size", "lr", "lr_policy", "gamma", "stepsize", "power", "momentum",
+                   "weight_decay", "seed")
 TMP_SUFFIX = ".h5.tmp"
 # A temporary of another host (shared file system) counts as stale after this long.
 FOREIGN_STALE_S = 24 * 3600
@@ -188,8 +193,10 @@ def _check_finite(path, groups):
                                  "infinite value(s); it cannot be trained from")
 
 
-def save_checkpoint(path, params, momentum=None, prev_params=None, rng=None, **attrs):
+def save_checkpoint(path, params, momentum=None, prev_params=None, /, rng=None, **attrs):
     """Write named host arrays, layer RNG states and scalar ``attrs`` to ``path`` atomically.
+
+    The arrays are positional only, so ``attrs`` may hold a ``momentum`` setting.
 
     Refuses non-finite weights; an OS error becomes a UsageError naming the file; the
     old file at ``path`` is untouched in every case.
@@ -268,3 +275,26 @@ def load_checkpoint(path):
             raise UsageError(f"checkpoint {path} is corrupt ({exc})") from None
     _check_finite(path, groups.items())
     return groups["params"], groups["momentum"], groups["prev_params"], attrs
+
+
+def resume_settings(attrs, given):
+    """Return ``(settings, overridden)`` for a run resumed from a checkpoint's ``attrs``.
+
+    ``given`` maps each name in HYPERPARAMETERS to the value asked for on the command
+    line, or None where nothing was asked. ``settings`` holds the checkpoint's value of
+    every setting not asked for (settings the checkpoint lacks are left out); ``overridden``
+    lists ``(name, checkpoint value, asked value)`` where the two differ.
+    """
+    settings, overridden = {}, []
+    for name in HYPERPARAMETERS:
+        stored = attrs.get(name)
+        if isinstance(stored, bytes):
+            stored = stored.decode()
+        if stored is None or (isinstance(stored, str) and not stored):
+            continue
+        asked = given.get(name)
+        if asked is None:
+            settings[name] = stored
+        elif asked != stored:
+            overridden.append((name, stored, asked))
+    return settings, overridden

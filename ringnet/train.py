@@ -12,7 +12,8 @@ import time
 import numpy as np
 
 from ringnet import backend
-from ringnet.config import TrainConfig, config_from_args
+from ringnet.checkpoint import HYPERPARAMETERS
+from ringnet.config import DEFAULTS, TrainConfig, config_from_args
 from ringnet.errors import (Deadline, StallError, TrainingError, UsageError, collective, current_phase,
                             exchange, import_mpi, run_main, set_phase, watchdog)
 
@@ -38,6 +39,7 @@ def _world():
 
 def _setup(cfg, world):
     """Resolve the config, pick the device, open the data, build model and strategy."""
+    dataset_given = cfg.dataset is not None
     from ringnet.data import ShardedLoader, check_compatible, open_dataset
     from ringnet.models import MODELS, build_model
     from ringnet.optim import SGD, LRPolicy
@@ -61,10 +63,20 @@ def _setup(cfg, world):
     spec = MODELS[cfg.model]
 
     def open_data():
-        ds = open_dataset(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir,
-                          input_shape=spec.input_shape, num_classes=spec.num_classes,
-                          synthetic_size=cfg.synthetic_size)
-        check_compatible(ds, spec.input_shape, spec.num_classes, model=cfg.model)
+        try:
+            ds = open_dataset(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir,
+                              input_shape=spec.input_shape, num_classes=spec.num_classes,
+                              synthetic_size=cfg.synthetic_size)
+        except UsageError as exc:
+            if dataset_given:
+                raise
+            raise UsageError(f"{exc} ({cfg.dataset} is the default data set of model "
+                             f"{cfg.model}; --dataset synthetic needs no file)") from None
+        # The last layer is sized from the data set: any class count >= 2 fits every model.
+        check_compatible(ds, spec.input_shape, ds.num_classes, model=cfg.model)
+        if ds.num_classes < 2:
+            raise UsageError(f"data set {cfg.dataset} has {ds.num_classes} class; "
+                             "a classifier needs at least 2")
         if len(ds.train) < cfg.batch_size:
             raise UsageError(f"data set {cfg.dataset} has {len(ds.train)} training images, "
                              f"fewer than one global batch of {cfg.batch_size}")
@@ -72,7 +84,8 @@ def _setup(cfg, world):
         return ds
     dataset = collective(world, open_data)
     check_same_run(world, collective(world, dataset.fingerprint))
-    model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed)
+    model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed,
+                        num_classes=dataset.num_classes)
     if cfg.save:
         from ringnet.checkpoint import check_writable, checkpoint_bytes
         # Before training, not after hours of it: only rank 0 writes the file.
@@ -197,9 +210,45 @@ def _interactive():
 
 
 def _log(cfg, world, text):
+    """Write one whole log line on rank 0 (stderr under --json: stdout is the JSON's), flushed."""
     if world.Get_rank() == 0 and not cfg.quiet:
         from tqdm import tqdm
-        tqdm.write(text, file=sys.stderr if cfg.json else sys.stdout)
+        out = sys.stderr if cfg.json else sys.stdout
+        with tqdm.external_write_mode(file=out):   # clears and redraws a progress bar
+            out.write(text + "\n")
+            out.flush()
+
+
+def _resume_settings(cfg, world):
+    """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint, note).
+
+    Hyperparameters not given explicitly continue with the checkpoint's values; the note
+    says which were taken and which a flag overrode.
+    """
+    import dataclasses
+    from ringnet.checkpoint import HYPERPARAMETERS, load_checkpoint, resume_settings
+    checkpoint = collective(world, load_checkpoint, cfg.resume)
+    attrs = checkpoint[3]
+    settings, overridden = resume_settings(attrs, {n: getattr(cfg, n) for n in HYPERPARAMETERS})
+    cfg = dataclasses.replace(cfg, **settings)
+    size = world.Get_size()
+    if "batch_size" in settings and cfg.batch_size % size:
+        raise UsageError(f"checkpoint {cfg.resume} was trained with global batch {cfg.batch_size}, "
+                         f"which {size} ranks cannot split; pass --batch-size with a multiple "
+                         f"of {size} to change it")
+    flag = {n: "--" + n.replace("_", "-") for n in HYPERPARAMETERS}
+    note = f"resuming from {cfg.resume} at step {int(attrs.get('step', 0))}"
+    if settings:
+        note += "; from the checkpoint: " + ", ".join(f"{flag[n]} {v}" for n, v in settings.items())
+    if overridden:
+        note += "; overridden: " + ", ".join(f"{flag[n]} {asked} (checkpoint: {stored})"
+                                             for n, stored, asked in overridden)
+    return cfg, checkpoint, note
+
+
+def _epoch_line(epoch, recent, test_acc, test_loss):
+    return (f"epoch {epoch:3d}  train loss {np.mean(recent):.4f}  test loss {test_loss:.4f}  "
+            f"test acc {100 * test_acc:6.2f}%")
 
 
 def train(cfg=None, world=None, **overrides):
@@ -220,22 +269,31 @@ def train(cfg=None, world=None, **overrides):
 
 def _train(cfg, world, deadline, rank, size, t_start):
     """The run once the deadline is known (see :func:`train`)."""
+    asked_batch = cfg.batch_size
+    checkpoint = resume_note = None
     # Communicator creation blocks inside MPI: a watchdog bounds the whole setup.
     with watchdog("setup", 2 * deadline.ceiling + 10):
+        if cfg.resume:
+            cfg, checkpoint, resume_note = _resume_settings(cfg, world)
         cfg, xp, dataset, model, strategy, loader = _setup(cfg, world)
-        step = _resume(cfg, world, strategy) if cfg.resume else 0
+        spe = loader.steps_per_epoch
+        total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
+        step = _restore(cfg, world, strategy, checkpoint, total_steps) if checkpoint else 0
     _transport_deadline(strategy, deadline.seconds)
-    spe = loader.steps_per_epoch
-    total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
-    if cfg.resume:
-        if step >= total_steps:
-            _log(cfg, world, f"checkpoint is at step {step}, already >= {total_steps} steps")
+    if checkpoint is not None:
+        _log(cfg, world, resume_note)
 
+    batch_text = f"global batch {cfg.batch_size}"
+    if asked_batch is None and checkpoint is None and cfg.batch_size != DEFAULTS["batch_size"]:
+        batch_text += (f" (the default {DEFAULTS['batch_size']} rounded to a multiple of "
+                       f"{size} ranks)")
+    steps_text = (f"steps {step} to {total_steps} ({total_steps - step} to run)" if step
+                  else f"{total_steps} steps")
     _log(cfg, world, f"ringnet: {cfg.mode} (delay {cfg.delay}) on {size} rank(s), "
                      f"{'GPU' if xp is not np else 'CPU'}, model {cfg.model} "
-                     f"({model.num_params:,} parameters), data {dataset.name} "
-                     f"({len(dataset.train)} train / {len(dataset.test)} test), "
-                     f"global batch {cfg.batch_size}, {total_steps} steps")
+                     f"({model.num_params:,} parameters, {model.num_classes} outputs: one per class "
+                     f"of the data), data {dataset.name} ({len(dataset.train)} train / "
+                     f"{len(dataset.test)} test), {batch_text}, lr {cfg.lr:g}, {steps_text}")
 
     bar = None
     if rank == 0 and cfg.progress and not cfg.quiet:
@@ -245,55 +303,57 @@ def _train(cfg, world, deadline, rank, size, t_start):
 
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
     first_step = step
+    sent_before, _ = strategy.bytes_moved()   # bytes_per_step counts the training steps only
     t_train = time.perf_counter()
     test_acc = test_loss = None
-    errstate = np.errstate(over="ignore", invalid="ignore", divide="ignore")  # NaN loss: one line
     try:
-        errstate.__enter__()
-        t_step = time.perf_counter()
-        while step < total_steps:
-            epoch, offset = divmod(step, spe)
-            batches = loader.epoch(epoch, start_step=offset)
-            for x, labels in batches:
-                set_phase(f"step {step}")
-                loss, _ = strategy.step(x, labels, step)
-                loss = float(loss)
-                if not math.isfinite(loss):
-                    raise TrainingError(f"loss is {loss} at step {step} (epoch {epoch}): training "
-                                        f"diverged; try a lower --lr (now {cfg.lr})")
-                recent.append(loss)
-                step += 1
-                now = time.perf_counter()
-                deadline.record(now - t_step)     # data wait included: it delays peers too
-                t_step = now
-                _transport_deadline(strategy, deadline.seconds)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", refresh=False)
-                if cfg.check_every and step % cfg.check_every == 0:
+        # Overflow on the way to a non-finite loss is reported once, below, not as warnings.
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            t_step = time.perf_counter()
+            while step < total_steps:
+                epoch, offset = divmod(step, spe)
+                batches = loader.epoch(epoch, start_step=offset)
+                for x, labels in batches:
+                    set_phase(f"step {step}")
+                    loss, _ = strategy.step(x, labels, step)
+                    loss = float(loss)
+                    if not math.isfinite(loss):
+                        raise TrainingError(f"loss is {loss} at step {step} (epoch {epoch + 1}): "
+                                            f"training diverged; try a lower --lr (now {cfg.lr:g})")
+                    recent.append(loss)
+                    step += 1
+                    now = time.perf_counter()
+                    deadline.record(now - t_step)     # data wait included: it delays peers too
+                    t_step = now
+                    _transport_deadline(strategy, deadline.seconds)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", refresh=False)
+                    if cfg.check_every and step % cfg.check_every == 0:
+                        strategy.drain()
+                        check_replicas(strategy, world, step, deadline)
+                    if step >= total_steps:
+                        break
+                if hasattr(batches, "close"):
+                    batches.close()
+                if step % spe == 0 and cfg.eval_every_epoch and step < total_steps:
                     strategy.drain()
-                    check_replicas(strategy, world, step, deadline)
-                if step >= total_steps:
-                    break
-            if hasattr(batches, "close"):
-                batches.close()
-            if step % spe == 0 and cfg.eval_every_epoch and step < total_steps:
-                strategy.drain()
-                test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp, deadline=deadline)
-                if test_acc is not None:
-                    _log(cfg, world, f"epoch {step // spe:3d}  train loss {np.mean(recent):.4f}  "
-                                     f"test acc {100 * test_acc:6.2f}%")
-                t_step = time.perf_counter()
-        set_phase(f"step {step}")
-        strategy.drain()
+                    test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp,
+                                                   deadline=deadline)
+                    _log(cfg, world, _epoch_line(step // spe, recent, test_acc, test_loss))
+                    t_step = time.perf_counter()
+            set_phase(f"step {step}")
+            strategy.drain()
     finally:
-        errstate.__exit__(None, None, None)
         if bar is not None:
             bar.close()
     train_s = time.perf_counter() - t_train
+    step_bytes = strategy.bytes_moved()[0] - sent_before
 
     check_replicas(strategy, world, step, deadline)
     test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp, deadline=deadline)
+    if step % spe == 0 and cfg.eval_every_epoch and step > first_step and test_acc is not None:
+        _log(cfg, world, _epoch_line(step // spe, recent, test_acc, test_loss))
 
     if cfg.save:
         set_phase("save")
@@ -305,8 +365,8 @@ def _train(cfg, world, deadline, rank, size, t_start):
             if rank == 0:
                 save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None, rng=rng,
                                 model=cfg.model, mode=cfg.mode, delay=cfg.delay, ranks=size,
-                                step=step, epoch=step // spe, seed=cfg.seed, dtype=cfg.dtype,
-                                lr=cfg.lr, lr_policy=cfg.lr_policy)
+                                step=step, epoch=step // spe, dtype=cfg.dtype,
+                                **{n: getattr(cfg, n) for n in HYPERPARAMETERS})
         # Writing takes as long as the disk needs: the others wait up to RINGNET_COMM_TIMEOUT.
         collective(world, save, phase="save", timeout=deadline.ceiling)
 
@@ -316,10 +376,11 @@ def _train(cfg, world, deadline, rank, size, t_start):
     sent, received = strategy.bytes_moved()
     local_loss = float(np.mean(recent)) if recent else float("nan")
     per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, loader.wait_s,
-                         stats.comm_total_s, sent, received, local_loss], dtype=np.float64)
+                         stats.comm_total_s, sent, received, step_bytes, local_loss],
+                        dtype=np.float64)
     every = np.array(exchange(world, per_rank, phase="statistics", timeout=deadline.seconds))
     mean = every.mean(axis=0)
-    train_loss = float(mean[7])
+    train_loss = float(mean[8])
     busiest = every[:, 5].max()     # the root of tree/master carries most
     times = stats.step_times[2:] or stats.step_times
     step_ms = 1000 * statistics.median(times) if times else float("nan")
@@ -335,28 +396,36 @@ def _train(cfg, world, deadline, rank, size, t_start):
         "compute_s": mean[0], "comm_wait_s": mean[1], "update_s": mean[2], "data_s": mean[3],
         "comm_total_s": mean[4], "overlap": stats.overlap(),
         "bytes_sent": int(mean[5]), "bytes_recv": int(mean[6]),
-        "bytes_per_step": int(mean[5] / steps_run) if steps_run else 0,
+        "bytes_per_step": int(mean[7] / steps_run) if steps_run else 0,
         "bytes_sent_max": int(busiest),
         "num_params": model.num_params,
     }
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
-    accuracy = "no test split" if test_acc is None else f"test accuracy {100 * test_acc:.2f}%"
-    _log(cfg, world, f"done: {step} steps, {accuracy}, "
+    tested = ("no test split" if test_acc is None else
+              f"test loss {test_loss:.4f}, test accuracy {100 * test_acc:.2f}%")
+    _log(cfg, world, f"done: {step} steps ({step / spe:.2f} epochs), train loss {train_loss:.4f}, "
+                     f"{tested}, "
                      f"{summary['images_per_sec']:.0f} images/s, {summary['time_s']:.1f} s")
     if cfg.json and rank == 0:
         print(json.dumps(summary), flush=True)
     return TrainResult(summary, strategy, cfg)
 
 
-def _resume(cfg, world, strategy):
-    """Load ``cfg.resume`` into ``strategy`` on every rank; return the checkpoint's step."""
-    from ringnet.checkpoint import load_checkpoint
-    params, momentum, prev, attrs = collective(world, load_checkpoint, cfg.resume)
+def _restore(cfg, world, strategy, checkpoint, total_steps):
+    """Load ``checkpoint`` into ``strategy`` on every rank; return the checkpoint's step."""
+    params, momentum, prev, attrs = checkpoint
 
     def restore():
         if attrs.get("model") != cfg.model:
             raise UsageError(f"checkpoint {cfg.resume} holds model {attrs.get('model')!r}, "
                              f"not {cfg.model!r}")
+        done = int(attrs.get("step", 0))
+        if done >= total_steps:
+            asked = (f"--steps {cfg.steps}" if cfg.steps is not None else
+                     f"--epochs {cfg.epochs} ({total_steps} steps)")
+            raise UsageError(f"checkpoint {cfg.resume} is already at step {done}; {asked} "
+                             f"leaves nothing to run (steps count from step 0: ask for more "
+                             f"than {done})")
         try:
             strategy.load_full_state(params, momentum, prev if cfg.delay else None)
             set_rng_states(strategy.model, attrs.get("rng"))
@@ -383,10 +452,9 @@ def main(argv=None):
     cfg = config_from_args(argv)
     result = train(cfg)
     set_phase("shutdown")
-    world = _world()
     # Drains the last exchange (under the transport deadline); then every rank arrives.
     result.strategy.close()
-    exchange(world, None, phase="shutdown")
+    exchange(_world(), None, phase="shutdown")
     return 0
 
 
