@@ -92,7 +92,7 @@ def test_non_finite_weights_are_refused_on_save_and_load(tmp_path, bad):
     assert not (tmp_path / "a.h5").exists()
     import h5py
     path = tmp_path / "b.h5"
-    save_checkpoint(path, PARAMS, momentum=PARAMS)
+    save_checkpoint(path, PARAMS, PARAMS)
     with h5py.File(path, "r+") as f:
         f["momentum/w"][0, 0] = bad
     with pytest.raises(UsageError, match="momentum/w holds 1 NaN"):

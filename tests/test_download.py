@@ -203,6 +203,22 @@ def test_unreachable_server_clear_message(tmp_path):
            f" --out {out / 'cifar10.h5'}" in lines[0]
     assert elapsed < 20
     assert not (out / "cifar10.h5").exists()
+    assert not (out / "raw").exists(), "empty raw/ folders left behind"
+
+
+def test_unreachable_server_keeps_and_names_the_partial_file(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "d"
+    part = out / "raw" / "cifar10" / "cifar-10-python.tar.gz.part"
+    part.parent.mkdir(parents=True)
+    part.write_bytes(b"x" * 1234)
+    result = run_cli("download", "cifar10", "--dir", out, "--mirror", f"http://127.0.0.1:{port}/")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"1234 bytes received are kept in {part}" in lines[0], result.stderr
+    assert part.read_bytes() == b"x" * 1234
 
 
 def test_default_data_dir(monkeypatch, tmp_path):

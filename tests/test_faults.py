@@ -36,3 +36,29 @@ def test_full_matrix_covers_every_phase_mode_and_size():
             for n in (2, 4):
                 assert any(name.startswith(f"stop {phase} ") and f" {mode} N={n}" in name
                            for name in names), (phase, mode, n)
+
+
+def test_info_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`python -m ringnet.datasets info F | head -1`: no BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from ringnet.data.hdf5 import write_dataset
+    classes = [f"c{i}" for i in range(3000)]                    # > 64 KiB of table rows
+    labels = np.arange(3000)
+    images = np.zeros((3000, 1, 2, 2), np.uint8)
+    path = tmp_path / "many.h5"
+    write_dataset(path, images, labels, images[:10], labels[:10], classes)
+    proc = subprocess.Popen([sys.executable, "-m", "ringnet.datasets", "info", "--verify", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    first = proc.stdout.readline()
+    proc.stdout.close()                                          # what `head -1` does
+    stderr = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert first.startswith(b"file "), first
+    assert stderr == "", stderr
+    assert proc.returncode == 141

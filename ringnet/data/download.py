@@ -188,16 +188,29 @@ def download(name, directory=None, mirror=None, keep_raw=False, force=False, att
             fetch([base + file_name for base in bases], raw / file_name, digest,
                   attempts=attempts, timeout=timeout, progress=progress)
         except Unreachable as exc:
-            raise UsageError(f"{exc}; download it elsewhere and run `python -m ringnet.datasets "
-                             f"convert {name} {source} --out {out}`") from None
+            part = raw / (file_name + ".part")
+            if part.is_file() and part.stat().st_size:
+                kept = (f"; the {part.stat().st_size} bytes received are kept in {part} and the "
+                        "next run resumes from there")
+            else:
+                part.unlink(missing_ok=True)
+                _remove_empty(raw, raw.parent)
+                kept = ""
+            raise UsageError(f"{exc}{kept}; or download it elsewhere and run `python -m "
+                             f"ringnet.datasets convert {name} {source} --out {out}`") from None
     _converter(name)(source, out)
     if not keep_raw:
         for file_name in remote.sha256:
             (raw / file_name).unlink(missing_ok=True)
-        for folder in (raw, raw.parent):
-            try:
-                folder.rmdir()
-            except OSError:  # not empty: other files the user keeps there
-                break
+        _remove_empty(raw, raw.parent)
     log(f"wrote {out}")
     return out
+
+
+def _remove_empty(*folders):
+    """Remove ``folders`` in order while they are empty (stop at the first that is not)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (other files the user keeps there) or already gone
+            break
