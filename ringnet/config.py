@@ -3,7 +3,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from ringnet.errors import UsageError
+from ringnet.errors import ArgumentParser, UsageError
 from ringnet.parallel import MODES
 
 __all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "build_parser", "config_from_args"]
@@ -116,16 +116,9 @@ def _positive_int(text):
     return value
 
 
-class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors become one-line UsageErrors (printed once, exit 2)."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
 def build_parser():
     """Return the argument parser of ``python -m ringnet.train``."""
-    p = _Parser(
+    p = ArgumentParser(
         prog="python -m ringnet.train",
         description="Train a CNN with one process per GPU (or CPU core). Run alone for the "
                     "single-process reference, or under `mpirun -np N` for a parallel mode. "

@@ -10,11 +10,13 @@ Setup code that every rank runs (argument checks, opening data) goes through
 :func:`collective`: every rank reports whether it failed, so a problem seen by one
 rank only (a file missing on one node) still ends every rank with exit code 2.
 """
+import argparse
 import os
 import sys
 import traceback
 
-__all__ = ["UsageError", "TrainingError", "collective", "run_main", "abort", "import_mpi"]
+__all__ = ["UsageError", "TrainingError", "ArgumentParser", "collective", "run_main", "abort",
+           "import_mpi"]
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -121,3 +123,11 @@ def run_main(main, argv=None):
         summary = str(exc) or type(exc).__name__
         abort(summary if isinstance(exc, TrainingError) else f"{type(exc).__name__}: {summary}")
     sys.exit(code or 0)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The entry points' argument parser: its errors are one-line UsageErrors (exit 2)
+    naming the --help to read, instead of argparse's usage dump."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")

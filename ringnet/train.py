@@ -31,10 +31,6 @@ class TrainResult:
         return self.strategy.eval_model()
 
 
-def _world():
-    return import_mpi().COMM_WORLD
-
-
 def _setup(cfg, world):
     """Resolve the config, pick the device, open the data, build model and strategy."""
     from ringnet.data import ShardedLoader, check_compatible, open_dataset
@@ -135,7 +131,7 @@ def train(cfg=None, world=None, **overrides):
     """Run one training job on ``world`` (default MPI.COMM_WORLD); return a TrainResult."""
     import dataclasses
     cfg = dataclasses.replace(cfg or TrainConfig(), **overrides)
-    world = world or _world()
+    world = world or import_mpi().COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
     cfg, xp, dataset, model, strategy, loader = _setup(cfg, world)

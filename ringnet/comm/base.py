@@ -3,23 +3,13 @@ import numpy as np
 
 from ringnet.backend import get_array_module, is_gpu_array
 from ringnet.comm.stream import current_tag
+from ringnet.shards import shard_bounds
 
 __all__ = ["CommunicatorBase", "RootedCommunicator", "shard_bounds", "OPS"]
 
 OPS = ("sum", "mean")
 _DTYPES = (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
            np.uint8, np.uint16, np.uint32, np.uint64)
-
-
-def shard_bounds(length, size):
-    """Split ``[0, length)`` into ``size`` contiguous shards, the first ``length % size`` one longer."""
-    base, extra = divmod(int(length), int(size))
-    bounds, start = [], 0
-    for r in range(size):
-        stop = start + base + (1 if r < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 class CommunicatorBase:

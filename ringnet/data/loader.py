@@ -7,17 +7,13 @@ import numpy as np
 
 from ringnet.backend import cupy, resolve_dtype
 from ringnet.errors import UsageError
+from ringnet.shards import shard_bounds
 
-__all__ = ["ShardedLoader", "iterate_eval", "rank_bounds", "normalize", "augment_params",
+__all__ = ["ShardedLoader", "iterate_eval", "normalize", "augment_params",
            "augment_batch", "PAD"]
 
 PAD = 4  # augmentation: random crop of the image padded by PAD pixels on each side
 _POLL_S = 0.05  # how often a blocked prefetch thread checks whether it should stop
-
-
-def rank_bounds(n, rank, size):
-    """Return [lo, hi) of rank's contiguous part when n items are split over size ranks."""
-    return n * rank // size, n * (rank + 1) // size
 
 
 def _channel_vector(value, channels, default, what):
@@ -198,7 +194,7 @@ class ShardedLoader:
     def local_indices(self, epoch, step):
         """Return this rank's contiguous part of global batch ``step`` of ``epoch``."""
         batch = self.batch_indices(epoch, step)
-        lo, hi = rank_bounds(len(batch), self.rank, self.size)
+        lo, hi = shard_bounds(len(batch), self.size)[self.rank]
         return batch[lo:hi]
 
     def _host_batch(self, epoch, step):
@@ -378,7 +374,7 @@ def iterate_eval(split, batch_size, rank=0, size=1, xp=np, dtype="float32", mean
     """
     if batch_size < 1:
         raise UsageError(f"batch size must be positive, got {batch_size}")
-    lo, hi = rank_bounds(len(split), rank, size)
+    lo, hi = shard_bounds(len(split), size)[rank]
     for start in range(lo, hi, batch_size):
         stop = min(start + batch_size, hi)
         images = np.asarray(split.images[start:stop])  # contiguous read

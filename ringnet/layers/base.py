@@ -87,6 +87,16 @@ def init_array(spec, shape, rng, dtype=np.float32):
 # im2col/col2im and pooling loops move long contiguous blocks. Element-wise and pooling
 # layers keep whatever memory order they are given.
 
+def as_pair(v, name):
+    """Return ``v`` as an (int, int) pair: an int is used twice (kernel size, stride, padding)."""
+    if isinstance(v, int):
+        v = (v, v)
+    v = tuple(int(a) for a in v)
+    if len(v) != 2:
+        raise ValueError(f"{name} must be an int or a pair, got {v!r}")
+    return v
+
+
 def _memory_order(x):
     """Return the axes of ``x`` from outermost to innermost in memory."""
     return sorted(range(x.ndim), key=lambda a: (-abs(x.strides[a]), -a))

@@ -1,7 +1,7 @@
 """Conv2d: im2col from per-tap slices + one GEMM per pass, on batch-last (C, H, W, B) memory."""
 from ringnet.backend import get_array_module
-from ringnet.layers.base import (Layer, as_channel_rows, batch_last, check_init, tap_ranges,
-                                 tap_slice)
+from ringnet.layers.base import (Layer, as_channel_rows, as_pair, batch_last, check_init,
+                                 tap_ranges, tap_slice)
 
 __all__ = ["Conv2d", "conv_output_size"]
 
@@ -12,15 +12,6 @@ def conv_output_size(size, kernel, stride, pad):
     if out < 1:
         raise ValueError(f"conv kernel {kernel} (pad {pad}) does not fit input size {size}")
     return out
-
-
-def _pair(v, name):
-    if isinstance(v, int):
-        v = (v, v)
-    v = tuple(int(a) for a in v)
-    if len(v) != 2:
-        raise ValueError(f"{name} must be an int or a pair, got {v!r}")
-    return v
 
 
 class Conv2d(Layer):
@@ -34,9 +25,9 @@ class Conv2d(Layer):
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, *,
                  weight_init=("xavier",), bias_init=("constant", 0.0)):
         self.in_channels, self.out_channels = int(in_channels), int(out_channels)
-        self.kernel_size = _pair(kernel_size, "kernel_size")
-        self.stride = _pair(stride, "stride")
-        self.padding = _pair(padding, "padding")
+        self.kernel_size = as_pair(kernel_size, "kernel_size")
+        self.stride = as_pair(stride, "stride")
+        self.padding = as_pair(padding, "padding")
         if min(self.kernel_size) < 1 or min(self.stride) < 1 or min(self.padding) < 0:
             raise ValueError(f"bad Conv2d geometry: kernel {self.kernel_size}, "
                              f"stride {self.stride}, padding {self.padding}")

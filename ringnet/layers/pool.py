@@ -2,9 +2,8 @@
 import numpy as np
 
 from ringnet.backend import get_array_module
-from ringnet.layers.base import (Layer, empty_like_layout, tap_ranges, tap_slice,
+from ringnet.layers.base import (Layer, as_pair, empty_like_layout, tap_ranges, tap_slice,
                                  zeros_like_layout)
-from ringnet.layers.conv import _pair
 
 __all__ = ["MaxPool2d", "AvgPool2d", "pool_output_size"]
 
@@ -32,9 +31,9 @@ def _covers(tap, ho, wo):
 
 class _Pool2d(Layer):
     def __init__(self, kernel_size, stride=None, padding=0):
-        self.kernel_size = _pair(kernel_size, "kernel_size")
-        self.stride = _pair(self.kernel_size if stride is None else stride, "stride")
-        self.padding = _pair(padding, "padding")
+        self.kernel_size = as_pair(kernel_size, "kernel_size")
+        self.stride = as_pair(self.kernel_size if stride is None else stride, "stride")
+        self.padding = as_pair(padding, "padding")
         if min(self.kernel_size) < 1 or min(self.stride) < 1 or min(self.padding) < 0:
             raise ValueError(f"bad pool geometry: kernel {self.kernel_size}, "
                              f"stride {self.stride}, padding {self.padding}")

@@ -1,0 +1,152 @@
+"""python -m ringnet.data download|convert|info — get data sets into the ringnet HDF5 layout.
+
+``python -m ringnet.datasets`` is the same command (an alias).
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from ringnet.data import convert as _convert
+from ringnet.data import download as _download
+from ringnet.data.hdf5 import SPLITS, validate_file
+from ringnet.errors import ArgumentParser, UsageError, run_main
+
+__all__ = ["main", "info"]
+
+
+def info(path):
+    """Return a dict describing the data set file ``path``: counts, shape, classes, SHA-256."""
+    with validate_file(path) as f:
+        classes = [c.decode() if isinstance(c, bytes) else str(c) for c in f.attrs["classes"]]
+        splits = {}
+        for split in SPLITS:
+            labels = f[split]["labels"][()]
+            counts = np.bincount(labels, minlength=len(classes)) if labels.size else np.zeros(len(classes), int)
+            splits[split] = {"count": int(labels.size),
+                             "per_class": {c: int(n) for c, n in zip(classes, counts)}}
+        shape = list(f["train"]["images"].shape[1:])
+        attrs = {key: str(f.attrs.get(key, "")) for key in ("name", "source", "licence")}
+    return {"file": os.fspath(path), "bytes": os.path.getsize(path),
+            "sha256": _download.file_sha256(path), **attrs, "image_shape": shape,
+            "classes": classes, "splits": splits}
+
+
+def _print_info(summary):
+    c, h, w = summary["image_shape"]
+    print(f"file      {summary['file']} ({summary['bytes'] / 2**20:.1f} MiB)")
+    print(f"sha256    {summary['sha256']}")
+    for key in ("name", "source", "licence"):
+        if summary[key]:
+            print(f"{key:9s} {summary[key]}")
+    print(f"images    uint8 {c} x {h} x {w} (C x H x W)")
+    print(f"classes   {len(summary['classes'])}")
+    width = max([5] + [len(name) for name in summary["classes"]])
+    print(f"  {'class':{width}s} " + " ".join(f"{split:>8s}" for split in SPLITS))
+    for name in summary["classes"]:
+        row = " ".join(f"{summary['splits'][split]['per_class'][name]:8d}" for split in SPLITS)
+        print(f"  {name:{width}s} {row}")
+    print(f"  {'total':{width}s} " + " ".join(f"{summary['splits'][s]['count']:8d}" for s in SPLITS))
+
+
+def _build_parser():
+    parser = ArgumentParser(prog="python -m ringnet.datasets",
+                     description="Download, convert and inspect data sets in the ringnet HDF5 layout "
+                                 "(/train and /test groups with uint8 images (N, C, H, W) and int64 "
+                                 "labels, class names in the 'classes' attribute).",
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog="examples:\n"
+                            "  python -m ringnet.datasets download mnist\n"
+                            "  python -m ringnet.datasets convert cifar10 cifar-10-python.tar.gz --out cifar10.h5\n"
+                            "  python -m ringnet.datasets convert imagefolder cars/ --size 64 --out cars.h5\n"
+                            "  python -m ringnet.datasets info datasets/mnist.h5\n"
+                            "`python -m ringnet.datasets COMMAND --help` explains each command.")
+    commands = parser.add_subparsers(dest="command", metavar="{download,convert,info}", required=True)
+
+    default_dir = _download.download_dir()
+    p = commands.add_parser(
+        "download", help="fetch MNIST or CIFAR-10, check SHA-256, convert to D/NAME.h5",
+        description="Fetch the canonical files of MNIST (four idx .gz files) or CIFAR-10 "
+                    "(cifar-10-python.tar.gz), check each against its published SHA-256, and "
+                    "convert them to D/NAME.h5. An interrupted download leaves FILE.part, "
+                    "which the next run resumes with an HTTP Range request.")
+    p.add_argument("name", choices=sorted(_download.REMOTES), help="data set")
+    p.add_argument("--dir", default=None, metavar="D",
+                   help=f"output folder; raw files go to D/raw/NAME (default: $RINGNET_DATA or {default_dir})")
+    p.add_argument("--mirror", metavar="URL", help="base URL to fetch the files from instead of the "
+                                                   "built-in mirror list")
+    p.add_argument("--keep-raw", action="store_true", help="keep the downloaded files after conversion")
+    p.add_argument("--force", action="store_true", help="download and convert even if D/NAME.h5 exists")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="seconds without data before a connection counts as failed (default 30)")
+
+    p = commands.add_parser("convert", help="convert files on disk (mnist, cifar10, imagefolder)",
+                            description="Convert data set files already on disk to the ringnet layout. "
+                                        "The output is written to a temporary file and renamed on "
+                                        "success, so a failure leaves no output behind.")
+    formats = p.add_subparsers(dest="format", metavar="{mnist,cifar10,imagefolder}", required=True)
+    q = formats.add_parser("mnist", help="the four MNIST idx files",
+                           description="Read train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+                                       "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte (each "
+                                       "gzipped or not) from SRC_DIR; images become (N, 1, 28, 28).")
+    q.add_argument("src", metavar="SRC_DIR")
+    q.add_argument("--out", metavar="F.h5", help=f"output file (default: {default_dir}/mnist.h5)")
+    q = formats.add_parser("cifar10", help="the CIFAR-10 python batches",
+                           description="Read data_batch_1..5, test_batch and batches.meta from "
+                                       "cifar-10-python.tar.gz or the extracted cifar-10-batches-py "
+                                       "folder. The pickles are loaded with an unpickler that allows "
+                                       "only numpy's array globals; images become (N, 3, 32, 32).")
+    q.add_argument("src", metavar="SRC", help="cifar-10-python.tar.gz or the cifar-10-batches-py folder")
+    q.add_argument("--out", metavar="F.h5", help=f"output file (default: {default_dir}/cifar10.h5)")
+    q = formats.add_parser("imagefolder", help="one sub-folder of JPEG/PNG images per class",
+                           description="Read SRC_DIR/<class>/*.png|*.jpg|*.jpeg (classes = sorted "
+                                       "sub-folder names), convert to RGB, resize to SIZE x SIZE and "
+                                       "split each class into train and test with a seeded shuffle. "
+                                       "Needs Pillow (pip install 'ringnet[images]').")
+    q.add_argument("src", metavar="SRC_DIR")
+    q.add_argument("--size", type=int, default=64, help="output width and height (default 64)")
+    q.add_argument("--test-fraction", type=float, default=0.2,
+                   help="share of each class put in the test split (default 0.2)")
+    q.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
+    q.add_argument("--name", help="data set name stored in the file (default: SRC_DIR's name)")
+    q.add_argument("--out", metavar="F.h5", help=f"output file (default: {default_dir}/<SRC_DIR name>.h5)")
+
+    p = commands.add_parser("info", help="counts, shape, classes and SHA-256 of a data set file",
+                            description="Validate F.h5 and print per-split and per-class counts, the "
+                                        "image shape, the classes and the file's SHA-256.")
+    p.add_argument("file", metavar="F.h5")
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
+    return parser
+
+
+def main(argv=None):
+    """Entry point of ``python -m ringnet.data`` (alias ``python -m ringnet.datasets``)."""
+    args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "download":
+        _download.download(args.name, args.dir, mirror=args.mirror, keep_raw=args.keep_raw,
+                           force=args.force, timeout=args.timeout, log=print)
+    elif args.command == "convert":
+        default_name = args.name if args.format == "imagefolder" and args.name else (
+            os.path.basename(os.path.abspath(args.src)) if args.format == "imagefolder" else args.format)
+        out = args.out or os.fspath(_download.download_dir() / f"{default_name}.h5")
+        if args.format == "mnist":
+            _convert.convert_mnist(args.src, out)
+        elif args.format == "cifar10":
+            _convert.convert_cifar10(args.src, out)
+        else:
+            _convert.convert_imagefolder(args.src, out, size=args.size, test_fraction=args.test_fraction,
+                                         seed=args.seed, name=args.name)
+        print(f"wrote {out}")
+    else:
+        summary = info(args.file)
+        if args.json:
+            print(json.dumps(summary, sort_keys=True))
+        else:
+            _print_info(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
