@@ -2,6 +2,10 @@
 
 ``train(cfg, world)`` is the same run as a function (tests and benchmarks call it).
 """
+if __name__ == "__main__":     # the program, not a library import: pin BLAS threads before NumPy loads
+    from ringnet._threads import configure_blas_threads
+    configure_blas_threads()
+
 import collections
 import json
 import math

@@ -47,10 +47,10 @@ class CommunicatorBase:
             self.transport.finish(f"{self.name} collective")
         return None
 
-    def _scratch_for(self, buf, length):
-        """Return a reusable receive buffer of ``length`` elements like ``buf``."""
+    def _scratch_for(self, buf, length, slot=0):
+        """Return a reusable buffer of ``length`` elements like ``buf`` (``slot``: which of several)."""
         # Keyed by stream tag: a blocking call and a stream call may run at once.
-        key = (current_tag(), is_gpu_array(buf), buf.dtype.str)
+        key = (current_tag(), is_gpu_array(buf), buf.dtype.str, slot)
         scratch = self._scratch.get(key)
         if scratch is None or scratch.size < length:
             xp = get_array_module(buf)
@@ -83,7 +83,8 @@ class RootedCommunicator(CommunicatorBase):
     """Collectives through one root: subclasses define ``_reduce`` and ``_bcast``."""
 
     def reduce(self, buf, root=0, op="sum", stream=None):
-        """Combine every rank's ``buf`` on ``root`` (other ranks' ``buf``: see the subclass)."""
+        """Combine every rank's ``buf`` into ``root``'s ``buf``; every other rank's ``buf`` is
+        left unchanged (as MPI's reduce leaves a send buffer). Returns a Handle on a stream."""
         self._check(buf, op, root)
         return self._launch(self._reduce, (buf, root, op), stream)
 
