@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ringnet import comm as ringcomm
 from ringnet.backend import to_numpy
 from ringnet.config import TrainConfig
-from ringnet.errors import UsageError
+from ringnet.errors import InputError
 from ringnet.layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU
 from ringnet.models import Model, build_model
 from ringnet.optim import SGD, LRPolicy
@@ -216,7 +216,7 @@ def test_fc_smaller_than_ranks_is_refused():
     comm = ringcomm.create("ring", transport="mpi", mpi_comm=WORLD)
     try:
         strategy = SplitFCStrategy(model, _make_optimizer, WORLD, comm)
-    except UsageError as exc:
+    except InputError as exc:
         message = str(exc)
     else:
         strategy.close()

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ringnet.backend import to_numpy
-from ringnet.errors import UsageError
+from ringnet.errors import InputError
 from ringnet.parallel.base import Strategy
 from ringnet.parallel.conversion import ActivationCollectives, DataConversion
 from ringnet.parallel.exchange import DelayedUpdate, ShardedPlan, synchronize
@@ -52,7 +52,7 @@ class SplitFCStrategy(Strategy):
     def __init__(self, model, make_optimizer, world, comm, delay=0, overlap=None):
         super().__init__(model, make_optimizer, world, delay)
         if delay not in (0, 1):
-            raise UsageError(f"split-fc supports delay 0 or 1, got {delay}")
+            raise InputError(f"split-fc supports delay 0 or 1, got {delay}")
         self.comm = comm
         self.transport = comm.transport
         self.rank, self.size = comm.rank, comm.size
