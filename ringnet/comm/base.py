@@ -82,19 +82,25 @@ class CommunicatorBase:
 class RootedCommunicator(CommunicatorBase):
     """Collectives through one root: subclasses define ``_reduce`` and ``_bcast``."""
 
-    def reduce(self, buf, root=0, op="sum", stream=None):
+    def reduce(self, buf, root: int = 0, op: str = "sum", stream=None):
         """Combine every rank's ``buf`` into ``root``'s ``buf``; every other rank's ``buf`` is
         left unchanged (as MPI's reduce leaves a send buffer). Returns a Handle on a stream."""
         self._check(buf, op, root)
         return self._launch(self._reduce, (buf, root, op), stream)
 
-    def bcast(self, buf, root=0, stream=None):
-        """Copy ``root``'s ``buf`` into every rank's ``buf``."""
+    def bcast(self, buf, root: int = 0, stream=None):
+        """Copy ``root``'s ``buf`` into every rank's ``buf`` (same length everywhere).
+
+        Returns None, or a Handle when queued on ``stream``.
+        """
         self._check(buf, root=root)
         return self._launch(self._bcast, (buf, root), stream)
 
-    def allreduce(self, buf, op="sum", stream=None):
-        """Reduce to rank 0, then broadcast from it."""
+    def allreduce(self, buf, op: str = "sum", stream=None):
+        """Reduce to rank 0, then broadcast from it: every rank's ``buf`` holds the result.
+
+        Returns None, or a Handle when queued on ``stream``.
+        """
         self._check(buf, op)
         return self._launch(self._allreduce, (buf, op), stream)
 
