@@ -1,7 +1,12 @@
 """How ringnet entry points fail: one clear message, a non-zero exit, never a hang.
 
-* :class:`UsageError` — bad input (flags, data files, a world size a mode cannot use,
-  ranks started with different settings). Exit code 2 with one line ``ringnet: error: ...``.
+* :class:`UsageError` — bad command-line input (flags, data files, a world size a mode
+  cannot use, ranks started with different settings). Exit code 2 with one line
+  ``ringnet: error: ...``.
+* library errors the entry points report the same way: :class:`InputError`
+  (a ``ValueError``: input the library cannot use, e.g. a model split-fc cannot split)
+  and :class:`SetupError` (a ``RuntimeError``: the machine cannot run what was asked).
+  Library modules raise these in their own words; only entry points speak of flags.
 * :class:`TrainingError` — a run that cannot go on (NaN loss, replicas that diverged, a
   rank that stopped answering). The rank that saw it prints one line naming the step
   or phase and the rank(s) at fault, then the whole MPI job is aborted.
@@ -24,6 +29,7 @@ step times are known; then ``FACTOR`` times the median recent step time, never b
 itself SIGNAL (STOP, KILL, TERM, INT) when it enters PHASE: the hook of the
 fault-injection tests and of ``python -m ringnet.bench faults``.
 """
+import argparse
 import collections
 import os
 import signal
@@ -33,7 +39,8 @@ import threading
 import time
 import traceback
 
-__all__ = ["UsageError", "TrainingError", "StallError", "Deadline", "collective", "exchange",
+__all__ = ["UsageError", "InputError", "SetupError", "USER_ERRORS", "ArgumentParser",
+           "TrainingError", "StallError", "Deadline", "collective", "exchange",
            "watchdog", "set_phase", "current_phase", "fault_point", "comm_timeout",
            "run_main", "abort", "import_mpi", "EXIT_USAGE", "EXIT_FAILURE"]
 
@@ -44,6 +51,18 @@ _TAG = 0x5249       # control messages of exchange() on the caller's communicato
 
 class UsageError(Exception):
     """Bad input from the user: reported in one line, exit code 2."""
+
+
+class InputError(ValueError):
+    """Input a library function cannot use, said in the library's words."""
+
+
+class SetupError(RuntimeError):
+    """The machine or installation cannot run what was asked (no usable GPU, NCCL missing)."""
+
+
+# What an entry point reports in one line with exit code 2 (no traceback).
+USER_ERRORS = (UsageError, InputError, SetupError)
 
 
 class TrainingError(RuntimeError):
@@ -231,7 +250,7 @@ def collective(comm, fn, *args, phase=None, timeout=None, **kwargs):
     error = None
     try:
         value = fn(*args, **kwargs)
-    except UsageError as exc:
+    except USER_ERRORS as exc:
         error = ("usage", str(exc))
     except Exception as exc:  # noqa: BLE001 - re-raised below once agreed
         error = ("other", exc)
@@ -316,7 +335,7 @@ def run_main(main, argv=None):
     """Call ``main(argv)`` and turn failures into the exit behaviour described above."""
     try:
         code = main(argv)
-    except UsageError as exc:
+    except USER_ERRORS as exc:
         # Raised outside `collective`: every rank reached the same verdict from the
         # same arguments, so rank 0 alone speaks and all ranks exit 2.
         comm = _world()
@@ -353,3 +372,11 @@ def run_main(main, argv=None):
     except BrokenPipeError:
         _quiet_broken_pipe()
     sys.exit(code or 0)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The entry points' argument parser: its errors are one-line UsageErrors (exit 2)
+    naming the --help to read, instead of argparse's usage dump."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")

@@ -2,6 +2,10 @@
 
 ``train(cfg, world)`` is the same run as a function (tests and benchmarks call it).
 """
+if __name__ == "__main__":     # the program, not a library import: pin BLAS threads before NumPy loads
+    from ringnet._threads import configure_blas_threads
+    configure_blas_threads()
+
 import collections
 import json
 import math
@@ -31,10 +35,6 @@ class TrainResult:
     @property
     def model(self):
         return self.strategy.eval_model()
-
-
-def _world():
-    return import_mpi().COMM_WORLD
 
 
 def _setup(cfg, world):
@@ -255,8 +255,8 @@ def train(cfg=None, world=None, **overrides):
     """Run one training job on ``world`` (default MPI.COMM_WORLD); return a TrainResult."""
     import dataclasses
     cfg = dataclasses.replace(cfg or TrainConfig(), **overrides)
-    world = world or _world()
-    from ringnet.comm.transport import CommTimeoutError     # after _world(): needs mpi4py
+    world = world or import_mpi().COMM_WORLD
+    from ringnet.comm.transport import CommTimeoutError     # after import_mpi(): needs mpi4py
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
     set_phase("setup")
@@ -454,7 +454,7 @@ def main(argv=None):
     set_phase("shutdown")
     # Drains the last exchange (under the transport deadline); then every rank arrives.
     result.strategy.close()
-    exchange(_world(), None, phase="shutdown")
+    exchange(import_mpi().COMM_WORLD, None, phase="shutdown")
     return 0
 
 
