@@ -239,28 +239,39 @@ def _median_time(fn, iters):
 
 
 def measure_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0):
-    """Time every layer here (``bench layers``' code) at two batch sizes; fit the profile."""
+    """Time every layer here (``bench layers``' code) at two batch sizes; fit the profile.
+
+    The batch sizes alternate pass by pass, so a change of the machine's load hits both
+    alike; the rest of a step (the loss) is timed directly, not as a difference.
+    """
     from ringnet.optim import SGD, LRPolicy
     layers, overhead = {}, {}
     for name in models:
         model = build_model(name, dtype=dtype, seed=seed)
         rng = np.random.default_rng(seed)
-        per_batch, steps = [], []
+        data = {}
         for batch in batches:
             x = rng.normal(size=(batch,) + model.input_shape).astype(model.dtype)
             y = rng.integers(0, model.num_classes, size=batch)
             model.loss_and_grad(x, y)                                   # warm-up
-            per_batch.append(layer_times(model, x, iters))
-            steps.append(_median_time(lambda: model.loss_and_grad(x, y), iters))
+            data[batch] = (x, y)
+        passes = {batch: [] for batch in batches}
+        losses = {batch: [] for batch in batches}
+        for _ in range(iters):
+            for batch, (x, y) in data.items():
+                passes[batch].append(layer_times(model, x, 1))
+                logits = model.forward(x, train=True)
+                t0 = time.perf_counter()
+                model.loss_layer.forward(logits, y)
+                model.loss_layer.backward()
+                losses[batch].append(time.perf_counter() - t0)
         rows = []
-        for i, (lname, _, _) in enumerate(per_batch[0]):
-            fwd = _fit(batches, [pb[i][1] / 1e3 for pb in per_batch])
-            bwd = _fit(batches, [pb[i][2] / 1e3 for pb in per_batch])
+        for i, (lname, _, _) in enumerate(passes[batches[0]][0]):
+            fwd = _fit(batches, [np.median([p[i][1] for p in passes[b]]) / 1e3 for b in batches])
+            bwd = _fit(batches, [np.median([p[i][2] for p in passes[b]]) / 1e3 for b in batches])
             rows.append((lname, fwd, bwd))
         layers[name] = rows
-        # what a training step costs beyond the layers: loss, Python dispatch
-        rest = [s - sum(f + b for _, f, b in pb) / 1e3 for s, pb in zip(steps, per_batch)]
-        overhead[name] = _fit(batches, [max(0.0, r) for r in rest])
+        overhead[name] = _fit(batches, [float(np.median(losses[b])) for b in batches])
     # update and add: one large and one small call give per element and per call
     big, small = 1 << 20, 1 << 10
     costs = {}
@@ -845,15 +856,18 @@ VALIDATION_NP = (1, 2, 4)
 VALIDATION_MODES = tuple(md for md in MODES if md[0] != "single")
 
 
-def load_probe(repeats=5):
-    """Return the median seconds of a fixed piece of work (LeNet, batch 16, forward+backward):
-    how fast one process runs on this machine right now."""
+def load_probe(min_s=0.3):
+    """Return the median seconds of a fixed piece of work (LeNet, batch 16, forward+backward),
+    repeated for at least ``min_s``: how fast one process runs on this machine right now."""
     model = build_model("lenet")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16,) + model.input_shape).astype(model.dtype)
     y = rng.integers(0, model.num_classes, size=16)
     model.loss_and_grad(x, y)
-    return _median_time(lambda: model.loss_and_grad(x, y), repeats)
+    samples, start = [], time.perf_counter()
+    while len(samples) < 3 or time.perf_counter() - start < min_s:
+        samples.append(_median_time(lambda: model.loss_and_grad(x, y), 1))
+    return float(np.median(samples))
 
 
 def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=600,
@@ -881,8 +895,9 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
             args.model = name
             before = load_probe()
             result = scaling.run_config(args, mode, delay, n)
+            after = load_probe()
             measured.append({"model": name, "mode": mode, "delay": delay, "np": n,
-                             "step_ms": result["step_ms"], "probe_s": before})
+                             "step_ms": result["step_ms"], "probe_s": (before + after) / 2})
             print(f"\r[round {round_ + 1}/{repeats}] {i + 1}/{len(configs)} ", end="",
                   file=sys.stderr, flush=True)
         rounds.append({"compute": compute.to_json(), "probe_s": probe,
@@ -908,7 +923,9 @@ def validation_rows(record):
             entry["measured"].append(m["step_ms"])
     return [{"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
              "predicted_ms": statistics.median(v["predicted"]),
-             "measured_ms": statistics.median(v["measured"])} for k, v in table.items()]
+             "measured_ms": statistics.median(v["measured"]),
+             "spread": (max(v["measured"]) - min(v["measured"])) / statistics.median(v["measured"])}
+            for k, v in table.items()]
 
 
 def paper_rows(compute_name, profile, dtype="float32"):
@@ -1168,11 +1185,18 @@ def main(argv=None):
         print(f"\n# validation on this machine: global batch {args.validate_batch}, "
               f"{args.validate_steps} steps, median of {args.validate_repeats} interleaved rounds")
         print(f"  {'model':14s} {'mode':>11s} {'N':>3s} {'predicted ms':>12s} {'measured ms':>11s} "
-              f"{'error':>7s}")
+              f"{'error':>7s} {'spread':>7s}")
+        errors = []
         for r in validation:
             err = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+            errors.append(abs(err))
             print(f"  {r['model']:14s} {_label(r['mode'], r['delay']):>11s} {r['np']:>3d} "
-                  f"{r['predicted_ms']:12.2f} {r['measured_ms']:11.2f} {100 * err:+6.1f}%")
+                  f"{r['predicted_ms']:12.2f} {r['measured_ms']:11.2f} {100 * err:+6.1f}% "
+                  f"{100 * r['spread']:6.0f}%")
+        within = sum(e <= 0.15 for e in errors)
+        print(f"  median |error| {100 * statistics.median(errors):.0f}%, {within} of {len(errors)} "
+              f"within 15%; spread = (max - min) / median of the measured rounds: "
+              f"{100 * statistics.median(r['spread'] for r in validation):.0f}% (median)")
     if args.plot:
         print(f"\n# plot written to {args.plot}")
     return 0
