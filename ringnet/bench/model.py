@@ -167,18 +167,6 @@ class ComputeProfile:
         """Return seconds of one in-place add of ``n_elems`` elements."""
         return n_elems * self.add_s_per_elem + self.add_s_per_call if n_elems else 0.0
 
-    def scaled(self, factor):
-        """Return this profile with every time multiplied by ``factor`` (a slower or faster machine)."""
-        def scale(pair):
-            return tuple(v * factor for v in pair)
-        return dataclasses.replace(
-            self, layers={m: [(n, scale(f), scale(b)) for n, f, b in rows]
-                          for m, rows in self.layers.items()},
-            overhead={m: scale(v) for m, v in self.overhead.items()},
-            update_s_per_param=self.update_s_per_param * factor,
-            update_s_per_call=self.update_s_per_call * factor,
-            add_s_per_elem=self.add_s_per_elem * factor, add_s_per_call=self.add_s_per_call * factor)
-
     def to_json(self):
         return {"name": self.name, "device": self.device, "source": self.source,
                 "update_ns_per_param": self.update_s_per_param * 1e9,
@@ -856,29 +844,13 @@ VALIDATION_NP = (1, 2, 4)
 VALIDATION_MODES = tuple(md for md in MODES if md[0] != "single")
 
 
-def load_probe(min_s=0.3):
-    """Return the median seconds of a fixed piece of work (LeNet, batch 16, forward+backward),
-    repeated for at least ``min_s``: how fast one process runs on this machine right now."""
-    model = build_model("lenet")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16,) + model.input_shape).astype(model.dtype)
-    y = rng.integers(0, model.num_classes, size=16)
-    model.loss_and_grad(x, y)
-    samples, start = [], time.perf_counter()
-    while len(samples) < 3 or time.perf_counter() - start < min_s:
-        samples.append(_median_time(lambda: model.loss_and_grad(x, y), 1))
-    return float(np.median(samples))
-
-
 def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=600,
              nps=VALIDATION_NP):
     """Measure, in each of ``repeats`` rounds: the compute profile, the local calibration, and
     ``python -m ringnet.train`` (through ``bench scaling``) for every mode at each N.
 
     Returns a record that :func:`validation_rows` turns into predicted-beside-measured rows;
-    each round's prediction uses that round's inputs, and each run's compute is scaled by
-    a load probe taken just before it against the one taken with the profile (the
-    machine is shared: its speed drifts from minute to minute)."""
+    each round's prediction uses that round's inputs (a shared machine's speed drifts)."""
     from ringnet.bench import scaling
     args = scaling._parser().parse_args([])
     args.batch_size, args.steps, args.mpirun, args.timeout = batch, steps, mpirun, timeout
@@ -888,20 +860,17 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
     rounds = []
     for round_ in range(repeats):
         compute = measure_compute(models)
-        probe = load_probe()
         calibration = calibrate(tuple(n for n in nps if n > 1), compute, mpirun, iters)
         measured = []
         for i, (name, mode, delay, n) in enumerate(configs):
             args.model = name
-            before = load_probe()
             result = scaling.run_config(args, mode, delay, n)
-            after = load_probe()
             measured.append({"model": name, "mode": mode, "delay": delay, "np": n,
-                             "step_ms": result["step_ms"], "probe_s": (before + after) / 2})
+                             "step_ms": result["step_ms"]})
             print(f"\r[round {round_ + 1}/{repeats}] {i + 1}/{len(configs)} ", end="",
                   file=sys.stderr, flush=True)
-        rounds.append({"compute": compute.to_json(), "probe_s": probe,
-                       "calibration": calibration, "measured": measured})
+        rounds.append({"compute": compute.to_json(), "calibration": calibration,
+                       "measured": measured})
     print(file=sys.stderr)
     return {"batch_size": batch, "steps": steps, "rounds": rounds}
 
@@ -915,8 +884,6 @@ def validation_rows(record):
         system = make_system("local", compute, 1, rnd["calibration"])
         for m in rnd["measured"]:
             key = (m["model"], m["mode"], m["delay"], m["np"])
-            if "probe_s" in m and rnd.get("probe_s"):
-                system.compute = compute.scaled(m["probe_s"] / rnd["probe_s"])
             pred = predict(system, build_model(m["model"]), m["mode"], m["delay"], m["np"], batch)
             entry = table.setdefault(key, {"predicted": [], "measured": []})
             entry["predicted"].append(pred.step_s * 1e3)
