@@ -1011,20 +1011,24 @@ def _parser():
     p.add_argument("--validation", metavar="FILE",
                    help="with --validate: also write the measurements to FILE; without: read "
                         "them from FILE and print the validation again (predictions recomputed)")
-    p.add_argument("--validate-steps", type=int, default=40)
-    p.add_argument("--validate-repeats", type=int, default=3)
+    p.add_argument("--validate-steps", type=int, default=40,
+                   help="optimizer steps per validation run (default 40)")
+    p.add_argument("--validate-repeats", type=int, default=3,
+                   help="validation rounds; each re-measures compute and calibration (default 3)")
     p.add_argument("--validate-batch", type=int, default=64,
                    help="global batch of the validation runs (default 64, as bench scaling)")
     p.add_argument("--paper-compute", default="k40",
                    help="compute profile of the research setting (default k40 roofline)")
     p.add_argument("--paper-profile", default="pcie3",
                    help="link profile of the research setting (default pcie3: 4 GPUs in one node)")
-    p.add_argument("--max-crossover-np", type=int, default=1024)
+    p.add_argument("--max-crossover-np", type=int, default=1024,
+                   help="search crossovers up to this N (default 1024)")
     p.add_argument("--plot", metavar="PNG", help="write step time, speedup and efficiency vs N")
     p.add_argument("--json", action="store_true",
                    help='print one line {"predictions": [...], "validation": [...], "paper": [...]}')
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
-    p.add_argument("--iters", type=int, default=7, help="calibration repetitions (median)")
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
+                   help="launcher for calibration and validation (default $MPIRUN or mpirun)")
+    p.add_argument("--iters", type=int, default=7, help="calibration repetitions (median; default 7)")
     p.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
