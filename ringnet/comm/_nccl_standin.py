@@ -159,13 +159,14 @@ def _run(ops):
                 data = _view(op.ptr[0], op.count, op.dtype)
                 for peer in range(op.comm._size):
                     if peer != op.comm._rank:
-                        pending += op.comm._post_send(op, peer, op.seq[peer], data)
-                        receives.append((op, peer, op.seq[peer]))
+                        sent, received = op.seq[peer]
+                        pending += op.comm._post_send(op, peer, sent, data)
+                        receives.append((op, peer, received))
         got = {}
         for op, peer, seq in receives:
             got[(id(op), peer)] = op.comm._receive(op, peer, seq)
         for comm in comms:
-            comm._wait(pending, "sends of this group")
+            comm._wait(pending, "sends of this group", receives=False)
         for op in ops:
             if op.kind == _ALLREDUCE:
                 op.comm._combine(op, got)
@@ -237,11 +238,13 @@ class NcclCommunicator:
                     raise NcclError(f"NcclCommunicator init: root (world rank {root}) did not answer "
                                     f"within {self.timeout_s:g} s")
                 time.sleep(1e-3)
-        group = world.Get_group().Incl([int(r) for r in order])
+        everyone = world.Get_group()
+        group = everyone.Incl([int(r) for r in order])
         try:
             return world.Create_group(group, tag=_MEMBERS_TAG)
         finally:
             group.Free()
+            everyone.Free()
 
     # -- the rules -----------------------------------------------------------------------
     def _usable(self, what):
@@ -295,7 +298,7 @@ class NcclCommunicator:
             op.seq = {}
             for peer in range(self._size):
                 if peer != self._rank:
-                    op.seq[peer] = self._sent[peer]
+                    op.seq[peer] = (self._sent[peer], self._received[peer])
                     self._sent[peer] += 1
                     self._received[peer] += 1
             op.op = (op.op, self._collectives)
@@ -322,16 +325,19 @@ class NcclCommunicator:
         mine = (f"rank {self._rank}'s {op.describe()} (its operation no. {seq} with rank {peer})")
         theirs = (f"rank {sender}'s {_KINDS.get(kind, kind)} of {count} x dtype {dtype} "
                   f"(its operation no. {their_seq} with rank {receiver})")
+        problem = None
         if kind != expected_kind or receiver != self._rank or their_seq != seq:
-            raise NcclRuleError(f"operation order differs between ranks: {mine} met {theirs}")
-        if op.kind == _ALLREDUCE:
-            my_red, my_number = op.op
-            if (number, red) != (my_number, my_red):
-                raise NcclRuleError(f"operation order differs between ranks: {mine} (collective "
-                                    f"no. {my_number}, op {my_red}) met {theirs} (collective no. "
-                                    f"{number}, op {red})")
-        if count != op.count or dtype != op.dtype:
-            raise NcclRuleError(f"send and receive sizes differ: {mine} met {theirs}")
+            problem = f"operation order differs between ranks: {mine} met {theirs}"
+        elif op.kind == _ALLREDUCE and (number, red) != op.op[::-1]:
+            problem = (f"operation order differs between ranks: {mine} (collective no. "
+                       f"{op.op[1]}, op {op.op[0]}) met {theirs} (collective no. {number}, op {red})")
+        elif count != op.count or dtype != op.dtype:
+            problem = f"send and receive sizes differ: {mine} met {theirs}"
+        if problem is not None:
+            if count and dtype in _NUMPY:   # take the message, so the sender is not left hanging
+                scratch = np.empty(count, _NUMPY[dtype])
+                self._wait([self._comm.Irecv(scratch, source=peer, tag=_PAYLOAD_TAG)], op.describe())
+            raise NcclRuleError(problem)
         if op.kind == _RECV:
             payload = _view(op.ptr, op.count, op.dtype)
         else:
@@ -340,17 +346,31 @@ class NcclCommunicator:
             self._wait([self._comm.Irecv(payload, source=peer, tag=_PAYLOAD_TAG)], op.describe())
         return payload
 
-    def _wait(self, requests, what):
+    def _wait(self, requests, what, receives=True):
         requests = [r for r in requests if r != MPI.REQUEST_NULL]
         start = time.perf_counter()
         while not MPI.Request.Testall(requests):
             if self._state != "ok":
+                if receives:
+                    self._cancel(requests)
                 raise NcclError(f"{what}: communicator {self._state} while the operation ran")
             if time.perf_counter() - start > self.timeout_s:
+                if receives:
+                    self._cancel(requests)
                 raise NcclError(f"rank {self._rank}: {what} did not complete within "
                                 f"{self.timeout_s:g} s (real NCCL would hang here: the peer "
                                 "never posted the matching operation)")
             time.sleep(2e-4)
+
+    @staticmethod
+    def _cancel(requests):
+        """Withdraw receives that will never match, so nothing writes the buffers later."""
+        for request in requests:
+            try:
+                request.Cancel()
+                request.Test()
+            except MPI.Exception:
+                pass
 
     def _combine(self, op, got):
         data = _view(op.ptr[0], op.count, op.dtype)
