@@ -256,7 +256,7 @@ def test_readme_stream_example_through_the_standin(monkeypatch):
 
 
 # -- every training mode ------------------------------------------------------------------------
-BASE = dict(model="digits", dataset="digits", batch_size=12, steps=5, dtype="float64", lr=0.05,
+BASE = dict(model="digits", dataset="digits", batch_size=12, steps=4, dtype="float64", lr=0.05,
             seed=3, progress=False, quiet=True, eval_every_epoch=False, device="cpu")
 
 
@@ -275,6 +275,8 @@ def _trained(transport, mode, delay):
                                          ("master", 0), ("master", 1), ("split-fc", 0),
                                          ("split-fc", 1)])
 def test_training_mode_through_the_standin_equals_mpi(monkeypatch, mode, delay):
+    if N == 1:
+        pytest.skip("one rank sends nothing: run at N = 2, 3, 4")
     reference, _ = _trained("mpi", mode, delay)
     monkeypatch.setenv("RINGNET_NCCL", "standin")
     params, used = _trained("nccl", mode, delay)
@@ -284,6 +286,8 @@ def test_training_mode_through_the_standin_equals_mpi(monkeypatch, mode, delay):
 
 @pytest.mark.parametrize("delay", [0, 1])
 def test_split_fc_activation_stream_through_the_standin(delay):
+    if N == 1:
+        pytest.skip("one rank sends nothing: run at N = 2, 3, 4")
     from ringnet.backend import to_numpy
     from ringnet.models import build_model
     from ringnet.optim import SGD, LRPolicy

@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 
 from mpi4py import MPI
 
@@ -45,7 +46,9 @@ def nccl_module(kind=None):
     if cupy is None:
         return None
     try:
-        from cupy.cuda import nccl  # noqa: WPS433 - optional, loads libnccl
+        with warnings.catch_warnings():     # CuPy warns when libnccl is missing: None says it
+            warnings.simplefilter("ignore")
+            from cupy.cuda import nccl  # noqa: WPS433 - optional, loads libnccl
     except Exception:  # noqa: BLE001
         return None
     return nccl if getattr(nccl, "available", False) else None
