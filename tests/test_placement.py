@@ -127,3 +127,32 @@ def test_watchdog_expires_only_past_the_deadline():
     assert dog.check() == "recv from rank 2 of 8 bytes"
     dog.stop()
     assert np.isfinite(now[0]) and expired == []   # check() reports; the loop calls expire
+
+
+def test_nccl_init_past_the_deadline_ends_the_job(tmp_path):
+    """Rank 1 never creates its NCCL communicator: rank 0's init watchdog ends the job."""
+    import os
+    import shutil
+    import time
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun not on PATH")
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import time\n"
+        "from mpi4py import MPI\n"
+        "from ringnet.comm import NcclTransport\n"
+        "if MPI.COMM_WORLD.Get_rank() == 0:\n"
+        "    NcclTransport(MPI.COMM_WORLD, timeout_s=2, nccl='standin')\n"
+        "else:  # the transport's steps before NCCL init, then never joining\n"
+        "    MPI.COMM_WORLD.Dup().bcast(None, root=0)\n"
+        "    time.sleep(120)\n")
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PMI_", "PMIX_", "MPI_", "HYDRA_", "OMPI_", "RINGNET_"))}
+    start = time.perf_counter()
+    run = subprocess.run(["mpirun", "-np", "2", sys.executable, str(script)], capture_output=True,
+                         text=True, timeout=100, env=clean)
+    seconds = time.perf_counter() - start
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output
+    assert "NCCL init of the transport's communicator did not complete within 2 s" in output, output
+    assert seconds < 60, f"took {seconds:.0f} s"
