@@ -171,6 +171,7 @@ def test_lone_send_and_recv_in_opposite_orders_hang_and_raise():
     comm.timeout_s = 1.5
     # Both send first, outside a group: NCCL sends wait for their receive, so both hang.
     kind, message = _outcome(lambda: comm.send(out.ctypes.data, 4, F32, peer, 0))
+    sub.Barrier()       # both have given up before either takes the other's message
     comm.timeout_s = 60.0
     comm.recv(got.ctypes.data, 4, F32, peer, 0)     # the late match: both sends complete
     sub.Free()
