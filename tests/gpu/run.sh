@@ -13,7 +13,7 @@
 #   auto-shared the CLI with --transport auto on ranks that share a GPU: MPI, and it says why
 #   step-times  each model's GPU step time beside PyTorch's CUDA step (when torch has CUDA)
 # The last line is one JSON report. Exit 0: every stage passed; 1: a stage failed;
-# 3: no usable GPU here (one line, nothing run).
+# 77 (the "skipped" code of automake and meson): no usable GPU here, one line, nothing run.
 set -u
 cd "$(dirname "$0")/../.."
 # This checkout's ringnet, also in the scripts and under mpirun.
@@ -36,8 +36,8 @@ except RuntimeError as exc:
     sys.exit(str(exc))
 EOF
 ); then
-  echo "tests/gpu/run.sh: no usable CUDA GPU: ${why##*$'\n'}"
-  exit 3
+  echo "tests/gpu/run.sh needs a CUDA GPU and CuPy: ${why##*$'\n'}; no GPU test was run" >&2
+  exit 77
 fi
 
 GPUS=$(python -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
