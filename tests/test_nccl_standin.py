@@ -245,7 +245,7 @@ def test_blocking_transport_calls_and_native_allreduce(transport):
 def test_readme_stream_example_through_the_standin(monkeypatch):
     monkeypatch.setenv("RINGNET_NCCL", "standin")
     from ringnet import comm
-    ring = comm.create("ring", transport="nccl")
+    ring = comm.create("ring", transport="nccl", device="cpu")
     buf = np.full(1 << 12, MPI.COMM_WORLD.rank + 1.0, dtype=np.float32)
     ring.allreduce(buf, op="sum")
     stream = ring.new_stream()

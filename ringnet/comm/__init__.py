@@ -163,12 +163,16 @@ def _placed(transport, placement):
     return transport
 
 
-def create(name, transport="auto", mpi_comm=None, **options):
+def create(name, transport="auto", mpi_comm=None, device="auto", **options):
     """Return the communicator ``name`` (see the table above) over ``transport``.
 
-    ``transport`` is a name for :func:`make_transport` (device auto) or a Transport instance;
-    ``options`` go to the communicator (e.g. ``chunk_bytes`` for the ring).
+    ``transport`` is a name for :func:`make_transport` or a Transport instance; ``device``
+    says where the buffers live: ``cpu`` for NumPy (never touches CUDA), ``gpu`` for CuPy,
+    ``auto`` the GPU when every rank has one. ``options`` go to the communicator (e.g.
+    ``chunk_bytes`` for the ring).
     """
     if name not in COMMUNICATORS:
         raise ValueError(f"unknown communicator {name!r}: choose {', '.join(COMMUNICATORS)}")
+    if isinstance(transport, str):
+        transport = make_transport(transport, mpi_comm=mpi_comm, device=device)
     return COMMUNICATORS[name](transport, mpi_comm=mpi_comm, **options)
