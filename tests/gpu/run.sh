@@ -80,7 +80,7 @@ EOF
 export -f nccl_shared auto_shared
 export WORK GPUS MPIRUN
 PYTEST="python -m pytest -q -p no:cacheprovider --with-mpi"
-stage gpu-n1 120 $PYTEST -m gpu tests/gpu tests/test_gpu_train.py
+stage gpu-n1 120 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py
 stage gpu-n2 120 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu tests/test_gpu_train.py
 stage gpu-n4 150 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
 stage nccl-shared 40 bash -c nccl_shared
