@@ -21,6 +21,7 @@ from ringnet.backend import cupy, gpu_available, to_numpy
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import test_parallel_mpi as dp  # noqa: E402  (the CPU references)
 import test_split_fc_mpi as sf  # noqa: E402
+from conftest import flat_params, rel_error  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi,
               pytest.mark.skipif(not gpu_available(), reason="needs a usable CUDA GPU (CuPy)")]
@@ -34,7 +35,7 @@ def _trained(mode, delay):
     from ringnet.train import train
     result = train(TrainConfig(mode=mode, delay=delay, device="gpu", transport="mpi",
                                **dp.BASE), world=WORLD)
-    params = dp._params(result)
+    params = flat_params(result.strategy)
     summary = result.summary
     result.strategy.close()
     return params, summary
@@ -45,14 +46,14 @@ def test_delay0_on_the_gpu_equals_single_on_the_cpu(mode):
     params, summary = _trained(mode, 0)
     reference, _ = dp._single_reference()
     assert summary["device"] == "gpu" and summary["transport"] == "mpi"
-    assert dp._rel(params, reference) <= 1e-9, f"{mode} on the GPU differs from single"
+    assert rel_error(params, reference) <= 1e-9, f"{mode} on the GPU differs from single"
 
 
 @pytest.mark.parametrize("mode", ["ring", "tree", "master"])
 def test_delay1_on_the_gpu_equals_the_recurrence(mode):
     params, _ = _trained(mode, 1)
     reference = dp._simulate_delay1()
-    assert dp._rel(params, reference) <= 1e-9, f"{mode} delay 1 on the GPU differs from the recurrence"
+    assert rel_error(params, reference) <= 1e-9, f"{mode} delay 1 on the GPU differs from the recurrence"
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -76,4 +77,4 @@ def test_split_fc_delay1_on_the_gpu_equals_the_recurrence(overlap):
     params = np.array(to_numpy(strategy.eval_model().params))
     strategy.close()
     reference, _ = sf._simulate_delay1("digits", steps)
-    assert sf._rel(params, reference) <= 1e-9, f"split-fc delay 1 (overlap {overlap}) on the GPU"
+    assert rel_error(params, reference) <= 1e-9, f"split-fc delay 1 (overlap {overlap}) on the GPU"
