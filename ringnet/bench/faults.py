@@ -341,7 +341,11 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
     if code != 0 and os.path.exists(save) and _digest(save) != before and case.kind != "stop":
         problems.append("checkpoint changed by a failed run")
     temporaries = sorted(os.path.join(run_dir, n) for n in os.listdir(run_dir) if n.endswith(TMP_SUFFIX))
-    stale = stale_temporaries(save)
+    for _ in range(100):    # a killed writer may take a moment to be reaped by its launcher
+        stale = stale_temporaries(save)
+        if stale == temporaries:
+            break
+        time.sleep(0.1)
     if case.fault and case.fault.startswith("KILL:save-write"):
         if temporaries != stale or len(temporaries) > 1:
             problems.append(f"temporaries {temporaries} not all recognised as stale {stale}")
