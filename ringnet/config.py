@@ -47,6 +47,7 @@ class TrainConfig:
     json: bool = False
     check_every: int = 0
     eval_every_epoch: bool = True
+    eval_every: int = 0
     data_dir: str = None
     synthetic_size: tuple = (2048, 512)
     progress: bool = True
@@ -98,6 +99,8 @@ class TrainConfig:
             raise UsageError(f"--device must be auto, cpu or gpu, got {cfg.device!r}")
         if cfg.transport not in ("auto", "mpi", "nccl"):
             raise UsageError(f"--transport must be auto, mpi or nccl, got {cfg.transport!r}")
+        if cfg.eval_every < 0:
+            raise UsageError(f"--eval-every must be >= 0, got {cfg.eval_every}")
         if cfg.check_every < 0:
             raise UsageError(f"--check-every must be >= 0, got {cfg.check_every}")
         if cfg.batch_size % world_size:
@@ -186,6 +189,9 @@ def build_parser():
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g.add_argument("--no-eval", dest="eval_every_epoch", action="store_false",
                    help="skip the per-epoch test evaluation (the final one still runs)")
+    g.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="also evaluate test accuracy every K steps; --json then lists them as "
+                        "'evals': [step, epoch, train seconds (evaluations excluded), accuracy]")
     g.add_argument("--quiet", action="store_true", help="print nothing but errors and --json")
     return p
 

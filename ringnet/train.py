@@ -176,6 +176,7 @@ def train(cfg=None, world=None, **overrides):
     first_step = step
     t_train = time.perf_counter()
     test_acc = test_loss = None
+    evals, eval_s = [], 0.0     # [step, epoch, training seconds before it, accuracy]
     try:
         while step < total_steps:
             epoch, offset = divmod(step, spe)
@@ -191,6 +192,12 @@ def train(cfg=None, world=None, **overrides):
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", refresh=False)
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                    t_eval = time.perf_counter()
+                    strategy.drain()
+                    acc, _ = evaluate(strategy, dataset, cfg, world, xp)
+                    evals.append([step, round(step / spe, 4), t_eval - t_train - eval_s, acc])
+                    eval_s += time.perf_counter() - t_eval
                 if cfg.check_every and step % cfg.check_every == 0:
                     strategy.drain()
                     check_replicas(strategy, world, step)
@@ -199,8 +206,10 @@ def train(cfg=None, world=None, **overrides):
             if hasattr(batches, "close"):
                 batches.close()
             if step % spe == 0 and cfg.eval_every_epoch and step < total_steps:
+                t_eval = time.perf_counter()
                 strategy.drain()
                 test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp)
+                eval_s += time.perf_counter() - t_eval
                 _log(cfg, world, f"epoch {step // spe:3d}  train loss {np.mean(recent):.4f}  "
                                  f"test acc {100 * test_acc:6.2f}%")
         strategy.drain()
@@ -211,6 +220,8 @@ def train(cfg=None, world=None, **overrides):
 
     check_replicas(strategy, world, step)
     test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp)
+    if cfg.eval_every:
+        evals.append([step, round(step / spe, 4), train_s - eval_s, test_acc])
     local_loss = float(np.mean(recent)) if recent else float("nan")
     train_loss = world.allreduce(local_loss) / size
 
@@ -243,8 +254,8 @@ def train(cfg=None, world=None, **overrides):
         "dtype": cfg.dtype, "batch_size": cfg.batch_size, "steps": step,
         "epochs": round(step / spe, 3), "test_accuracy": test_acc, "test_loss": test_loss,
         "train_loss": train_loss,
-        "images_per_sec": steps_run * cfg.batch_size / train_s if train_s > 0 else 0.0,
-        "step_ms": step_ms, "time_s": time.perf_counter() - t_start, "train_s": train_s,
+        "images_per_sec": steps_run * cfg.batch_size / (train_s - eval_s) if train_s > eval_s else 0.0,
+        "step_ms": step_ms, "time_s": time.perf_counter() - t_start, "train_s": train_s, "eval_s": eval_s,
         "compute_s": mean[0], "comm_wait_s": mean[1], "update_s": mean[2], "data_s": mean[3],
         "comm_total_s": mean[4], "overlap": stats.overlap(),
         "bytes_sent": int(mean[5]), "bytes_recv": int(mean[6]),
@@ -252,6 +263,8 @@ def train(cfg=None, world=None, **overrides):
         "bytes_sent_max": int(busiest),
         "num_params": model.num_params,
     }
+    if cfg.eval_every:
+        summary["evals"] = evals
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
     _log(cfg, world, f"done: {step} steps, test accuracy {100 * test_acc:.2f}%, "
                      f"{summary['images_per_sec']:.0f} images/s, {summary['time_s']:.1f} s")
