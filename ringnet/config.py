@@ -4,7 +4,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ringnet.errors import UsageError
-from ringnet.parallel import MODES
+from ringnet.parallel import COMPENSATIONS, MODES
 
 __all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "build_parser", "config_from_args"]
 
@@ -24,6 +24,7 @@ class TrainConfig:
     dataset: str = None
     mode: str = None
     delay: int = None
+    delay_compensation: str = None
     epochs: int = None
     steps: int = None
     batch_size: int = 64
@@ -75,6 +76,13 @@ class TrainConfig:
         if MODES[cfg.mode].communicator is None and cfg.delay != 0:
             parallel = ", ".join(m.name for m in MODES.values() if m.communicator)
             raise UsageError(f"--delay 1 needs a parallel mode ({parallel})")
+        if cfg.delay_compensation is None:
+            cfg.delay_compensation = "lookahead" if cfg.delay else "none"
+        if cfg.delay_compensation not in COMPENSATIONS:
+            raise UsageError(f"--delay-compensation must be one of {', '.join(COMPENSATIONS)}, "
+                             f"got {cfg.delay_compensation!r}")
+        if cfg.delay_compensation != "none" and not cfg.delay:
+            raise UsageError(f"--delay-compensation {cfg.delay_compensation} applies to --delay 1 only")
         if cfg.lr is None:
             cfg.lr = defaults["lr"]
         if cfg.epochs is None and cfg.steps is None:
@@ -126,6 +134,9 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+_LA = COMPENSATIONS["lookahead"]
+
+
 def build_parser():
     """Return the argument parser of ``python -m ringnet.train``."""
     p = _Parser(
@@ -161,6 +172,12 @@ def build_parser():
     g.add_argument("--delay", type=int, choices=(0, 1), default=None,
                    help="1: delayed model update, step t computes on the weights of step t-1 while "
                         "the exchange of step t-1 runs (default for ring); 0: synchronous")
+    g.add_argument("--delay-compensation", choices=list(COMPENSATIONS), default=None,
+                   help=f"with --delay 1: lookahead (default) computes step t's gradient at "
+                        f"w[t-1] + {_LA.c:g} (w[t-1] - w[t-2]) and runs momentum 1 - (1 - M)/{_LA.k:g} "
+                        f"at lr LR/{_LA.k:g} (the same long-run step LR/(1 - M)), which keeps the "
+                        f"delayed update stable where synchronous SGD is; none: the plain "
+                        f"recurrence, gradient at w[t-1], momentum M, lr LR")
     g.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
                    help="how bytes move: nccl when every rank has its own GPU (auto), else mpi")
     g.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",

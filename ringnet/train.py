@@ -81,7 +81,8 @@ def _setup(cfg, world):
 
     strategy = collective(world, parallel.create, cfg.mode, model, make_optimizer,
                           world if cfg.mode != "single" else None,
-                          delay=cfg.delay, transport=cfg.transport)
+                          delay=cfg.delay, transport=cfg.transport,
+                          compensation=cfg.delay_compensation)
     loader = ShardedLoader(dataset.train, cfg.batch_size, rank=rank, size=size, seed=cfg.seed,
                            shuffle=cfg.shuffle, xp=xp, dtype=cfg.dtype, mean=dataset.mean,
                            std=dataset.std, augment=cfg.augment)
@@ -144,15 +145,17 @@ def train(cfg=None, world=None, **overrides):
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
     step = 0
     if cfg.resume:
-        from ringnet.checkpoint import load_checkpoint
+        from ringnet.checkpoint import load_checkpoint, load_lookahead_base
         params, momentum, prev, attrs = collective(world, load_checkpoint, cfg.resume)
+        base = collective(world, load_lookahead_base, cfg.resume)
 
         def restore():
             if attrs.get("model") != cfg.model:
                 raise UsageError(f"checkpoint {cfg.resume} holds model {attrs.get('model')!r}, "
                                  f"not {cfg.model!r}")
             try:
-                strategy.load_full_state(params, momentum, prev if cfg.delay else None)
+                strategy.load_full_state(params, momentum, prev if cfg.delay else None,
+                                         base if cfg.delay else None)
             except ValueError as exc:
                 raise UsageError(f"checkpoint {cfg.resume}: {exc}") from None
         collective(world, restore)
@@ -160,7 +163,8 @@ def train(cfg=None, world=None, **overrides):
         if step >= total_steps:
             _log(cfg, world, f"checkpoint is at step {step}, already >= {total_steps} steps")
 
-    _log(cfg, world, f"ringnet: {cfg.mode} (delay {cfg.delay}) on {size} rank(s), "
+    delay_text = f"delay {cfg.delay}" + (f", {cfg.delay_compensation}" if cfg.delay else "")
+    _log(cfg, world, f"ringnet: {cfg.mode} ({delay_text}) on {size} rank(s), "
                      f"{'GPU' if xp is not np else 'CPU'}, model {cfg.model} "
                      f"({model.num_params:,} parameters), data {dataset.name} "
                      f"({len(dataset.train)} train / {len(dataset.test)} test), "
@@ -228,11 +232,14 @@ def train(cfg=None, world=None, **overrides):
     if cfg.save:
         from ringnet.checkpoint import save_checkpoint
         params, momentum, prev = strategy.full_state()
+        base = strategy.lookahead_state()
 
         def save():  # rank 0 writes; every rank learns whether it worked
             if rank == 0:
                 save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
-                                model=cfg.model, mode=cfg.mode, delay=cfg.delay, ranks=size,
+                                lookahead_base=base,
+                                model=cfg.model, mode=cfg.mode, delay=cfg.delay,
+                                delay_compensation=cfg.delay_compensation, ranks=size,
                                 step=step, epoch=step // spe, seed=cfg.seed, dtype=cfg.dtype,
                                 lr=cfg.lr, lr_policy=cfg.lr_policy)
         collective(world, save)
@@ -248,7 +255,8 @@ def train(cfg=None, world=None, **overrides):
     times = stats.step_times[2:] or stats.step_times
     step_ms = 1000 * statistics.median(times) if times else float("nan")
     summary = {
-        "mode": cfg.mode, "delay": cfg.delay, "ranks": size, "model": cfg.model,
+        "mode": cfg.mode, "delay": cfg.delay, "delay_compensation": cfg.delay_compensation,
+        "ranks": size, "model": cfg.model,
         "dataset": dataset.name, "device": "gpu" if xp is not np else "cpu",
         "transport": getattr(strategy.transport, "name", None) if strategy.transport else None,
         "dtype": cfg.dtype, "batch_size": cfg.batch_size, "steps": step,

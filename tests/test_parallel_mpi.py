@@ -2,8 +2,10 @@
 
 * delay 0 (ring, tree, master): the same weights as ``single`` run in-process on the
   whole global batch, float64, relative difference <= 1e-9.
-* delay 1: the same weights as a one-process simulation of
-  ``w[t+1] = upd(w[t], G_t(w[t-1]))`` written out below with the bare model and optimizer.
+* delay 1: the same weights as a one-process simulation of the recurrence written out
+  below with the bare model and the update formula: by default (lookahead compensation)
+  ``g_t = G_t(w[t-1] + c (w[t-1] - w[t-2]))`` with momentum ``1 - (1 - mu)/k`` and lr
+  ``lr/k``; with ``--delay-compensation none`` the plain ``w[t+1] = upd(w[t], G_t(w[t-1]))``.
 * every mode: all replicas bit-identical at the end.
 """
 import numpy as np
@@ -39,25 +41,31 @@ def _single_reference():
     return _params(result), result.summary["train_loss"]
 
 
-def _simulate_delay1(steps=STEPS):
-    """One process, the delayed recurrence written out: g_t = G_t(w[t-1]), w[t+1] = upd(w[t], g_t)."""
+# the lookahead compensation's constants, written here (not read from ringnet)
+LOOKAHEAD_K, LOOKAHEAD_C = 5.0, 2.0
+
+
+def _simulate_delay1(steps=STEPS, k=LOOKAHEAD_K, c=LOOKAHEAD_C):
+    """One process, the delayed recurrence written out (k = 1, c = 0: the plain one)::
+
+        g_t = G_t(w[t-1] + c (w[t-1] - w[t-2]))     (w[-1] = w[0]; g_0 = G_0(w[0]))
+        v <- mu' v + lr' (g_t + wd w[t]),  w[t+1] = w[t] - v,  mu' = 1 - (1 - mu)/k, lr' = lr/k
+    """
     ds = open_dataset("digits", seed=BASE["seed"])
     model = build_model("digits", dtype="float64", seed=BASE["seed"])
-    opt = SGD(model.num_params, LRPolicy("fixed", BASE["lr"]), momentum=BASE["momentum"],
-              weight_decay=BASE["weight_decay"], dtype="float64")
+    mu, lr = 1 - (1 - BASE["momentum"]) / k, BASE["lr"] / k
     loader = ShardedLoader(ds.train, BATCH, seed=BASE["seed"], dtype="float64",
                            mean=ds.mean, std=ds.std, prefetch=0)
-    w_prev = model.params.copy()
     w_cur = model.params.copy()
+    w_prev = w_prev2 = w_cur.copy()
+    v = np.zeros_like(w_cur)
     batches = loader.epoch(0)
     for t in range(steps):
         x, y = next(batches)
-        model.params[...] = w_prev if t > 0 else w_cur
+        model.params[...] = w_prev + c * (w_prev - w_prev2) if t > 0 else w_cur
         model.loss_and_grad(x, y)
-        g = model.grads.copy()
-        w_next = w_cur.copy()
-        opt.step(w_next, g, t)
-        w_prev, w_cur = w_cur, w_next
+        v = mu * v + lr * (model.grads + BASE["weight_decay"] * w_cur)
+        w_prev2, w_prev, w_cur = w_prev, w_cur, w_cur - v
     batches.close()
     ds.close()
     return w_cur
@@ -84,12 +92,22 @@ def test_delay0_equals_single(mode):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["ring", "tree", "master"])
-def test_delay1_equals_simulated_recurrence(mode):
-    result = train(TrainConfig(mode=mode, delay=1, **BASE), world=WORLD)
+@pytest.mark.parametrize("compensation", [None, "none"])
+def test_delay1_equals_simulated_recurrence(mode, compensation):
+    result = train(TrainConfig(mode=mode, delay=1, delay_compensation=compensation, **BASE),
+                   world=WORLD)
     params = _params(result)
     identical = _replicas_identical(params)
     result.strategy.close()
-    reference = _simulate_delay1()
+    plain = _simulate_delay1(k=1, c=0)
+    if compensation is None:        # the default: lookahead
+        reference = _simulate_delay1()
+        assert _rel(plain, reference) > 1e-4, "the compensation changes nothing here"
+        # a wrong look-ahead or a missing momentum correction is caught
+        assert _rel(_simulate_delay1(c=1.0), reference) > 1e-6
+        assert _rel(_simulate_delay1(k=1.0), reference) > 1e-6
+    else:
+        reference = plain
     assert _rel(params, reference) <= 1e-9, f"{mode} delay 1 differs from the simulated recurrence"
     assert identical, f"{mode} delay 1: replicas differ"
     # and delay 1 really is a different trajectory from delay 0
@@ -185,7 +203,7 @@ def test_dropout_masks_match_single_at_any_rank_count(mode):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode, delay", [("ring", 1), ("tree", 0), ("split-fc", 0)])
+@pytest.mark.parametrize("mode, delay", [("ring", 1), ("tree", 0), ("split-fc", 0), ("split-fc", 1)])
 def test_resume_continues_the_exact_trajectory(tmp_path, mode, delay):
     """k steps + checkpoint + resume to k+m equals an uninterrupted k+m run (delay 1 included)."""
     path = WORLD.bcast(str(tmp_path / "ck.h5"))

@@ -51,9 +51,13 @@ class Strategy:
         """Return (params, momentum, prev_params) as named host arrays; collective, valid on rank 0."""
         raise NotImplementedError
 
-    def load_full_state(self, params, momentum=None, prev_params=None):
-        """Load named host arrays (as written by ``full_state``) on every rank."""
+    def load_full_state(self, params, momentum=None, prev_params=None, lookahead_base=None):
+        """Load named host arrays (as written by ``full_state``, ``lookahead_state``) on every rank."""
         raise NotImplementedError
+
+    def lookahead_state(self):
+        """Return the look-ahead's w[t-1] as named host arrays, or None (after ``full_state``)."""
+        return None
 
     def close(self):
         """Release streams and communicators."""
@@ -105,7 +109,7 @@ class Strategy:
 class DataParallelStrategy(Strategy):
     """Every rank holds the whole model; the plan combines gradients and redistributes weights."""
 
-    def __init__(self, model, make_optimizer, world, comm=None, delay=0):
+    def __init__(self, model, make_optimizer, world, comm=None, delay=0, lookahead=None):
         super().__init__(model, make_optimizer, world, delay)
         self.comm = comm
         self.transport = comm.transport if comm is not None else None
@@ -116,7 +120,7 @@ class DataParallelStrategy(Strategy):
         stream = comm.new_stream() if delay and comm is not None else None
         self.engine = DelayedUpdate(model.params, model.grads, plan,
                                     make_optimizer(plan.owned.stop - plan.owned.start),
-                                    self.stats, delay=delay, stream=stream)
+                                    self.stats, delay=delay, stream=stream, lookahead=lookahead)
 
     def _plan(self, size):
         """Return the exchange plan over a flat buffer of ``size`` (subclasses choose)."""
@@ -154,9 +158,14 @@ class DataParallelStrategy(Strategy):
         return (self._named(newest), self._named(momentum) if momentum is not None else None,
                 self._named(front) if front is not None else None)
 
-    def load_full_state(self, params, momentum=None, prev_params=None):
+    def lookahead_state(self):
+        base = self.engine.lookahead_base()
+        return self._named(base) if base is not None else None
+
+    def load_full_state(self, params, momentum=None, prev_params=None, lookahead_base=None):
         self.engine.load(self._flat(params), self._flat(prev_params) if prev_params else None,
-                         self._flat(momentum) if momentum else None)
+                         self._flat(momentum) if momentum else None,
+                         self._flat(lookahead_base) if lookahead_base else None)
 
     def close(self):
         self.drain()
