@@ -168,14 +168,20 @@ class DelayedUpdate:
                 self.base = params.copy()   # w[t-1] during step t (the front is the look-ahead point)
 
     # -- one step -------------------------------------------------------------------
-    def _exchange(self, grads, weights, it, exposed):
-        """Combine ``grads``, update this rank's slice of ``weights``, distribute ``weights``."""
+    def _exchange(self, grads, weights, it, exposed, source=None):
+        """Combine ``grads``, update this rank's slice of ``weights``, distribute ``weights``.
+
+        ``source``: where the weights to update are (default: ``weights`` itself); only
+        this rank's slice is copied from it, the distribution fills in the rest.
+        """
         kind = "exposed_comm" if exposed else "comm"
         with self.stats.span(kind, op="reduce", bytes=grads.nbytes):
             self.plan.reduce(grads)
         owned = self.plan.owned
         if owned.stop > owned.start:
             with self.stats.span("update"):
+                if source is not None:
+                    weights[owned] = source[owned]
                 self.optimizer.step(weights[owned], grads[owned], it)
                 synchronize(weights)
         with self.stats.span(kind, op="distribute", bytes=weights.nbytes):
@@ -192,6 +198,7 @@ class DelayedUpdate:
             self._exchange(self.grads, self.params, it, exposed=True)
             return
         self.drain()
+        source = None
         if self.lookahead is None:
             self.params[...] = self.back        # w[it]: what step it + 1 computes on
         else:                                   # w[it] + c * (w[it] - w[it-1])
@@ -200,13 +207,16 @@ class DelayedUpdate:
             xp.multiply(self.back, self.params.dtype.type(1.0 + c), out=self.params)
             self.base *= self.params.dtype.type(c)
             self.params -= self.base
-            self.base[...] = self.back
+            # w[it] becomes the base by a swap, not a copy; the exchange writes w[it+1]
+            # into the other buffer, starting from this rank's slice of w[it]
+            self.base, self.back = self.back, self.base
+            source = self.base
         self.sent[...] = self.grads
         synchronize(self.sent)
         if self.stream is None:
-            self._exchange(self.sent, self.back, it, exposed=True)
+            self._exchange(self.sent, self.back, it, True, source)
         else:
-            self.pending = self.stream.submit(self._exchange, self.sent, self.back, it, False)
+            self.pending = self.stream.submit(self._exchange, self.sent, self.back, it, False, source)
 
     def drain(self):
         """Wait for the exchange in flight (counted as exposed communication)."""
