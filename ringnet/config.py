@@ -216,7 +216,7 @@ def build_parser():
                         f"w[t-1] + {_LA.c:g} (w[t-1] - w[t-2]) and runs momentum 1 - (1 - M)/{_LA.k:g} "
                         f"at lr LR/{_LA.k:g} (the same long-run step LR/(1 - M)), which keeps the "
                         f"delayed update stable and accurate; none: the plain recurrence, gradient "
-                        f"at w[t-1], momentum M, lr LR")
+                        f"at w[t-1], momentum M, lr LR (default lookahead at delay 1, none at delay 0)")
     g.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
                    help="how bytes move (default auto: nccl when every rank has its own GPU, "
                         "else mpi)")
@@ -270,7 +270,8 @@ def build_parser():
                    help="skip the per-epoch test evaluation (the final one still runs)")
     g.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="also evaluate test accuracy every K steps; --json then lists them as "
-                        "'evals': [step, epoch, train seconds (evaluations excluded), accuracy]")
+                        "'evals': [step, epoch, train seconds (evaluations excluded), accuracy] "
+                        "(default 0: only per epoch)")
     g.add_argument("--quiet", action="store_true", help="print nothing but errors and --json")
     return p
 
