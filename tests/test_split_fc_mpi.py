@@ -8,7 +8,7 @@
   of the unsplit model's full-batch gradient;
 * delay 1: the same weights as a one-process simulation of the recurrence split-fc
   implements (conv delayed, FC immediate), plain and with the lookahead compensation
-  (conv only: look-ahead point and corrected momentum/lr; FC keeps the plain update);
+  (conv part only: look-ahead point, corrected momentum and lr; FC keeps the plain update);
 * checkpoints: split-fc -> single and single -> split-fc resume onto the same weights
   as an uninterrupted single run;
 * traffic: the bytes every rank sent add up to the closed form of the ring collectives;
@@ -24,7 +24,7 @@ from mpi4py import MPI
 from ringnet import comm as ringcomm
 from ringnet.backend import to_numpy
 from ringnet.config import TrainConfig
-from ringnet.errors import UsageError
+from ringnet.errors import InputError
 from ringnet.layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU
 from ringnet.models import Model, build_model
 from ringnet.optim import SGD, LRPolicy
@@ -32,14 +32,12 @@ from ringnet.parallel.single import SingleStrategy
 from ringnet.parallel.split_fc import SplitFCStrategy
 from ringnet.train import train
 
+from conftest import LOOKAHEAD, flat_params, rel_error, simulate_delay1
+
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 BATCH = 12          # divisible by 1, 2, 3 and 4
 LR, MOMENTUM, DECAY = 0.05, 0.9, 5e-4
-
-
-def _rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(1e-30, np.max(np.abs(b))))
 
 
 def _make_optimizer(n):
@@ -74,10 +72,6 @@ def _split_fc(model, delay=0, lookahead=None):
     return SplitFCStrategy(model, _make_optimizer, WORLD, comm, delay=delay, lookahead=lookahead)
 
 
-def _params(strategy):
-    return np.array(to_numpy(strategy.eval_model().params), dtype=np.float64)
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["lenet", "dropnet"])
 def test_delay0_equals_single(name):
@@ -90,11 +84,11 @@ def test_delay0_equals_single(name):
         losses.append(strategy.step(*_mine(x, y), it)[0])
         ref_losses.append(reference.step(x, y, it)[0])
     strategy.drain()
-    params = _params(strategy)
+    params = flat_params(strategy)
     everyone = WORLD.allgather(params)
     strategy.close()
     ref = np.array(to_numpy(reference.eval_model().params))
-    assert _rel(params, ref) <= 1e-9, f"{name}: split-fc weights differ from single"
+    assert rel_error(params, ref) <= 1e-9, f"{name}: split-fc weights differ from single"
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-9, err_msg=f"{name}: loss differs from single")
     assert all(np.array_equal(everyone[0], p) for p in everyone), "assembled models differ across ranks"
 
@@ -119,32 +113,14 @@ def test_gradients_are_the_rows_of_the_full_batch_gradient():
             f"rank {RANK}: gradient region [{a}, {b}) differs from the full-batch gradient"
 
 
-def _simulate_delay1(name, steps, k=1.0, c=0.0):
-    """One process: conv c_{t+1} = upd'(c_t, Gc_t(p_t, f_t)), FC f_{t+1} = upd(f_t, Gf_t(p_t, f_t)).
-
-    p_t = c_{t-1} + c (c_{t-1} - c_{t-2}) (the look-ahead point; c = 0: plain), upd' runs
-    momentum 1 - (1 - mu)/k at lr/k (k = 1: upd); the FC part is never stale.
-    """
+def _simulate_delay1(name, steps, lookahead=None):
+    """One process: the delayed update on the conv prefix, the FC part updated at once."""
     model = _build(name)
-    conv = model.fc_start()
-    first = model.layers[conv][0]
-    n = model.param_offsets()[f"{first}.weight"][0]
-    mu = np.full(model.num_params, MOMENTUM)
-    lr = np.full(model.num_params, LR)
-    mu[:n], lr[:n] = 1 - (1 - MOMENTUM) / k, LR / k
-    v = np.zeros(model.num_params)
-    c_prev2 = c_prev = c_cur = model.params[:n].copy()
-    fc = model.params[n:].copy()
-    losses = []
-    for t, (x, y) in enumerate(_batches(model, steps)):
-        model.params[:n] = c_prev + c * (c_prev - c_prev2)
-        model.params[n:] = fc
-        losses.append(model.loss_and_grad(x, y)[0])
-        w = np.concatenate([c_cur, fc])
-        v = mu * v + lr * (model.grads + DECAY * w)
-        w = w - v
-        c_prev2, c_prev, c_cur, fc = c_prev, c_cur, w[:n], w[n:]
-    return np.concatenate([c_cur, fc]), losses
+    first = model.layers[model.fc_start()][0]
+    conv = model.param_offsets()[f"{first}.weight"][0]
+    # element-wise SGD: one optimizer over the whole vector updates both parts alike
+    return simulate_delay1(model, _batches(model, steps), _make_optimizer(model.num_params),
+                           delayed=conv, lookahead=lookahead)
 
 
 @pytest.mark.mpi
@@ -156,20 +132,19 @@ def test_delay1_equals_simulated_recurrence(compensation):
     strategy = _split_fc(model, delay=1, lookahead=COMPENSATIONS[compensation])
     losses = [strategy.step(*_mine(x, y), it)[0] for it, (x, y) in enumerate(_batches(model, steps))]
     strategy.drain()
-    params = _params(strategy)
+    params = flat_params(strategy)
     strategy.close()
     plain, _ = _simulate_delay1("digits", steps)
-    if compensation == "none":
-        reference, ref_losses = _simulate_delay1("digits", steps)
-    else:       # constants written here, not read from ringnet
-        reference, ref_losses = _simulate_delay1("digits", steps, k=5.0, c=2.0)
-        assert _rel(plain, reference) > 1e-4
+    reference, ref_losses = plain, _
+    if compensation == "lookahead":
+        reference, ref_losses = _simulate_delay1("digits", steps, lookahead=LOOKAHEAD)
+        assert rel_error(plain, reference) > 1e-4
     immediate = SingleStrategy(_build("digits"), _make_optimizer)
     for it, (x, y) in enumerate(_batches(model, steps)):
         immediate.step(x, y, it)
-    assert _rel(params, reference) <= 1e-9, "split-fc delay 1 differs from the simulated recurrence"
+    assert rel_error(params, reference) <= 1e-9, "split-fc delay 1 differs from the simulated recurrence"
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-9)
-    assert _rel(params, np.array(immediate.eval_model().params)) > 1e-6, "delay 1 equals delay 0"
+    assert rel_error(params, np.array(immediate.eval_model().params)) > 1e-6, "delay 1 equals delay 0"
 
 
 BASE = dict(model="digits", dataset="digits", batch_size=BATCH, dtype="float64", lr=LR,
@@ -189,7 +164,7 @@ def _train_params(world, **kw):
 def test_train_delay0_equals_single_and_reports_fc_memory():
     params, summary = _train_params(WORLD, mode="split-fc", delay=0, steps=5)
     reference, ref_summary = _train_params(MPI.COMM_SELF, mode="single", steps=5)
-    assert _rel(params, reference) <= 1e-9, "train(split-fc) differs from train(single)"
+    assert rel_error(params, reference) <= 1e-9, "train(split-fc) differs from train(single)"
     assert abs(summary["train_loss"] - ref_summary["train_loss"]) <= 1e-9 * ref_summary["train_loss"]
     model = build_model("digits")
     fc = sum(model.named_params()[f"{l}.{s}"].size for l in ("ip1", "ip2") for s in ("weight", "bias"))
@@ -214,8 +189,8 @@ def test_checkpoints_cross_between_split_fc_and_single():
     resumed_split, _ = _train_params(WORLD, mode="split-fc", steps=6, resume=single_ckpt)
     straight, _ = _train_params(MPI.COMM_SELF, mode="single", steps=6)
     if RANK == 0:
-        assert _rel(resumed_single, straight) <= 1e-9, "single resumed from split-fc differs"
-    assert _rel(resumed_split, straight) <= 1e-9, "split-fc resumed from single differs"
+        assert rel_error(resumed_single, straight) <= 1e-9, "single resumed from split-fc differs"
+    assert rel_error(resumed_split, straight) <= 1e-9, "split-fc resumed from single differs"
 
 
 @pytest.mark.mpi
@@ -248,7 +223,7 @@ def test_fc_smaller_than_ranks_is_refused():
     comm = ringcomm.create("ring", transport="mpi", mpi_comm=WORLD)
     try:
         strategy = SplitFCStrategy(model, _make_optimizer, WORLD, comm)
-    except UsageError as exc:
+    except InputError as exc:
         message = str(exc)
     else:
         strategy.close()

@@ -121,8 +121,7 @@ def main(argv=None):
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install matplotlib (or --plot '')") from None
     runs = parse_runs(args.runs, args.np)
-    args.to_accuracy = None     # run_config's default-lr rule: --lr unset means the model's
-    args.steps = None
+    args.steps = None           # run_config's default length; every run here sets --epochs
     if args.eval_every is None:
         from ringnet.data import open_dataset
         from ringnet.models import MODELS

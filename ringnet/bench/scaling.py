@@ -84,9 +84,8 @@ def run_config(args, mode, delay, nranks, length=None, extra=()):
            "--batch-size", str(args.batch_size), *length,
            "--transport", args.transport, "--device", args.device,
            "--json", "--quiet", "--no-progress", "--no-eval"]
-    lr = args.lr if args.lr is not None else (None if args.to_accuracy is not None else 0.001)
-    if lr is not None:
-        cmd += ["--lr", str(lr)]
+    if args.lr is not None:         # None: the model's default of python -m ringnet.train
+        cmd += ["--lr", str(args.lr)]
     for flag in ("seed", "data_dir"):
         if getattr(args, flag, None) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -150,6 +149,8 @@ def main(argv=None):
         raise UsageError(f"--to-accuracy is a fraction in (0, 1], got {args.to_accuracy}")
     if args.epochs < 1 or args.eval_every < 1:
         raise UsageError("--epochs and --eval-every must be >= 1")
+    if args.lr is None and args.to_accuracy is None:
+        args.lr = 0.001                 # a timing run: small enough that no mode diverges
     length = None
     if args.to_accuracy is not None:
         length = ["--epochs", str(args.epochs), "--eval-every", str(args.eval_every)]

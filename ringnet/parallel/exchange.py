@@ -24,6 +24,7 @@ from typing import Optional
 import numpy as np
 
 from ringnet.backend import get_array_module, to_numpy
+from ringnet.errors import InputError
 
 __all__ = ["LocalPlan", "ShardedPlan", "RootedPlan", "DelayedUpdate", "Lookahead",
            "COMPENSATIONS", "compensation", "synchronize"]
@@ -62,7 +63,7 @@ COMPENSATIONS = {"none": Lookahead(1.0, 0.0), "lookahead": Lookahead()}
 def compensation(name):
     """Return the Lookahead of ``--delay-compensation name`` (none, lookahead)."""
     if name not in COMPENSATIONS:
-        raise ValueError(f"unknown delay compensation {name!r}; choose one of "
+        raise InputError(f"unknown delay compensation {name!r}; choose one of "
                          f"{', '.join(COMPENSATIONS)}")
     return COMPENSATIONS[name]
 

@@ -1,0 +1,81 @@
+"""Helpers shared by the test modules (plain functions: import them from ``conftest``)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from ringnet.backend import to_numpy
+
+# Child processes run with one BLAS thread: the machine is shared by the MPI ranks.
+ENV = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+
+
+def rel_error(a, b):
+    """Return max |a - b| / max |b| (b is the reference)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b)) / max(1e-30, np.max(np.abs(b))))
+
+
+def flat_params(strategy):
+    """Return the newest complete weights of ``strategy`` as a float64 host copy."""
+    return np.array(to_numpy(strategy.eval_model().params), dtype=np.float64)
+
+
+# The delay compensation ``lookahead``'s constants, written here, not read from ringnet.
+LOOKAHEAD = (5.0, 2.0)      # (k, c)
+
+
+def simulate_delay1(model, batches, optimizer, delayed=None, lookahead=None):
+    """Run the delayed-update recurrence in one process; return (weights, losses).
+
+    ``params[:delayed]`` (default: all) follows the delayed update,
+    ``c_{t+1} = upd(c_t, Gc_t(p_t, f_t))`` with ``p_t = c_{t-1}`` and ``c_{-1} = c_0``;
+    the rest (split-fc's FC part) is updated at once, ``f_{t+1} = upd(f_t, Gf_t(p_t, f_t))``.
+    ``optimizer`` is one element-wise SGD over the whole flat vector.
+
+    ``lookahead = (k, c)``: the compensation, written out: the delayed part computes at
+    ``p_t = c_{t-1} + c (c_{t-1} - c_{t-2})`` and is updated with momentum
+    ``1 - (1 - mu)/k`` and lr ``lr/k``: ``v <- mu' v + lr' (g + wd w)``, ``w <- w - v``.
+    """
+    n = model.num_params if delayed is None else delayed
+    c_prev2 = c_prev = c_cur = model.params[:n].copy()
+    rest = model.params[n:].copy()
+    k, c = lookahead if lookahead is not None else (1.0, 0.0)
+    mu = np.full(model.num_params, optimizer.momentum)
+    mu[:n] = 1 - (1 - optimizer.momentum) / k
+    scale = np.ones(model.num_params)
+    scale[:n] = 1 / k
+    v = np.zeros(model.num_params)
+    losses = []
+    for t, (x, y) in enumerate(batches):
+        model.params[:n] = c_prev + c * (c_prev - c_prev2)
+        model.params[n:] = rest
+        losses.append(model.loss_and_grad(x, y)[0])
+        w = np.concatenate([c_cur, rest])
+        if lookahead is None:
+            optimizer.step(w, model.grads.copy(), t)
+        else:
+            v = mu * v + scale * optimizer.lr_policy(t) * (model.grads + optimizer.weight_decay * w)
+            w = w - v
+        c_prev2, c_prev, c_cur, rest = c_prev, c_cur, w[:n], w[n:]
+    return np.concatenate([c_cur, rest]), losses
+
+
+def run_cli(*args, np_=None, module="ringnet.train", timeout=240):
+    """Run ``python -m module args`` (under ``mpirun -np np_`` if given); return the CompletedProcess."""
+    cmd = [sys.executable, "-m", module, *args]
+    if np_:
+        cmd = ["mpirun", "-np", str(np_), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def assert_one_line_error(proc, *needles):
+    """Assert exit 2 with exactly one stderr line ``ringnet: error: ...`` containing ``needles``."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ringnet: error:"), lines[0]
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
