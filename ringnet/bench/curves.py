@@ -5,7 +5,8 @@ and 1, tree, master, split-fc; N ranks each, single on one), the same seed, reci
 and global batch, for E epochs, evaluating the test set every K steps. Writes every
 evaluation to a CSV (mode, delay, N, step, epoch, train seconds with evaluations
 excluded, test accuracy) and, with matplotlib, a plot of test accuracy against epoch
-and against wall time.
+and against wall time. A run that fails (a diverged delay-1 run stops with a NaN loss)
+is listed as failed and left out of the CSV and the plot; the others go on.
 """
 import argparse
 import csv
@@ -107,6 +108,15 @@ def plot(rows, path, title):
     os.replace(tmp, path)
 
 
+def _write_csv(path, rows):
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
 def main(argv=None):
     args = _parser().parse_args(argv)
     if shutil.which(args.mpirun) is None:
@@ -136,21 +146,23 @@ def main(argv=None):
         if ds is not None:
             ds.close()
         args.eval_every = max(1, n // args.batch_size // 4)
-    rows = []
+    rows, failed = [], {}
     for i, (label, mode, delay, n, extra) in enumerate(runs):
         print(f"\r[{i + 1}/{len(runs)}] {label}   ", end="", file=sys.stderr, flush=True)
-        summary = run_config(args, mode, delay, n, extra=extra,
-                             length=["--epochs", str(args.epochs), "--eval-every", str(args.eval_every)])
+        try:
+            summary = run_config(args, mode, delay, n, extra=extra,
+                                 length=["--epochs", str(args.epochs), "--eval-every",
+                                         str(args.eval_every)])
+        except UsageError as exc:       # a run that diverged (or failed) is reported, not fatal
+            failed[label] = str(exc).split(": ", 1)[-1]
+            continue
         for step, epoch, seconds, acc in summary["evals"]:
             rows.append({"label": label, "mode": mode, "delay": delay, "np": n, "step": step,
                          "epoch": epoch, "train_s": round(seconds, 3), "test_accuracy": acc})
+        _write_csv(args.csv, rows)      # after every run: a long job leaves what it has
     print(file=sys.stderr)
-    tmp = args.csv + ".tmp"
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, args.csv)
+    if not rows:
+        raise UsageError("every run failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
     if args.plot:
         plot(rows, args.plot, f"{args.model} on {args.dataset}, global batch {args.batch_size}, "
                               f"N = {args.np} (single: 1), seed {args.seed}")
@@ -159,5 +171,7 @@ def main(argv=None):
         mine = [r for r in rows if r["label"] == label]
         print(f"{label:>18} {mine[-1]['test_accuracy']:>10.2%} "
               f"{max(r['test_accuracy'] for r in mine):>9.2%} {mine[-1]['train_s']:>9.1f}")
+    for label, reason in failed.items():
+        print(f"{label:>18} failed: {reason}")
     print(f"wrote {args.csv}" + (f" and {args.plot}" if args.plot else ""))
     return 0
