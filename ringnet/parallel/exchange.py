@@ -213,7 +213,7 @@ class DelayedUpdate:
             self.base, self.back = self.back, self.base
             source = self.base
         self.sent[...] = self.grads
-        synchronize(self.sent)
+        # No host wait: a GPU stream's operation waits on an event recorded at submit.
         if self.stream is None:
             self._exchange(self.sent, self.back, it, True, source)
         else:
