@@ -100,5 +100,5 @@ def test_curves_and_to_accuracy_end_to_end(tmp_path):
     row = json.loads(proc.stdout.strip().splitlines()[-1])["rows"][0]
     assert row["mode"] == "single"
     # evaluated at steps 5, 10, 15, 20 and at the end (22 steps per epoch)
-    assert row["epochs_to_acc"] in [round(s / 22, 4) for s in (5, 10, 15, 20, 22)]
+    assert row["epochs_to_acc"] in [round(s / 22, 3) for s in (5, 10, 15, 20, 22)]
     assert 0 < row["seconds_to_acc"] and row["final_accuracy"] >= 0.5
