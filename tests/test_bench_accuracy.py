@@ -71,10 +71,15 @@ def test_delay_bench_separates_plain_from_compensated_on_lenet():
 @pytest.mark.timeout(900)
 def test_curves_and_to_accuracy_end_to_end(tmp_path):
     out_csv, out_png = tmp_path / "c.csv", tmp_path / "c.png"
+    try:
+        import matplotlib  # noqa: F401
+        plot = str(out_png)
+    except ImportError:         # the CSV is still checked; the plot needs the plot extra
+        plot = ""
     proc = subprocess.run(
         [sys.executable, "-m", "ringnet.bench", "curves", "--model", "digits", "--dataset", "digits",
          "--epochs", "2", "--np", "2", "--runs", "single,ring:1,ring:1:none", "--eval-every", "11",
-         "--csv", str(out_csv), "--plot", str(out_png)],
+         "--csv", str(out_csv), "--plot", plot],
         capture_output=True, text=True, env=ENV, timeout=800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out_csv) as f:
@@ -87,7 +92,8 @@ def test_curves_and_to_accuracy_end_to_end(tmp_path):
         assert all(0 <= float(r["test_accuracy"]) <= 1 for r in mine)
         times = [float(r["train_s"]) for r in mine]
         assert times == sorted(times)
-    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if plot:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "wrote" in proc.stdout
 
     proc = subprocess.run(
