@@ -101,7 +101,9 @@ def run_config(args, mode, delay, nranks, length=None, extra=()):
         raise UsageError(f"{' '.join(cmd)} did not finish within {args.timeout:.0f} s") from None
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        lines_err = proc.stderr.strip().splitlines() or ["(no output)"]
+        # ringnet's own one-line error (a NaN loss, bad input) says more than MPI's abort line
+        tail = next((l for l in lines_err if l.startswith("ringnet: error:")), lines_err[-1])
         raise UsageError(f"{mode} delay {delay} at N={nranks} failed (exit {proc.returncode}): {tail}")
     return json.loads(lines[-1])
 
