@@ -5,6 +5,8 @@ Layout::
     /params/<name>            full tensor, PyTorch layout (conv (out,in,kh,kw), linear (out,in))
     /momentum/<name>          SGD momentum buffer of that parameter (same shape)
     /prev_params/<name>       delay-1 runs only: the weights the next step computes on
+    /lookahead_base/<name>    delay 1 with the lookahead compensation only: w[t-1] of the
+                              look-ahead point (see ringnet.parallel.exchange.Lookahead)
     attrs: format ("ringnet-checkpoint"), version, model, mode, delay, ranks, step, epoch,
            dtype, the hyperparameters a resume continues with (HYPERPARAMETERS), rng (JSON:
            the state of every layer's random stream, e.g. Dropout masks, so a resumed run
@@ -33,8 +35,8 @@ import numpy as np
 from ringnet.data.hdf5 import file_mode
 from ringnet.errors import UsageError, fault_point
 
-__all__ = ["save_checkpoint", "load_checkpoint", "check_writable", "checkpoint_bytes",
-           "stale_temporaries", "resume_settings", "HYPERPARAMETERS", "FORMAT"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_lookahead_base", "check_writable",
+           "checkpoint_bytes", "stale_temporaries", "resume_settings", "HYPERPARAMETERS", "FORMAT"]
 
 FORMAT = "ringnet-checkpoint"
 VERSION = 1
@@ -193,7 +195,8 @@ def _check_finite(path, groups):
                                  "infinite value(s); it cannot be trained from")
 
 
-def save_checkpoint(path, params, momentum=None, prev_params=None, /, rng=None, **attrs):
+def save_checkpoint(path, params, momentum=None, prev_params=None, /, lookahead_base=None,
+                    rng=None, **attrs):
     """Write named host arrays, layer RNG states and scalar ``attrs`` to ``path`` atomically.
 
     The arrays are positional only, so ``attrs`` may hold a ``momentum`` setting.
@@ -201,19 +204,20 @@ def save_checkpoint(path, params, momentum=None, prev_params=None, /, rng=None, 
     Refuses non-finite weights; an OS error becomes a UsageError naming the file; the
     old file at ``path`` is untouched in every case.
     """
-    _check_finite(path, (("params", params), ("momentum", momentum), ("prev_params", prev_params)))
+    _check_finite(path, (("params", params), ("momentum", momentum), ("prev_params", prev_params),
+                         ("lookahead_base", lookahead_base)))
     for stale in stale_temporaries(path):
         try:
             os.remove(stale)
         except OSError:
             pass
     try:
-        return _write(path, params, momentum, prev_params, rng, attrs)
+        return _write(path, params, momentum, prev_params, lookahead_base, rng, attrs)
     except OSError as exc:
         raise UsageError(f"cannot write checkpoint {path} ({exc})") from None
 
 
-def _write(path, params, momentum, prev_params, rng, attrs):
+def _write(path, params, momentum, prev_params, lookahead_base, rng, attrs):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=TMP_SUFFIX, dir=directory)
@@ -229,7 +233,8 @@ def _write(path, params, momentum, prev_params, rng, attrs):
                 if rng:
                     f.attrs["rng"] = json.dumps(rng)
                 for group_name, tensors in (("params", params), ("momentum", momentum),
-                                            ("prev_params", prev_params)):
+                                            ("prev_params", prev_params),
+                                            ("lookahead_base", lookahead_base)):
                     if tensors is None:
                         continue
                     group = f.create_group(group_name)
@@ -275,6 +280,17 @@ def load_checkpoint(path):
             raise UsageError(f"checkpoint {path} is corrupt ({exc})") from None
     _check_finite(path, groups.items())
     return groups["params"], groups["momentum"], groups["prev_params"], attrs
+
+
+def load_lookahead_base(path):
+    """Return the named ``/lookahead_base`` arrays of checkpoint ``path``, or None if it has none."""
+    try:
+        with h5py.File(path, "r") as f:
+            if "lookahead_base" not in f:
+                return None
+            return {name: ds[()] for name, ds in f["lookahead_base"].items()}
+    except (OSError, KeyError, ValueError) as exc:
+        raise UsageError(f"checkpoint {path} is corrupt ({exc})") from None
 
 
 def resume_settings(attrs, given):
