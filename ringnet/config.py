@@ -43,6 +43,7 @@ class TrainConfig:
     shuffle: bool = True
     augment: bool = False
     save: str = None
+    save_every: int = 0
     resume: str = None
     json: bool = False
     check_every: int = 0
@@ -98,6 +99,10 @@ class TrainConfig:
             raise UsageError(f"--device must be auto, cpu or gpu, got {cfg.device!r}")
         if cfg.transport not in ("auto", "mpi", "nccl"):
             raise UsageError(f"--transport must be auto, mpi or nccl, got {cfg.transport!r}")
+        if cfg.save_every < 0:
+            raise UsageError(f"--save-every must be >= 0, got {cfg.save_every}")
+        if cfg.save_every and not cfg.save:
+            raise UsageError("--save-every needs --save PATH.h5 (the checkpoint it rewrites)")
         if cfg.check_every < 0:
             raise UsageError(f"--check-every must be >= 0, got {cfg.check_every}")
         if cfg.batch_size % world_size:
@@ -181,6 +186,9 @@ def build_parser():
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--save", default=None, metavar="PATH.h5", help="write an HDF5 checkpoint at the end (atomically)")
+    g.add_argument("--save-every", type=_positive_int, default=0, metavar="K",
+                   help="also write the --save checkpoint every K steps, so a run that dies "
+                        "loses at most K steps (see python -m ringnet.launch)")
     g.add_argument("--resume", default=None, metavar="PATH.h5", help="continue from a checkpoint (any mode)")
     g.add_argument("--json", action="store_true", help="print one JSON summary line at the end (rank 0)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -131,6 +131,21 @@ def _log(cfg, world, text):
         tqdm.write(text, file=sys.stderr if cfg.json else sys.stdout)
 
 
+def _checkpoint_saver(cfg, world, strategy, spe):
+    """Return the PeriodicSaver that writes cfg.save (every --save-every K steps and at the end)."""
+    from ringnet.elastic import PeriodicSaver
+    size = world.Get_size()
+
+    def write(state, step):     # rank 0 only
+        from ringnet.checkpoint import save_checkpoint
+        params, momentum, prev = state
+        save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
+                        model=cfg.model, mode=cfg.mode, delay=cfg.delay, ranks=size,
+                        step=step, epoch=step // spe, seed=cfg.seed, dtype=cfg.dtype,
+                        lr=cfg.lr, lr_policy=cfg.lr_policy)
+    return PeriodicSaver(world, cfg.save_every, strategy.full_state, write)
+
+
 def train(cfg=None, world=None, **overrides):
     """Run one training job on ``world`` (default MPI.COMM_WORLD); return a TrainResult."""
     import dataclasses
@@ -173,6 +188,8 @@ def train(cfg=None, world=None, **overrides):
                    disable=not _interactive(), leave=False, file=sys.stderr)
 
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
+    saver = _checkpoint_saver(cfg, world, strategy, spe)   # --save-every, launcher heartbeat
+    saver.start(step)
     first_step = step
     t_train = time.perf_counter()
     test_acc = test_loss = None
@@ -191,6 +208,7 @@ def train(cfg=None, world=None, **overrides):
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", refresh=False)
+                saver.after_step(step, total_steps)
                 if cfg.check_every and step % cfg.check_every == 0:
                     strategy.drain()
                     check_replicas(strategy, world, step)
@@ -215,16 +233,8 @@ def train(cfg=None, world=None, **overrides):
     train_loss = world.allreduce(local_loss) / size
 
     if cfg.save:
-        from ringnet.checkpoint import save_checkpoint
-        params, momentum, prev = strategy.full_state()
-
-        def save():  # rank 0 writes; every rank learns whether it worked
-            if rank == 0:
-                save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
-                                model=cfg.model, mode=cfg.mode, delay=cfg.delay, ranks=size,
-                                step=step, epoch=step // spe, seed=cfg.seed, dtype=cfg.dtype,
-                                lr=cfg.lr, lr_policy=cfg.lr_policy)
-        collective(world, save)
+        saver.finish(step)   # rank 0 writes; every rank learns whether it worked
+    saver.close()
 
     stats = strategy.stats
     steps_run = step - first_step
