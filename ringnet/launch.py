@@ -219,6 +219,7 @@ class Launcher:
                         self._summary()
                     return 0
                 if attempt.interrupted:
+                    _say("interrupted: the job was stopped, not relaunching")
                     return code or 130
                 if code == EXIT_USAGE:
                     _say("the job stopped on bad input (exit 2): not relaunching")
@@ -255,7 +256,8 @@ class Launcher:
                 where = (f"at step {attempt.reached}" if attempt.reached is not None
                          else "before its first step")
                 origin = (f"checkpoint {resume} (step {resume_step})" if resume
-                          else "the start (no checkpoint yet)")
+                          else "the start (no checkpoint yet" + ("" if self.checkpoint else
+                                ": pass --save PATH.h5 --save-every K") + ")")
                 lost_text = f"{lost} step(s) lost" if lost is not None else "steps lost unknown"
                 _say(f"the job on {ranks} rank(s) failed {where}: {attempt.reason()}. "
                      f"{lost_text}; relaunch {restarts + 1} of {self.max_restarts} on "
@@ -470,10 +472,9 @@ def main(argv=None):
         per_node = _slurm_tasks_per_node(env)
         if per_node:
             available = lambda: slurm_tasks_alive(env["SLURM_JOB_ID"], per_node)  # noqa: E731
-    if not cfg.save:
-        _say("no --save checkpoint: a relaunch starts the run over")
-    elif not cfg.save_every:
-        _say("no --save-every K: a relaunch starts over from the beginning of the run")
+    def interrupted(signum, frame):     # SIGTERM (scancel, kill): stop the job, do not relaunch
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupted)
     launcher = Launcher(args.ranks, [*train_args, *pins], launch_cmd=launch_cmd, batch_size=batch,
                         checkpoint=cfg.save, resume=cfg.resume, min_ranks=args.min_ranks,
                         max_restarts=args.max_restarts, shrink=args.shrink,

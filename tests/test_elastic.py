@@ -9,17 +9,16 @@ real external SIGKILL of one rank's process, found by its PMI rank.
 import os
 import re
 import shutil
-import signal
 import stat
 import subprocess
 import sys
-import time
 
 import h5py
 import numpy as np
 import pytest
 
-from ringnet.launch import checkpoint_step, relaunch_size, slurm_tasks_alive
+from ringnet.bench.elastic import kill_rank_after_first_checkpoint
+from ringnet.launch import relaunch_size, slurm_tasks_alive
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
@@ -38,43 +37,6 @@ def _env(extra=None):
                PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
     env.update(extra or {})
     return env
-
-
-def _rank_pids(marker):
-    """Return {rank: pid} of the ringnet.train processes whose command line holds ``marker``."""
-    pids = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-            if b"ringnet.train" not in args or marker.encode() not in args:
-                continue
-            if os.path.basename(args[0]).startswith((b"mpirun", b"mpiexec")):
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        if b"PMI_RANK" in environ:
-            pids[int(environ[b"PMI_RANK"])] = int(entry)
-    return pids
-
-
-def _kill_rank_after_first_checkpoint(proc, save, rank, limit=120):
-    """SIGKILL ``rank`` of the job writing ``save`` once its first checkpoint exists."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the launcher ended before the rank could be killed"
-        step = checkpoint_step(save) if os.path.exists(save) else None
-        if step is not None:
-            pid = _rank_pids(save).get(rank)
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                return step
-        time.sleep(0.02)
-    raise AssertionError("no checkpoint appeared in time")
 
 
 def _train(np_, args, limit=180):
@@ -101,7 +63,7 @@ def _launch(tmp_path, launcher_flags, train_flags, kill_rank, env=None, limit=24
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(env))
     try:
-        seen = _kill_rank_after_first_checkpoint(proc, save, kill_rank)
+        seen, _ = kill_rank_after_first_checkpoint(proc, save, kill_rank, limit=120)
         out, err = proc.communicate(timeout=limit)
     finally:
         if proc.poll() is None:
@@ -244,3 +206,27 @@ def test_slurm_tasks_alive_reads_scontrol():
     assert slurm_tasks_alive("5", 8, run=lambda *a, **k: Out) == 24
     Out.returncode = 1
     assert slurm_tasks_alive("5", 8, run=lambda *a, **k: Out) is None
+
+
+@pytest.mark.parametrize("script", ["launch/local.sh", "hpc/train.sbatch"])
+def test_shell_launchers_relaunch_through_ringnet_launch(tmp_path, script):
+    """A stand-in for mpirun/srun that fails once like a killed rank (exit 9), then succeeds."""
+    log = tmp_path / "calls.log"
+    fake = tmp_path / ("srun" if script.startswith("hpc") else "fake-mpirun")
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n"
+                    f"[ $(wc -l < {log}) -ge 2 ] && exit 0\n"
+                    "echo 'YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)'\n"
+                    "exit 9\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = _env({"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "MPIRUN": str(fake),
+                "SLURM_JOB_ID": "9", "SLURM_NTASKS": "2"})
+    proc = subprocess.run(["bash", os.path.join(REPO, script), *(["-n", "2"] if "local" in script else []),
+                           "--shrink", "--", "--steps", "5", "--batch-size", "8"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    count = "--ntasks=" if script.startswith("hpc") else "-np "
+    assert len(calls) == 2 and f"{count}2" in calls[0] and f"{count}1" in calls[1], calls
+    assert all(c.endswith("--steps 5 --batch-size 8 --mode ring --delay 1 --batch-size 8")
+               for c in calls), calls
+    assert "a rank ended: Killed (signal 9)" in proc.stderr, proc.stderr
