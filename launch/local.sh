@@ -3,11 +3,19 @@
 # Usage: launch/local.sh [-n N] [launch flags --] [train flags...]
 #   e.g.  launch/local.sh -n 4 --mode ring --delay 1
 #         launch/local.sh -n 4 --shrink -- --steps 2000 --save ck.h5 --save-every 100
+# Without -n: one rank per GPU, or one per CPU core. The launcher is $MPIRUN (default mpirun).
 # Runs under python -m ringnet.launch: a job that loses a rank is relaunched from its last
 # checkpoint (launch flags: --shrink, --min-ranks M, --max-restarts R; see its --help).
 set -euo pipefail
 N=""
-if [ "${1:-}" = "-n" ]; then N=$2; shift 2; fi
+if [ "${1:-}" = "-n" ]; then
+  if [ $# -lt 2 ] || ! [[ "$2" =~ ^[1-9][0-9]*$ ]]; then
+    echo "ringnet: error: -n needs a positive rank count (usage: launch/local.sh [-n N] [train flags...])" >&2
+    exit 2
+  fi
+  N=$2
+  shift 2
+fi
 if [ -z "$N" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     N=$(nvidia-smi -L | wc -l)          # one rank per GPU
@@ -16,7 +24,10 @@ if [ -z "$N" ]; then
   fi
 fi
 MPIRUN=${MPIRUN:-mpirun}
-command -v "$MPIRUN" >/dev/null || { echo "mpirun not found: pip install mpich (or load your MPI)" >&2; exit 2; }
+if ! command -v "$MPIRUN" >/dev/null 2>&1; then
+  echo "ringnet: error: launcher '$MPIRUN' not found: pip install mpich (or load your MPI), or set MPIRUN" >&2
+  exit 2
+fi
 LAUNCH=()                               # flags before a "--" are the launcher's
 for arg in "$@"; do
   if [ "$arg" = "--" ]; then
