@@ -31,7 +31,7 @@ def recorded(monkeypatch):
     writes = {}
     real = ringnet.checkpoint.save_checkpoint
 
-    def save_checkpoint(path, params, momentum=None, prev_params=None, **attrs):
+    def save_checkpoint(path, params, momentum=None, prev_params=None, /, **attrs):
         copy = lambda d: None if d is None else {k: np.array(v) for k, v in d.items()}  # noqa: E731
         writes[attrs["step"]] = (copy(params), copy(momentum), copy(prev_params))
         return real(path, params, momentum, prev_params, **attrs)
