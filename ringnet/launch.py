@@ -38,7 +38,7 @@ import threading
 import time
 
 from ringnet.elastic import HEARTBEAT_ENV, read_heartbeat
-from ringnet.errors import UsageError
+from ringnet.errors import ArgumentParser, UsageError
 
 __all__ = ["main", "relaunch_size", "Attempt", "Launcher", "slurm_tasks_alive"]
 
@@ -371,14 +371,9 @@ def _stop(proc, grace=10):
 
 
 # -- command line -------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
 def build_parser():
     """Return the argument parser of ``python -m ringnet.launch`` (training flags follow ``--``)."""
-    p = _Parser(
+    p = ArgumentParser(
         prog=PROG,
         usage=f"{PROG} -n N [--min-ranks M] [--max-restarts R] [--shrink] "
               "[--stall-timeout S] [--launcher CMD] -- <python -m ringnet.train flags>",
