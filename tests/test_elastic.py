@@ -9,6 +9,7 @@ real external SIGKILL of one rank's process, found by its PMI rank.
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -56,14 +57,15 @@ def _assert_same_checkpoint(path, reference):
                     f"{group}/{name} differs from the uninterrupted run"
 
 
-def _launch(tmp_path, launcher_flags, train_flags, kill_rank, env=None, limit=240):
+def _launch(tmp_path, launcher_flags, train_flags, kill_rank, env=None, limit=240,
+            sig=signal.SIGKILL):
     save = str(tmp_path / "run.h5")
     cmd = [sys.executable, "-m", "ringnet.launch", *launcher_flags, "--",
            *train_flags, "--steps", str(STEPS), "--save", save, "--save-every", str(EVERY)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(env))
     try:
-        seen, _ = kill_rank_after_first_checkpoint(proc, save, kill_rank, limit=120)
+        seen, _ = kill_rank_after_first_checkpoint(proc, save, kill_rank, limit=120, sig=sig)
         out, err = proc.communicate(timeout=limit)
     finally:
         if proc.poll() is None:
@@ -106,6 +108,19 @@ def test_kill9_of_a_rank_relaunches_onto_the_same_trajectory(tmp_path, mode, del
     _train(4, [*train_flags, "--steps", str(k), "--save", ref_k])
     _train(ranks, [*train_flags, "--steps", str(STEPS), "--resume", ref_k, "--save", ref])
     _assert_same_checkpoint(save, ref)
+
+
+@needs_mpirun
+def test_a_stalled_rank_is_stopped_and_relaunched(tmp_path):
+    """SIGSTOP of one rank; the transfer deadline (60 s here) is far off, --stall-timeout 3 acts."""
+    train_flags = [*FLAGS, "--mode", "ring", "--delay", "0", "--batch-size", "64"]
+    code, out, err, save, _ = _launch(tmp_path, ["-n", "2", "--stall-timeout", "3"], train_flags,
+                                      kill_rank=1, sig=signal.SIGSTOP)
+    assert code == 0, out + err
+    match = RELAUNCH.search(err)
+    assert match and match.group(2) == "no step finished for 3 s (a rank stalled)", err
+    with h5py.File(save, "r") as f:
+        assert f.attrs["step"] == STEPS
 
 
 @needs_mpirun
@@ -230,3 +245,17 @@ def test_shell_launchers_relaunch_through_ringnet_launch(tmp_path, script):
     assert all(c.endswith("--steps 5 --batch-size 8 --mode ring --delay 1 --batch-size 8")
                for c in calls), calls
     assert "a rank ended: Killed (signal 9)" in proc.stderr, proc.stderr
+
+
+@needs_mpirun
+def test_readme_launch_example_runs_as_written(tmp_path):
+    readme = open(os.path.join(REPO, "README.md")).read()
+    section = readme[readme.index("## When a rank dies"):]
+    command = next(line for line in section.splitlines() if line.startswith("python -m ringnet.launch"))
+    args = command.split()
+    proc = subprocess.run([sys.executable, *args[1:]], capture_output=True, text=True, timeout=300,
+                          env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = int(args[args.index("--steps") + 1])
+    with h5py.File(tmp_path / args[args.index("--save") + 1], "r") as f:
+        assert f.attrs["step"] == steps and f.attrs["mode"] == "ring"

@@ -70,8 +70,8 @@ def rank_pids(marker):
     return pids
 
 
-def kill_rank_after_first_checkpoint(proc, save, rank, limit=600):
-    """SIGKILL ``rank`` of the job writing ``save`` as soon as its first checkpoint exists.
+def kill_rank_after_first_checkpoint(proc, save, rank, limit=600, sig=signal.SIGKILL):
+    """Send ``sig`` (SIGKILL) to ``rank`` of the job writing ``save`` once its first checkpoint exists.
 
     Returns (checkpoint step seen, time.monotonic() of the kill).
     """
@@ -84,7 +84,7 @@ def kill_rank_after_first_checkpoint(proc, save, rank, limit=600):
         if step is not None:
             pid = rank_pids(save).get(rank)
             if pid is not None:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
                 return step, time.monotonic()
         time.sleep(0.02)
     raise UsageError(f"no checkpoint appeared within {limit:.0f} s")
