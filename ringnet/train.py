@@ -36,6 +36,24 @@ class TrainResult:
         return self.strategy.eval_model()
 
 
+def _place(cfg, world, device):
+    """Bind the GPU and build the transport (parallel modes); return (Placement, transport).
+
+    ``device="cpu"`` touches no CUDA. Collective; a GPU that cannot run is a UsageError.
+    """
+    from ringnet import comm as ringcomm
+    try:
+        if cfg.mode != "single":
+            transport = ringcomm.make_transport(cfg.transport, world, device=device)
+            return transport.placement, transport
+        if device == "cpu":
+            return ringcomm.Placement("cpu"), None
+        device_id, bus_id, _ = ringcomm.bind_gpu(world)
+        return ringcomm.Placement("gpu", f"GPU {device_id} ({bus_id})"), None
+    except RuntimeError as exc:     # check_gpu: a CuPy that imports but cannot run
+        raise UsageError(str(exc)) from None
+
+
 def _setup(cfg, world):
     """Resolve the config, pick the device, open the data, build model and strategy."""
     dataset_given = cfg.dataset is not None
@@ -53,10 +71,9 @@ def _setup(cfg, world):
         except RuntimeError as exc:
             raise UsageError(str(exc)) from None
     xp = collective(world, pick_device)
-    if xp is not np:
-        from ringnet.comm import local_rank
-        backend.bind_device(local_rank(world)[0])
-
+    if cfg.device == "auto" and size > 1 and world.allreduce(int(xp is np)):
+        xp = np     # some rank has no usable GPU: every rank computes on the CPU
+    placement, transport = collective(world, _place, cfg, world, "cpu" if xp is np else "gpu")
     spec = MODELS[cfg.model]
 
     def open_data():
@@ -94,7 +111,9 @@ def _setup(cfg, world):
 
     strategy = collective(world, parallel.create, cfg.mode, model, make_optimizer,
                           world if cfg.mode != "single" else None,
-                          delay=cfg.delay, transport=cfg.transport)
+                          delay=cfg.delay, transport=transport,
+                          compensation=cfg.delay_compensation)
+    strategy.placement = placement
     loader = ShardedLoader(dataset.train, cfg.batch_size, rank=rank, size=size, seed=cfg.seed,
                            shuffle=cfg.shuffle, xp=xp, dtype=cfg.dtype, mean=dataset.mean,
                            std=dataset.std, augment=cfg.augment)
@@ -185,14 +204,18 @@ def _checkpoint_saver(cfg, world, strategy, spe):
     from ringnet.elastic import PeriodicSaver
     size = world.Get_size()
 
+    def collect():              # every rank
+        return strategy.full_state(), strategy.lookahead_state()
+
     def write(state, step):     # rank 0 only
         from ringnet.checkpoint import save_checkpoint
-        params, momentum, prev = state
+        (params, momentum, prev), base = state
         save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
-                        model=cfg.model, mode=cfg.mode, delay=cfg.delay, ranks=size,
-                        step=step, epoch=step // spe, dtype=cfg.dtype,
+                        lookahead_base=base, model=cfg.model, mode=cfg.mode,
+                        delay=cfg.delay, delay_compensation=cfg.delay_compensation,
+                        ranks=size, step=step, epoch=step // spe, dtype=cfg.dtype,
                         **{n: getattr(cfg, n) for n in HYPERPARAMETERS})
-    return PeriodicSaver(world, cfg.save_every, strategy.full_state, write)
+    return PeriodicSaver(world, cfg.save_every, collect, write)
 
 
 def train(cfg=None, world=None, **overrides):
@@ -212,7 +235,9 @@ def train(cfg=None, world=None, **overrides):
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
     step = 0
     if checkpoint is not None:
+        from ringnet.checkpoint import load_lookahead_base
         params, momentum, prev, attrs = checkpoint
+        base = collective(world, load_lookahead_base, cfg.resume)
 
         def restore():
             if attrs.get("model") != cfg.model:
@@ -226,7 +251,8 @@ def train(cfg=None, world=None, **overrides):
                                  f"leaves nothing to run (steps count from step 0: ask for more "
                                  f"than {done})")
             try:
-                strategy.load_full_state(params, momentum, prev if cfg.delay else None)
+                strategy.load_full_state(params, momentum, prev if cfg.delay else None,
+                                         base if cfg.delay else None)
             except ValueError as exc:
                 raise UsageError(f"checkpoint {cfg.resume}: {exc}") from None
         collective(world, restore)
@@ -239,8 +265,9 @@ def train(cfg=None, world=None, **overrides):
                        f"{size} ranks)")
     steps_text = (f"steps {step} to {total_steps} ({total_steps - step} to run)" if step
                   else f"{total_steps} steps")
-    _log(cfg, world, f"ringnet: {cfg.mode} (delay {cfg.delay}) on {size} rank(s), "
-                     f"{'GPU' if xp is not np else 'CPU'}, model {cfg.model} "
+    delay_text = f"delay {cfg.delay}" + (f", {cfg.delay_compensation}" if cfg.delay else "")
+    _log(cfg, world, f"ringnet: {cfg.mode} ({delay_text}) on {size} rank(s), "
+                     f"{strategy.placement.describe()}, model {cfg.model} "
                      f"({model.num_params:,} parameters, {model.num_classes} outputs: one per class "
                      f"of the data), data {dataset.name} ({len(dataset.train)} train / "
                      f"{len(dataset.test)} test), {batch_text}, lr {cfg.lr:g}, {steps_text}")
@@ -258,6 +285,7 @@ def train(cfg=None, world=None, **overrides):
     sent_before, _ = strategy.bytes_moved()   # bytes_per_step counts the training steps only
     t_train = time.perf_counter()
     test_acc = test_loss = None
+    evals, eval_s = [], 0.0     # [step, epoch, training seconds before it, accuracy]
     try:
         # Overflow on the way to a non-finite loss is reported once, below, not as warnings.
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -276,6 +304,12 @@ def train(cfg=None, world=None, **overrides):
                         bar.update(1)
                         bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", refresh=False)
                     saver.after_step(step, total_steps)
+                    if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                        t_eval = time.perf_counter()
+                        strategy.drain()
+                        acc, _ = evaluate(strategy, dataset, cfg, world, xp)
+                        evals.append([step, round(step / spe, 4), t_eval - t_train - eval_s, acc])
+                        eval_s += time.perf_counter() - t_eval
                     if cfg.check_every and step % cfg.check_every == 0:
                         strategy.drain()
                         check_replicas(strategy, world, step)
@@ -284,8 +318,10 @@ def train(cfg=None, world=None, **overrides):
                 if hasattr(batches, "close"):
                     batches.close()
                 if step % spe == 0 and cfg.eval_every_epoch and step < total_steps:
+                    t_eval = time.perf_counter()
                     strategy.drain()
                     test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp)
+                    eval_s += time.perf_counter() - t_eval
                     _log(cfg, world, _epoch_line(step // spe, recent, test_acc, test_loss))
             strategy.drain()
     finally:
@@ -296,6 +332,8 @@ def train(cfg=None, world=None, **overrides):
 
     check_replicas(strategy, world, step)
     test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp)
+    if cfg.eval_every:
+        evals.append([step, round(step / spe, 4), train_s - eval_s, test_acc])
     if step % spe == 0 and cfg.eval_every_epoch and step > first_step:
         _log(cfg, world, _epoch_line(step // spe, recent, test_acc, test_loss))
     local_loss = float(np.mean(recent)) if recent else float("nan")
@@ -316,14 +354,17 @@ def train(cfg=None, world=None, **overrides):
     times = stats.step_times[2:] or stats.step_times
     step_ms = 1000 * statistics.median(times) if times else float("nan")
     summary = {
-        "mode": cfg.mode, "delay": cfg.delay, "ranks": size, "model": cfg.model,
+        "mode": cfg.mode, "delay": cfg.delay, "delay_compensation": cfg.delay_compensation,
+        "ranks": size, "model": cfg.model,
         "dataset": dataset.name, "device": "gpu" if xp is not np else "cpu",
         "transport": getattr(strategy.transport, "name", None) if strategy.transport else None,
+        "gpu": strategy.placement.gpu, "transport_reason": strategy.placement.reason or None,
         "dtype": cfg.dtype, "batch_size": cfg.batch_size, "steps": step,
         "epochs": round(step / spe, 3), "test_accuracy": test_acc, "test_loss": test_loss,
         "train_loss": train_loss,
-        "images_per_sec": steps_run * cfg.batch_size / train_s if train_s > 0 else 0.0,
+        "images_per_sec": steps_run * cfg.batch_size / (train_s - eval_s) if train_s > eval_s else 0.0,
         "step_ms": step_ms, "time_s": time.perf_counter() - t_start, "train_s": train_s,
+        "eval_s": eval_s,
         "compute_s": mean[0], "comm_wait_s": mean[1], "update_s": mean[2], "data_s": mean[3],
         "comm_total_s": mean[4], "overlap": stats.overlap(),
         "bytes_sent": int(mean[5]), "bytes_recv": int(mean[6]),
@@ -331,6 +372,8 @@ def train(cfg=None, world=None, **overrides):
         "bytes_sent_max": int(busiest),
         "num_params": model.num_params,
     }
+    if cfg.eval_every:
+        summary["evals"] = evals
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
     _log(cfg, world, f"done: {step} steps ({step / spe:.2f} epochs), train loss {train_loss:.4f}, "
                      f"test loss {test_loss:.4f}, test accuracy {100 * test_acc:.2f}%, "
