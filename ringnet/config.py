@@ -212,8 +212,8 @@ def build_parser():
     g.add_argument("--delay-compensation", choices=list(COMPENSATIONS), default=None,
                    help=f"with --delay 1: lookahead (default) computes step t's gradient at "
                         f"w[t-1] + {_LA.c:g} (w[t-1] - w[t-2]) and runs momentum 1 - (1 - M)/{_LA.k:g} "
-                        f"at lr LR/{_LA.k:g} (the same long-run step LR/(1 - M)), which keeps the "
-                        f"delayed update stable and accurate; none: the plain recurrence, gradient "
+                        f"at lr LR/{_LA.k:g} (the same long-run step LR/(1 - M)), which widens the "
+                        f"delayed update's stable range; none: the plain recurrence, gradient "
                         f"at w[t-1], momentum M, lr LR (default lookahead at delay 1, none at delay 0)")
     g.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
                    help="how bytes move (default auto: nccl when every rank has its own GPU, "
