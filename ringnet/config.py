@@ -150,7 +150,7 @@ EXAMPLES = (
     "python -m ringnet.train",
     "mpirun -np 4 python -m ringnet.train --mode ring --delay 1",
     "python -m ringnet.train --model lenet --dataset synthetic --steps 50",
-    "python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 50",
+    "python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 150 --lr 0.01",
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset mnist --json",
 )
 
