@@ -2,6 +2,10 @@
 
 ``train(cfg, world)`` is the same run as a function (tests and benchmarks call it).
 """
+if __name__ == "__main__":     # the program, not a library import: pin BLAS threads before NumPy loads
+    from ringnet._threads import configure_blas_threads
+    configure_blas_threads()
+
 import collections
 import json
 import math
@@ -30,10 +34,6 @@ class TrainResult:
     @property
     def model(self):
         return self.strategy.eval_model()
-
-
-def _world():
-    return import_mpi().COMM_WORLD
 
 
 def _setup(cfg, world):
@@ -184,7 +184,7 @@ def train(cfg=None, world=None, **overrides):
     """Run one training job on ``world`` (default MPI.COMM_WORLD); return a TrainResult."""
     import dataclasses
     cfg = dataclasses.replace(cfg or TrainConfig(), **overrides)
-    world = world or _world()
+    world = world or import_mpi().COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
     asked_batch = cfg.batch_size

@@ -205,9 +205,9 @@ def test_unreachable_server_clear_message(tmp_path):
     assert not (out / "cifar10.h5").exists()
 
 
-def test_default_data_dir(monkeypatch, tmp_path):
+def test_download_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("RINGNET_DATA", str(tmp_path))
-    assert download.default_data_dir() == tmp_path
+    assert download.download_dir() == tmp_path
     monkeypatch.delenv("RINGNET_DATA")
     import ringnet
-    assert download.default_data_dir() == Path(ringnet.__file__).resolve().parent.parent / "datasets"
+    assert download.download_dir() == Path(ringnet.__file__).resolve().parent.parent / "datasets"

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from ringnet.errors import UsageError
 
-__all__ = ["Remote", "REMOTES", "Unreachable", "default_data_dir", "file_sha256", "fetch", "download"]
+__all__ = ["Remote", "REMOTES", "Unreachable", "download_dir", "file_sha256", "fetch", "download"]
 
 CHUNK = 1 << 20
 
@@ -57,13 +57,14 @@ class _Interrupted(Exception):
     """The transfer started but broke off; the .part file keeps what arrived."""
 
 
-def default_data_dir():
-    """Return ``$RINGNET_DATA`` if set, else the repository's ``datasets/`` folder."""
+def download_dir():
+    """Return where downloads and conversions go: ``$RINGNET_DATA`` if set, else
+    :func:`~ringnet.data.datasets.default_data_dir` (the ``datasets/`` folder)."""
     env = os.environ.get("RINGNET_DATA")
     if env:
         return Path(env)
-    from ringnet.data.datasets import default_data_dir as repo_data_dir
-    return repo_data_dir()
+    from ringnet.data.datasets import default_data_dir
+    return default_data_dir()
 
 
 def file_sha256(path):
@@ -173,7 +174,7 @@ def download(name, directory=None, mirror=None, keep_raw=False, force=False, att
         raise UsageError(f"unknown data set {name!r}: choose {', '.join(REMOTES)}")
     log = log or (lambda message: None)
     remote = REMOTES[name]
-    directory = Path(directory) if directory is not None else default_data_dir()
+    directory = Path(directory) if directory is not None else download_dir()
     out = directory / f"{name}.h5"
     if out.exists() and not force:
         log(f"{out} already exists (use --force to download and convert again)")
