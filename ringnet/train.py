@@ -36,6 +36,24 @@ class TrainResult:
         return self.strategy.eval_model()
 
 
+def _place(cfg, world, device):
+    """Bind the GPU and build the transport (parallel modes); return (Placement, transport).
+
+    ``device="cpu"`` touches no CUDA. Collective; a GPU that cannot run is a UsageError.
+    """
+    from ringnet import comm as ringcomm
+    try:
+        if cfg.mode != "single":
+            transport = ringcomm.make_transport(cfg.transport, world, device=device)
+            return transport.placement, transport
+        if device == "cpu":
+            return ringcomm.Placement("cpu"), None
+        device_id, bus_id, _ = ringcomm.bind_gpu(world)
+        return ringcomm.Placement("gpu", f"GPU {device_id} ({bus_id})"), None
+    except RuntimeError as exc:     # check_gpu: a CuPy that imports but cannot run
+        raise UsageError(str(exc)) from None
+
+
 def _setup(cfg, world):
     """Resolve the config, pick the device, open the data, build model and strategy."""
     dataset_given = cfg.dataset is not None
@@ -53,10 +71,9 @@ def _setup(cfg, world):
         except RuntimeError as exc:
             raise UsageError(str(exc)) from None
     xp = collective(world, pick_device)
-    if xp is not np:
-        from ringnet.comm import local_rank
-        backend.bind_device(local_rank(world)[0])
-
+    if cfg.device == "auto" and size > 1 and world.allreduce(int(xp is np)):
+        xp = np     # some rank has no usable GPU: every rank computes on the CPU
+    placement, transport = collective(world, _place, cfg, world, "cpu" if xp is np else "gpu")
     spec = MODELS[cfg.model]
 
     def open_data():
@@ -94,7 +111,8 @@ def _setup(cfg, world):
 
     strategy = collective(world, parallel.create, cfg.mode, model, make_optimizer,
                           world if cfg.mode != "single" else None,
-                          delay=cfg.delay, transport=cfg.transport)
+                          delay=cfg.delay, transport=transport)
+    strategy.placement = placement
     loader = ShardedLoader(dataset.train, cfg.batch_size, rank=rank, size=size, seed=cfg.seed,
                            shuffle=cfg.shuffle, xp=xp, dtype=cfg.dtype, mean=dataset.mean,
                            std=dataset.std, augment=cfg.augment)
@@ -225,7 +243,7 @@ def train(cfg=None, world=None, **overrides):
     steps_text = (f"steps {step} to {total_steps} ({total_steps - step} to run)" if step
                   else f"{total_steps} steps")
     _log(cfg, world, f"ringnet: {cfg.mode} (delay {cfg.delay}) on {size} rank(s), "
-                     f"{'GPU' if xp is not np else 'CPU'}, model {cfg.model} "
+                     f"{strategy.placement.describe()}, model {cfg.model} "
                      f"({model.num_params:,} parameters, {model.num_classes} outputs: one per class "
                      f"of the data), data {dataset.name} ({len(dataset.train)} train / "
                      f"{len(dataset.test)} test), {batch_text}, lr {cfg.lr:g}, {steps_text}")
@@ -309,6 +327,7 @@ def train(cfg=None, world=None, **overrides):
         "mode": cfg.mode, "delay": cfg.delay, "ranks": size, "model": cfg.model,
         "dataset": dataset.name, "device": "gpu" if xp is not np else "cpu",
         "transport": getattr(strategy.transport, "name", None) if strategy.transport else None,
+        "gpu": strategy.placement.gpu, "transport_reason": strategy.placement.reason or None,
         "dtype": cfg.dtype, "batch_size": cfg.batch_size, "steps": step,
         "epochs": round(step / spe, 3), "test_accuracy": test_acc, "test_loss": test_loss,
         "train_loss": train_loss,

@@ -135,7 +135,8 @@ def test_communicator_code_sends_what_the_model_counts(n):
         sent = []
         for rank in range(n):
             transport = _recording_transport(rank, n)
-            run(classes[mode](transport), np.zeros(p, np.float32))
+            with np.errstate(all="ignore"):     # receives leave scratch unwritten: adds garbage
+                run(classes[mode](transport), np.zeros(p, np.float32))
             sent.append(transport.bytes_sent)
         assert sent == pm.traffic(model, mode, n, 64), mode
 

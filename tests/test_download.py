@@ -16,7 +16,6 @@ import pytest
 
 from ringnet import datasets
 from ringnet.data import download
-from ringnet.errors import UsageError
 
 from test_datasets_cli import cifar_batches, expected_cifar, make_mnist, read_h5, run_cli, write_cifar
 
@@ -182,7 +181,7 @@ def test_next_mirror_after_404(tmp_path, server):
     download.fetch([server.url + "missing/nothing.bin", server.url + "blob.bin"], dest, sha256(data),
                    progress=False)
     assert dest.read_bytes() == data
-    with pytest.raises(UsageError, match=r"cannot reach .*nothing\.bin \(HTTP 404"):
+    with pytest.raises(download.Unreachable, match=r"cannot reach .*nothing\.bin \(HTTP 404"):
         download.fetch([server.url + "nothing.bin"], tmp_path / "x", sha256(data), progress=False)
 
 

@@ -125,8 +125,14 @@ def main(argv=None):
     """Entry point of ``python -m ringnet.data`` (alias ``python -m ringnet.datasets``)."""
     args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "download":
-        _download.download(args.name, args.dir, mirror=args.mirror, keep_raw=args.keep_raw,
-                           force=args.force, timeout=args.timeout, log=print)
+        try:
+            _download.download(args.name, args.dir, mirror=args.mirror, keep_raw=args.keep_raw,
+                               force=args.force, timeout=args.timeout, log=print)
+        except _download.Unreachable as exc:
+            if exc.source is None:
+                raise
+            raise UsageError(f"{exc}; download it elsewhere and run `python -m ringnet.datasets "
+                             f"convert {args.name} {exc.source} --out {exc.out}`") from None
     elif args.command == "convert":
         default_name = args.name if args.format == "imagefolder" and args.name else (
             os.path.basename(os.path.abspath(args.src)) if args.format == "imagefolder" else args.format)

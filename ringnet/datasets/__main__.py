@@ -2,4 +2,5 @@
 from ringnet.data.__main__ import main
 from ringnet.errors import run_main
 
-run_main(main)
+if __name__ == "__main__":
+    run_main(main)

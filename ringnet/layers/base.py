@@ -17,24 +17,28 @@ class Layer:
 
     needs_dx = True
 
-    def param_specs(self, in_shape):
-        """Return [(suffix, shape, init spec)] for a per-sample input shape."""
+    def param_specs(self, in_shape: tuple) -> list:
+        """Return [(suffix, shape, init spec)] of the parameters for a per-sample input shape
+        (e.g. ``[("weight", (out, in), ("he",)), ("bias", (out,), ("constant", 0.0))]``)."""
         return []
 
-    def bind(self, params, grads):
+    def bind(self, params: dict, grads: dict) -> None:
         """Point the layer at parameter and gradient views (dicts suffix -> array)."""
         self.params, self.grads = params, grads
 
-    def output_shape(self, in_shape):
-        """Return the per-sample output shape for a per-sample input shape."""
+    def output_shape(self, in_shape: tuple) -> tuple:
+        """Return the per-sample output shape for a per-sample input shape (raise ValueError
+        when the input does not fit the layer)."""
         return tuple(in_shape)
 
-    def forward(self, x, train=True):
-        """Return the output for ``x``; with ``train``, keep what backward needs."""
+    def forward(self, x, train: bool = True):
+        """Return the output for the batch ``x`` (batch first); with ``train``, keep what
+        ``backward`` needs."""
         raise NotImplementedError
 
     def backward(self, dy):
-        """Return dx for the output gradient ``dy``; overwrite this layer's gradient views."""
+        """Return dx for the output gradient ``dy`` (None when ``needs_dx`` is False);
+        overwrite this layer's gradient views. Needs a ``forward(train=True)`` first."""
         raise NotImplementedError
 
     def __repr__(self):
