@@ -56,7 +56,8 @@ def _markdown_commands(text):
     found = []
     for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
         if lang != "python":
-            found += [_clean(l) for l in body.splitlines()]
+            found += [" ".join(_clean(l).split())
+                      for l in re.sub(r"\\\s*\n\s*", " ", body).splitlines()]
     found += [_clean(l) for l in re.findall(r"^    (\S.*)$", text, re.M)]
     found += [_clean(s) for s in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))]
     return [c for c in found if c.startswith(PREFIXES) and "[--" not in c]
@@ -290,7 +291,6 @@ COMMANDS = {
     "pip install mpich": INSTALL,
     "pip install --no-binary=mpi4py mpi4py": INSTALL,
     "pip install -e .": INSTALL,
-    'pip install -e ".[gpu]"': INSTALL,
     'pip install -e ".[images]"': INSTALL,
     'pip install -e ".[bench]"': INSTALL,
     "python -m ringnet.train --model lenet --dataset synthetic --steps 50": learns_synthetic,
@@ -319,6 +319,14 @@ COMMANDS = {
     "python -m ringnet.train": "tests/test_train.py::test_default_run_reaches_95_percent_and_reports_json",
     "python -m ringnet.bench …": "a template; the bench commands run above",
     "python -m ringnet.datasets …": "a template; the datasets commands run above",
+    'pip install -e ".[gpu-cuda12]"': INSTALL,
+    'pip install -e ".[gpu-cuda13]"': INSTALL,
+    "python -m ringnet.bench model": "tests/test_bench_model.py::test_cli_json_has_the_documented_shape",
+    "python -m ringnet.bench model --compute h100 --profile pcie5/ib-hdr --profile nvlink4/ib-hdr "
+    "--plot docs/bench-model.png": "tests/test_bench_model.py::test_cli_plot_writes_a_png",
+    "python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 2 "
+    "--validate-steps 20 --validation v.json":
+        "takes about 20 minutes; its model parts are tests/test_bench_model.py's",
     # datasets/README.md
     "python datasets/make_digits.py": "tests/test_data.py::test_digits_equal_sklearn",
     "python -m ringnet.datasets convert mnist SRC_DIR --out F.h5":
