@@ -274,6 +274,17 @@ def test_link_fit_recovers_alpha_beta():
     assert fit_beta == pytest.approx(beta, rel=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["tree", "master"])
+def test_rooted_link_fit_recovers_alpha_beta(mode):
+    n, link = 4, pm.Link("true", 2e-3, 3e8)
+    system = pm.System("true", link, link, 1 << 30, pm._ZERO_COMPUTE)
+    timing = pm._tree_time if mode == "tree" else pm._master_time
+    times = [(s, sum(timing(system, n, s, s // 4))) for s in (4096, 65536, 1 << 20)]
+    alpha, beta = pm._fit_rooted(mode, n, times, 0.0)
+    assert alpha == pytest.approx(2e-3, rel=1e-6)
+    assert beta == pytest.approx(3e8, rel=1e-6)
+
+
 def test_roofline_flops_of_lenet_conv1():
     lenet = build_model("lenet")
     (_, conv1), (_, in_shape, out_shape) = lenet.layers[0], lenet.shapes[0]

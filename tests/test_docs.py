@@ -281,6 +281,8 @@ def local_launcher(command, tmp_path):
 
 INSTALL = "installs packages; .ci/run installs the same extras on every CI run"
 SUITE = "runs the test suite; CI runs it (bash .ci/run)"
+FASHION = ("needs Fashion-MNIST (Debian's dataset-fashion-mnist), which CI does not install; "
+           "the bench commands have their own tests on small data")
 COMMANDS = {
     # README.md
     'pip install -e ".[mpich]" && mpirun -np 4 python -m ringnet.train': quick_start,
@@ -327,6 +329,15 @@ COMMANDS = {
     "python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 2 "
     "--validate-steps 20 --validation v.json":
         "takes about 20 minutes; its model parts are tests/test_bench_model.py's",
+    "python -m ringnet.datasets convert mnist /usr/share/datasets/fashion-mnist --name fashion-mnist":
+        FASHION,
+    "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3":
+        FASHION,
+    "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
+    "--to-accuracy 0.84 --epochs 1 --eval-every 117": FASHION,
+    "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2": FASHION,
+    "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 1 --np 2 "
+    "--eval-every 234": FASHION,
     # datasets/README.md
     "python datasets/make_digits.py": "tests/test_data.py::test_digits_equal_sklearn",
     "python -m ringnet.datasets convert mnist SRC_DIR --out F.h5":
@@ -367,12 +378,9 @@ def test_named_tests_exist():
             assert f"def {name}(" in (ROOT / path).read_text(), (command, check)
 
 
-# Known: LeNet in ring delay 1 at lr 0.01 and momentum 0.9 diverges at step ~33 where delay 0
-# and single reach 96%. When delay 1 is made stable this xfail turns into a failure (strict):
-# then delete it.
-KNOWN = {"mpirun -np 2 python -m ringnet.train --model lenet --dataset mnist --json":
-         pytest.mark.xfail(raises=Diverged, strict=True,
-                           reason="ring delay 1 diverges on LeNet at the default lr")}
+# Commands known to fail, as {command: pytest.mark.xfail(raises=..., strict=True)}: none now
+# (LeNet in ring delay 1 diverged at the default lr until delay compensation).
+KNOWN = {}
 RUNNABLE = [pytest.param(c, marks=KNOWN.get(c, ()))
             for c, check in sorted(COMMANDS.items()) if callable(check)]
 

@@ -180,6 +180,9 @@ class ComputeProfile:
                            for m in self.layers}}
 
 
+_ZERO_COMPUTE = ComputeProfile("zero", "cpu", {}, {}, 0.0, 0.0, 0.0, 0.0, "no compute (link fits)")
+
+
 def compute_from_json(data, source=""):
     """Return the ComputeProfile a ``to_json()`` dict describes (times: [fixed ms, ms per sample])."""
     layers, overhead = {}, {}
@@ -346,6 +349,7 @@ class System:
     cores: float = None
     steal: float = 0.0
     rate: float = 1.0
+    rooted: dict = None              # local: mode -> Link calibrated on that communicator
     calibrated: dict = None
 
     def hop(self, a, b):
@@ -360,7 +364,9 @@ class System:
         near = min(self.calibrated, key=lambda k: (abs(math.log2(k) - math.log2(max(n, 1))), k))
         c = self.calibrated[near]
         link = Link(f"local@{near}", c["alpha_s"], c["beta_Bps"], "calibrated here")
-        return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"],
+        rooted = {mode: Link(f"local-{mode}@{near}", v["alpha_s"], v["beta_Bps"], "calibrated here")
+                  for mode, v in c.get("rooted", {}).items()}
+        return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
                                    cores=near / max(c["slowdown"], 1e-9), steal=c["steal"])
 
     def contention(self, n):
@@ -544,6 +550,9 @@ def _exchange_s(system, model, mode, n):
     if mode == "ring":
         bounds = _shard_bounds(p, n)
         return _ring_time(system, bounds, itemsize, "rs") + _ring_time(system, bounds, itemsize, "ag")
+    if system.rooted and mode in system.rooted:     # local: the link fitted on this communicator
+        link = system.rooted[mode]
+        system = dataclasses.replace(system, intra=link, inter=link)
     if mode == "tree":
         return sum(_tree_time(system, n, p * itemsize, p))
     return sum(_master_time(system, n, p * itemsize, p))
@@ -714,10 +723,13 @@ def _calibrate_worker(iters):
     duration and the work unit's time while it ran.
     """
     from mpi4py import MPI
-    from ringnet.comm import MpiTransport, RingCommunicator
+    from ringnet.comm import (MasterSlaveCommunicator, MpiTransport, RingCommunicator,
+                              TreeCommunicator)
     world = MPI.COMM_WORLD
     rank, n = world.Get_rank(), world.Get_size()
-    ring = RingCommunicator(MpiTransport(world))
+    transport = MpiTransport(world)
+    ring = RingCommunicator(transport)
+    rooted = {"tree": TreeCommunicator(transport), "master": MasterSlaveCommunicator(transport)}
     model = build_model("lenet", seed=rank)
     rng = np.random.default_rng(rank)
     x = rng.normal(size=(16,) + model.input_shape).astype(model.dtype)
@@ -755,6 +767,20 @@ def _calibrate_worker(iters):
             ring.allgather(buf)
             samples.append(slowest(time.perf_counter() - t0))
         blocking[size] = float(np.median(samples))
+    # the tree's and master's reduce + broadcast: their messages are fewer and larger
+    by_mode = {}
+    for mode, comm in rooted.items():
+        by_mode[mode] = {}
+        for size in CALIBRATION_SIZES:
+            buf = np.ones(size // 4, np.float32)
+            samples = []
+            for _ in range(iters):
+                idle_barrier()
+                t0 = time.perf_counter()
+                comm.reduce(buf, root=0)
+                comm.bcast(buf, root=0)
+                samples.append(slowest(time.perf_counter() - t0))
+            by_mode[mode][size] = float(np.median(samples))
     stream = ring.new_stream()
     streamed = {}
     for size in STREAM_SIZES:
@@ -781,7 +807,8 @@ def _calibrate_worker(iters):
     if rank == 0:
         print(json.dumps({"np": n, "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
-                          "blocking": blocking, "streamed": streamed}), flush=True)
+                          "blocking": blocking, "streamed": streamed,
+                          "rooted": by_mode}), flush=True)
     return 0
 
 
@@ -820,6 +847,25 @@ def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300):
     return {"by_np": by_np}
 
 
+def _fit_rooted(mode, n, sizes_s, add_s_per_elem):
+    """Fit (alpha, beta) of tree or master reduce+broadcast times with the model's own formulas."""
+    timing = _tree_time if mode == "tree" else _master_time
+
+    def coefficient(alpha, beta, size):
+        link = Link("fit", alpha, beta)
+        system = System("fit", link, link, 1 << 30, _ZERO_COMPUTE)
+        return sum(timing(system, n, size, size // 4))
+    rows, rhs = [], []
+    for size, seconds in sizes_s:
+        a = coefficient(1.0, 1e30, size)                  # messages on the critical path
+        b = coefficient(0.0, 1.0, size)                   # bytes on the critical path
+        adds = (n - 1) * add_s_per_elem * size / 4
+        rows.append([a, b])
+        rhs.append(max(seconds - adds, 0.0))
+    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    return max(float(alpha), 0.0), 1.0 / max(float(inv_beta), 1e-12)
+
+
 def _calibration_record(n, raw, add_s_per_elem):
     """Turn one worker's timings into link, contention, and the stream's rate and steal."""
     blocking = sorted((int(k), v) for k, v in raw["blocking"].items())
@@ -834,7 +880,12 @@ def _calibration_record(n, raw, add_s_per_elem):
         tail = max(0.0, span - work)            # ran after the compute, at blocking speed
         rates.append(min(1.0, max(1e-3, (alone - min(tail, alone)) / overlap)))
         steals.append(min(0.9, max(0.0, (work - together) / overlap)))
-    return {"alpha_s": alpha, "beta_Bps": beta, "slowdown": together / raw["solo_s"],
+    rooted = {mode: dict(zip(("alpha_s", "beta_Bps"),
+                             _fit_rooted(mode, n, sorted((int(k), v) for k, v in sizes.items()),
+                                         add_s_per_elem)))
+              for mode, sizes in raw.get("rooted", {}).items() if n > 1}
+    return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted,
+            "slowdown": together / raw["solo_s"],
             "rate": float(np.mean(rates)) if rates else 1.0,
             "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
 
