@@ -352,7 +352,17 @@ COMMANDS = {
     "mpirun -np 4 python -m ringnet.train --mode ring --delay 1": same_run_as_quick_start,
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset mnist --json": lenet_on_mnist,
     # hpc/ and launch/
-    'srun --mpi=pmix python -m ringnet.train "$@"': "needs SLURM (srun)",
+    'python -m ringnet.launch -n "$SLURM_NTASKS" ${LAUNCH[@]+"${LAUNCH[@]}"} --launcher '
+    '"srun --mpi=pmix" -- "$@"': "needs SLURM (srun)",
+    "srun --ntasks N": "a template; needs SLURM",
+    "launch/local.sh": "a template; launch/local.sh's own example runs below",
+    "python -m ringnet.launch": "a template; the launcher's example is run by the elastic tests",
+    "python -m ringnet.launch -n 4 --shrink -- --mode ring --steps 200 --save ck.h5 --save-every 20":
+        "kills a rank on purpose; run by the elastic tests (tests/test_elastic*.py)",
+    "launch/local.sh -n 4 --shrink -- --save ck.h5 --save-every 100":
+        "the same launcher flags as the ringnet.launch example, which the elastic tests run",
+    "python -m ringnet.bench elastic --np 4 --model cifar10_quick --dataset synthetic --steps 40 "
+    "--every 10": "kills ranks on purpose; bench elastic has its own tests",
     'python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc '
     '--model cifar10_quick --dataset synthetic --device auto --csv "scaling-${SLURM_JOB_ID}.csv" '
     '"$@"': bench_scaling,
