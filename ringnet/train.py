@@ -32,7 +32,10 @@ class TrainResult:
 
 
 def _world():
-    return import_mpi().COMM_WORLD
+    from ringnet.slurm import check_world_size
+    world = import_mpi().COMM_WORLD
+    check_world_size(world.Get_size())
+    return world
 
 
 def _setup(cfg, world):
