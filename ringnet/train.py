@@ -14,6 +14,7 @@ import numpy as np
 from ringnet import backend
 from ringnet.config import TrainConfig, config_from_args
 from ringnet.errors import TrainingError, UsageError, collective, import_mpi, run_main
+from ringnet.progress import Progress, progress_interval
 
 __all__ = ["train", "main", "TrainResult"]
 
@@ -170,10 +171,9 @@ def train(cfg=None, world=None, **overrides):
                      f"global batch {cfg.batch_size}, {total_steps} steps")
 
     bar = None
+    interval = collective(world, progress_interval)
     if rank == 0 and cfg.progress and not cfg.quiet:
-        from tqdm import tqdm
-        bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True,
-                   disable=not _interactive(), leave=False, file=sys.stderr)
+        bar = Progress(total_steps, step, cfg.batch_size, spe, _interactive(), interval)
 
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
     first_step = step
@@ -192,8 +192,7 @@ def train(cfg=None, world=None, **overrides):
                 recent.append(loss)
                 step += 1
                 if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", refresh=False)
+                    bar.update(step, loss)
                 if cfg.check_every and step % cfg.check_every == 0:
                     strategy.drain()
                     check_replicas(strategy, world, step)

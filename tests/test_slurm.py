@@ -4,6 +4,7 @@ The cluster is the single node that ``hpc/cluster.sh start`` brings up (CI does 
 without it the tests that need SLURM are skipped. The reference for every multi-rank
 run is the same run under plain ``mpirun`` outside SLURM: identical loss.
 """
+import io
 import json
 import os
 import re
@@ -98,6 +99,7 @@ def test_train_sbatch(tmp_path, reference):
     rc, out, _ = sbatch("train.sbatch", tmp_path, *TRAIN[3:])
     assert rc == 0, out[-3000:]
     assert "ring (delay 1) on 2 rank(s)" in out
+    assert re.search(r"^step 4/4  epoch 0\.18  loss \d", out, re.M), out  # progress without a tty
     summary = summary_of(out)
     assert summary["ranks"] == 2 and summary["steps"] == 4
     assert summary["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)
@@ -175,3 +177,52 @@ def test_world_size_check():
     check_world_size(1, {"SLURM_STEP_NUM_TASKS": "1"})   # one task
     check_world_size(1, {"SLURM_NTASKS": "4"})           # python in a batch script, no srun
     check_world_size(1, {})
+
+
+# Progress in a job log: no terminal, so plain lines instead of a bar.
+
+def test_progress_lines_with_a_clock():
+    from ringnet.progress import Progress
+    now = [0.0]
+    out = io.StringIO()
+    p = Progress(total=20, initial=0, batch_size=8, steps_per_epoch=7, interactive=False,
+                 interval=10, file=out, clock=lambda: now[0])
+    for step in range(1, 21):
+        now[0] += 3.0                          # 3 s per step
+        p.update(step, loss=float(step))
+    lines = out.getvalue().splitlines()
+    # at each epoch end (7, 14), at the last step, and when 10 s passed since the last line
+    steps = [int(l.split()[1].split("/")[0]) for l in lines]
+    assert steps == [4, 7, 11, 14, 18, 20], lines
+    assert lines[0] == "step 4/20  epoch 0.57  loss 2.5000  3 images/s  ETA 0:00:48"
+    # step 7: losses 5..7, 3 steps * 8 images / 9 s; 3 s/step * 13 steps left
+    assert lines[1] == "step 7/20  epoch 1.00  loss 6.0000  3 images/s  ETA 0:00:39"
+    assert lines[-1].endswith("ETA 0:00:00")
+
+
+def _train_without_terminal(*args, **env):
+    # A new session has no controlling terminal, like a batch job.
+    return subprocess.run([sys.executable, "-m", "ringnet.train", *args], capture_output=True,
+                          text=True, timeout=300, start_new_session=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1",
+                                   **env))
+
+
+def test_progress_without_a_terminal_prints_a_line_per_epoch():
+    proc = _train_without_terminal("--steps", "50", "--no-eval")    # 22 steps per epoch
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("step ")]
+    assert [l.split()[1] for l in lines] == ["22/50", "44/50", "50/50"], proc.stderr
+    assert [l.split()[3] for l in lines] == ["1.00", "2.00", "2.27"]
+    assert all(re.search(r"loss \d+\.\d{4}  \d+ images/s  ETA \d:\d\d:\d\d$", l) for l in lines)
+    assert "\r" not in proc.stderr                 # no bar redrawn into the log
+
+
+def test_progress_interval_from_the_environment():
+    proc = _train_without_terminal("--steps", "5", "--no-eval", RINGNET_PROGRESS_SECONDS="0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len([l for l in proc.stderr.splitlines() if l.startswith("step ")]) == 5
+    proc = _train_without_terminal("--steps", "5", RINGNET_PROGRESS_SECONDS="soon")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("ringnet: error: RINGNET_PROGRESS_SECONDS='soon' is not a "
+                                   "number of seconds >= 0")
