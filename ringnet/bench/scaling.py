@@ -42,6 +42,8 @@ def _parser():
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
                    help="launcher (default $MPIRUN or mpirun)")
     p.add_argument("--csv", default=None, metavar="PATH", help="also write the table as CSV")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="also draw speedup and efficiency against N (.png; needs matplotlib)")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} instead of the table')
     p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
     return p
@@ -70,6 +72,9 @@ def run_config(args, mode, delay, nranks):
 
 def main(argv=None):
     args = _parser().parse_args(argv)
+    if args.plot:
+        from ringnet.bench.plot import check_writable
+        check_writable(args.plot)
     if shutil.which(args.mpirun) is None:
         raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
     modes = [m for m in args.modes.split(",") if m]
@@ -114,6 +119,10 @@ def main(argv=None):
             "bytes_per_step": int(med("bytes_per_step")),
             "fc_params_per_rank": results[0].get("fc_params_per_rank"),
         })
+    if args.plot:
+        from ringnet.bench.plot import plot_scaling
+        plot_scaling(rows, args.plot, title=f"{args.model}, global batch {args.batch_size}, "
+                                            f"{args.device}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
