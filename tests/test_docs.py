@@ -27,3 +27,38 @@ def test_every_environment_variable_is_in_the_table():
     assert len(code) >= 6
     assert not code - docs, f"read by the code but not in docs/environment.md: {sorted(code - docs)}"
     assert not docs - code, f"in docs/environment.md but read nowhere: {sorted(docs - code)}"
+
+
+def code_blocks(doc):
+    """Return [(language, code)] of the fenced blocks of ``docs/<doc>``, in order."""
+    with open(os.path.join(ROOT, "docs", doc), encoding="utf-8") as f:
+        return re.findall(r"^```(\w+)\n(.*?)^```", f.read(), re.M | re.S)
+
+
+def run_doc(doc, tmp_path, monkeypatch):
+    """Run every block of a page in order: shell blocks in ``tmp_path``, Python in one namespace."""
+    import subprocess
+    import sys
+    monkeypatch.chdir(tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+    namespace = {"__name__": "__doc__"}
+    blocks = code_blocks(doc)
+    assert blocks
+    for language, code in blocks:
+        if language == "bash":
+            proc = subprocess.run(code, shell=True, capture_output=True, text=True, env=env,
+                                  timeout=600)
+            assert proc.returncode == 0, f"{code}\n{proc.stderr[-3000:]}"
+        elif language == "python":
+            exec(compile(code, f"docs/{doc}", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+def test_pytorch_page_runs(tmp_path, monkeypatch):
+    import pytest
+    pytest.importorskip("torch")
+    ns = run_doc("pytorch.md", tmp_path, monkeypatch)
+    assert ns["torch_accuracy"] >= 0.9             # five epochs of digits
+    assert (tmp_path / "from-torch.h5").exists()
