@@ -4,11 +4,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from ringnet.errors import UsageError
+from ringnet.parallel import MODES
 
 __all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "build_parser", "config_from_args"]
-
-MODES = ("single", "ring", "tree", "master", "split-fc")
-DEFAULT_DELAY = {"single": 0, "ring": 1, "tree": 0, "master": 0, "split-fc": 0}
 
 # Per-model defaults (learning rate, epochs) for runs that do not set them.
 MODEL_DEFAULTS = {
@@ -65,15 +63,17 @@ class TrainConfig:
             cfg.mode = "ring" if world_size > 1 else "single"
         if cfg.mode not in MODES:
             raise UsageError(f"unknown mode {cfg.mode!r}; choose one of {', '.join(MODES)}")
-        if cfg.mode == "single" and world_size > 1:
-            raise UsageError(f"--mode single runs on one process, but {world_size} ranks were "
-                             "started; use --mode ring|tree|master|split-fc or run without mpirun")
+        if MODES[cfg.mode].communicator is None and world_size > 1:
+            parallel = "|".join(m.name for m in MODES.values() if m.communicator)
+            raise UsageError(f"--mode {cfg.mode} runs on one process, but {world_size} ranks were "
+                             f"started; use --mode {parallel} or run without mpirun")
         if cfg.delay is None:
-            cfg.delay = DEFAULT_DELAY[cfg.mode]
+            cfg.delay = MODES[cfg.mode].default_delay
         if cfg.delay not in (0, 1):
             raise UsageError(f"--delay must be 0 or 1, got {cfg.delay}")
-        if cfg.mode == "single" and cfg.delay != 0:
-            raise UsageError("--delay 1 needs a parallel mode (ring, tree, master or split-fc)")
+        if MODES[cfg.mode].communicator is None and cfg.delay != 0:
+            parallel = ", ".join(m.name for m in MODES.values() if m.communicator)
+            raise UsageError(f"--delay 1 needs a parallel mode ({parallel})")
         if cfg.lr is None:
             cfg.lr = defaults["lr"]
         if cfg.epochs is None and cfg.steps is None:
@@ -151,10 +151,10 @@ def build_parser():
     g.add_argument("--augment", action="store_true",
                    help="random crop (pad 4) and horizontal flip, seeded (for CIFAR-like data)")
     g = p.add_argument_group("parallel structure")
-    g.add_argument("--mode", choices=MODES, default=None,
-                   help="single (one process), ring (circle structure, default under mpirun), tree "
-                        "(reduction tree), master (synchronous master-slave), split-fc (conv "
-                        "data-parallel, FC model-parallel)")
+    g.add_argument("--mode", choices=list(MODES), default=None,
+                   help="; ".join(f"{m.name}: {m.per_step.replace('`', '')} (default delay "
+                                  f"{m.default_delay})" for m in MODES.values())
+                        + ". Default: ring under mpirun, else single")
     g.add_argument("--delay", type=int, choices=(0, 1), default=None,
                    help="1: delayed model update, step t computes on the weights of step t-1 while "
                         "the exchange of step t-1 runs (default for ring); 0: synchronous")

@@ -1,46 +1,69 @@
-"""Training strategies: how one optimizer step uses the ranks.
+"""Training strategies: how one optimizer step uses the ranks, and the table of modes.
 
-=========  ======================================================  ===========  =============
-mode       what happens per step                                   update work  default delay
-=========  ======================================================  ===========  =============
-single     one process, whole batch                                whole model  0
-ring       ring reduce-scatter, own-shard update, ring all-gather  1/N per rank 1
-tree       binary-tree reduce to rank 0, root update, tree bcast   rank 0       0
-master     workers -> rank 0 point-to-point, root update, answers  rank 0       0
-split-fc   conv data-parallel (ring), FC model-parallel            1/N per rank 0
-=========  ======================================================  ===========  =============
+:data:`MODES` is the one list of training modes: the configuration checks ``--mode``
+and picks the default delay from it, ``--help`` describes the modes from it, and the
+README's mode table is tested against it.
 """
+from dataclasses import dataclass
+from typing import Optional
+
 from ringnet.errors import UsageError
+from ringnet.parallel.base import Strategy
+from ringnet.parallel.master import MasterStrategy
+from ringnet.parallel.ring import RingStrategy
+from ringnet.parallel.single import SingleStrategy
+from ringnet.parallel.split_fc import SplitFCStrategy
+from ringnet.parallel.tree import TreeStrategy
 
-__all__ = ["create", "STRATEGIES"]
-
-STRATEGIES = {
-    "single": "ringnet.parallel.single:SingleStrategy",
-    "ring": "ringnet.parallel.ring:RingStrategy",
-    "tree": "ringnet.parallel.tree:TreeStrategy",
-    "master": "ringnet.parallel.master:MasterStrategy",
-    "split-fc": "ringnet.parallel.split_fc:SplitFCStrategy",
-}
-
-_COMMUNICATOR = {"ring": "ring", "tree": "tree", "master": "master", "split-fc": "ring"}
+__all__ = ["Mode", "MODES", "create", "mode_table"]
 
 
-def _load(path):
-    import importlib
-    module, cls = path.split(":")
-    return getattr(importlib.import_module(module), cls)
+@dataclass(frozen=True)
+class Mode:
+    """One training mode: its strategy, the communicator it uses, its defaults and its description."""
+    name: str
+    strategy: type
+    communicator: Optional[str]     # a key of ringnet.comm.COMMUNICATORS; None: no communication
+    default_delay: int
+    per_step: str                   # what happens in one step (README table, --help)
+    update_work: str                # which ranks run the optimizer and on how much
 
 
-def create(mode, model, make_optimizer, world, delay=0, transport="auto"):
-    """Return the strategy for ``mode`` on ``world`` (an mpi4py communicator or None)."""
-    if mode not in STRATEGIES:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(STRATEGIES)}")
-    cls = _load(STRATEGIES[mode])
-    if mode == "single":
-        return cls(model, make_optimizer, world, delay=delay)
-    from ringnet import comm as ringcomm
+MODES = {mode.name: mode for mode in (
+    Mode("single", SingleStrategy, None, 0,
+         "one process, whole batch", "whole model"),
+    Mode("ring", RingStrategy, "ring", 1,
+         "ring reduce-scatter of gradients, each rank updates its 1/N shard, ring all-gather",
+         "1/N per rank"),
+    Mode("tree", TreeStrategy, "tree", 0,
+         "binary-tree reduce to rank 0, rank 0 updates, tree broadcast", "rank 0"),
+    Mode("master", MasterStrategy, "master", 0,
+         "workers send gradients to rank 0, it updates and answers each", "rank 0"),
+    Mode("split-fc", SplitFCStrategy, "ring", 0,
+         "conv layers as `ring`; FC layers split by output neurons; activations gathered",
+         "1/N per rank"),
+)}
+
+
+def mode_table():
+    """Return the README's Markdown table of the modes (the README is tested against it)."""
+    rows = ["| mode | per step | update work | default delay |", "|---|---|---|---|"]
+    rows += [f"| `{m.name}` | {m.per_step} | {m.update_work} | {m.default_delay} |"
+             for m in MODES.values()]
+    return "\n".join(rows)
+
+
+def create(mode: str, model, make_optimizer, world, delay: int = 0,
+           transport: str = "auto") -> Strategy:
+    """Return the strategy of ``mode`` on ``world`` (an mpi4py communicator, or None for single)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    spec = MODES[mode]
+    if spec.communicator is None:
+        return spec.strategy(model, make_optimizer, world, delay=delay)
+    from ringnet import comm as ringcomm    # late: loading mpi4py initialises MPI
     try:
-        communicator = ringcomm.create(_COMMUNICATOR[mode], transport=transport, mpi_comm=world)
+        communicator = ringcomm.create(spec.communicator, transport=transport, mpi_comm=world)
     except (RuntimeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    return cls(model, make_optimizer, world, communicator, delay=delay)
+    return spec.strategy(model, make_optimizer, world, communicator, delay=delay)

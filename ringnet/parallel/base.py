@@ -1,51 +1,23 @@
-"""What every training strategy shares: step statistics and the data-parallel exchange.
+"""What every training strategy shares, and the data-parallel strategy.
 
 A strategy owns how one optimizer step uses the ranks. The data-parallel ones
-(single, ring, tree, master) differ only in three things, which subclasses supply:
-
-* ``_reduce(grads)``       combine the ranks' mean gradients (in place),
-* ``owned``                the slice of the flat parameter vector this rank updates,
-* ``_distribute(params)``  give every rank the updated weights (in place).
-
-Delay 0 runs reduce → update → distribute synchronously. Delay 1 (the circle
-structure's delayed model update) runs the exchange of step t on the communication
-stream while step t+1 computes on the weights complete at its start:
-``g_t = G_t(w[t-1])`` (``g_0 = G_0(w[0])``) and ``w[t+1] = upd(w[t], g_t)``, with two
-weight buffers and two gradient buffers that alternate (double buffering).
+(single, ring, tree, master) keep the whole model on every rank and differ only in
+the exchange *plan* (``ringnet.parallel.exchange``): who combines the gradients, who
+updates which slice, how the weights come back. Their step is: forward and backward
+on this rank's samples, then :class:`~ringnet.parallel.exchange.DelayedUpdate` runs
+the exchange (delay 0: blocking; delay 1: on the communication stream, the delayed
+model update of DESIGN.md).
 """
-import time
 import zlib
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from ringnet.backend import to_numpy
+from ringnet.layers import Dropout
+from ringnet.parallel.exchange import DelayedUpdate, LocalPlan, synchronize
+from ringnet.stats import StepStats
 
-__all__ = ["StepStats", "Strategy", "DataParallelStrategy"]
-
-
-@dataclass
-class StepStats:
-    """Per-rank time and traffic totals; ``as_dict`` gives the --json fields."""
-    steps: int = 0
-    compute_s: float = 0.0
-    comm_wait_s: float = 0.0    # time the training thread was blocked on communication
-    comm_total_s: float = 0.0   # time communication took, hidden or not
-    update_s: float = 0.0
-    data_s: float = 0.0
-    step_times: list = field(default_factory=list)
-
-    def overlap(self):
-        """Return the fraction of communication time hidden behind computation."""
-        if self.comm_total_s <= 0:
-            return 0.0
-        hidden = self.comm_total_s - self.comm_wait_s
-        return float(min(1.0, max(0.0, hidden / self.comm_total_s)))
-
-
-def _synchronize(xp):
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
+__all__ = ["Strategy", "DataParallelStrategy", "StepStats"]
 
 
 class Strategy:
@@ -62,7 +34,6 @@ class Strategy:
         self.make_optimizer = make_optimizer
         self.stats = StepStats()
         self.transport = None
-        self.pending = None     # Handle of the exchange in flight (delay 1)
 
     # -- contract -----------------------------------------------------------
     def step(self, x, labels, it):
@@ -71,7 +42,6 @@ class Strategy:
 
     def drain(self):
         """Wait for any exchange still in flight; afterwards the newest weights are complete."""
-        self._wait_pending()
 
     def eval_model(self):
         """Return a full model holding the newest complete weights (call after drain)."""
@@ -89,14 +59,6 @@ class Strategy:
         """Release streams and communicators."""
 
     # -- shared -------------------------------------------------------------
-    def _wait_pending(self):
-        """Block on the exchange in flight (if any), counting the time as exposed communication."""
-        if self.pending is not None:
-            t = time.perf_counter()
-            pending, self.pending = self.pending, None
-            pending.wait()
-            self.stats.comm_wait_s += time.perf_counter() - t
-
     def _named(self, flat):
         flat = to_numpy(flat)
         return {name: flat[start:stop].reshape(shape).copy()
@@ -141,125 +103,63 @@ class Strategy:
 
 
 class DataParallelStrategy(Strategy):
-    """Every rank holds the whole model; gradients are combined, weights redistributed."""
+    """Every rank holds the whole model; the plan combines gradients and redistributes weights."""
 
     def __init__(self, model, make_optimizer, world, comm=None, delay=0):
         super().__init__(model, make_optimizer, world, delay)
         self.comm = comm
         self.transport = comm.transport if comm is not None else None
-        from ringnet.layers import Dropout
         for _, layer in model.layers:
             if isinstance(layer, Dropout):      # this rank's rows of the global-batch mask
                 layer.batch_part = (self.rank, self.size)
-        size = model.num_params
-        self.owned = self._owned_slice(size)
-        self.optimizer = make_optimizer(self.owned.stop - self.owned.start)
-        xp = self.xp
-        if delay:
-            self.weights = [model.params, xp.empty_like(model.params)]
-            self.weights[1][...] = self.weights[0]
-            self.grad_bufs = [model.grads, xp.empty_like(model.grads)]
-            self.stream = comm.new_stream() if comm is not None else None
-        else:
-            self.weights = [model.params]
-            self.grad_bufs = [model.grads]
-            self.stream = None
-        self.front = 0      # buffer the next step computes on
-        self.latest = 0     # buffer that holds (or is receiving) the newest weights
-        self._k = 0         # which gradient buffer the next step writes
+        plan = self._plan(model.num_params)
+        stream = comm.new_stream() if delay and comm is not None else None
+        self.engine = DelayedUpdate(model.params, model.grads, plan,
+                                    make_optimizer(plan.owned.stop - plan.owned.start),
+                                    self.stats, delay=delay, stream=stream)
 
-    # -- what subclasses define ------------------------------------------------
-    def _owned_slice(self, size):
-        return slice(0, size)
+    def _plan(self, size):
+        """Return the exchange plan over a flat buffer of ``size`` (subclasses choose)."""
+        return LocalPlan(size)
 
-    def _reduce(self, grads):
-        pass
+    @property
+    def owned(self):
+        """The slice of the flat parameter vector this rank updates."""
+        return self.engine.plan.owned
 
-    def _distribute(self, params):
-        pass
-
-    # -- the exchange of one step: reduce, update the owned slice, distribute ---
-    def _exchange(self, grads, src, dst, it):
-        t0 = time.perf_counter()
-        self._reduce(grads)
-        t1 = time.perf_counter()
-        lo, hi = self.owned.start, self.owned.stop
-        if hi > lo:
-            if dst is not src:
-                dst[lo:hi] = src[lo:hi]
-            self.optimizer.step(dst[lo:hi], grads[lo:hi], it)
-            _synchronize(self.xp)
-        t2 = time.perf_counter()
-        self._distribute(dst)
-        t3 = time.perf_counter()
-        self.stats.comm_total_s += (t1 - t0) + (t3 - t2)
-        self.stats.update_s += t2 - t1
+    @property
+    def optimizer(self):
+        """The optimizer of the owned slice (its momentum covers that slice only)."""
+        return self.engine.optimizer
 
     def step(self, x, labels, it):
-        t0 = time.perf_counter()
-        model = self.model
-        if self.delay:
-            model.bind_flat(params=self.weights[self.front], grads=self.grad_bufs[self._k])
-        loss, correct = model.loss_and_grad(x, labels)
-        _synchronize(self.xp)
-        t1 = time.perf_counter()
-        self.stats.compute_s += t1 - t0
-        if not self.delay:
-            before = self.stats.comm_total_s
-            self._exchange(self.model.grads, self.model.params, self.model.params, it)
-            # a synchronous exchange exposes all of its communication
-            self.stats.comm_wait_s += self.stats.comm_total_s - before
-        else:
-            self._wait_pending()
-            src = self.weights[self.latest]
-            target = 1 - self.latest
-            grads = self.grad_bufs[self._k]
-            if self.stream is not None:
-                self.pending = self.stream.submit(self._exchange, grads, src, self.weights[target], it)
-            else:  # one process, delay 1: the recurrence without a communicator
-                self._exchange(grads, src, self.weights[target], it)
-            self.front, self.latest = self.latest, target
-            self._k = 1 - self._k
-        self.stats.steps += 1
-        self.stats.step_times.append(time.perf_counter() - t0)
+        with self.stats.span("step"):
+            self.engine.show_front()
+            with self.stats.span("compute", phase="forward_backward"):
+                loss, correct = self.model.loss_and_grad(x, labels)
+                synchronize(self.model.grads)
+            self.engine.gradients_ready(it)
         return loss, correct
 
+    def drain(self):
+        self.engine.drain()
+
     def eval_model(self):
-        self.model.bind_flat(params=self.weights[self.latest])
+        self.engine.show_newest()
         return self.model
 
     # -- checkpoints ---------------------------------------------------------
-    def _full_momentum(self):
-        """Return the whole momentum vector on rank 0 (None elsewhere)."""
-        return to_numpy(self.optimizer.state_dict()["momentum"])
-
     def full_state(self):
-        self.drain()
-        params = self._named(self.weights[self.latest])
-        prev = None
-        if self.delay and self.front != self.latest:
-            prev = self._named(self.weights[self.front])
-        momentum = self._full_momentum()
-        momentum = self._named(momentum) if momentum is not None else None
-        return params, momentum, prev
+        newest, front, momentum = self.engine.state()
+        return (self._named(newest), self._named(momentum) if momentum is not None else None,
+                self._named(front) if front is not None else None)
 
     def load_full_state(self, params, momentum=None, prev_params=None):
-        self.drain()
-        xp = self.xp
-        flat = self._flat(params)
-        self.weights[0][...] = xp.asarray(flat)
-        self.latest = self.front = 0
-        if self.delay:
-            self.weights[1][...] = xp.asarray(self._flat(prev_params) if prev_params else flat)
-            if prev_params:
-                self.front = 1
-        self.model.bind_flat(params=self.weights[self.latest])
-        lo, hi = self.owned.start, self.owned.stop
-        full = self._flat(momentum) if momentum else np.zeros(self.model.num_params, self.model.dtype)
-        self.optimizer.load_state_dict({"momentum": full[lo:hi]})
+        self.engine.load(self._flat(params), self._flat(prev_params) if prev_params else None,
+                         self._flat(momentum) if momentum else None)
 
     def close(self):
         self.drain()
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
+        if self.engine.stream is not None:
+            self.engine.stream.close()
+            self.engine.stream = None

@@ -1,0 +1,141 @@
+"""Step statistics filled by timed spans, and a hook that lets a tracer see every span.
+
+Code that does timed work wraps it in a span; the span's name says which total it
+adds to, so no caller does ``perf_counter`` arithmetic itself::
+
+    with strategy.stats.span("compute", phase="conv_forward"):
+        ...
+
+=================  ==============================================================
+span name          adds its duration to
+=================  ==============================================================
+``step``           ``step_times`` (one entry) and ``steps`` (+1)
+``compute``        ``compute_s``: forward, backward, loss on the training thread
+``update``         ``update_s``: the optimizer step (any thread)
+``comm``           ``comm_total_s``: communication that may run hidden on a stream
+``wait``           ``comm_wait_s``: the training thread blocked on communication
+                   that runs on a stream
+``exposed_comm``   ``comm_total_s`` and ``comm_wait_s``: a blocking collective on
+                   the training thread (all of its time is exposed)
+=================  ==============================================================
+
+Spans of one kind must not nest (their time would count twice); spans of different
+kinds may. Totals are updated under a lock: the training thread and the stream
+threads fill the same :class:`StepStats`.
+
+**Tracing hook.** ``subscribe(listener)`` registers ``listener(event)``, called once
+for every span that ends, on the thread that ran it, after the totals were updated
+and outside the lock. ``event`` is a :class:`SpanEvent` with ``name`` (the span name),
+``thread`` (the thread's name, e.g. ``MainThread`` or ``ringnet-comm-1``),
+``thread_id`` (``threading.get_ident()``), ``start`` (``time.perf_counter()`` seconds),
+``duration`` (seconds) and ``args`` (the keyword arguments given to ``span``, e.g.
+``phase``, ``op``, ``peer``, ``bytes``). A Chrome trace event is then
+``{"name": e.name, "ph": "X", "tid": e.thread_id, "ts": 1e6 * e.start,
+"dur": 1e6 * e.duration, "args": e.args}``. Listeners must be thread-safe and quick;
+an exception in a listener propagates to the code that ran the span.
+``subscribe`` returns a function that unsubscribes. The module-level :func:`span`
+times code that has no statistics of its own (a communicator's transfers): its
+events reach the listeners only.
+"""
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+__all__ = ["StepStats", "SpanEvent", "span", "subscribe", "SPAN_FIELDS"]
+
+# span name -> the StepStats totals it adds its duration to
+SPAN_FIELDS = {
+    "step": (),
+    "compute": ("compute_s",),
+    "update": ("update_s",),
+    "comm": ("comm_total_s",),
+    "wait": ("comm_wait_s",),
+    "exposed_comm": ("comm_total_s", "comm_wait_s"),
+}
+
+
+class SpanEvent(NamedTuple):
+    """One finished span, as a listener receives it (see the module docstring)."""
+    name: str
+    thread: str
+    thread_id: int
+    start: float
+    duration: float
+    args: dict
+
+
+_listeners = []
+_listeners_lock = threading.Lock()
+
+
+def subscribe(listener: Callable[[SpanEvent], None]) -> Callable[[], None]:
+    """Call ``listener(event)`` for every span that ends from now on; return the unsubscribe function."""
+    with _listeners_lock:
+        _listeners.append(listener)
+
+    def unsubscribe():
+        with _listeners_lock:
+            if listener in _listeners:
+                _listeners.remove(listener)
+    return unsubscribe
+
+
+def _publish(name, start, duration, args):
+    listeners = _listeners
+    if listeners:
+        thread = threading.current_thread()
+        event = SpanEvent(name, thread.name, threading.get_ident(), start, duration, args)
+        for listener in list(listeners):
+            listener(event)
+
+
+@contextmanager
+def span(name: str, **args):
+    """Time the ``with`` body and tell the listeners; fills no statistics."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _publish(name, start, time.perf_counter() - start, args)
+
+
+@dataclass
+class StepStats:
+    """Per-rank time totals of a training run, filled by :meth:`span`."""
+    steps: int = 0
+    compute_s: float = 0.0
+    comm_wait_s: float = 0.0    # time the training thread was blocked on communication
+    comm_total_s: float = 0.0   # time communication took, hidden or not
+    update_s: float = 0.0
+    step_times: list = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @contextmanager
+    def span(self, name: str, **args):
+        """Time the ``with`` body, add it to the totals of ``name`` (see SPAN_FIELDS), tell the listeners."""
+        fields = SPAN_FIELDS.get(name)
+        if fields is None:
+            raise ValueError(f"unknown statistics span {name!r}; known: {', '.join(SPAN_FIELDS)}")
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            duration = time.perf_counter() - start
+            with self._lock:
+                for name_ in fields:
+                    setattr(self, name_, getattr(self, name_) + duration)
+                if name == "step":
+                    self.steps += 1
+                    self.step_times.append(duration)
+            _publish(name, start, duration, args)
+
+    def overlap(self) -> float:
+        """Return the fraction of communication time hidden behind computation (0 without communication)."""
+        with self._lock:
+            total, wait = self.comm_total_s, self.comm_wait_s
+        if total <= 0:
+            return 0.0
+        # Waiting includes a stream's start-up, so it can exceed the transfer time by a hair.
+        return float(min(1.0, max(0.0, (total - wait) / total)))

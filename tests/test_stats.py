@@ -1,0 +1,119 @@
+"""ringnet.stats: spans fill the right totals, under a lock, and reach subscribed listeners.
+
+The clock is replaced by a counter, so every duration is known exactly.
+"""
+import threading
+import time
+
+import pytest
+
+from ringnet import stats as stats_module
+from ringnet.stats import SPAN_FIELDS, StepStats, span, subscribe
+
+
+class _Tick(float):
+    """A clock reading whose differences force a thread switch when added to a total:
+    an update that is not under the lock then loses other threads' additions."""
+
+    def __sub__(self, other):
+        return _Tick(float(self) - float(other))
+
+    def __radd__(self, other):
+        time.sleep(1e-4)            # let another thread run between read and write
+        return float(other) + float(self)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """Each perf_counter() call advances by exactly 1 s."""
+    state = {"now": 0.0}
+
+    def tick():
+        state["now"] += 1.0
+        return _Tick(state["now"])
+    monkeypatch.setattr(stats_module.time, "perf_counter", tick)
+    return state
+
+
+def test_each_span_adds_to_its_totals(clock):
+    st = StepStats()
+    with st.span("step"):
+        with st.span("compute"):
+            pass
+        with st.span("exposed_comm"):
+            pass
+    with st.span("comm"):
+        pass
+    with st.span("wait"):
+        pass
+    with st.span("update"):
+        pass
+    assert st.compute_s == 1 and st.update_s == 1
+    assert st.comm_total_s == 2          # exposed_comm + comm
+    assert st.comm_wait_s == 2           # exposed_comm + wait
+    assert st.steps == 1 and st.step_times == [5.0]   # 5 clock reads inside the step span
+    assert st.overlap() == 0.0           # wait == total: nothing hidden
+    assert set(SPAN_FIELDS) == {"step", "compute", "update", "comm", "wait", "exposed_comm"}
+
+
+def test_unknown_span_name_is_refused():
+    with pytest.raises(ValueError, match="unknown statistics span 'computee'"):
+        with StepStats().span("computee"):
+            pass
+
+
+def test_overlap_is_hidden_fraction(clock):
+    st = StepStats()
+    for _ in range(3):
+        with st.span("comm"):
+            pass
+    with st.span("wait"):
+        pass
+    assert st.overlap() == pytest.approx(2 / 3)
+
+
+def test_spans_from_many_threads_lose_no_time(clock):
+    st = StepStats()
+    threads, per_thread = 4, 30
+    durations = []
+    unsubscribe = subscribe(lambda event: durations.append(event.duration))
+
+    def work():
+        for _ in range(per_thread):
+            with st.span("comm"):
+                pass
+    pool = [threading.Thread(target=work) for _ in range(threads)]
+    try:
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    finally:
+        unsubscribe()
+    assert len(durations) == threads * per_thread
+    assert st.comm_total_s == sum(durations), "a concurrent update was lost"
+
+
+def test_listener_sees_every_span_with_thread_and_args(clock):
+    seen = []
+    unsubscribe = subscribe(seen.append)
+    try:
+        st = StepStats()
+        with st.span("compute", phase="conv_forward"):
+            pass
+
+        def other():
+            with span("send", peer=1, bytes=64):
+                pass
+        t = threading.Thread(target=other, name="ringnet-comm-7")
+        t.start()
+        t.join()
+    finally:
+        unsubscribe()
+    with st.span("compute"):
+        pass                             # after unsubscribing: not seen
+    assert [(e.name, e.thread, e.args) for e in seen] == [
+        ("compute", threading.current_thread().name, {"phase": "conv_forward"}),
+        ("send", "ringnet-comm-7", {"peer": 1, "bytes": 64})]
+    assert seen[0].duration == 1.0 and seen[0].start == 1.0
+    assert seen[1].thread_id != seen[0].thread_id
