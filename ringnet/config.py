@@ -49,6 +49,7 @@ class TrainConfig:
     synthetic_size: tuple = (2048, 512)
     progress: bool = True
     quiet: bool = False
+    trace: str = None
 
     def resolved(self, world_size):
         """Return a copy with defaults filled in for ``world_size`` ranks; raise UsageError on bad values."""
@@ -183,6 +184,8 @@ def build_parser():
     g.add_argument("--save", default=None, metavar="PATH.h5", help="write an HDF5 checkpoint at the end (atomically)")
     g.add_argument("--resume", default=None, metavar="PATH.h5", help="continue from a checkpoint (any mode)")
     g.add_argument("--json", action="store_true", help="print one JSON summary line at the end (rank 0)")
+    g.add_argument("--trace", default=None, metavar="PATH.json",
+                   help="write every rank's timeline as one Chrome trace file (Perfetto, chrome://tracing)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g.add_argument("--no-eval", dest="eval_every_epoch", action="store_false",
                    help="skip the per-epoch test evaluation (the final one still runs)")

@@ -15,6 +15,7 @@ from ringnet import backend
 from ringnet.config import TrainConfig, config_from_args
 from ringnet.errors import TrainingError, UsageError, collective, import_mpi, run_main
 from ringnet.progress import Progress, progress_interval
+from ringnet.trace import Tracer, timed
 
 __all__ = ["train", "main", "TrainResult"]
 
@@ -75,6 +76,9 @@ def _setup(cfg, world):
         from ringnet.checkpoint import check_writable
         # Before training, not after hours of it: only rank 0 writes the file.
         collective(world, lambda: check_writable(cfg.save) if rank == 0 else None)
+    if cfg.trace:
+        from ringnet.trace import check_trace_path
+        collective(world, lambda: check_trace_path(cfg.trace) if rank == 0 else None)
 
     model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed)
     policy = LRPolicy(cfg.lr_policy, cfg.lr, gamma=cfg.gamma, stepsize=cfg.stepsize, power=cfg.power)
@@ -175,6 +179,7 @@ def train(cfg=None, world=None, **overrides):
     if rank == 0 and cfg.progress and not cfg.quiet:
         bar = Progress(total_steps, step, cfg.batch_size, spe, _interactive(), interval)
 
+    tracer = Tracer(world, cfg.trace) if cfg.trace else None
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
     first_step = step
     t_train = time.perf_counter()
@@ -183,7 +188,7 @@ def train(cfg=None, world=None, **overrides):
         while step < total_steps:
             epoch, offset = divmod(step, spe)
             batches = loader.epoch(epoch, start_step=offset)
-            for x, labels in batches:
+            for x, labels in timed(batches):
                 loss, _ = strategy.step(x, labels, step)
                 loss = float(loss)
                 if not math.isfinite(loss):
@@ -209,6 +214,8 @@ def train(cfg=None, world=None, **overrides):
     finally:
         if bar is not None:
             bar.close()
+        if tracer is not None:
+            tracer.stop()
     train_s = time.perf_counter() - t_train
 
     check_replicas(strategy, world, step)
@@ -257,6 +264,8 @@ def train(cfg=None, world=None, **overrides):
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
     _log(cfg, world, f"done: {step} steps, test accuracy {100 * test_acc:.2f}%, "
                      f"{summary['images_per_sec']:.0f} images/s, {summary['time_s']:.1f} s")
+    if tracer is not None:
+        collective(world, tracer.close, summary)
     if cfg.json and rank == 0:
         print(json.dumps(summary), flush=True)
     return TrainResult(summary, strategy, cfg)

@@ -57,3 +57,25 @@ def test_bad_plot_path_is_refused_before_the_benchmark_runs(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("ringnet: error: cannot write")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_trace_plot_draws_compute_and_transfer_lanes(tmp_path):
+    meta = [{"name": "thread_name", "ph": "M", "pid": r, "tid": t, "args": {"name": n}}
+            for r in (0, 1) for t, n in ((0, "training"), (1, "ringnet-comm-1"))]
+    events = []
+    for r in (0, 1):
+        for k in range(4):
+            t = 1000.0 * k
+            events += [{"name": "step", "cat": "step", "ph": "X", "pid": r, "tid": 0, "ts": t,
+                        "dur": 900.0, "args": {}},
+                       {"name": "forward conv1", "cat": "forward", "ph": "X", "pid": r, "tid": 0,
+                        "ts": t, "dur": 400.0, "args": {}},
+                       {"name": "transfer", "cat": "transfer", "ph": "X", "pid": r, "tid": 1,
+                        "ts": t + 100, "dur": 300.0, "args": {}}]
+    out = str(tmp_path / "trace.png")
+    plot.plot_trace({"traceEvents": meta + events}, out, steps=2, title="t")
+    assert has_colour(out, plot._COLOURS["forward"]) > 500
+    assert has_colour(out, plot._COLOURS["transfer"]) > 500
+    assert has_colour(out, plot._COLOURS["backward"]) == 0
+    with pytest.raises(UsageError, match="no step spans"):
+        plot.plot_trace({"traceEvents": meta}, out)

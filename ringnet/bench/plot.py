@@ -103,8 +103,9 @@ def plot_comm(rows, path, title=""):
 
 
 # Colours of span names in trace pictures; anything else is grey.
-_COLOURS = {"data": "#8c8c8c", "forward": "#4c72b0", "backward": "#55a868", "loss": "#c44e52",
-            "update": "#dd8452", "wait": "#d62728", "comm": "#8172b3", "transfer": "#8172b3"}
+_COLOURS = {"compute": "#d9d9d9", "data": "#8c8c8c", "forward": "#4c72b0", "backward": "#55a868",
+            "loss": "#c44e52", "update": "#dd8452", "wait": "#d62728", "exposed_comm": "#c5b0d5",
+            "comm": "#c5b0d5", "transfer": "#6a3d9a"}
 
 
 def plot_trace(trace, path, steps=3, title=""):
@@ -133,14 +134,15 @@ def plot_trace(trace, path, steps=3, title=""):
     rows = {key: i for i, key in enumerate(used)}
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(used) + 1.3))
     seen = set()
-    for e in events:
-        if e["name"] in ("step", "compute") or e["ts"] + e["dur"] < t0 or e["ts"] > t1:
+    # Longest first, so spans nested inside others are drawn on top of them.
+    for e in sorted(events, key=lambda e: -e["dur"]):
+        if e.get("cat") == "step" or e["ts"] + e["dur"] < t0 or e["ts"] > t1:
             continue
         kind = e.get("cat") or e["name"]
         colour = _COLOURS.get(kind, "#bbbbbb")
         y = rows[(e["pid"], e["tid"])]
         ax.broken_barh([((e["ts"] - t0) / 1000, e["dur"] / 1000)], (y - 0.4, 0.8),
-                       facecolors=colour, edgecolor="none",
+                       facecolors=colour, edgecolor="white", linewidth=0.4,
                        label=None if kind in seen else kind)
         seen.add(kind)
     for s in step_spans:
@@ -152,8 +154,10 @@ def plot_trace(trace, path, steps=3, title=""):
     ax.invert_yaxis()
     ax.set_xlim(0, (t1 - t0) / 1000)
     ax.set_xlabel("time (ms); vertical lines: step starts on rank 0")
-    ax.legend(fontsize=7, ncol=len(seen), loc="lower center", bbox_to_anchor=(0.5, 1.0),
-              frameon=False)
+    order = [k for k in _COLOURS if k in seen] + sorted(seen - set(_COLOURS))
+    handles = {h.get_label(): h for h in ax.get_legend_handles_labels()[0]}
+    ax.legend([handles[k] for k in order], order, fontsize=7, ncol=len(order),
+              loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     if title:
         ax.set_title(title, fontsize=10, pad=22)
     fig.tight_layout()
@@ -176,7 +180,12 @@ def main(argv=None):
             trace = json.load(f)
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot read trace {args.trace}: {exc}") from None
-    plot_trace(trace, args.out, steps=args.steps, title=os.path.basename(args.trace))
+    run = trace.get("otherData") or {}
+    title = os.path.basename(args.trace)
+    if "mode" in run:
+        title = (f"{run['mode']} delay {run['delay']}, {run['ranks']} ranks, {run['model']}, "
+                 f"global batch {run['batch_size']}, {run['device']}")
+    plot_trace(trace, args.out, steps=args.steps, title=title)
     return 0
 
 

@@ -116,8 +116,7 @@ class SplitFCStrategy(Strategy):
         """Run the conv prefix on this rank's samples."""
         with self._compute("conv_forward"):
             h = self.xp.asarray(x).astype(self.model.dtype, copy=False)
-            for _, layer in self.model.layers[:self.fc_index]:
-                h = layer.forward(h, True)
+            h = self.model.forward_layers(h, 0, self.fc_index, train=True)
         return h
 
     def _fc_forward(self, a):
@@ -168,8 +167,7 @@ class SplitFCStrategy(Strategy):
     def _conv_backward(self, d):
         """Back-propagate this rank's feature gradient through the conv prefix (writes the conv gradients)."""
         with self._compute("conv_backward"):
-            for _, layer in reversed(self.model.layers[:self.fc_index]):
-                d = layer.backward(d)       # the first layer returns None
+            self.model.backward_layers(d, 0, self.fc_index)
 
     def _update_fc(self, it):
         with self.stats.span("update", part="fc"):
