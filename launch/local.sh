@@ -11,6 +11,9 @@ if [ -z "$N" ]; then
     N=$(python -c "import os; print(max(1, len(os.sched_getaffinity(0))))")
   fi
 fi
+# Ranks on this node only, also inside a SLURM job: there MPICH's mpirun would start them
+# through srun, which waits forever when called inside an srun step. (Open MPI ignores this.)
+export HYDRA_LAUNCHER=${HYDRA_LAUNCHER:-fork}
 MPIRUN=${MPIRUN:-mpirun}
 command -v "$MPIRUN" >/dev/null || { echo "mpirun not found: pip install mpich (or load your MPI)" >&2; exit 2; }
 exec "$MPIRUN" -np "$N" python -m ringnet.train "$@"

@@ -62,3 +62,18 @@ def test_pytorch_page_runs(tmp_path, monkeypatch):
     ns = run_doc("pytorch.md", tmp_path, monkeypatch)
     assert ns["torch_accuracy"] >= 0.9             # five epochs of digits
     assert (tmp_path / "from-torch.h5").exists()
+
+
+def test_comm_page_example_runs_under_mpirun(tmp_path):
+    import subprocess
+    import sys
+    [(language, code)] = [b for b in code_blocks("comm.md") if "ring.allreduce(buf)" in b[1]]
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    for n in (1, 4):                               # at 4 the tree has an inner node
+        proc = subprocess.run(["mpirun", "-np", str(n), sys.executable, str(script)],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert sorted(proc.stdout.split("\n")[:-1]) == [f"rank {r}: ok" for r in range(n)]
