@@ -1,0 +1,1183 @@
+"""python -m ringnet.bench model: predicted step time, speedup and efficiency of every mode, N = 1..1024.
+
+The prediction is built from three measured or stated inputs and the exchange each
+mode runs in the code:
+
+* **compute** — per-layer forward/backward time as ``fixed + per_sample * batch``,
+  the SGD update time per parameter and the element-wise add of a reduction, measured
+  here with ``bench layers``' timing code (``--compute here``), read from a JSON file
+  (``--compute FILE``, written by ``--save-compute``), or a stated GPU roofline
+  (``--compute k40`` / ``h100``);
+* **traffic** — the bytes and messages of every collective a step runs, from the
+  code's own sizes: ``model.num_params``, ``shard_bounds`` (the ring's shards), the
+  split-fc FC blocks (``fc_blocks``) and its conversion-layer buffers;
+* **links** — one latency α and bandwidth β per hop, intra-node and inter-node, from
+  spec-sheet profiles (``LINKS``) or calibrated on this machine by timing the ring
+  communicator under mpirun (profile ``local``).
+
+How each mode is timed (blocking calls in lockstep, as in ``ringnet/comm``):
+
+=========  ==================================================================
+ring       reduce-scatter: N-1 steps of one shard (P/N) plus its add;
+           update of one shard; all-gather: N-1 steps of one shard. Delay 1
+           runs this exchange beside the next step's compute: max(C, X).
+tree       binary heap (children 2v+1, 2v+2): each inner rank receives its
+           children one after the other and adds; the root updates all P;
+           broadcast down the heap, a rank sending to both children at once.
+master     the root receives N-1 gradients one after the other (adding each),
+           updates all P, and sends N-1 copies at once from its one link.
+split-fc   conv part on B/N samples; conversion layer all-gathers (B, F+1)
+           features+labels; each FC layer computes out/N rows on B samples and
+           all-gathers them; backward reduce-scatters the input gradients;
+           conv gradients go round the ring as above (conv parameters only).
+=========  ==================================================================
+
+Contention on a CPU machine is modelled, not hidden: ranks beyond the free cores
+slow compute by the measured factor ``s(N) = max(1, N / cores_eff)``, and a delay-1
+exchange on the communication thread progresses at a measured fraction ρ of its
+blocking speed while its rank computes, and steals a measured fraction κ of the core
+while it runs (shared-memory MPI copies and polling are CPU work); what is left of it
+when the compute ends runs at blocking speed.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from ringnet.bench.layers import layer_times  # first: pins BLAS threads before NumPy loads
+
+import numpy as np  # noqa: E402
+
+from ringnet.errors import UsageError  # noqa: E402
+from ringnet.models import MODELS, build_model  # noqa: E402
+
+__all__ = ["Link", "LINKS", "GPUS", "System", "ComputeProfile", "measure_compute",
+           "roofline_compute", "load_compute", "ring_phase_bytes", "traffic", "predict",
+           "sweep", "crossovers", "main"]
+
+DEFAULT_MODELS = ("lenet", "cifar10_quick")
+DEFAULT_NP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _mode_rows():
+    """(mode, delay) in the order tables print them: every mode of the registry at its
+    default delay, and the ring also at delay 0 (what the delayed update buys)."""
+    from ringnet.parallel import MODES as REGISTRY
+    rows = []
+    for mode in REGISTRY.values():
+        rows.append((mode.name, mode.default_delay))
+        if mode.name == "ring":
+            rows.append(("ring", 1 - mode.default_delay))
+    return tuple(rows)
+
+
+MODES = _mode_rows()
+DEFAULT_PROFILES = ("pcie3/eth-10g", "pcie5/ib-hdr", "nvlink4/ib-hdr")
+# The research's setting: 4 GPUs, Caffe's per-GPU batches (LeNet 64, cifar10_quick 100).
+PAPER = {"lenet": (64, 3.77), "cifar10_quick": (100, 3.79)}
+PAPER_NP = 4
+
+
+# -- links ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One hop: a message of ``n`` bytes takes ``alpha_s + n / beta_Bps`` seconds."""
+    name: str
+    alpha_s: float
+    beta_Bps: float
+    source: str = ""
+
+    def time(self, nbytes):
+        """Return the seconds one message of ``nbytes`` takes on this hop."""
+        return self.alpha_s + nbytes / self.beta_Bps if nbytes else 0.0
+
+
+# β: per direction, from the spec sheets named in ``source``. α is never on a spec sheet:
+# it is the hardware latency named there plus SOFTWARE_ALPHA_S, the per-message cost of
+# ringnet's Python-level isendrecv + wait (stated, not measured; ``local`` measures its own).
+SOFTWARE_ALPHA_S = 15e-6
+LINKS = {
+    "pcie3": Link("pcie3", 5e-6 + SOFTWARE_ALPHA_S, 15.75e9,
+                  "PCIe 3.0 x16: 8 GT/s per lane, 128b/130b encoding, 16 lanes = 15.75 GB/s per "
+                  "direction (PCI-SIG PCI Express Base Specification 3.0); GPU peer copy "
+                  "latency ~5 us"),
+    "pcie5": Link("pcie5", 5e-6 + SOFTWARE_ALPHA_S, 63.0e9,
+                  "PCIe 5.0 x16: 32 GT/s per lane, 128b/130b, 16 lanes = 63.0 GB/s per direction "
+                  "(PCI-SIG PCI Express Base Specification 5.0)"),
+    "nvlink4": Link("nvlink4", 3e-6 + SOFTWARE_ALPHA_S, 450e9,
+                    "NVLink 4 on H100 SXM: 900 GB/s total per GPU = 450 GB/s per direction "
+                    "(NVIDIA H100 Tensor Core GPU datasheet)"),
+    "ib-hdr": Link("ib-hdr", 0.6e-6 + SOFTWARE_ALPHA_S, 25e9,
+                   "InfiniBand HDR: 200 Gb/s per port = 25 GB/s per direction, sub-0.6 us "
+                   "latency (NVIDIA ConnectX-6 VPI adapter product brief)"),
+    "eth-10g": Link("eth-10g", 25e-6 + SOFTWARE_ALPHA_S, 1.25e9,
+                    "10 Gigabit Ethernet: 10 Gb/s = 1.25 GB/s per direction (IEEE 802.3ae); "
+                    "~25 us TCP small-message latency through the kernel stack"),
+}
+
+
+# -- compute ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ComputeProfile:
+    """Per-layer times ``a + b * batch`` (seconds) per model, update and add costs.
+
+    ``layers[model]`` is ``[(layer name, (fwd_a, fwd_b), (bwd_a, bwd_b))]``;
+    ``overhead[model]`` is the rest of a training step (loss, Python) as ``(a, b)``.
+    """
+    name: str
+    device: str                      # "cpu" or "gpu"
+    layers: dict
+    overhead: dict
+    update_s_per_param: float
+    update_s_per_call: float
+    add_s_per_elem: float
+    add_s_per_call: float
+    source: str = ""
+
+    def layer(self, model, name, batch, share=1.0):
+        """Return (forward s, backward s) of one layer on ``batch`` samples (``share`` of its rows)."""
+        for lname, (fa, fb), (ba, bb) in self.layers[model]:
+            if lname == name:
+                return (fa + fb * batch) * share, (ba + bb * batch) * share
+        raise KeyError(f"compute profile {self.name} has no layer {name!r} of model {model}")
+
+    def step_compute(self, model, batch, names=None, share=1.0):
+        """Return forward+backward seconds of the named layers (default all) on ``batch``."""
+        total = 0.0
+        for lname, (fa, fb), (ba, bb) in self.layers[model]:
+            if names is None or lname in names:
+                total += (fa + fb * batch + ba + bb * batch) * share
+        return total
+
+    def overhead_s(self, model, batch):
+        a, b = self.overhead[model]
+        return max(0.0, a + b * batch)
+
+    def update(self, n_params, calls=1):
+        """Return seconds of SGD on ``n_params`` parameters in ``calls`` optimizer calls."""
+        return n_params * self.update_s_per_param + calls * self.update_s_per_call if n_params else 0.0
+
+    def add(self, n_elems):
+        """Return seconds of one in-place add of ``n_elems`` elements."""
+        return n_elems * self.add_s_per_elem + self.add_s_per_call if n_elems else 0.0
+
+    def scaled(self, factor):
+        """Return this profile with every time multiplied by ``factor`` (a slower or faster machine)."""
+        def scale(pair):
+            return tuple(v * factor for v in pair)
+        return dataclasses.replace(
+            self, layers={m: [(n, scale(f), scale(b)) for n, f, b in rows]
+                          for m, rows in self.layers.items()},
+            overhead={m: scale(v) for m, v in self.overhead.items()},
+            update_s_per_param=self.update_s_per_param * factor,
+            update_s_per_call=self.update_s_per_call * factor,
+            add_s_per_elem=self.add_s_per_elem * factor, add_s_per_call=self.add_s_per_call * factor)
+
+    def to_json(self):
+        return {"name": self.name, "device": self.device, "source": self.source,
+                "update_ns_per_param": self.update_s_per_param * 1e9,
+                "update_us_per_call": self.update_s_per_call * 1e6,
+                "add_ns_per_element": self.add_s_per_elem * 1e9,
+                "add_us_per_call": self.add_s_per_call * 1e6,
+                "models": {m: {"overhead_ms": [a * 1e3, b * 1e3] for a, b in [self.overhead[m]]}
+                           | {"layers": [{"layer": n, "forward_ms": [fa * 1e3, fb * 1e3],
+                                          "backward_ms": [ba * 1e3, bb * 1e3]}
+                                         for n, (fa, fb), (ba, bb) in self.layers[m]]}
+                           for m in self.layers}}
+
+
+def compute_from_json(data, source=""):
+    """Return the ComputeProfile a ``to_json()`` dict describes (times: [fixed ms, ms per sample])."""
+    layers, overhead = {}, {}
+    for model, entry in data["models"].items():
+        layers[model] = [(row["layer"], tuple(v / 1e3 for v in row["forward_ms"]),
+                          tuple(v / 1e3 for v in row["backward_ms"]))
+                         for row in entry["layers"]]
+        overhead[model] = tuple(v / 1e3 for v in entry.get("overhead_ms", (0.0, 0.0)))
+    return ComputeProfile(data.get("name", source), data.get("device", "gpu"),
+                          layers, overhead, data["update_ns_per_param"] * 1e-9,
+                          data.get("update_us_per_call", 0.0) * 1e-6,
+                          data["add_ns_per_element"] * 1e-9,
+                          data.get("add_us_per_call", 0.0) * 1e-6, data.get("source", source))
+
+
+def load_compute(path):
+    """Read a compute profile written by ``--save-compute``."""
+    try:
+        with open(path) as f:
+            return compute_from_json(json.load(f), path)
+    except OSError as exc:
+        raise UsageError(f"cannot read compute profile {path}: {exc.strerror}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UsageError(f"compute profile {path} is not a ringnet compute profile ({exc!r}); "
+                         "write one with `python -m ringnet.bench model --save-compute FILE`") from None
+
+
+def _fit(batches, times):
+    """Least-squares (a, b) of t = a + b * batch, with a >= 0 and b >= 0."""
+    slope, icept = np.polyfit(np.asarray(batches, float), np.asarray(times, float), 1)
+    if slope < 0:
+        return float(np.mean(times)), 0.0
+    if icept < 0:
+        return 0.0, float(np.dot(batches, times) / np.dot(batches, batches))
+    return float(icept), float(slope)
+
+
+def _median_time(fn, iters):
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return float(np.median(samples))
+
+
+def measure_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0):
+    """Time every layer here (``bench layers``' code) at two batch sizes; fit the profile."""
+    from ringnet.optim import SGD, LRPolicy
+    layers, overhead = {}, {}
+    for name in models:
+        model = build_model(name, dtype=dtype, seed=seed)
+        rng = np.random.default_rng(seed)
+        per_batch, steps = [], []
+        for batch in batches:
+            x = rng.normal(size=(batch,) + model.input_shape).astype(model.dtype)
+            y = rng.integers(0, model.num_classes, size=batch)
+            model.loss_and_grad(x, y)                                   # warm-up
+            per_batch.append(layer_times(model, x, iters))
+            steps.append(_median_time(lambda: model.loss_and_grad(x, y), iters))
+        rows = []
+        for i, (lname, _, _) in enumerate(per_batch[0]):
+            fwd = _fit(batches, [pb[i][1] / 1e3 for pb in per_batch])
+            bwd = _fit(batches, [pb[i][2] / 1e3 for pb in per_batch])
+            rows.append((lname, fwd, bwd))
+        layers[name] = rows
+        # what a training step costs beyond the layers: loss, Python dispatch
+        rest = [s - sum(f + b for _, f, b in pb) / 1e3 for s, pb in zip(steps, per_batch)]
+        overhead[name] = _fit(batches, [max(0.0, r) for r in rest])
+    # update and add: one large and one small call give per element and per call
+    big, small = 1 << 20, 1 << 10
+    costs = {}
+    for n in (big, small):
+        w, g = np.ones(n, np.dtype(dtype)), np.full(n, 1e-3, np.dtype(dtype))
+        sgd = SGD(n, LRPolicy("fixed", 1e-3), momentum=0.9, weight_decay=5e-4, dtype=dtype)
+        costs[("upd", n)] = _median_time(lambda: sgd.step(w, g, 0), 3 * iters)
+        costs[("add", n)] = _median_time(lambda: np.add(w, g, out=w), 3 * iters)
+    per_upd = (costs[("upd", big)] - costs[("upd", small)]) / (big - small)
+    per_add = (costs[("add", big)] - costs[("add", small)]) / (big - small)
+    return ComputeProfile(
+        "here", "cpu", layers, overhead, max(per_upd, 0.0),
+        max(costs[("upd", small)] - small * per_upd, 0.0), max(per_add, 0.0),
+        max(costs[("add", small)] - small * per_add, 0.0),
+        f"measured on this machine, {dtype}, 1 BLAS thread, batches {list(batches)}")
+
+
+# GPU rooflines for --compute k40/h100: stated spec numbers, stated efficiencies.
+GPUS = {
+    "k40": dict(flops=4.29e12, bw=288e9,
+                source="Tesla K40: 4.29 TFLOPS FP32 peak (with GPU Boost), 288 GB/s GDDR5 "
+                       "(NVIDIA Tesla K40 board specification)"),
+    "h100": dict(flops=67e12, bw=3.35e12,
+                 source="H100 SXM: 67 TFLOPS FP32, 3.35 TB/s HBM3 (NVIDIA H100 datasheet)"),
+}
+GEMM_EFFICIENCY = 0.5     # of peak FLOPS reached by conv-as-GEMM and linear layers (stated)
+MEMORY_EFFICIENCY = 0.7   # of peak bandwidth reached by element-wise and pooling kernels (stated)
+KERNEL_S = 10e-6          # launch + CuPy dispatch per kernel (stated)
+
+
+def _layer_work(layer, in_shape, out_shape):
+    """Return (forward FLOPs, forward bytes, kernels) per sample of one layer; backward ~2x."""
+    from ringnet.layers import Conv2d, Linear
+    n_in, n_out = int(np.prod(in_shape)), int(np.prod(out_shape))
+    moved = 4 * (n_in + n_out)
+    if isinstance(layer, Conv2d):
+        kh, kw = layer.kernel_size
+        flops = 2 * layer.in_channels * kh * kw * n_out
+        return flops, moved + 4 * layer.in_channels * kh * kw * int(np.prod(out_shape[1:])), 3
+    if isinstance(layer, Linear):
+        return 2 * layer.in_features * layer.out_features, moved, 2
+    return 0, moved, 1
+
+
+def roofline_compute(gpu, models, dtype="float32"):
+    """Return a stated GPU profile: per layer max(FLOPs/peak, bytes/bandwidth) + kernel launches."""
+    spec = GPUS[gpu]
+    flops_s = spec["flops"] * GEMM_EFFICIENCY
+    bw = spec["bw"] * MEMORY_EFFICIENCY
+    layers, overhead = {}, {}
+    for name in models:
+        model = build_model(name, dtype=dtype)
+        rows = []
+        for (lname, layer), (_, in_shape, out_shape) in zip(model.layers, model.shapes):
+            flops, moved, kernels = _layer_work(layer, in_shape, out_shape)
+            per_sample = max(flops / flops_s, moved / bw)
+            rows.append((lname, (kernels * KERNEL_S, per_sample),
+                         (2 * kernels * KERNEL_S, 2 * per_sample)))
+        layers[name] = rows
+        overhead[name] = (4 * KERNEL_S, 0.0)          # loss forward/backward kernels
+    itemsize = np.dtype(dtype).itemsize
+    return ComputeProfile(
+        gpu, "gpu", layers, overhead, 5 * itemsize / bw, KERNEL_S, 3 * itemsize / bw, KERNEL_S,
+        f"roofline: {spec['source']}; {GEMM_EFFICIENCY:.0%} of peak FLOPS, "
+        f"{MEMORY_EFFICIENCY:.0%} of peak bandwidth, {KERNEL_S * 1e6:.0f} us per kernel (stated)")
+
+
+# -- the system ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class System:
+    """Where the ranks run: links per hop, ranks per node, and CPU contention.
+
+    ``cores`` is None for GPUs (compute and transfers do not share a core). On a CPU
+    machine (profile ``local``) it is the effective number of free cores, ``steal``
+    the fraction of its rank's core a delay-1 exchange takes while it runs, and
+    ``rate`` the fraction of its blocking speed that exchange makes meanwhile
+    (all measured; ``calibrated`` holds them per calibrated N).
+    """
+    name: str
+    intra: Link
+    inter: Link
+    ranks_per_node: int
+    compute: ComputeProfile
+    cores: float = None
+    steal: float = 0.0
+    rate: float = 1.0
+    calibrated: dict = None
+
+    def hop(self, a, b):
+        """Return the Link between ranks a and b (ranks fill nodes in order)."""
+        same = a // self.ranks_per_node == b // self.ranks_per_node
+        return self.intra if same else self.inter
+
+    def at(self, n):
+        """Return the system an N-rank job sees (local: the calibration nearest N)."""
+        if not self.calibrated:
+            return self
+        near = min(self.calibrated, key=lambda k: (abs(math.log2(k) - math.log2(max(n, 1))), k))
+        c = self.calibrated[near]
+        link = Link(f"local@{near}", c["alpha_s"], c["beta_Bps"], "calibrated here")
+        return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"],
+                                   cores=near / max(c["slowdown"], 1e-9), steal=c["steal"])
+
+    def contention(self, n):
+        """Return the compute slowdown of N ranks busy at once on this node: max(1, N / cores)."""
+        if self.cores is None:
+            return 1.0
+        return max(1.0, min(n, self.ranks_per_node) / self.cores)
+
+
+def make_system(spec, compute, ranks_per_node, calibration=None):
+    """Return the System for a profile string ``INTRA[/INTER]`` or ``local``."""
+    if spec == "local":
+        if calibration is None:
+            raise UsageError("profile 'local' needs a calibration (--calibrate or --calibration FILE)")
+        # from the raw timings when present, so a saved calibration follows this code
+        records = {int(k): (_calibration_record(int(k), v["raw"], compute.add_s_per_elem)
+                            if "raw" in v and compute is not None else v)
+                   for k, v in calibration["by_np"].items()}
+        system = System("local", None, None, 1 << 30, compute, calibrated=records)
+        return system.at(min(records))
+    names = spec.split("/")
+    if len(names) > 2 or any(n not in LINKS for n in names):
+        raise UsageError(f"unknown profile {spec!r}: use INTRA[/INTER] with names from "
+                         f"{', '.join(LINKS)}, or local")
+    return System(spec, LINKS[names[0]], LINKS[names[-1]], ranks_per_node, compute)
+
+
+# -- traffic: the code's own sizes ---------------------------------------------------------
+def _shard_bounds(length, size):
+    from ringnet.comm.base import shard_bounds
+    return shard_bounds(length, size)
+
+
+def ring_phase_bytes(bounds, itemsize):
+    """Return bytes each rank sends in one ring reduce-scatter and one all-gather over ``bounds``.
+
+    Reduce-scatter step k: rank r sends shard (r-k-1) mod N, so over N-1 steps every
+    shard but its own; all-gather step k sends shard (r-k) mod N: every shard but r+1's.
+    """
+    n = len(bounds)
+    sizes = [b - a for a, b in bounds]
+    total = sum(sizes)
+    if n == 1:
+        return [0], [0]
+    rs = [(total - sizes[r]) * itemsize for r in range(n)]
+    ag = [(total - sizes[(r + 1) % n]) * itemsize for r in range(n)]
+    return rs, ag
+
+
+def _tree_children(v, n):
+    return [c for c in (2 * v + 1, 2 * v + 2) if c < n]
+
+
+def split_fc_plan(model, n, batch):
+    """Return split-fc's collectives for one step: [(name, kind, bounds)] in element counts.
+
+    ``kind`` is "ag" (ring all-gather) or "rs" (ring reduce-scatter); sizes are those of
+    the strategy's buffers: the conversion layer's (B, F+1) features+labels and (B, F)
+    feature gradient in sample blocks, each FC block's (out, B) output in row blocks,
+    each later block's (in, B) input gradient, and the conv prefix.
+    """
+    from ringnet.parallel.fc_slices import fc_blocks
+    blocks = fc_blocks(model)
+    first = blocks[0][0]
+    conv = model.param_offsets()[f"{first}.weight"][0]
+    local = batch // n
+    features = blocks[0][1].in_features
+    row = features + 1                        # features plus the label as one number
+    plan = [("conversion: features+labels", "ag",
+             [(r * local * row, (r + 1) * local * row) for r in range(n)])]
+    out_bounds = []
+    for name, layer, _ in blocks:
+        ob = [(a * batch, b * batch) for a, b in _shard_bounds(layer.out_features, n)]
+        out_bounds.append(ob)
+        plan.append((f"{name} output", "ag", ob))
+    for k in range(len(blocks) - 1, 0, -1):
+        plan.append((f"{blocks[k][0]} input gradient", "rs", out_bounds[k - 1]))
+    plan.append(("conversion: feature gradient", "rs",
+                 [(r * local * features, (r + 1) * local * features) for r in range(n)]))
+    plan.append(("conv gradients", "rs", _shard_bounds(conv, n)))
+    plan.append(("conv weights", "ag", _shard_bounds(conv, n)))
+    return plan, conv, blocks
+
+
+def _overlapped_block(label, blocks):
+    """Return the FC block whose dW/db a backward reduce-scatter of the plan runs beside."""
+    if label == "conversion: feature gradient":
+        return blocks[0][0]
+    if label.endswith(" input gradient"):
+        return label[:-len(" input gradient")]
+    return None
+
+
+def traffic(model, mode, n, batch):
+    """Return the bytes each of N ranks sends in one step of ``mode`` (a list of N ints)."""
+    itemsize = model.dtype.itemsize
+    p = model.num_params
+    if n == 1 or mode == "single":
+        return [0] * n
+    if mode == "ring":
+        rs, ag = ring_phase_bytes(_shard_bounds(p, n), itemsize)
+        return [a + b for a, b in zip(rs, ag)]
+    if mode == "tree":
+        # reduce: every non-root sends P once; broadcast: every rank sends P per child
+        return [p * itemsize * ((v > 0) + len(_tree_children(v, n))) for v in range(n)]
+    if mode == "master":
+        return [(n - 1) * p * itemsize] + [p * itemsize] * (n - 1)
+    if mode == "split-fc":
+        plan, _, _ = split_fc_plan(model, n, batch)
+        sent = [0] * n
+        for _, kind, bounds in plan:
+            rs, ag = ring_phase_bytes(bounds, itemsize)
+            for r in range(n):
+                sent[r] += (ag if kind == "ag" else rs)[r]
+        return sent
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+# -- timing ----------------------------------------------------------------------------------
+def _ring_time(system, bounds, itemsize, kind):
+    """Seconds of one ring reduce-scatter ("rs", with adds) or all-gather ("ag") over ``bounds``."""
+    n = len(bounds)
+    if n == 1:
+        return 0.0
+    # lockstep: every step waits for the largest shard on the slowest hop of the ring
+    shard = max(b - a for a, b in bounds)
+    hop = system.intra if n <= system.ranks_per_node else system.inter
+    step = hop.time(shard * itemsize)
+    if kind == "rs":
+        step += system.compute.add(shard)
+    return (n - 1) * step
+
+
+def _tree_time(system, n, nbytes, elems):
+    """Seconds of a tree reduce (to the root) plus broadcast (to the last leaf)."""
+    add = system.compute.add(elems)
+    done = [0.0] * n
+    for v in range(n - 1, -1, -1):                 # children before parents
+        t = 0.0
+        for c in _tree_children(v, n):
+            t = max(t, done[c]) + system.hop(c, v).time(nbytes) + add
+        done[v] = t
+    arrive = [0.0] * n
+    for v in range(n):                             # parents before children
+        kids = _tree_children(v, n)
+        if kids:
+            # both sends start at once and share the sender's link
+            t = arrive[v] + max(system.hop(v, c).alpha_s for c in kids) \
+                + sum(nbytes / system.hop(v, c).beta_Bps for c in kids)
+            for c in kids:
+                arrive[c] = t
+    return done[0], max(arrive)
+
+
+def _master_time(system, n, nbytes, elems):
+    reduce = sum(system.hop(w, 0).time(nbytes) + system.compute.add(elems) for w in range(1, n))
+    bcast = 0.0
+    if n > 1:
+        bcast = max(system.hop(0, w).alpha_s for w in range(1, n)) \
+            + sum(nbytes / system.hop(0, w).beta_Bps for w in range(1, n))
+    return reduce, bcast
+
+
+@dataclasses.dataclass
+class Prediction:
+    """One predicted step: its parts in seconds and the bytes per rank."""
+    step_s: float
+    compute_s: float
+    comm_s: float
+    update_s: float
+    exposed_s: float
+    bytes_mean: float
+    bytes_max: int
+
+
+def _exchange_s(system, model, mode, n):
+    """Seconds of the data-parallel exchange's transfers (reduce + distribute, no update)."""
+    itemsize, p = model.dtype.itemsize, model.num_params
+    if n == 1:
+        return 0.0
+    if mode == "ring":
+        bounds = _shard_bounds(p, n)
+        return _ring_time(system, bounds, itemsize, "rs") + _ring_time(system, bounds, itemsize, "ag")
+    if mode == "tree":
+        return sum(_tree_time(system, n, p * itemsize, p))
+    return sum(_master_time(system, n, p * itemsize, p))
+
+
+def _overlap(system, n, compute_s, comm_s, device_s):
+    """Step time when the exchange (transfers ``comm_s``, then update/adds ``device_s`` on
+    the same device) runs on the communication stream beside the compute."""
+    if system.cores is None:
+        # GPU: transfers overlap, but the update kernels share the device with compute
+        return max(compute_s + device_s, comm_s + device_s)
+    # CPU: beside the compute the exchange moves at ``rate`` of its blocking speed and
+    # takes ``steal`` of the core; what is left when the compute ends runs at full speed.
+    # Its update is CPU work that competes with the compute unless a spare core is free.
+    steal, rate = min(system.steal, 0.9), max(system.rate, 1e-3)
+    span = comm_s / rate
+    if span <= compute_s + steal * span:        # the exchange ends during the compute
+        busy, left = compute_s + steal * span, 0.0
+    else:
+        busy = compute_s / (1.0 - steal)
+        left = comm_s - rate * busy
+    spare = system.cores / max(n, 1) >= 2
+    return busy + left + (0.0 if spare else device_s)
+
+
+def predict(system, model, mode, delay, n, batch):
+    """Predict one step of ``mode`` at N ranks; ``batch`` is the global batch (B/N per rank)."""
+    if mode not in ("single", "ring", "tree", "master", "split-fc"):
+        raise ValueError(f"unknown mode {mode!r}")
+    if mode == "single":
+        n, delay = 1, 0
+    system = system.at(n)
+    cp = system.compute
+    name, itemsize = model.name, model.dtype.itemsize
+    slow = system.contention(n)
+    sent = traffic(model, mode, n, batch)
+    bytes_mean, bytes_max = float(np.mean(sent)), int(max(sent))
+
+    if mode == "split-fc":
+        plan, conv, blocks = split_fc_plan(model, n, batch)
+        fc_start = model.fc_start()
+        conv_names = {lname for lname, _ in model.layers[:fc_start]}
+        fc_names = {lname for lname, _ in model.layers[fc_start:]}
+        share = max(max(b - a for a, b in _shard_bounds(layer.out_features, n)) / layer.out_features
+                    for _, layer, _ in blocks)
+        compute = (cp.step_compute(name, batch / n, conv_names)
+                   + cp.step_compute(name, batch, fc_names, share)
+                   + cp.overhead_s(name, batch)) * slow
+        conv_bounds = _shard_bounds(conv, n)
+        fc_rows = sum(max(b - a for a, b in _shard_bounds(layer.out_features, n))
+                      * (layer.in_features + 1) for _, layer, _ in blocks)
+        fc_update = cp.update(fc_rows, 2 * len(blocks)) * slow
+        # The activation collectives block the training thread. On a GPU the strategy
+        # overlaps each backward reduce-scatter with the same block's dW/db (about half
+        # the layer's backward), the conversion layer's also with the FC update.
+        hidden = {}
+        if system.cores is None:
+            for k, (bname, _, _) in enumerate(blocks):
+                hidden[bname] = 0.5 * cp.layer(name, bname, batch, share)[1] * slow
+            hidden[blocks[0][0]] += fc_update
+        act = 0.0
+        for label, kind, bounds in plan:
+            if label.startswith("conv "):
+                continue
+            t = _ring_time(system, bounds, itemsize, kind)
+            block = _overlapped_block(label, blocks)
+            act += max(0.0, t - hidden.get(block, 0.0)) if block else t
+        conv_update = cp.update(max(b - a for a, b in conv_bounds)) * slow
+        exch = sum(_ring_time(system, conv_bounds, itemsize, kind) for kind in ("rs", "ag"))
+        before = compute + act + fc_update
+        step = _overlap(system, n, before, exch, conv_update) if delay \
+            else before + exch + conv_update
+        return Prediction(step, compute, act + exch, fc_update + conv_update,
+                          max(0.0, step - compute - fc_update - conv_update), bytes_mean, bytes_max)
+
+    compute = (cp.step_compute(name, batch / n) + cp.overhead_s(name, batch / n)) * slow
+    if mode == "ring" and n > 1:
+        owned = max(b - a for a, b in _shard_bounds(model.num_params, n))
+    else:
+        owned = model.num_params          # single, tree and master: the root updates all of it
+    update = cp.update(owned) * slow
+    comm = _exchange_s(system, model, mode, n)
+    step = _overlap(system, n, compute, comm, update) if delay else compute + comm + update
+    return Prediction(step, compute, comm, update, max(0.0, step - compute - update),
+                      bytes_mean, bytes_max)
+
+
+# -- sweeps, crossovers ---------------------------------------------------------------------
+def sweep(system, model, nps, batch, scaling, modes=MODES):
+    """Return prediction rows for every (mode, delay) and N; speedup over single at N=1."""
+    base = predict(system, model, "single", 0, 1, batch).step_s
+    rows = []
+    for mode, delay in modes:
+        for n in nps:
+            if mode == "single" and n != 1:
+                continue
+            global_batch = batch * n if scaling == "weak" else batch
+            if scaling == "strong" and batch % n:
+                continue
+            if mode == "split-fc" and not _splittable(model, n):
+                continue
+            pred = predict(system, model, mode, delay, n, global_batch)
+            # weak scaling: N ranks do N times the work of one step at N=1
+            speedup = base / pred.step_s * (n if scaling == "weak" else 1)
+            rows.append({"model": model.name, "mode": mode, "delay": delay, "np": n,
+                         "profile": system.name, "step_ms": pred.step_s * 1e3,
+                         "speedup": speedup, "efficiency": speedup / n,
+                         "comm_ms": pred.comm_s * 1e3, "bytes_per_rank": pred.bytes_mean})
+    return rows
+
+
+def _splittable(model, n):
+    from ringnet.parallel.fc_slices import fc_blocks
+    return all(layer.out_features >= n for _, layer, _ in fc_blocks(model))
+
+
+def crossovers(system, model, batch, scaling, max_np, modes=MODES):
+    """Return rows {faster, than, from_np}: the smallest N where one mode's time per image
+    drops below another's, searched on powers of two and refined by bisection."""
+    def per_image(mode_delay, n):
+        gb = batch * n if scaling == "weak" else batch
+        return predict(system, model, mode_delay[0], mode_delay[1], n, gb).step_s / gb
+
+    def valid(n):
+        return scaling == "weak" or (n <= batch and batch % n == 0)
+
+    candidates = [md for md in modes if md[0] != "single"]
+    grid = [n for n in (2 ** k for k in range(1, 31)) if n <= max_np and valid(n)]
+    found = []
+    for i, a in enumerate(candidates):
+        for b in candidates[i + 1:]:
+            ns = [n for n in grid if all(_splittable(model, n) for m in (a, b) if m[0] == "split-fc")]
+            prev = None
+            for lo, hi in zip([None] + ns, ns):
+                sign = per_image(a, hi) < per_image(b, hi)
+                if prev is not None and sign != prev:
+                    lo_n, hi_n = lo, hi
+                    while hi_n - lo_n > 1:          # first N in (lo, hi] with the new order
+                        mid = (lo_n + hi_n) // 2
+                        if not valid(mid):
+                            break
+                        if (per_image(a, mid) < per_image(b, mid)) == sign:
+                            hi_n = mid
+                        else:
+                            lo_n = mid
+                    winner, loser = (a, b) if sign else (b, a)
+                    found.append({"model": model.name, "profile": system.name,
+                                  "faster": _label(*winner), "than": _label(*loser),
+                                  "from_np": hi_n})
+                prev = sign
+    return found
+
+
+def _label(mode, delay):
+    return f"{mode} d{delay}"
+
+
+# -- calibration on this machine (profile "local") -------------------------------------------
+CALIBRATION_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
+STREAM_SIZES = (512 << 10, 2 << 20)
+
+
+def _calibrate_worker(iters):
+    """Under mpirun: time the ring communicator blocking and on its stream beside compute.
+
+    Prints one JSON line on rank 0: the compute work unit alone and with every rank busy,
+    blocking reduce-scatter+all-gather per size, and per stream size the exchange's own
+    duration and the work unit's time while it ran.
+    """
+    from mpi4py import MPI
+    from ringnet.comm import MpiTransport, RingCommunicator
+    world = MPI.COMM_WORLD
+    rank, n = world.Get_rank(), world.Get_size()
+    ring = RingCommunicator(MpiTransport(world))
+    model = build_model("lenet", seed=rank)
+    rng = np.random.default_rng(rank)
+    x = rng.normal(size=(16,) + model.input_shape).astype(model.dtype)
+    y = rng.integers(0, model.num_classes, size=16)
+
+    def work():
+        for _ in range(4):
+            model.loss_and_grad(x, y)
+
+    def idle_barrier():
+        # sleeps while waiting, so an idle rank leaves its core to the others
+        request = world.Ibarrier()
+        while not request.Test():
+            time.sleep(2e-4)
+
+    def slowest(seconds):
+        return world.allreduce(seconds, op=MPI.MAX)
+
+    work()
+    solo, together = [], []
+    for _ in range(iters):
+        idle_barrier()
+        if rank == 0:
+            solo.append(_median_time(work, 1))
+        idle_barrier()
+        together.append(slowest(_median_time(work, 1)))
+    blocking = {}
+    for size in CALIBRATION_SIZES:
+        buf = np.ones(size // 4, np.float32)
+        samples = []
+        for _ in range(iters):
+            idle_barrier()
+            t0 = time.perf_counter()
+            ring.reduce_scatter(buf)
+            ring.allgather(buf)
+            samples.append(slowest(time.perf_counter() - t0))
+        blocking[size] = float(np.median(samples))
+    stream = ring.new_stream()
+    streamed = {}
+    for size in STREAM_SIZES:
+        buf = np.ones(size // 4, np.float32)
+        spans, works = [], []
+
+        def exchange(out):
+            t0 = time.perf_counter()
+            ring.reduce_scatter(buf)
+            ring.allgather(buf)
+            out.append(time.perf_counter() - t0)
+        for _ in range(iters):
+            idle_barrier()
+            got = []
+            t0 = time.perf_counter()
+            handle = stream.submit(exchange, got)
+            work()
+            t_work = time.perf_counter() - t0
+            handle.wait()
+            spans.append(slowest(got[0]))
+            works.append(slowest(t_work))
+        streamed[size] = (float(np.median(spans)), float(np.median(works)))
+    stream.close()
+    if rank == 0:
+        print(json.dumps({"np": n, "solo_s": float(np.median(solo)),
+                          "together_s": float(np.median(together)),
+                          "blocking": blocking, "streamed": streamed}), flush=True)
+    return 0
+
+
+def _fit_link(n, sizes_s, add_s_per_elem):
+    """Fit (alpha, beta) of ring RS+AG times: t = 2(N-1) alpha + 2(N-1)/N S / beta + adds."""
+    rows, rhs = [], []
+    for size, seconds in sizes_s:
+        adds = (n - 1) * add_s_per_elem * size / 4 / n
+        rows.append([2 * (n - 1), 2 * (n - 1) / n * size])
+        rhs.append(max(seconds - adds, 0.0))
+    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    if inv_beta <= 0:                      # latency-bound in the measured range
+        inv_beta = 1e-12
+    return max(float(alpha), 0.0), 1.0 / float(inv_beta)
+
+
+def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300):
+    """Run the calibration worker at each N under mpirun; return the ``local`` calibration."""
+    if shutil.which(mpirun) is None:
+        raise UsageError(f"launcher {mpirun!r} not found; `pip install mpich` or pass --mpirun")
+    by_np = {}
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+    for n in nps:
+        cmd = [mpirun, "-np", str(n), sys.executable, "-m", "ringnet.bench", "model",
+               "--calibrate-worker", "--iters", str(iters)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise UsageError(f"calibration at N={n} did not finish within {timeout} s") from None
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise UsageError(f"calibration at N={n} failed (exit {proc.returncode}): {tail}")
+        raw = json.loads(lines[-1])
+        by_np[n] = _calibration_record(n, raw, compute.add_s_per_elem)
+    return {"by_np": by_np}
+
+
+def _calibration_record(n, raw, add_s_per_elem):
+    """Turn one worker's timings into link, contention, and the stream's rate and steal."""
+    blocking = sorted((int(k), v) for k, v in raw["blocking"].items())
+    alpha, beta = _fit_link(n, blocking, add_s_per_elem) if n > 1 else (0.0, 1e30)
+    together = raw["together_s"]
+    rates, steals = [], []
+    for size, (span, work) in sorted((int(k), v) for k, v in raw["streamed"].items()):
+        alone = dict(blocking).get(size)
+        overlap = min(span, work)
+        if not alone or overlap <= 0:
+            continue
+        tail = max(0.0, span - work)            # ran after the compute, at blocking speed
+        rates.append(min(1.0, max(1e-3, (alone - min(tail, alone)) / overlap)))
+        steals.append(min(0.9, max(0.0, (work - together) / overlap)))
+    return {"alpha_s": alpha, "beta_Bps": beta, "slowdown": together / raw["solo_s"],
+            "rate": float(np.mean(rates)) if rates else 1.0,
+            "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
+
+
+# -- validation: predicted against measured on this machine -----------------------------------
+VALIDATION_NP = (1, 2, 4)
+VALIDATION_MODES = tuple(md for md in MODES if md[0] != "single")
+
+
+def load_probe(repeats=5):
+    """Return the median seconds of a fixed piece of work (LeNet, batch 16, forward+backward):
+    how fast one process runs on this machine right now."""
+    model = build_model("lenet")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16,) + model.input_shape).astype(model.dtype)
+    y = rng.integers(0, model.num_classes, size=16)
+    model.loss_and_grad(x, y)
+    return _median_time(lambda: model.loss_and_grad(x, y), repeats)
+
+
+def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=600,
+             nps=VALIDATION_NP):
+    """Measure, in each of ``repeats`` rounds: the compute profile, the local calibration, and
+    ``python -m ringnet.train`` (through ``bench scaling``) for every mode at each N.
+
+    Returns a record that :func:`validation_rows` turns into predicted-beside-measured rows;
+    each round's prediction uses that round's inputs, and each run's compute is scaled by
+    a load probe taken just before it against the one taken with the profile (the
+    machine is shared: its speed drifts from minute to minute)."""
+    from ringnet.bench import scaling
+    args = scaling._parser().parse_args([])
+    args.batch_size, args.steps, args.mpirun, args.timeout = batch, steps, mpirun, timeout
+    configs = [(m, "single", 0, 1) for m in models]
+    configs += [(m, mode, delay, n) for m in models for n in nps for mode, delay in VALIDATION_MODES
+                if mode != "split-fc" or _splittable(build_model(m), n)]
+    rounds = []
+    for round_ in range(repeats):
+        compute = measure_compute(models)
+        probe = load_probe()
+        calibration = calibrate(tuple(n for n in nps if n > 1), compute, mpirun, iters)
+        measured = []
+        for i, (name, mode, delay, n) in enumerate(configs):
+            args.model = name
+            before = load_probe()
+            result = scaling.run_config(args, mode, delay, n)
+            measured.append({"model": name, "mode": mode, "delay": delay, "np": n,
+                             "step_ms": result["step_ms"], "probe_s": before})
+            print(f"\r[round {round_ + 1}/{repeats}] {i + 1}/{len(configs)} ", end="",
+                  file=sys.stderr, flush=True)
+        rounds.append({"compute": compute.to_json(), "probe_s": probe,
+                       "calibration": calibration, "measured": measured})
+    print(file=sys.stderr)
+    return {"batch_size": batch, "steps": steps, "rounds": rounds}
+
+
+def validation_rows(record):
+    """Return [{model, mode, delay, np, predicted_ms, measured_ms}]: medians over rounds."""
+    batch = record["batch_size"]
+    table = {}
+    for rnd in record["rounds"]:
+        compute = compute_from_json(rnd["compute"])
+        system = make_system("local", compute, 1, rnd["calibration"])
+        for m in rnd["measured"]:
+            key = (m["model"], m["mode"], m["delay"], m["np"])
+            if "probe_s" in m and rnd.get("probe_s"):
+                system.compute = compute.scaled(m["probe_s"] / rnd["probe_s"])
+            pred = predict(system, build_model(m["model"]), m["mode"], m["delay"], m["np"], batch)
+            entry = table.setdefault(key, {"predicted": [], "measured": []})
+            entry["predicted"].append(pred.step_s * 1e3)
+            entry["measured"].append(m["step_ms"])
+    return [{"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
+             "predicted_ms": statistics.median(v["predicted"]),
+             "measured_ms": statistics.median(v["measured"])} for k, v in table.items()]
+
+
+def paper_rows(compute_name, profile, dtype="float32"):
+    """Predict the research's setting: 4 GPUs, Caffe's per-GPU batch, every mode."""
+    compute = _compute(compute_name, tuple(PAPER), dtype)
+    system = make_system(profile, compute, PAPER_NP)
+    rows = []
+    for name, (batch, reported) in PAPER.items():
+        model = build_model(name, dtype=dtype)
+        for row in sweep(system, model, (PAPER_NP,), batch, "weak"):
+            row["reported_speedup"] = reported if (row["mode"], row["delay"]) == ("ring", 1) else None
+            row["batch_per_gpu"] = batch
+            rows.append(row)
+    return rows, compute, system
+
+
+def _compute(spec, models, dtype):
+    if spec == "here":
+        return measure_compute(models, dtype=dtype)
+    if spec in GPUS:
+        return roofline_compute(spec, models, dtype)
+    return load_compute(spec)
+
+
+# -- output ---------------------------------------------------------------------------------
+def _print_tables(rows, batch, scaling, nps):
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], r["profile"]), {})[(r["mode"], r["delay"], r["np"])] = r
+    for (name, profile), table in by.items():
+        cols = [md for md in MODES if any((md[0], md[1], n) in table for n in nps)]
+        per = "per rank" if scaling == "weak" else "global"
+        print(f"\n# {name}, profile {profile}, {scaling} scaling, batch {batch} {per}: "
+              "step ms / speedup / efficiency")
+        print(f"{'N':>5} " + " ".join(f"{_label(*md):>22}" for md in cols))
+        for n in nps:
+            cells = []
+            for md in cols:
+                r = table.get((md[0], md[1], n))
+                cells.append(f"{r['step_ms']:9.3g} {r['speedup']:6.3g} {r['efficiency']:5.2f}"
+                             if r else f"{'-':>22}")
+            if any(c.strip() != "-" for c in cells):
+                print(f"{n:>5} " + " ".join(f"{c:>22}" for c in cells))
+
+
+def plot(rows, path, title):
+    """Step time, speedup and efficiency against N: one row of panels per model."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install -e \".[plot]\"") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    profiles = list(dict.fromkeys(r["profile"] for r in rows))
+    styles = ["-", "--", ":", "-."]
+    colors = dict(zip([_label(*md) for md in MODES], plt.cm.tab10.colors))
+    fig, axes = plt.subplots(len(models), 3, figsize=(15, 4.2 * len(models)), squeeze=False)
+    for i, name in enumerate(models):
+        for j, (key, ylabel) in enumerate((("step_ms", "step time (ms)"), ("speedup", "speedup"),
+                                            ("efficiency", "efficiency"))):
+            ax = axes[i][j]
+            for k, profile in enumerate(profiles):
+                for md in MODES:
+                    pts = sorted((r["np"], r[key]) for r in rows if r["model"] == name
+                                 and r["profile"] == profile and (r["mode"], r["delay"]) == md)
+                    if len(pts) < 2:
+                        continue
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, styles[k % len(styles)], color=colors[_label(*md)],
+                            marker=".", label=f"{_label(*md)}, {profile}")
+            ax.set_xscale("log", base=2)
+            if key != "efficiency":
+                ax.set_yscale("log")
+            ax.set_xlabel("ranks N")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{name}: {ylabel}")
+            ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * math.ceil(len(labels) / 4), 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m ringnet.bench model",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma list of models")
+    p.add_argument("--np", type=int, nargs="+", default=list(DEFAULT_NP), help="rank counts")
+    p.add_argument("--profile", action="append",
+                   help=f"INTRA[/INTER] link profile from {', '.join(LINKS)}, or local "
+                        f"(calibrated here); repeatable (default: {', '.join(DEFAULT_PROFILES)})")
+    p.add_argument("--ranks-per-node", type=int, default=8,
+                   help="ranks (GPUs) per node: hops between nodes use the INTER link (default 8)")
+    p.add_argument("--compute", default="here",
+                   help="per-layer times: here (measured now), k40 or h100 (stated roofline), "
+                        "or a JSON file from --save-compute (default here)")
+    p.add_argument("--save-compute", metavar="FILE", help="write the compute profile used as JSON")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="per-rank batch (weak scaling) or global batch (strong) (default 64)")
+    p.add_argument("--scaling", choices=("weak", "strong"), default="weak",
+                   help="weak: the batch per rank stays fixed (Caffe's multi-GPU convention); "
+                        "strong: the global batch stays fixed (default weak)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument("--calibrate", action="store_true",
+                   help="calibrate profile local here (mpirun at N=2 and 4, about 30 s)")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="read the local calibration from FILE (written by --calibrate when given)")
+    p.add_argument("--validate", action="store_true",
+                   help="run ringnet.train at N=1,2,4 for every mode and print predicted beside "
+                        "measured step time; measures compute and calibrates in every round "
+                        "(about 4 minutes a round)")
+    p.add_argument("--validation", metavar="FILE",
+                   help="with --validate: also write the measurements to FILE; without: read "
+                        "them from FILE and print the validation again (predictions recomputed)")
+    p.add_argument("--validate-steps", type=int, default=40)
+    p.add_argument("--validate-repeats", type=int, default=3)
+    p.add_argument("--validate-batch", type=int, default=64,
+                   help="global batch of the validation runs (default 64, as bench scaling)")
+    p.add_argument("--paper-compute", default="k40",
+                   help="compute profile of the research setting (default k40 roofline)")
+    p.add_argument("--paper-profile", default="pcie3",
+                   help="link profile of the research setting (default pcie3: 4 GPUs in one node)")
+    p.add_argument("--max-crossover-np", type=int, default=1024)
+    p.add_argument("--plot", metavar="PNG", help="write step time, speedup and efficiency vs N")
+    p.add_argument("--json", action="store_true",
+                   help='print one line {"predictions": [...], "validation": [...], "paper": [...]}')
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
+    p.add_argument("--iters", type=int, default=7, help="calibration repetitions (median)")
+    p.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None):
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.calibrate_worker:
+        return _calibrate_worker(args.iters)
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        raise UsageError(f"unknown model(s) {unknown or args.models!r}: choose from {', '.join(MODELS)}")
+    if any(n < 1 for n in args.np) or args.batch_size < 1 or args.ranks_per_node < 1:
+        raise UsageError("--np, --batch-size and --ranks-per-node must be >= 1")
+    if args.validate and (args.validate_steps < 3 or args.validate_repeats < 1):
+        raise UsageError("--validate-steps must be >= 3 and --validate-repeats >= 1")
+    nps = sorted(set(args.np))
+    profiles = args.profile or list(DEFAULT_PROFILES)
+    for spec in profiles:
+        if spec != "local":
+            make_system(spec, None, args.ranks_per_node)        # unknown names fail early
+    for spec in (args.paper_profile,):
+        make_system(spec, None, PAPER_NP)
+    if args.paper_compute not in GPUS and args.paper_compute != "here" \
+            and not os.path.exists(args.paper_compute):
+        raise UsageError(f"--paper-compute {args.paper_compute!r}: use here, "
+                         f"{', '.join(GPUS)} or a profile file")
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install -e \".[plot]\"") from None
+    compute = _compute(args.compute, models, args.dtype)
+    if args.save_compute:
+        with open(args.save_compute, "w") as f:
+            json.dump(compute.to_json(), f, indent=1)
+    note = (lambda text: print(text, file=sys.stderr)) if args.json else print
+
+    calibration = None
+    if args.calibration and os.path.exists(args.calibration) and not args.calibrate:
+        with open(args.calibration) as f:
+            calibration = json.load(f)
+    elif args.calibrate or "local" in profiles:
+        if compute.device != "cpu":
+            raise UsageError("profile local is this CPU machine: use --compute here")
+        calibration = calibrate((2, 4), compute, args.mpirun, args.iters)
+        if args.calibration:
+            with open(args.calibration, "w") as f:
+                json.dump(calibration, f, indent=1)
+
+    predictions, crosses = [], []
+    for spec in profiles:
+        system = make_system(spec, compute, args.ranks_per_node, calibration)
+        for name in models:
+            model = build_model(name, dtype=args.dtype)
+            rows = sweep(system, model, nps, args.batch_size, args.scaling)
+            predictions += rows
+            crosses += crossovers(system, model, args.batch_size, args.scaling,
+                                  min(args.max_crossover_np, max(nps)))
+    paper, paper_compute, paper_system = paper_rows(args.paper_compute, args.paper_profile, args.dtype)
+
+    validation = []
+    if args.validate:
+        record = validate(models, args.validate_batch, args.validate_steps,
+                          args.validate_repeats, args.mpirun, args.iters)
+        if args.validation:
+            with open(args.validation, "w") as f:
+                json.dump(record, f, indent=1)
+        validation = validation_rows(record)
+    elif args.validation:
+        try:
+            with open(args.validation) as f:
+                record = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read validation record {args.validation}: {exc}") from None
+        validation = validation_rows(record)
+        args.validate_batch, args.validate_steps = record["batch_size"], record["steps"]
+        args.validate_repeats = len(record["rounds"])
+
+    if args.plot:
+        plot(predictions, args.plot, f"ringnet predicted scaling ({args.scaling}, batch "
+                                     f"{args.batch_size}, compute {compute.name})")
+    if args.json:
+        keys = ("model", "mode", "delay", "np", "profile", "step_ms", "speedup", "efficiency")
+        print(json.dumps({
+            "predictions": [{k: r[k] for k in keys} for r in predictions],
+            "validation": [{k: r[k] for k in ("model", "mode", "delay", "np", "predicted_ms",
+                                              "measured_ms")} for r in validation],
+            "paper": [{"model": r["model"], "np": r["np"], "predicted_speedup": r["speedup"],
+                       "reported_speedup": r["reported_speedup"]}
+                      for r in paper if r["reported_speedup"] is not None]}))
+        return 0
+
+    print(f"# compute: {compute.name} ({compute.source})")
+    for spec in profiles:
+        if spec in ("local",):
+            continue
+        for part in dict.fromkeys(spec.split("/")):
+            print(f"# link {part}: alpha {LINKS[part].alpha_s * 1e6:.1f} us, beta "
+                  f"{LINKS[part].beta_Bps / 1e9:.2f} GB/s ({LINKS[part].source})")
+    if calibration:
+        for n, c in sorted((int(k), v) for k, v in calibration["by_np"].items()):
+            c = _calibration_record(n, c["raw"], compute.add_s_per_elem) if "raw" in c else c
+            print(f"# local at N={n}: alpha {c['alpha_s'] * 1e6:.1f} us, beta "
+                  f"{c['beta_Bps'] / 1e9:.2f} GB/s; beside compute the stream moves at "
+                  f"{c['rate']:.2f} of that speed; "
+                  f"compute slowdown {c['slowdown']:.2f} (effective cores "
+                  f"{n / max(c['slowdown'], 1e-9):.2f}); stream steals {c['steal']:.2f} of a core")
+    _print_tables(predictions, args.batch_size, args.scaling, nps)
+    if crosses:
+        print("\n# crossovers (time per image): from N on, the first mode is faster")
+        for c in crosses:
+            print(f"  {c['model']:14s} {c['profile']:15s} {c['faster']:>11s} beats "
+                  f"{c['than']:<11s} from N = {c['from_np']}")
+    print(f"\n# research setting: {PAPER_NP} GPUs, compute {paper_compute.name} "
+          f"({paper_compute.source}), link {args.paper_profile}, Caffe's per-GPU batch")
+    print(f"  {'model':14s} {'batch/GPU':>9s} {'mode':>11s} {'step ms':>8s} {'speedup':>8s} "
+          f"{'reported':>8s}")
+    for r in paper:
+        rep = f"{r['reported_speedup']:.2f}" if r["reported_speedup"] else "-"
+        print(f"  {r['model']:14s} {r['batch_per_gpu']:>9d} {_label(r['mode'], r['delay']):>11s} "
+              f"{r['step_ms']:8.3f} {r['speedup']:8.2f} {rep:>8s}")
+    if validation:
+        print(f"\n# validation on this machine: global batch {args.validate_batch}, "
+              f"{args.validate_steps} steps, median of {args.validate_repeats} interleaved rounds")
+        print(f"  {'model':14s} {'mode':>11s} {'N':>3s} {'predicted ms':>12s} {'measured ms':>11s} "
+              f"{'error':>7s}")
+        for r in validation:
+            err = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+            print(f"  {r['model']:14s} {_label(r['mode'], r['delay']):>11s} {r['np']:>3d} "
+                  f"{r['predicted_ms']:12.2f} {r['measured_ms']:11.2f} {100 * err:+6.1f}%")
+    if args.plot:
+        print(f"\n# plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    from ringnet.errors import run_main
+    run_main(main)

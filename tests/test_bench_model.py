@@ -1,0 +1,374 @@
+"""bench model: the performance model's closed-form pieces against hand-computed values.
+
+* traffic: bytes per rank per step of every mode against (a) the closed forms
+  2(N-1)/N * P * itemsize (ring), (N-1) * P on the master, and (b) the transport's
+  own ``bytes_sent`` counters of the real strategies under mpirun (N = 1..4);
+* the ring, tree and master communicators run in-process on a recording transport
+  send exactly the bytes the model assigns to each rank;
+* times: ring, tree and master exchange times against sums written out by hand for a
+  link with round numbers; delay 0 adds, delay 1 overlaps;
+* consistency: a faster link never predicts a slower step, the master's step grows
+  with N, delay 1 is never slower than delay 0 on a GPU, efficiency = speedup / N;
+* the link fit recovers alpha and beta from synthetic timings;
+* the CLI's --json has exactly the documented keys, --plot writes a PNG, bad input
+  ends with one ``ringnet: error:`` line and exit 2.
+
+No test asserts a measured time.
+"""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from ringnet.bench import model as pm
+from ringnet.models import build_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+ALPHA, BETA = 1e-3, 1e9          # 1 ms per message, 1 GB/s: hand sums stay readable
+
+
+def _system(alpha=ALPHA, beta=BETA, ranks_per_node=1 << 20, add=0.0, update=0.0):
+    compute = pm.roofline_compute("k40", ("lenet",))
+    compute.add_s_per_elem, compute.add_s_per_call = add, 0.0
+    compute.update_s_per_param, compute.update_s_per_call = update, 0.0
+    link = pm.Link("test", alpha, beta)
+    return pm.System("test", link, link, ranks_per_node, compute)
+
+
+# -- traffic -------------------------------------------------------------------------------
+@pytest.mark.parametrize("length", [7, 1000, 431080])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_ring_bytes_closed_form(length, n):
+    bounds = pm._shard_bounds(length, n)
+    rs, ag = pm.ring_phase_bytes(bounds, 4)
+    # every shard but one goes out once in each phase: 2(N-1)/N * P * itemsize on average
+    assert sum(rs) + sum(ag) == 2 * (n - 1) * length * 4
+    sizes = [b - a for a, b in bounds]
+    assert rs == [(length - sizes[r]) * 4 for r in range(n)]
+    assert ag == [(length - sizes[(r + 1) % n]) * 4 for r in range(n)]
+
+
+def test_mode_bytes_closed_form():
+    lenet = build_model("lenet")
+    p = lenet.num_params
+    assert p == 431080
+    for n in (2, 3, 4):
+        ring = pm.traffic(lenet, "ring", n, 12)
+        assert np.mean(ring) == pytest.approx(2 * (n - 1) / n * p * 4)
+        master = pm.traffic(lenet, "master", n, 12)
+        assert master[0] == (n - 1) * p * 4 and master[1:] == [p * 4] * (n - 1)
+        tree = pm.traffic(lenet, "tree", n, 12)
+        assert sum(tree) == 2 * (n - 1) * p * 4           # N-1 edges, each way once
+    assert pm.traffic(lenet, "tree", 4, 12) == [2 * p * 4, 2 * p * 4, p * 4, p * 4]
+
+
+def test_split_fc_bytes_hand_computed():
+    # LeNet at N=2, global batch 12: conv prefix 520 + 25050 params, features 800 (+1 label),
+    # ip1 500 outputs split 250/250, ip2 10 outputs split 5/5.
+    lenet = build_model("lenet")
+    n, batch, local = 2, 12, 6
+    per_rank = (local * 801              # conversion all-gather: the other rank's block
+                + 250 * batch            # ip1 output rows
+                + 5 * batch              # ip2 output rows (logits)
+                + 250 * batch            # ip2's input gradient, reduce-scattered by ip1 rows
+                + local * 800            # conversion feature gradient
+                + 2 * 12785) * 4         # conv gradients out, conv weights back (25570 / 2)
+    assert pm.traffic(lenet, "split-fc", n, batch) == [per_rank, per_rank]
+
+
+def test_split_fc_plan_matches_the_conversion_layer_buffers():
+    from ringnet.parallel.conversion import DataConversion
+    from ringnet.parallel.fc_slices import FcBlock, fc_blocks
+    model = build_model("lenet")
+    for n, batch in ((2, 12), (3, 12), (4, 8)):
+        plan, conv, blocks = pm.split_fc_plan(model, n, batch)
+        bounds = {label: b for label, _, b in plan}
+        layer = DataConversion(None, 0, n, blocks[0][1].in_features)
+        layer._prepare(np.empty(1, model.dtype), batch // n)
+        assert bounds["conversion: features+labels"] == layer._bounds
+        assert bounds["conversion: feature gradient"] == layer._grad_bounds
+        for name, lin, acts in fc_blocks(model):
+            block = FcBlock(name, lin, acts, model, pm._shard_bounds(lin.out_features, n), 0)
+            block.prepare(batch, model.dtype)
+            assert bounds[f"{name} output"] == block.out_bounds
+
+
+class _Done:
+    def wait(self):
+        return None
+
+
+def _recording_transport(rank, size):
+    """A Transport that moves nothing and counts what the communicator code asks it to send."""
+    from ringnet.comm.transport import Transport
+
+    class Recording(Transport):
+        name = "recording"
+
+        def isendrecv(self, send_array, send_peer, recv_array, recv_peer):
+            self._count(0 if send_array is None else send_array.nbytes,
+                        0 if recv_array is None else recv_array.nbytes)
+            return _Done()
+
+    world = types.SimpleNamespace(Get_rank=lambda: rank, Get_size=lambda: size)
+    return Recording(world, timeout_s=1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_communicator_code_sends_what_the_model_counts(n):
+    from ringnet.comm import MasterSlaveCommunicator, RingCommunicator, TreeCommunicator
+    model = build_model("cifar10_quick")
+    p = model.num_params
+    runs = {
+        "ring": lambda c, buf: (c.reduce_scatter(buf), c.allgather(buf)),
+        "tree": lambda c, buf: (c.reduce(buf, root=0), c.bcast(buf, root=0)),
+        "master": lambda c, buf: (c.reduce(buf, root=0), c.bcast(buf, root=0)),
+    }
+    classes = {"ring": RingCommunicator, "tree": TreeCommunicator,
+               "master": MasterSlaveCommunicator}
+    for mode, run in runs.items():
+        sent = []
+        for rank in range(n):
+            transport = _recording_transport(rank, n)
+            run(classes[mode](transport), np.zeros(p, np.float32))
+            sent.append(transport.bytes_sent)
+        assert sent == pm.traffic(model, mode, n, 64), mode
+
+
+# -- times -------------------------------------------------------------------------------
+def test_ring_time_hand_computed():
+    system = _system()
+    bounds = pm._shard_bounds(1000, 4)             # 250 elements = 1000 bytes per step
+    step = ALPHA + 1000 / BETA
+    assert pm._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * step)
+    add = _system(add=1e-6)                       # + 250 adds of 1 us each per step
+    assert pm._ring_time(add, bounds, 4, "rs") == pytest.approx(3 * (step + 250e-6))
+    assert pm._ring_time(system, pm._shard_bounds(1000, 1), 4, "rs") == 0.0
+
+
+def test_inter_node_hop_sets_the_ring_pace():
+    slow = pm.Link("slow", 2 * ALPHA, BETA / 10)
+    system = _system(ranks_per_node=2)
+    system.inter = slow
+    bounds = pm._shard_bounds(1000, 4)
+    assert pm._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * slow.time(1000))
+    system.ranks_per_node = 4
+    assert pm._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * (ALPHA + 1000 / BETA))
+
+
+def test_tree_and_master_times_hand_computed():
+    system = _system()
+    nbytes = 4000
+    h = ALPHA + nbytes / BETA
+    # heap of 4: 0 <- {1, 2}, 1 <- {3}. Reduce: 1 gets 3 (h), 0 gets 1 (2h) then 2 (3h).
+    # Broadcast: 0 sends to 1 and 2 at once (alpha + 2 S/beta), 1 then to 3.
+    reduce, bcast = pm._tree_time(system, 4, nbytes, 1000)
+    assert reduce == pytest.approx(3 * h)
+    assert bcast == pytest.approx(2 * ALPHA + 3 * nbytes / BETA)
+    reduce, bcast = pm._master_time(system, 4, nbytes, 1000)
+    assert reduce == pytest.approx(3 * h)                      # one after the other
+    assert bcast == pytest.approx(ALPHA + 3 * nbytes / BETA)   # three copies share one link
+
+
+def test_delay0_adds_and_delay1_overlaps():
+    system = _system(update=1e-9)
+    lenet = build_model("lenet")
+    for mode in ("ring", "tree", "master"):
+        sync = pm.predict(system, lenet, mode, 0, 4, 64)
+        assert sync.step_s == pytest.approx(sync.compute_s + sync.comm_s + sync.update_s)
+        lagged = pm.predict(system, lenet, mode, 1, 4, 64)
+        assert lagged.step_s == pytest.approx(max(lagged.compute_s, lagged.comm_s) + lagged.update_s)
+    ring = pm.predict(system, lenet, "ring", 0, 4, 64)
+    single = pm.predict(system, lenet, "single", 0, 1, 64)
+    # the ring updates one shard of 107770 parameters; the single process all 431080
+    assert ring.update_s == pytest.approx(107770e-9)
+    assert single.update_s == pytest.approx(431080e-9)
+
+
+def test_cpu_contention_slows_compute_past_the_cores():
+    system = _system()
+    system.cores = 2.0
+    assert [system.contention(n) for n in (1, 2, 3, 4)] == [1.0, 1.0, 1.5, 2.0]
+    lenet = build_model("lenet")
+    free = pm.predict(_system(), lenet, "ring", 0, 4, 64).compute_s
+    assert pm.predict(system, lenet, "ring", 0, 4, 64).compute_s == pytest.approx(2 * free)
+
+
+def test_cpu_delay1_overlap_hand_computed():
+    system = _system()
+    system.cores, system.steal, system.rate = 2.0, 0.5, 0.5
+    # exchange of 2 s needs 4 s beside the compute, which it slows by 0.5 * 4 s
+    assert pm._overlap(system, 2, 10.0, 2.0, 0.25) == pytest.approx(10.0 + 2.0 + 0.25)
+    # a 1 s compute stretches to 2 s; 1 s of exchange done, 1 s left at full speed
+    assert pm._overlap(system, 2, 1.0, 2.0, 0.25) == pytest.approx(2.0 + 1.0 + 0.25)
+    # a spare core takes the update off the compute's core
+    assert pm._overlap(system, 1, 10.0, 2.0, 0.25) == pytest.approx(12.0)
+
+
+def test_calibration_record_from_raw_timings():
+    # blocking exchange 10 ms; beside 40 ms of work (30 ms with nothing beside it) it
+    # spans 50 ms: 10 ms after the work, so none was done during the 40 ms of overlap
+    raw = {"solo_s": 0.020, "together_s": 0.030,
+           "blocking": {"4096": 0.004, "1048576": 0.010},
+           "streamed": {"1048576": [0.050, 0.040]}}
+    record = pm._calibration_record(2, raw, 0.0)
+    assert record["slowdown"] == pytest.approx(1.5)
+    assert record["steal"] == pytest.approx(0.25)      # 10 ms lost over 40 ms of overlap
+    assert record["rate"] == pytest.approx(1e-3)       # clamped: no progress beside compute
+    raw["streamed"] = {"1048576": [0.020, 0.040]}      # done within the work
+    assert pm._calibration_record(2, raw, 0.0)["rate"] == pytest.approx(0.5)
+
+
+# -- consistency -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["lenet", "cifar10_quick"])
+def test_predictions_are_consistent(name):
+    compute = pm.roofline_compute("k40", (name,))
+    model = build_model(name)
+    nps = (1, 2, 4, 8, 16, 64, 256, 1024)
+    rows = {}
+    for profile in ("pcie3/eth-10g", "nvlink4/ib-hdr"):
+        system = pm.make_system(profile, compute, 8)
+        for r in pm.sweep(system, model, nps, 64, "weak"):
+            rows[(profile, r["mode"], r["delay"], r["np"])] = r
+            assert r["efficiency"] == pytest.approx(r["speedup"] / r["np"])
+    for (profile, mode, delay, n), r in rows.items():
+        if profile == "nvlink4/ib-hdr":      # faster links never predict a slower step
+            assert r["step_ms"] <= rows[("pcie3/eth-10g", mode, delay, n)]["step_ms"] * (1 + 1e-12)
+        if mode == "ring" and delay == 1:    # overlap never loses on a GPU
+            assert r["step_ms"] <= rows[(profile, "ring", 0, n)]["step_ms"] * (1 + 1e-12)
+    for profile in ("pcie3/eth-10g", "nvlink4/ib-hdr"):
+        master = [rows[(profile, "master", 0, n)]["step_ms"] for n in nps if n > 1]
+        assert master == sorted(master) and len(set(master)) == len(master)
+    bytes_ring = [pm.traffic(model, "ring", n, 64) for n in nps]
+    means = [np.mean(b) for b in bytes_ring]
+    assert means == sorted(means) and means[-1] < 2 * model.num_params * 4
+
+
+def test_crossover_is_where_the_order_flips():
+    compute = pm.roofline_compute("k40", ("lenet",))
+    system = pm.make_system("nvlink4/ib-hdr", compute, 8)
+    lenet = build_model("lenet")
+    found = pm.crossovers(system, lenet, 64, "weak", 1024)
+    assert found
+    for c in found:
+        n = c["from_np"]
+        faster, slower = (tuple(c[k].rsplit(" d", 1)) for k in ("faster", "than"))
+
+        def t(md, n):
+            return pm.predict(system, lenet, md[0], int(md[1]), n, 64 * n).step_s
+        assert t(faster, n) < t(slower, n)
+        assert t(faster, n - 1) >= t(slower, n - 1)
+
+
+def test_link_fit_recovers_alpha_beta():
+    n, alpha, beta = 4, 3e-4, 2e8
+    times = [(s, 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / beta) for s in (4096, 65536, 1 << 20)]
+    fit_alpha, fit_beta = pm._fit_link(n, times, 0.0)
+    assert fit_alpha == pytest.approx(alpha, rel=1e-6)
+    assert fit_beta == pytest.approx(beta, rel=1e-6)
+
+
+def test_roofline_flops_of_lenet_conv1():
+    lenet = build_model("lenet")
+    (_, conv1), (_, in_shape, out_shape) = lenet.layers[0], lenet.shapes[0]
+    flops, _, _ = pm._layer_work(conv1, in_shape, out_shape)
+    assert flops == 2 * 1 * 5 * 5 * 20 * 24 * 24
+
+
+def test_compute_profile_round_trips(tmp_path):
+    compute = pm.roofline_compute("h100", ("lenet",))
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(compute.to_json()))
+    back = pm.load_compute(str(path))
+    assert back.layers["lenet"] == pytest.approx(compute.layers["lenet"]) or \
+        all(a[0] == b[0] and a[1] == pytest.approx(b[1]) and a[2] == pytest.approx(b[2])
+            for a, b in zip(back.layers["lenet"], compute.layers["lenet"]))
+    assert back.update_s_per_param == pytest.approx(compute.update_s_per_param)
+
+
+# -- the command line ------------------------------------------------------------------------
+def _cli(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "ringnet.bench", "model", *args],
+                          capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def gpu_profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "k40.json"
+    path.write_text(json.dumps(pm.roofline_compute("k40", ("lenet", "cifar10_quick")).to_json()))
+    return str(path)
+
+
+def test_cli_json_has_the_documented_shape(gpu_profile):
+    proc = _cli("--compute", gpu_profile, "--profile", "pcie3", "--profile", "nvlink4/ib-hdr",
+                "--np", "1", "2", "4", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert set(out) == {"predictions", "validation", "paper"}
+    keys = {"model", "mode", "delay", "np", "profile", "step_ms", "speedup", "efficiency"}
+    assert all(set(r) == keys for r in out["predictions"])
+    # 2 models x 2 profiles x (single + 5 modes x 4 N)
+    assert len(out["predictions"]) == 2 * 2 * (1 + 5 * 4)
+    assert out["validation"] == []
+    assert {(r["model"], r["np"], r["reported_speedup"]) for r in out["paper"]} == \
+        {("lenet", 4, 3.77), ("cifar10_quick", 4, 3.79)}
+    assert all(set(r) == {"model", "np", "predicted_speedup", "reported_speedup"} for r in out["paper"])
+
+
+def test_cli_plot_writes_a_png(gpu_profile, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "scaling.png"
+    proc = _cli("--compute", gpu_profile, "--models", "lenet", "--profile", "pcie3",
+                "--np", "1", "2", "4", "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    assert f"plot written to {png}" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--profile", "pcie9"), "unknown profile 'pcie9'"),
+    (("--models", "resnet"), "unknown model"),
+    (("--compute", "/nonexistent/profile.json"), "cannot read compute profile"),
+    (("--np", "0"), "must be >= 1"),
+])
+def test_cli_bad_input_is_one_line(args, words):
+    proc = _cli(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("ringnet: error: ") and words in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# -- against the transport's own counters (mpirun -np N, N = 1..4) -------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["lenet", "cifar10_quick"])
+@pytest.mark.parametrize("mode, delay", [("ring", 0), ("ring", 1), ("tree", 0), ("master", 0),
+                                         ("split-fc", 0), ("split-fc", 1)])
+def test_strategies_send_what_the_model_counts(name, mode, delay):
+    from mpi4py import MPI
+
+    from ringnet import parallel
+    from ringnet.optim import SGD, LRPolicy
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    batch, steps = 12, 2                               # 12: divisible by N = 1..4
+    model = build_model(name, seed=1)
+    strategy = parallel.create(mode, model, lambda k: SGD(k, LRPolicy("fixed", 1e-3)),
+                               world, delay=delay, transport="mpi")
+    rng = np.random.default_rng(rank)
+    local = batch // size
+    for it in range(steps):
+        x = rng.normal(size=(local,) + model.input_shape).astype(model.dtype)
+        strategy.step(x, rng.integers(0, model.num_classes, size=local), it)
+    strategy.drain()
+    sent = world.allgather(int(strategy.transport.bytes_sent))
+    strategy.close()
+    expected = [steps * b for b in pm.traffic(model, mode, size, batch)]
+    assert sent == expected, f"{mode} delay {delay} at N={size}: bytes sent per rank"
