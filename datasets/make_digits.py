@@ -46,11 +46,17 @@ def main(argv=None):
     parser.add_argument("--test-fraction", type=float, default=0.2)
     args = parser.parse_args(argv)
 
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        print("ringnet: error: make_digits.py needs scikit-learn (pip install scikit-learn); "
+              "training never does", file=sys.stderr)
+        return 2
     digits = load_digits()
     images = digits.images  # (1797, 8, 8) float64 holding integers 0..16
     if not np.array_equal(images, np.round(images)) or images.min() < 0 or images.max() > 16:
-        raise SystemExit("unexpected pixel values in sklearn's digits")
+        print("ringnet: error: unexpected pixel values in sklearn's digits", file=sys.stderr)
+        return 2
     images = images.astype(np.uint8)[:, None]  # (N, 1, 8, 8)
     labels = digits.target.astype(np.int64)
     train, test = stratified_split(labels, args.test_fraction, args.seed)
@@ -66,7 +72,8 @@ def main(argv=None):
             f.attrs["note"] = NOTE
             f.attrs["split_seed"] = args.seed
     print(f"wrote {args.out}: train {len(train)}, test {len(test)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

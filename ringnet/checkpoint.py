@@ -6,7 +6,7 @@ Layout::
     /momentum/<name>          SGD momentum buffer of that parameter (same shape)
     /prev_params/<name>       delay-1 runs only: the weights the next step computes on
     attrs: format ("ringnet-checkpoint"), version, model, mode, delay, ranks, step, epoch,
-           seed, dtype, lr policy settings
+           dtype, and the hyperparameters a resume continues with (HYPERPARAMETERS)
 
 Files are written to a temporary name next to the target and renamed on success, so
 an interrupted save never replaces a good checkpoint with a half-written one.
@@ -19,10 +19,15 @@ import numpy as np
 from ringnet.data.hdf5 import atomic_output
 from ringnet.errors import UsageError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "check_writable", "FORMAT"]
+__all__ = ["save_checkpoint", "load_checkpoint", "check_writable", "resume_settings",
+           "HYPERPARAMETERS", "FORMAT"]
 
 FORMAT = "ringnet-checkpoint"
 VERSION = 1
+
+# Settings stored as attributes that a resumed run continues with unless told otherwise.
+HYPERPARAMETERS = ("batch_size", "lr", "lr_policy", "gamma", "stepsize", "power", "momentum",
+                   "weight_decay", "seed")
 
 
 def check_writable(path):
@@ -40,8 +45,10 @@ def check_writable(path):
         raise UsageError(f"cannot write checkpoint {path}: it is a folder")
 
 
-def save_checkpoint(path, params, momentum=None, prev_params=None, **attrs):
+def save_checkpoint(path, params, momentum=None, prev_params=None, /, **attrs):
     """Write named host arrays and scalar ``attrs`` to ``path`` atomically.
+
+    The arrays are positional only, so ``attrs`` may hold a ``momentum`` setting.
 
     An OS error becomes a UsageError naming the file; the old file at ``path`` is untouched.
     """
@@ -92,3 +99,26 @@ def load_checkpoint(path):
         except (OSError, KeyError, ValueError) as exc:
             raise UsageError(f"checkpoint {path} is corrupt ({exc})") from None
     return groups["params"], groups["momentum"], groups["prev_params"], attrs
+
+
+def resume_settings(attrs, given):
+    """Return ``(settings, overridden)`` for a run resumed from a checkpoint's ``attrs``.
+
+    ``given`` maps each name in HYPERPARAMETERS to the value asked for on the command
+    line, or None where nothing was asked. ``settings`` holds the checkpoint's value of
+    every setting not asked for (settings the checkpoint lacks are left out); ``overridden``
+    lists ``(name, checkpoint value, asked value)`` where the two differ.
+    """
+    settings, overridden = {}, []
+    for name in HYPERPARAMETERS:
+        stored = attrs.get(name)
+        if isinstance(stored, bytes):
+            stored = stored.decode()
+        if stored is None or (isinstance(stored, str) and not stored):
+            continue
+        asked = given.get(name)
+        if asked is None:
+            settings[name] = stored
+        elif asked != stored:
+            overridden.append((name, stored, asked))
+    return settings, overridden

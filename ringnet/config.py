@@ -6,15 +6,28 @@ from dataclasses import dataclass
 from ringnet.errors import UsageError
 from ringnet.parallel import MODES
 
-__all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "build_parser", "config_from_args"]
+__all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "DEFAULTS", "build_parser", "config_from_args",
+           "default_batch_size", "synopsis"]
 
-# Per-model defaults (learning rate, epochs) for runs that do not set them.
+# Per-model defaults (learning rate, epochs, data set) for runs that do not set them.
 MODEL_DEFAULTS = {
     "digits": {"lr": 0.01, "epochs": 20, "dataset": "digits"},
     "lenet": {"lr": 0.01, "epochs": 10, "dataset": "mnist"},
     "cifar10_quick": {"lr": 0.001, "epochs": 10, "dataset": "cifar10"},
     "carnet": {"lr": 0.01, "epochs": 10, "dataset": "synthetic"},
 }
+
+# Defaults of the optimisation settings. They are None in TrainConfig until resolved, so
+# that a --resume can tell a flag given on the command line from one left out: left-out
+# settings continue with the checkpoint's values, and only then with these.
+DEFAULTS = {"batch_size": 64, "lr_policy": "fixed", "gamma": 0.1, "stepsize": 1000,
+            "power": 0.75, "momentum": 0.9, "weight_decay": 5e-4, "seed": 0}
+
+
+def default_batch_size(world_size):
+    """Return the multiple of ``world_size`` nearest to the default global batch (64)."""
+    base = DEFAULTS["batch_size"]
+    return max(world_size, int(base / world_size + 0.5) * world_size)
 
 
 @dataclass
@@ -26,15 +39,15 @@ class TrainConfig:
     delay: int = None
     epochs: int = None
     steps: int = None
-    batch_size: int = 64
-    lr: float = None
-    lr_policy: str = "fixed"
-    gamma: float = 0.1
-    stepsize: int = 1000
-    power: float = 0.75
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    seed: int = 0
+    batch_size: int = None        # None: DEFAULTS, or the checkpoint's under --resume
+    lr: float = None              # None: MODEL_DEFAULTS, or the checkpoint's under --resume
+    lr_policy: str = None
+    gamma: float = None
+    stepsize: int = None
+    power: float = None
+    momentum: float = None
+    weight_decay: float = None
+    seed: int = None
     device: str = "auto"
     dtype: str = "float32"
     transport: str = "auto"
@@ -77,6 +90,9 @@ class TrainConfig:
             raise UsageError(f"--delay 1 needs a parallel mode ({parallel})")
         if cfg.lr is None:
             cfg.lr = defaults["lr"]
+        for name, value in DEFAULTS.items():
+            if getattr(cfg, name) is None:
+                setattr(cfg, name, default_batch_size(world_size) if name == "batch_size" else value)
         if cfg.epochs is None and cfg.steps is None:
             cfg.epochs = defaults["epochs"]
         if cfg.batch_size <= 0:
@@ -124,33 +140,55 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+def _model_defaults_text():
+    lines = ["Per-model defaults (when --dataset, --lr or --epochs is not given):"]
+    for name, d in MODEL_DEFAULTS.items():
+        lines.append(f"  {name:14s} --dataset {d['dataset']:9s} --lr {d['lr']:<6g} --epochs {d['epochs']}")
+    return "\n".join(lines)
+
+
+EXAMPLES = (
+    "python -m ringnet.train",
+    "mpirun -np 4 python -m ringnet.train --mode ring --delay 1",
+    "python -m ringnet.train --model lenet --dataset synthetic --steps 50",
+    "python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 50",
+    "mpirun -np 2 python -m ringnet.train --model lenet --dataset mnist --json",
+)
+
+
 def build_parser():
     """Return the argument parser of ``python -m ringnet.train``."""
+    d = DEFAULTS
     p = _Parser(
         prog="python -m ringnet.train",
-        description="Train a CNN with one process per GPU (or CPU core). Run alone for the "
-                    "single-process reference, or under `mpirun -np N` for a parallel mode. "
+        description="Train a CNN with one process per GPU (or CPU core). Run alone for the\n"
+                    "single-process reference, or under `mpirun -np N` for a parallel mode.\n"
                     "With no arguments: the digits model on the embedded UCI digits data set.",
-        epilog="Examples:\n"
-               "  python -m ringnet.train\n"
-               "  mpirun -np 4 python -m ringnet.train --mode ring --delay 1\n"
-               "  mpirun -np 2 python -m ringnet.train --model lenet --dataset mnist --json\n"
-               "  python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 50\n",
+        epilog=_model_defaults_text() + "\n\n"
+               "mnist and cifar10 are downloaded once with "
+               "`python -m ringnet.datasets download NAME`.\n"
+               "A --resume continues with the checkpoint's batch size, lr, lr policy, momentum, "
+               "weight decay\nand seed; a flag given on the command line overrides the "
+               "checkpoint's value (the run says so).\n\n"
+               "Examples:\n" + "".join(f"  {e}\n" for e in EXAMPLES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="digits",
-                   help="digits (1x8x8), lenet (1x28x28), cifar10_quick (3x32x32), carnet (3x64x64); default digits")
-    g.add_argument("--dataset", default=None,
-                   help="digits (embedded), mnist, cifar10, synthetic, or a path to a ringnet .h5 file; "
-                        "default: the model's usual data set (digits for digits, synthetic for carnet)")
-    g.add_argument("--data-dir", default=None,
+    g.add_argument("--model", default="digits", metavar="|".join(MODEL_DEFAULTS),
+                   help="digits (1x8x8), lenet (1x28x28), cifar10_quick (3x32x32), carnet "
+                        "(3x64x64); the last layer has one output per class of the data set "
+                        "(default digits)")
+    g.add_argument("--dataset", default=None, metavar="NAME|PATH.h5",
+                   help="digits (embedded), mnist, cifar10, synthetic, a name with <name>.h5 in "
+                        "--data-dir, or a path to a ringnet .h5 file (default: per model, below)")
+    g.add_argument("--data-dir", default=None, metavar="DIR",
                    help="folder holding <name>.h5 data sets (default $RINGNET_DATA, then datasets/)")
     g.add_argument("--synthetic-size", type=_positive_int, nargs=2, metavar=("TRAIN", "TEST"),
-                   default=(2048, 512), help="sample counts of --dataset synthetic (default 2048 512)")
+                   default=(2048, 512), help="image counts of --dataset synthetic (default 2048 512)")
     g.add_argument("--no-shuffle", dest="shuffle", action="store_false",
                    help="visit training samples in file order (default: seeded shuffle per epoch)")
     g.add_argument("--augment", action="store_true",
-                   help="random crop (pad 4) and horizontal flip, seeded (for CIFAR-like data)")
+                   help="random crop (pad 4) and horizontal flip, seeded, for CIFAR-like data "
+                        "(default off)")
     g = p.add_argument_group("parallel structure")
     g.add_argument("--mode", choices=list(MODES), default=None,
                    help="; ".join(f"{m.name}: {m.per_step.replace('`', '')} (default delay "
@@ -158,39 +196,90 @@ def build_parser():
                         + ". Default: ring under mpirun, else single")
     g.add_argument("--delay", type=int, choices=(0, 1), default=None,
                    help="1: delayed model update, step t computes on the weights of step t-1 while "
-                        "the exchange of step t-1 runs (default for ring); 0: synchronous")
+                        "the exchange of step t-1 runs; 0: synchronous (default 1 for ring, "
+                        "0 otherwise)")
     g.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
-                   help="how bytes move: nccl when every rank has its own GPU (auto), else mpi")
+                   help="how bytes move (default auto: nccl when every rank has its own GPU, "
+                        "else mpi)")
     g.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="gpu (CuPy) when available (auto), else cpu (NumPy)")
+                   help="where layers run (default auto: gpu with CuPy when available, else cpu "
+                        "with NumPy)")
     g.add_argument("--check-every", type=int, default=0, metavar="K",
-                   help="compare a checksum of the weights across ranks every K steps (always at the end)")
+                   help="compare a checksum of the weights across ranks every K steps (default 0: "
+                        "only at the end)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=_positive_int, default=None, help="passes over the training set (default: per model)")
-    g.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps; overrides --epochs")
-    g.add_argument("--batch-size", type=_positive_int, default=64,
-                   help="GLOBAL mini-batch; each of N ranks takes a disjoint B/N of it (default 64)")
-    g.add_argument("--lr", type=float, default=None, help="base learning rate (default: per model)")
-    g.add_argument("--lr-policy", choices=("fixed", "step", "inv"), default="fixed",
-                   help="Caffe lr policies: fixed; step: lr*gamma^floor(it/stepsize); inv: lr*(1+gamma*it)^-power")
-    g.add_argument("--gamma", type=float, default=0.1)
-    g.add_argument("--stepsize", type=_positive_int, default=1000)
-    g.add_argument("--power", type=float, default=0.75)
-    g.add_argument("--momentum", type=float, default=0.9)
-    g.add_argument("--weight-decay", type=float, default=5e-4)
-    g.add_argument("--seed", type=int, default=0, help="seeds weights, shuffling, dropout and synthetic data")
-    g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    g.add_argument("--epochs", type=_positive_int, default=None, metavar="E",
+                   help="passes over the training set (default: per model, below)")
+    g.add_argument("--steps", type=_positive_int, default=None, metavar="S",
+                   help="total optimizer steps, counted from step 0 also under --resume; "
+                        "overrides --epochs (default: from --epochs)")
+    g.add_argument("--batch-size", type=_positive_int, default=None, metavar="B",
+                   help=f"GLOBAL mini-batch; each of N ranks takes a disjoint B/N of it; must be "
+                        f"divisible by N (default {d['batch_size']}, or the nearest multiple of N)")
+    g.add_argument("--lr", type=float, default=None, metavar="LR",
+                   help="base learning rate (default: per model, below)")
+    g.add_argument("--lr-policy", choices=("fixed", "step", "inv"), default=None,
+                   help="Caffe lr policies: fixed: lr; step: lr*gamma^floor(it/stepsize); inv: "
+                        f"lr*(1+gamma*it)^-power (default {d['lr_policy']})")
+    g.add_argument("--gamma", type=float, default=None, metavar="G",
+                   help=f"factor of the step and inv policies (default {d['gamma']})")
+    g.add_argument("--stepsize", type=_positive_int, default=None, metavar="K",
+                   help=f"steps between lr drops of the step policy (default {d['stepsize']})")
+    g.add_argument("--power", type=float, default=None, metavar="P",
+                   help=f"exponent of the inv policy (default {d['power']})")
+    g.add_argument("--momentum", type=float, default=None, metavar="M",
+                   help=f"SGD momentum, in [0, 1) (default {d['momentum']})")
+    g.add_argument("--weight-decay", type=float, default=None, metavar="WD",
+                   help=f"L2 weight decay added to the gradient (default {d['weight_decay']:g})")
+    g.add_argument("--seed", type=int, default=None, metavar="S",
+                   help=f"seeds weights, shuffling, dropout and synthetic data (default {d['seed']})")
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="floating-point type of weights and activations (default float32)")
     g = p.add_argument_group("checkpoints and output")
-    g.add_argument("--save", default=None, metavar="PATH.h5", help="write an HDF5 checkpoint at the end (atomically)")
-    g.add_argument("--resume", default=None, metavar="PATH.h5", help="continue from a checkpoint (any mode)")
-    g.add_argument("--json", action="store_true", help="print one JSON summary line at the end (rank 0)")
+    g.add_argument("--save", default=None, metavar="PATH.h5",
+                   help="write an HDF5 checkpoint at the end, atomically; missing folders are "
+                        "created (default: none)")
+    g.add_argument("--resume", default=None, metavar="PATH.h5",
+                   help="continue from a checkpoint, in any mode and at any rank count (default: "
+                        "none)")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON summary line on stdout at the end (rank 0); the log then "
+                        "goes to stderr")
     g.add_argument("--trace", default=None, metavar="PATH.json",
-                   help="write every rank's timeline as one Chrome trace file (Perfetto, chrome://tracing)")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+                   help="write every rank's timeline as one Chrome trace file for Perfetto or "
+                        "chrome://tracing (default: none)")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar or lines (default: a bar on stderr when it is a terminal, "
+                        "else a line per epoch and every $RINGNET_PROGRESS_SECONDS)")
     g.add_argument("--no-eval", dest="eval_every_epoch", action="store_false",
                    help="skip the per-epoch test evaluation (the final one still runs)")
     g.add_argument("--quiet", action="store_true", help="print nothing but errors and --json")
     return p
+
+
+def synopsis(width=96):
+    """Return the README's usage block, built from the parser: every flag, choices as a|b."""
+    items = []
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:
+            items.append(f"[{flag}]")
+        elif action.choices is not None:
+            items.append(f"[{flag} {'|'.join(map(str, action.choices))}]")
+        else:
+            metavar = action.metavar or action.dest.upper()
+            items.append(f"[{flag} {' '.join(metavar) if isinstance(metavar, tuple) else metavar}]")
+    head = "python -m ringnet.train "
+    lines, line = [], head
+    for item in items:
+        if len(line) + len(item) > width and line.strip() != head.strip():
+            lines.append(line.rstrip())
+            line = " " * len(head)
+        line += item + " "
+    lines.append(line.rstrip())
+    return "\n".join(lines)
 
 
 def config_from_args(argv=None):

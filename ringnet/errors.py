@@ -112,6 +112,8 @@ def run_main(main, argv=None):
         raise
     except KeyboardInterrupt:
         abort("interrupted", code=130)
+    except TrainingError as exc:
+        abort(str(exc))                          # the message says it all: no traceback
     except BaseException as exc:  # noqa: BLE001 - last line of defence
         comm = _world()
         rank = comm.Get_rank() if comm is not None else 0

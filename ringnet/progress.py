@@ -59,8 +59,8 @@ class Progress:
         """Record that ``step`` steps are done, the last one with training loss ``loss``."""
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(epoch=step // self.steps_per_epoch, loss=f"{loss:.4f}",
-                                 refresh=False)
+            self.bar.set_postfix(epoch=(step - 1) // self.steps_per_epoch + 1,  # 1-based, running
+                                 loss=f"{loss:.4f}", refresh=False)
             return
         self.losses.append(loss)
         now = self.clock()

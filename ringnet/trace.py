@@ -54,13 +54,16 @@ def timed(batches, name="data"):
 
 
 def check_trace_path(path):
-    """Raise UsageError when the trace file cannot be written (checked before training)."""
+    """Raise UsageError unless the trace file can be created (missing folders are made)."""
     from ringnet.errors import UsageError
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"--trace {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"--trace {path}: folder {folder} is not writable")
+    existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(existing):          # the first folder that exists must be writable
+        parent = os.path.dirname(existing)
+        if parent == existing or os.path.exists(existing):
+            raise UsageError(f"--trace {path}: {existing} is not a folder")
+        existing = parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--trace {path}: folder {existing} is not writable")
     if os.path.isdir(path):
         raise UsageError(f"--trace {path} is a folder; give a file name such as trace.json")
 
@@ -141,6 +144,7 @@ class Tracer:
                     "otherData": {k: _plain(v) for k, v in (metadata or {}).items()}}
         tmp = f"{self.path}.tmp{os.getpid()}"
         try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             with open(tmp, "w") as f:
                 json.dump(document, f, separators=(",", ":"))
             os.replace(tmp, self.path)

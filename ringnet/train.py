@@ -12,7 +12,8 @@ import time
 import numpy as np
 
 from ringnet import backend
-from ringnet.config import TrainConfig, config_from_args
+from ringnet.checkpoint import HYPERPARAMETERS
+from ringnet.config import DEFAULTS, TrainConfig, config_from_args
 from ringnet.errors import TrainingError, UsageError, collective, import_mpi, run_main
 from ringnet.progress import Progress, progress_interval
 from ringnet.trace import Tracer, timed
@@ -42,6 +43,7 @@ def _world():
 
 def _setup(cfg, world):
     """Resolve the config, pick the device, open the data, build model and strategy."""
+    dataset_given = cfg.dataset is not None
     from ringnet.data import ShardedLoader, check_compatible, open_dataset
     from ringnet.models import MODELS, build_model
     from ringnet.optim import SGD, LRPolicy
@@ -63,10 +65,20 @@ def _setup(cfg, world):
     spec = MODELS[cfg.model]
 
     def open_data():
-        ds = open_dataset(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir,
-                          input_shape=spec.input_shape, num_classes=spec.num_classes,
-                          synthetic_size=cfg.synthetic_size)
-        check_compatible(ds, spec.input_shape, spec.num_classes, model=cfg.model)
+        try:
+            ds = open_dataset(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir,
+                              input_shape=spec.input_shape, num_classes=spec.num_classes,
+                              synthetic_size=cfg.synthetic_size)
+        except UsageError as exc:
+            if dataset_given:
+                raise
+            raise UsageError(f"{exc} ({cfg.dataset} is the default data set of model "
+                             f"{cfg.model}; --dataset synthetic needs no file)") from None
+        # The last layer is sized from the data set: any class count >= 2 fits every model.
+        check_compatible(ds, spec.input_shape, ds.num_classes, model=cfg.model)
+        if ds.num_classes < 2:
+            raise UsageError(f"data set {cfg.dataset} has {ds.num_classes} class; "
+                             "a classifier needs at least 2")
         if len(ds.train) < cfg.batch_size:
             raise UsageError(f"data set {cfg.dataset} has {len(ds.train)} training images, "
                              f"fewer than one global batch of {cfg.batch_size}")
@@ -80,7 +92,8 @@ def _setup(cfg, world):
         from ringnet.trace import check_trace_path
         collective(world, lambda: check_trace_path(cfg.trace) if rank == 0 else None)
 
-    model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed)
+    model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed,
+                        num_classes=dataset.num_classes)
     policy = LRPolicy(cfg.lr_policy, cfg.lr, gamma=cfg.gamma, stepsize=cfg.stepsize, power=cfg.power)
 
     def make_optimizer(n):
@@ -134,9 +147,45 @@ def _interactive():
 
 
 def _log(cfg, world, text):
+    """Write one whole log line on rank 0 (stderr under --json: stdout is the JSON's), flushed."""
     if world.Get_rank() == 0 and not cfg.quiet:
         from tqdm import tqdm
-        tqdm.write(text, file=sys.stderr if cfg.json else sys.stdout)
+        out = sys.stderr if cfg.json else sys.stdout
+        with tqdm.external_write_mode(file=out):   # clears and redraws a progress bar
+            out.write(text + "\n")
+            out.flush()
+
+
+def _resume_settings(cfg, world):
+    """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint, note).
+
+    Hyperparameters not given explicitly continue with the checkpoint's values; the note
+    says which were taken and which a flag overrode.
+    """
+    import dataclasses
+    from ringnet.checkpoint import HYPERPARAMETERS, load_checkpoint, resume_settings
+    checkpoint = collective(world, load_checkpoint, cfg.resume)
+    attrs = checkpoint[3]
+    settings, overridden = resume_settings(attrs, {n: getattr(cfg, n) for n in HYPERPARAMETERS})
+    cfg = dataclasses.replace(cfg, **settings)
+    size = world.Get_size()
+    if "batch_size" in settings and cfg.batch_size % size:
+        raise UsageError(f"checkpoint {cfg.resume} was trained with global batch {cfg.batch_size}, "
+                         f"which {size} ranks cannot split; pass --batch-size with a multiple "
+                         f"of {size} to change it")
+    flag = {n: "--" + n.replace("_", "-") for n in HYPERPARAMETERS}
+    note = f"resuming from {cfg.resume} at step {int(attrs.get('step', 0))}"
+    if settings:
+        note += "; from the checkpoint: " + ", ".join(f"{flag[n]} {v}" for n, v in settings.items())
+    if overridden:
+        note += "; overridden: " + ", ".join(f"{flag[n]} {asked} (checkpoint: {stored})"
+                                             for n, stored, asked in overridden)
+    return cfg, checkpoint, note
+
+
+def _epoch_line(epoch, recent, test_acc, test_loss):
+    return (f"epoch {epoch:3d}  train loss {np.mean(recent):.4f}  test loss {test_loss:.4f}  "
+            f"test acc {100 * test_acc:6.2f}%")
 
 
 def train(cfg=None, world=None, **overrides):
@@ -146,33 +195,48 @@ def train(cfg=None, world=None, **overrides):
     world = world or _world()
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
+    asked_batch = cfg.batch_size
+    checkpoint = resume_note = None
+    if cfg.resume:
+        cfg, checkpoint, resume_note = _resume_settings(cfg, world)
     cfg, xp, dataset, model, strategy, loader = _setup(cfg, world)
 
     spe = loader.steps_per_epoch
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
     step = 0
-    if cfg.resume:
-        from ringnet.checkpoint import load_checkpoint
-        params, momentum, prev, attrs = collective(world, load_checkpoint, cfg.resume)
+    if checkpoint is not None:
+        params, momentum, prev, attrs = checkpoint
 
         def restore():
             if attrs.get("model") != cfg.model:
                 raise UsageError(f"checkpoint {cfg.resume} holds model {attrs.get('model')!r}, "
                                  f"not {cfg.model!r}")
+            done = int(attrs.get("step", 0))
+            if done >= total_steps:
+                asked = (f"--steps {cfg.steps}" if cfg.steps is not None else
+                         f"--epochs {cfg.epochs} ({total_steps} steps)")
+                raise UsageError(f"checkpoint {cfg.resume} is already at step {done}; {asked} "
+                                 f"leaves nothing to run (steps count from step 0: ask for more "
+                                 f"than {done})")
             try:
                 strategy.load_full_state(params, momentum, prev if cfg.delay else None)
             except ValueError as exc:
                 raise UsageError(f"checkpoint {cfg.resume}: {exc}") from None
         collective(world, restore)
         step = int(attrs.get("step", 0))
-        if step >= total_steps:
-            _log(cfg, world, f"checkpoint is at step {step}, already >= {total_steps} steps")
+        _log(cfg, world, resume_note)
 
+    batch_text = f"global batch {cfg.batch_size}"
+    if asked_batch is None and checkpoint is None and cfg.batch_size != DEFAULTS["batch_size"]:
+        batch_text += (f" (the default {DEFAULTS['batch_size']} rounded to a multiple of "
+                       f"{size} ranks)")
+    steps_text = (f"steps {step} to {total_steps} ({total_steps - step} to run)" if step
+                  else f"{total_steps} steps")
     _log(cfg, world, f"ringnet: {cfg.mode} (delay {cfg.delay}) on {size} rank(s), "
                      f"{'GPU' if xp is not np else 'CPU'}, model {cfg.model} "
-                     f"({model.num_params:,} parameters), data {dataset.name} "
-                     f"({len(dataset.train)} train / {len(dataset.test)} test), "
-                     f"global batch {cfg.batch_size}, {total_steps} steps")
+                     f"({model.num_params:,} parameters, {model.num_classes} outputs: one per class "
+                     f"of the data), data {dataset.name} ({len(dataset.train)} train / "
+                     f"{len(dataset.test)} test), {batch_text}, lr {cfg.lr:g}, {steps_text}")
 
     bar = None
     interval = collective(world, progress_interval)
@@ -182,44 +246,49 @@ def train(cfg=None, world=None, **overrides):
     tracer = Tracer(world, cfg.trace) if cfg.trace else None
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
     first_step = step
+    sent_before, _ = strategy.bytes_moved()   # bytes_per_step counts the training steps only
     t_train = time.perf_counter()
     test_acc = test_loss = None
     try:
-        while step < total_steps:
-            epoch, offset = divmod(step, spe)
-            batches = loader.epoch(epoch, start_step=offset)
-            for x, labels in timed(batches):
-                loss, _ = strategy.step(x, labels, step)
-                loss = float(loss)
-                if not math.isfinite(loss):
-                    raise TrainingError(f"loss is {loss} at step {step} (epoch {epoch}): training "
-                                        f"diverged; try a lower --lr (now {cfg.lr})")
-                recent.append(loss)
-                step += 1
-                if bar is not None:
-                    bar.update(step, loss)
-                if cfg.check_every and step % cfg.check_every == 0:
+        # Overflow on the way to a non-finite loss is reported once, below, not as warnings.
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            while step < total_steps:
+                epoch, offset = divmod(step, spe)
+                batches = loader.epoch(epoch, start_step=offset)
+                for x, labels in timed(batches):
+                    loss, _ = strategy.step(x, labels, step)
+                    loss = float(loss)
+                    if not math.isfinite(loss):
+                        raise TrainingError(f"loss is {loss} at step {step} (epoch {epoch + 1}): "
+                                            f"training diverged; try a lower --lr (now {cfg.lr:g})")
+                    recent.append(loss)
+                    step += 1
+                    if bar is not None:
+                        bar.update(step, loss)
+                    if cfg.check_every and step % cfg.check_every == 0:
+                        strategy.drain()
+                        check_replicas(strategy, world, step)
+                    if step >= total_steps:
+                        break
+                if hasattr(batches, "close"):
+                    batches.close()
+                if step % spe == 0 and cfg.eval_every_epoch and step < total_steps:
                     strategy.drain()
-                    check_replicas(strategy, world, step)
-                if step >= total_steps:
-                    break
-            if hasattr(batches, "close"):
-                batches.close()
-            if step % spe == 0 and cfg.eval_every_epoch and step < total_steps:
-                strategy.drain()
-                test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp)
-                _log(cfg, world, f"epoch {step // spe:3d}  train loss {np.mean(recent):.4f}  "
-                                 f"test acc {100 * test_acc:6.2f}%")
-        strategy.drain()
+                    test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp)
+                    _log(cfg, world, _epoch_line(step // spe, recent, test_acc, test_loss))
+            strategy.drain()
     finally:
         if bar is not None:
             bar.close()
         if tracer is not None:
             tracer.stop()
     train_s = time.perf_counter() - t_train
+    step_bytes = strategy.bytes_moved()[0] - sent_before
 
     check_replicas(strategy, world, step)
     test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp)
+    if step % spe == 0 and cfg.eval_every_epoch and step > first_step:
+        _log(cfg, world, _epoch_line(step // spe, recent, test_acc, test_loss))
     local_loss = float(np.mean(recent)) if recent else float("nan")
     train_loss = world.allreduce(local_loss) / size
 
@@ -231,15 +300,15 @@ def train(cfg=None, world=None, **overrides):
             if rank == 0:
                 save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
                                 model=cfg.model, mode=cfg.mode, delay=cfg.delay, ranks=size,
-                                step=step, epoch=step // spe, seed=cfg.seed, dtype=cfg.dtype,
-                                lr=cfg.lr, lr_policy=cfg.lr_policy)
+                                step=step, epoch=step // spe, dtype=cfg.dtype,
+                                **{n: getattr(cfg, n) for n in HYPERPARAMETERS})
         collective(world, save)
 
     stats = strategy.stats
     steps_run = step - first_step
     sent, received = strategy.bytes_moved()
     per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, loader.wait_s,
-                         stats.comm_total_s, sent, received], dtype=np.float64)
+                         stats.comm_total_s, sent, received, step_bytes], dtype=np.float64)
     mean = world.allreduce(per_rank) / size
     MPI = import_mpi()
     busiest = world.allreduce(float(sent), op=MPI.MAX)     # the root of tree/master carries most
@@ -257,12 +326,13 @@ def train(cfg=None, world=None, **overrides):
         "compute_s": mean[0], "comm_wait_s": mean[1], "update_s": mean[2], "data_s": mean[3],
         "comm_total_s": mean[4], "overlap": stats.overlap(),
         "bytes_sent": int(mean[5]), "bytes_recv": int(mean[6]),
-        "bytes_per_step": int(mean[5] / steps_run) if steps_run else 0,
+        "bytes_per_step": int(mean[7] / steps_run) if steps_run else 0,
         "bytes_sent_max": int(busiest),
         "num_params": model.num_params,
     }
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
-    _log(cfg, world, f"done: {step} steps, test accuracy {100 * test_acc:.2f}%, "
+    _log(cfg, world, f"done: {step} steps ({step / spe:.2f} epochs), train loss {train_loss:.4f}, "
+                     f"test loss {test_loss:.4f}, test accuracy {100 * test_acc:.2f}%, "
                      f"{summary['images_per_sec']:.0f} images/s, {summary['time_s']:.1f} s")
     if tracer is not None:
         collective(world, tracer.close, summary)

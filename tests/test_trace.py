@@ -11,8 +11,8 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
 DIGITS_LAYERS = ["conv1", "relu1", "conv2", "relu2", "pool1", "flatten", "ip1", "relu3", "ip2"]
 
 
-def traced_run(tmp_path, *args, np_=2, steps=8):
-    path = tmp_path / "trace.json"
+def traced_run(tmp_path, *args, np_=2, steps=8, path=None):
+    path = path or tmp_path / "trace.json"
     cmd = [sys.executable, "-m", "ringnet.train", "--steps", str(steps), "--no-eval", "--json",
            "--quiet", "--trace", str(path), *args]
     if np_ > 1:
@@ -22,7 +22,7 @@ def traced_run(tmp_path, *args, np_=2, steps=8):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     with open(path) as f:
         trace = json.load(f)                                   # it parses
-    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+    assert not [p for p in os.listdir(path.parent) if ".tmp" in p]
     return summary, trace
 
 
@@ -139,7 +139,8 @@ def test_delay_zero_exchange_is_on_the_training_thread(tmp_path):
 
 
 def test_single_process_trace(tmp_path):
-    summary, trace = traced_run(tmp_path, np_=1, steps=3)
+    path = tmp_path / "new" / "folder" / "trace.json"          # missing folders are made
+    summary, trace = traced_run(tmp_path, np_=1, steps=3, path=path)
     events = spans(trace)
     assert_nested(events)
     assert summary["ranks"] == 1 and not [e for e in events if e["cat"] == "transfer"]
@@ -155,13 +156,15 @@ def test_nesting_check_catches_overlap():
 
 
 def test_bad_trace_path_is_one_line_before_training(tmp_path):
+    (tmp_path / "file").write_text("")
     proc = subprocess.run(["mpirun", "-np", "2", sys.executable, "-m", "ringnet.train",
-                           "--steps", "2", "--trace", str(tmp_path / "no" / "t.json")],
+                           "--steps", "2", "--trace", str(tmp_path / "file" / "t.json")],
                           capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ringnet: error: rank 0: --trace"), proc.stderr
-    assert "does not exist" in lines[0] and "ringnet:" not in proc.stdout
+    assert "is not a folder" in lines[0] and "ringnet:" not in proc.stdout
+    assert os.listdir(tmp_path) == ["file"]
 
 
 def test_no_listener_no_fine_spans():

@@ -58,11 +58,9 @@ def layer_times(model, x, iters):
 
 def torch_model(model):
     """Return a torch.nn.Sequential equal to ``model`` with its current weights (float32/64)."""
-    try:
-        import torch
-        from torch import nn
-    except ImportError as exc:
-        raise UsageError("--vs torch needs PyTorch (pip install torch); it is not installed") from exc
+    _require_torch()
+    import torch
+    from torch import nn
     from collections import OrderedDict
     modules = []
     for name, layer in model.layers:
@@ -157,7 +155,20 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.iters < 1:
         raise UsageError("--batch-size and --iters must be >= 1")
+    if args.vs == "torch":
+        _require_torch()
     return args
+
+
+TORCH_HINT = ("--vs torch needs PyTorch, which is not installed: pip install -e \".[bench]\" "
+              "(torch==2.13.0; the CPU build is enough)")
+
+
+def _require_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UsageError(TORCH_HINT) from None
 
 
 def main(argv=None):

@@ -22,23 +22,25 @@ DEFAULT_DELAYS = {"ring": (1, 0), "tree": (0,), "master": (0,), "split-fc": (0,)
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m ringnet.bench scaling", description=__doc__,
+    p = _Parser(prog="python -m ringnet.bench scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, nargs="+", default=[1, 2], help="rank counts (default 1 2)")
     p.add_argument("--modes", default="ring,tree,master",
                    help="comma list of ring, tree, master, split-fc (single at N=1 is always run)")
     p.add_argument("--delays", default=None,
                    help="comma list of delays for every mode (default: ring 1 and 0, others 0)")
-    p.add_argument("--model", default="cifar10_quick")
-    p.add_argument("--dataset", default="synthetic")
+    p.add_argument("--model", default="cifar10_quick", help="model to train (default cifar10_quick)")
+    p.add_argument("--dataset", default="synthetic", help="data set (default synthetic)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--lr", type=float, default=0.001,
                    help="learning rate (default 0.001: small enough that no mode diverges in a "
                         "timing run; step time does not depend on it)")
-    p.add_argument("--transport", default="auto")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
+                   help="train's --transport (default auto)")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
+                   help="train's --device (default cpu)")
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
                    help="launcher (default $MPIRUN or mpirun)")
     p.add_argument("--csv", default=None, metavar="PATH", help="also write the table as CSV")
@@ -70,8 +72,34 @@ def run_config(args, mode, delay, nranks):
     return json.loads(lines[-1])
 
 
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line ``ringnet: error: ...`` and exit 2."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _check(args):
+    """Raise UsageError for values no run can use (before anything is launched)."""
+    for name in ("steps", "repeats", "batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0 or args.lr == float("inf"):
+        raise UsageError(f"--lr must be a positive number, got {args.lr}")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout}")
+    delays = None
+    if args.delays is not None:
+        items = [d.strip() for d in args.delays.split(",") if d.strip()]
+        if not items or any(d not in ("0", "1") for d in items):
+            raise UsageError(f"--delays takes a comma list of 0 and 1, got {args.delays!r}")
+        delays = [int(d) for d in items]
+    return delays
+
+
 def main(argv=None):
     args = _parser().parse_args(argv)
+    delays = _check(args)
     if args.plot:
         from ringnet.bench.plot import check_writable
         check_writable(args.plot)
@@ -86,7 +114,6 @@ def main(argv=None):
     bad = [n for n in args.np if args.batch_size % n]
     if bad:
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by N = {bad}")
-    delays = None if args.delays is None else [int(d) for d in args.delays.split(",")]
     configs = [("single", 0, 1)]
     for n in sorted(set(args.np)):
         if n == 1:

@@ -1,10 +1,22 @@
 #!/usr/bin/env bash
 # Run the GPU tests (communication and training) on a machine with at least one CUDA GPU.
 # Usage: tests/gpu/run.sh   (from the repository root, virtual environment active)
+# Exit status: 0 all passed, 77 no GPU or no CuPy (nothing run), anything else a failure.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
-python -c "import cupy, sys; sys.exit(0 if cupy.is_available() else 'no usable CUDA GPU')"
+# Exit 77 (the "skipped" code of automake and meson) when there is nothing to test on.
+if ! why=$(python -c "
+try:
+    import cupy
+except ImportError:
+    print('CuPy is not installed (pip install -e \".[gpu]\")')
+else:
+    print('' if cupy.is_available() else 'CuPy finds no usable CUDA GPU')
+" 2>&1) || [ -n "$why" ]; then
+  echo "tests/gpu/run.sh needs a CUDA GPU and CuPy: $why; no GPU test was run" >&2
+  exit 77
+fi
 nvidia-smi -L || true
 python -c "from cupy.cuda import nccl; print('NCCL', nccl.get_version() if nccl.available else 'not loadable')" || true
 
