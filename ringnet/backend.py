@@ -1,8 +1,8 @@
 """Array backend: CuPy on a GPU, NumPy otherwise; device binding by node-local rank."""
 import numpy as np
 
-__all__ = ["cupy", "gpu_available", "get_xp", "get_array_module", "to_numpy",
-           "resolve_dtype", "make_rng", "bind_device", "is_gpu_array"]
+__all__ = ["cupy", "gpu_available", "check_gpu", "get_xp", "get_array_module", "to_numpy",
+           "resolve_dtype", "make_rng", "bind_device", "is_gpu_array", "pci_bus_id"]
 
 try:  # CuPy imports without a GPU; it is only *usable* when a device answers.
     import cupy  # type: ignore
@@ -20,8 +20,32 @@ def gpu_available():
         return False
 
 
+def check_gpu():
+    """Launch a kernel and a GEMM on the current GPU; raise RuntimeError in one line if either fails.
+
+    Catches a CuPy that imports and sees a device but cannot run on it (a wheel for
+    another CUDA major than the driver's, a missing cuBLAS or NVRTC).
+    """
+    try:
+        a = cupy.arange(16, dtype=cupy.float32).reshape(4, 4)
+        total = float((a * 2 + 1).sum())          # an elementwise kernel, a reduction
+        product = float((a @ a).trace())          # cuBLAS
+    except Exception as exc:  # noqa: BLE001 - any failure means the GPU path is unusable
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise RuntimeError(f"CuPy {cupy.__version__} sees a GPU but cannot run on it "
+                           f"({type(exc).__name__}: {first}); install the extra for the CUDA "
+                           "major version `nvidia-smi` shows (gpu-cuda12 or gpu-cuda13)") from None
+    if total != 256.0 or product != 1680.0:
+        raise RuntimeError(f"CuPy {cupy.__version__} computed wrong values on the GPU "
+                           f"(sum {total}, trace {product}; expected 256 and 1680)")
+
+
 def get_xp(device="auto"):
-    """Return the array module for ``device`` in {"auto", "cpu", "gpu"}."""
+    """Return the array module for ``device`` in {"auto", "cpu", "gpu"}.
+
+    ``cpu`` never touches CUDA; the others only count devices (no CUDA context): bind the
+    rank's GPU, then :func:`check_gpu` it.
+    """
     if device not in ("auto", "cpu", "gpu"):
         raise ValueError(f"unknown device {device!r}: choose auto, cpu or gpu")
     if device == "cpu":
@@ -74,3 +98,8 @@ def bind_device(local_rank):
     device_id = local_rank % count
     cupy.cuda.Device(device_id).use()
     return device_id
+
+
+def pci_bus_id(device_id):
+    """Return the PCI bus id of CUDA device ``device_id`` (e.g. ``0000:3b:00.0``), lower case."""
+    return str(cupy.cuda.runtime.deviceGetPCIBusId(int(device_id))).lower()

@@ -3,7 +3,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from ringnet.errors import UsageError
+from ringnet.errors import ArgumentParser, UsageError
 from ringnet.parallel import MODES
 
 __all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "DEFAULTS", "build_parser", "config_from_args",
@@ -133,13 +133,6 @@ def _positive_int(text):
     return value
 
 
-class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors become one-line UsageErrors (printed once, exit 2)."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
 def _model_defaults_text():
     lines = ["Per-model defaults (when --dataset, --lr or --epochs is not given):"]
     for name, d in MODEL_DEFAULTS.items():
@@ -159,7 +152,7 @@ EXAMPLES = (
 def build_parser():
     """Return the argument parser of ``python -m ringnet.train``."""
     d = DEFAULTS
-    p = _Parser(
+    p = ArgumentParser(
         prog="python -m ringnet.train",
         description="Train a CNN with one process per GPU (or CPU core). Run alone for the\n"
                     "single-process reference, or under `mpirun -np N` for a parallel mode.\n"

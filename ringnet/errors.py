@@ -1,7 +1,11 @@
 """How ringnet entry points fail: one clear message, a non-zero exit, never a hang.
 
-* :class:`UsageError` — bad input (flags, data files, a world size a mode cannot use).
+* :class:`UsageError` — bad command-line input (flags, a world size a mode cannot use).
   Exit code 2 with one line ``ringnet: error: ...``.
+* library errors the entry points report the same way: :class:`InputError`
+  (a ``ValueError``: input the library cannot use, e.g. a model split-fc cannot split)
+  and :class:`SetupError` (a ``RuntimeError``: the machine cannot run what was asked).
+  Library modules raise these in their own words; only entry points speak of flags.
 * any other exception — a bug or a runtime failure (NaN loss, a transfer timeout, a
   dead peer). The failing rank prints its traceback once, prefixed with its rank, and
   the whole MPI job is aborted (``MPI_Abort``) so no other rank waits forever.
@@ -10,11 +14,13 @@ Setup code that every rank runs (argument checks, opening data) goes through
 :func:`collective`: every rank reports whether it failed, so a problem seen by one
 rank only (a file missing on one node) still ends every rank with exit code 2.
 """
+import argparse
 import os
 import sys
 import traceback
 
-__all__ = ["UsageError", "TrainingError", "collective", "run_main", "abort", "import_mpi"]
+__all__ = ["UsageError", "InputError", "SetupError", "USER_ERRORS", "TrainingError",
+           "ArgumentParser", "collective", "run_main", "abort", "import_mpi"]
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -22,6 +28,18 @@ EXIT_FAILURE = 1
 
 class UsageError(Exception):
     """Bad input from the user: reported in one line, exit code 2."""
+
+
+class InputError(ValueError):
+    """Input a library function cannot use, said in the library's words."""
+
+
+class SetupError(RuntimeError):
+    """The machine or installation cannot run what was asked (no usable GPU, NCCL missing)."""
+
+
+# What an entry point reports in one line with exit code 2 (no traceback).
+USER_ERRORS = (UsageError, InputError, SetupError)
 
 
 class TrainingError(RuntimeError):
@@ -63,7 +81,7 @@ def collective(comm, fn, *args, **kwargs):
     error = None
     try:
         value = fn(*args, **kwargs)
-    except UsageError as exc:
+    except USER_ERRORS as exc:
         error = ("usage", str(exc))
     except Exception as exc:  # noqa: BLE001 - re-raised below once agreed
         error = ("other", exc)
@@ -101,7 +119,7 @@ def run_main(main, argv=None):
     """Call ``main(argv)`` and turn failures into the exit behaviour described above."""
     try:
         code = main(argv)
-    except UsageError as exc:
+    except USER_ERRORS as exc:
         # Raised outside `collective`: every rank reached the same verdict from the
         # same arguments, so rank 0 alone speaks and all ranks exit 2.
         comm = _world()
@@ -123,3 +141,11 @@ def run_main(main, argv=None):
         summary = str(exc) or type(exc).__name__
         abort(summary if isinstance(exc, TrainingError) else f"{type(exc).__name__}: {summary}")
     sys.exit(code or 0)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The entry points' argument parser: its errors are one-line UsageErrors (exit 2)
+    naming the --help to read, instead of argparse's usage dump."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")

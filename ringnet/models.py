@@ -1,6 +1,6 @@
 """Models: layer sequences whose parameters and gradients live in one flat buffer each."""
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -9,7 +9,7 @@ from ringnet.backend import get_array_module, make_rng, resolve_dtype, to_numpy
 from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU,
                             SoftmaxCrossEntropy, init_array)
 
-__all__ = ["MODELS", "ModelSpec", "Model", "build_model"]
+__all__ = ["MODELS", "ModelSpec", "Model", "ParamSlot", "LayerShape", "build_model"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,24 @@ MODELS = {
 }
 
 
+class ParamSlot(NamedTuple):
+    """Where one parameter lives in the model's flat buffers."""
+    layer_index: int        # index into Model.layers
+    suffix: str             # "weight" or "bias"
+    name: str               # "<layer name>.<suffix>", the name checkpoints use
+    start: int              # [start, stop) in params and grads
+    stop: int
+    shape: tuple            # PyTorch layout
+    init: tuple             # the layer's init spec for it
+
+
+class LayerShape(NamedTuple):
+    """One layer's per-sample input and output shapes."""
+    name: str
+    in_shape: tuple
+    out_shape: tuple
+
+
 class Model:
     """A layer sequence with all parameters in ``params`` and all gradients in ``grads``.
 
@@ -118,25 +136,25 @@ class Model:
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate layer names in {names}")
         # Walk the shapes once: it validates the architecture and fixes the buffer layout.
-        self.shapes = []              # [(layer name, per-sample in shape, out shape)]
-        self._slots = []              # [(layer index, suffix, full name, start, stop, shape, init)]
+        self.shapes = []              # [LayerShape]
+        self._slots = []              # [ParamSlot], in buffer order
         shape, offset = self.input_shape, 0
         for index, (lname, layer) in enumerate(self.layers):
             for suffix, pshape, init in layer.param_specs(shape):
                 size = int(np.prod(pshape))
-                self._slots.append((index, suffix, f"{lname}.{suffix}", offset, offset + size,
-                                    tuple(pshape), init))
+                self._slots.append(ParamSlot(index, suffix, f"{lname}.{suffix}", offset,
+                                             offset + size, tuple(pshape), init))
                 offset += size
             out = layer.output_shape(shape)
-            self.shapes.append((lname, shape, out))
+            self.shapes.append(LayerShape(lname, shape, out))
             shape = out
         if shape != (self.num_classes,):
             raise ValueError(f"model output shape {shape} != ({self.num_classes},)")
         self.num_params = offset
         host = np.empty(offset, dtype=self.dtype)
         rng = make_rng(seed)
-        for _, _, _, start, stop, pshape, init in self._slots:
-            host[start:stop] = init_array(init, pshape, rng, self.dtype).reshape(-1)
+        for slot in self._slots:
+            host[slot.start:slot.stop] = init_array(slot.init, slot.shape, rng, self.dtype).reshape(-1)
         self.params = xp.asarray(host)
         self.grads = xp.zeros(offset, dtype=self.dtype)
         if self.layers:
@@ -148,9 +166,9 @@ class Model:
 
     def _views(self, flat, grads):
         per_layer = [({}, {}) for _ in self.layers]
-        for index, suffix, _, start, stop, shape, _ in self._slots:
-            per_layer[index][0][suffix] = flat[start:stop].reshape(shape)
-            per_layer[index][1][suffix] = grads[start:stop].reshape(shape)
+        for slot in self._slots:
+            per_layer[slot.layer_index][0][slot.suffix] = flat[slot.start:slot.stop].reshape(slot.shape)
+            per_layer[slot.layer_index][1][slot.suffix] = grads[slot.start:slot.stop].reshape(slot.shape)
         return per_layer
 
     def _check_flat(self, array, what):
@@ -174,19 +192,19 @@ class Model:
 
     def param_names(self):
         """Return parameter names in buffer order."""
-        return [s[2] for s in self._slots]
+        return [s.name for s in self._slots]
 
     def param_offsets(self):
         """Return name -> (start, stop, shape) in the flat buffers."""
-        return {s[2]: (s[3], s[4], s[5]) for s in self._slots}
+        return {s.name: (s.start, s.stop, s.shape) for s in self._slots}
 
     def named_params(self):
         """Return name -> view of ``params`` in PyTorch layout."""
-        return {s[2]: self.params[s[3]:s[4]].reshape(s[5]) for s in self._slots}
+        return {s.name: self.params[s.start:s.stop].reshape(s.shape) for s in self._slots}
 
     def named_grads(self):
         """Return name -> view of ``grads`` in PyTorch layout."""
-        return {s[2]: self.grads[s[3]:s[4]].reshape(s[5]) for s in self._slots}
+        return {s.name: self.grads[s.start:s.stop].reshape(s.shape) for s in self._slots}
 
     def fc_start(self):
         """Return the index in ``layers`` of the first Linear layer."""
@@ -277,8 +295,8 @@ class Model:
 
     def __repr__(self):
         lines = [f"Model({self.name}, input {self.input_shape}, {self.num_params} params, {self.dtype})"]
-        for (lname, layer), (_, _, out) in zip(self.layers, self.shapes):
-            lines.append(f"  {lname:8s} {layer!r:50s} -> {out}")
+        for (lname, layer), shape in zip(self.layers, self.shapes):
+            lines.append(f"  {lname:8s} {layer!r:50s} -> {shape.out_shape}")
         return "\n".join(lines)
 
 

@@ -2,6 +2,10 @@
 
 ``train(cfg, world)`` is the same run as a function (tests and benchmarks call it).
 """
+if __name__ == "__main__":     # the program, not a library import: pin BLAS threads before NumPy loads
+    from ringnet._threads import configure_blas_threads
+    configure_blas_threads()
+
 import collections
 import json
 import math
@@ -34,11 +38,22 @@ class TrainResult:
         return self.strategy.eval_model()
 
 
-def _world():
-    from ringnet.slurm import check_world_size
-    world = import_mpi().COMM_WORLD
-    check_world_size(world.Get_size())
-    return world
+def _place(cfg, world, device):
+    """Bind the GPU and build the transport (parallel modes); return (Placement, transport).
+
+    ``device="cpu"`` touches no CUDA. Collective; a GPU that cannot run is a UsageError.
+    """
+    from ringnet import comm as ringcomm
+    try:
+        if cfg.mode != "single":
+            transport = ringcomm.make_transport(cfg.transport, world, device=device)
+            return transport.placement, transport
+        if device == "cpu":
+            return ringcomm.Placement("cpu"), None
+        device_id, bus_id, _ = ringcomm.bind_gpu(world)
+        return ringcomm.Placement("gpu", f"GPU {device_id} ({bus_id})"), None
+    except RuntimeError as exc:     # check_gpu: a CuPy that imports but cannot run
+        raise UsageError(str(exc)) from None
 
 
 def _setup(cfg, world):
@@ -58,10 +73,9 @@ def _setup(cfg, world):
         except RuntimeError as exc:
             raise UsageError(str(exc)) from None
     xp = collective(world, pick_device)
-    if xp is not np:
-        from ringnet.comm import local_rank
-        backend.bind_device(local_rank(world)[0])
-
+    if cfg.device == "auto" and size > 1 and world.allreduce(int(xp is np)):
+        xp = np     # some rank has no usable GPU: every rank computes on the CPU
+    placement, transport = collective(world, _place, cfg, world, "cpu" if xp is np else "gpu")
     spec = MODELS[cfg.model]
 
     def open_data():
@@ -102,7 +116,8 @@ def _setup(cfg, world):
 
     strategy = collective(world, parallel.create, cfg.mode, model, make_optimizer,
                           world if cfg.mode != "single" else None,
-                          delay=cfg.delay, transport=cfg.transport)
+                          delay=cfg.delay, transport=transport)
+    strategy.placement = placement
     loader = ShardedLoader(dataset.train, cfg.batch_size, rank=rank, size=size, seed=cfg.seed,
                            shuffle=cfg.shuffle, xp=xp, dtype=cfg.dtype, mean=dataset.mean,
                            std=dataset.std, augment=cfg.augment)
@@ -192,7 +207,10 @@ def train(cfg=None, world=None, **overrides):
     """Run one training job on ``world`` (default MPI.COMM_WORLD); return a TrainResult."""
     import dataclasses
     cfg = dataclasses.replace(cfg or TrainConfig(), **overrides)
-    world = world or _world()
+    if world is None:
+        from ringnet.slurm import check_world_size
+        world = import_mpi().COMM_WORLD
+        check_world_size(world.Get_size())
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
     asked_batch = cfg.batch_size
@@ -233,7 +251,7 @@ def train(cfg=None, world=None, **overrides):
     steps_text = (f"steps {step} to {total_steps} ({total_steps - step} to run)" if step
                   else f"{total_steps} steps")
     _log(cfg, world, f"ringnet: {cfg.mode} (delay {cfg.delay}) on {size} rank(s), "
-                     f"{'GPU' if xp is not np else 'CPU'}, model {cfg.model} "
+                     f"{strategy.placement.describe()}, model {cfg.model} "
                      f"({model.num_params:,} parameters, {model.num_classes} outputs: one per class "
                      f"of the data), data {dataset.name} ({len(dataset.train)} train / "
                      f"{len(dataset.test)} test), {batch_text}, lr {cfg.lr:g}, {steps_text}")
@@ -318,6 +336,7 @@ def train(cfg=None, world=None, **overrides):
         "mode": cfg.mode, "delay": cfg.delay, "ranks": size, "model": cfg.model,
         "dataset": dataset.name, "device": "gpu" if xp is not np else "cpu",
         "transport": getattr(strategy.transport, "name", None) if strategy.transport else None,
+        "gpu": strategy.placement.gpu, "transport_reason": strategy.placement.reason or None,
         "dtype": cfg.dtype, "batch_size": cfg.batch_size, "steps": step,
         "epochs": round(step / spe, 3), "test_accuracy": test_acc, "test_loss": test_loss,
         "train_loss": train_loss,

@@ -4,6 +4,8 @@ Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/test_comm_mpi.py`` 
 Every test does all collective work first and asserts afterwards, so a failure on
 one rank cannot leave the others waiting.
 """
+import threading
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -97,12 +99,15 @@ def test_reduce_and_bcast_to_last_rank(comms, name, op):
     root = N - 1
     length = 1000 + N
     buf = (RANK + 1) * pattern(length, np.float32)
+    sent = buf.copy()
     comms[name].reduce(buf, root=root, op=op)
     reduced = buf.copy()
     data = np.arange(length, dtype=np.float32) if RANK == root else np.zeros(length, np.float32)
     comms[name].bcast(data, root=root)
     if RANK == root:
         assert_close(reduced, closed_form(length, np.float32, op), np.float32, f"{name} reduce")
+    else:   # the agreed post-condition: a non-root buffer is left as it was
+        np.testing.assert_array_equal(reduced, sent, err_msg=f"{name} reduce changed rank {RANK}'s buffer")
     assert_close(data, np.arange(length), np.float32, f"{name} bcast")
 
 
@@ -115,25 +120,65 @@ def test_ring_chunked_matches_closed_form(transport, chunk_bytes, pipeline):
 
 
 @pytest.mark.parametrize("name", list(COMMUNICATORS))
-def test_stream_op_overlaps_main_thread_matmul(comms, name):
+def test_stream_op_runs_beside_the_caller(comms, name):
+    """A collective queued on a stream returns at once and runs while the caller works;
+    queued operations run in order. The stream's first operation is slowed on purpose."""
     comm = comms[name]
     stream = comm.new_stream()
+    gate = threading.Event()
     try:
         buf = (RANK + 1) * pattern(300007, np.float32)
+        stream.submit(gate.wait, 60)               # holds the stream until the caller opens it
         handle = comm.allreduce(buf, op="sum", stream=stream)
-        rng = np.random.default_rng(RANK)
-        x = rng.standard_normal((200, 200))
-        y = x @ x.T  # computed while the all-reduce runs on the stream thread
-        handle.wait()
+        queued_behind = not handle.done()          # a submit that ran the op itself is done here
+        untouched = np.array_equal(buf, (RANK + 1) * pattern(300007, np.float32))
+        gate.set()
         second = comm.allreduce(buf, op="mean", stream=stream)  # queued ops run in order
-        second.wait()
-        done = second.done()
+        second.wait(timeout=120)
+        done = handle.done() and second.done()
     finally:
+        gate.set()
         stream.close()
+    assert queued_behind and untouched, f"{name}: allreduce on a stream ran in the caller's thread"
     assert done
-    np.testing.assert_allclose(y, np.einsum("ik,jk->ij", x, x), rtol=1e-9, atol=1e-9)
     # sum then mean: N(N+1)/2 * pattern, then unchanged by the mean of equal values
     assert_close(buf, closed_form(300007, np.float32, "sum"), np.float32, f"{name} on stream")
+
+
+def _sub_communicators():
+    """COMM_SELF, a Dup of the world, and a Split into even and odd ranks (sizes differ at odd N)."""
+    return {"self": MPI.COMM_SELF, "dup": WORLD.Dup(), "split": WORLD.Split(RANK % 2, RANK)}
+
+
+@pytest.mark.parametrize("kind", ["self", "dup", "split"])
+def test_every_communicator_works_on_a_sub_communicator(kind):
+    """``create(..., mpi_comm=sub)`` computes over ``sub``'s ranks only, in ``sub``'s numbering."""
+    subs = _sub_communicators()
+    sub = subs[kind]
+    n, rank = sub.Get_size(), sub.Get_rank()
+    length = 1000 + n
+    results = {}
+    try:
+        for name in COMMUNICATORS:
+            comm = create(name, transport="mpi", mpi_comm=sub)
+            assert (comm.rank, comm.size) == (rank, n)
+            buf = (rank + 1) * pattern(length, np.float64)
+            comm.allreduce(buf, op="sum")
+            results[name] = buf
+        ring = create("ring", transport="mpi", mpi_comm=sub)
+        shards = (rank + 1) * pattern(length, np.float64)
+        ring.reduce_scatter(shards, op="mean")
+        ring.allgather(shards)
+        results["reduce_scatter+allgather"] = shards
+    finally:
+        for other in subs.values():
+            if other not in (MPI.COMM_SELF, MPI.COMM_WORLD):
+                other.Free()
+    expected = n * (n + 1) / 2 * pattern(length, np.float64)
+    for name, buf in results.items():
+        want = expected if name in COMMUNICATORS else expected / n
+        np.testing.assert_allclose(buf, want, rtol=1e-12, atol=0,
+                                   err_msg=f"{name} on {kind} (rank {rank} of {n})")
 
 
 def test_two_streams_and_caller_do_not_mix_messages(comms):

@@ -11,7 +11,7 @@ from ringnet.backend import gpu_available, to_numpy
 from ringnet.data import (ShardedLoader, Split, check_compatible, default_data_dir,
                           iterate_eval, make_synthetic, open_dataset, write_dataset)
 from ringnet.data.loader import PAD, _read, augment_batch, augment_params
-from ringnet.errors import UsageError
+from ringnet.errors import InputError, UsageError
 
 DIGITS = default_data_dir() / "digits.h5"
 
@@ -140,7 +140,7 @@ def test_steps_per_epoch_and_last_batch():
     (dict(global_batch=8, mean=[1.0, 2.0]), "channels"),
 ])
 def test_bad_loader_arguments(kwargs, words):
-    with pytest.raises(UsageError, match=words):
+    with pytest.raises(InputError, match=words):
         ShardedLoader(small_split(n=50), **kwargs)
 
 

@@ -408,3 +408,15 @@ def test_bad_arguments_one_line(tmp_path):
     result = run_cli("info", tmp_path / "fake.h5")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "is not a readable HDF5 file" in result.stderr
+
+
+def test_data_module_and_datasets_alias_are_one_command():
+    """``python -m ringnet.data`` is the CLI; ``python -m ringnet.datasets`` runs the same main."""
+    from ringnet.data import __main__ as data_main
+    assert datasets.main is data_main.main
+    digits = Path(__file__).resolve().parents[1] / "datasets" / "digits.h5"
+    outputs = [subprocess.run([sys.executable, "-m", module, "info", str(digits), "--json"],
+                              capture_output=True, text=True, timeout=120)
+               for module in ("ringnet.data", "ringnet.datasets")]
+    assert [o.returncode for o in outputs] == [0, 0], outputs[0].stderr + outputs[1].stderr
+    assert json.loads(outputs[0].stdout)["sha256"] == json.loads(outputs[1].stdout)["sha256"]

@@ -16,7 +16,6 @@ import pytest
 
 from ringnet import datasets
 from ringnet.data import download
-from ringnet.errors import UsageError
 
 from test_datasets_cli import cifar_batches, expected_cifar, make_mnist, read_h5, run_cli, write_cifar
 
@@ -182,7 +181,7 @@ def test_next_mirror_after_404(tmp_path, server):
     download.fetch([server.url + "missing/nothing.bin", server.url + "blob.bin"], dest, sha256(data),
                    progress=False)
     assert dest.read_bytes() == data
-    with pytest.raises(UsageError, match=r"cannot reach .*nothing\.bin \(HTTP 404"):
+    with pytest.raises(download.Unreachable, match=r"cannot reach .*nothing\.bin \(HTTP 404"):
         download.fetch([server.url + "nothing.bin"], tmp_path / "x", sha256(data), progress=False)
 
 
@@ -205,9 +204,9 @@ def test_unreachable_server_clear_message(tmp_path):
     assert not (out / "cifar10.h5").exists()
 
 
-def test_default_data_dir(monkeypatch, tmp_path):
+def test_download_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("RINGNET_DATA", str(tmp_path))
-    assert download.default_data_dir() == tmp_path
+    assert download.download_dir() == tmp_path
     monkeypatch.delenv("RINGNET_DATA")
     import ringnet
-    assert download.default_data_dir() == Path(ringnet.__file__).resolve().parent.parent / "datasets"
+    assert download.download_dir() == Path(ringnet.__file__).resolve().parent.parent / "datasets"

@@ -6,18 +6,25 @@
   ``w[t+1] = upd(w[t], G_t(w[t-1]))`` written out below with the bare model and optimizer.
 * every mode: all replicas bit-identical at the end.
 """
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from ringnet.backend import to_numpy
+from ringnet.comm import RingCommunicator, shard_bounds
 from ringnet.config import TrainConfig
 from ringnet.data import ShardedLoader, open_dataset
 from ringnet.models import build_model
 from ringnet.optim import SGD, LRPolicy
+from ringnet.parallel.ring import RingStrategy
 from ringnet.train import train
 
+from conftest import flat_params, rel_error, simulate_delay1
+
 WORLD = MPI.COMM_WORLD
+RANK = WORLD.Get_rank()
 BATCH = 12          # divisible by 1, 2, 3 and 4
 STEPS = 7
 
@@ -26,41 +33,24 @@ BASE = dict(model="digits", dataset="digits", batch_size=BATCH, steps=STEPS, dty
             eval_every_epoch=False)
 
 
-def _params(result):
-    return np.array(to_numpy(result.strategy.eval_model().params), dtype=np.float64)
-
-
-def _rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(1e-30, np.max(np.abs(b))))
-
-
 def _single_reference():
     result = train(TrainConfig(mode="single", **BASE), world=MPI.COMM_SELF)
-    return _params(result), result.summary["train_loss"]
+    return flat_params(result.strategy), result.summary["train_loss"]
 
 
 def _simulate_delay1(steps=STEPS):
-    """One process, the delayed recurrence written out: g_t = G_t(w[t-1]), w[t+1] = upd(w[t], g_t)."""
+    """The delayed recurrence in one process on the same global batches."""
     ds = open_dataset("digits", seed=BASE["seed"])
     model = build_model("digits", dtype="float64", seed=BASE["seed"])
     opt = SGD(model.num_params, LRPolicy("fixed", BASE["lr"]), momentum=BASE["momentum"],
               weight_decay=BASE["weight_decay"], dtype="float64")
     loader = ShardedLoader(ds.train, BATCH, seed=BASE["seed"], dtype="float64",
                            mean=ds.mean, std=ds.std, prefetch=0)
-    w_prev = model.params.copy()
-    w_cur = model.params.copy()
     batches = loader.epoch(0)
-    for t in range(steps):
-        x, y = next(batches)
-        model.params[...] = w_prev if t > 0 else w_cur
-        model.loss_and_grad(x, y)
-        g = model.grads.copy()
-        w_next = w_cur.copy()
-        opt.step(w_next, g, t)
-        w_prev, w_cur = w_cur, w_next
+    weights, _ = simulate_delay1(model, (next(batches) for _ in range(steps)), opt)
     batches.close()
     ds.close()
-    return w_cur
+    return weights
 
 
 def _replicas_identical(params):
@@ -72,12 +62,12 @@ def _replicas_identical(params):
 @pytest.mark.parametrize("mode", ["ring", "tree", "master"])
 def test_delay0_equals_single(mode):
     result = train(TrainConfig(mode=mode, delay=0, **BASE), world=WORLD)
-    params = _params(result)
+    params = flat_params(result.strategy)
     loss = result.summary["train_loss"]
     identical = _replicas_identical(params)
     result.strategy.close()
     reference, reference_loss = _single_reference()
-    assert _rel(params, reference) <= 1e-9, f"{mode} weights differ from single"
+    assert rel_error(params, reference) <= 1e-9, f"{mode} weights differ from single"
     assert abs(loss - reference_loss) <= 1e-9 * abs(reference_loss)
     assert identical, f"{mode}: replicas differ"
 
@@ -86,28 +76,88 @@ def test_delay0_equals_single(mode):
 @pytest.mark.parametrize("mode", ["ring", "tree", "master"])
 def test_delay1_equals_simulated_recurrence(mode):
     result = train(TrainConfig(mode=mode, delay=1, **BASE), world=WORLD)
-    params = _params(result)
+    params = flat_params(result.strategy)
     identical = _replicas_identical(params)
     result.strategy.close()
     reference = _simulate_delay1()
-    assert _rel(params, reference) <= 1e-9, f"{mode} delay 1 differs from the simulated recurrence"
+    assert rel_error(params, reference) <= 1e-9, f"{mode} delay 1 differs from the simulated recurrence"
     assert identical, f"{mode} delay 1: replicas differ"
     # and delay 1 really is a different trajectory from delay 0
     single, _ = _single_reference()
-    assert _rel(params, single) > 1e-6
+    assert rel_error(params, single) > 1e-6
 
 
 @pytest.mark.mpi
-def test_ring_keeps_momentum_for_its_shard_only():
-    result = train(TrainConfig(mode="ring", delay=1, **BASE), world=WORLD)
+def test_ring_keeps_the_momentum_of_its_shard_only():
+    """Rank r's optimizer holds exactly shard r of the single run's momentum (delay 0)."""
+    result = train(TrainConfig(mode="ring", delay=0, **BASE), world=WORLD)
     strategy = result.strategy
-    n = strategy.model.num_params
     lo, hi = strategy.owned.start, strategy.owned.stop
-    sizes = WORLD.allgather(hi - lo)
-    momentum = to_numpy(strategy.optimizer.state_dict()["momentum"])
+    mine = np.array(to_numpy(strategy.optimizer.v), dtype=np.float64)
+    _, full_momentum, _ = strategy.full_state()       # collective: every shard gathered
     strategy.close()
-    assert len(momentum) == hi - lo
-    assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
+    bounds = WORLD.allgather((lo, hi))
+    single = train(TrainConfig(mode="single", **BASE), world=MPI.COMM_SELF)
+    reference = np.array(to_numpy(single.strategy.optimizer.v), dtype=np.float64)
+    single.strategy.close()
+    assert bounds == shard_bounds(len(reference), WORLD.Get_size()), "shards are not the ring's"
+    assert mine.shape == (hi - lo,)
+    assert rel_error(mine, reference[lo:hi]) <= 1e-9, f"rank {RANK}'s momentum is not shard {RANK}'s"
+    gathered = np.concatenate([full_momentum[name].ravel()
+                               for name in single.strategy.model.param_names()])
+    assert rel_error(gathered, reference) <= 1e-9, "gathered momentum differs from single"
+
+
+class _SlowRing(RingCommunicator):
+    """A ring whose every collective first sleeps: a slow link, on whichever thread runs it."""
+    delay_s = 0.04
+
+    def _reduce_scatter(self, *args):
+        time.sleep(self.delay_s)
+        super()._reduce_scatter(*args)
+
+    def _allgather(self, *args):
+        time.sleep(self.delay_s)
+        super()._allgather(*args)
+
+
+@pytest.mark.mpi
+def test_delay1_hides_a_slow_exchange_that_delay0_exposes():
+    """Communication slowed on purpose (80 ms a step) behind a compute of 250 ms a step:
+    delay 1 leaves almost none of it exposed, delay 0 exposes all of it."""
+    steps, compute_s = 6, 0.25
+    ds = open_dataset("digits", seed=0)
+    loader = ShardedLoader(ds.train, BATCH, rank=RANK, size=WORLD.Get_size(), seed=0,
+                           dtype="float64", mean=ds.mean, std=ds.std, prefetch=0)
+    stats = {}
+    for delay in (0, 1):
+        model = build_model("digits", dtype="float64", seed=0)
+        compute = model.loss_and_grad
+
+        def slow_compute(x, y, compute=compute):
+            time.sleep(compute_s)               # a long forward/backward that releases the GIL
+            return compute(x, y)
+        model.loss_and_grad = slow_compute
+        ring = _SlowRing(transport="mpi", mpi_comm=WORLD)
+        strategy = RingStrategy(model, lambda n: SGD(n, LRPolicy("fixed", 0.01), dtype="float64"),
+                                WORLD, ring, delay=delay)
+        batches = loader.epoch(0)
+        for it in range(steps):
+            strategy.step(*next(batches), it)
+        strategy.drain()
+        batches.close()
+        strategy.close()
+        stats[delay] = strategy.stats
+    ds.close()
+    slow = steps * 2 * _SlowRing.delay_s
+    for delay, st in stats.items():
+        assert st.comm_total_s >= 0.95 * slow, f"delay {delay}: the slow link was not timed"
+    assert stats[0].comm_wait_s >= 0.95 * stats[0].comm_total_s, "delay 0 hid communication"
+    assert stats[0].overlap() <= 0.05
+    # delay 1: only the last step's exchange (drained after the loop) has no compute to hide behind
+    assert stats[1].comm_wait_s <= 0.35 * stats[1].comm_total_s, \
+        f"delay 1 exposed {stats[1].comm_wait_s:.3f} s of {stats[1].comm_total_s:.3f} s"
+    assert stats[1].overlap() >= 0.65
 
 
 @pytest.mark.mpi
@@ -117,10 +167,8 @@ def test_ring_delay1_reaches_95_percent_on_digits():
                                batch_size=60, epochs=20, seed=0, progress=False, quiet=True,
                                eval_every_epoch=False), world=WORLD)
     acc = result.summary["test_accuracy"]
-    overlap = result.summary["overlap"]
     result.strategy.close()
     assert acc >= 0.95, f"ring delay 1 at N={size}: test accuracy {acc:.3f}"
-    assert 0.0 <= overlap <= 1.0
 
 
 @pytest.mark.mpi
@@ -173,14 +221,14 @@ def test_dropout_masks_match_single_at_any_rank_count(mode):
     part = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
     for it in range(4):
         strategy.step(x[part], y[part], it)
-    params = np.array(strategy.eval_model().params)
+    params = flat_params(strategy)
     strategy.close()
     single = SingleStrategy(_dropout_model(), optimizer)
     for it in range(4):
         single.step(x, y, it)
     reference = np.array(single.eval_model().params)
     no_dropout = _dropout_model()
-    assert _rel(params, reference) <= 1e-9, f"{mode} with dropout differs from single"
+    assert rel_error(params, reference) <= 1e-9, f"{mode} with dropout differs from single"
     assert not np.allclose(reference, no_dropout.params)   # training moved the weights
 
 
@@ -191,11 +239,11 @@ def test_resume_continues_the_exact_trajectory(tmp_path, mode, delay):
     path = WORLD.bcast(str(tmp_path / "ck.h5"))
     cfg = TrainConfig(mode=mode, delay=delay, **dict(BASE, steps=None))
     whole = train(cfg, world=WORLD, steps=9)
-    expected = _params(whole)
+    expected = flat_params(whole.strategy)
     whole.strategy.close()
     first = train(cfg, world=WORLD, steps=4, save=path)
     first.strategy.close()
     resumed = train(cfg, world=WORLD, steps=9, resume=path)
-    got = _params(resumed)
+    got = flat_params(resumed.strategy)
     resumed.strategy.close()
     assert np.array_equal(got, expected), f"{mode} delay {delay}: resumed run differs"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ringnet.comm import shard_bounds
-from ringnet.errors import UsageError
+from ringnet.errors import InputError
 from ringnet.layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU
 from ringnet.models import Model
 from ringnet.parallel.split_fc import FcSlice, check_split, fc_blocks
@@ -90,7 +90,7 @@ def test_split_backward_equals_finite_differences(ranks):
 
 def test_check_split_message():
     check_split("ip2", 10, 10)
-    with pytest.raises(UsageError) as info:
+    with pytest.raises(InputError) as info:
         check_split("ip2", 10, 16)
     assert str(info.value) == "layer ip2 has 10 outputs, fewer than the 16 ranks split-fc splits it over"
 
@@ -107,5 +107,5 @@ def test_fc_blocks_group_elementwise_layers():
 
 def test_model_without_fc_is_refused():
     model = Model([("flatten", Flatten())], (1, 2, 5), 10, dtype="float64")
-    with pytest.raises(UsageError, match="split-fc needs a fully-connected layer"):
+    with pytest.raises(InputError, match="split-fc needs a fully-connected layer"):
         fc_blocks(model)

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ringnet import comm as ringcomm
 from ringnet.backend import to_numpy
 from ringnet.config import TrainConfig
-from ringnet.errors import UsageError
+from ringnet.errors import InputError
 from ringnet.layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU
 from ringnet.models import Model, build_model
 from ringnet.optim import SGD, LRPolicy
@@ -31,14 +31,12 @@ from ringnet.parallel.single import SingleStrategy
 from ringnet.parallel.split_fc import SplitFCStrategy
 from ringnet.train import train
 
+from conftest import flat_params, rel_error, simulate_delay1
+
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 BATCH = 12          # divisible by 1, 2, 3 and 4
 LR, MOMENTUM, DECAY = 0.05, 0.9, 5e-4
-
-
-def _rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(1e-30, np.max(np.abs(b))))
 
 
 def _make_optimizer(n):
@@ -73,10 +71,6 @@ def _split_fc(model, delay=0):
     return SplitFCStrategy(model, _make_optimizer, WORLD, comm, delay=delay)
 
 
-def _params(strategy):
-    return np.array(to_numpy(strategy.eval_model().params), dtype=np.float64)
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["lenet", "dropnet"])
 def test_delay0_equals_single(name):
@@ -89,11 +83,11 @@ def test_delay0_equals_single(name):
         losses.append(strategy.step(*_mine(x, y), it)[0])
         ref_losses.append(reference.step(x, y, it)[0])
     strategy.drain()
-    params = _params(strategy)
+    params = flat_params(strategy)
     everyone = WORLD.allgather(params)
     strategy.close()
     ref = np.array(to_numpy(reference.eval_model().params))
-    assert _rel(params, ref) <= 1e-9, f"{name}: split-fc weights differ from single"
+    assert rel_error(params, ref) <= 1e-9, f"{name}: split-fc weights differ from single"
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-9, err_msg=f"{name}: loss differs from single")
     assert all(np.array_equal(everyone[0], p) for p in everyone), "assembled models differ across ranks"
 
@@ -119,23 +113,13 @@ def test_gradients_are_the_rows_of_the_full_batch_gradient():
 
 
 def _simulate_delay1(name, steps):
-    """One process: conv c_{t+1} = upd(c_t, Gc_t(c_{t-1}, f_t)), FC f_{t+1} = upd(f_t, Gf_t(c_{t-1}, f_t))."""
+    """One process: the delayed update on the conv prefix, the FC part updated at once."""
     model = _build(name)
-    conv = model.fc_start()
-    first = model.layers[conv][0]
-    n = model.param_offsets()[f"{first}.weight"][0]
-    optimizer = _make_optimizer(model.num_params)   # element-wise: one SGD for both parts
-    c_prev = c_cur = model.params[:n].copy()
-    fc = model.params[n:].copy()
-    losses = []
-    for t, (x, y) in enumerate(_batches(model, steps)):
-        model.params[:n] = c_prev
-        model.params[n:] = fc
-        losses.append(model.loss_and_grad(x, y)[0])
-        w = np.concatenate([c_cur, fc])
-        optimizer.step(w, model.grads.copy(), t)
-        c_prev, c_cur, fc = c_cur, w[:n], w[n:]
-    return np.concatenate([c_cur, fc]), losses
+    first = model.layers[model.fc_start()][0]
+    conv = model.param_offsets()[f"{first}.weight"][0]
+    # element-wise SGD: one optimizer over the whole vector updates both parts alike
+    return simulate_delay1(model, _batches(model, steps), _make_optimizer(model.num_params),
+                           delayed=conv)
 
 
 @pytest.mark.mpi
@@ -145,15 +129,15 @@ def test_delay1_equals_simulated_recurrence():
     strategy = _split_fc(model, delay=1)
     losses = [strategy.step(*_mine(x, y), it)[0] for it, (x, y) in enumerate(_batches(model, steps))]
     strategy.drain()
-    params = _params(strategy)
+    params = flat_params(strategy)
     strategy.close()
     reference, ref_losses = _simulate_delay1("digits", steps)
     immediate = SingleStrategy(_build("digits"), _make_optimizer)
     for it, (x, y) in enumerate(_batches(model, steps)):
         immediate.step(x, y, it)
-    assert _rel(params, reference) <= 1e-9, "split-fc delay 1 differs from the simulated recurrence"
+    assert rel_error(params, reference) <= 1e-9, "split-fc delay 1 differs from the simulated recurrence"
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-9)
-    assert _rel(params, np.array(immediate.eval_model().params)) > 1e-6, "delay 1 equals delay 0"
+    assert rel_error(params, np.array(immediate.eval_model().params)) > 1e-6, "delay 1 equals delay 0"
 
 
 BASE = dict(model="digits", dataset="digits", batch_size=BATCH, dtype="float64", lr=LR,
@@ -173,7 +157,7 @@ def _train_params(world, **kw):
 def test_train_delay0_equals_single_and_reports_fc_memory():
     params, summary = _train_params(WORLD, mode="split-fc", delay=0, steps=5)
     reference, ref_summary = _train_params(MPI.COMM_SELF, mode="single", steps=5)
-    assert _rel(params, reference) <= 1e-9, "train(split-fc) differs from train(single)"
+    assert rel_error(params, reference) <= 1e-9, "train(split-fc) differs from train(single)"
     assert abs(summary["train_loss"] - ref_summary["train_loss"]) <= 1e-9 * ref_summary["train_loss"]
     model = build_model("digits")
     fc = sum(model.named_params()[f"{l}.{s}"].size for l in ("ip1", "ip2") for s in ("weight", "bias"))
@@ -198,8 +182,8 @@ def test_checkpoints_cross_between_split_fc_and_single():
     resumed_split, _ = _train_params(WORLD, mode="split-fc", steps=6, resume=single_ckpt)
     straight, _ = _train_params(MPI.COMM_SELF, mode="single", steps=6)
     if RANK == 0:
-        assert _rel(resumed_single, straight) <= 1e-9, "single resumed from split-fc differs"
-    assert _rel(resumed_split, straight) <= 1e-9, "split-fc resumed from single differs"
+        assert rel_error(resumed_single, straight) <= 1e-9, "single resumed from split-fc differs"
+    assert rel_error(resumed_split, straight) <= 1e-9, "split-fc resumed from single differs"
 
 
 @pytest.mark.mpi
@@ -232,7 +216,7 @@ def test_fc_smaller_than_ranks_is_refused():
     comm = ringcomm.create("ring", transport="mpi", mpi_comm=WORLD)
     try:
         strategy = SplitFCStrategy(model, _make_optimizer, WORLD, comm)
-    except UsageError as exc:
+    except InputError as exc:
         message = str(exc)
     else:
         strategy.close()

@@ -14,7 +14,8 @@ import sys
 import h5py
 import numpy as np
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+from conftest import ENV
+
 DIGITS = os.path.join(os.path.dirname(__file__), "..", "datasets", "digits.h5")
 
 

@@ -2,6 +2,11 @@
 import importlib
 import sys
 
+from ringnet._threads import configure_blas_threads
+
+if __name__ == "__main__":     # the program: pin BLAS threads before a benchmark loads NumPy
+    configure_blas_threads()
+
 COMMANDS = {
     "layers": ("ringnet.bench.layers", "per-layer and full-step times, optionally against PyTorch CPU"),
     "comm": ("ringnet.bench.comm", "nccl-tests style table of ring/tree/master/native allreduce (run under mpirun)"),

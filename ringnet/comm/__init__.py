@@ -12,16 +12,21 @@ name       CPU  GPU  transport         what it is for
                                        each; the synchronous master-slave baseline
 =========  ===  ===  ================  ==============================================
 
-Transports: ``mpi`` (mpi4py buffers; CuPy arrays direct with a CUDA-aware MPI,
-host-staged otherwise) and ``nccl`` (``cupy.cuda.nccl``, one GPU per rank); ``auto``
-takes nccl when every rank has its own GPU, mpi otherwise.
+Transports: ``mpi`` (mpi4py; CuPy buffers direct with a CUDA-aware MPI, staged through
+pinned host buffers otherwise) and ``nccl`` (``cupy.cuda.nccl``, one GPU per rank, one
+NCCL communicator per stream). :func:`make_transport` chooses: ``auto`` takes nccl when
+every rank owns a distinct GPU (PCI bus ids gathered over each node) and NCCL loads on
+every rank, mpi otherwise, and says why in ``transport.placement``.
 
 Every collective blocks when ``stream`` is None; given a stream (``comm.new_stream()``)
 it is queued there and returns a :class:`Handle` whose ``wait()`` re-raises errors.
 """
 from mpi4py import MPI
 
-from ringnet.backend import bind_device, gpu_available
+import os
+from dataclasses import dataclass
+
+from ringnet.backend import bind_device, check_gpu, gpu_available, pci_bus_id
 from ringnet.comm.base import CommunicatorBase, shard_bounds
 from ringnet.comm.master_slave import MasterSlaveCommunicator
 from ringnet.comm.mpi_transport import MpiTransport
@@ -31,7 +36,8 @@ from ringnet.comm.stream import CpuStream, GpuStream, Handle
 from ringnet.comm.transport import CommTimeoutError, Transport
 from ringnet.comm.tree import TreeCommunicator
 
-__all__ = ["create", "make_transport", "local_rank", "COMMUNICATORS", "TRANSPORTS",
+__all__ = ["create", "make_transport", "local_rank", "bind_gpu", "Placement",
+           "COMMUNICATORS", "TRANSPORTS",
            "Transport", "MpiTransport", "NcclTransport", "CommTimeoutError",
            "CommunicatorBase", "RingCommunicator", "TreeCommunicator",
            "MasterSlaveCommunicator", "CpuStream", "GpuStream", "Handle", "shard_bounds"]
@@ -58,34 +64,115 @@ def local_rank(mpi_comm=None):
         node.Free()
 
 
-def _own_gpu_everywhere(comm, local_size):
-    """Return True on every rank when every rank can have a GPU of its own (collective)."""
-    mine = gpu_available() and nccl_module() is not None
-    if mine:
-        from ringnet.backend import cupy  # noqa: WPS433
-        mine = local_size <= cupy.cuda.runtime.getDeviceCount()
-    return bool(comm.allreduce(int(mine), op=MPI.MIN))
+@dataclass
+class Placement:
+    """Where a rank computes and how its bytes move: what the run header and --json report."""
+    device: str                 # "cpu" or "gpu"
+    gpu: str = None             # "GPU 0 (0000:3b:00.0)" on a GPU
+    transport: str = None       # "mpi" or "nccl"
+    reason: str = ""            # why this transport
+
+    def describe(self):
+        where = "CPU" if self.device == "cpu" else self.gpu
+        if self.transport is None:
+            return where
+        return f"{where}, transport {self.transport} ({self.reason})"
 
 
-def make_transport(name="auto", mpi_comm=None, timeout_s=None):
-    """Return a transport by name: auto, mpi or nccl (binds this rank's GPU if any)."""
+def bind_gpu(mpi_comm=None):
+    """Bind this rank's GPU (node-local rank modulo visible devices), check it runs; collective.
+
+    Returns (device id, PCI bus id, [(host, bus id) of every rank]).
+    """
+    comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    device_id = bind_device(local_rank(comm)[0])
+    check_gpu()
+    bus_id = pci_bus_id(device_id)
+    return device_id, bus_id, comm.allgather((MPI.Get_processor_name(), bus_id))
+
+
+def _shared_gpu(places):
+    """Return a sentence naming ranks that share a GPU, or None when every rank owns one."""
+    seen = {}
+    for rank, place in enumerate(places):
+        if place in seen:
+            sharing = [r for r, p in enumerate(places) if p == place]
+            return (f"ranks {', '.join(map(str, sharing))} share GPU {place[1]} on {place[0]}; "
+                    "NCCL needs one GPU per rank")
+        seen[place] = rank
+    return None
+
+
+def make_transport(name="auto", mpi_comm=None, timeout_s=None, device="auto"):
+    """Return a transport by name (auto, mpi, nccl) for ``device`` (auto, cpu, gpu); collective.
+
+    ``device="cpu"`` never touches CUDA. On a GPU this binds the rank's GPU. The choice and
+    its reason are in ``transport.placement``. ``RINGNET_NCCL=standin`` makes ``nccl`` the
+    host-memory stand-in (for tests; it moves NumPy arrays).
+    """
+    from ringnet.comm.mpi_transport import mpi_cuda_aware  # noqa: WPS433
+    from ringnet.errors import UsageError  # noqa: WPS433
     if name not in ("auto", *TRANSPORTS):
         raise ValueError(f"unknown transport {name!r}: choose auto, {', '.join(TRANSPORTS)}")
+    if device not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"unknown device {device!r}: choose auto, cpu or gpu")
     comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    rank_on_node, ranks_on_node = local_rank(comm)
-    if gpu_available():
-        bind_device(rank_on_node)
+    standin = os.environ.get("RINGNET_NCCL", "") == "standin"
+    if device == "auto":
+        device = "gpu" if comm.allreduce(int(gpu_available()), op=MPI.MIN) else "cpu"
+    if device == "cpu":
+        if name == "nccl" and not standin:
+            raise UsageError("--transport nccl moves GPU memory, but the device is the CPU: "
+                             "use --transport mpi (or auto)")
+        if name == "nccl":
+            return _placed(NcclTransport(comm, timeout_s=timeout_s),
+                           Placement("cpu", None, "nccl", "RINGNET_NCCL=standin: the host stand-in"))
+        return _placed(MpiTransport(comm, timeout_s=timeout_s, device="cpu"),
+                       Placement("cpu", None, "mpi", "device cpu"))
+    if not gpu_available():
+        raise UsageError("--device gpu asked for, but no usable CUDA GPU on this rank")
+    device_id, bus_id, places = bind_gpu(comm)
+    gpu = f"GPU {device_id} ({bus_id})"
+    shared = _shared_gpu(places)
+    nccl_everywhere = comm.allreduce(int(nccl_module() is not None and not standin), op=MPI.MIN)
+    if name == "nccl":
+        if shared:
+            raise UsageError(f"{shared}: use --transport mpi or start at most one rank per GPU")
+        if not nccl_everywhere:
+            raise UsageError("--transport nccl: NCCL cannot be loaded on every rank "
+                             "(pip install -e \".[gpu-cuda12]\" or \".[gpu-cuda13]\"); "
+                             "use --transport mpi")
+        return _placed(NcclTransport(comm, timeout_s=timeout_s),
+                       Placement("gpu", gpu, "nccl", "every rank owns a GPU"))
+    if name == "auto" and not shared and nccl_everywhere:
+        return _placed(NcclTransport(comm, timeout_s=timeout_s),
+                       Placement("gpu", gpu, "nccl", "every rank owns a GPU"))
+    aware, how = mpi_cuda_aware()
+    staging = f"CUDA-aware MPI ({how})" if aware else f"staged through pinned host memory ({how})"
     if name == "auto":
-        name = "nccl" if _own_gpu_everywhere(comm, ranks_on_node) else "mpi"
-    return TRANSPORTS[name](comm, timeout_s=timeout_s)
+        why = shared or "NCCL cannot be loaded on every rank"
+        reason = f"{why}; {staging}"
+    else:
+        reason = staging
+    return _placed(MpiTransport(comm, timeout_s=timeout_s, device="gpu"),
+                   Placement("gpu", gpu, "mpi", reason))
 
 
-def create(name, transport="auto", mpi_comm=None, **options):
+def _placed(transport, placement):
+    transport.placement = placement
+    return transport
+
+
+def create(name, transport="auto", mpi_comm=None, device="auto", **options):
     """Return the communicator ``name`` (see the table above) over ``transport``.
 
-    ``transport`` is a name for :func:`make_transport` or a Transport instance;
-    ``options`` go to the communicator (e.g. ``chunk_bytes`` for the ring).
+    ``transport`` is a name for :func:`make_transport` or a Transport instance; ``device``
+    says where the buffers live: ``cpu`` for NumPy (never touches CUDA), ``gpu`` for CuPy,
+    ``auto`` the GPU when every rank has one. ``options`` go to the communicator (e.g.
+    ``chunk_bytes`` for the ring).
     """
     if name not in COMMUNICATORS:
         raise ValueError(f"unknown communicator {name!r}: choose {', '.join(COMMUNICATORS)}")
+    if isinstance(transport, str):
+        transport = make_transport(transport, mpi_comm=mpi_comm, device=device)
     return COMMUNICATORS[name](transport, mpi_comm=mpi_comm, **options)

@@ -3,23 +3,13 @@ import numpy as np
 
 from ringnet.backend import get_array_module, is_gpu_array
 from ringnet.comm.stream import current_tag
+from ringnet.shards import shard_bounds
 
 __all__ = ["CommunicatorBase", "RootedCommunicator", "shard_bounds", "OPS"]
 
 OPS = ("sum", "mean")
 _DTYPES = (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
            np.uint8, np.uint16, np.uint32, np.uint64)
-
-
-def shard_bounds(length, size):
-    """Split ``[0, length)`` into ``size`` contiguous shards, the first ``length % size`` one longer."""
-    base, extra = divmod(int(length), int(size))
-    bounds, start = [], 0
-    for r in range(size):
-        stop = start + base + (1 if r < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 class CommunicatorBase:
@@ -57,10 +47,10 @@ class CommunicatorBase:
             self.transport.finish(f"{self.name} collective")
         return None
 
-    def _scratch_for(self, buf, length):
-        """Return a reusable receive buffer of ``length`` elements like ``buf``."""
+    def _scratch_for(self, buf, length, slot=0):
+        """Return a reusable buffer of ``length`` elements like ``buf`` (``slot``: which of several)."""
         # Keyed by stream tag: a blocking call and a stream call may run at once.
-        key = (current_tag(), is_gpu_array(buf), buf.dtype.str)
+        key = (current_tag(), is_gpu_array(buf), buf.dtype.str, slot)
         scratch = self._scratch.get(key)
         if scratch is None or scratch.size < length:
             xp = get_array_module(buf)
@@ -92,18 +82,25 @@ class CommunicatorBase:
 class RootedCommunicator(CommunicatorBase):
     """Collectives through one root: subclasses define ``_reduce`` and ``_bcast``."""
 
-    def reduce(self, buf, root=0, op="sum", stream=None):
-        """Combine every rank's ``buf`` on ``root`` (other ranks' ``buf``: see the subclass)."""
+    def reduce(self, buf, root: int = 0, op: str = "sum", stream=None):
+        """Combine every rank's ``buf`` into ``root``'s ``buf``; every other rank's ``buf`` is
+        left unchanged (as MPI's reduce leaves a send buffer). Returns a Handle on a stream."""
         self._check(buf, op, root)
         return self._launch(self._reduce, (buf, root, op), stream)
 
-    def bcast(self, buf, root=0, stream=None):
-        """Copy ``root``'s ``buf`` into every rank's ``buf``."""
+    def bcast(self, buf, root: int = 0, stream=None):
+        """Copy ``root``'s ``buf`` into every rank's ``buf`` (same length everywhere).
+
+        Returns None, or a Handle when queued on ``stream``.
+        """
         self._check(buf, root=root)
         return self._launch(self._bcast, (buf, root), stream)
 
-    def allreduce(self, buf, op="sum", stream=None):
-        """Reduce to rank 0, then broadcast from it."""
+    def allreduce(self, buf, op: str = "sum", stream=None):
+        """Reduce to rank 0, then broadcast from it: every rank's ``buf`` holds the result.
+
+        Returns None, or a Handle when queued on ``stream``.
+        """
         self._check(buf, op)
         return self._launch(self._allreduce, (buf, op), stream)
 

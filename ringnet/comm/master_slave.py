@@ -6,8 +6,6 @@ __all__ = ["MasterSlaveCommunicator"]
 
 class MasterSlaveCommunicator(RootedCommunicator):
     """Synchronous master-slave baseline: the root's link carries (N-1)x the buffer each way.
-
-    ``reduce`` leaves the workers' ``buf`` as it was.
     """
 
     name = "master"

@@ -1,4 +1,5 @@
 """MpiTransport: point-to-point transfers with mpi4py's buffer interface."""
+import ctypes
 import os
 import threading
 import time
@@ -27,24 +28,62 @@ STREAM_SPIN_S = 0.0005
 STREAM_MAX_PAUSE_S = 0.0005
 
 _MPI_OPS = {"sum": MPI.SUM}
+_MPIX_GPU_SUPPORT_CUDA = 0      # MPICH's mpi.h
+
+
+def _loaded_mpi_library():
+    """Return the path of the MPI library this process loaded (Linux), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                name = os.path.basename(path)
+                if name.startswith(("libmpi.so", "libmpi_", "libmpich")) and ".so" in name:
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def _query_library():
+    """Ask the MPI library whether it accepts CUDA pointers: (True/False/None, how)."""
+    query = getattr(MPI, "Query_cuda_support", None)       # mpi4py builds that wrap it
+    if query is not None:
+        try:
+            return bool(query()), "MPI.Query_cuda_support"
+        except Exception:  # noqa: BLE001
+            pass
+    path = _loaded_mpi_library()
+    if path is None:
+        return None, "no MPI library found to ask"
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return None, f"cannot open {os.path.basename(path)}"
+    if hasattr(lib, "MPIX_Query_cuda_support"):             # Open MPI, MVAPICH
+        lib.MPIX_Query_cuda_support.restype = ctypes.c_int
+        return bool(lib.MPIX_Query_cuda_support()), "MPIX_Query_cuda_support"
+    if hasattr(lib, "MPIX_GPU_query_support"):              # MPICH >= 4
+        supported = ctypes.c_int(0)
+        lib.MPIX_GPU_query_support(ctypes.c_int(_MPIX_GPU_SUPPORT_CUDA), ctypes.byref(supported))
+        return bool(supported.value), "MPIX_GPU_query_support"
+    return None, f"{os.path.basename(path)} has no CUDA query"
 
 
 def mpi_cuda_aware():
-    """Return True when the MPI library accepts device pointers.
+    """Return (True when the MPI library accepts CUDA device pointers, how that was decided).
 
-    Asks ``MPI.Query_cuda_support`` (mpi4py >= 4 on an MPI with the MPIX extension);
-    ``RINGNET_CUDA_AWARE_MPI=0/1`` overrides the answer.
+    ``RINGNET_CUDA_AWARE_MPI=0/1`` decides; otherwise the library is asked: Open MPI's
+    ``MPIX_Query_cuda_support``, MPICH's ``MPIX_GPU_query_support``. An MPI that cannot
+    say counts as not CUDA-aware (GPU buffers are then staged through pinned host memory).
     """
     forced = os.environ.get("RINGNET_CUDA_AWARE_MPI", "")
     if forced in ("0", "1"):
-        return forced == "1"
-    query = getattr(MPI, "Query_cuda_support", None)
-    if query is None:
-        return False
-    try:
-        return bool(query())
-    except Exception:  # noqa: BLE001 - an MPI without the extension
-        return False
+        return forced == "1", f"RINGNET_CUDA_AWARE_MPI={forced}"
+    if forced:
+        raise ValueError(f"RINGNET_CUDA_AWARE_MPI={forced!r}: use 0 or 1")
+    answer, how = _query_library()
+    return bool(answer), how
 
 
 class _Pending:
@@ -62,8 +101,11 @@ class _Pending:
                         received=self.sizes[1], **{"from": recv_peer}):
             self.transport._wait(self.requests, self.what)
             if self.unstage is not None:
-                device_out, host = self.unstage
-                device_out.set(host)  # host-staged receive: copy into the CuPy buffer
+                device_out, host, slot = self.unstage
+                # Host-staged receive: an asynchronous copy on the current stream; the pinned
+                # buffer is reused only after the event recorded behind the copy.
+                device_out.set(host)
+                slot[1] = cupy.cuda.get_current_stream().record()
         return None
 
 
@@ -72,25 +114,37 @@ class MpiTransport(Transport):
 
     name = "mpi"
 
-    def __init__(self, mpi_comm=None, timeout_s=None):
+    def __init__(self, mpi_comm=None, timeout_s=None, device=None):
+        if device not in (None, "cpu", "gpu"):
+            raise ValueError(f"unknown device {device!r}: choose cpu or gpu")
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         # A private duplicate keeps ringnet's messages apart from the caller's own.
         super().__init__(parent.Dup(), timeout_s)
         # With only MPI_THREAD_SERIALIZED, the stream thread and the caller must not
         # be inside MPI at the same time: every MPI call then takes this lock.
         self._lock = threading.Lock() if MPI.Query_thread() < MPI.THREAD_MULTIPLE else None
-        self.cuda_aware = mpi_cuda_aware()
+        # device None: GPU streams when a GPU is usable; "cpu" never touches CUDA.
+        self.device = device
+        self.cuda_aware, self.cuda_aware_how = (False, "device cpu") if device == "cpu" \
+            else mpi_cuda_aware()
         self._host = {}
 
     def uses_gpu(self):
+        if self.device is not None:
+            return self.device == "gpu"
         return False if cupy is None else super().uses_gpu()
 
     def _host_buffer(self, array, role):
-        key = (current_tag(), role, array.dtype.str, array.size)
-        host = self._host.get(key)
-        if host is None:
-            host = self._host[key] = np.empty(array.size, array.dtype)
-        return host
+        """Return this stream's pinned host buffer for staging ``array`` (reused per shape)."""
+        key = (current_tag(), role, array.dtype.str, array.shape)
+        slot = self._host.get(key)
+        if slot is None:
+            from cupyx import empty_pinned  # noqa: WPS433 - only with GPU buffers
+            slot = self._host[key] = [empty_pinned(array.shape, array.dtype), None]
+        if slot[1] is not None:     # a copy out of it may still run on the device
+            slot[1].synchronize()
+            slot[1] = None
+        return slot
 
     def isendrecv(self, send_array, send_peer, recv_array, recv_peer):
         """Post Isend/Irecv for a paired transfer; zero-byte sides are skipped on both ends."""
@@ -99,21 +153,20 @@ class MpiTransport(Transport):
         recv_bytes = 0 if recv_array is None else recv_array.nbytes
         tag = current_tag()
         unstage = None
-        send_buf = recv_buf = None
-        if send_bytes:
-            send_buf = send_array
-            if is_gpu_array(send_array):
-                # The kernel producing the buffer must be finished before MPI reads it.
-                cupy.cuda.get_current_stream().synchronize()
-                if not self.cuda_aware:
-                    send_buf = send_array.get(out=self._host_buffer(send_array, "send"))
-        if recv_bytes:
-            recv_buf = recv_array
-            if is_gpu_array(recv_array):
-                cupy.cuda.get_current_stream().synchronize()
-                if not self.cuda_aware:
-                    recv_buf = self._host_buffer(recv_array, "recv")
-                    unstage = (recv_array, recv_buf)
+        send_buf, recv_buf = send_array, recv_array
+        gpu = is_gpu_array(send_array) or is_gpu_array(recv_array)
+        if gpu and not self.cuda_aware:
+            if send_bytes:
+                # Device-to-pinned copy on the current stream, then one wait for it.
+                send_buf = self._host_buffer(send_array, "send")[0]
+                send_array.get(out=send_buf, blocking=False)
+            if recv_bytes:
+                slot = self._host_buffer(recv_array, "recv")
+                recv_buf = slot[0]
+                unstage = (recv_array, recv_buf, slot)
+        if gpu:
+            # MPI knows no streams: what produced (or still reads) the buffers must be done.
+            cupy.cuda.get_current_stream().synchronize()
         requests = []
         if self._lock is not None:
             self._lock.acquire()

@@ -24,20 +24,32 @@ class RingCommunicator(CommunicatorBase):
         self.left = (self.rank - 1) % self.size
 
     # -- public collectives -------------------------------------------------------------
-    def reduce_scatter(self, buf, op="sum", bounds=None, stream=None):
-        """Reduce ``buf`` over ranks so that ``buf[bounds[rank]]`` holds this rank's reduced shard."""
+    def reduce_scatter(self, buf, op: str = "sum", bounds=None, stream=None):
+        """Reduce ``buf`` over the ranks so that ``buf[bounds[rank]]`` holds this rank's shard.
+
+        ``buf``: flat contiguous array, same length on every rank; ``op``: "sum" or "mean";
+        ``bounds``: one (start, stop) per rank covering ``buf`` in order (default
+        :meth:`shard_bounds`). Outside its own shard a rank's ``buf`` holds partial sums
+        afterwards (scratch). Returns None, or a Handle when queued on ``stream``.
+        """
         self._check(buf, op)
         bounds = self._bounds(buf, bounds)
         return self._launch(self._reduce_scatter, (buf, op, bounds), stream)
 
     def allgather(self, buf, bounds=None, stream=None):
-        """Fill all of ``buf`` from every rank's ``buf[bounds[rank]]``."""
+        """Fill all of ``buf`` on every rank from every rank's ``buf[bounds[rank]]``.
+
+        ``bounds`` as for :meth:`reduce_scatter`. Returns None, or a Handle on ``stream``.
+        """
         self._check(buf)
         bounds = self._bounds(buf, bounds)
         return self._launch(self._allgather, (buf, bounds), stream)
 
-    def allreduce(self, buf, op="sum", stream=None):
-        """Reduce ``buf`` over ranks in place on every rank (reduce-scatter + all-gather)."""
+    def allreduce(self, buf, op: str = "sum", stream=None):
+        """Reduce ``buf`` over the ranks in place on every rank (reduce-scatter + all-gather).
+
+        Returns None, or a Handle when queued on ``stream``.
+        """
         self._check(buf, op)
         bounds = self.shard_bounds(buf.size)
         return self._launch(self._allreduce, (buf, op, bounds), stream)

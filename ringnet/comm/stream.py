@@ -36,13 +36,19 @@ class Handle:
         return self._cuda_event is None or self._cuda_event.done
 
     def wait(self, timeout=None):
-        """Block until the operation finished; re-raise its error here; return its value."""
+        """Wait for the operation; re-raise its error here; return its value.
+
+        On a GPU stream the host waits only until the operation is enqueued; the caller's
+        current CUDA stream then waits on the event recorded behind it, so later kernels
+        and copies on that stream (``asnumpy`` included) see its result while the host
+        runs ahead. Deadlines on the device work are the transport's (its watchdog).
+        """
         if not self._event.wait(timeout):
             raise TimeoutError(f"stream operation not finished within {timeout} s")
         if self._error is not None:
             raise self._error
         if self._cuda_event is not None:
-            self._cuda_event.synchronize()
+            cupy.cuda.get_current_stream().wait_event(self._cuda_event)
         return self._value
 
 
@@ -64,8 +70,12 @@ class CpuStream:
         """Prepare the worker thread (GPU streams bind the device here)."""
         return None
 
-    def _run(self, fn, args):
+    def _run(self, fn, args, after=None):
         return fn(*args), None
+
+    def _mark(self):
+        """Return what the submitted operation must wait for (GPU: an event on the caller's stream)."""
+        return None
 
     def _loop(self):
         _local.tag = self.tag
@@ -74,9 +84,9 @@ class CpuStream:
             item = self._queue.get()
             if item is None:
                 return
-            handle, fn, args = item
+            handle, fn, args, after = item
             try:
-                value, cuda_event = self._run(fn, args)
+                value, cuda_event = self._run(fn, args, after)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 handle._finish(error=exc)
             else:
@@ -87,7 +97,7 @@ class CpuStream:
         if self._closed:
             raise RuntimeError("submit on a closed stream")
         handle = Handle()
-        self._queue.put((handle, fn, args))
+        self._queue.put((handle, fn, args, self._mark()))
         return handle
 
     def synchronize(self):
@@ -112,8 +122,11 @@ class GpuStream(CpuStream):
     """A CUDA stream plus the thread that enqueues work on it.
 
     The thread is needed because host-side MPI calls block; NCCL calls and kernels
-    are only enqueued on ``cuda_stream``, and :meth:`Handle.wait` waits for the
-    event recorded after them.
+    are only enqueued on ``cuda_stream``. Events order the streams, not the host: an
+    operation waits on the event recorded on the submitter's current stream at
+    ``submit`` (so the caller need not synchronize before submitting a buffer it just
+    wrote), and :meth:`Handle.wait` makes the waiter's stream wait on the event
+    recorded after the operation.
     """
 
     def __init__(self, tag=0, device_id=None):
@@ -128,8 +141,13 @@ class GpuStream(CpuStream):
         # The current device is per host thread: bind the caller's device here too.
         cupy.cuda.Device(self.device_id).use()
 
-    def _run(self, fn, args):
+    def _mark(self):
+        return cupy.cuda.get_current_stream().record()
+
+    def _run(self, fn, args, after=None):
         with self.cuda_stream:
+            if after is not None:
+                self.cuda_stream.wait_event(after)
             value = fn(*args)
             event = self.cuda_stream.record()
         return value, event

@@ -72,6 +72,7 @@ class Transport:
         if stream is not None:
             return stream.submit(self.send, array, peer)
         self.isendrecv(array, peer, None, None).wait()
+        self._complete(describe("send", peer, None, array.nbytes))
         return None
 
     def recv(self, out_array, peer, stream=None):
@@ -79,6 +80,7 @@ class Transport:
         if stream is not None:
             return stream.submit(self.recv, out_array, peer)
         self.isendrecv(None, None, out_array, peer).wait()
+        self._complete(describe("recv", None, peer, out_array.nbytes))
         return None
 
     def sendrecv(self, send_array, send_peer, recv_array, recv_peer, stream=None):
@@ -86,7 +88,12 @@ class Transport:
         if stream is not None:
             return stream.submit(self.sendrecv, send_array, send_peer, recv_array, recv_peer)
         self.isendrecv(send_array, send_peer, recv_array, recv_peer).wait()
+        nbytes = max(getattr(send_array, "nbytes", 0), getattr(recv_array, "nbytes", 0))
+        self._complete(describe("sendrecv", send_peer, recv_peer, nbytes))
         return None
+
+    def _complete(self, what):
+        """Return once the transfer just waited for has completed (GPU transports: on the device)."""
 
     def new_stream(self):
         """Return a new stream (CUDA-backed where a GPU is usable, a thread otherwise)."""

@@ -9,7 +9,8 @@ class TreeCommunicator(RootedCommunicator):
 
     A reduce takes ceil(log2(N+1)) - 1 rounds of depth; every inner node receives the
     whole buffer from up to two children, so the root's link carries 2x the buffer.
-    After ``reduce`` the non-root ranks' ``buf`` holds partial sums (scratch).
+    An inner rank sums its children's partials into a scratch buffer, so after ``reduce``
+    every non-root ``buf`` is unchanged (the contract of every rooted communicator).
     """
 
     name = "tree"
@@ -24,13 +25,17 @@ class TreeCommunicator(RootedCommunicator):
 
     def _reduce(self, buf, root, op):
         parent, children = self._family(root)
+        partial = buf                   # the root sums into its own buffer
         if children:
-            scratch = self._scratch_for(buf, buf.size)
+            incoming = self._scratch_for(buf, buf.size)
+            if parent is not None:
+                partial = self._scratch_for(buf, buf.size, slot=1)
+                partial[...] = buf
             for child in children:
-                self.transport.isendrecv(None, None, scratch, child).wait()
-                self._add_from(buf, scratch)
+                self.transport.isendrecv(None, None, incoming, child).wait()
+                self._add_from(partial, incoming)
         if parent is not None:
-            self.transport.isendrecv(buf, parent, None, None).wait()
+            self.transport.isendrecv(partial, parent, None, None).wait()
         elif op == "mean":
             self._divide(buf)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ringnet.errors import UsageError
+from ringnet.errors import InputError, SetupError
 
-__all__ = ["Remote", "REMOTES", "Unreachable", "default_data_dir", "file_sha256", "fetch", "download"]
+__all__ = ["Remote", "REMOTES", "Unreachable", "download_dir", "file_sha256", "fetch", "download"]
 
 CHUNK = 1 << 20
 
@@ -49,21 +49,26 @@ REMOTES = {
 }
 
 
-class Unreachable(UsageError):
-    """No mirror delivered the file."""
+class Unreachable(SetupError):
+    """No mirror delivered the file. ``download`` sets ``source`` (the file or folder the
+    converter reads) and ``out`` (the .h5 it would write), so a caller can say how to
+    finish by hand."""
+    source = None
+    out = None
 
 
 class _Interrupted(Exception):
     """The transfer started but broke off; the .part file keeps what arrived."""
 
 
-def default_data_dir():
-    """Return ``$RINGNET_DATA`` if set, else the repository's ``datasets/`` folder."""
+def download_dir():
+    """Return where downloads and conversions go: ``$RINGNET_DATA`` if set, else
+    :func:`~ringnet.data.datasets.default_data_dir` (the ``datasets/`` folder)."""
     env = os.environ.get("RINGNET_DATA")
     if env:
         return Path(env)
-    from ringnet.data.datasets import default_data_dir as repo_data_dir
-    return repo_data_dir()
+    from ringnet.data.datasets import default_data_dir
+    return default_data_dir()
 
 
 def file_sha256(path):
@@ -129,7 +134,8 @@ def fetch(urls, dest, sha256, attempts=3, timeout=30.0, progress=True, retry_wai
 
     A connection that cannot be opened moves on to the next URL at once; one that breaks
     off mid-transfer is resumed from the same URL up to ``attempts`` times. A digest
-    mismatch removes the file and raises :class:`UsageError`.
+    mismatch removes the file and raises :class:`~ringnet.errors.InputError`;
+    no URL delivering it raises :class:`Unreachable`.
     """
     dest = Path(dest)
     if dest.is_file():
@@ -153,7 +159,7 @@ def fetch(urls, dest, sha256, attempts=3, timeout=30.0, progress=True, retry_wai
             actual = file_sha256(part)
             if actual != sha256:
                 part.unlink()
-                raise UsageError(f"SHA-256 mismatch for {dest.name} from {url}: expected {sha256}, "
+                raise InputError(f"SHA-256 mismatch for {dest.name} from {url}: expected {sha256}, "
                                  f"got {actual}; the file was removed")
             os.replace(part, dest)
             return dest
@@ -170,10 +176,10 @@ def download(name, directory=None, mirror=None, keep_raw=False, force=False, att
              timeout=30.0, progress=True, log=None):
     """Fetch data set ``name`` into ``directory``/raw/``name``, convert to ``directory``/``name``.h5."""
     if name not in REMOTES:
-        raise UsageError(f"unknown data set {name!r}: choose {', '.join(REMOTES)}")
+        raise InputError(f"unknown data set {name!r}: choose {', '.join(REMOTES)}")
     log = log or (lambda message: None)
     remote = REMOTES[name]
-    directory = Path(directory) if directory is not None else default_data_dir()
+    directory = Path(directory) if directory is not None else download_dir()
     out = directory / f"{name}.h5"
     if out.exists() and not force:
         log(f"{out} already exists (use --force to download and convert again)")
@@ -188,8 +194,8 @@ def download(name, directory=None, mirror=None, keep_raw=False, force=False, att
             fetch([base + file_name for base in bases], raw / file_name, digest,
                   attempts=attempts, timeout=timeout, progress=progress)
         except Unreachable as exc:
-            raise UsageError(f"{exc}; download it elsewhere and run `python -m ringnet.datasets "
-                             f"convert {name} {source} --out {out}`") from None
+            exc.source, exc.out = source, out
+            raise
     _converter(name)(source, out)
     if not keep_raw:
         for file_name in remote.sha256:

@@ -6,18 +6,14 @@ import time
 import numpy as np
 
 from ringnet.backend import cupy, resolve_dtype
-from ringnet.errors import UsageError
+from ringnet.errors import InputError
+from ringnet.shards import shard_bounds
 
-__all__ = ["ShardedLoader", "iterate_eval", "rank_bounds", "normalize", "augment_params",
+__all__ = ["ShardedLoader", "iterate_eval", "normalize", "augment_params",
            "augment_batch", "PAD"]
 
 PAD = 4  # augmentation: random crop of the image padded by PAD pixels on each side
 _POLL_S = 0.05  # how often a blocked prefetch thread checks whether it should stop
-
-
-def rank_bounds(n, rank, size):
-    """Return [lo, hi) of rank's contiguous part when n items are split over size ranks."""
-    return n * rank // size, n * (rank + 1) // size
 
 
 def _channel_vector(value, channels, default, what):
@@ -27,7 +23,7 @@ def _channel_vector(value, channels, default, what):
     if vec.size == 1:
         vec = np.repeat(vec, channels)
     if vec.size != channels:
-        raise UsageError(f"{what} has {vec.size} values but the images have {channels} channels")
+        raise InputError(f"{what} has {vec.size} values but the images have {channels} channels")
     return vec
 
 
@@ -143,16 +139,16 @@ class ShardedLoader:
                  augment=False):
         n = len(split)
         if size < 1 or not 0 <= rank < size:
-            raise UsageError(f"rank {rank} is not in a world of size {size}")
+            raise InputError(f"rank {rank} is not in a world of size {size}")
         if global_batch < 1:
-            raise UsageError(f"batch size must be positive, got {global_batch}")
+            raise InputError(f"batch size must be positive, got {global_batch}")
         if global_batch % size:
-            raise UsageError(f"global batch {global_batch} is not divisible by the "
+            raise InputError(f"global batch {global_batch} is not divisible by the "
                              f"{size} ranks: use a multiple of {size}")
         if prefetch < 0:
-            raise UsageError(f"prefetch must be >= 0, got {prefetch}")
+            raise InputError(f"prefetch must be >= 0, got {prefetch}")
         if drop_last and global_batch > n:
-            raise UsageError(f"global batch {global_batch} is larger than the {n} "
+            raise InputError(f"global batch {global_batch} is larger than the {n} "
                              "training images")
         self.split = split
         self.global_batch = global_batch
@@ -198,7 +194,7 @@ class ShardedLoader:
     def local_indices(self, epoch, step):
         """Return this rank's contiguous part of global batch ``step`` of ``epoch``."""
         batch = self.batch_indices(epoch, step)
-        lo, hi = rank_bounds(len(batch), self.rank, self.size)
+        lo, hi = shard_bounds(len(batch), self.size)[self.rank]
         return batch[lo:hi]
 
     def _host_batch(self, epoch, step):
@@ -377,8 +373,8 @@ def iterate_eval(split, batch_size, rank=0, size=1, xp=np, dtype="float32", mean
     of batches: reduce only after the loop.
     """
     if batch_size < 1:
-        raise UsageError(f"batch size must be positive, got {batch_size}")
-    lo, hi = rank_bounds(len(split), rank, size)
+        raise InputError(f"batch size must be positive, got {batch_size}")
+    lo, hi = shard_bounds(len(split), size)[rank]
     for start in range(lo, hi, batch_size):
         stop = min(start + batch_size, hi)
         images = np.asarray(split.images[start:stop])  # contiguous read

@@ -4,7 +4,7 @@ import math
 import numpy as np
 
 __all__ = ["Layer", "init_array", "check_init", "empty_like_layout", "zeros_like_layout",
-           "as_channel_rows", "batch_last", "tap_ranges", "tap_slice"]
+           "as_channel_rows", "batch_last", "tap_ranges", "tap_slice", "as_pair", "window_geometry", "window_out_size", "window_repr"]
 
 
 class Layer:
@@ -17,28 +17,39 @@ class Layer:
 
     needs_dx = True
 
-    def param_specs(self, in_shape):
-        """Return [(suffix, shape, init spec)] for a per-sample input shape."""
+    def param_specs(self, in_shape: tuple) -> list:
+        """Return [(suffix, shape, init spec)] of the parameters for a per-sample input shape
+        (e.g. ``[("weight", (out, in), ("he",)), ("bias", (out,), ("constant", 0.0))]``)."""
         return []
 
-    def bind(self, params, grads):
+    def bind(self, params: dict, grads: dict) -> None:
         """Point the layer at parameter and gradient views (dicts suffix -> array)."""
         self.params, self.grads = params, grads
 
-    def output_shape(self, in_shape):
-        """Return the per-sample output shape for a per-sample input shape."""
+    def output_shape(self, in_shape: tuple) -> tuple:
+        """Return the per-sample output shape for a per-sample input shape (raise ValueError
+        when the input does not fit the layer)."""
         return tuple(in_shape)
 
-    def forward(self, x, train=True):
-        """Return the output for ``x``; with ``train``, keep what backward needs."""
+    def forward(self, x, train: bool = True):
+        """Return the output for the batch ``x`` (batch first); with ``train``, keep what
+        ``backward`` needs."""
         raise NotImplementedError
 
     def backward(self, dy):
-        """Return dx for the output gradient ``dy``; overwrite this layer's gradient views."""
+        """Return dx for the output gradient ``dy`` (None when ``needs_dx`` is False);
+        overwrite this layer's gradient views. Needs a ``forward(train=True)`` first."""
         raise NotImplementedError
 
     def __repr__(self):
         return f"{type(self).__name__}()"
+
+    def _cached(self):
+        """Return what the last ``forward(train=True)`` kept for ``backward``."""
+        cache = getattr(self, "_cache", None)
+        if cache is None:
+            raise RuntimeError(f"{type(self).__name__}.backward called without a forward(train=True)")
+        return cache
 
 
 # --- initialisation: always drawn on the host with a seeded Generator, then copied to xp
@@ -86,6 +97,39 @@ def init_array(spec, shape, rng, dtype=np.float32):
 # the batch innermost every kernel-tap slice of it is a run of whole (W, B) rows, so the
 # im2col/col2im and pooling loops move long contiguous blocks. Element-wise and pooling
 # layers keep whatever memory order they are given.
+
+def as_pair(v, name):
+    """Return ``v`` as an (int, int) pair: an int is used twice (kernel size, stride, padding)."""
+    if isinstance(v, int):
+        v = (v, v)
+    v = tuple(int(a) for a in v)
+    if len(v) != 2:
+        raise ValueError(f"{name} must be an int or a pair, got {v!r}")
+    return v
+
+
+def window_geometry(kind, kernel_size, stride, padding):
+    """Return (kernel, stride, padding) pairs of a sliding window, checked (``kind`` names it)."""
+    kernel, stride, padding = (as_pair(kernel_size, "kernel_size"), as_pair(stride, "stride"),
+                               as_pair(padding, "padding"))
+    if min(kernel) < 1 or min(stride) < 1 or min(padding) < 0:
+        raise ValueError(f"bad {kind} geometry: kernel {kernel}, stride {stride}, padding {padding}")
+    return kernel, stride, padding
+
+
+def window_out_size(layer, h, w, size):
+    """Return (Ho, Wo) of a window layer (``kernel_size``, ``stride``, ``padding`` pairs) on an
+    (h, w) input; ``size(n, kernel, stride, pad)`` is the layer's rounding rule."""
+    (kh, kw), (sh, sw), (ph, pw) = layer.kernel_size, layer.stride, layer.padding
+    return size(h, kh, sh, ph), size(w, kw, sw, pw)
+
+
+def window_repr(layer, *leading):
+    """Return ``Name(leading..., kernel, stride=..., padding=...)`` for a window layer."""
+    args = [str(a) for a in leading] + [str(layer.kernel_size), f"stride={layer.stride}",
+                                        f"padding={layer.padding}"]
+    return f"{type(layer).__name__}({', '.join(args)})"
+
 
 def _memory_order(x):
     """Return the axes of ``x`` from outermost to innermost in memory."""

@@ -1,7 +1,8 @@
 """Conv2d: im2col from per-tap slices + one GEMM per pass, on batch-last (C, H, W, B) memory."""
 from ringnet.backend import get_array_module
-from ringnet.layers.base import (Layer, as_channel_rows, batch_last, check_init, tap_ranges,
-                                 tap_slice)
+from ringnet.layers.base import (Layer, as_channel_rows, batch_last, check_init,
+                                 tap_ranges, tap_slice, window_geometry,
+                                 window_out_size, window_repr)
 
 __all__ = ["Conv2d", "conv_output_size"]
 
@@ -12,15 +13,6 @@ def conv_output_size(size, kernel, stride, pad):
     if out < 1:
         raise ValueError(f"conv kernel {kernel} (pad {pad}) does not fit input size {size}")
     return out
-
-
-def _pair(v, name):
-    if isinstance(v, int):
-        v = (v, v)
-    v = tuple(int(a) for a in v)
-    if len(v) != 2:
-        raise ValueError(f"{name} must be an int or a pair, got {v!r}")
-    return v
 
 
 class Conv2d(Layer):
@@ -34,26 +26,20 @@ class Conv2d(Layer):
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, *,
                  weight_init=("xavier",), bias_init=("constant", 0.0)):
         self.in_channels, self.out_channels = int(in_channels), int(out_channels)
-        self.kernel_size = _pair(kernel_size, "kernel_size")
-        self.stride = _pair(stride, "stride")
-        self.padding = _pair(padding, "padding")
-        if min(self.kernel_size) < 1 or min(self.stride) < 1 or min(self.padding) < 0:
-            raise ValueError(f"bad Conv2d geometry: kernel {self.kernel_size}, "
-                             f"stride {self.stride}, padding {self.padding}")
+        self.kernel_size, self.stride, self.padding = window_geometry(
+            "Conv2d", kernel_size, stride, padding)
         self.weight_init, self.bias_init = check_init(weight_init), check_init(bias_init)
         self._cols = {}          # (train, shape) -> zero-bordered column buffer
         self._cache = None
 
     def __repr__(self):
-        return (f"Conv2d({self.in_channels}, {self.out_channels}, {self.kernel_size}, "
-                f"stride={self.stride}, padding={self.padding})")
+        return window_repr(self, self.in_channels, self.out_channels)
 
     def output_shape(self, in_shape):
         c, h, w = in_shape
         if c != self.in_channels:
             raise ValueError(f"Conv2d expects {self.in_channels} input channels, got {c}")
-        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
-        return (self.out_channels, conv_output_size(h, kh, sh, ph), conv_output_size(w, kw, sw, pw))
+        return (self.out_channels, *window_out_size(self, h, w, conv_output_size))
 
     def param_specs(self, in_shape):
         self.output_shape(in_shape)
@@ -97,10 +83,8 @@ class Conv2d(Layer):
         # With stride 1 the same dx is a convolution of dy (padded by k-1-p) with the
         # flipped, in/out-swapped kernel: cheaper when the output is not smaller than the
         # input ("same" padding), since im2col only copies where col2im adds.
-        if self._cache is None:
-            raise RuntimeError("Conv2d.backward called without a forward(train=True)")
+        (b, c, h, w), cols2, rows, cols_r = self._cached()
         xp = get_array_module(dy)
-        (b, c, h, w), cols2, rows, cols_r = self._cache
         dy2 = as_channel_rows(xp, dy)                            # (O, Ho*Wo*B)
         weight = self.params["weight"].reshape(self.out_channels, -1)
         xp.matmul(dy2, cols2.T, out=self.grads["weight"].reshape(self.out_channels, -1))

@@ -2,9 +2,8 @@
 import numpy as np
 
 from ringnet.backend import get_array_module
-from ringnet.layers.base import (Layer, empty_like_layout, tap_ranges, tap_slice,
-                                 zeros_like_layout)
-from ringnet.layers.conv import _pair
+from ringnet.layers.base import (Layer, empty_like_layout, tap_ranges, tap_slice, window_geometry,
+                                 window_out_size, window_repr, zeros_like_layout)
 
 __all__ = ["MaxPool2d", "AvgPool2d", "pool_output_size"]
 
@@ -32,12 +31,8 @@ def _covers(tap, ho, wo):
 
 class _Pool2d(Layer):
     def __init__(self, kernel_size, stride=None, padding=0):
-        self.kernel_size = _pair(kernel_size, "kernel_size")
-        self.stride = _pair(self.kernel_size if stride is None else stride, "stride")
-        self.padding = _pair(padding, "padding")
-        if min(self.kernel_size) < 1 or min(self.stride) < 1 or min(self.padding) < 0:
-            raise ValueError(f"bad pool geometry: kernel {self.kernel_size}, "
-                             f"stride {self.stride}, padding {self.padding}")
+        self.kernel_size, self.stride, self.padding = window_geometry(
+            "pool", kernel_size, kernel_size if stride is None else stride, padding)
         if self.kernel_size[0] * self.kernel_size[1] > 255:
             raise ValueError(f"pool kernel {self.kernel_size} has more than 255 taps")
         if any(2 * p > k for p, k in zip(self.padding, self.kernel_size)):
@@ -46,13 +41,11 @@ class _Pool2d(Layer):
         self._cache = None
 
     def __repr__(self):
-        return (f"{type(self).__name__}({self.kernel_size}, stride={self.stride}, "
-                f"padding={self.padding})")
+        return window_repr(self)
 
     def output_shape(self, in_shape):
         c, h, w = in_shape
-        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
-        return (c, pool_output_size(h, kh, sh, ph), pool_output_size(w, kw, sw, pw))
+        return (c, *window_out_size(self, h, w, pool_output_size))
 
     def _taps(self, h, w):
         """Yield (tap index, output slices, input slices) for in-bounds taps."""
@@ -100,10 +93,8 @@ class MaxPool2d(_Pool2d):
 
     def backward(self, dy):
         # y = x[argmax]  =>  dx[argmax] += dy, zero elsewhere (overlapping windows add up).
-        if self._cache is None:
-            raise RuntimeError("MaxPool2d.backward called without a forward(train=True)")
+        x, argmax, taps = self._cached()
         xp = get_array_module(dy)
-        x, argmax, taps = self._cache
         (kh, kw), (sh, sw) = self.kernel_size, self.stride
         dx = zeros_like_layout(xp, x, x.shape)                   # (B, C, H, W)
         hit = empty_like_layout(xp, argmax, argmax.shape, np.bool_)
@@ -149,10 +140,8 @@ class AvgPool2d(_Pool2d):
 
     def backward(self, dy):
         # y[o] = inv[o] * sum_{taps} x[o*s + k - p]  =>  dx[o*s + k - p] += inv[o] * dy[o].
-        if self._cache is None:
-            raise RuntimeError("AvgPool2d.backward called without a forward(train=True)")
+        x, inv, taps = self._cached()
         xp = get_array_module(dy)
-        x, inv, taps = self._cache
         g = dy * inv                                             # (B, C, Ho, Wo)
         dx = zeros_like_layout(xp, x, x.shape)                   # (B, C, H, W)
         for _, out_sl, in_sl in taps:

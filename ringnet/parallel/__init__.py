@@ -7,7 +7,6 @@ README's mode table is tested against it.
 from dataclasses import dataclass
 from typing import Optional
 
-from ringnet.errors import UsageError
 from ringnet.parallel.base import Strategy
 from ringnet.parallel.master import MasterStrategy
 from ringnet.parallel.ring import RingStrategy
@@ -62,8 +61,5 @@ def create(mode: str, model, make_optimizer, world, delay: int = 0,
     if spec.communicator is None:
         return spec.strategy(model, make_optimizer, world, delay=delay)
     from ringnet import comm as ringcomm    # late: loading mpi4py initialises MPI
-    try:
-        communicator = ringcomm.create(spec.communicator, transport=transport, mpi_comm=world)
-    except (RuntimeError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
+    communicator = ringcomm.create(spec.communicator, transport=transport, mpi_comm=world)
     return spec.strategy(model, make_optimizer, world, communicator, delay=delay)

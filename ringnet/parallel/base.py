@@ -9,6 +9,7 @@ the exchange (delay 0: blocking; delay 1: on the communication stream, the delay
 model update of DESIGN.md).
 """
 import zlib
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -21,10 +22,17 @@ __all__ = ["Strategy", "DataParallelStrategy", "StepStats"]
 
 
 class Strategy:
-    """Base of all strategies; see the module docstring for the contract."""
+    """Base of all strategies: how one optimizer step uses the ranks.
+
+    ``model``: the :class:`~ringnet.models.Model` this rank computes with (its flat
+    buffers are the strategy's to bind); ``make_optimizer(n)``: returns an optimizer
+    for a flat slice of ``n`` parameters; ``world``: the mpi4py communicator of the
+    ranks (None for one process); ``delay``: 0 or 1 (see ``exchange``).
+    ``stats`` (:class:`~ringnet.stats.StepStats`) is filled by every step.
+    """
     name = None
 
-    def __init__(self, model, make_optimizer, world, delay=0):
+    def __init__(self, model, make_optimizer: Callable[[int], object], world, delay: int = 0):
         self.model = model
         self.xp = model.xp
         self.world = world
@@ -36,27 +44,43 @@ class Strategy:
         self.transport = None
 
     # -- contract -----------------------------------------------------------
-    def step(self, x, labels, it):
-        """Run optimizer step ``it`` on this rank's part of the global batch; return (loss, correct)."""
+    def step(self, x, labels, it: int) -> Tuple[float, int]:
+        """Run optimizer step ``it`` on this rank's part of the global batch.
+
+        ``x``: this rank's (B/N, C, H, W) images; ``labels``: their B/N class indices.
+        Returns (loss, correct): the loss this rank computed (split-fc: the global
+        batch's) and how many of this rank's samples the model classified right.
+        """
         raise NotImplementedError
 
-    def drain(self):
+    def drain(self) -> None:
         """Wait for any exchange still in flight; afterwards the newest weights are complete."""
 
     def eval_model(self):
-        """Return a full model holding the newest complete weights (call after drain)."""
+        """Return the model holding the newest complete weights (collective in split-fc).
+
+        The next ``step`` puts back the weights it computes on, so evaluate before it.
+        """
         raise NotImplementedError
 
-    def full_state(self):
-        """Return (params, momentum, prev_params) as named host arrays; collective, valid on rank 0."""
+    def full_state(self) -> Tuple[Dict[str, np.ndarray], Optional[Dict[str, np.ndarray]],
+                                  Optional[Dict[str, np.ndarray]]]:
+        """Return (params, momentum, prev_params) as name -> host array (PyTorch layout).
+
+        Collective; complete on rank 0 (momentum may be None elsewhere). ``prev_params``
+        is None at delay 0: at delay 1 it is what the next step computes on.
+        """
         raise NotImplementedError
 
-    def load_full_state(self, params, momentum=None, prev_params=None):
-        """Load named host arrays (as written by ``full_state``) on every rank."""
+    def load_full_state(self, params: Dict[str, np.ndarray], momentum=None, prev_params=None) -> None:
+        """Load name -> host array dicts as ``full_state`` returns them, on every rank.
+
+        Raises ValueError when the names or shapes do not match the model.
+        """
         raise NotImplementedError
 
-    def close(self):
-        """Release streams and communicators."""
+    def close(self) -> None:
+        """Wait for the exchange in flight and release the streams."""
 
     # -- shared -------------------------------------------------------------
     def _named(self, flat):

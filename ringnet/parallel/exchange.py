@@ -145,7 +145,7 @@ class DelayedUpdate:
         self.drain()
         self.params[...] = self.back            # w[it]: what step it + 1 computes on
         self.sent[...] = self.grads
-        synchronize(self.sent)
+        # No host wait: a GPU stream's operation waits on an event recorded at submit.
         if self.stream is None:
             self._exchange(self.sent, self.back, it, exposed=True)
         else:

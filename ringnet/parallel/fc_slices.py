@@ -8,16 +8,16 @@ a slice's partial input gradient with the previous layer's out-bounds gives each
 the gradient of its own rows.
 """
 from ringnet.backend import get_array_module
-from ringnet.errors import UsageError
+from ringnet.errors import InputError
 from ringnet.layers import Dropout, Linear, ReLU
 
 __all__ = ["FcSlice", "FcBlock", "check_split", "fc_blocks"]
 
 
 def check_split(layer_name, out_features, ranks):
-    """Raise UsageError when a layer has fewer output neurons than ranks to split over."""
+    """Raise InputError when a layer has fewer output neurons than ranks to split over."""
     if out_features < ranks:
-        raise UsageError(f"layer {layer_name} has {out_features} outputs, fewer than the "
+        raise InputError(f"layer {layer_name} has {out_features} outputs, fewer than the "
                          f"{ranks} ranks split-fc splits it over")
 
 
@@ -26,7 +26,7 @@ def fc_blocks(model):
     try:
         start = model.fc_start()
     except ValueError as exc:
-        raise UsageError(f"split-fc needs a fully-connected layer: {exc}") from None
+        raise InputError(f"split-fc needs a fully-connected layer: {exc}") from None
     blocks = []
     for name, layer in model.layers[start:]:
         if isinstance(layer, Linear):
@@ -34,7 +34,7 @@ def fc_blocks(model):
         elif isinstance(layer, (ReLU, Dropout)):
             blocks[-1][2].append((name, layer))
         else:
-            raise UsageError(f"split-fc cannot split layer {name} ({layer!r}) after the first "
+            raise InputError(f"split-fc cannot split layer {name} ({layer!r}) after the first "
                              "fully-connected layer: only Linear, ReLU and Dropout may follow it")
     return blocks
 

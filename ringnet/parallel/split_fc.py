@@ -36,7 +36,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ringnet.backend import to_numpy
-from ringnet.errors import UsageError
+from ringnet.errors import InputError
 from ringnet.parallel.base import Strategy
 from ringnet.parallel.conversion import ActivationCollectives, DataConversion
 from ringnet.parallel.exchange import DelayedUpdate, ShardedPlan, synchronize
@@ -52,7 +52,7 @@ class SplitFCStrategy(Strategy):
     def __init__(self, model, make_optimizer, world, comm, delay=0, overlap=None):
         super().__init__(model, make_optimizer, world, delay)
         if delay not in (0, 1):
-            raise UsageError(f"split-fc supports delay 0 or 1, got {delay}")
+            raise InputError(f"split-fc supports delay 0 or 1, got {delay}")
         self.comm = comm
         self.transport = comm.transport
         self.rank, self.size = comm.rank, comm.size
@@ -116,8 +116,7 @@ class SplitFCStrategy(Strategy):
         """Run the conv prefix on this rank's samples."""
         with self._compute("conv_forward"):
             h = self.xp.asarray(x).astype(self.model.dtype, copy=False)
-            h = self.model.forward_layers(h, 0, self.fc_index, train=True)
-        return h
+            return self.model.forward_layers(h, 0, self.fc_index, train=True)
 
     def _fc_forward(self, a):
         """Run every FC block on the global batch (a: (F, B)); return the block inputs and the logits."""
@@ -167,7 +166,7 @@ class SplitFCStrategy(Strategy):
     def _conv_backward(self, d):
         """Back-propagate this rank's feature gradient through the conv prefix (writes the conv gradients)."""
         with self._compute("conv_backward"):
-            self.model.backward_layers(d, 0, self.fc_index)
+            self.model.backward_layers(d, 0, self.fc_index)     # the first layer returns None
 
     def _update_fc(self, it):
         with self.stats.span("update", part="fc"):

@@ -1,38 +1,121 @@
 #!/usr/bin/env bash
-# Run the GPU tests (communication and training) on a machine with at least one CUDA GPU.
-# Usage: tests/gpu/run.sh   (from the repository root, virtual environment active)
-# Exit status: 0 all passed, 77 no GPU or no CuPy (nothing run), anything else a failure.
-set -euo pipefail
+# The GPU acceptance run, for a machine with at least one CUDA GPU (within 8 minutes on one).
+# Usage: bash tests/gpu/run.sh   (repository root or anywhere; ringnet, mpi4py and CuPy installed)
+#
+# Stages (each under its own time limit; none may fail silently):
+#   gpu-n1      single-process GPU tests: single mode on the GPU equals the CPU run (float64),
+#               NCCL and MPI with CuPy buffers through every communicator at N=1
+#   gpu-n2      2 ranks sharing the GPU(s), MPI transport with CuPy buffers: ring/tree/master
+#               at delay 0 and 1, split-fc at delay 0 and 1 against single / the recurrence;
+#               NCCL refused when ranks share a GPU
+#   gpu-n4      the same modes at 4 ranks
+#   nccl-shared the CLI with --transport nccl on ranks that share a GPU: exit 2, one line
+#   auto-shared the CLI with --transport auto on ranks that share a GPU: MPI, and it says why
+#   step-times  each model's GPU step time beside PyTorch's CUDA step (when torch has CUDA)
+# The last line is one JSON report. Exit 0: every stage passed; 1: a stage failed;
+# 77 (the "skipped" code of automake and meson): no usable GPU here, one line, nothing run.
+set -u
 cd "$(dirname "$0")/../.."
-export OMP_NUM_THREADS=1
-# Exit 77 (the "skipped" code of automake and meson) when there is nothing to test on.
-if ! why=$(python -c "
+# This checkout's ringnet, also in the scripts and under mpirun.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
+MPIRUN=${MPIRUN:-mpirun}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+if ! why=$(python - 2>&1 <<'EOF'
+import sys
 try:
-    import cupy
-except ImportError:
-    print('CuPy is not installed (pip install -e \".[gpu]\")')
-else:
-    print('' if cupy.is_available() else 'CuPy finds no usable CUDA GPU')
-" 2>&1) || [ -n "$why" ]; then
-  echo "tests/gpu/run.sh needs a CUDA GPU and CuPy: $why; no GPU test was run" >&2
+    from ringnet.backend import check_gpu, gpu_available
+except Exception as exc:  # noqa: BLE001
+    sys.exit(f"cannot import ringnet: {exc}")
+if not gpu_available():
+    sys.exit("CuPy is missing or sees no CUDA GPU")
+try:
+    check_gpu()
+except RuntimeError as exc:
+    sys.exit(str(exc))
+EOF
+); then
+  echo "tests/gpu/run.sh needs a CUDA GPU and CuPy: ${why##*$'\n'}; no GPU test was run" >&2
   exit 77
 fi
-nvidia-smi -L || true
-python -c "from cupy.cuda import nccl; print('NCCL', nccl.get_version() if nccl.available else 'not loadable')" || true
 
-echo "== single process"
-python -m pytest -q -m gpu tests/gpu
-echo "== 2 ranks: MPI transport with CuPy buffers (host-staged unless MPI is CUDA-aware)"
-mpirun -np 2 python -m pytest -q --with-mpi -m "gpu and mpi" tests/gpu
-echo "== 2 ranks sharing GPUs: NCCL with NCCL_MULTI_RANK_GPU_ENABLE=1 (may be unsupported)"
-NCCL_MULTI_RANK_GPU_ENABLE=1 mpirun -np 2 python -m pytest -q --with-mpi -m "gpu and mpi" -k nccl tests/gpu || \
-    echo "NCCL with two ranks per GPU failed: this NCCL build does not support it"
-echo "== training on the GPU equals the same run on the CPU (1 and 2 ranks)"
-python -m pytest -q --with-mpi -m gpu tests/test_gpu_train.py
-mpirun -np 2 python -m pytest -q --with-mpi -m gpu tests/test_gpu_train.py
-echo "== ring delay 1 and split-fc on the GPU, 2 ranks, MPI transport"
-mpirun -np 2 python -m ringnet.train --device gpu --transport mpi --steps 60 --json --quiet
-mpirun -np 2 python -m ringnet.train --device gpu --transport mpi --mode split-fc --model lenet \
-    --dataset synthetic --steps 20 --lr 0.001 --json --quiet
-echo "== comm benchmark, 2 ranks"
-mpirun -np 2 python -m ringnet.bench comm --transport mpi --sizes 1K,1M,16M --iters 5
+GPUS=$(python -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
+
+# stage NAME LIMIT_S CMD...: run CMD under a time limit, keep its output, record rc and time.
+stage() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$WORK/$name.log"
+  local rc=${PIPESTATUS[0]}
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" >> "$WORK/stages.tsv"
+}
+
+# --transport nccl with ranks sharing a GPU must end with exit 2 and one error line.
+nccl_shared() {
+  if [ "$GPUS" -ge 2 ]; then echo "skipped: $GPUS GPUs, 2 ranks do not share one"; return 0; fi
+  "$MPIRUN" -np 2 python -m ringnet.train --device gpu --transport nccl --steps 1 --quiet \
+      > "$WORK/nccl-shared.out" 2>&1
+  local rc=$?
+  cat "$WORK/nccl-shared.out"
+  [ "$rc" -eq 2 ] && [ "$(grep -c 'ringnet: error:.*share GPU' "$WORK/nccl-shared.out")" -eq 1 ] \
+    && ! grep -q Traceback "$WORK/nccl-shared.out"
+}
+
+# --transport auto with ranks sharing a GPU must choose MPI and give the reason.
+auto_shared() {
+  if [ "$GPUS" -ge 2 ]; then echo "skipped: $GPUS GPUs, 2 ranks do not share one"; return 0; fi
+  "$MPIRUN" -np 2 python -m ringnet.train --device gpu --steps 2 --json --quiet > "$WORK/auto.json" \
+    || return 1
+  cat "$WORK/auto.json"
+  python - "$WORK/auto.json" <<'EOF'
+import json, sys
+summary = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+assert summary["device"] == "gpu" and summary["transport"] == "mpi", summary
+assert "share GPU" in summary["transport_reason"], summary["transport_reason"]
+EOF
+}
+
+export -f nccl_shared auto_shared
+export WORK GPUS MPIRUN
+PYTEST="python -m pytest -q -p no:cacheprovider --with-mpi"
+stage gpu-n1 120 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py
+stage gpu-n2 120 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu tests/test_gpu_train.py
+stage gpu-n4 150 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
+stage nccl-shared 40 bash -c nccl_shared
+stage auto-shared 40 bash -c auto_shared
+stage step-times 90 python tests/gpu/step_vs_torch.py --out "$WORK/steps.json"
+
+python - "$WORK" <<'EOF'
+import json, os, re, sys
+work = sys.argv[1]
+stages, ok = [], True
+for line in open(os.path.join(work, "stages.tsv")):
+    name, rc, seconds, command = line.rstrip("\n").split("\t")
+    log = open(os.path.join(work, name + ".log"), errors="replace").read().splitlines()
+    summary = next((l for l in reversed(log) if re.search(r"\d+ (passed|failed|error)", l)), None)
+    passed = rc == "0"
+    ok &= passed
+    stages.append({"stage": name, "passed": passed, "exit": int(rc), "seconds": int(seconds),
+                   "timed_out": rc == "124", "pytest": summary, "command": command})
+report = {"passed": ok, "stages": stages}
+try:
+    import cupy
+    from ringnet.comm.nccl_transport import nccl_module
+    from ringnet.comm.mpi_transport import mpi_cuda_aware
+    nccl = nccl_module("cupy")
+    report["environment"] = {
+        "cupy": cupy.__version__, "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        "gpus": [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode()
+                 for i in range(cupy.cuda.runtime.getDeviceCount())],
+        "nccl": nccl.get_version() if nccl is not None else None,
+        "cuda_aware_mpi": list(mpi_cuda_aware())}
+except Exception as exc:  # noqa: BLE001 - the report still comes out
+    report["environment"] = {"error": str(exc)}
+steps = os.path.join(work, "steps.json")
+if os.path.exists(steps):
+    report["step_times"] = json.load(open(steps))
+print(json.dumps(report))
+sys.exit(0 if ok else 1)
+EOF

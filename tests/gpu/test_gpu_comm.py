@@ -2,8 +2,6 @@
 
 ``tests/gpu/run.sh`` runs these on a GPU machine, also under mpirun.
 """
-import os
-
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -30,12 +28,11 @@ def _transport(kind):
     from ringnet.comm import make_transport
     from ringnet.comm.nccl_transport import nccl_module
     if kind == "nccl":
-        if nccl_module() is None:
-            pytest.skip("NCCL not loadable by CuPy")
-        per_gpu = N > cupy.cuda.runtime.getDeviceCount()
-        if per_gpu and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
-            pytest.skip("more ranks than GPUs; set NCCL_MULTI_RANK_GPU_ENABLE=1 to try NCCL")
-    return make_transport(kind)
+        if nccl_module("cupy") is None:
+            pytest.fail("NCCL cannot be loaded by CuPy (install the gpu-cuda12/gpu-cuda13 extra)")
+        if N > cupy.cuda.runtime.getDeviceCount():
+            pytest.skip("more ranks than GPUs: NCCL refuses them (tested below)")
+    return make_transport(kind, device="gpu")
 
 
 @pytest.mark.mpi
@@ -62,15 +59,16 @@ def test_allreduce_cupy_buffers(kind, name, length):
 
 
 @pytest.mark.mpi
-def test_nccl_refuses_two_ranks_on_one_gpu():
-    from ringnet.comm.nccl_transport import NcclTransport, nccl_module
+def test_ranks_sharing_a_gpu_get_mpi_from_auto_and_a_refusal_from_nccl():
+    from ringnet.comm import make_transport
     from ringnet.errors import UsageError
-    if N < 2 or N <= cupy.cuda.runtime.getDeviceCount() or nccl_module() is None:
-        pytest.skip("needs more ranks than GPUs and NCCL")
-    if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
-        pytest.skip("NCCL_MULTI_RANK_GPU_ENABLE=1 allows sharing")
-    with pytest.raises(UsageError, match=r"ranks \d+ and \d+ share GPU"):
-        NcclTransport(WORLD)
+    if N < 2 or N <= cupy.cuda.runtime.getDeviceCount():
+        pytest.skip("needs more ranks than GPUs")
+    auto = make_transport("auto", device="gpu")
+    assert auto.name == "mpi" and "share GPU" in auto.placement.reason, auto.placement
+    auto.close()
+    with pytest.raises(UsageError, match=r"ranks [\d, ]+ share GPU"):
+        make_transport("nccl", device="gpu")
 
 
 def test_gpu_stream_reports_errors_at_wait():

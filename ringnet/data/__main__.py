@@ -1,4 +1,7 @@
-"""python -m ringnet.datasets download|convert|info — get data sets into the ringnet HDF5 layout."""
+"""python -m ringnet.data download|convert|info — get data sets into the ringnet HDF5 layout.
+
+``python -m ringnet.datasets`` is the same command (an alias).
+"""
 import argparse
 import json
 import os
@@ -9,16 +12,9 @@ import numpy as np
 from ringnet.data import convert as _convert
 from ringnet.data import download as _download
 from ringnet.data.hdf5 import SPLITS, validate_file
-from ringnet.errors import UsageError, run_main
+from ringnet.errors import ArgumentParser, UsageError, run_main
 
 __all__ = ["main", "info"]
-
-
-class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one-line UsageErrors (exit 2) instead of usage dumps."""
-
-    def error(self, message):
-        raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
 def info(path):
@@ -56,7 +52,7 @@ def _print_info(summary):
 
 
 def _build_parser():
-    parser = _Parser(prog="python -m ringnet.datasets",
+    parser = ArgumentParser(prog="python -m ringnet.datasets",
                      description="Download, convert and inspect data sets in the ringnet HDF5 layout "
                                  "(/train and /test groups with uint8 images (N, C, H, W) and int64 "
                                  "labels, class names in the 'classes' attribute).",
@@ -69,7 +65,7 @@ def _build_parser():
                             "`python -m ringnet.datasets COMMAND --help` explains each command.")
     commands = parser.add_subparsers(dest="command", metavar="{download,convert,info}", required=True)
 
-    default_dir = _download.default_data_dir()
+    default_dir = _download.download_dir()
     p = commands.add_parser(
         "download", help="fetch MNIST or CIFAR-10, check SHA-256, convert to D/NAME.h5",
         description="Fetch the canonical files of MNIST (four idx .gz files) or CIFAR-10 "
@@ -126,14 +122,21 @@ def _build_parser():
 
 
 def main(argv=None):
+    """Entry point of ``python -m ringnet.data`` (alias ``python -m ringnet.datasets``)."""
     args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "download":
-        _download.download(args.name, args.dir, mirror=args.mirror, keep_raw=args.keep_raw,
-                           force=args.force, timeout=args.timeout, log=print)
+        try:
+            _download.download(args.name, args.dir, mirror=args.mirror, keep_raw=args.keep_raw,
+                               force=args.force, timeout=args.timeout, log=print)
+        except _download.Unreachable as exc:
+            if exc.source is None:
+                raise
+            raise UsageError(f"{exc}; download it elsewhere and run `python -m ringnet.datasets "
+                             f"convert {args.name} {exc.source} --out {exc.out}`") from None
     elif args.command == "convert":
         default_name = args.name if args.format == "imagefolder" and args.name else (
             os.path.basename(os.path.abspath(args.src)) if args.format == "imagefolder" else args.format)
-        out = args.out or os.fspath(_download.default_data_dir() / f"{default_name}.h5")
+        out = args.out or os.fspath(_download.download_dir() / f"{default_name}.h5")
         if args.format == "mnist":
             _convert.convert_mnist(args.src, out)
         elif args.format == "cifar10":

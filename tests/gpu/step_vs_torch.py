@@ -1,0 +1,108 @@
+"""Each model's training step on the GPU beside PyTorch's CUDA step for the same net and batch.
+
+Usage: python tests/gpu/step_vs_torch.py [--iters N] [--out FILE]   (needs a GPU; torch optional)
+
+Both steps are timed interleaved (forward, backward, SGD with momentum), each ended by a
+device synchronisation; medians in ms and their ratio. Before timing, both nets give the
+same loss on the same weights and batch (float32, relative 1e-4), or the run fails.
+"""
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from ringnet.backend import check_gpu, cupy, gpu_available
+from ringnet.bench.layers import torch_model
+from ringnet.models import MODELS, build_model
+from ringnet.optim import SGD, LRPolicy
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None, "torch not installed"
+    if not torch.cuda.is_available():
+        return None, f"torch {torch.__version__} has no CUDA"
+    return torch, None
+
+
+def time_model(name, iters, batch_size=64, lr=0.001):
+    host = build_model(name, dtype="float32", seed=0)
+    model = build_model(name, dtype="float32", seed=0, xp=cupy)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch_size,) + host.input_shape).astype(np.float32)
+    y = rng.integers(0, host.num_classes, size=batch_size)
+    xg, yg = cupy.asarray(x), cupy.asarray(y)
+    sgd = SGD(model.num_params, LRPolicy("fixed", lr), momentum=0.9, xp=cupy, dtype="float32")
+    result = {"model": name, "batch_size": batch_size}
+    torch, why = _torch_cuda()
+    step_torch = None
+    if torch is not None:
+        net = torch_model(host).cuda()
+        xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
+        net.eval()
+        with torch.no_grad():
+            theirs = float(torch.nn.functional.cross_entropy(net(xt), yt))
+        ours, _ = model.evaluate(xg, yg, batch_size=batch_size)
+        result["loss"], result["torch_loss"] = float(ours), theirs
+        if not abs(float(ours) - theirs) <= 1e-4 * max(1.0, abs(theirs)):
+            raise RuntimeError(f"{name}: loss {ours} differs from PyTorch's {theirs}")
+        net.train()
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+
+        def step_torch():
+            opt.zero_grad(set_to_none=False)
+            torch.nn.functional.cross_entropy(net(xt), yt).backward()
+            opt.step()
+            torch.cuda.synchronize()
+    else:
+        result["torch"] = why
+
+    def step_ours(it):
+        model.loss_and_grad(xg, yg)
+        sgd.step(model.params, model.grads, it)
+        cupy.cuda.get_current_stream().synchronize()
+
+    ours, theirs = [], []
+    for it in range(iters + 3):          # three warm-up rounds (kernel compilation), not kept
+        t0 = time.perf_counter()
+        step_ours(it)
+        t1 = time.perf_counter()
+        if step_torch is not None:
+            step_torch()
+        t2 = time.perf_counter()
+        if it >= 3:
+            ours.append(t1 - t0)
+            theirs.append(t2 - t1)
+    result["step_ms"] = 1e3 * float(np.median(ours))
+    if step_torch is not None:
+        result["torch_step_ms"] = 1e3 * float(np.median(theirs))
+        result["ratio_vs_torch"] = result["step_ms"] / result["torch_step_ms"]
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default=None, help="also write the JSON list here")
+    args = parser.parse_args(argv)
+    if not gpu_available():
+        print("step_vs_torch: no usable CUDA GPU", file=sys.stderr)
+        return 3
+    check_gpu()
+    results = [time_model(name, args.iters) for name in MODELS]
+    for r in results:
+        ratio = f"{r['ratio_vs_torch']:.2f}" if "ratio_vs_torch" in r else r.get("torch", "")
+        print(f"{r['model']:>14}  ringnet {r['step_ms']:8.2f} ms  "
+              f"torch {r.get('torch_step_ms', float('nan')):8.2f} ms  ratio {ratio}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
