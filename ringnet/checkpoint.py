@@ -5,6 +5,8 @@ Layout::
     /params/<name>            full tensor, PyTorch layout (conv (out,in,kh,kw), linear (out,in))
     /momentum/<name>          SGD momentum buffer of that parameter (same shape)
     /prev_params/<name>       delay-1 runs only: the weights the next step computes on
+    /lookahead_base/<name>    delay 1 with the lookahead compensation only: w[t-1] of the
+                              look-ahead point (see ringnet.parallel.exchange.Lookahead)
     attrs: format ("ringnet-checkpoint"), version, model, mode, delay, ranks, step, epoch,
            dtype, and the hyperparameters a resume continues with (HYPERPARAMETERS)
 
@@ -19,8 +21,8 @@ import numpy as np
 from ringnet.data.hdf5 import atomic_output
 from ringnet.errors import UsageError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "check_writable", "resume_settings",
-           "HYPERPARAMETERS", "FORMAT"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_lookahead_base", "check_writable",
+           "resume_settings", "HYPERPARAMETERS", "FORMAT"]
 
 FORMAT = "ringnet-checkpoint"
 VERSION = 1
@@ -45,7 +47,7 @@ def check_writable(path):
         raise UsageError(f"cannot write checkpoint {path}: it is a folder")
 
 
-def save_checkpoint(path, params, momentum=None, prev_params=None, /, **attrs):
+def save_checkpoint(path, params, momentum=None, prev_params=None, /, lookahead_base=None, **attrs):
     """Write named host arrays and scalar ``attrs`` to ``path`` atomically.
 
     The arrays are positional only, so ``attrs`` may hold a ``momentum`` setting.
@@ -53,12 +55,12 @@ def save_checkpoint(path, params, momentum=None, prev_params=None, /, **attrs):
     An OS error becomes a UsageError naming the file; the old file at ``path`` is untouched.
     """
     try:
-        return _write(path, params, momentum, prev_params, attrs)
+        return _write(path, params, momentum, prev_params, attrs, lookahead_base)
     except OSError as exc:
         raise UsageError(f"cannot write checkpoint {path} ({exc})") from None
 
 
-def _write(path, params, momentum, prev_params, attrs):
+def _write(path, params, momentum, prev_params, attrs, lookahead_base=None):
     with atomic_output(path, suffix=".h5.tmp") as tmp:
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = FORMAT
@@ -66,7 +68,8 @@ def _write(path, params, momentum, prev_params, attrs):
             for key, value in attrs.items():
                 f.attrs[key] = "" if value is None else value
             for group_name, tensors in (("params", params), ("momentum", momentum),
-                                        ("prev_params", prev_params)):
+                                        ("prev_params", prev_params),
+                                        ("lookahead_base", lookahead_base)):
                 if tensors is None:
                     continue
                 group = f.create_group(group_name)
@@ -99,6 +102,17 @@ def load_checkpoint(path):
         except (OSError, KeyError, ValueError) as exc:
             raise UsageError(f"checkpoint {path} is corrupt ({exc})") from None
     return groups["params"], groups["momentum"], groups["prev_params"], attrs
+
+
+def load_lookahead_base(path):
+    """Return the named ``/lookahead_base`` arrays of checkpoint ``path``, or None if it has none."""
+    try:
+        with h5py.File(path, "r") as f:
+            if "lookahead_base" not in f:
+                return None
+            return {name: ds[()] for name, ds in f["lookahead_base"].items()}
+    except (OSError, KeyError, ValueError) as exc:
+        raise UsageError(f"checkpoint {path} is corrupt ({exc})") from None
 
 
 def resume_settings(attrs, given):

@@ -4,7 +4,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ringnet.errors import ArgumentParser, UsageError
-from ringnet.parallel import MODES
+from ringnet.parallel import COMPENSATIONS, MODES
 
 __all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "DEFAULTS", "build_parser", "config_from_args",
            "default_batch_size", "synopsis"]
@@ -37,6 +37,7 @@ class TrainConfig:
     dataset: str = None
     mode: str = None
     delay: int = None
+    delay_compensation: str = None
     epochs: int = None
     steps: int = None
     batch_size: int = None        # None: DEFAULTS, or the checkpoint's under --resume
@@ -58,6 +59,7 @@ class TrainConfig:
     json: bool = False
     check_every: int = 0
     eval_every_epoch: bool = True
+    eval_every: int = 0
     data_dir: str = None
     synthetic_size: tuple = (2048, 512)
     progress: bool = True
@@ -88,6 +90,13 @@ class TrainConfig:
         if MODES[cfg.mode].communicator is None and cfg.delay != 0:
             parallel = ", ".join(m.name for m in MODES.values() if m.communicator)
             raise UsageError(f"--delay 1 needs a parallel mode ({parallel})")
+        if cfg.delay_compensation is None:
+            cfg.delay_compensation = "lookahead" if cfg.delay else "none"
+        if cfg.delay_compensation not in COMPENSATIONS:
+            raise UsageError(f"--delay-compensation must be one of {', '.join(COMPENSATIONS)}, "
+                             f"got {cfg.delay_compensation!r}")
+        if cfg.delay_compensation != "none" and not cfg.delay:
+            raise UsageError(f"--delay-compensation {cfg.delay_compensation} applies to --delay 1 only")
         if cfg.lr is None:
             cfg.lr = defaults["lr"]
         for name, value in DEFAULTS.items():
@@ -115,6 +124,8 @@ class TrainConfig:
             raise UsageError(f"--device must be auto, cpu or gpu, got {cfg.device!r}")
         if cfg.transport not in ("auto", "mpi", "nccl"):
             raise UsageError(f"--transport must be auto, mpi or nccl, got {cfg.transport!r}")
+        if cfg.eval_every < 0:
+            raise UsageError(f"--eval-every must be >= 0, got {cfg.eval_every}")
         if cfg.check_every < 0:
             raise UsageError(f"--check-every must be >= 0, got {cfg.check_every}")
         if cfg.batch_size % world_size:
@@ -147,6 +158,9 @@ EXAMPLES = (
     "python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 50",
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset mnist --json",
 )
+
+
+_LA = COMPENSATIONS["lookahead"]
 
 
 def build_parser():
@@ -191,6 +205,12 @@ def build_parser():
                    help="1: delayed model update, step t computes on the weights of step t-1 while "
                         "the exchange of step t-1 runs; 0: synchronous (default 1 for ring, "
                         "0 otherwise)")
+    g.add_argument("--delay-compensation", choices=list(COMPENSATIONS), default=None,
+                   help=f"with --delay 1: lookahead (default) computes step t's gradient at "
+                        f"w[t-1] + {_LA.c:g} (w[t-1] - w[t-2]) and runs momentum 1 - (1 - M)/{_LA.k:g} "
+                        f"at lr LR/{_LA.k:g} (the same long-run step LR/(1 - M)), which widens the "
+                        f"delayed update's stable range; none: the plain recurrence, gradient "
+                        f"at w[t-1], momentum M, lr LR (default lookahead at delay 1, none at delay 0)")
     g.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
                    help="how bytes move (default auto: nccl when every rank has its own GPU, "
                         "else mpi)")
@@ -246,6 +266,10 @@ def build_parser():
                         "else a line per epoch and every $RINGNET_PROGRESS_SECONDS)")
     g.add_argument("--no-eval", dest="eval_every_epoch", action="store_false",
                    help="skip the per-epoch test evaluation (the final one still runs)")
+    g.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="also evaluate test accuracy every K steps; --json then lists them as "
+                        "'evals': [step, epoch, train seconds (evaluations excluded), accuracy] "
+                        "(default 0: only per epoch)")
     g.add_argument("--quiet", action="store_true", help="print nothing but errors and --json")
     return p
 

@@ -61,7 +61,9 @@ class SGD:
         v <- momentum * v + lr(it) * (g + weight_decay * w)
         w <- w - v
 
-    ``v`` (the momentum) is kept for these ``size`` entries only.
+    ``v`` (the momentum) is kept for these ``size`` entries only. ``lr_scale`` (default
+    1) multiplies lr(it); the delayed update's compensation sets it (see
+    ``ringnet.parallel.exchange.Lookahead``).
     """
 
     def __init__(self, size, lr_policy, momentum=0.9, weight_decay=0.0, xp=np, dtype=np.float32):
@@ -75,6 +77,7 @@ class SGD:
         self.momentum, self.weight_decay = float(momentum), float(weight_decay)
         self.xp, self.dtype = xp, resolve_dtype(dtype)
         self.v = xp.zeros(self.size, dtype=self.dtype)
+        self.lr_scale = 1.0
         self._scratch = None
 
     def step(self, w, g, it):
@@ -83,7 +86,7 @@ class SGD:
             raise ValueError(f"SGD of size {self.size} got w {w.shape} and g {g.shape}")
         if w.dtype != self.dtype or g.dtype != self.dtype:
             raise ValueError(f"SGD of dtype {self.dtype} got w {w.dtype} and g {g.dtype}")
-        lr = self.lr_policy(it)
+        lr = self.lr_policy(it) * self.lr_scale
         xp = get_array_module(w)
         if xp is not np:
             _fused_kernel(xp)(g, lr, self.momentum, self.weight_decay, w, self.v)

@@ -116,7 +116,8 @@ def _setup(cfg, world):
 
     strategy = collective(world, parallel.create, cfg.mode, model, make_optimizer,
                           world if cfg.mode != "single" else None,
-                          delay=cfg.delay, transport=transport)
+                          delay=cfg.delay, transport=transport,
+                          compensation=cfg.delay_compensation)
     strategy.placement = placement
     loader = ShardedLoader(dataset.train, cfg.batch_size, rank=rank, size=size, seed=cfg.seed,
                            shuffle=cfg.shuffle, xp=xp, dtype=cfg.dtype, mean=dataset.mean,
@@ -223,7 +224,9 @@ def train(cfg=None, world=None, **overrides):
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
     step = 0
     if checkpoint is not None:
+        from ringnet.checkpoint import load_lookahead_base
         params, momentum, prev, attrs = checkpoint
+        base = collective(world, load_lookahead_base, cfg.resume)
 
         def restore():
             if attrs.get("model") != cfg.model:
@@ -237,7 +240,8 @@ def train(cfg=None, world=None, **overrides):
                                  f"leaves nothing to run (steps count from step 0: ask for more "
                                  f"than {done})")
             try:
-                strategy.load_full_state(params, momentum, prev if cfg.delay else None)
+                strategy.load_full_state(params, momentum, prev if cfg.delay else None,
+                                         base if cfg.delay else None)
             except ValueError as exc:
                 raise UsageError(f"checkpoint {cfg.resume}: {exc}") from None
         collective(world, restore)
@@ -250,7 +254,8 @@ def train(cfg=None, world=None, **overrides):
                        f"{size} ranks)")
     steps_text = (f"steps {step} to {total_steps} ({total_steps - step} to run)" if step
                   else f"{total_steps} steps")
-    _log(cfg, world, f"ringnet: {cfg.mode} (delay {cfg.delay}) on {size} rank(s), "
+    delay_text = f"delay {cfg.delay}" + (f", {cfg.delay_compensation}" if cfg.delay else "")
+    _log(cfg, world, f"ringnet: {cfg.mode} ({delay_text}) on {size} rank(s), "
                      f"{strategy.placement.describe()}, model {cfg.model} "
                      f"({model.num_params:,} parameters, {model.num_classes} outputs: one per class "
                      f"of the data), data {dataset.name} ({len(dataset.train)} train / "
@@ -267,6 +272,7 @@ def train(cfg=None, world=None, **overrides):
     sent_before, _ = strategy.bytes_moved()   # bytes_per_step counts the training steps only
     t_train = time.perf_counter()
     test_acc = test_loss = None
+    evals, eval_s = [], 0.0     # [step, epoch, training seconds before it, accuracy]
     try:
         # Overflow on the way to a non-finite loss is reported once, below, not as warnings.
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -283,6 +289,12 @@ def train(cfg=None, world=None, **overrides):
                     step += 1
                     if bar is not None:
                         bar.update(step, loss)
+                    if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                        t_eval = time.perf_counter()
+                        strategy.drain()
+                        acc, _ = evaluate(strategy, dataset, cfg, world, xp)
+                        evals.append([step, round(step / spe, 4), t_eval - t_train - eval_s, acc])
+                        eval_s += time.perf_counter() - t_eval
                     if cfg.check_every and step % cfg.check_every == 0:
                         strategy.drain()
                         check_replicas(strategy, world, step)
@@ -291,8 +303,10 @@ def train(cfg=None, world=None, **overrides):
                 if hasattr(batches, "close"):
                     batches.close()
                 if step % spe == 0 and cfg.eval_every_epoch and step < total_steps:
+                    t_eval = time.perf_counter()
                     strategy.drain()
                     test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp)
+                    eval_s += time.perf_counter() - t_eval
                     _log(cfg, world, _epoch_line(step // spe, recent, test_acc, test_loss))
             strategy.drain()
     finally:
@@ -305,6 +319,8 @@ def train(cfg=None, world=None, **overrides):
 
     check_replicas(strategy, world, step)
     test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp)
+    if cfg.eval_every:
+        evals.append([step, round(step / spe, 4), train_s - eval_s, test_acc])
     if step % spe == 0 and cfg.eval_every_epoch and step > first_step:
         _log(cfg, world, _epoch_line(step // spe, recent, test_acc, test_loss))
     local_loss = float(np.mean(recent)) if recent else float("nan")
@@ -313,11 +329,14 @@ def train(cfg=None, world=None, **overrides):
     if cfg.save:
         from ringnet.checkpoint import save_checkpoint
         params, momentum, prev = strategy.full_state()
+        base = strategy.lookahead_state()
 
         def save():  # rank 0 writes; every rank learns whether it worked
             if rank == 0:
                 save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
-                                model=cfg.model, mode=cfg.mode, delay=cfg.delay, ranks=size,
+                                lookahead_base=base, model=cfg.model, mode=cfg.mode,
+                                delay=cfg.delay, delay_compensation=cfg.delay_compensation,
+                                ranks=size,
                                 step=step, epoch=step // spe, dtype=cfg.dtype,
                                 **{n: getattr(cfg, n) for n in HYPERPARAMETERS})
         collective(world, save)
@@ -333,15 +352,17 @@ def train(cfg=None, world=None, **overrides):
     times = stats.step_times[2:] or stats.step_times
     step_ms = 1000 * statistics.median(times) if times else float("nan")
     summary = {
-        "mode": cfg.mode, "delay": cfg.delay, "ranks": size, "model": cfg.model,
+        "mode": cfg.mode, "delay": cfg.delay, "delay_compensation": cfg.delay_compensation,
+        "ranks": size, "model": cfg.model,
         "dataset": dataset.name, "device": "gpu" if xp is not np else "cpu",
         "transport": getattr(strategy.transport, "name", None) if strategy.transport else None,
         "gpu": strategy.placement.gpu, "transport_reason": strategy.placement.reason or None,
         "dtype": cfg.dtype, "batch_size": cfg.batch_size, "steps": step,
         "epochs": round(step / spe, 3), "test_accuracy": test_acc, "test_loss": test_loss,
         "train_loss": train_loss,
-        "images_per_sec": steps_run * cfg.batch_size / train_s if train_s > 0 else 0.0,
+        "images_per_sec": steps_run * cfg.batch_size / (train_s - eval_s) if train_s > eval_s else 0.0,
         "step_ms": step_ms, "time_s": time.perf_counter() - t_start, "train_s": train_s,
+        "eval_s": eval_s,
         "compute_s": mean[0], "comm_wait_s": mean[1], "update_s": mean[2], "data_s": mean[3],
         "comm_total_s": mean[4], "overlap": stats.overlap(),
         "bytes_sent": int(mean[5]), "bytes_recv": int(mean[6]),
@@ -349,6 +370,8 @@ def train(cfg=None, world=None, **overrides):
         "bytes_sent_max": int(busiest),
         "num_params": model.num_params,
     }
+    if cfg.eval_every:
+        summary["evals"] = evals
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
     _log(cfg, world, f"done: {step} steps ({step / spe:.2f} epochs), train loss {train_loss:.4f}, "
                      f"test loss {test_loss:.4f}, test accuracy {100 * test_acc:.2f}%, "

@@ -22,25 +22,43 @@ def flat_params(strategy):
     return np.array(to_numpy(strategy.eval_model().params), dtype=np.float64)
 
 
-def simulate_delay1(model, batches, optimizer, delayed=None):
+# The delay compensation ``lookahead``'s constants, written here, not read from ringnet.
+LOOKAHEAD = (5.0, 2.0)      # (k, c)
+
+
+def simulate_delay1(model, batches, optimizer, delayed=None, lookahead=None):
     """Run the delayed-update recurrence in one process; return (weights, losses).
 
     ``params[:delayed]`` (default: all) follows the delayed update,
-    ``c_{t+1} = upd(c_t, Gc_t(c_{t-1}, f_t))`` with ``c_{-1} = c_0``; the rest
-    (split-fc's FC part) is updated at once, ``f_{t+1} = upd(f_t, Gf_t(c_{t-1}, f_t))``.
+    ``c_{t+1} = upd(c_t, Gc_t(p_t, f_t))`` with ``p_t = c_{t-1}`` and ``c_{-1} = c_0``;
+    the rest (split-fc's FC part) is updated at once, ``f_{t+1} = upd(f_t, Gf_t(p_t, f_t))``.
     ``optimizer`` is one element-wise SGD over the whole flat vector.
+
+    ``lookahead = (k, c)``: the compensation, written out: the delayed part computes at
+    ``p_t = c_{t-1} + c (c_{t-1} - c_{t-2})`` and is updated with momentum
+    ``1 - (1 - mu)/k`` and lr ``lr/k``: ``v <- mu' v + lr' (g + wd w)``, ``w <- w - v``.
     """
     n = model.num_params if delayed is None else delayed
-    c_prev = c_cur = model.params[:n].copy()
+    c_prev2 = c_prev = c_cur = model.params[:n].copy()
     rest = model.params[n:].copy()
+    k, c = lookahead if lookahead is not None else (1.0, 0.0)
+    mu = np.full(model.num_params, optimizer.momentum)
+    mu[:n] = 1 - (1 - optimizer.momentum) / k
+    scale = np.ones(model.num_params)
+    scale[:n] = 1 / k
+    v = np.zeros(model.num_params)
     losses = []
     for t, (x, y) in enumerate(batches):
-        model.params[:n] = c_prev
+        model.params[:n] = c_prev + c * (c_prev - c_prev2)
         model.params[n:] = rest
         losses.append(model.loss_and_grad(x, y)[0])
         w = np.concatenate([c_cur, rest])
-        optimizer.step(w, model.grads.copy(), t)
-        c_prev, c_cur, rest = c_cur, w[:n], w[n:]
+        if lookahead is None:
+            optimizer.step(w, model.grads.copy(), t)
+        else:
+            v = mu * v + scale * optimizer.lr_policy(t) * (model.grads + optimizer.weight_decay * w)
+            w = w - v
+        c_prev2, c_prev, c_cur, rest = c_prev, c_cur, w[:n], w[n:]
     return np.concatenate([c_cur, rest]), losses
 
 

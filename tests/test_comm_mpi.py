@@ -170,13 +170,19 @@ def test_every_communicator_works_on_a_sub_communicator(kind):
         ring.reduce_scatter(shards, op="mean")
         ring.allgather(shards)
         results["reduce_scatter+allgather"] = shards
+        for name in ("tree", "master"):        # rooted at the sub-communicator's last rank
+            comm = create(name, transport="mpi", mpi_comm=sub)
+            buf = (rank + 1) * pattern(length, np.float64)
+            comm.reduce(buf, root=n - 1, op="mean")
+            comm.bcast(buf, root=n - 1)
+            results[f"{name} reduce+bcast"] = buf
     finally:
         for other in subs.values():
             if other not in (MPI.COMM_SELF, MPI.COMM_WORLD):
                 other.Free()
     expected = n * (n + 1) / 2 * pattern(length, np.float64)
     for name, buf in results.items():
-        want = expected if name in COMMUNICATORS else expected / n
+        want = expected if name in COMMUNICATORS else expected / n   # the others take the mean
         np.testing.assert_allclose(buf, want, rtol=1e-12, atol=0,
                                    err_msg=f"{name} on {kind} (rank {rank} of {n})")
 

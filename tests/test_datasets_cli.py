@@ -183,6 +183,25 @@ def test_convert_mnist_pixel_for_pixel(tmp_path, gz):
         assert got_labels.dtype == np.int64
 
 
+def test_convert_mnist_name_records_set_source_and_licence(tmp_path, monkeypatch):
+    make_mnist(tmp_path / "src")
+    monkeypatch.setenv("RINGNET_DATA", str(tmp_path / "data"))
+    assert datasets.main(["convert", "mnist", str(tmp_path / "src"), "--name", "fashion-mnist"]) == 0
+    out = tmp_path / "data" / "fashion-mnist.h5"          # default output named after --name
+    summary = datasets.info(out)
+    assert summary["name"] == "fashion-mnist"
+    assert "Zalando" in summary["source"] and summary["licence"].startswith("MIT")
+    assert summary["classes"][0] == "T-shirt/top" and summary["classes"][9] == "Ankle boot"
+    # plain MNIST keeps its own record; an unknown name records the folder, no licence
+    datasets.main(["convert", "mnist", str(tmp_path / "src"), "--out", str(tmp_path / "m.h5")])
+    assert datasets.info(tmp_path / "m.h5")["licence"].startswith("CC BY-SA")
+    datasets.main(["convert", "mnist", str(tmp_path / "src"), "--name", "kmnist",
+                   "--out", str(tmp_path / "k.h5")])
+    other = datasets.info(tmp_path / "k.h5")
+    assert other["name"] == "kmnist" and other["licence"] == ""
+    assert str((tmp_path / "src").resolve()) in other["source"]
+
+
 @pytest.mark.parametrize("style", ["tar.gz", "dir"])
 def test_convert_cifar10_pixel_for_pixel(tmp_path, style):
     batches = cifar_batches()

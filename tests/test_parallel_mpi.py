@@ -2,8 +2,10 @@
 
 * delay 0 (ring, tree, master): the same weights as ``single`` run in-process on the
   whole global batch, float64, relative difference <= 1e-9.
-* delay 1: the same weights as a one-process simulation of
-  ``w[t+1] = upd(w[t], G_t(w[t-1]))`` written out below with the bare model and optimizer.
+* delay 1: the same weights as a one-process simulation of the recurrence
+  (``conftest.simulate_delay1``): by default with the lookahead compensation,
+  ``g_t = G_t(w[t-1] + c (w[t-1] - w[t-2]))`` at momentum ``1 - (1 - mu)/k`` and lr
+  ``lr/k``; with ``--delay-compensation none`` the plain ``w[t+1] = upd(w[t], G_t(w[t-1]))``.
 * every mode: all replicas bit-identical at the end.
 """
 import time
@@ -21,7 +23,7 @@ from ringnet.optim import SGD, LRPolicy
 from ringnet.parallel.ring import RingStrategy
 from ringnet.train import train
 
-from conftest import flat_params, rel_error, simulate_delay1
+from conftest import LOOKAHEAD, flat_params, rel_error, simulate_delay1
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
@@ -38,8 +40,8 @@ def _single_reference():
     return flat_params(result.strategy), result.summary["train_loss"]
 
 
-def _simulate_delay1(steps=STEPS):
-    """The delayed recurrence in one process on the same global batches."""
+def _simulate_delay1(steps=STEPS, lookahead=LOOKAHEAD):
+    """The delayed recurrence in one process on the same global batches (None: plain)."""
     ds = open_dataset("digits", seed=BASE["seed"])
     model = build_model("digits", dtype="float64", seed=BASE["seed"])
     opt = SGD(model.num_params, LRPolicy("fixed", BASE["lr"]), momentum=BASE["momentum"],
@@ -47,7 +49,8 @@ def _simulate_delay1(steps=STEPS):
     loader = ShardedLoader(ds.train, BATCH, seed=BASE["seed"], dtype="float64",
                            mean=ds.mean, std=ds.std, prefetch=0)
     batches = loader.epoch(0)
-    weights, _ = simulate_delay1(model, (next(batches) for _ in range(steps)), opt)
+    weights, _ = simulate_delay1(model, (next(batches) for _ in range(steps)), opt,
+                                 lookahead=lookahead)
     batches.close()
     ds.close()
     return weights
@@ -74,12 +77,22 @@ def test_delay0_equals_single(mode):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["ring", "tree", "master"])
-def test_delay1_equals_simulated_recurrence(mode):
-    result = train(TrainConfig(mode=mode, delay=1, **BASE), world=WORLD)
+@pytest.mark.parametrize("compensation", [None, "none"])
+def test_delay1_equals_simulated_recurrence(mode, compensation):
+    result = train(TrainConfig(mode=mode, delay=1, delay_compensation=compensation, **BASE),
+                   world=WORLD)
     params = flat_params(result.strategy)
     identical = _replicas_identical(params)
     result.strategy.close()
-    reference = _simulate_delay1()
+    plain = _simulate_delay1(lookahead=None)
+    if compensation is None:        # the default: lookahead
+        reference = _simulate_delay1()
+        assert rel_error(plain, reference) > 1e-4, "the compensation changes nothing here"
+        # a wrong look-ahead or a missing momentum correction would be caught
+        assert rel_error(_simulate_delay1(lookahead=(LOOKAHEAD[0], 1.0)), reference) > 1e-6
+        assert rel_error(_simulate_delay1(lookahead=(1.0, LOOKAHEAD[1])), reference) > 1e-6
+    else:
+        reference = plain
     assert rel_error(params, reference) <= 1e-9, f"{mode} delay 1 differs from the simulated recurrence"
     assert identical, f"{mode} delay 1: replicas differ"
     # and delay 1 really is a different trajectory from delay 0
@@ -233,7 +246,7 @@ def test_dropout_masks_match_single_at_any_rank_count(mode):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode, delay", [("ring", 1), ("tree", 0), ("split-fc", 0)])
+@pytest.mark.parametrize("mode, delay", [("ring", 1), ("tree", 0), ("split-fc", 0), ("split-fc", 1)])
 def test_resume_continues_the_exact_trajectory(tmp_path, mode, delay):
     """k steps + checkpoint + resume to k+m equals an uninterrupted k+m run (delay 1 included)."""
     path = WORLD.bcast(str(tmp_path / "ck.h5"))

@@ -156,3 +156,21 @@ def test_nccl_init_past_the_deadline_ends_the_job(tmp_path):
     assert run.returncode != 0, output
     assert "NCCL init of the transport's communicator did not complete within 2 s" in output, output
     assert seconds < 60, f"took {seconds:.0f} s"
+
+
+def test_gpu_extras_bring_cupy_and_its_nccl_per_cuda_major():
+    """The README's install lines name extras that bring CuPy *and* the NCCL wheel it loads."""
+    import configparser
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(root, "setup.cfg"))
+    extras = {name: value.split() for name, value in cfg["options.extras_require"].items()}
+    readme = open(os.path.join(root, "README.md")).read()
+    for major in ("12", "13"):
+        name = f"gpu-cuda{major}"
+        assert f'pip install -e ".[{name}]"' in readme
+        assert any(r.startswith(f"cupy-cuda{major}x") for r in extras[name]), extras[name]
+        assert any(r.startswith(f"nvidia-nccl-cu{major}>=") and r.endswith(",<3")
+                   for r in extras[name]), extras[name]
+    assert extras["gpu"] == extras["gpu-cuda12"]

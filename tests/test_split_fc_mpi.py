@@ -7,7 +7,8 @@
 * gradients after one step: each rank's FC rows and conv shard equal the rows / shard
   of the unsplit model's full-batch gradient;
 * delay 1: the same weights as a one-process simulation of the recurrence split-fc
-  implements (conv delayed, FC immediate);
+  implements (conv delayed, FC immediate), plain and with the lookahead compensation
+  (conv part only: look-ahead point, corrected momentum and lr; FC keeps the plain update);
 * checkpoints: split-fc -> single and single -> split-fc resume onto the same weights
   as an uninterrupted single run;
 * traffic: the bytes every rank sent add up to the closed form of the ring collectives;
@@ -31,7 +32,7 @@ from ringnet.parallel.single import SingleStrategy
 from ringnet.parallel.split_fc import SplitFCStrategy
 from ringnet.train import train
 
-from conftest import flat_params, rel_error, simulate_delay1
+from conftest import LOOKAHEAD, flat_params, rel_error, simulate_delay1
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -66,9 +67,9 @@ def _mine(x, y):
     return x[RANK * b:(RANK + 1) * b], y[RANK * b:(RANK + 1) * b]
 
 
-def _split_fc(model, delay=0):
+def _split_fc(model, delay=0, lookahead=None):
     comm = ringcomm.create("ring", transport="mpi", mpi_comm=WORLD)
-    return SplitFCStrategy(model, _make_optimizer, WORLD, comm, delay=delay)
+    return SplitFCStrategy(model, _make_optimizer, WORLD, comm, delay=delay, lookahead=lookahead)
 
 
 @pytest.mark.mpi
@@ -112,26 +113,32 @@ def test_gradients_are_the_rows_of_the_full_batch_gradient():
             f"rank {RANK}: gradient region [{a}, {b}) differs from the full-batch gradient"
 
 
-def _simulate_delay1(name, steps):
+def _simulate_delay1(name, steps, lookahead=None):
     """One process: the delayed update on the conv prefix, the FC part updated at once."""
     model = _build(name)
     first = model.layers[model.fc_start()][0]
     conv = model.param_offsets()[f"{first}.weight"][0]
     # element-wise SGD: one optimizer over the whole vector updates both parts alike
     return simulate_delay1(model, _batches(model, steps), _make_optimizer(model.num_params),
-                           delayed=conv)
+                           delayed=conv, lookahead=lookahead)
 
 
 @pytest.mark.mpi
-def test_delay1_equals_simulated_recurrence():
-    steps = 4
+@pytest.mark.parametrize("compensation", ["none", "lookahead"])
+def test_delay1_equals_simulated_recurrence(compensation):
+    from ringnet.parallel import COMPENSATIONS
+    steps = 5
     model = _build("digits")
-    strategy = _split_fc(model, delay=1)
+    strategy = _split_fc(model, delay=1, lookahead=COMPENSATIONS[compensation])
     losses = [strategy.step(*_mine(x, y), it)[0] for it, (x, y) in enumerate(_batches(model, steps))]
     strategy.drain()
     params = flat_params(strategy)
     strategy.close()
-    reference, ref_losses = _simulate_delay1("digits", steps)
+    plain, _ = _simulate_delay1("digits", steps)
+    reference, ref_losses = plain, _
+    if compensation == "lookahead":
+        reference, ref_losses = _simulate_delay1("digits", steps, lookahead=LOOKAHEAD)
+        assert rel_error(plain, reference) > 1e-4
     immediate = SingleStrategy(_build("digits"), _make_optimizer)
     for it, (x, y) in enumerate(_batches(model, steps)):
         immediate.step(x, y, it)

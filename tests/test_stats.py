@@ -117,3 +117,38 @@ def test_listener_sees_every_span_with_thread_and_args(clock):
         ("send", "ringnet-comm-7", {"peer": 1, "bytes": 64})]
     assert seen[0].duration == 1.0 and seen[0].start == 1.0
     assert seen[1].thread_id != seen[0].thread_id
+
+
+def test_a_delay1_ring_step_reports_its_phases_and_the_stream_thread():
+    """What a tracer receives from training: the step, its compute, and the exchange's
+    communication and update on the communication stream's thread."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from ringnet.comm import create
+    from ringnet.models import build_model
+    from ringnet.optim import SGD, LRPolicy
+    from ringnet.parallel.ring import RingStrategy
+
+    model = build_model("digits", dtype="float64", seed=0)
+    ring = create("ring", transport="mpi", mpi_comm=MPI.COMM_SELF)
+    strategy = RingStrategy(model, lambda n: SGD(n, LRPolicy("fixed", 0.01), dtype="float64"),
+                            MPI.COMM_SELF, ring, delay=1)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(4, 1, 8, 8)), rng.integers(0, 10, 4)
+    seen = []
+    unsubscribe = subscribe(seen.append)
+    try:
+        for it in range(2):
+            strategy.step(x, y, it)
+        strategy.drain()
+    finally:
+        unsubscribe()
+        strategy.close()
+    main = threading.current_thread().name
+    names = {(e.name, e.thread == main) for e in seen}
+    assert {("step", True), ("compute", True), ("comm", False), ("update", False)} <= names, names
+    comm = [e for e in seen if e.name == "comm"]
+    assert {e.args["op"] for e in comm} == {"reduce", "distribute"}
+    assert all(e.args["bytes"] == model.num_params * 8 for e in comm)
+    assert strategy.stats.steps == 2 and len(strategy.stats.step_times) == 2

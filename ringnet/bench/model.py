@@ -167,18 +167,6 @@ class ComputeProfile:
         """Return seconds of one in-place add of ``n_elems`` elements."""
         return n_elems * self.add_s_per_elem + self.add_s_per_call if n_elems else 0.0
 
-    def scaled(self, factor):
-        """Return this profile with every time multiplied by ``factor`` (a slower or faster machine)."""
-        def scale(pair):
-            return tuple(v * factor for v in pair)
-        return dataclasses.replace(
-            self, layers={m: [(n, scale(f), scale(b)) for n, f, b in rows]
-                          for m, rows in self.layers.items()},
-            overhead={m: scale(v) for m, v in self.overhead.items()},
-            update_s_per_param=self.update_s_per_param * factor,
-            update_s_per_call=self.update_s_per_call * factor,
-            add_s_per_elem=self.add_s_per_elem * factor, add_s_per_call=self.add_s_per_call * factor)
-
     def to_json(self):
         return {"name": self.name, "device": self.device, "source": self.source,
                 "update_ns_per_param": self.update_s_per_param * 1e9,
@@ -190,6 +178,9 @@ class ComputeProfile:
                                           "backward_ms": [ba * 1e3, bb * 1e3]}
                                          for n, (fa, fb), (ba, bb) in self.layers[m]]}
                            for m in self.layers}}
+
+
+_ZERO_COMPUTE = ComputeProfile("zero", "cpu", {}, {}, 0.0, 0.0, 0.0, 0.0, "no compute (link fits)")
 
 
 def compute_from_json(data, source=""):
@@ -239,28 +230,39 @@ def _median_time(fn, iters):
 
 
 def measure_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0):
-    """Time every layer here (``bench layers``' code) at two batch sizes; fit the profile."""
+    """Time every layer here (``bench layers``' code) at two batch sizes; fit the profile.
+
+    The batch sizes alternate pass by pass, so a change of the machine's load hits both
+    alike; the rest of a step (the loss) is timed directly, not as a difference.
+    """
     from ringnet.optim import SGD, LRPolicy
     layers, overhead = {}, {}
     for name in models:
         model = build_model(name, dtype=dtype, seed=seed)
         rng = np.random.default_rng(seed)
-        per_batch, steps = [], []
+        data = {}
         for batch in batches:
             x = rng.normal(size=(batch,) + model.input_shape).astype(model.dtype)
             y = rng.integers(0, model.num_classes, size=batch)
             model.loss_and_grad(x, y)                                   # warm-up
-            per_batch.append(layer_times(model, x, iters))
-            steps.append(_median_time(lambda: model.loss_and_grad(x, y), iters))
+            data[batch] = (x, y)
+        passes = {batch: [] for batch in batches}
+        losses = {batch: [] for batch in batches}
+        for _ in range(iters):
+            for batch, (x, y) in data.items():
+                passes[batch].append(layer_times(model, x, 1))
+                logits = model.forward(x, train=True)
+                t0 = time.perf_counter()
+                model.loss_layer.forward(logits, y)
+                model.loss_layer.backward()
+                losses[batch].append(time.perf_counter() - t0)
         rows = []
-        for i, (lname, _, _) in enumerate(per_batch[0]):
-            fwd = _fit(batches, [pb[i][1] / 1e3 for pb in per_batch])
-            bwd = _fit(batches, [pb[i][2] / 1e3 for pb in per_batch])
+        for i, (lname, _, _) in enumerate(passes[batches[0]][0]):
+            fwd = _fit(batches, [np.median([p[i][1] for p in passes[b]]) / 1e3 for b in batches])
+            bwd = _fit(batches, [np.median([p[i][2] for p in passes[b]]) / 1e3 for b in batches])
             rows.append((lname, fwd, bwd))
         layers[name] = rows
-        # what a training step costs beyond the layers: loss, Python dispatch
-        rest = [s - sum(f + b for _, f, b in pb) / 1e3 for s, pb in zip(steps, per_batch)]
-        overhead[name] = _fit(batches, [max(0.0, r) for r in rest])
+        overhead[name] = _fit(batches, [float(np.median(losses[b])) for b in batches])
     # update and add: one large and one small call give per element and per call
     big, small = 1 << 20, 1 << 10
     costs = {}
@@ -347,6 +349,7 @@ class System:
     cores: float = None
     steal: float = 0.0
     rate: float = 1.0
+    rooted: dict = None              # local: mode -> Link calibrated on that communicator
     calibrated: dict = None
 
     def hop(self, a, b):
@@ -361,7 +364,9 @@ class System:
         near = min(self.calibrated, key=lambda k: (abs(math.log2(k) - math.log2(max(n, 1))), k))
         c = self.calibrated[near]
         link = Link(f"local@{near}", c["alpha_s"], c["beta_Bps"], "calibrated here")
-        return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"],
+        rooted = {mode: Link(f"local-{mode}@{near}", v["alpha_s"], v["beta_Bps"], "calibrated here")
+                  for mode, v in c.get("rooted", {}).items()}
+        return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
                                    cores=near / max(c["slowdown"], 1e-9), steal=c["steal"])
 
     def contention(self, n):
@@ -545,6 +550,9 @@ def _exchange_s(system, model, mode, n):
     if mode == "ring":
         bounds = _shard_bounds(p, n)
         return _ring_time(system, bounds, itemsize, "rs") + _ring_time(system, bounds, itemsize, "ag")
+    if system.rooted and mode in system.rooted:     # local: the link fitted on this communicator
+        link = system.rooted[mode]
+        system = dataclasses.replace(system, intra=link, inter=link)
     if mode == "tree":
         return sum(_tree_time(system, n, p * itemsize, p))
     return sum(_master_time(system, n, p * itemsize, p))
@@ -715,10 +723,13 @@ def _calibrate_worker(iters):
     duration and the work unit's time while it ran.
     """
     from mpi4py import MPI
-    from ringnet.comm import MpiTransport, RingCommunicator
+    from ringnet.comm import (MasterSlaveCommunicator, MpiTransport, RingCommunicator,
+                              TreeCommunicator)
     world = MPI.COMM_WORLD
     rank, n = world.Get_rank(), world.Get_size()
-    ring = RingCommunicator(MpiTransport(world))
+    transport = MpiTransport(world)
+    ring = RingCommunicator(transport)
+    rooted = {"tree": TreeCommunicator(transport), "master": MasterSlaveCommunicator(transport)}
     model = build_model("lenet", seed=rank)
     rng = np.random.default_rng(rank)
     x = rng.normal(size=(16,) + model.input_shape).astype(model.dtype)
@@ -756,6 +767,20 @@ def _calibrate_worker(iters):
             ring.allgather(buf)
             samples.append(slowest(time.perf_counter() - t0))
         blocking[size] = float(np.median(samples))
+    # the tree's and master's reduce + broadcast: their messages are fewer and larger
+    by_mode = {}
+    for mode, comm in rooted.items():
+        by_mode[mode] = {}
+        for size in CALIBRATION_SIZES:
+            buf = np.ones(size // 4, np.float32)
+            samples = []
+            for _ in range(iters):
+                idle_barrier()
+                t0 = time.perf_counter()
+                comm.reduce(buf, root=0)
+                comm.bcast(buf, root=0)
+                samples.append(slowest(time.perf_counter() - t0))
+            by_mode[mode][size] = float(np.median(samples))
     stream = ring.new_stream()
     streamed = {}
     for size in STREAM_SIZES:
@@ -782,7 +807,8 @@ def _calibrate_worker(iters):
     if rank == 0:
         print(json.dumps({"np": n, "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
-                          "blocking": blocking, "streamed": streamed}), flush=True)
+                          "blocking": blocking, "streamed": streamed,
+                          "rooted": by_mode}), flush=True)
     return 0
 
 
@@ -821,6 +847,25 @@ def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300):
     return {"by_np": by_np}
 
 
+def _fit_rooted(mode, n, sizes_s, add_s_per_elem):
+    """Fit (alpha, beta) of tree or master reduce+broadcast times with the model's own formulas."""
+    timing = _tree_time if mode == "tree" else _master_time
+
+    def coefficient(alpha, beta, size):
+        link = Link("fit", alpha, beta)
+        system = System("fit", link, link, 1 << 30, _ZERO_COMPUTE)
+        return sum(timing(system, n, size, size // 4))
+    rows, rhs = [], []
+    for size, seconds in sizes_s:
+        a = coefficient(1.0, 1e30, size)                  # messages on the critical path
+        b = coefficient(0.0, 1.0, size)                   # bytes on the critical path
+        adds = (n - 1) * add_s_per_elem * size / 4
+        rows.append([a, b])
+        rhs.append(max(seconds - adds, 0.0))
+    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    return max(float(alpha), 0.0), 1.0 / max(float(inv_beta), 1e-12)
+
+
 def _calibration_record(n, raw, add_s_per_elem):
     """Turn one worker's timings into link, contention, and the stream's rate and steal."""
     blocking = sorted((int(k), v) for k, v in raw["blocking"].items())
@@ -835,7 +880,12 @@ def _calibration_record(n, raw, add_s_per_elem):
         tail = max(0.0, span - work)            # ran after the compute, at blocking speed
         rates.append(min(1.0, max(1e-3, (alone - min(tail, alone)) / overlap)))
         steals.append(min(0.9, max(0.0, (work - together) / overlap)))
-    return {"alpha_s": alpha, "beta_Bps": beta, "slowdown": together / raw["solo_s"],
+    rooted = {mode: dict(zip(("alpha_s", "beta_Bps"),
+                             _fit_rooted(mode, n, sorted((int(k), v) for k, v in sizes.items()),
+                                         add_s_per_elem)))
+              for mode, sizes in raw.get("rooted", {}).items() if n > 1}
+    return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted,
+            "slowdown": together / raw["solo_s"],
             "rate": float(np.mean(rates)) if rates else 1.0,
             "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
 
@@ -845,26 +895,13 @@ VALIDATION_NP = (1, 2, 4)
 VALIDATION_MODES = tuple(md for md in MODES if md[0] != "single")
 
 
-def load_probe(repeats=5):
-    """Return the median seconds of a fixed piece of work (LeNet, batch 16, forward+backward):
-    how fast one process runs on this machine right now."""
-    model = build_model("lenet")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16,) + model.input_shape).astype(model.dtype)
-    y = rng.integers(0, model.num_classes, size=16)
-    model.loss_and_grad(x, y)
-    return _median_time(lambda: model.loss_and_grad(x, y), repeats)
-
-
 def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=600,
              nps=VALIDATION_NP):
     """Measure, in each of ``repeats`` rounds: the compute profile, the local calibration, and
     ``python -m ringnet.train`` (through ``bench scaling``) for every mode at each N.
 
     Returns a record that :func:`validation_rows` turns into predicted-beside-measured rows;
-    each round's prediction uses that round's inputs, and each run's compute is scaled by
-    a load probe taken just before it against the one taken with the profile (the
-    machine is shared: its speed drifts from minute to minute)."""
+    each round's prediction uses that round's inputs (a shared machine's speed drifts)."""
     from ringnet.bench import scaling
     args = scaling._parser().parse_args([])
     args.batch_size, args.steps, args.mpirun, args.timeout = batch, steps, mpirun, timeout
@@ -874,19 +911,17 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
     rounds = []
     for round_ in range(repeats):
         compute = measure_compute(models)
-        probe = load_probe()
         calibration = calibrate(tuple(n for n in nps if n > 1), compute, mpirun, iters)
         measured = []
         for i, (name, mode, delay, n) in enumerate(configs):
             args.model = name
-            before = load_probe()
             result = scaling.run_config(args, mode, delay, n)
             measured.append({"model": name, "mode": mode, "delay": delay, "np": n,
-                             "step_ms": result["step_ms"], "probe_s": before})
+                             "step_ms": result["step_ms"]})
             print(f"\r[round {round_ + 1}/{repeats}] {i + 1}/{len(configs)} ", end="",
                   file=sys.stderr, flush=True)
-        rounds.append({"compute": compute.to_json(), "probe_s": probe,
-                       "calibration": calibration, "measured": measured})
+        rounds.append({"compute": compute.to_json(), "calibration": calibration,
+                       "measured": measured})
     print(file=sys.stderr)
     return {"batch_size": batch, "steps": steps, "rounds": rounds}
 
@@ -900,15 +935,15 @@ def validation_rows(record):
         system = make_system("local", compute, 1, rnd["calibration"])
         for m in rnd["measured"]:
             key = (m["model"], m["mode"], m["delay"], m["np"])
-            if "probe_s" in m and rnd.get("probe_s"):
-                system.compute = compute.scaled(m["probe_s"] / rnd["probe_s"])
             pred = predict(system, build_model(m["model"]), m["mode"], m["delay"], m["np"], batch)
             entry = table.setdefault(key, {"predicted": [], "measured": []})
             entry["predicted"].append(pred.step_s * 1e3)
             entry["measured"].append(m["step_ms"])
     return [{"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
              "predicted_ms": statistics.median(v["predicted"]),
-             "measured_ms": statistics.median(v["measured"])} for k, v in table.items()]
+             "measured_ms": statistics.median(v["measured"]),
+             "spread": (max(v["measured"]) - min(v["measured"])) / statistics.median(v["measured"])}
+            for k, v in table.items()]
 
 
 def paper_rows(compute_name, profile, dtype="float32"):
@@ -1027,20 +1062,24 @@ def _parser():
     p.add_argument("--validation", metavar="FILE",
                    help="with --validate: also write the measurements to FILE; without: read "
                         "them from FILE and print the validation again (predictions recomputed)")
-    p.add_argument("--validate-steps", type=int, default=40)
-    p.add_argument("--validate-repeats", type=int, default=3)
+    p.add_argument("--validate-steps", type=int, default=40,
+                   help="optimizer steps per validation run (default 40)")
+    p.add_argument("--validate-repeats", type=int, default=3,
+                   help="validation rounds; each re-measures compute and calibration (default 3)")
     p.add_argument("--validate-batch", type=int, default=64,
                    help="global batch of the validation runs (default 64, as bench scaling)")
     p.add_argument("--paper-compute", default="k40",
                    help="compute profile of the research setting (default k40 roofline)")
     p.add_argument("--paper-profile", default="pcie3",
                    help="link profile of the research setting (default pcie3: 4 GPUs in one node)")
-    p.add_argument("--max-crossover-np", type=int, default=1024)
+    p.add_argument("--max-crossover-np", type=int, default=1024,
+                   help="search crossovers up to this N (default 1024)")
     p.add_argument("--plot", metavar="PNG", help="write step time, speedup and efficiency vs N")
     p.add_argument("--json", action="store_true",
                    help='print one line {"predictions": [...], "validation": [...], "paper": [...]}')
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
-    p.add_argument("--iters", type=int, default=7, help="calibration repetitions (median)")
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
+                   help="launcher for calibration and validation (default $MPIRUN or mpirun)")
+    p.add_argument("--iters", type=int, default=7, help="calibration repetitions (median; default 7)")
     p.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -1168,11 +1207,18 @@ def main(argv=None):
         print(f"\n# validation on this machine: global batch {args.validate_batch}, "
               f"{args.validate_steps} steps, median of {args.validate_repeats} interleaved rounds")
         print(f"  {'model':14s} {'mode':>11s} {'N':>3s} {'predicted ms':>12s} {'measured ms':>11s} "
-              f"{'error':>7s}")
+              f"{'error':>7s} {'spread':>7s}")
+        errors = []
         for r in validation:
             err = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+            errors.append(abs(err))
             print(f"  {r['model']:14s} {_label(r['mode'], r['delay']):>11s} {r['np']:>3d} "
-                  f"{r['predicted_ms']:12.2f} {r['measured_ms']:11.2f} {100 * err:+6.1f}%")
+                  f"{r['predicted_ms']:12.2f} {r['measured_ms']:11.2f} {100 * err:+6.1f}% "
+                  f"{100 * r['spread']:6.0f}%")
+        within = sum(e <= 0.15 for e in errors)
+        print(f"  median |error| {100 * statistics.median(errors):.0f}%, {within} of {len(errors)} "
+              f"within 15%; spread = (max - min) / median of the measured rounds: "
+              f"{100 * statistics.median(r['spread'] for r in validation):.0f}% (median)")
     if args.plot:
         print(f"\n# plot written to {args.plot}")
     return 0

@@ -34,9 +34,10 @@ def _parser():
     p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--lr", type=float, default=0.001,
+    p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default 0.001: small enough that no mode diverges in a "
-                        "timing run; step time does not depend on it)")
+                        "timing run, step time does not depend on it; with --to-accuracy the "
+                        "model's default of python -m ringnet.train)")
     p.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
                    help="train's --transport (default auto)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
@@ -48,18 +49,53 @@ def _parser():
                    help="also draw speedup and efficiency against N (.png; needs matplotlib)")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} instead of the table')
     p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
+    g = p.add_argument_group("time to accuracy")
+    g.add_argument("--to-accuracy", type=float, default=None, metavar="A",
+                   help="train each configuration for up to --epochs, evaluating the test set every "
+                        "--eval-every steps, and report the training wall time (evaluations excluded) "
+                        "and the epochs until test accuracy first reaches A (0..1) beside images/s")
+    g.add_argument("--epochs", type=int, default=5,
+                   help="with --to-accuracy: the most epochs a run may take (default 5)")
+    g.add_argument("--eval-every", type=int, default=100, metavar="K",
+                   help="with --to-accuracy: steps between test evaluations (default 100)")
+    g.add_argument("--seed", type=int, default=None, help="training seed (default: train's)")
+    p.add_argument("--delay-compensation", choices=("lookahead", "none"), default=None,
+                   help="train's --delay-compensation for the delay-1 runs (default: train's, lookahead)")
+    g.add_argument("--data-dir", default=None, help="folder holding <name>.h5 data sets")
     return p
 
 
-def run_config(args, mode, delay, nranks):
-    """Run one training job under mpirun; return its --json summary dict."""
+def first_reaching(evals, accuracy):
+    """Return (epoch, train seconds) of the first evaluation at or above ``accuracy``, or None."""
+    for _, epoch, seconds, acc in evals:
+        if acc >= accuracy:
+            return epoch, seconds
+    return None
+
+
+def run_config(args, mode, delay, nranks, length=None, extra=()):
+    """Run one training job under mpirun; return its --json summary dict.
+
+    ``length``: the train arguments that say how long to run (default ``--steps S``);
+    ``extra``: further train arguments.
+    """
+    if length is None:
+        length = ["--steps", str(args.steps)]
     cmd = [args.mpirun, "-np", str(nranks), sys.executable, "-m", "ringnet.train",
            "--model", args.model, "--dataset", args.dataset, "--mode", mode,
-           "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--lr", str(args.lr),
+           "--batch-size", str(args.batch_size), *length,
            "--transport", args.transport, "--device", args.device,
            "--json", "--quiet", "--no-progress", "--no-eval"]
+    if args.lr is not None:         # None: the model's default of python -m ringnet.train
+        cmd += ["--lr", str(args.lr)]
+    for flag in ("seed", "data_dir"):
+        if getattr(args, flag, None) is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if mode != "single":
         cmd += ["--delay", str(delay)]
+        if delay and getattr(args, "delay_compensation", None):
+            cmd += ["--delay-compensation", args.delay_compensation]
+    cmd += list(extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -67,7 +103,9 @@ def run_config(args, mode, delay, nranks):
         raise UsageError(f"{' '.join(cmd)} did not finish within {args.timeout:.0f} s") from None
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        lines_err = proc.stderr.strip().splitlines() or ["(no output)"]
+        # ringnet's own one-line error (a NaN loss, bad input) says more than MPI's abort line
+        tail = next((l for l in lines_err if l.startswith("ringnet: error:")), lines_err[-1])
         raise UsageError(f"{mode} delay {delay} at N={nranks} failed (exit {proc.returncode}): {tail}")
     return json.loads(lines[-1])
 
@@ -84,7 +122,7 @@ def _check(args):
     for name in ("steps", "repeats", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.lr > 0 or args.lr == float("inf"):
+    if args.lr is not None and (not args.lr > 0 or args.lr == float("inf")):
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout}")
@@ -114,6 +152,15 @@ def main(argv=None):
     bad = [n for n in args.np if args.batch_size % n]
     if bad:
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by N = {bad}")
+    if args.to_accuracy is not None and not 0 < args.to_accuracy <= 1:
+        raise UsageError(f"--to-accuracy is a fraction in (0, 1], got {args.to_accuracy}")
+    if args.epochs < 1 or args.eval_every < 1:
+        raise UsageError("--epochs and --eval-every must be >= 1")
+    if args.lr is None and args.to_accuracy is None:
+        args.lr = 0.001                 # a timing run: small enough that no mode diverges
+    length = None
+    if args.to_accuracy is not None:
+        length = ["--epochs", str(args.epochs), "--eval-every", str(args.eval_every)]
     configs = [("single", 0, 1)]
     for n in sorted(set(args.np)):
         if n == 1:
@@ -126,7 +173,7 @@ def main(argv=None):
     done = 0
     for _ in range(args.repeats):
         for config in configs:
-            runs[config].append(run_config(args, *config))
+            runs[config].append(run_config(args, *config, length=length))
             done += 1
             print(f"\r[{done}/{total}] {config[0]} delay {config[1]} N={config[2]}   ",
                   end="", file=sys.stderr, flush=True)
@@ -146,6 +193,15 @@ def main(argv=None):
             "bytes_per_step": int(med("bytes_per_step")),
             "fc_params_per_rank": results[0].get("fc_params_per_rank"),
         })
+        if args.to_accuracy is not None:
+            reached = [first_reaching(r["evals"], args.to_accuracy) for r in results]
+            hits = [x for x in reached if x is not None]
+            # a configuration counts as reaching A only when every round did
+            rows[-1]["epochs_to_acc"] = (round(statistics.median(x[0] for x in hits), 3)
+                                         if len(hits) == len(results) else None)
+            rows[-1]["seconds_to_acc"] = (round(statistics.median(x[1] for x in hits), 2)
+                                          if len(hits) == len(results) else None)
+            rows[-1]["final_accuracy"] = round(statistics.median(r["test_accuracy"] for r in results), 4)
     if args.plot:
         from ringnet.bench.plot import plot_scaling
         plot_scaling(rows, args.plot, title=f"{args.model}, global batch {args.batch_size}, "
@@ -157,7 +213,10 @@ def main(argv=None):
             writer.writerows(rows)
     if args.json:
         print(json.dumps({"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
-                          "repeats": args.repeats, "rows": rows}))
+                          "repeats": args.repeats, "to_accuracy": args.to_accuracy, "rows": rows}))
+        return 0
+    if args.to_accuracy is not None:
+        _print_to_accuracy(args, rows)
         return 0
     print(f"# model {args.model}, data {args.dataset}, global batch {args.batch_size}, "
           f"{args.steps} steps, median of {args.repeats} interleaved rounds, 1 BLAS thread/rank")
@@ -171,3 +230,19 @@ def main(argv=None):
               f"{r['exposed_comm_ms']:>16.2f} {r['overlap']:>8.2f} {r['bytes_per_step']:>12,} "
               f"{r['fc_params_per_rank'] if r['fc_params_per_rank'] is not None else '-':>15}")
     return 0
+
+
+def _print_to_accuracy(args, rows):
+    a = args.to_accuracy
+    print(f"# model {args.model}, data {args.dataset}, global batch {args.batch_size}, "
+          f"lr {args.lr or 'default'}, "
+          f"up to {args.epochs} epochs, test set every {args.eval_every} steps, median of "
+          f"{args.repeats} interleaved rounds; time = training wall time, evaluations excluded")
+    print(f"{'mode':>8} {'delay':>5} {'N':>3} {'img/s':>8} {'speedup':>8} "
+          f"{'epochs to ' + format(a, '.1%'):>16} {'s to ' + format(a, '.1%'):>11} {'final acc':>10}")
+    for r in rows:
+        reached = r["epochs_to_acc"] is not None
+        print(f"{r['mode']:>8} {r['delay']:>5} {r['np']:>3} {r['images_per_sec']:>8.0f} "
+              f"{r['speedup']:>8.2f} {r['epochs_to_acc'] if reached else 'not reached':>16} "
+              f"{format(r['seconds_to_acc'], '.1f') if reached else '-':>11} "
+              f"{r['final_accuracy']:>10.2%}")

@@ -77,6 +77,15 @@ class _Enqueued:
         self.transport.check_error()
 
 
+class _HostCall:
+    """A host-side NCCL call in progress (``done`` once it returned), for the watchdog."""
+
+    __slots__ = ("done",)
+
+    def __init__(self):
+        self.done = False
+
+
 class _Watchdog:
     """Watches CUDA events of enqueued NCCL operations; past the deadline calls ``expire(what)``.
 
@@ -237,6 +246,11 @@ class NcclTransport(Transport):
             return _Enqueued(self)
         comm = self._comm()
         stream = self._stream_ptr()
+        what = describe("sendrecv" if send_bytes and recv_bytes else "send" if send_bytes else "recv",
+                        send_peer if send_bytes else None, recv_peer if recv_bytes else None,
+                        max(send_bytes, recv_bytes))
+        # groupEnd can block on the host (NCCL connects a pair of ranks at first use).
+        call = self._watch_call(f"{what} (NCCL group call)")
         # A lone send and a lone receive in opposite orders deadlock: group them.
         self.nccl.groupStart()
         try:
@@ -248,13 +262,17 @@ class NcclTransport(Transport):
                 comm.recv(ptr, count, dtype, recv_peer, stream)
         finally:
             self.nccl.groupEnd()
+            call.done = True
         self._count(send_bytes, recv_bytes)
         if self._watchdog is not None:
-            what = ("sendrecv" if send_bytes and recv_bytes else "send" if send_bytes else "recv",
-                    send_peer if send_bytes else None, recv_peer if recv_bytes else None,
-                    max(send_bytes, recv_bytes))
-            self._watchdog.watch(cupy.cuda.get_current_stream().record(), describe(*what))
+            self._watchdog.watch(cupy.cuda.get_current_stream().record(), what)
         return _Enqueued(self)
+
+    def _watch_call(self, what):
+        call = _HostCall()
+        if self._watchdog is not None:
+            self._watchdog.watch(call, what)
+        return call
 
     def _complete(self, what):
         self.finish(what)
@@ -293,8 +311,13 @@ class NcclTransport(Transport):
         """ncclAllReduce in place on the current stream."""
         self._check_space(buf)
         ptr, count, dtype = self._args(buf)
-        self._comm().allReduce(ptr, ptr, count, dtype, self.nccl.NCCL_SUM, self._stream_ptr())
-        self.finish(describe("allreduce", None, None, buf.nbytes))
+        what = describe("allreduce", None, None, buf.nbytes)
+        call = self._watch_call(what)
+        try:
+            self._comm().allReduce(ptr, ptr, count, dtype, self.nccl.NCCL_SUM, self._stream_ptr())
+        finally:
+            call.done = True
+        self.finish(what)
 
     def close(self):
         if self._watchdog is not None:

@@ -59,6 +59,7 @@ def _build_parser():
                      formatter_class=argparse.RawDescriptionHelpFormatter,
                      epilog="examples:\n"
                             "  python -m ringnet.datasets download mnist\n"
+                            "  python -m ringnet.datasets convert mnist /usr/share/datasets/fashion-mnist --name fashion-mnist\n"
                             "  python -m ringnet.datasets convert cifar10 cifar-10-python.tar.gz --out cifar10.h5\n"
                             "  python -m ringnet.datasets convert imagefolder cars/ --size 64 --out cars.h5\n"
                             "  python -m ringnet.datasets info datasets/mnist.h5\n"
@@ -87,12 +88,18 @@ def _build_parser():
                                         "The output is written to a temporary file and renamed on "
                                         "success, so a failure leaves no output behind.")
     formats = p.add_subparsers(dest="format", metavar="{mnist,cifar10,imagefolder}", required=True)
-    q = formats.add_parser("mnist", help="the four MNIST idx files",
+    q = formats.add_parser("mnist", help="the four idx files of MNIST or Fashion-MNIST",
                            description="Read train-images-idx3-ubyte, train-labels-idx1-ubyte, "
                                        "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte (each "
-                                       "gzipped or not) from SRC_DIR; images become (N, 1, 28, 28).")
+                                       "gzipped or not) from SRC_DIR; images become (N, 1, 28, 28). "
+                                       "Also reads any other set in this format, such as "
+                                       "Fashion-MNIST (Debian: apt-get install dataset-fashion-mnist, "
+                                       "then SRC_DIR = /usr/share/datasets/fashion-mnist).")
     q.add_argument("src", metavar="SRC_DIR")
-    q.add_argument("--out", metavar="F.h5", help=f"output file (default: {default_dir}/mnist.h5)")
+    q.add_argument("--name", default="mnist",
+                   help="data set name stored in the file and default output name (default mnist); "
+                        "mnist and fashion-mnist also record their class names, source and licence")
+    q.add_argument("--out", metavar="F.h5", help=f"output file (default: {default_dir}/NAME.h5)")
     q = formats.add_parser("cifar10", help="the CIFAR-10 python batches",
                            description="Read data_batch_1..5, test_batch and batches.meta from "
                                        "cifar-10-python.tar.gz or the extracted cifar-10-batches-py "
@@ -134,11 +141,13 @@ def main(argv=None):
             raise UsageError(f"{exc}; download it elsewhere and run `python -m ringnet.datasets "
                              f"convert {args.name} {exc.source} --out {exc.out}`") from None
     elif args.command == "convert":
-        default_name = args.name if args.format == "imagefolder" and args.name else (
-            os.path.basename(os.path.abspath(args.src)) if args.format == "imagefolder" else args.format)
+        if args.format == "imagefolder":
+            default_name = args.name or os.path.basename(os.path.abspath(args.src))
+        else:
+            default_name = getattr(args, "name", None) or args.format
         out = args.out or os.fspath(_download.download_dir() / f"{default_name}.h5")
         if args.format == "mnist":
-            _convert.convert_mnist(args.src, out)
+            _convert.convert_mnist(args.src, out, name=args.name)
         elif args.format == "cifar10":
             _convert.convert_cifar10(args.src, out)
         else:

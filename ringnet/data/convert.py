@@ -14,7 +14,7 @@ from ringnet.errors import UsageError
 
 __all__ = ["read_idx", "convert_mnist", "load_cifar_batch", "read_cifar10", "convert_cifar10",
            "read_imagefolder", "convert_imagefolder", "stratified_split",
-           "MNIST_FILES", "CIFAR10_BATCHES", "IMAGE_SUFFIXES"]
+           "MNIST_FILES", "IDX_SETS", "CIFAR10_BATCHES", "IMAGE_SUFFIXES"]
 
 IDX_IMAGES, IDX_LABELS = 2051, 2049
 MNIST_FILES = {
@@ -101,12 +101,31 @@ def read_mnist(src_dir):
     return parts
 
 
-def convert_mnist(src_dir, out):
-    """Convert the four MNIST idx files in ``src_dir`` to ``out``; return ``out``."""
+# Data sets published in the MNIST idx format: what ``convert mnist --name`` records.
+IDX_SETS = {
+    "mnist": dict(classes=[str(d) for d in range(10)],
+                  source="MNIST idx files (http://yann.lecun.com/exdb/mnist/)",
+                  licence="CC BY-SA 3.0 (Y. LeCun, C. Cortes, C. J. C. Burges)"),
+    "fashion-mnist": dict(classes=["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal",
+                                   "Shirt", "Sneaker", "Bag", "Ankle boot"],
+                          source="Fashion-MNIST idx files, Zalando Research "
+                                 "(https://github.com/zalandoresearch/fashion-mnist)",
+                          licence="MIT (Copyright (c) 2017 Zalando SE)"),
+}
+
+
+def convert_mnist(src_dir, out, name="mnist"):
+    """Convert the four idx files in ``src_dir`` to ``out``; return ``out``.
+
+    ``name`` is stored in the file; for the sets in ``IDX_SETS`` (mnist, fashion-mnist)
+    their class names, source and licence are recorded too, for any other name the
+    source is the folder and the licence is left unrecorded.
+    """
     parts = read_mnist(src_dir)
-    return write_dataset(out, *parts["train"], *parts["test"], classes=[str(d) for d in range(10)],
-                         name="mnist", source="MNIST idx files (http://yann.lecun.com/exdb/mnist/)",
-                         licence="CC BY-SA 3.0 (Y. LeCun, C. Cortes, C. J. C. Burges)")
+    known = IDX_SETS.get(name, dict(classes=[str(d) for d in range(10)],
+                                    source=f"idx files in {os.path.abspath(src_dir)}", licence=""))
+    return write_dataset(out, *parts["train"], *parts["test"], classes=known["classes"],
+                         name=name, source=known["source"], licence=known["licence"])
 
 
 # --------------------------------------------------------------------------- CIFAR-10

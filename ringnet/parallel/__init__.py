@@ -8,13 +8,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ringnet.parallel.base import Strategy
+from ringnet.parallel.exchange import COMPENSATIONS, Lookahead
+from ringnet.parallel.exchange import compensation as lookahead_of
 from ringnet.parallel.master import MasterStrategy
 from ringnet.parallel.ring import RingStrategy
 from ringnet.parallel.single import SingleStrategy
 from ringnet.parallel.split_fc import SplitFCStrategy
 from ringnet.parallel.tree import TreeStrategy
 
-__all__ = ["Mode", "MODES", "create", "mode_table"]
+__all__ = ["Mode", "MODES", "COMPENSATIONS", "Lookahead", "create", "mode_table"]
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,18 @@ def mode_table():
 
 
 def create(mode: str, model, make_optimizer, world, delay: int = 0,
-           transport: str = "auto") -> Strategy:
-    """Return the strategy of ``mode`` on ``world`` (an mpi4py communicator, or None for single)."""
+           transport: str = "auto", compensation: str = "none") -> Strategy:
+    """Return the strategy of ``mode`` on ``world`` (an mpi4py communicator, or None for single).
+
+    ``compensation``: the delay-1 compensation, a key of :data:`COMPENSATIONS`.
+    """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     spec = MODES[mode]
+    lookahead = lookahead_of(compensation)
     if spec.communicator is None:
         return spec.strategy(model, make_optimizer, world, delay=delay)
     from ringnet import comm as ringcomm    # late: loading mpi4py initialises MPI
     communicator = ringcomm.create(spec.communicator, transport=transport, mpi_comm=world)
-    return spec.strategy(model, make_optimizer, world, communicator, delay=delay)
+    return spec.strategy(model, make_optimizer, world, communicator, delay=delay,
+                         lookahead=lookahead)

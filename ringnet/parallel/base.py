@@ -72,12 +72,18 @@ class Strategy:
         """
         raise NotImplementedError
 
-    def load_full_state(self, params: Dict[str, np.ndarray], momentum=None, prev_params=None) -> None:
-        """Load name -> host array dicts as ``full_state`` returns them, on every rank.
+    def load_full_state(self, params: Dict[str, np.ndarray], momentum=None, prev_params=None,
+                        lookahead_base=None) -> None:
+        """Load name -> host array dicts as ``full_state`` (and ``lookahead_state``) return them,
+        on every rank.
 
         Raises ValueError when the names or shapes do not match the model.
         """
         raise NotImplementedError
+
+    def lookahead_state(self) -> Optional[Dict[str, np.ndarray]]:
+        """Return the look-ahead's w[t-1] as name -> host array, or None (call after ``full_state``)."""
+        return None
 
     def close(self) -> None:
         """Wait for the exchange in flight and release the streams."""
@@ -129,7 +135,7 @@ class Strategy:
 class DataParallelStrategy(Strategy):
     """Every rank holds the whole model; the plan combines gradients and redistributes weights."""
 
-    def __init__(self, model, make_optimizer, world, comm=None, delay=0):
+    def __init__(self, model, make_optimizer, world, comm=None, delay=0, lookahead=None):
         super().__init__(model, make_optimizer, world, delay)
         self.comm = comm
         self.transport = comm.transport if comm is not None else None
@@ -140,7 +146,7 @@ class DataParallelStrategy(Strategy):
         stream = comm.new_stream() if delay and comm is not None else None
         self.engine = DelayedUpdate(model.params, model.grads, plan,
                                     make_optimizer(plan.owned.stop - plan.owned.start),
-                                    self.stats, delay=delay, stream=stream)
+                                    self.stats, delay=delay, stream=stream, lookahead=lookahead)
 
     def _plan(self, size):
         """Return the exchange plan over a flat buffer of ``size`` (subclasses choose)."""
@@ -178,9 +184,14 @@ class DataParallelStrategy(Strategy):
         return (self._named(newest), self._named(momentum) if momentum is not None else None,
                 self._named(front) if front is not None else None)
 
-    def load_full_state(self, params, momentum=None, prev_params=None):
+    def lookahead_state(self):
+        base = self.engine.lookahead_base()
+        return self._named(base) if base is not None else None
+
+    def load_full_state(self, params, momentum=None, prev_params=None, lookahead_base=None):
         self.engine.load(self._flat(params), self._flat(prev_params) if prev_params else None,
-                         self._flat(momentum) if momentum else None)
+                         self._flat(momentum) if momentum else None,
+                         self._flat(lookahead_base) if lookahead_base else None)
 
     def close(self):
         self.drain()

@@ -49,7 +49,7 @@ class SplitFCStrategy(Strategy):
     """Conv layers data-parallel over the ring, FC layers split by output neurons."""
     name = "split-fc"
 
-    def __init__(self, model, make_optimizer, world, comm, delay=0, overlap=None):
+    def __init__(self, model, make_optimizer, world, comm, delay=0, overlap=None, lookahead=None):
         super().__init__(model, make_optimizer, world, delay)
         if delay not in (0, 1):
             raise InputError(f"split-fc supports delay 0 or 1, got {delay}")
@@ -79,7 +79,8 @@ class SplitFCStrategy(Strategy):
         self.engine = DelayedUpdate(model.params[:n], model.grads[:n], plan,
                                     make_optimizer(plan.owned.stop - plan.owned.start),
                                     self.stats, delay=delay,
-                                    stream=comm.new_stream() if delay else None)
+                                    stream=comm.new_stream() if delay else None,
+                                    lookahead=lookahead)
         self.overlap = (self.xp is not np) if overlap is None else bool(overlap)
         act_stream = comm.new_stream() if self.overlap else None
         self.collectives = ActivationCollectives(comm, self.stats, act_stream)
@@ -209,12 +210,21 @@ class SplitFCStrategy(Strategy):
         return (self._named(params), self._named(momentum),
                 self._named(prev) if prev is not None else None)
 
-    def load_full_state(self, params, momentum=None, prev_params=None):
+    def lookahead_state(self):
+        base = self.engine.lookahead_base()
+        if base is None:
+            return None
+        full = to_numpy(self.eval_model().params).copy()   # FC rows: the newest (unused on load)
+        full[:self.conv_size] = base
+        return self._named(full)
+
+    def load_full_state(self, params, momentum=None, prev_params=None, lookahead_base=None):
         n = self.conv_size
         flat = self._flat(params)
         full_m = (self._flat(momentum) if momentum
                   else np.zeros(self.model.num_params, self.model.dtype))
-        self.engine.load(flat[:n], self._flat(prev_params)[:n] if prev_params else None, full_m[:n])
+        self.engine.load(flat[:n], self._flat(prev_params)[:n] if prev_params else None, full_m[:n],
+                         self._flat(lookahead_base)[:n] if lookahead_base else None)
         self.model.params[n:] = self.xp.asarray(flat[n:])
         self._gathered = True
         for (a, b), optimizer in zip(self.fc_regions, self.fc_optimizers):

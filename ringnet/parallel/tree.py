@@ -10,8 +10,8 @@ class TreeStrategy(DataParallelStrategy):
     name = "tree"
     root = 0
 
-    def __init__(self, model, make_optimizer, world, comm, delay=0):
-        super().__init__(model, make_optimizer, world, comm=comm, delay=delay)
+    def __init__(self, model, make_optimizer, world, comm, delay=0, lookahead=None):
+        super().__init__(model, make_optimizer, world, comm=comm, delay=delay, lookahead=lookahead)
 
     def _plan(self, size):
         return RootedPlan(self.comm, size, root=self.root)

@@ -2,7 +2,7 @@
 # The GPU acceptance run, for a machine with at least one CUDA GPU (within 8 minutes on one).
 # Usage: bash tests/gpu/run.sh   (repository root or anywhere; ringnet, mpi4py and CuPy installed)
 #
-# Stages (each under its own time limit; none may fail silently):
+# Stages (each under its own time limit, 460 s in all; none may fail silently):
 #   gpu-n1      single-process GPU tests: single mode on the GPU equals the CPU run (float64),
 #               NCCL and MPI with CuPy buffers through every communicator at N=1
 #   gpu-n2      2 ranks sharing the GPU(s), MPI transport with CuPy buffers: ring/tree/master
@@ -80,12 +80,12 @@ EOF
 export -f nccl_shared auto_shared
 export WORK GPUS MPIRUN
 PYTEST="python -m pytest -q -p no:cacheprovider --with-mpi"
-stage gpu-n1 120 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py
-stage gpu-n2 120 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu tests/test_gpu_train.py
-stage gpu-n4 150 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
-stage nccl-shared 40 bash -c nccl_shared
-stage auto-shared 40 bash -c auto_shared
-stage step-times 90 python tests/gpu/step_vs_torch.py --out "$WORK/steps.json"
+stage gpu-n1 100 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py
+stage gpu-n2 110 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu tests/test_gpu_train.py
+stage gpu-n4 130 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
+stage nccl-shared 35 bash -c nccl_shared
+stage auto-shared 35 bash -c auto_shared
+stage step-times 50 python tests/gpu/step_vs_torch.py --out "$WORK/steps.json"
 
 python - "$WORK" <<'EOF'
 import json, os, re, sys

@@ -86,7 +86,7 @@ def time_model(name, iters, batch_size=64, lr=0.001):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default=None, help="also write the JSON list here")
     args = parser.parse_args(argv)
     if not gpu_available():

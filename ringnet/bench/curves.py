@@ -1,0 +1,177 @@
+"""python -m ringnet.bench curves — test accuracy against epochs and wall time, every mode.
+
+Trains one model on one data set in every parallel structure (single, ring at delay 0
+and 1, tree, master, split-fc; N ranks each, single on one), the same seed, recipe
+and global batch, for E epochs, evaluating the test set every K steps. Writes every
+evaluation to a CSV (mode, delay, N, step, epoch, train seconds with evaluations
+excluded, test accuracy) and, with matplotlib, a plot of test accuracy against epoch
+and against wall time. A run that fails (a diverged delay-1 run stops with a NaN loss)
+is listed as failed and left out of the CSV and the plot; the others go on.
+"""
+import argparse
+import csv
+import os
+import shutil
+import sys
+
+from ringnet.bench.scaling import run_config
+from ringnet.errors import UsageError
+
+__all__ = ["main", "parse_runs", "DEFAULT_RUNS"]
+
+DEFAULT_RUNS = "single,ring:0,ring:1,ring:1:none,tree,master,split-fc"
+FIELDS = ["label", "mode", "delay", "np", "step", "epoch", "train_s", "test_accuracy"]
+
+
+def parse_runs(text, np_):
+    """Return [(label, mode, delay, N, extra train args)] from 'mode[:delay[:compensation]]' items."""
+    runs = []
+    for item in (t for t in text.split(",") if t):
+        parts = item.split(":")
+        mode = parts[0]
+        if mode not in ("single", "ring", "tree", "master", "split-fc") or len(parts) > 3:
+            raise UsageError(f"bad run {item!r} in --runs: expected mode[:delay[:compensation]] with "
+                             "mode single, ring, tree, master or split-fc")
+        if mode == "single":
+            if len(parts) > 1:
+                raise UsageError(f"bad run {item!r}: single takes no delay")
+            runs.append(("single", "single", 0, 1, []))
+            continue
+        delay = 0 if mode != "ring" else 1
+        if len(parts) > 1:
+            if parts[1] not in ("0", "1"):
+                raise UsageError(f"bad run {item!r}: the delay is 0 or 1")
+            delay = int(parts[1])
+        extra = []
+        label = f"{mode} d{delay}"
+        if len(parts) > 2:
+            extra = ["--delay-compensation", parts[2]]
+            label += f" ({parts[2]})"
+        runs.append((label, mode, delay, np_, extra))
+    if not runs:
+        raise UsageError("--runs is empty")
+    return runs
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m ringnet.bench curves", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="lenet")
+    p.add_argument("--dataset", default="fashion-mnist")
+    p.add_argument("--epochs", type=int, default=10, help="epochs per run (default 10)")
+    p.add_argument("--np", type=int, default=2, help="ranks of every parallel run (default 2)")
+    p.add_argument("--runs", default=DEFAULT_RUNS,
+                   help="comma list of mode[:delay[:compensation]] (default %(default)s; "
+                        "compensation as train's --delay-compensation)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="K",
+                   help="steps between test evaluations (default: a quarter epoch)")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the model's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", default=None, help="folder holding <name>.h5 data sets")
+    p.add_argument("--transport", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
+    p.add_argument("--timeout", type=float, default=7200, help="seconds per run before it is killed")
+    p.add_argument("--csv", default="curves.csv", help="output CSV (default curves.csv)")
+    p.add_argument("--plot", default="curves.png", help="output PNG (default curves.png; '' for none)")
+    return p
+
+
+def plot(rows, path, title):
+    """Write test accuracy against epoch and against training seconds, one line per run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    for i, label in enumerate(labels):
+        mine = [r for r in rows if r["label"] == label]
+        style = dict(label=label, marker=".", linewidth=1.3, markersize=4,
+                     linestyle="--" if "none" in label else "-")
+        left.plot([r["epoch"] for r in mine], [100 * r["test_accuracy"] for r in mine], **style)
+        right.plot([r["train_s"] for r in mine], [100 * r["test_accuracy"] for r in mine], **style)
+    left.set_xlabel("epoch")
+    right.set_xlabel("training wall time, s (evaluations excluded)")
+    left.set_ylabel("test accuracy, %")
+    accs = [100 * r["test_accuracy"] for r in rows]
+    top = max(accs)
+    left.set_ylim(max(min(accs), top - 15), top + 1)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _write_csv(path, rows):
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    if shutil.which(args.mpirun) is None:
+        raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
+    if args.epochs < 1 or args.np < 1 or (args.eval_every is not None and args.eval_every < 1):
+        raise UsageError("--epochs, --np and --eval-every must be >= 1")
+    if args.batch_size % args.np:
+        raise UsageError(f"--batch-size {args.batch_size} is not divisible by --np {args.np}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install matplotlib (or --plot '')") from None
+    runs = parse_runs(args.runs, args.np)
+    args.steps = None           # run_config's default length; every run here sets --epochs
+    if args.eval_every is None:
+        from ringnet.data import open_dataset
+        from ringnet.models import MODELS
+        spec = MODELS[args.model] if args.model in MODELS else None
+        try:
+            ds = open_dataset(args.dataset, data_dir=args.data_dir, seed=args.seed,
+                              input_shape=spec and spec.input_shape,
+                              num_classes=spec and spec.num_classes)
+        except UsageError:
+            ds = None
+        n = len(ds.train) if ds is not None else 4 * args.batch_size
+        if ds is not None:
+            ds.close()
+        args.eval_every = max(1, n // args.batch_size // 4)
+    rows, failed = [], {}
+    for i, (label, mode, delay, n, extra) in enumerate(runs):
+        print(f"\r[{i + 1}/{len(runs)}] {label}   ", end="", file=sys.stderr, flush=True)
+        try:
+            summary = run_config(args, mode, delay, n, extra=extra,
+                                 length=["--epochs", str(args.epochs), "--eval-every",
+                                         str(args.eval_every)])
+        except UsageError as exc:       # a run that diverged (or failed) is reported, not fatal
+            failed[label] = str(exc).split(": ", 1)[-1]
+            continue
+        for step, epoch, seconds, acc in summary["evals"]:
+            rows.append({"label": label, "mode": mode, "delay": delay, "np": n, "step": step,
+                         "epoch": epoch, "train_s": round(seconds, 3), "test_accuracy": acc})
+        _write_csv(args.csv, rows)      # after every run: a long job leaves what it has
+    print(file=sys.stderr)
+    if not rows:
+        raise UsageError("every run failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+    if args.plot:
+        plot(rows, args.plot, f"{args.model} on {args.dataset}, global batch {args.batch_size}, "
+                              f"N = {args.np} (single: 1), seed {args.seed}")
+    print(f"{'run':>18} {'final acc':>10} {'best acc':>9} {'train s':>9}")
+    for label in dict.fromkeys(r["label"] for r in rows):
+        mine = [r for r in rows if r["label"] == label]
+        print(f"{label:>18} {mine[-1]['test_accuracy']:>10.2%} "
+              f"{max(r['test_accuracy'] for r in mine):>9.2%} {mine[-1]['train_s']:>9.1f}")
+    for label, reason in failed.items():
+        print(f"{label:>18} failed: {reason}")
+    print(f"wrote {args.csv}" + (f" and {args.plot}" if args.plot else ""))
+    return 0

@@ -1,0 +1,224 @@
+"""python -m ringnet.bench delay — delay-1 compensations side by side, in one process.
+
+The delay-1 recurrence needs no MPI to be run exactly: one process computes step t's
+gradient at the weights the delayed update would give it. This benchmark trains the
+same model, data, seed and batches with
+
+* ``single``     synchronous SGD (delay 0), the reference;
+* ``none``       the plain delay-1 recurrence, g_t = G_t(w[t-1]);
+* ``lookahead``  the default compensation (``ringnet.parallel.exchange.Lookahead``);
+
+these three through ringnet's own delayed-exchange engine, and, for comparison, any
+of these variants of the recurrence written out here (joined with '+'):
+
+* ``dc:L``     DC-ASGD (Zheng et al. 2017): g + L * g*g*(w[t] - w[t-1]);
+* ``dca:L``    DC-ASGD, adaptive: L / sqrt(ms) with ms the 0.95-average of g*g;
+* ``mom:M``    momentum M instead of the run's;  ``lrs:S``  lr * S;
+* ``warm:K``   the first K steps synchronous;
+* ``pred:C``   gradient at w[t-1] + C (w[t-1] - w[t-2]).
+
+It prints test accuracy per (variant, lr, momentum), mean over seeds, or ``div@S``
+when the loss became NaN/inf at step S; a run whose final test accuracy is under twice
+chance counts as failed too (``dead``).
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from ringnet.data import ShardedLoader, iterate_eval, open_dataset
+from ringnet.data.datasets import Split
+from ringnet.errors import UsageError
+from ringnet.models import MODELS, build_model
+from ringnet.optim import SGD, LRPolicy
+
+__all__ = ["main", "run"]
+
+ENGINE = ("single", "none", "lookahead")
+_KEYS = {"dc", "dca", "mom", "lrs", "warm", "pred"}
+
+
+def parse_variant(text):
+    """Return {key: value} of a written-out variant ('pred:2+mom:0.98'), or raise UsageError."""
+    out = {}
+    for part in text.split("+"):
+        key, _, value = part.partition(":")
+        if key not in _KEYS or not value:
+            raise UsageError(f"bad variant {text!r}: use single, none, lookahead or "
+                             f"{'|'.join(sorted(_KEYS))}:VALUE joined with '+'")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise UsageError(f"bad variant {text!r}: {value!r} is not a number") from None
+    return out
+
+
+def _accuracy(model, ds, dtype):
+    correct = 0
+    for x, y in iterate_eval(ds.test, 500, rank=0, size=1, dtype=dtype, mean=ds.mean, std=ds.std):
+        correct += int(model.evaluate(x, y)[1])
+    return correct / max(1, len(ds.test))
+
+
+class _WrittenOut:
+    """The delay-1 recurrence with one of the screening variants, on the bare model."""
+
+    def __init__(self, model, variant, lr, momentum, weight_decay, dtype):
+        self.model, self.v = model, variant
+        self.opt = SGD(model.num_params, LRPolicy("fixed", lr * variant.get("lrs", 1.0)),
+                       momentum=variant.get("mom", momentum), weight_decay=weight_decay,
+                       dtype=dtype)
+        self.w = model.params.copy()
+        self.w1 = self.w.copy()
+        self.w2 = self.w.copy()
+        self.ms = np.zeros_like(self.w)
+        self.t = self.model.params.dtype.type
+
+    def step(self, x, y, it):
+        v, t = self.v, self.t
+        sync = it == 0 or it < v.get("warm", 0)
+        point = self.w if sync else self.w1 + t(v.get("pred", 0.0)) * (self.w1 - self.w2)
+        self.model.params[...] = point
+        loss, _ = self.model.loss_and_grad(x, y)
+        g = self.model.grads.copy()
+        if "dca" in v:
+            self.ms *= t(0.95)
+            self.ms += t(0.05) * g * g
+        if not sync and ("dc" in v or "dca" in v):
+            scale = t(v["dc"]) if "dc" in v else t(v["dca"]) / np.sqrt(self.ms + t(1e-7))
+            g += scale * g * g * (self.w - point)
+        new = self.w.copy()
+        self.opt.step(new, g, it)
+        self.w2, self.w1, self.w = self.w1, self.w, new
+        return loss
+
+    def eval_model(self):
+        self.model.params[...] = self.w
+        return self.model
+
+
+class _Engine:
+    """single / none / lookahead through ringnet's delayed-exchange engine (one process)."""
+
+    def __init__(self, model, name, lr, momentum, weight_decay, dtype):
+        from ringnet.parallel import COMPENSATIONS
+        from ringnet.parallel.base import DataParallelStrategy
+
+        def make_optimizer(n):
+            return SGD(n, LRPolicy("fixed", lr), momentum=momentum, weight_decay=weight_decay,
+                       dtype=dtype)
+        delay = 0 if name == "single" else 1
+        self.strategy = DataParallelStrategy(model, make_optimizer, None, delay=delay,
+                                             lookahead=COMPENSATIONS.get(name))
+
+    def step(self, x, y, it):
+        return self.strategy.step(x, y, it)[0]
+
+    def eval_model(self):
+        return self.strategy.eval_model()
+
+
+def run(model_name, dataset, variant, lr, momentum, epochs, seed, batch_size=64,
+        weight_decay=5e-4, subset=None, data_dir=None, dtype="float32"):
+    """Train one variant; return a dict with the test accuracy and status."""
+    spec = MODELS[model_name]
+    ds = open_dataset(dataset, seed=seed, data_dir=data_dir, input_shape=spec.input_shape,
+                      num_classes=spec.num_classes)
+    try:
+        train = ds.train
+        if subset:
+            train = Split(np.asarray(train.images[:subset]), train.labels[:subset])
+        model = build_model(model_name, dtype=dtype, seed=seed)
+        runner = (_Engine if variant in ENGINE else _WrittenOut)(
+            model, variant if variant in ENGINE else parse_variant(variant), lr, momentum,
+            weight_decay, dtype)
+        loader = ShardedLoader(train, batch_size, seed=seed, dtype=dtype, mean=ds.mean,
+                               std=ds.std, prefetch=0)
+        total = int(round(epochs * loader.steps_per_epoch))
+        status, it, t0 = "ok", 0, time.perf_counter()
+        while it < total and status == "ok":
+            batches = loader.epoch(it // loader.steps_per_epoch)
+            for x, y in batches:
+                if not math.isfinite(float(runner.step(x, y, it))):
+                    status = f"div@{it}"
+                    break
+                it += 1
+                if it >= total:
+                    break
+            batches.close()
+        acc = float("nan")
+        if status == "ok":
+            model = runner.eval_model()
+            if not np.all(np.isfinite(np.asarray(model.params))):
+                status = f"div@{it}"
+            else:
+                acc = _accuracy(model, ds, dtype)
+                if acc < 2.0 / spec.num_classes:
+                    status = "dead"
+        return {"model": model_name, "dataset": dataset, "variant": variant, "lr": lr,
+                "momentum": momentum, "seed": seed, "epochs": epochs, "steps": total,
+                "subset": subset, "status": status, "test_accuracy": acc,
+                "seconds": round(time.perf_counter() - t0, 1)}
+    finally:
+        ds.close()
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m ringnet.bench delay", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="digits")
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--variants", default="single,none,lookahead",
+                   help="comma list (default %(default)s)")
+    p.add_argument("--lr", type=float, nargs="+", default=[0.01])
+    p.add_argument("--momentum", type=float, nargs="+", default=[0.9])
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--epochs", type=float, default=1)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--subset", type=int, default=None, help="train on the first N images only")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--json", action="store_true", help="one JSON line per run instead of the table")
+    return p
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    if args.model not in MODELS:
+        raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        if v not in ENGINE:
+            parse_variant(v)
+    rows = {}
+    for lr in args.lr:
+        for mu in args.momentum:
+            for v in variants:
+                for seed in args.seeds:
+                    r = run(args.model, args.dataset, v, lr, mu, args.epochs, seed,
+                            args.batch_size, args.weight_decay, args.subset, args.data_dir)
+                    rows.setdefault((v, lr, mu), []).append(r)
+                    if args.json:
+                        print(json.dumps(r), flush=True)
+                    else:
+                        print(f"\r{v} lr {lr} momentum {mu} seed {seed}: {r['status']} "
+                              f"{r['test_accuracy']:.4f}      ", end="", file=sys.stderr, flush=True)
+    if args.json:
+        return 0
+    print(file=sys.stderr)
+    print(f"# model {args.model}, data {args.dataset}"
+          f"{f' (first {args.subset} training images)' if args.subset else ''}, "
+          f"{args.epochs:g} epochs, global batch {args.batch_size}, weight decay "
+          f"{args.weight_decay:g}, seeds {' '.join(map(str, args.seeds))}; one process")
+    print(f"{'variant':>28} {'lr':>7} {'momentum':>8} {'test acc (mean)':>16}  per seed")
+    for (v, lr, mu), results in rows.items():
+        ok = [r["test_accuracy"] for r in results if r["status"] == "ok"]
+        mean = f"{100 * statistics.mean(ok):.2f}%" if len(ok) == len(results) else "failed"
+        each = " ".join(f"{100 * r['test_accuracy']:.2f}" if r["status"] == "ok" else r["status"]
+                        for r in results)
+        print(f"{v:>28} {lr:>7g} {mu:>8g} {mean:>16}  {each}")
+    return 0

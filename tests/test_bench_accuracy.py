@@ -1,0 +1,110 @@
+"""Accuracy-over-time reporting: train --eval-every, bench scaling --to-accuracy, bench curves."""
+import csv
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ringnet.bench import curves, delay, scaling
+from ringnet.config import TrainConfig
+from ringnet.errors import UsageError
+from ringnet.train import train
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+QUIET = dict(progress=False, quiet=True, eval_every_epoch=False)
+
+
+def test_eval_every_lists_accuracy_at_fixed_steps():
+    result = train(TrainConfig(model="digits", steps=9, eval_every=4, **QUIET), world=MPI.COMM_SELF)
+    evals = result.summary["evals"]
+    assert [e[0] for e in evals] == [4, 8, 9]            # every 4 steps, and the end
+    spe = 1437 // 64
+    assert [e[1] for e in evals] == [round(s / spe, 4) for s in (4, 8, 9)]
+    seconds = [e[2] for e in evals]
+    assert seconds == sorted(seconds) and seconds[0] > 0
+    assert seconds[-1] <= result.summary["train_s"]
+    assert evals[-1][3] == result.summary["test_accuracy"]
+    # an evaluation in the middle sees the weights of that step: a run of 4 steps ends there
+    short = train(TrainConfig(model="digits", steps=4, **QUIET), world=MPI.COMM_SELF)
+    assert evals[0][3] == short.summary["test_accuracy"]
+    assert "evals" not in short.summary
+
+
+def test_first_reaching():
+    evals = [[10, 0.5, 1.0, 0.6], [20, 1.0, 2.0, 0.81], [30, 1.5, 3.0, 0.79], [40, 2.0, 4.0, 0.9]]
+    assert scaling.first_reaching(evals, 0.8) == (1.0, 2.0)
+    assert scaling.first_reaching(evals, 0.9) == (2.0, 4.0)
+    assert scaling.first_reaching(evals, 0.95) is None
+
+
+def test_curve_runs_are_parsed():
+    runs = curves.parse_runs("single,ring:1,ring:1:none,tree,split-fc:1", 2)
+    assert [(r[1], r[2], r[3], r[4]) for r in runs] == [
+        ("single", 0, 1, []), ("ring", 1, 2, []),
+        ("ring", 1, 2, ["--delay-compensation", "none"]), ("tree", 0, 2, []),
+        ("split-fc", 1, 2, [])]
+    assert runs[2][0] == "ring d1 (none)"
+    for bad in ("ring:2", "single:1", "star", ""):
+        with pytest.raises(UsageError):
+            curves.parse_runs(bad, 2)
+
+
+def test_delay_variants_are_checked():
+    assert delay.parse_variant("pred:2+mom:0.98") == {"pred": 2.0, "mom": 0.98}
+    for bad in ("pred", "foo:1", "pred:x"):
+        with pytest.raises(UsageError):
+            delay.parse_variant(bad)
+
+
+def test_delay_bench_separates_plain_from_compensated_on_lenet():
+    """LeNet, lr 0.01, momentum 0.9: the plain delayed update diverges, the default does not."""
+    rows = {v: delay.run("lenet", "synthetic", v, 0.01, 0.9, epochs=2, seed=0)
+            for v in ("single", "none", "lookahead")}
+    assert rows["single"]["status"] == "ok" and rows["single"]["test_accuracy"] >= 0.95
+    assert rows["none"]["status"].startswith("div@"), rows["none"]
+    assert rows["lookahead"]["status"] == "ok" and rows["lookahead"]["test_accuracy"] >= 0.95
+
+
+@pytest.mark.timeout(900)
+def test_curves_and_to_accuracy_end_to_end(tmp_path):
+    out_csv, out_png = tmp_path / "c.csv", tmp_path / "c.png"
+    try:
+        import matplotlib  # noqa: F401
+        plot = str(out_png)
+    except ImportError:         # the CSV is still checked; the plot needs the plot extra
+        plot = ""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringnet.bench", "curves", "--model", "digits", "--dataset", "digits",
+         "--epochs", "2", "--np", "2", "--runs", "single,ring:1,ring:1:none", "--eval-every", "11",
+         "--csv", str(out_csv), "--plot", plot],
+        capture_output=True, text=True, env=ENV, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out_csv) as f:
+        rows = list(csv.DictReader(f))
+    labels = sorted({r["label"] for r in rows})
+    assert labels == ["ring d1", "ring d1 (none)", "single"]
+    for label in labels:
+        mine = [r for r in rows if r["label"] == label]
+        assert [int(r["step"]) for r in mine] == [11, 22, 33, 44]   # 22 steps per epoch
+        assert all(0 <= float(r["test_accuracy"]) <= 1 for r in mine)
+        times = [float(r["train_s"]) for r in mine]
+        assert times == sorted(times)
+    if plot:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wrote" in proc.stdout
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringnet.bench", "scaling", "--np", "1", "--model", "digits",
+         "--dataset", "digits", "--to-accuracy", "0.5", "--epochs", "1", "--eval-every", "5",
+         "--repeats", "1", "--json"],
+        capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    row = json.loads(proc.stdout.strip().splitlines()[-1])["rows"][0]
+    assert row["mode"] == "single"
+    # evaluated at steps 5, 10, 15, 20 and at the end (22 steps per epoch)
+    assert row["epochs_to_acc"] in [round(s / 22, 3) for s in (5, 10, 15, 20, 22)]
+    assert 0 < row["seconds_to_acc"] and row["final_accuracy"] >= 0.5
