@@ -79,3 +79,18 @@ def test_trace_plot_draws_compute_and_transfer_lanes(tmp_path):
     assert has_colour(out, plot._COLOURS["backward"]) == 0
     with pytest.raises(UsageError, match="no step spans"):
         plot.plot_trace({"traceEvents": meta}, out)
+
+
+def test_scaling_plot_from_a_csv_file(tmp_path):
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+    out = tmp_path / "s.png"
+    proc = subprocess.run([sys.executable, "-m", "ringnet.bench.plot", "scaling",
+                           f"{root}/docs/img/scaling-cifar10_quick-2core.csv", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert has_colour(str(out), "C4") > 100               # five series: split-fc is the fifth
+    (tmp_path / "bad.csv").write_text("mode,np\nring,x\n")
+    proc = subprocess.run([sys.executable, "-m", "ringnet.bench.plot", "scaling",
+                           str(tmp_path / "bad.csv"), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("ringnet: error: cannot read scaling")

@@ -7,7 +7,9 @@
 * :func:`plot_trace` — a few steps of every rank from a ``--trace`` file: one lane for the
   training thread and one for communication per rank.
 
-Also ``python -m ringnet.bench.plot trace TRACE.json OUT.png [--steps K]``.
+Also ``python -m ringnet.bench.plot trace TRACE.json OUT.png [--steps K]`` and
+``python -m ringnet.bench.plot scaling SCALING.csv OUT.png`` (the ``--csv`` of ``bench
+scaling``, e.g. written by ``hpc/scaling.sbatch``).
 """
 import argparse
 import json
@@ -173,8 +175,23 @@ def main(argv=None):
     t.add_argument("trace", help="the JSON file written by python -m ringnet.train --trace")
     t.add_argument("out", help="picture to write (.png, .svg or .pdf)")
     t.add_argument("--steps", type=int, default=3, help="steps to show (default 3)")
+    c = sub.add_parser("scaling", help="speedup and efficiency from a bench scaling --csv file")
+    c.add_argument("csv", help="the CSV written by python -m ringnet.bench scaling --csv")
+    c.add_argument("out", help="picture to write (.png, .svg or .pdf)")
+    c.add_argument("--title", default="", help="title above the plots")
     args = p.parse_args(argv)
     check_writable(args.out)
+    if args.what == "scaling":
+        import csv
+        try:
+            with open(args.csv, newline="") as f:
+                rows = [{"mode": r["mode"], "delay": int(r["delay"]), "np": int(r["np"]),
+                         "speedup": float(r["speedup"]), "efficiency": float(r["efficiency"])}
+                        for r in csv.DictReader(f)]
+        except (OSError, KeyError, ValueError) as exc:
+            raise UsageError(f"cannot read scaling table {args.csv}: {exc}") from None
+        plot_scaling(rows, args.out, title=args.title)
+        return 0
     try:
         with open(args.trace) as f:
             trace = json.load(f)
