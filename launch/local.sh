@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Run ringnet on this workstation: one rank per GPU (or N CPU ranks), BLAS threads split evenly.
-# Usage: launch/local.sh [-n N] [train flags...]      e.g.  launch/local.sh -n 4 --mode ring --delay 1
+# Usage: launch/local.sh [-n N] [launch flags --] [train flags...]
+#   e.g.  launch/local.sh -n 4 --mode ring --delay 1
+#         launch/local.sh -n 4 --shrink -- --steps 2000 --save ck.h5 --save-every 100
 # Without -n: one rank per GPU, or one per CPU core. The launcher is $MPIRUN (default mpirun).
+# Runs under python -m ringnet.launch: a job that loses a rank is relaunched from its last
+# checkpoint (launch flags: --shrink, --min-ranks M, --max-restarts R; see its --help).
 set -euo pipefail
 N=""
 if [ "${1:-}" = "-n" ]; then
@@ -27,4 +31,12 @@ if ! command -v "$MPIRUN" >/dev/null 2>&1; then
   echo "ringnet: error: launcher '$MPIRUN' not found: pip install mpich (or load your MPI), or set MPIRUN" >&2
   exit 2
 fi
-exec "$MPIRUN" -np "$N" python -m ringnet.train "$@"
+LAUNCH=()                               # flags before a "--" are the launcher's
+for arg in "$@"; do
+  if [ "$arg" = "--" ]; then
+    while [ "$1" != "--" ]; do LAUNCH+=("$1"); shift; done
+    shift
+    break
+  fi
+done
+exec python -m ringnet.launch -n "$N" --launcher "$MPIRUN" ${LAUNCH[@]+"${LAUNCH[@]}"} -- "$@"

@@ -55,6 +55,7 @@ class TrainConfig:
     shuffle: bool = True
     augment: bool = False
     save: str = None
+    save_every: int = 0
     resume: str = None
     json: bool = False
     check_every: int = 0
@@ -124,6 +125,10 @@ class TrainConfig:
             raise UsageError(f"--device must be auto, cpu or gpu, got {cfg.device!r}")
         if cfg.transport not in ("auto", "mpi", "nccl"):
             raise UsageError(f"--transport must be auto, mpi or nccl, got {cfg.transport!r}")
+        if cfg.save_every < 0:
+            raise UsageError(f"--save-every must be >= 0, got {cfg.save_every}")
+        if cfg.save_every and not cfg.save:
+            raise UsageError("--save-every needs --save PATH.h5 (the checkpoint it rewrites)")
         if cfg.eval_every < 0:
             raise UsageError(f"--eval-every must be >= 0, got {cfg.eval_every}")
         if cfg.check_every < 0:
@@ -252,6 +257,10 @@ def build_parser():
     g.add_argument("--save", default=None, metavar="PATH.h5",
                    help="write an HDF5 checkpoint at the end, atomically; missing folders are "
                         "created (default: none)")
+    g.add_argument("--save-every", type=_positive_int, default=0, metavar="K",
+                   help="also write the --save checkpoint every K steps, so a run that dies "
+                        "loses at most K steps (see python -m ringnet.launch; default: only at "
+                        "the end)")
     g.add_argument("--resume", default=None, metavar="PATH.h5",
                    help="continue from a checkpoint, in any mode and at any rank count (default: "
                         "none)")

@@ -204,6 +204,25 @@ def _epoch_line(epoch, recent, test_acc, test_loss):
             f"test acc {100 * test_acc:6.2f}%")
 
 
+def _checkpoint_saver(cfg, world, strategy, spe):
+    """Return the PeriodicSaver that writes cfg.save (every --save-every K steps and at the end)."""
+    from ringnet.elastic import PeriodicSaver
+    size = world.Get_size()
+
+    def collect():              # every rank
+        return strategy.full_state(), strategy.lookahead_state()
+
+    def write(state, step):     # rank 0 only
+        from ringnet.checkpoint import save_checkpoint
+        (params, momentum, prev), base = state
+        save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
+                        lookahead_base=base, model=cfg.model, mode=cfg.mode,
+                        delay=cfg.delay, delay_compensation=cfg.delay_compensation,
+                        ranks=size, step=step, epoch=step // spe, dtype=cfg.dtype,
+                        **{n: getattr(cfg, n) for n in HYPERPARAMETERS})
+    return PeriodicSaver(world, cfg.save_every, collect, write)
+
+
 def train(cfg=None, world=None, **overrides):
     """Run one training job on ``world`` (default MPI.COMM_WORLD); return a TrainResult."""
     import dataclasses
@@ -268,6 +287,8 @@ def train(cfg=None, world=None, **overrides):
 
     tracer = Tracer(world, cfg.trace) if cfg.trace else None
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
+    saver = _checkpoint_saver(cfg, world, strategy, spe)   # --save-every, launcher heartbeat
+    saver.start(step)
     first_step = step
     sent_before, _ = strategy.bytes_moved()   # bytes_per_step counts the training steps only
     t_train = time.perf_counter()
@@ -289,6 +310,7 @@ def train(cfg=None, world=None, **overrides):
                     step += 1
                     if bar is not None:
                         bar.update(step, loss)
+                    saver.after_step(step, total_steps)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
                         t_eval = time.perf_counter()
                         strategy.drain()
@@ -327,19 +349,8 @@ def train(cfg=None, world=None, **overrides):
     train_loss = world.allreduce(local_loss) / size
 
     if cfg.save:
-        from ringnet.checkpoint import save_checkpoint
-        params, momentum, prev = strategy.full_state()
-        base = strategy.lookahead_state()
-
-        def save():  # rank 0 writes; every rank learns whether it worked
-            if rank == 0:
-                save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
-                                lookahead_base=base, model=cfg.model, mode=cfg.mode,
-                                delay=cfg.delay, delay_compensation=cfg.delay_compensation,
-                                ranks=size,
-                                step=step, epoch=step // spe, dtype=cfg.dtype,
-                                **{n: getattr(cfg, n) for n in HYPERPARAMETERS})
-        collective(world, save)
+        saver.finish(step)   # rank 0 writes; every rank learns whether it worked
+    saver.close()
 
     stats = strategy.stats
     steps_run = step - first_step

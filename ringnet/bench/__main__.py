@@ -1,4 +1,4 @@
-"""python -m ringnet.bench {layers,comm,scaling,model,curves,delay} ... — benchmarks that print tables."""
+"""python -m ringnet.bench {layers,comm,scaling,model,curves,delay,elastic} ... — benchmarks that print tables."""
 import importlib
 import sys
 
@@ -14,13 +14,14 @@ COMMANDS = {
     "model": ("ringnet.bench.model", "predicted step time, speedup and efficiency per mode, N = 1..1024"),
     "delay": ("ringnet.bench.delay", "delay-1 compensations side by side in one process (accuracy, stability)"),
     "curves": ("ringnet.bench.curves", "test accuracy vs epoch and wall time for every mode: CSV + plot"),
+    "elastic": ("ringnet.bench.elastic", "cost of --save-every, and of a rank killed under ringnet.launch"),
 }
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m ringnet.bench {layers,comm,scaling,model,curves,delay} [options]\n")
+        print("usage: python -m ringnet.bench {layers,comm,scaling,model,curves,delay,elastic} [options]\n")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:8s} {text}")
         print("\n`python -m ringnet.bench NAME --help` lists each benchmark's options.")

@@ -1,0 +1,488 @@
+"""python -m ringnet.launch — run a training job and relaunch it from its checkpoint when a rank dies.
+
+    python -m ringnet.launch -n 4 --shrink -- --mode ring --steps 2000 --save ck.h5 --save-every 100
+
+runs ``mpirun -np 4 python -m ringnet.train ...`` (inside a SLURM allocation:
+``srun --ntasks 4 ...``). When the job fails, the launcher relaunches it with
+``--resume`` of the newest checkpoint the job wrote, up to ``--max-restarts`` times:
+
+* on the same rank count (a transient failure), or with ``--shrink`` one rank fewer;
+  under SLURM never more than the tasks the allocation still has;
+* always the largest count ``n >= --min-ranks`` that divides the global batch, so every
+  rank keeps a disjoint B/n share and the run continues the trajectory it would have
+  taken from that checkpoint at n ranks;
+* the mode, delay and global batch are pinned to the first launch's values.
+
+It does not relaunch a job that failed on bad input (exit code 2: a bad flag, a
+missing or corrupt file, an unwritable checkpoint) or a failure that recurs at the
+step where the previous launch failed (a NaN loss, a bad sample): those stop at once
+with the job's own message and exit code. At each relaunch it says what was lost
+(the steps since the last checkpoint) and why.
+
+The job reports its progress through ``$RINGNET_HEARTBEAT`` (see ``ringnet.elastic``);
+with ``--stall-timeout S`` a job whose step count has not moved for S seconds is
+stopped and relaunched like one that lost a rank.
+"""
+import argparse
+import collections
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from ringnet.elastic import HEARTBEAT_ENV, read_heartbeat
+from ringnet.errors import ArgumentParser, UsageError
+
+__all__ = ["main", "relaunch_size", "Attempt", "Launcher", "slurm_tasks_alive"]
+
+PROG = "python -m ringnet.launch"
+EXIT_USAGE = 2
+# Rank 0's step count when a job ends on one rank's error at step s lies in [s - 1, s + 1]
+# (the other ranks run on until the abort reaches them), so two failures whose counts
+# differ by at most this are taken for the same failure.
+SAME_STEP = 2
+
+
+def _say(text):
+    print(f"ringnet.launch: {text}", file=sys.stderr, flush=True)
+
+
+# -- which rank count a relaunch uses --------------------------------------------------
+def relaunch_size(previous, batch_size, min_ranks=1, shrink=False, available=None,
+                  usable=lambda n: True):
+    """Return the rank count of the next launch, or None when no count qualifies.
+
+    The largest ``n`` with ``min_ranks <= n <= cap`` that divides ``batch_size`` and that
+    ``usable(n)`` accepts; ``cap`` is ``previous`` (``previous - 1`` with ``shrink``),
+    and at most ``available`` (the tasks a SLURM allocation still has) when given.
+    """
+    cap = previous - 1 if shrink else previous
+    if available is not None:
+        cap = min(cap, available)
+    for n in range(cap, max(1, min_ranks) - 1, -1):
+        if batch_size % n == 0 and usable(n):
+            return n
+    return None
+
+
+def slurm_tasks_alive(job_id, tasks_per_node, run=subprocess.run):
+    """Return the tasks SLURM job ``job_id`` can still start (its nodes x tasks per node).
+
+    After a node failure a job submitted with ``--no-kill`` keeps its other nodes; they
+    are what ``scontrol show job`` lists. None when that cannot be read.
+    """
+    try:
+        out = run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True,
+                  text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"\bNumNodes=(\d+)", out.stdout or "")
+    if out.returncode != 0 or not match:
+        return None
+    return int(match.group(1)) * tasks_per_node
+
+
+def _slurm_tasks_per_node(env):
+    """Tasks per node of the allocation: SLURM_NTASKS_PER_NODE, else the first of SLURM_TASKS_PER_NODE."""
+    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        match = re.match(r"\d+", env.get(name, ""))
+        if match:
+            return int(match.group(0))
+    return None
+
+
+# -- one launch of the job --------------------------------------------------------------
+class Attempt:
+    """One run of the job: its command, exit code, last step, and the lines that explain a failure."""
+
+    def __init__(self, ranks, command, resume_step):
+        self.ranks = ranks
+        self.command = command
+        self.resume_step = resume_step       # step the job starts from
+        self.returncode = None
+        self.reached = None                  # steps finished when it ended (heartbeat)
+        self.stalled = False
+        self.interrupted = False
+        self.started = None
+        self.ended = None
+        self.first_step_at = None            # when the first new step was finished
+        self.lost = None                     # steps finished after the checkpoint resumed from
+        self.relaunch_s = None               # seconds from the previous failure to a new step
+        self.errors = collections.deque(maxlen=20)   # job lines that explain a failure
+
+    def reason(self):
+        """Say in a few words why the job ended: a killed process first, then the job's error."""
+        if self.stalled:
+            return f"no step finished for {self.stalled:g} s (a rank stalled)"
+        for line in self.errors:
+            match = (re.search(r"EXIT STRING: (.*signal.*)", line)
+                     or re.search(r"srun: error: .*(task \d+: .*)", line))
+            if match:
+                return f"a rank ended: {match.group(1).strip()}"
+        for line in reversed(self.errors):
+            if "ringnet: error:" in line:
+                return line.strip()
+        code = self.returncode
+        if code is not None and code < 0:
+            return f"killed by signal {-code}"
+        if code is not None and code > 128:
+            return f"a rank was killed by signal {code - 128} (exit {code})"
+        return f"exit code {code}"
+
+
+_EXPLAINS = re.compile(r"error|EXIT STRING|killed|signal|MPI_Abort", re.IGNORECASE)
+
+
+def _pump(stream, out, keep):
+    """Copy the job's output to ``out`` as it comes (progress bars too); keep the lines that
+    explain a failure."""
+    partial = b""
+    while True:
+        chunk = os.read(stream.fileno(), 65536)
+        if not chunk:
+            break
+        out.write(chunk)
+        out.flush()
+        lines = re.split(rb"[\r\n]", partial + chunk)
+        partial = lines.pop()[-4096:]
+        for line in lines:
+            text = line.decode(errors="replace")
+            if _EXPLAINS.search(text):
+                keep.append(text)
+    stream.close()
+
+
+class Launcher:
+    """Run ``python -m ringnet.train`` under ``launch_cmd`` and relaunch it; see the module docstring."""
+
+    def __init__(self, ranks, train_args, *, launch_cmd, batch_size, checkpoint=None,
+                 resume=None, min_ranks=1, max_restarts=3, shrink=False, stall_timeout=0.0,
+                 usable=lambda n: True, available=lambda: None, python=sys.executable,
+                 env=None):
+        self.ranks = ranks
+        self.train_args = list(train_args)
+        self.launch_cmd = list(launch_cmd)
+        self.batch_size = batch_size
+        self.checkpoint = checkpoint
+        self.resume = resume
+        self.min_ranks = min_ranks
+        self.max_restarts = max_restarts
+        self.shrink = shrink
+        self.stall_timeout = stall_timeout
+        self.usable = usable
+        self.available = available
+        self.python = python
+        self.env = dict(os.environ if env is None else env)
+        self.attempts = []
+        self._initial = _file_id(checkpoint)
+
+    # -- commands ---------------------------------------------------------------------
+    def command(self, ranks, resume):
+        """Return the command line that starts the job on ``ranks`` ranks."""
+        name = os.path.basename(self.launch_cmd[0])
+        if name == "srun":
+            count = [f"--ntasks={ranks}", "--kill-on-bad-exit=1"]
+        else:
+            count = ["-np", str(ranks)]
+        extra = ["--resume", resume] if resume else []
+        return [*self.launch_cmd, *count, self.python, "-m", "ringnet.train",
+                *self.train_args, *extra]
+
+    def _checkpoint_step(self):
+        """Return the step of the checkpoint this launcher's jobs wrote, or None."""
+        if not self.checkpoint or _file_id(self.checkpoint) in (None, self._initial):
+            return None
+        return checkpoint_step(self.checkpoint)
+
+    # -- the loop ---------------------------------------------------------------------
+    def run(self):
+        """Run the job until it succeeds or must not be relaunched; return its exit code."""
+        ranks, resume = self.ranks, self.resume
+        resume_step = self._resume_step(resume)
+        with tempfile.TemporaryDirectory(prefix="ringnet-launch-") as tmp:
+            while True:
+                attempt = Attempt(ranks, self.command(ranks, resume), resume_step)
+                self.attempts.append(attempt)
+                self._run_one(attempt, os.path.join(tmp, f"heartbeat-{len(self.attempts)}"))
+                if len(self.attempts) > 1:
+                    self._report_relaunch_time(attempt)
+                code = attempt.returncode
+                if code == 0:
+                    if len(self.attempts) > 1:
+                        self._summary()
+                    return 0
+                if attempt.interrupted:
+                    _say("interrupted: the job was stopped, not relaunching")
+                    return code or 130
+                if code == EXIT_USAGE:
+                    _say("the job stopped on bad input (exit 2): not relaunching")
+                    return code
+                saved = self._checkpoint_step()
+                if saved is not None:
+                    resume, resume_step = self.checkpoint, saved
+                lost = (attempt.reached - resume_step
+                        if attempt.reached is not None and resume_step is not None else None)
+                attempt.lost = lost
+                previous = self.attempts[-2] if len(self.attempts) > 1 else None
+                if (previous is not None and previous.reached is not None
+                        and attempt.reached is not None
+                        and abs(attempt.reached - previous.reached) <= SAME_STEP):
+                    _say(f"the job failed again at step {attempt.reached}, where the previous "
+                         f"launch failed ({attempt.reason()}): the failure repeats, not relaunching")
+                    return code
+                restarts = len(self.attempts) - 1
+                if restarts >= self.max_restarts:
+                    _say(f"the job failed ({attempt.reason()}) after {restarts} relaunch(es): "
+                         f"--max-restarts {self.max_restarts} reached, giving up")
+                    return code
+                available = self.available()
+                new_ranks = relaunch_size(ranks, self.batch_size, self.min_ranks, self.shrink,
+                                          available, self.usable)
+                if new_ranks is None:
+                    cap = ranks - 1 if self.shrink else ranks
+                    cap = cap if available is None else min(cap, available)
+                    _say(f"the job failed ({attempt.reason()}); no rank count from "
+                         f"{self.min_ranks} to {cap} divides the global batch {self.batch_size}"
+                         f"{'' if available is None else f' ({available} tasks left)'}: "
+                         "not relaunching")
+                    return code
+                where = (f"at step {attempt.reached}" if attempt.reached is not None
+                         else "before its first step")
+                origin = (f"checkpoint {resume} (step {resume_step})" if resume
+                          else "the start (no checkpoint yet" + ("" if self.checkpoint else
+                                ": pass --save PATH.h5 --save-every K") + ")")
+                lost_text = f"{lost} step(s) lost" if lost is not None else "steps lost unknown"
+                _say(f"the job on {ranks} rank(s) failed {where}: {attempt.reason()}. "
+                     f"{lost_text}; relaunch {restarts + 1} of {self.max_restarts} on "
+                     f"{new_ranks} rank(s) from {origin}")
+                ranks = new_ranks
+
+    @staticmethod
+    def _resume_step(resume):
+        return checkpoint_step(resume) if resume else 0
+
+    def _run_one(self, attempt, heartbeat):
+        env = dict(self.env, **{HEARTBEAT_ENV: heartbeat})
+        attempt.started = time.monotonic()
+        try:
+            proc = subprocess.Popen(attempt.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    bufsize=0, env=env)
+        except OSError as exc:
+            raise UsageError(f"cannot start {attempt.command[0]}: {exc.strerror}") from None
+        pumps = [threading.Thread(target=_pump, args=(proc.stdout, _binary(sys.stdout), attempt.errors), daemon=True),
+                 threading.Thread(target=_pump, args=(proc.stderr, _binary(sys.stderr), attempt.errors), daemon=True)]
+        for pump in pumps:
+            pump.start()
+        last, moved = None, time.monotonic()
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                step = read_heartbeat(heartbeat)
+                now = time.monotonic()
+                if step != last:
+                    last, moved = step, now
+                    if (attempt.first_step_at is None and step is not None
+                            and attempt.resume_step is not None and step > attempt.resume_step):
+                        attempt.first_step_at = now
+                elif (self.stall_timeout and last is not None
+                      and now - moved > self.stall_timeout):
+                    attempt.stalled = self.stall_timeout
+                    _stop(proc)
+                    break
+        except KeyboardInterrupt:
+            attempt.interrupted = True
+            _stop(proc)
+        for pump in pumps:
+            pump.join(timeout=10)
+        attempt.returncode = proc.returncode
+        attempt.reached = read_heartbeat(heartbeat)
+        attempt.ended = time.monotonic()
+
+    def _report_relaunch_time(self, attempt):
+        previous = self.attempts[-2]
+        if attempt.first_step_at is not None:
+            attempt.relaunch_s = attempt.first_step_at - previous.ended
+            _say(f"training again on {attempt.ranks} rank(s) {attempt.relaunch_s:.1f} s after "
+                 f"the failure")
+
+    def _summary(self):
+        failed = self.attempts[:-1]
+        lost = [a.lost for a in failed if a.lost is not None]
+        times = [a.relaunch_s for a in self.attempts[1:] if a.relaunch_s is not None]
+        text = f"done after {len(failed)} relaunch(es)"
+        if lost:
+            text += f": {sum(lost)} step(s) lost in all"
+        if times:
+            text += f", {sum(times) / len(times):.1f} s from a failure to training again (mean)"
+        _say(text)
+
+
+def _binary(stream):
+    stream.flush()
+    return getattr(stream, "buffer", stream)
+
+
+def _checkpoint_attr(path, name):
+    """Return attribute ``name`` of checkpoint ``path`` (read without its tensors), or None."""
+    import h5py
+    try:
+        with h5py.File(path, "r") as f:
+            return f.attrs[name].item() if hasattr(f.attrs[name], "item") else f.attrs[name]
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def checkpoint_step(path):
+    """Return the step stored in checkpoint ``path``, or None."""
+    step = _checkpoint_attr(path, "step")
+    return int(step) if step is not None else None
+
+
+def _file_id(path):
+    """Return what tells a rewritten file from the old one (inode, size, mtime), or None."""
+    try:
+        st = os.stat(path)
+    except (OSError, TypeError):
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _stop(proc, grace=10):
+    """Ask the job to stop (SIGTERM to mpirun/srun, which pass it on), then kill it."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# -- command line -------------------------------------------------------------------------
+def build_parser():
+    """Return the argument parser of ``python -m ringnet.launch`` (training flags follow ``--``)."""
+    p = ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} -n N [--min-ranks M] [--max-restarts R] [--shrink] "
+              "[--stall-timeout S] [--launcher CMD] -- <python -m ringnet.train flags>",
+        description="Run python -m ringnet.train on N ranks and relaunch it from its newest "
+                    "checkpoint (--save, written every --save-every K steps) when a rank dies "
+                    "or stalls. Inside a SLURM allocation the job runs under srun.",
+        epilog="Example:\n"
+               f"  {PROG} -n 4 --shrink -- --mode ring --steps 2000 --save ck.h5 --save-every 100\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--np", dest="ranks", type=int, required=True, metavar="N",
+                   help="ranks of the first launch")
+    p.add_argument("--min-ranks", type=int, default=1, metavar="M",
+                   help="never relaunch on fewer than M ranks (default 1)")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="R",
+                   help="relaunch at most R times (default 3; 0: run once)")
+    p.add_argument("--shrink", action="store_true",
+                   help="relaunch on one rank fewer than the failed launch (default: the same "
+                        "count, for transient failures)")
+    p.add_argument("--stall-timeout", type=float, default=0.0, metavar="S",
+                   help="stop and relaunch a job whose step count has not moved for S seconds "
+                        "(default 0: off; the job's own transfer deadline RINGNET_COMM_TIMEOUT "
+                        "still ends a stalled job)")
+    p.add_argument("--launcher", default=None, metavar="CMD",
+                   help="command that starts the ranks, e.g. 'srun --mpi=pmix' or 'mpiexec "
+                        "-hosts a,b' (the rank count is added: -np N, or --ntasks=N for srun); "
+                        "default srun inside a SLURM allocation, else $MPIRUN or mpirun")
+    return p
+
+
+def _split(argv):
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
+def _default_launcher(env):
+    if env.get("SLURM_JOB_ID") and shutil.which("srun"):
+        return ["srun"]
+    return [env.get("MPIRUN") or "mpirun"]
+
+
+def _pins(cfg, ranks):
+    """Return (flags that fix mode, delay and global batch across relaunches, batch size)."""
+    resolved = cfg.resolved(ranks)
+    batch = cfg.batch_size
+    if batch is None and cfg.resume:            # a resumed run keeps the checkpoint's batch
+        batch = _checkpoint_attr(cfg.resume, "batch_size")
+    batch = int(batch) if batch else resolved.batch_size
+    flags = ["--mode", resolved.mode, "--delay", str(resolved.delay), "--batch-size", str(batch)]
+    return flags, batch, resolved
+
+
+def main(argv=None):
+    """Entry point of ``python -m ringnet.launch``."""
+    from ringnet.config import config_from_args
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, train_args = _split(argv)
+    parser = build_parser()
+    if "--" in argv:
+        args = parser.parse_args(own)
+    else:
+        args, train_args = parser.parse_known_args(own)
+    if args.ranks < 1:
+        raise UsageError(f"-n must be at least 1, got {args.ranks}")
+    if args.min_ranks < 1 or args.min_ranks > args.ranks:
+        raise UsageError(f"--min-ranks must be between 1 and -n {args.ranks}, got {args.min_ranks}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not args.stall_timeout >= 0:
+        raise UsageError(f"--stall-timeout must be >= 0 seconds, got {args.stall_timeout}")
+    cfg = config_from_args(train_args)      # the job's own message for a bad training flag
+    pins, batch, resolved = _pins(cfg, args.ranks)
+
+    pinned = dataclasses.replace(cfg, mode=resolved.mode, delay=resolved.delay, batch_size=batch)
+
+    def usable(n):
+        try:
+            pinned.resolved(n)
+            return True
+        except UsageError:
+            return False
+
+    env = os.environ
+    launch_cmd = shlex.split(args.launcher) if args.launcher else _default_launcher(env)
+    if not launch_cmd or shutil.which(launch_cmd[0]) is None:
+        raise UsageError(f"launcher {launch_cmd[0] if launch_cmd else args.launcher!r} not found: "
+                         "pip install mpich (or load your MPI), or pass --launcher CMD")
+    available = lambda: None     # noqa: E731
+    if os.path.basename(launch_cmd[0]) == "srun" and env.get("SLURM_JOB_ID"):
+        per_node = _slurm_tasks_per_node(env)
+        if per_node:
+            available = lambda: slurm_tasks_alive(env["SLURM_JOB_ID"], per_node)  # noqa: E731
+    def interrupted(signum, frame):     # SIGTERM (scancel, kill): stop the job, do not relaunch
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupted)
+    launcher = Launcher(args.ranks, [*train_args, *pins], launch_cmd=launch_cmd, batch_size=batch,
+                        checkpoint=cfg.save, resume=cfg.resume, min_ranks=args.min_ranks,
+                        max_restarts=args.max_restarts, shrink=args.shrink,
+                        stall_timeout=args.stall_timeout, usable=usable, available=available)
+    return launcher.run()
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except UsageError as exc:
+        print(f"ringnet: error: {exc}", file=sys.stderr, flush=True)
+        code = EXIT_USAGE
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
