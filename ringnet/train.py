@@ -19,6 +19,8 @@ from ringnet import backend
 from ringnet.checkpoint import HYPERPARAMETERS
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args
 from ringnet.errors import TrainingError, UsageError, collective, import_mpi, run_main
+from ringnet.progress import Progress, progress_interval
+from ringnet.trace import Tracer, timed
 
 __all__ = ["train", "main", "TrainResult"]
 
@@ -100,6 +102,9 @@ def _setup(cfg, world):
         from ringnet.checkpoint import check_writable
         # Before training, not after hours of it: only rank 0 writes the file.
         collective(world, lambda: check_writable(cfg.save) if rank == 0 else None)
+    if cfg.trace:
+        from ringnet.trace import check_trace_path
+        collective(world, lambda: check_trace_path(cfg.trace) if rank == 0 else None)
 
     model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed,
                         num_classes=dataset.num_classes)
@@ -222,7 +227,10 @@ def train(cfg=None, world=None, **overrides):
     """Run one training job on ``world`` (default MPI.COMM_WORLD); return a TrainResult."""
     import dataclasses
     cfg = dataclasses.replace(cfg or TrainConfig(), **overrides)
-    world = world or import_mpi().COMM_WORLD
+    if world is None:
+        from ringnet.slurm import check_world_size
+        world = import_mpi().COMM_WORLD
+        check_world_size(world.Get_size())
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
     asked_batch = cfg.batch_size
@@ -273,11 +281,11 @@ def train(cfg=None, world=None, **overrides):
                      f"{len(dataset.test)} test), {batch_text}, lr {cfg.lr:g}, {steps_text}")
 
     bar = None
+    interval = collective(world, progress_interval)
     if rank == 0 and cfg.progress and not cfg.quiet:
-        from tqdm import tqdm
-        bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True,
-                   disable=not _interactive(), leave=False, file=sys.stderr)
+        bar = Progress(total_steps, step, cfg.batch_size, spe, _interactive(), interval)
 
+    tracer = Tracer(world, cfg.trace) if cfg.trace else None
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
     saver = _checkpoint_saver(cfg, world, strategy, spe)   # --save-every, launcher heartbeat
     saver.start(step)
@@ -292,7 +300,7 @@ def train(cfg=None, world=None, **overrides):
             while step < total_steps:
                 epoch, offset = divmod(step, spe)
                 batches = loader.epoch(epoch, start_step=offset)
-                for x, labels in batches:
+                for x, labels in timed(batches):
                     loss, _ = strategy.step(x, labels, step)
                     loss = float(loss)
                     if not math.isfinite(loss):
@@ -301,8 +309,7 @@ def train(cfg=None, world=None, **overrides):
                     recent.append(loss)
                     step += 1
                     if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", refresh=False)
+                        bar.update(step, loss)
                     saver.after_step(step, total_steps)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
                         t_eval = time.perf_counter()
@@ -327,6 +334,8 @@ def train(cfg=None, world=None, **overrides):
     finally:
         if bar is not None:
             bar.close()
+        if tracer is not None:
+            tracer.stop()
     train_s = time.perf_counter() - t_train
     step_bytes = strategy.bytes_moved()[0] - sent_before
 
@@ -378,6 +387,8 @@ def train(cfg=None, world=None, **overrides):
     _log(cfg, world, f"done: {step} steps ({step / spe:.2f} epochs), train loss {train_loss:.4f}, "
                      f"test loss {test_loss:.4f}, test accuracy {100 * test_acc:.2f}%, "
                      f"{summary['images_per_sec']:.0f} images/s, {summary['time_s']:.1f} s")
+    if tracer is not None:
+        collective(world, tracer.close, summary)
     if cfg.json and rank == 0:
         print(json.dumps(summary), flush=True)
     return TrainResult(summary, strategy, cfg)
