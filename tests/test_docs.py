@@ -281,6 +281,7 @@ def local_launcher(command, tmp_path):
 
 INSTALL = "installs packages; .ci/run installs the same extras on every CI run"
 SUITE = "runs the test suite; CI runs it (bash .ci/run)"
+CLUSTER = "trace and plot commands; run by their own tests (tests/test_trace*.py, plot tests)"
 FASHION = ("needs Fashion-MNIST (Debian's dataset-fashion-mnist), which CI does not install; "
            "the bench commands have their own tests on small data")
 COMMANDS = {
@@ -317,7 +318,6 @@ COMMANDS = {
     "pip install scikit-learn": INSTALL,
     "mpirun -np N python -m pytest --with-mpi -m mpi tests": SUITE,
     "bash tests/gpu/run.sh": "tests/test_cli.py::test_gpu_script_without_a_gpu_exits_77",
-    "launch/local.sh -n N [flags]": "a template; launch/local.sh's own example runs below",
     "python -m ringnet.train": "tests/test_train.py::test_default_run_reaches_95_percent_and_reports_json",
     "python -m ringnet.bench …": "a template; the bench commands run above",
     "python -m ringnet.datasets …": "a template; the datasets commands run above",
@@ -352,9 +352,20 @@ COMMANDS = {
     "mpirun -np 4 python -m ringnet.train --mode ring --delay 1": same_run_as_quick_start,
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset mnist --json": lenet_on_mnist,
     # hpc/ and launch/
-    'python -m ringnet.launch -n "$SLURM_NTASKS" ${LAUNCH[@]+"${LAUNCH[@]}"} --launcher '
-    '"srun --mpi=pmix" -- "$@"': "needs SLURM (srun)",
     "srun --ntasks N": "a template; needs SLURM",
+    'python -m ringnet.launch -n "$SLURM_NTASKS" ${LAUNCH[@]+"${LAUNCH[@]}"} --launcher '
+    '"srun --mpi=pmi2" -- "$@"': "needs SLURM; tests/test_slurm.py submits hpc/train.sbatch",
+    "srun --mpi=pmi2": "a template; needs SLURM",
+    "srun -n 2": "a template; needs SLURM",
+    "srun started 2 tasks but MPI sees a world of 1 rank in each ...": "a message, not a command",
+    "launch/local.sh [-n N] [flags]": "a template; launch/local.sh's own example runs below",
+    "mpirun -np 2 python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 6 "
+    "--trace trace.json": CLUSTER,
+    "python -m ringnet.bench.plot trace trace.json trace.png --steps 2": CLUSTER,
+    "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master,split-fc --model "
+    "cifar10_quick --plot scaling.png --csv scaling.csv": CLUSTER,
+    "python -m ringnet.bench.plot scaling scaling.csv scaling.png": CLUSTER,
+    "mpirun -np 2 python -m ringnet.bench comm --sizes 1K:16M --iters 30 --plot comm.png": CLUSTER,
     "launch/local.sh": "a template; launch/local.sh's own example runs below",
     "python -m ringnet.launch": "a template; the launcher's example is run by the elastic tests",
     "python -m ringnet.launch -n 4 --shrink -- --mode ring --steps 200 --save ck.h5 --save-every 20":
