@@ -23,6 +23,9 @@ if [ -z "$N" ]; then
     N=$(python -c "import os; print(max(1, len(os.sched_getaffinity(0))))")
   fi
 fi
+# Ranks on this node only, also inside a SLURM job: there MPICH's mpirun would start them
+# through srun, which waits forever when called inside an srun step. (Open MPI ignores this.)
+export HYDRA_LAUNCHER=${HYDRA_LAUNCHER:-fork}
 MPIRUN=${MPIRUN:-mpirun}
 if ! command -v "$MPIRUN" >/dev/null 2>&1; then
   echo "ringnet: error: launcher '$MPIRUN' not found: pip install mpich (or load your MPI), or set MPIRUN" >&2

@@ -66,6 +66,7 @@ class TrainConfig:
     synthetic_size: tuple = (2048, 512)
     progress: bool = True
     quiet: bool = False
+    trace: str = None
 
     def resolved(self, world_size):
         """Return a copy with defaults filled in for ``world_size`` ranks; raise UsageError on bad values."""
@@ -165,7 +166,7 @@ EXAMPLES = (
     "python -m ringnet.train",
     "mpirun -np 4 python -m ringnet.train --mode ring --delay 1",
     "python -m ringnet.train --model lenet --dataset synthetic --steps 50",
-    "python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 50",
+    "python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 150 --lr 0.01",
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset mnist --json",
 )
 
@@ -272,8 +273,12 @@ def build_parser():
     g.add_argument("--json", action="store_true",
                    help="print one JSON summary line on stdout at the end (rank 0); the log then "
                         "goes to stderr")
+    g.add_argument("--trace", default=None, metavar="PATH.json",
+                   help="write every rank's timeline as one Chrome trace file for Perfetto or "
+                        "chrome://tracing (default: none)")
     g.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar (default: a bar on stderr when it is a terminal)")
+                   help="no progress bar or lines (default: a bar on stderr when it is a terminal, "
+                        "else a line per epoch and every $RINGNET_PROGRESS_SECONDS)")
     g.add_argument("--no-eval", dest="eval_every_epoch", action="store_false",
                    help="skip the per-epoch test evaluation (the final one still runs)")
     g.add_argument("--eval-every", type=int, default=0, metavar="K",

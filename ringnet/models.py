@@ -4,6 +4,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from ringnet import trace
 from ringnet.backend import get_array_module, make_rng, resolve_dtype, to_numpy
 from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU,
                             SoftmaxCrossEntropy, init_array)
@@ -231,14 +232,16 @@ class Model:
 
     def forward_layers(self, x, start=0, stop=None, train=True):
         """Run ``layers[start:stop]`` forward on activations ``x`` (no input checks)."""
-        for _, layer in self.layers[start:stop]:
-            x = layer.forward(x, train)
+        for name, layer in self.layers[start:stop]:
+            with trace.span("forward", layer=name):
+                x = layer.forward(x, train)
         return x
 
     def backward_layers(self, d, start=0, stop=None):
         """Run ``layers[start:stop]`` backward from their output gradient ``d``; return dx."""
-        for _, layer in reversed(self.layers[start:stop]):
-            d = layer.backward(d)
+        for name, layer in reversed(self.layers[start:stop]):
+            with trace.span("backward", layer=name):
+                d = layer.backward(d)
         return d
 
     def _correct(self, logits, labels):
@@ -248,8 +251,10 @@ class Model:
         """Forward, mean softmax cross-entropy, backward into ``grads``; return (loss, correct)."""
         labels = self.xp.asarray(labels).reshape(-1)
         logits = self.forward(x, train=True)
-        loss = self.loss_layer.forward(logits, labels)
-        self.backward(self.loss_layer.backward())
+        with trace.span("loss"):
+            loss = self.loss_layer.forward(logits, labels)
+            dlogits = self.loss_layer.backward()
+        self.backward(dlogits)
         return float(loss), self._correct(logits, labels)
 
     def evaluate(self, x, labels, batch_size=128):

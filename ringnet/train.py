@@ -20,6 +20,8 @@ from ringnet.checkpoint import HYPERPARAMETERS
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args
 from ringnet.errors import (Deadline, StallError, TrainingError, UsageError, collective, current_phase,
                             exchange, import_mpi, run_main, set_phase, watchdog)
+from ringnet.progress import Progress, progress_interval
+from ringnet.trace import Tracer, timed
 
 __all__ = ["train", "main", "TrainResult"]
 
@@ -101,6 +103,10 @@ def _setup(cfg, world):
         return ds
     dataset = collective(world, open_data)
     check_same_run(world, collective(world, dataset.fingerprint))
+    if cfg.trace:
+        from ringnet.trace import check_trace_path
+        collective(world, lambda: check_trace_path(cfg.trace) if rank == 0 else None)
+
     model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed,
                         num_classes=dataset.num_classes)
     if cfg.save:
@@ -293,7 +299,10 @@ def train(cfg=None, world=None, **overrides):
     """Run one training job on ``world`` (default MPI.COMM_WORLD); return a TrainResult."""
     import dataclasses
     cfg = dataclasses.replace(cfg or TrainConfig(), **overrides)
-    world = world or import_mpi().COMM_WORLD
+    if world is None:
+        from ringnet.slurm import check_world_size
+        world = import_mpi().COMM_WORLD
+        check_world_size(world.Get_size())
     from ringnet.comm.transport import CommTimeoutError     # after import_mpi(): needs mpi4py
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
@@ -335,11 +344,11 @@ def _train(cfg, world, deadline, rank, size, t_start):
                      f"{len(dataset.test)} test), {batch_text}, lr {cfg.lr:g}, {steps_text}")
 
     bar = None
+    interval = collective(world, progress_interval)
     if rank == 0 and cfg.progress and not cfg.quiet:
-        from tqdm import tqdm
-        bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True,
-                   disable=not _interactive(), leave=False, file=sys.stderr)
+        bar = Progress(total_steps, step, cfg.batch_size, spe, _interactive(), interval)
 
+    tracer = Tracer(world, cfg.trace) if cfg.trace else None
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
     saver = _checkpoint_saver(cfg, world, strategy, spe)   # --save-every, launcher heartbeat
     saver.start(step)
@@ -355,7 +364,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
             while step < total_steps:
                 epoch, offset = divmod(step, spe)
                 batches = loader.epoch(epoch, start_step=offset)
-                for x, labels in batches:
+                for x, labels in timed(batches):
                     set_phase(f"step {step}")
                     loss, _ = strategy.step(x, labels, step)
                     loss = float(loss)
@@ -369,8 +378,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
                     t_step = now
                     _transport_deadline(strategy, deadline.seconds)
                     if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", refresh=False)
+                        bar.update(step, loss)
                     saver.after_step(step, total_steps)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
                         t_eval = time.perf_counter()
@@ -398,6 +406,8 @@ def _train(cfg, world, deadline, rank, size, t_start):
     finally:
         if bar is not None:
             bar.close()
+        if tracer is not None:
+            tracer.stop()
     train_s = time.perf_counter() - t_train
     step_bytes = strategy.bytes_moved()[0] - sent_before
 
@@ -454,6 +464,8 @@ def _train(cfg, world, deadline, rank, size, t_start):
     _log(cfg, world, f"done: {step} steps ({step / spe:.2f} epochs), train loss {train_loss:.4f}, "
                      f"{tested}, "
                      f"{summary['images_per_sec']:.0f} images/s, {summary['time_s']:.1f} s")
+    if tracer is not None:
+        collective(world, tracer.close, summary)
     if cfg.json and rank == 0:
         print(json.dumps(summary), flush=True)
     return TrainResult(summary, strategy, cfg)

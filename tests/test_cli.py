@@ -102,8 +102,8 @@ def test_readme_synopsis_is_the_parsers():
 # --- output lines ----------------------------------------------------------------------
 
 def test_json_is_a_whole_line_even_with_stderr_merged_under_mpirun():
-    proc = train_cli("--epochs", "2", "--batch-size", "128", "--json", np_=2, merge=True,
-                     timeout=300)
+    proc = train_cli("--epochs", "2", "--batch-size", "128", "--json", "--no-progress", np_=2,
+                     merge=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     # mpirun forwards stdout and stderr separately, so their order is the launcher's; what
     # holds is that every line arrives whole: the JSON is one line of its own.

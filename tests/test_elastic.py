@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
 
 EVERY = 10
-STEPS = 50
+STEPS = 60
 FLAGS = ["--model", "digits", "--dataset", "digits", "--lr", "0.05", "--seed", "3",
          "--no-progress", "--no-eval", "--quiet"]
 

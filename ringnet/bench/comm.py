@@ -59,6 +59,8 @@ def _parser():
     parser.add_argument("--chunk-bytes", type=int, default=None,
                         help="ring: cut each step into chunks of this many bytes (pipelined)")
     parser.add_argument("--json", action="store_true", help='print {"rows": [...]} on rank 0')
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="rank 0 also draws bus bandwidth against size (.png; needs matplotlib)")
     return parser
 
 
@@ -105,6 +107,11 @@ def main(argv=None):
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
     sizes = parse_sizes(args.sizes)
+    if args.plot:
+        from ringnet.bench.plot import check_writable
+        from ringnet.errors import collective
+        collective(MPI.COMM_WORLD, lambda: check_writable(args.plot)
+                   if MPI.COMM_WORLD.Get_rank() == 0 else None)
     dtype = np.dtype(args.dtype)
     transport = make_transport(args.transport)
     xp = cupy if transport.uses_gpu() and transport.name == "nccl" else np
@@ -126,6 +133,10 @@ def main(argv=None):
             print(json.dumps({"rows": rows, "ranks": n, "transport": transport.name}))
         else:
             _print_table(rows, n, transport.name, args)
+        if args.plot:
+            from ringnet.bench.plot import plot_comm
+            plot_comm(rows, args.plot, title=f"all-reduce, {n} ranks, {transport.name}, "
+                                             f"{args.dtype}")
     return 0 if all(row["ok"] for row in rows) else 1
 
 

@@ -77,16 +77,17 @@ def kill_rank_after_first_checkpoint(proc, save, rank, limit=600, sig=signal.SIG
     """
     from ringnet.launch import checkpoint_step
     deadline = time.monotonic() + limit
+    pid = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise UsageError("the run ended before a rank could be killed; use more --steps")
-        step = checkpoint_step(save) if os.path.exists(save) else None
-        if step is not None:
+        if pid is None:             # found first, so the signal follows the checkpoint at once
             pid = rank_pids(save).get(rank)
-            if pid is not None:
-                os.kill(pid, sig)
-                return step, time.monotonic()
-        time.sleep(0.02)
+        step = checkpoint_step(save) if pid is not None and os.path.exists(save) else None
+        if step is not None:
+            os.kill(pid, sig)
+            return step, time.monotonic()
+        time.sleep(0.01)
     raise UsageError(f"no checkpoint appeared within {limit:.0f} s")
 
 

@@ -45,6 +45,8 @@ def _parser():
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
                    help="launcher (default $MPIRUN or mpirun)")
     p.add_argument("--csv", default=None, metavar="PATH", help="also write the table as CSV")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="also draw speedup and efficiency against N (.png; needs matplotlib)")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} instead of the table')
     p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
     g = p.add_argument_group("time to accuracy")
@@ -136,6 +138,9 @@ def _check(args):
 def main(argv=None):
     args = _parser().parse_args(argv)
     delays = _check(args)
+    if args.plot:
+        from ringnet.bench.plot import check_writable
+        check_writable(args.plot)
     if shutil.which(args.mpirun) is None:
         raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
     modes = [m for m in args.modes.split(",") if m]
@@ -197,6 +202,10 @@ def main(argv=None):
             rows[-1]["seconds_to_acc"] = (round(statistics.median(x[1] for x in hits), 2)
                                           if len(hits) == len(results) else None)
             rows[-1]["final_accuracy"] = round(statistics.median(r["test_accuracy"] for r in results), 4)
+    if args.plot:
+        from ringnet.bench.plot import plot_scaling
+        plot_scaling(rows, args.plot, title=f"{args.model}, global batch {args.batch_size}, "
+                                            f"{args.device}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -7,6 +7,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ringnet import trace
 from ringnet.backend import cupy, is_gpu_array
 from ringnet.comm.stream import current_tag
 from ringnet.comm.transport import CommTimeoutError, Transport, describe
@@ -88,19 +89,23 @@ def mpi_cuda_aware():
 class _Pending:
     """Requests of one paired transfer; wait() polls them against the timeout."""
 
-    __slots__ = ("transport", "requests", "what", "unstage")
+    __slots__ = ("transport", "requests", "what", "unstage", "sizes")
 
-    def __init__(self, transport, requests, what, unstage):
+    def __init__(self, transport, requests, what, unstage, sizes=(0, 0)):
         self.transport, self.requests, self.what, self.unstage = transport, requests, what, unstage
+        self.sizes = sizes
 
     def wait(self):
-        self.transport._wait(self.requests, self.what)
-        if self.unstage is not None:
-            device_out, host, slot = self.unstage
-            # Host-staged receive: an asynchronous copy on the current stream; the pinned
-            # buffer is reused only after the event recorded behind the copy.
-            device_out.set(host)
-            slot[1] = cupy.cuda.get_current_stream().record()
+        kind, send_peer, recv_peer, _ = self.what
+        with trace.span("transfer", op=kind, to=send_peer, sent=self.sizes[0],
+                        received=self.sizes[1], **{"from": recv_peer}):
+            self.transport._wait(self.requests, self.what)
+            if self.unstage is not None:
+                device_out, host, slot = self.unstage
+                # Host-staged receive: an asynchronous copy on the current stream; the pinned
+                # buffer is reused only after the event recorded behind the copy.
+                device_out.set(host)
+                slot[1] = cupy.cuda.get_current_stream().record()
         return None
 
 
@@ -177,7 +182,7 @@ class MpiTransport(Transport):
         what = ("sendrecv" if send_bytes and recv_bytes else "send" if send_bytes else "recv",
                 send_peer if send_bytes else None, recv_peer if recv_bytes else None,
                 max(send_bytes, recv_bytes))
-        return _Pending(self, requests, what, unstage)
+        return _Pending(self, requests, what, unstage, (send_bytes, recv_bytes))
 
     def _test(self, requests):
         if self._lock is None:

@@ -1,0 +1,83 @@
+"""Training progress on rank 0: a tqdm bar in a terminal, plain lines in a job log.
+
+Without a terminal (a SLURM job, output piped to a file) a bar would be noise, so
+:class:`Progress` prints one line at the end of every epoch and, on long epochs, one
+every ``RINGNET_PROGRESS_SECONDS`` (default 60) seconds::
+
+    step 120/440  epoch 5.45  loss 0.4123  2510 images/s  ETA 0:00:31
+
+(``epoch`` counts epochs done; ``loss`` is rank 0's mean since the previous line;
+``images/s`` is the global rate since the previous line.)
+"""
+import os
+import sys
+import time
+
+__all__ = ["Progress", "progress_interval"]
+
+
+def progress_interval(environ=None):
+    """Return the seconds between progress lines: ``RINGNET_PROGRESS_SECONDS`` or 60."""
+    environ = os.environ if environ is None else environ
+    text = environ.get("RINGNET_PROGRESS_SECONDS", "")
+    if not text:
+        return 60.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        from ringnet.errors import UsageError
+        raise UsageError(f"RINGNET_PROGRESS_SECONDS={text!r} is not a number of seconds >= 0")
+    return value
+
+
+def _clock(seconds):
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """Report steps done out of ``total``; a bar when ``interactive``, else lines to ``file``."""
+
+    def __init__(self, total, initial, batch_size, steps_per_epoch, interactive,
+                 interval=None, file=None, clock=time.perf_counter):
+        self.total, self.batch_size, self.steps_per_epoch = total, batch_size, steps_per_epoch
+        self.file = file or sys.stderr
+        self.interval = progress_interval() if interval is None else interval
+        self.clock = clock
+        self.bar = None
+        if interactive:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                            leave=False, file=self.file)
+        self.start_step = self.mark_step = initial
+        self.start_time = self.mark_time = clock()
+        self.losses = []
+
+    def update(self, step, loss):
+        """Record that ``step`` steps are done, the last one with training loss ``loss``."""
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(epoch=(step - 1) // self.steps_per_epoch + 1,  # 1-based, running
+                                 loss=f"{loss:.4f}", refresh=False)
+            return
+        self.losses.append(loss)
+        now = self.clock()
+        if step % self.steps_per_epoch == 0 or step >= self.total \
+                or now - self.mark_time >= self.interval:
+            self._line(step, now)
+
+    def _line(self, step, now):
+        steps = step - self.mark_step
+        rate = steps * self.batch_size / (now - self.mark_time) if now > self.mark_time else 0.0
+        per_step = (now - self.start_time) / max(1, step - self.start_step)
+        eta = _clock(per_step * (self.total - step))
+        loss = sum(self.losses) / len(self.losses)
+        print(f"step {step}/{self.total}  epoch {step / self.steps_per_epoch:.2f}  loss {loss:.4f}  "
+              f"{rate:.0f} images/s  ETA {eta}", file=self.file, flush=True)
+        self.mark_step, self.mark_time, self.losses = step, now, []
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,176 @@
+"""Per-rank timelines of a training run as one Chrome trace event file (``--trace PATH``).
+
+Open the file in https://ui.perfetto.dev or chrome://tracing: one process per rank, one
+lane per thread (the training thread and each communication stream), one box per timed
+span. Every span ringnet times (see :mod:`ringnet.stats`) becomes a complete event::
+
+    {"name": "forward conv1", "cat": "forward", "ph": "X", "pid": RANK, "tid": LANE,
+     "ts": MICROSECONDS, "dur": MICROSECONDS, "args": {...}}
+
+``cat`` is the span's kind (``step``, ``data``, ``compute``, ``forward``, ``backward``,
+``loss``, ``update``, ``wait``, ``comm``, ``transfer``, ...); ``args`` hold what the span
+was given (a transfer's ``peer`` and ``bytes``, a step's number). ``ts`` counts from a
+barrier all ranks pass when tracing starts, so lanes of different ranks line up (to the
+barrier's skew, microseconds on one node). Each rank collects its events in memory; at
+the end rank 0 gathers them and writes the file atomically.
+"""
+import contextlib
+import json
+import os
+import threading
+import time
+
+from ringnet import stats
+
+__all__ = ["Tracer", "load", "check_trace_path", "active", "span", "timed"]
+
+_active = 0                         # Tracers recording now
+_NULL = contextlib.nullcontext()
+
+
+def active():
+    """Return True while a Tracer records (fine-grained spans are skipped otherwise)."""
+    return _active > 0
+
+
+def span(name, **args):
+    """A :func:`ringnet.stats.span` while a Tracer records, else a no-op context.
+
+    For spans too frequent to time in every run (one per layer, one per transfer):
+    the no-op costs a function call, a timed span several microseconds.
+    """
+    return stats.span(name, **args) if _active else _NULL
+
+
+def timed(batches, name="data"):
+    """Yield the items of ``batches``, each fetch inside a ``data`` span while tracing."""
+    iterator = iter(batches)
+    while True:
+        with span(name):
+            item = next(iterator, _NULL)
+        if item is _NULL:
+            return
+        yield item
+
+
+def check_trace_path(path):
+    """Raise UsageError unless the trace file can be created (missing folders are made)."""
+    from ringnet.errors import UsageError
+    existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(existing):          # the first folder that exists must be writable
+        parent = os.path.dirname(existing)
+        if parent == existing or os.path.exists(existing):
+            raise UsageError(f"--trace {path}: {existing} is not a folder")
+        existing = parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--trace {path}: folder {existing} is not writable")
+    if os.path.isdir(path):
+        raise UsageError(f"--trace {path} is a folder; give a file name such as trace.json")
+
+
+def _display_name(name, args):
+    """Name shown on the box: the kind plus what it was about (layer, op, peers)."""
+    detail = args.get("layer") or args.get("phase") or args.get("op")
+    if detail and detail != name:
+        name = f"{name} {detail}"
+    for key in ("to", "from"):
+        if args.get(key) is not None:
+            name = f"{name} {key} {args[key]}"
+    return name
+
+
+class Tracer:
+    """Collect this rank's spans from :func:`ringnet.stats.subscribe` until :meth:`close`.
+
+    Creating and closing a Tracer are collective over ``world`` (a barrier, a gather).
+    """
+
+    def __init__(self, world, path):
+        self.world, self.path = world, path
+        self.rank = world.Get_rank()
+        self._events = []
+        self._lock = threading.Lock()
+        self._lanes = {}                      # thread id -> (lane number, thread name)
+        world.Barrier()
+        self.t0 = time.perf_counter()
+        self._unsubscribe = stats.subscribe(self._record)
+        global _active
+        _active += 1
+
+    def _record(self, event):
+        with self._lock:
+            lane = self._lanes.get(event.thread_id)
+            if lane is None:
+                lane = self._lanes[event.thread_id] = (len(self._lanes), event.thread)
+            self._events.append((event.name, lane[0], event.start, event.duration, event.args))
+
+    def events(self):
+        """Return this rank's Chrome trace events (metadata first)."""
+        with self._lock:
+            recorded, lanes = list(self._events), dict(self._lanes)
+        out = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
+                "args": {"name": f"rank {self.rank}"}},
+               {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0,
+                "args": {"sort_index": self.rank}}]
+        for lane, thread in lanes.values():
+            label = "training" if thread == "MainThread" else thread
+            out.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": lane,
+                        "args": {"name": label}})
+            out.append({"name": "thread_sort_index", "ph": "M", "pid": self.rank, "tid": lane,
+                        "args": {"sort_index": 0 if thread == "MainThread" else lane + 1}})
+        for name, lane, start, duration, args in recorded:
+            out.append({"name": _display_name(name, args), "cat": name, "ph": "X",
+                        "pid": self.rank, "tid": lane,
+                        "ts": round((start - self.t0) * 1e6, 3), "dur": round(duration * 1e6, 3),
+                        "args": {k: _plain(v) for k, v in args.items()}})
+        return out
+
+    def stop(self):
+        """Stop collecting (idempotent; not collective)."""
+        global _active
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+            _active -= 1
+
+    def close(self, metadata=None):
+        """Stop collecting; rank 0 gathers every rank's events and writes the file (collective)."""
+        self.stop()
+        gathered = self.world.gather(self.events(), root=0)
+        if self.rank != 0:
+            return None
+        events = [e for rank_events in gathered for e in rank_events]
+        document = {"traceEvents": events, "displayTimeUnit": "ms",
+                    "otherData": {k: _plain(v) for k, v in (metadata or {}).items()}}
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(document, f, separators=(",", ":"))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            from ringnet.errors import UsageError
+            raise UsageError(f"cannot write trace {self.path} ({exc})") from None
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return self.path
+
+
+def _plain(value):
+    """Return ``value`` as something json can write (NumPy scalars become Python numbers)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return item()
+        except (TypeError, ValueError):
+            pass
+    return str(value)
+
+
+def load(path):
+    """Return the events of a trace file: a list of dicts (``traceEvents``)."""
+    with open(path) as f:
+        return json.load(f)["traceEvents"]

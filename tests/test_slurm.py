@@ -1,0 +1,228 @@
+"""ringnet under a real SLURM: the hpc/*.sbatch scripts, srun, mpirun inside an allocation.
+
+The cluster is the single node that ``hpc/cluster.sh start`` brings up (CI does that);
+without it the tests that need SLURM are skipped. The reference for every multi-rank
+run is the same run under plain ``mpirun`` outside SLURM: identical loss.
+"""
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ringnet.errors import EXIT_USAGE, UsageError
+from ringnet.slurm import check_world_size
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER = os.path.join(ROOT, "hpc", "cluster.sh")
+TRAIN = ["python", "-m", "ringnet.train", "--steps", "4", "--no-eval", "--json", "--seed", "3"]
+# The scripts ask for GPUs and a `gpu` partition; these flags fit them to the test node,
+# as a user would on their own cluster.
+FIT = ["--partition=debug", "--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1",
+       "--time=10"]
+
+
+def _slurm_env():
+    """Return the environment for SLURM commands, or None when no test cluster runs."""
+    try:
+        status = subprocess.run(["bash", CLUSTER, "status"], capture_output=True, text=True,
+                                timeout=60)
+        conf = subprocess.run(["bash", CLUSTER, "env"], capture_output=True, text=True,
+                              timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if status.returncode != 0 or "idle" not in status.stdout and "mix" not in status.stdout:
+        return None
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "HYDRA_"))}
+    env.update(SLURM_CONF=conf.split("=", 1)[1].strip(), OMP_NUM_THREADS="1",
+               RINGNET_BLAS_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    # The jobs' `python` is this interpreter.
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    return env
+
+
+SLURM_ENV = _slurm_env()
+needs_slurm = pytest.mark.skipif(SLURM_ENV is None,
+                                 reason="no SLURM test cluster (start one: hpc/cluster.sh start)")
+
+
+def run(cmd, timeout=300, **kwargs):
+    return subprocess.run(cmd, capture_output=True, text=True, env=SLURM_ENV, timeout=timeout,
+                          **kwargs)
+
+
+def summary_of(text):
+    lines = [l for l in text.splitlines() if l.startswith("{")]
+    assert lines, text[-3000:]
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same 2-rank run under plain mpirun, outside SLURM."""
+    env = {k: v for k, v in (SLURM_ENV or os.environ).items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(["mpirun", "-np", "2", sys.executable, *TRAIN[1:]], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return summary_of(proc.stdout)
+
+
+def sbatch(script, tmp_path, *args):
+    """Submit ``script`` with ``sbatch --wait``; return (exit code, job output, job id)."""
+    cmd = ["sbatch", "--wait", f"--chdir={tmp_path}", f"--output={tmp_path}/job-%j.out", *FIT,
+           os.path.join(ROOT, "hpc", script), *args]
+    try:
+        proc = run(cmd, timeout=400)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", "--name", script.split(".")[0]], env=SLURM_ENV)
+        raise
+    match = re.search(r"Submitted batch job (\d+)", proc.stdout)
+    assert match, (proc.stdout, proc.stderr)
+    job = match.group(1)
+    with open(tmp_path / f"job-{job}.out") as f:
+        return proc.returncode, f.read(), job
+
+
+@needs_slurm
+def test_cluster_start_is_idempotent():
+    proc = run(["bash", CLUSTER, "start"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "already running" in proc.stdout
+
+
+@needs_slurm
+def test_train_sbatch(tmp_path, reference):
+    rc, out, _ = sbatch("train.sbatch", tmp_path, *TRAIN[3:])
+    assert rc == 0, out[-3000:]
+    assert re.search(r"ring \(delay 1[^)]*\) on 2 rank\(s\)", out), out
+    assert re.search(r"^step 4/4  epoch 0\.18  loss \d", out, re.M), out  # progress without a tty
+    summary = summary_of(out)
+    assert summary["ranks"] == 2 and summary["steps"] == 4
+    assert summary["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)
+
+
+@needs_slurm
+def test_train_sbatch_bad_flag_fails_the_job(tmp_path):
+    rc, out, _ = sbatch("train.sbatch", tmp_path, "--model", "nosuch")
+    assert rc != 0
+    errors = [l for l in out.splitlines() if l.startswith("ringnet: error:")]
+    assert len(errors) == 1 and "unknown model 'nosuch'" in errors[0], out
+    assert "Traceback" not in out
+
+
+@needs_slurm
+def test_scaling_sbatch(tmp_path):
+    rc, out, job = sbatch("scaling.sbatch", tmp_path, "--np", "1", "2", "--modes", "ring",
+                          "--delays", "1", "--model", "digits", "--dataset", "digits",
+                          "--steps", "3", "--repeats", "1")
+    assert rc == 0, out[-3000:]
+    rows = [l.split() for l in out.splitlines() if re.match(r"\s*(single|ring)\s+\d", l)]
+    assert [(r[0], r[2]) for r in rows] == [("single", "1"), ("ring", "2")], out
+    with open(tmp_path / f"scaling-{job}.csv") as f:
+        lines = f.read().splitlines()
+    assert lines[0].startswith("mode,delay,np,") and len(lines) == 3
+
+
+@needs_slurm
+def test_srun_two_ranks_equal_mpirun(reference):
+    proc = run(["srun", "-n", "2", "--time=10", *TRAIN])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = summary_of(proc.stdout)
+    assert summary["ranks"] == 2
+    assert summary["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)
+
+
+@needs_slurm
+def test_srun_without_pmi_is_one_clear_error():
+    # --mpi=none: each task starts as its own one-rank MPI job.
+    proc = run(["srun", "--mpi=none", "-n", "2", "--time=10", *TRAIN])
+    assert proc.returncode == EXIT_USAGE, (proc.returncode, proc.stderr)
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("ringnet:")]
+    assert len(errors) == 1, proc.stderr
+    assert "srun started 2 tasks but MPI sees a world of 1 rank" in errors[0]
+    assert "Traceback" not in proc.stderr and not proc.stdout.strip()
+    others = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith("ringnet:")]
+    assert all(l.startswith("srun:") for l in others), proc.stderr
+
+
+@needs_slurm
+def test_mpirun_inside_an_allocation(reference):
+    proc = run(["salloc", "-n", "2", "--time=10", "mpirun", "-np", "2", *TRAIN])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = summary_of(proc.stdout)
+    assert summary["ranks"] == 2
+    assert summary["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)
+
+
+def test_sbatch_script_refuses_to_run_outside_a_job():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for script in ("train.sbatch", "scaling.sbatch"):
+        proc = subprocess.run(["bash", os.path.join(ROOT, "hpc", script)], capture_output=True,
+                              text=True, env=env, timeout=60)
+        assert proc.returncode == 2 and "must run inside a SLURM job" in proc.stderr
+
+
+def test_world_size_check():
+    step = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0"}
+    with pytest.raises(UsageError, match="srun started 2 tasks"):
+        check_world_size(1, step)
+    with pytest.raises(SystemExit) as info:       # task 1 exits quietly: one line per job
+        check_world_size(1, dict(step, SLURM_PROCID="1"))
+    assert info.value.code == EXIT_USAGE
+    check_world_size(2, step)                            # srun with PMI: a world of 2
+    check_world_size(1, {"SLURM_STEP_NUM_TASKS": "1"})   # one task
+    check_world_size(1, {"SLURM_NTASKS": "4"})           # python in a batch script, no srun
+    check_world_size(1, {})
+
+
+# Progress in a job log: no terminal, so plain lines instead of a bar.
+
+def test_progress_lines_with_a_clock():
+    from ringnet.progress import Progress
+    now = [0.0]
+    out = io.StringIO()
+    p = Progress(total=20, initial=0, batch_size=8, steps_per_epoch=7, interactive=False,
+                 interval=10, file=out, clock=lambda: now[0])
+    for step in range(1, 21):
+        now[0] += 3.0                          # 3 s per step
+        p.update(step, loss=float(step))
+    lines = out.getvalue().splitlines()
+    # at each epoch end (7, 14), at the last step, and when 10 s passed since the last line
+    steps = [int(l.split()[1].split("/")[0]) for l in lines]
+    assert steps == [4, 7, 11, 14, 18, 20], lines
+    assert lines[0] == "step 4/20  epoch 0.57  loss 2.5000  3 images/s  ETA 0:00:48"
+    # step 7: losses 5..7, 3 steps * 8 images / 9 s; 3 s/step * 13 steps left
+    assert lines[1] == "step 7/20  epoch 1.00  loss 6.0000  3 images/s  ETA 0:00:39"
+    assert lines[-1].endswith("ETA 0:00:00")
+
+
+def _train_without_terminal(*args, **env):
+    # A new session has no controlling terminal, like a batch job.
+    return subprocess.run([sys.executable, "-m", "ringnet.train", *args], capture_output=True,
+                          text=True, timeout=300, start_new_session=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1",
+                                   **env))
+
+
+def test_progress_without_a_terminal_prints_a_line_per_epoch():
+    proc = _train_without_terminal("--steps", "50", "--no-eval")    # 22 steps per epoch
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("step ")]
+    assert [l.split()[1] for l in lines] == ["22/50", "44/50", "50/50"], proc.stderr
+    assert [l.split()[3] for l in lines] == ["1.00", "2.00", "2.27"]
+    assert all(re.search(r"loss \d+\.\d{4}  \d+ images/s  ETA \d:\d\d:\d\d$", l) for l in lines)
+    assert "\r" not in proc.stderr                 # no bar redrawn into the log
+
+
+def test_progress_interval_from_the_environment():
+    proc = _train_without_terminal("--steps", "5", "--no-eval", RINGNET_PROGRESS_SECONDS="0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len([l for l in proc.stderr.splitlines() if l.startswith("step ")]) == 5
+    proc = _train_without_terminal("--steps", "5", RINGNET_PROGRESS_SECONDS="soon")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("ringnet: error: RINGNET_PROGRESS_SECONDS='soon' is not a "
+                                   "number of seconds >= 0")

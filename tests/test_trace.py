@@ -1,0 +1,179 @@
+"""--trace: the Chrome trace file parses, spans nest, and its totals equal the --json summary."""
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+DIGITS_LAYERS = ["conv1", "relu1", "conv2", "relu2", "pool1", "flatten", "ip1", "relu3", "ip2"]
+
+
+def traced_run(tmp_path, *args, np_=2, steps=8, path=None):
+    path = path or tmp_path / "trace.json"
+    cmd = [sys.executable, "-m", "ringnet.train", "--steps", str(steps), "--no-eval", "--json",
+           "--quiet", "--trace", str(path), *args]
+    if np_ > 1:
+        cmd = ["mpirun", "-np", str(np_), *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    with open(path) as f:
+        trace = json.load(f)                                   # it parses
+    assert not [p for p in os.listdir(path.parent) if ".tmp" in p]
+    return summary, trace
+
+
+def spans(trace):
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for e in events:
+        assert {"name", "cat", "pid", "tid", "ts", "dur", "args"} <= set(e), e
+        assert e["dur"] >= 0
+    return events
+
+
+def lane_names(trace):
+    return {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+            if e["ph"] == "M" and e["name"] == "thread_name"}
+
+
+def assert_nested(events):
+    """On every lane, two spans are disjoint or one contains the other."""
+    lanes = collections.defaultdict(list)
+    for e in events:
+        lanes[(e["pid"], e["tid"])].append(e)
+    eps = 0.01                                                 # us: ts/dur are rounded
+    for lane, items in lanes.items():
+        items.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []
+        for e in items:
+            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"] - eps:
+                stack.pop()
+            if stack:
+                top = stack[-1]
+                assert e["ts"] + e["dur"] <= top["ts"] + top["dur"] + eps, \
+                    f"{e['name']} overlaps {top['name']} without nesting on {lane}"
+            stack.append(e)
+
+
+def totals(events, cats, pid):
+    return sum(e["dur"] for e in events if e["pid"] == pid and e["cat"] in cats) / 1e6
+
+
+def overlaps(a, b):
+    return a["ts"] < b["ts"] + b["dur"] and b["ts"] < a["ts"] + a["dur"]
+
+
+@pytest.mark.parametrize("mode,delay", [("ring", 1), ("ring", 0), ("tree", 0), ("split-fc", 0)])
+def test_trace_parses_nests_and_matches_the_summary(tmp_path, mode, delay):
+    summary, trace = traced_run(tmp_path, "--mode", mode, "--delay", str(delay))
+    events = spans(trace)
+    assert_nested(events)
+    ranks = summary["ranks"]
+    assert {e["pid"] for e in events} == set(range(ranks))
+    assert lane_names(trace)[(0, 0)] == "training"
+    steps = summary["steps"]
+    # The --json summary's per-rank means, from the same spans.
+    for key, cats in (("compute_s", {"compute"}), ("update_s", {"update"}),
+                      ("comm_wait_s", {"wait", "exposed_comm"}),
+                      ("comm_total_s", {"comm", "exposed_comm"})):
+        traced = sum(totals(events, cats, r) for r in range(ranks)) / ranks
+        assert traced == pytest.approx(summary[key], rel=0.05, abs=1e-4), key
+    traced_data = sum(totals(events, {"data"}, r) for r in range(ranks)) / ranks
+    assert traced_data == pytest.approx(summary["data_s"], rel=0.05, abs=2e-3 * steps)
+    # Bytes: the transfer spans add up to the transport's counters.
+    sent = sum(e["args"]["sent"] for e in events if e["cat"] == "transfer")
+    # split-fc: the final evaluation (not traced) gathers the other ranks' FC slices
+    untraced = (ranks - 1) * summary["fc_params_per_rank"] * 4 if mode == "split-fc" else 0
+    assert sent / ranks == summary["bytes_sent"] - untraced
+    for r in range(ranks):
+        step_spans = sorted((e for e in events if e["pid"] == r and e["cat"] == "step"),
+                            key=lambda e: e["ts"])
+        assert len(step_spans) == steps
+        for e in (e for e in events if e["pid"] == r and e["cat"] == "transfer"):
+            assert e["args"]["sent"] + e["args"]["received"] > 0
+            assert {e["args"]["to"], e["args"]["from"]} - {None} <= set(range(ranks)) - {r}
+        # every step runs each conv layer forward and backward, inside the step span
+        for s in step_spans:
+            inside = [e for e in events if e["pid"] == r and e["tid"] == s["tid"]
+                      and e["cat"] in ("forward", "backward") and overlaps(e, s)]
+            for kind in ("forward", "backward"):
+                names = [e["args"]["layer"] for e in inside if e["cat"] == kind]
+                assert {"conv1", "conv2"} <= set(names), (kind, names)
+    if mode != "split-fc":
+        for r in range(ranks):
+            names = [e["args"]["layer"] for e in events if e["pid"] == r and e["cat"] == "forward"]
+            assert names == DIGITS_LAYERS * steps
+            assert len([e for e in events if e["pid"] == r and e["cat"] == "loss"]) == steps
+    step_ms = sorted(e["dur"] for e in events if e["pid"] == 0 and e["cat"] == "step")
+    assert min(step_ms) / 1000 <= summary["step_ms"] <= max(step_ms) / 1000
+
+
+def test_delay_one_exchange_runs_under_the_next_step(tmp_path):
+    _, trace = traced_run(tmp_path, "--mode", "ring", "--delay", "1", steps=10)
+    events = spans(trace)
+    lanes = lane_names(trace)
+    for r in (0, 1):
+        comm = [e for e in events if e["pid"] == r and e["cat"] == "comm"]
+        compute = [e for e in events if e["pid"] == r and e["cat"] in ("forward", "backward")]
+        assert comm and all(lanes[(r, e["tid"])] != "training" for e in comm)
+        # some exchange of step t-1 is in flight while step t computes
+        assert any(overlaps(c, w) for c in comm for w in compute)
+    # and the picture of it (the README's command)
+    png = tmp_path / "trace.png"
+    proc = subprocess.run([sys.executable, "-m", "ringnet.bench.plot", "trace",
+                           str(tmp_path / "trace.json"), str(png), "--steps", "2"],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_delay_zero_exchange_is_on_the_training_thread(tmp_path):
+    _, trace = traced_run(tmp_path, "--mode", "ring", "--delay", "0", steps=4)
+    events = spans(trace)
+    transfers = [e for e in events if e["cat"] == "transfer"]
+    assert transfers and all(e["tid"] == 0 for e in transfers)
+    assert not [e for e in events if e["cat"] == "comm"]
+
+
+def test_single_process_trace(tmp_path):
+    path = tmp_path / "new" / "folder" / "trace.json"          # missing folders are made
+    summary, trace = traced_run(tmp_path, np_=1, steps=3, path=path)
+    events = spans(trace)
+    assert_nested(events)
+    assert summary["ranks"] == 1 and not [e for e in events if e["cat"] == "transfer"]
+    assert len([e for e in events if e["cat"] == "step"]) == 3
+
+
+def test_nesting_check_catches_overlap():
+    bad = [{"name": "a", "pid": 0, "tid": 0, "ts": 0.0, "dur": 10.0},
+           {"name": "b", "pid": 0, "tid": 0, "ts": 5.0, "dur": 10.0}]
+    with pytest.raises(AssertionError, match="overlaps"):
+        assert_nested(bad)
+    assert_nested(bad[:1] + [{"name": "c", "pid": 0, "tid": 0, "ts": 2.0, "dur": 3.0}])
+
+
+def test_bad_trace_path_is_one_line_before_training(tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = subprocess.run(["mpirun", "-np", "2", sys.executable, "-m", "ringnet.train",
+                           "--steps", "2", "--trace", str(tmp_path / "file" / "t.json")],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ringnet: error: rank 0: --trace"), proc.stderr
+    assert "is not a folder" in lines[0] and "ringnet:" not in proc.stdout
+    assert os.listdir(tmp_path) == ["file"]
+
+
+def test_no_listener_no_fine_spans():
+    from ringnet import stats, trace
+    seen = []
+    unsubscribe = stats.subscribe(seen.append)
+    try:
+        with trace.span("forward", layer="x"):
+            pass
+        assert not trace.active() and not seen              # no Tracer: a no-op
+    finally:
+        unsubscribe()
