@@ -297,9 +297,11 @@ def test_compute_profile_round_trips(tmp_path):
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps(compute.to_json()))
     back = pm.load_compute(str(path))
-    assert back.layers["lenet"] == pytest.approx(compute.layers["lenet"]) or \
-        all(a[0] == b[0] and a[1] == pytest.approx(b[1]) and a[2] == pytest.approx(b[2])
-            for a, b in zip(back.layers["lenet"], compute.layers["lenet"]))
+    assert len(back.layers["lenet"]) == len(compute.layers["lenet"])
+    for got, want in zip(back.layers["lenet"], compute.layers["lenet"]):
+        assert got[0] == want[0]
+        assert tuple(got[1]) == pytest.approx(want[1]), got[0]
+        assert tuple(got[2]) == pytest.approx(want[2]), got[0]
     assert back.update_s_per_param == pytest.approx(compute.update_s_per_param)
 
 

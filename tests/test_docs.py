@@ -347,6 +347,12 @@ COMMANDS = {
     "python -m ringnet.datasets convert imagefolder SRC_DIR --size 64 --out cars.h5":
         "tests/test_datasets_cli.py::test_convert_imagefolder_split_and_pixels",
     "python -m ringnet.datasets info F.h5": "tests/test_datasets_cli.py::test_info_text_and_json",
+    # README.md, reliability
+    "mpirun -np 1 A : -np 1 B": "a template; tests/test_faults.py runs its MPMD cases",
+    "python -m ringnet.datasets info --verify F.h5":
+        "tests/test_faults.py runs it on a file with a corrupt image chunk",
+    "python -m ringnet.bench faults": "slow (every phase, mode and size); tests/test_faults.py "
+        "runs its --quick subset",
     "python -m ringnet.train --dataset NAME": "a template; --dataset runs in tests/test_train.py",
     # --help examples
     "mpirun -np 4 python -m ringnet.train --mode ring --delay 1": same_run_as_quick_start,
