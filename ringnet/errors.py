@@ -42,10 +42,12 @@ import traceback
 __all__ = ["UsageError", "InputError", "SetupError", "USER_ERRORS", "ArgumentParser",
            "TrainingError", "StallError", "Deadline", "collective", "exchange",
            "watchdog", "set_phase", "current_phase", "fault_point", "comm_timeout",
-           "run_main", "abort", "import_mpi", "EXIT_USAGE", "EXIT_FAILURE"]
+           "DivergedError", "run_main", "abort", "import_mpi", "EXIT_USAGE", "EXIT_FAILURE",
+           "EXIT_DIVERGED"]
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
+EXIT_DIVERGED = 3     # non-finite loss: a rerun from the same weights diverges again
 _TAG = 0x5249       # control messages of exchange() on the caller's communicator
 
 
@@ -67,6 +69,11 @@ USER_ERRORS = (UsageError, InputError, SetupError)
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (NaN loss, replicas that diverged): one line, job aborted."""
+
+
+class DivergedError(TrainingError):
+    """The loss became NaN or infinite: deterministic, so the job ends with EXIT_DIVERGED."""
+    exit_code = EXIT_DIVERGED
 
 
 class StallError(TrainingError):
@@ -354,7 +361,7 @@ def run_main(main, argv=None):
         comm = _world()
         rank = comm.Get_rank() if comm is not None else 0
         time.sleep(0.3 * min(rank, 10))
-        abort(str(exc))
+        abort(str(exc), code=getattr(exc, "exit_code", EXIT_FAILURE))
     except BaseException as exc:  # noqa: BLE001 - last line of defence
         if isinstance(exc, _mpi_exception_type()):
             first = (str(exc).splitlines() or [type(exc).__name__])[0]

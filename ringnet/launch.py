@@ -14,8 +14,9 @@ runs ``mpirun -np 4 python -m ringnet.train ...`` (inside a SLURM allocation:
 * the mode, delay and global batch are pinned to the first launch's values.
 
 It does not relaunch a job that failed on bad input (exit code 2: a bad flag, a
-missing or corrupt file, an unwritable checkpoint) or a failure that recurs at the
-step where the previous launch failed (a NaN loss, a bad sample): those stop at once
+missing or corrupt file, an unwritable checkpoint), a job whose loss became NaN or
+infinite (exit code 3: the same weights and batches diverge again), or a failure that
+recurs at the step where the previous launch failed (a bad sample): those stop at once
 with the job's own message and exit code. At each relaunch it says what was lost
 (the steps since the last checkpoint) and why.
 
@@ -38,12 +39,11 @@ import threading
 import time
 
 from ringnet.elastic import HEARTBEAT_ENV, read_heartbeat
-from ringnet.errors import ArgumentParser, UsageError
+from ringnet.errors import EXIT_DIVERGED, EXIT_USAGE, ArgumentParser, UsageError
 
 __all__ = ["main", "relaunch_size", "Attempt", "Launcher", "slurm_tasks_alive"]
 
 PROG = "python -m ringnet.launch"
-EXIT_USAGE = 2
 # Rank 0's step count when a job ends on one rank's error at step s lies in [s - 1, s + 1]
 # (the other ranks run on until the abort reaches them), so two failures whose counts
 # differ by at most this are taken for the same failure.
@@ -223,6 +223,10 @@ class Launcher:
                     return code or 130
                 if code == EXIT_USAGE:
                     _say("the job stopped on bad input (exit 2): not relaunching")
+                    return code
+                if code == EXIT_DIVERGED:
+                    _say("the training diverged (exit 3); a relaunch from the same checkpoint "
+                         "would diverge again: not relaunching")
                     return code
                 saved = self._checkpoint_step()
                 if saved is not None:

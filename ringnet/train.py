@@ -18,8 +18,8 @@ import numpy as np
 from ringnet import backend
 from ringnet.checkpoint import HYPERPARAMETERS
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args
-from ringnet.errors import (Deadline, StallError, TrainingError, UsageError, collective, current_phase,
-                            exchange, import_mpi, run_main, set_phase, watchdog)
+from ringnet.errors import (Deadline, DivergedError, StallError, TrainingError, UsageError, collective,
+                            current_phase, exchange, import_mpi, run_main, set_phase, watchdog)
 from ringnet.progress import Progress, progress_interval
 from ringnet.trace import Tracer, timed
 
@@ -369,7 +369,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
                     loss, _ = strategy.step(x, labels, step)
                     loss = float(loss)
                     if not math.isfinite(loss):
-                        raise TrainingError(f"loss is {loss} at step {step} (epoch {epoch + 1}): "
+                        raise DivergedError(f"loss is {loss} at step {step} (epoch {epoch + 1}): "
                                             f"training diverged; try a lower --lr (now {cfg.lr:g})")
                     recent.append(loss)
                     step += 1

@@ -134,7 +134,7 @@ def test_every_epoch_has_its_line_and_done_reports_the_losses():
 
 def test_diverging_run_is_one_line_without_warnings():
     proc = train_cli("--steps", "40", "--lr", "1e9", "--quiet")
-    one_line_error(proc, "loss is", "diverged", "--lr", code=1)
+    one_line_error(proc, "loss is", "diverged", "--lr", code=3)
     assert "Warning" not in proc.stderr and "Traceback" not in proc.stderr
 
 
