@@ -11,7 +11,6 @@
    uninterrupted one.
 """
 import argparse
-import json
 import os
 import re
 import shutil
@@ -22,6 +21,7 @@ import sys
 import tempfile
 import time
 
+from ringnet.bench import run_json
 from ringnet.errors import UsageError
 
 __all__ = ["main", "rank_pids", "kill_rank_after_first_checkpoint"]
@@ -107,16 +107,7 @@ def _env(extra=None):
 def _run_train(args, extra_flags, env=None):
     cmd = [args.mpirun, "-np", str(args.np), sys.executable, "-m", "ringnet.train",
            *_train_flags(args), "--json", *extra_flags]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(env),
-                              timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        raise UsageError(f"{' '.join(cmd)} did not finish within {args.timeout:.0f} s") from None
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise UsageError(f"training run failed (exit {proc.returncode}): {tail}")
-    return json.loads(lines[-1])
+    return run_json(cmd, "training run", env=_env(env), timeout=args.timeout)
 
 
 def save_cost(args, tmp):

@@ -46,7 +46,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -54,6 +53,7 @@ from ringnet.bench.layers import layer_times  # first: pins BLAS threads before 
 
 import numpy as np  # noqa: E402
 
+from ringnet.bench import run_json  # noqa: E402
 from ringnet.errors import UsageError  # noqa: E402
 from ringnet.models import MODELS, build_model  # noqa: E402
 
@@ -834,15 +834,7 @@ def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300):
     for n in nps:
         cmd = [mpirun, "-np", str(n), sys.executable, "-m", "ringnet.bench", "model",
                "--calibrate-worker", "--iters", str(iters)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise UsageError(f"calibration at N={n} did not finish within {timeout} s") from None
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise UsageError(f"calibration at N={n} failed (exit {proc.returncode}): {tail}")
-        raw = json.loads(lines[-1])
+        raw = run_json(cmd, f"calibration at N={n}", env=env, timeout=timeout)
         by_np[n] = _calibration_record(n, raw, compute.add_s_per_elem)
     return {"by_np": by_np}
 

@@ -11,10 +11,10 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 
-from ringnet.errors import UsageError
+from ringnet.bench import run_json
+from ringnet.errors import ArgumentParser, UsageError
 
 __all__ = ["main", "run_config"]
 
@@ -22,7 +22,7 @@ DEFAULT_DELAYS = {"ring": (1, 0), "tree": (0,), "master": (0,), "split-fc": (0,)
 
 
 def _parser():
-    p = _Parser(prog="python -m ringnet.bench scaling", description=__doc__,
+    p = ArgumentParser(prog="python -m ringnet.bench scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, nargs="+", default=[1, 2], help="rank counts (default 1 2)")
     p.add_argument("--modes", default="ring,tree,master",
@@ -97,24 +97,7 @@ def run_config(args, mode, delay, nranks, length=None, extra=()):
             cmd += ["--delay-compensation", args.delay_compensation]
     cmd += list(extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        raise UsageError(f"{' '.join(cmd)} did not finish within {args.timeout:.0f} s") from None
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        lines_err = proc.stderr.strip().splitlines() or ["(no output)"]
-        # ringnet's own one-line error (a NaN loss, bad input) says more than MPI's abort line
-        tail = next((l for l in lines_err if l.startswith("ringnet: error:")), lines_err[-1])
-        raise UsageError(f"{mode} delay {delay} at N={nranks} failed (exit {proc.returncode}): {tail}")
-    return json.loads(lines[-1])
-
-
-class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line ``ringnet: error: ...`` and exit 2."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
+    return run_json(cmd, f"{mode} delay {delay} at N={nranks}", env=env, timeout=args.timeout)
 
 
 def _check(args):
