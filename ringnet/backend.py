@@ -35,9 +35,12 @@ def check_gpu():
         raise RuntimeError(f"CuPy {cupy.__version__} sees a GPU but cannot run on it "
                            f"({type(exc).__name__}: {first}); install the extra for the CUDA "
                            "major version `nvidia-smi` shows (gpu-cuda12 or gpu-cuda13)") from None
-    if total != 256.0 or product != 1680.0:
+    host = np.arange(16, dtype=np.float32).reshape(4, 4)
+    want_total, want_product = float((host * 2 + 1).sum()), float((host @ host).trace())
+    if total != want_total or product != want_product:
         raise RuntimeError(f"CuPy {cupy.__version__} computed wrong values on the GPU "
-                           f"(sum {total}, trace {product}; expected 256 and 1680)")
+                           f"(sum {total}, trace {product}; expected {want_total:g} and "
+                           f"{want_product:g})")
 
 
 def get_xp(device="auto"):

@@ -48,6 +48,7 @@ __all__ = ["UsageError", "InputError", "SetupError", "USER_ERRORS", "ArgumentPar
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 EXIT_DIVERGED = 3     # non-finite loss: a rerun from the same weights diverges again
+ABORT_GRACE_S = 0.25  # seconds between the error line and MPI_Abort (see abort)
 _TAG = 0x5249       # control messages of exchange() on the caller's communicator
 
 
@@ -319,6 +320,10 @@ def abort(message=None, code=EXIT_FAILURE):
         prefix = f"[rank {comm.Get_rank()}] " if comm is not None and comm.Get_size() > 1 else ""
         print(f"{prefix}ringnet: error: {message}", file=sys.stderr, flush=True)
     if comm is not None and comm.Get_size() > 1:
+        # The launcher kills every process as soon as it learns of the abort; give its
+        # forwarding of this rank's stderr a moment so the one line that explains the
+        # failure is not lost with them (seen with MPICH's hydra).
+        time.sleep(ABORT_GRACE_S)
         comm.Abort(code)
     os._exit(code)
 

@@ -154,7 +154,8 @@ def test_nccl_init_past_the_deadline_ends_the_job(tmp_path):
     seconds = time.perf_counter() - start
     output = run.stdout + run.stderr
     assert run.returncode != 0, output
-    assert "NCCL init of the transport's communicator did not complete within 2 s" in output, output
+    assert "NCCL init of the transport's communicator did not complete within 2 s" in output, \
+        f"exit {run.returncode}: {output!r}"
     assert seconds < 60, f"took {seconds:.0f} s"
 
 

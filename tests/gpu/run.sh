@@ -14,13 +14,18 @@
 #   step-times  each model's GPU step time beside PyTorch's CUDA step (when torch has CUDA)
 # The last line is one JSON report. Exit 0: every stage passed; 1: a stage failed;
 # 77 (the "skipped" code of automake and meson): no usable GPU here, one line, nothing run.
+# GPU_RUN_LOGS=DIR keeps each stage's full log there as DIR/gpu-logs.tar.gz.
 set -u
 cd "$(dirname "$0")/../.."
 # This checkout's ringnet, also in the scripts and under mpirun.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 MPIRUN=${MPIRUN:-mpirun}
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
+keep_logs() {
+  if [ -n "${GPU_RUN_LOGS:-}" ]; then tar -czf "$GPU_RUN_LOGS/gpu-logs.tar.gz" -C "$WORK" . ; fi
+  rm -rf "$WORK"
+}
+trap keep_logs EXIT
 
 if ! why=$(python - 2>&1 <<'EOF'
 import sys
@@ -79,7 +84,7 @@ EOF
 
 export -f nccl_shared auto_shared
 export WORK GPUS MPIRUN
-PYTEST="python -m pytest -q -p no:cacheprovider --with-mpi"
+PYTEST="python -m pytest -q -rfE --tb=short -p no:cacheprovider --with-mpi"
 stage gpu-n1 100 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py
 stage gpu-n2 110 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu tests/test_gpu_train.py
 stage gpu-n4 130 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
