@@ -11,7 +11,8 @@
 #   gpu-n4      the same modes at 4 ranks
 #   nccl-shared the CLI with --transport nccl on ranks that share a GPU: exit 2, one line
 #   auto-shared the CLI with --transport auto on ranks that share a GPU: MPI, and it says why
-#   step-times  each model's GPU step time beside PyTorch's CUDA step (when torch has CUDA)
+#   step-times  each model's GPU step time beside PyTorch's CUDA step (when torch has CUDA),
+#               and per layer the host time of its calls beside its device time
 # The last line is one JSON report. Exit 0: every stage passed; 1: a stage failed;
 # 77 (the "skipped" code of automake and meson): no usable GPU here, one line, nothing run.
 # GPU_RUN_LOGS=DIR keeps each stage's full log there as DIR/gpu-logs.tar.gz.
@@ -90,7 +91,7 @@ stage gpu-n2 110 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu tests/test_g
 stage gpu-n4 130 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
 stage nccl-shared 35 bash -c nccl_shared
 stage auto-shared 35 bash -c auto_shared
-stage step-times 50 python tests/gpu/step_vs_torch.py --out "$WORK/steps.json"
+stage step-times 60 python tests/gpu/step_vs_torch.py --layers --out "$WORK/steps.json"
 
 python - "$WORK" <<'EOF'
 import json, os, re, sys
