@@ -138,3 +138,32 @@ def test_bench_comm_repetitions_and_targets():
     from ringnet.bench.comm import repetitions, target
     assert repetitions(8) == 64 and repetitions(64 << 10) == 4 and repetitions(64 << 20) == 1
     assert target(512 << 10) == 0.8 and target(1 << 20) == 1.0
+
+
+def test_bench_comm_fit_command_of_docs_comm():
+    """docs/comm.md's refit command, shortened: every row ok, a fit with positive constants."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    command = "python -m ringnet.bench comm --algos auto,native,direct,rd,rhd,ring --fit"
+    assert command in " ".join((root / "docs" / "comm.md").read_text().split())
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    proc = subprocess.run(["mpirun", "-np", "2", sys.executable, *command.split()[1:],
+                           "--sizes", "8,64K,1M", "--iters", "2", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert all(row["ok"] for row in result["rows"])
+    assert {row["algo"] for row in result["rows"]} == {"auto", "native", "direct", "rd", "rhd", "ring"}
+    assert [row["picked"] for row in result["rows"] if row["algo"] == "auto"] == \
+        [create_choice(nbytes) for nbytes in (8, 64 << 10, 1 << 20)]
+    fit = result["fit"]
+    assert fit["alpha"] >= 0 and fit["beta"] >= 0 and fit["gamma"] >= 0 and fit["switches"]
+
+
+def create_choice(nbytes):
+    from ringnet.comm.auto import choose
+    return choose(nbytes, 2)
