@@ -110,17 +110,17 @@ def test_bench_sizes_and_bus_bandwidth():
 
 
 def test_auto_switch_point_is_the_alpha_beta_crossover():
-    """At N = 2 one round of the whole buffer (direct: alpha + n beta + n gamma) against two
-    rounds of half of it (ring: 2 alpha + n beta + n gamma / 2) cross at n = 2 alpha / gamma."""
+    """At N = 2 one exchange of the whole buffer (rd: alpha + n beta + n gamma) against two
+    of half of it (ring: 2 alpha + n beta + n gamma / 2) cross at n = 2 alpha / gamma."""
     from ringnet.comm.auto import choose, cost, thresholds
     alpha, beta, gamma = 20e-6, 0.3e-9, 0.1e-9
     crossover = 2 * alpha / gamma
     switches = thresholds(2, alpha=alpha, beta=beta, gamma=gamma)
-    assert [a for _, a in switches] == ["direct", "rhd"]      # rhd = ring's cost at N = 2: first wins ties
+    assert [a for _, a in switches] == ["rd", "rhd"]      # rhd = ring's cost at N = 2: first wins ties
     assert abs(switches[1][0] - crossover) <= 1
-    # only rounds count: the fewest rounds wins at every N; only bytes: the fewest bytes
-    for n in (2, 3, 4, 5, 8):
-        assert choose(1 << 20, n, alpha=1, beta=0, gamma=0) == "direct"
+    # only messages count: the fewest messages win at every N; only bytes: the fewest bytes
+    for n, fewest in ((2, "rd"), (3, "direct"), (4, "rd"), (5, "rd"), (8, "rd")):
+        assert choose(1 << 20, n, alpha=1, beta=0, gamma=0) == fewest
         assert choose(1 << 20, n, alpha=0, beta=1, gamma=1) in ("ring", "rhd")
     # at N = 3 halving-doubling pays the fold in full: the ring moves fewer bytes in as many rounds
     assert cost("ring", 1 << 20, 3) < cost("rhd", 1 << 20, 3)

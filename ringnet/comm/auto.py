@@ -3,27 +3,30 @@
 Every algorithm here is built from the transport's point-to-point calls, like the ring:
 
 =========  ========================  ==========================  =====================
-algorithm  rounds (latency terms)    bytes sent by busiest rank  bytes it adds
+algorithm  messages (latency terms)  bytes sent by busiest rank  bytes it adds
 =========  ========================  ==========================  =====================
-direct     1                         (N-1) n                     (N-1) n
 rd         log2 p + 2f               (log2 p + 2f) n             (log2 p + f) n
+direct     N-1 (in one round)        (N-1) n                     (N-1) n
 rhd        2 log2 p + 2f             2 (p-1)/p n + 2f n          (p-1)/p n + f n
 ring       2 (N-1)                   2 (N-1)/N n                 (N-1)/N n
 =========  ========================  ==========================  =====================
 
-``direct``: every rank sends its buffer to every other rank at once and sums all N in
-rank order (one round). ``rd``: recursive doubling. ``rhd``: recursive halving
+``rd``: recursive doubling. ``direct``: every rank sends its buffer to every other rank
+at once and sums all N in rank order (one round, but N-1 messages to post and poll). ``rhd``: recursive halving
 (reduce-scatter) then recursive doubling (all-gather). ``p`` is the largest power of two
 <= N; when N is not one (f = 1), the first 2(N-p) ranks fold in pairs before and unfold
 after. ``ring``: :class:`~ringnet.comm.ring.RingCommunicator`.
 
-The choice minimises the alpha-beta-gamma cost ``rounds * ALPHA + sent * BETA +
-added * GAMMA`` of the table (:func:`cost`). The three constants were measured on the
-development machine (2 cores, MPICH shared memory, one rank per core): ALPHA, the cost of
-one round in Python (posting, polling, the peer being scheduled), from the small-message
-rows of ``python -m ringnet.bench comm --algos direct,rd,rhd,ring``; BETA and GAMMA from
-its large-message rows and a NumPy add. The resulting switch points (:func:`thresholds`)
-are printed by the benchmark. Every rank computes the same choice from (n, N) alone.
+The choice minimises the alpha-beta-gamma cost ``messages * ALPHA + sent * BETA +
+added * GAMMA`` of the table (:func:`cost`). ALPHA is the cost of one message in Python
+(posting, polling, the peer being scheduled: it dwarfs the wire latency, so messages
+posted together still cost one ALPHA each), BETA of a byte moved, GAMMA of a byte added. ``python -m ringnet.bench comm --algos auto,native,direct,rd,rhd,ring --fit`` fits
+them to measured rows; with MPI on one quiet host it gave alpha 19-25 us, beta 0.04-0.25
+ns/B, gamma 0.19-0.41 ns/B at N = 2, 3, 4, which the constants below round. Their switch
+points (:func:`thresholds`, printed by the benchmark): rd up to 333 KB then rhd (= the
+ring's cost) at N = 2; direct up to 136 KB then ring at N = 3; rd up to 160 KB then rhd
+at N = 4. Every rank computes the same choice from (n, N) alone; ties go to the earlier
+of :data:`ALGORITHMS`.
 
 Every algorithm leaves bit-identical results on all ranks: ``direct`` sums in rank order
 everywhere; in ``rd`` and ``rhd`` both partners of an exchange compute ``x + y`` (float
@@ -35,9 +38,9 @@ from ringnet.shards import shard_bounds
 
 __all__ = ["AutoCommunicator", "ALGORITHMS", "terms", "cost", "fit", "choose", "thresholds"]
 
-ALGORITHMS = ("direct", "rd", "rhd", "ring")
+ALGORITHMS = ("rd", "direct", "rhd", "ring")
 
-ALPHA = 25e-6           # s per round
+ALPHA = 25e-6           # s per message
 BETA = 0.25e-9          # s per byte sent (4 GB/s)
 GAMMA = 0.15e-9         # s per byte added (~7 GB/s, one core)
 
@@ -47,14 +50,14 @@ def _pow2_below(n):
 
 
 def terms(algorithm, nbytes, n):
-    """Return (rounds, bytes sent by the busiest rank, bytes it adds) of the table above."""
+    """Return (messages, bytes sent by the busiest rank, bytes it adds) of the table above."""
     if n <= 1:
         return 0, 0, 0
     p = _pow2_below(n)
     log_p = p.bit_length() - 1
     f = int(p != n)
     if algorithm == "direct":
-        return 1, (n - 1) * nbytes, (n - 1) * nbytes
+        return n - 1, (n - 1) * nbytes, (n - 1) * nbytes
     if algorithm == "rd":
         return log_p + 2 * f, (log_p + 2 * f) * nbytes, (log_p + f) * nbytes
     if algorithm == "rhd":
