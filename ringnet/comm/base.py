@@ -120,8 +120,8 @@ class RootedCommunicator(CommunicatorBase):
     Both are built from :meth:`_gather_sum` and :meth:`_relay`: a rank posts the receives
     from all its senders at once (MPI then moves them concurrently) and adds them as they
     complete in a fixed order (the float sum is the same on every run); buffers are cut
-    into pieces (``chunk_bytes``, default :func:`pipeline_pieces`) so that a rank forwards
-    piece k while piece k+1 still arrives.
+    into pieces (``chunk_bytes``; by default :func:`pipeline_pieces` where a rank forwards)
+    so that a rank forwards piece k while piece k+1 still arrives.
     """
 
     def __init__(self, transport="auto", mpi_comm=None, chunk_bytes=None):
@@ -129,6 +129,19 @@ class RootedCommunicator(CommunicatorBase):
         if chunk_bytes is not None and int(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
         self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)
+
+    def _forwards(self):
+        """True when some rank passes on what it receives (only then do pieces pay by default)."""
+        return False
+
+    def _pieces(self, buf):
+        """Element ranges of one pipelined transfer: ``chunk_bytes`` pieces, or by default
+        :func:`pipeline_pieces` where a rank forwards and the whole buffer otherwise (with
+        nothing to forward, cutting only adds messages: measured 0.85x -> 0.72x native at
+        4 MiB, N = 2)."""
+        if self.chunk_bytes is None and not self._forwards():
+            return [(0, buf.size)] if buf.size else []
+        return pipeline_pieces(buf.size, buf.itemsize, self.chunk_bytes)
 
     def reduce(self, buf, root: int = 0, op: str = "sum", stream=None):
         """Combine every rank's ``buf`` into ``root``'s ``buf``; every other rank's ``buf`` is
@@ -170,7 +183,7 @@ class RootedCommunicator(CommunicatorBase):
         formed in scratch, so ``buf`` is left unchanged; without a parent (the root) the sum
         lands in ``buf``.
         """
-        pieces = pipeline_pieces(buf.size, buf.itemsize, self.chunk_bytes)
+        pieces = self._pieces(buf)
         transport = self.transport
         partial = buf
         if senders and parent is not None:
@@ -206,7 +219,7 @@ class RootedCommunicator(CommunicatorBase):
 
     def _relay(self, buf, parent, receivers):
         """Receive ``buf`` from ``parent`` (if any) and pass it on to ``receivers``, piece by piece."""
-        pieces = pipeline_pieces(buf.size, buf.itemsize, self.chunk_bytes)
+        pieces = self._pieces(buf)
         transport = self.transport
 
         def receive(j):

@@ -7,8 +7,9 @@ __all__ = ["MasterSlaveCommunicator"]
 class MasterSlaveCommunicator(RootedCommunicator):
     """Synchronous master-slave baseline: the root's link carries (N-1)x the buffer each way.
 
-    The root posts the receives of all workers at once and adds each piece as it completes
-    (in rank order); the answers to all workers are in flight together.
+    The root posts the receives of all workers at once and adds them as they complete (in
+    rank order); the answers to all workers are in flight together. Nothing is forwarded,
+    so buffers move whole unless ``chunk_bytes`` cuts them.
     """
 
     name = "master"

@@ -12,9 +12,10 @@ class TreeCommunicator(RootedCommunicator):
     An inner rank sums its children's partials into a scratch buffer, so after ``reduce``
     every non-root ``buf`` is unchanged (the contract of every rooted communicator).
 
-    A rank receives from both children at once, and large buffers move in pieces
-    (``chunk_bytes``, default :func:`~ringnet.comm.base.pipeline_pieces`): a rank sums and
-    forwards piece k while piece k+1 arrives, so the depth costs one piece, not the buffer.
+    A rank receives from both children at once, and from 4 ranks on (when inner nodes
+    forward) large buffers move in pieces (``chunk_bytes``, default
+    :func:`~ringnet.comm.base.pipeline_pieces`): a rank sums and forwards piece k while
+    piece k+1 arrives, so the depth costs one piece, not the buffer.
     """
 
     name = "tree"
@@ -26,6 +27,9 @@ class TreeCommunicator(RootedCommunicator):
         parent = None if v == 0 else ((v - 1) // 2 + root) % n
         children = [(c + root) % n for c in (2 * v + 1, 2 * v + 2) if c < n]
         return parent, children
+
+    def _forwards(self):
+        return self.size >= 4       # from 4 ranks on, inner nodes pass partial sums up
 
     def _reduce(self, buf, root, op):
         parent, children = self._family(root)
