@@ -49,23 +49,16 @@ def _block_columns(block, wo, b):
     return slice((r0 * wo + w0) * b, ((r1 - 1) * wo + w1) * b)
 
 
-def _im2col(xp, src, kernel, stride, block, buf):
-    """Copy the column matrix of ``block`` from padded ``src`` (C, Hp, Wp, B) into ``buf``.
-
-    Returns a (C*kh*kw, positions*B) view of ``buf``: row (c, i, j), column (r, w, b) holds
-    src[c, r*sh + i, w*sw + j, b]. One strided copy, whatever the kernel size.
-    """
+def _window_view(xp, src, kernel, stride, block):
+    """Return the (C, kh, kw, rows, cols, B) view of padded ``src`` (C, Hp, Wp, B) that is
+    ``block``'s column matrix: entry (c, i, j, r, w, b) = src[c, r*sh + i, w*sw + j, b]."""
     (kh, kw), (sh, sw) = kernel, stride
     c, _, _, b = src.shape
     r0, r1, w0, w1 = block
-    nr, nw = r1 - r0, w1 - w0
     sc, sy, sx, sb = src.strides
-    view = xp.lib.stride_tricks.as_strided(src[:, r0 * sh:, w0 * sw:, :],
-                                           (c, kh, kw, nr, nw, b),
+    return xp.lib.stride_tricks.as_strided(src[:, r0 * sh:, w0 * sw:, :],
+                                           (c, kh, kw, r1 - r0, w1 - w0, b),
                                            (sc, sy, sx, sy * sh, sx * sw, sb))
-    cols = buf[:c * kh * kw * nr * nw * b].reshape(c, kh, kw, nr, nw, b)
-    xp.copyto(cols, view)
-    return cols.reshape(c * kh * kw, nr * nw * b)
 
 
 class Conv2d(Layer):
@@ -83,6 +76,7 @@ class Conv2d(Layer):
             "Conv2d", kernel_size, stride, padding)
         self.weight_init, self.bias_init = check_init(weight_init), check_init(bias_init)
         self._buffers = {}       # role -> (shape, dtype, array), reused while shapes repeat
+        self._plans = {}         # role -> im2col views of those buffers
         self._cache = None
 
     def __repr__(self):
@@ -111,10 +105,8 @@ class Conv2d(Layer):
         return entry[2]
 
     def _padded(self, xp, src, pad, role):
-        """Return (C, H, W, B) ``src`` as a C-contiguous array with ``pad`` zeros around H, W."""
+        """Copy (C, H, W, B) ``src`` into this role's buffer, with ``pad`` zeros around H, W."""
         ph, pw = pad
-        if ph == 0 and pw == 0:
-            return xp.ascontiguousarray(src)
         c, h, w, b = src.shape
         buf = self._buffer(xp, role, (c, h + 2 * ph, w + 2 * pw, b), src.dtype, zero=True)
         buf[:, ph:ph + h, pw:pw + w] = src
@@ -124,6 +116,26 @@ class Conv2d(Layer):
         n = max((r1 - r0) * (w1 - w0) for r0, r1, w0, w1 in blocks) * b
         return self._buffer(xp, role, (rows * n,), dtype)
 
+    def _im2col_plan(self, xp, role, src, stride, blocks, b):
+        """Return per block (column matrix, its columns' slice, copy destination, source
+        view): one copy per block fills the matrix. Views are made once and kept while
+        the buffers and blocks stay the same (a strided view costs microseconds to make)."""
+        kh, kw = self.kernel_size
+        rows = src.shape[0] * kh * kw
+        buf = self._column_buffer(xp, "cols-" + role, rows, blocks, b, src.dtype)
+        plan = self._plans.get(role)
+        if plan is None or plan[0] is not src or plan[1] is not buf or plan[2] != blocks:
+            wo = blocks[-1][3]
+            steps = []
+            for block in blocks:
+                r0, r1, w0, w1 = block
+                n = (r1 - r0) * (w1 - w0) * b
+                dst = buf[:rows * n].reshape(src.shape[0], kh, kw, r1 - r0, w1 - w0, b)
+                steps.append((dst.reshape(rows, n), _block_columns(block, wo, b), dst,
+                              _window_view(xp, src, self.kernel_size, stride, block)))
+            plan = self._plans[role] = (src, buf, list(blocks), steps)
+        return plan[3]
+
     def forward(self, x, train=True):
         xp = get_array_module(x)
         b, c, h, w = x.shape                                     # (B, C, H, W)
@@ -131,18 +143,15 @@ class Conv2d(Layer):
         (kh, kw), o = self.kernel_size, self.out_channels
         role = "train" if train else "eval"
         xpad = self._padded(xp, x.transpose(1, 2, 3, 0), self.padding, "x-" + role)
-        k = c * kh * kw
-        blocks = column_blocks(xp, ho, wo, b, k, x.dtype.itemsize)
-        buf = self._column_buffer(xp, "cols-" + role, k, blocks, b, x.dtype)
-        weight = self.params["weight"].reshape(o, k)
+        blocks = column_blocks(xp, ho, wo, b, c * kh * kw, x.dtype.itemsize)
+        weight = self.params["weight"].reshape(o, c * kh * kw)
         y = xp.empty((o, ho * wo * b), dtype=x.dtype)            # (O, Ho*Wo*B)
-        for block in blocks:
-            cols = _im2col(xp, xpad, self.kernel_size, self.stride, block, buf)
-            xp.matmul(weight, cols, out=y[:, _block_columns(block, wo, b)])
+        for cols, columns, dst, view in self._im2col_plan(xp, role, xpad, self.stride, blocks, b):
+            xp.copyto(dst, view)                                 # im2col of one block
+            xp.matmul(weight, cols, out=y[:, columns])
         y += self.params["bias"][:, None]
         # With one block the column matrix is still in its buffer for the weight gradient.
-        self._cache = (x.shape, xpad, blocks, cols if len(blocks) == 1 else None) \
-            if train else None
+        self._cache = (x.shape, xpad, blocks, len(blocks) == 1) if train else None
         return y.reshape(o, ho, wo, b).transpose(3, 0, 1, 2)     # (B, O, Ho, Wo)
 
     def backward(self, dy):
@@ -157,20 +166,17 @@ class Conv2d(Layer):
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         k = c * kh * kw
         dy2 = as_channel_rows(xp, dy)                            # (O, Ho*Wo*B)
-        # dW^T = cols @ dy^T: the (C*kh*kw, O) orientation runs the GEMM faster than
-        # dy @ cols^T when the block's column count is small (measured in OpenBLAS).
+        # dW^T = cols @ dy^T, summed over blocks: the (C*kh*kw, O) orientation runs the
+        # GEMM faster than dy @ cols^T when a block has few columns (measured in OpenBLAS).
         dweight_t = self._buffer(xp, "dweight", (k, o), dy.dtype)
-        if kept is not None:
-            xp.matmul(kept, dy2.T, out=dweight_t)
-        else:  # the sum over blocks of cols_block @ dy_block^T, columns rebuilt from xpad
-            buf = self._column_buffer(xp, "cols-train", k, blocks, b, dy.dtype)
-            part = self._buffer(xp, "dweight-part", (k, o), dy.dtype)
-            for i, block in enumerate(blocks):
-                cols = _im2col(xp, xpad, self.kernel_size, self.stride, block, buf)
-                xp.matmul(cols, dy2[:, _block_columns(block, wo, b)].T,
-                          out=dweight_t if i == 0 else part)
-                if i:
-                    dweight_t += part
+        part = self._buffer(xp, "dweight-part", (k, o), dy.dtype)
+        for i, (cols, columns, dst, view) in enumerate(
+                self._im2col_plan(xp, "train", xpad, self.stride, blocks, b)):
+            if not kept:
+                xp.copyto(dst, view)                             # rebuilt from xpad
+            xp.matmul(cols, dy2[:, columns].T, out=part if i else dweight_t)
+            if i:
+                dweight_t += part
         self.grads["weight"].reshape(o, k)[...] = dweight_t.T
         xp.sum(dy2, axis=1, out=self.grads["bias"])
         if not self.needs_dx:
@@ -180,25 +186,22 @@ class Conv2d(Layer):
             flipped = xp.ascontiguousarray(flipped).reshape(c, o * kh * kw)
             dypad = self._padded(xp, dy2.reshape(o, ho, wo, b), (kh - 1 - ph, kw - 1 - pw),
                                  "dy")
-            blocks = column_blocks(xp, h, w, b, o * kh * kw, dy.dtype.itemsize)
-            buf = self._column_buffer(xp, "cols-dx", o * kh * kw, blocks, b, dy.dtype)
+            dx_blocks = column_blocks(xp, h, w, b, o * kh * kw, dy.dtype.itemsize)
             dxc = xp.empty((c, h * w * b), dtype=dy.dtype)       # (C, H*W*B)
-            for block in blocks:
-                cols = _im2col(xp, dypad, self.kernel_size, (1, 1), block, buf)
-                xp.matmul(flipped, cols, out=dxc[:, _block_columns(block, w, b)])
+            for cols, columns, dst, view in self._im2col_plan(xp, "dx", dypad, (1, 1),
+                                                              dx_blocks, b):
+                xp.copyto(dst, view)
+                xp.matmul(flipped, cols, out=dxc[:, columns])
             return dxc.reshape(c, h, w, b).transpose(3, 0, 1, 2)  # (B, C, H, W)
         # col2im into a zero-padded dx, block by block; taps that read padding add into
         # the border, which is cut off at the end.
         weight_t = self.params["weight"].reshape(o, k).T         # (C*kh*kw, O)
         dxpad = xp.zeros((c, h + 2 * ph, w + 2 * pw, b), dtype=dy.dtype)
-        buf = self._column_buffer(xp, "cols-train", k, blocks, b, dy.dtype)
-        for r0, r1, w0, w1 in blocks:
-            n = (r1 - r0) * (w1 - w0) * b
-            dcols = buf[:k * n].reshape(k, n)
-            xp.matmul(weight_t, dy2[:, _block_columns((r0, r1, w0, w1), wo, b)], out=dcols)
-            dcols = dcols.reshape(c, kh, kw, r1 - r0, w1 - w0, b)
+        for (r0, r1, w0, w1), (dcols, columns, dst, _) in zip(
+                blocks, self._im2col_plan(xp, "train", xpad, self.stride, blocks, b)):
+            xp.matmul(weight_t, dy2[:, columns], out=dcols)
             for i in range(kh):
                 rows = slice(r0 * sh + i, (r1 - 1) * sh + i + 1, sh)
                 for j in range(kw):
-                    dxpad[:, rows, w0 * sw + j:(w1 - 1) * sw + j + 1:sw] += dcols[:, i, j]
+                    dxpad[:, rows, w0 * sw + j:(w1 - 1) * sw + j + 1:sw] += dst[:, i, j]
         return dxpad[:, ph:ph + h, pw:pw + w].transpose(3, 0, 1, 2)  # (B, C, H, W)
