@@ -18,8 +18,9 @@ import numpy as np
 from ringnet import backend
 from ringnet.checkpoint import HYPERPARAMETERS
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args
-from ringnet.errors import (Deadline, DivergedError, StallError, TrainingError, UsageError, collective,
-                            current_phase, exchange, import_mpi, run_main, set_phase, watchdog)
+from ringnet.errors import (Deadline, DivergedError, InputError, StallError, TrainingError, UsageError,
+                            collective, current_phase, exchange, import_mpi, run_main, set_phase,
+                            watchdog)
 from ringnet.progress import Progress, progress_interval
 from ringnet.trace import Tracer, timed
 
@@ -86,7 +87,7 @@ def _setup(cfg, world):
             ds = open_dataset(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir,
                               input_shape=spec.input_shape, num_classes=spec.num_classes,
                               synthetic_size=cfg.synthetic_size)
-        except UsageError as exc:
+        except InputError as exc:
             if dataset_given:
                 raise
             raise UsageError(f"{exc} ({cfg.dataset} is the default data set of model "

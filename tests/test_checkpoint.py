@@ -12,7 +12,7 @@ import pytest
 from ringnet import checkpoint
 from ringnet.checkpoint import (check_writable, load_checkpoint, save_checkpoint,
                                 stale_temporaries)
-from ringnet.errors import UsageError
+from ringnet.errors import InputError, SetupError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(2, np.float32)}
@@ -76,10 +76,10 @@ def test_file_and_folder_are_fsynced_before_and_after_the_rename(tmp_path, monke
 def test_write_check_tries_a_real_write_and_the_free_space(tmp_path):
     check_writable(str(tmp_path / "new" / "ck.h5"), 1 << 20)
     assert _tmp_files(tmp_path / "new") == []
-    with pytest.raises(UsageError, match="MiB free"):
+    with pytest.raises(SetupError, match="MiB free"):
         check_writable(str(tmp_path / "ck.h5"), 1 << 60)
     # /proc passes os.access for root but takes no files: only a real write finds out
-    with pytest.raises(UsageError, match="test write in /proc failed"):
+    with pytest.raises(SetupError, match="test write in /proc failed"):
         check_writable("/proc/ck.h5")
 
 
@@ -87,7 +87,7 @@ def test_write_check_tries_a_real_write_and_the_free_space(tmp_path):
 def test_non_finite_weights_are_refused_on_save_and_load(tmp_path, bad):
     params = {k: v.copy() for k, v in PARAMS.items()}
     params["b"][1] = bad
-    with pytest.raises(UsageError, match="params/b holds 1 NaN or infinite"):
+    with pytest.raises(InputError, match="params/b holds 1 NaN or infinite"):
         save_checkpoint(tmp_path / "a.h5", params)
     assert not (tmp_path / "a.h5").exists()
     import h5py
@@ -95,7 +95,7 @@ def test_non_finite_weights_are_refused_on_save_and_load(tmp_path, bad):
     save_checkpoint(path, PARAMS, PARAMS)
     with h5py.File(path, "r+") as f:
         f["momentum/w"][0, 0] = bad
-    with pytest.raises(UsageError, match="momentum/w holds 1 NaN"):
+    with pytest.raises(InputError, match="momentum/w holds 1 NaN"):
         load_checkpoint(path)
 
 

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from ringnet.errors import UsageError
+from ringnet.errors import InputError, UsageError
 
 __all__ = ["Case", "Outcome", "all_cases", "quick_cases", "prepare", "run_case", "main"]
 
@@ -336,7 +336,7 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
                 pass
     try:
         load_checkpoint(save)
-    except UsageError as exc:
+    except InputError as exc:
         problems.append(f"checkpoint damaged: {exc}")
     if code != 0 and os.path.exists(save) and _digest(save) != before and case.kind != "stop":
         problems.append("checkpoint changed by a failed run")

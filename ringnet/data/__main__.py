@@ -20,7 +20,7 @@ __all__ = ["main", "info"]
 def info(path, verify=False):
     """Return a dict describing the data set file ``path``: counts, shape, classes, SHA-256.
 
-    ``verify`` also reads every image chunk (a corrupt one raises UsageError).
+    ``verify`` also reads every image chunk (a corrupt one raises InputError).
     """
     if verify:
         verify_file(path)
