@@ -18,9 +18,9 @@ import numpy as np
 from ringnet import backend
 from ringnet.checkpoint import HYPERPARAMETERS
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args
-from ringnet.errors import (Deadline, DivergedError, InputError, StallError, TrainingError, UsageError,
-                            collective, current_phase, exchange, import_mpi, run_main, set_phase,
-                            watchdog)
+from ringnet.errors import (USER_ERRORS, Deadline, DivergedError, InputError, RunInputError,
+                            StallError, TrainingError, UsageError, collective, current_phase,
+                            exchange, import_mpi, run_main, set_phase, watchdog)
 from ringnet.progress import Progress, progress_interval
 from ringnet.trace import Tracer, timed
 
@@ -245,6 +245,41 @@ def _log(cfg, world, text):
             out.flush()
 
 
+def wait_until_read(stream, limit_s=2.0):
+    """Return once the reader of ``stream`` has taken every byte written to it (at most ``limit_s``).
+
+    Only for a pipe (mpirun's forwarder reads each rank's stdout and stderr through one);
+    a file or terminal has no reader to wait for. Under ``mpirun ... 2>&1`` the launcher
+    relays what it has read in order, so a line printed after this follows every line
+    written to ``stream`` before it.
+    """
+    import array
+    import fcntl
+    import os
+    import stat
+    import termios
+    try:
+        stream.flush()
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+        unread = array.array("i", [0])
+        end = time.monotonic() + limit_s
+        while True:
+            fcntl.ioctl(fd, termios.FIONREAD, unread)
+            if unread[0] == 0 or time.monotonic() > end:
+                return
+            time.sleep(0.002)
+    except (OSError, ValueError, AttributeError):
+        return
+
+
+def _print_summary(summary):
+    """Print the --json summary line on stdout after every other line of this run (rank 0)."""
+    wait_until_read(sys.stderr)
+    print(json.dumps(summary), flush=True)
+
+
 def _resume_settings(cfg, world):
     """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint, note).
 
@@ -313,6 +348,14 @@ def train(cfg=None, world=None, **overrides):
         return _train(cfg, world, deadline, rank, size, t_start)
     except CommTimeoutError as exc:
         raise _stalled(world, exc, deadline) from None
+    except USER_ERRORS as exc:
+        # Set-up and save errors are agreed by every rank; what a rank meets while training
+        # or evaluating (a corrupt chunk of a file-backed data set) only it knows: it speaks
+        # and the job is aborted, rather than leaving the others waiting for it.
+        phase = current_phase()
+        if not phase.startswith(("step ", "evaluation", "replica check")):
+            raise
+        raise RunInputError(f"{phase}: {exc}") from None
 
 
 def _train(cfg, world, deadline, rank, size, t_start):
@@ -468,7 +511,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
     if tracer is not None:
         collective(world, tracer.close, summary)
     if cfg.json and rank == 0:
-        print(json.dumps(summary), flush=True)
+        _print_summary(summary)
     return TrainResult(summary, strategy, cfg)
 
 

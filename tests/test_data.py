@@ -1,4 +1,5 @@
 """Data sets and sharded loading, checked against sklearn, NumPy references and N=1 runs."""
+import re
 import threading
 import time
 import types
@@ -10,7 +11,7 @@ import pytest
 from ringnet.backend import gpu_available, to_numpy
 from ringnet.data import (ShardedLoader, Split, check_compatible, default_data_dir,
                           iterate_eval, make_synthetic, open_dataset, write_dataset)
-from ringnet.data.loader import PAD, _read, augment_batch, augment_params
+from ringnet.data.loader import PAD, _read, augment_batch, augment_params, normalize
 from ringnet.errors import InputError
 
 DIGITS = default_data_dir() / "digits.h5"
@@ -86,6 +87,36 @@ def test_file_reads_equal_numpy_indexing(tmp_path, chunks):
                     np.array([], dtype=np.int64)):
             assert np.array_equal(_read(f["x"], idx), split.images[idx])
 
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_chunk_corrupted_after_open_names_file_and_rows(tmp_path, prefetch):
+    """A file-backed split whose chunk goes bad after the open (validation passed): the
+    batch that reads it raises InputError naming the file, the data set and the rows,
+    and the batches before it are intact."""
+    split = small_split(n=64, shape=(1, 8, 8))
+    path = tmp_path / "d.h5"
+    write_dataset(path, split.images, split.labels, split.images[:8], split.labels[:8], range(7))
+    with h5py.File(path, "r+") as f:     # 8 images a chunk: row 40 is in the sixth
+        del f["train/images"]
+        f.create_dataset("train/images", data=split.images, chunks=(8, 1, 8, 8), compression="gzip")
+    with open_dataset(str(path), in_memory=False) as ds:
+        with h5py.File(path, "r") as f:
+            info = f["train/images"].id.get_chunk_info_by_coord((40, 0, 0, 0))
+        with open(path, "r+b") as raw:
+            raw.seek(info.byte_offset + 8)
+            raw.write(b"\xff" * (info.size - 16))
+        loader = ShardedLoader(ds.train, 16, prefetch=prefetch, shuffle=False)
+        got = []
+        with pytest.raises(InputError, match=rf"{re.escape(str(path))}: /train/images 40\.\.47 cannot be read, "
+                                             "the file is corrupt"):
+            for x, _ in loader.epoch(0):
+                got.append(x)
+        assert len(got) == 2
+        assert np.array_equal(np.concatenate(got), normalize(split.images[:32], None, None))
+        with pytest.raises(InputError, match=r"/train/images 3 rows from 39 to 41 cannot be read"):
+            ds.train.images[[39, 40, 41]]
+    assert not prefetch_threads()
 
 # -- batch order ------------------------------------------------------------------
 

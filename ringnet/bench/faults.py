@@ -145,6 +145,12 @@ def bad_cases():
         bad("--weight-decay nan", ["--weight-decay", "nan"], r"--weight-decay must be a finite number", 2),
         bad("resume non-finite", ["--resume", "{dir}/ck_nan.h5"], r".*holds 1 NaN or infinite", 2),
         bad("resume not a checkpoint", ["--resume", "{dir}/digits.h5"], r".*is not a ringnet checkpoint"),
+        # Read first mid-run, by one rank: that rank speaks and the job is aborted.
+        Case("bad late corrupt chunk (evaluation) N=2", "bad", 2, "ring",
+             args=("--dataset", "{dir}/late_corrupt.h5"), env={"RINGNET_DATA_IN_MEMORY_MB": "0"},
+             code=2, bound="quick",
+             message=r"^\[rank 1\] ringnet: error: evaluation: \S*late_corrupt\.h5: /test/images "
+                     r"\d+\.\.\d+ cannot be read, the file is corrupt"),
     ]
 
 
@@ -169,13 +175,28 @@ def quick_cases():
 
 
 # -- the files the cases read ----------------------------------------------------------
-def _corrupt_first_chunk(path):
+def _corrupt_chunk(path, name, row):
+    """Overwrite the compressed bytes of the chunk of data set ``name`` that holds ``row``."""
     import h5py
     with h5py.File(path, "r") as f:
-        info = f["train/images"].id.get_chunk_info(0)
+        images = f[name]
+        info = images.id.get_chunk_info_by_coord((row - row % images.chunks[0],) + (0,) * (images.ndim - 1))
     with open(path, "r+b") as raw:
         raw.seek(info.byte_offset + 8)
         raw.write(b"\xff" * max(1, min(info.size - 16, 512)))
+
+
+def _late_corruption(f, rows=4):
+    """Rechunk /test/images by ``rows`` images and return the first row of the last chunk
+    that the checks at open do not read (the data fingerprint samples a few images): the
+    final evaluation is the first to read it, on the last rank."""
+    from ringnet.data.datasets import FINGERPRINT_SAMPLES
+    images = f["test/images"][()]
+    del f["test/images"]
+    f.create_dataset("test/images", data=images, chunks=(rows,) + images.shape[1:], compression="gzip")
+    n = len(images)
+    sampled = set(np.linspace(0, n - 1, min(n, FINGERPRINT_SAMPLES)).astype(np.int64) // rows)
+    return max(c for c in range(n // rows) if c not in sampled) * rows
 
 
 def prepare(folder, python=sys.executable):
@@ -219,8 +240,13 @@ def prepare(folder, python=sys.executable):
         data = src.read()
     with open(os.path.join(folder, "truncated.h5"), "wb") as f:
         f.write(data[:len(data) // 2])
+    late = os.path.join(folder, "late_corrupt.h5")
+    shutil.copyfile(good, late)
+    with h5py.File(late, "r+") as f:
+        row = _late_corruption(f)
+    _corrupt_chunk(late, "test/images", row)
     shutil.copyfile(good, os.path.join(folder, "corrupt_chunk.h5"))
-    _corrupt_first_chunk(os.path.join(folder, "corrupt_chunk.h5"))
+    _corrupt_chunk(os.path.join(folder, "corrupt_chunk.h5"), "train/images", 0)
     ck = os.path.join(folder, "ck.h5")
     subprocess.run([python, *TRAIN[:2], "--steps", "2", "--quiet", "--no-progress", "--save", ck],
                    check=True, env=_env(), capture_output=True)

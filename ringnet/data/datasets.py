@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 import ringnet
-from ringnet.data.hdf5 import validate_file
+from ringnet.data.hdf5 import FileImages, validate_file
 from ringnet.data.synthetic import make_synthetic
 from ringnet.errors import InputError
 
@@ -54,7 +54,7 @@ class Split:
     """One part of a data set: ``images`` uint8 (N, C, H, W), ``labels`` int64 (N,)."""
 
     def __init__(self, images, labels):
-        self.images = images  # numpy array or h5py data set
+        self.images = images  # numpy array, or FileImages (read from the file on demand)
         self.labels = np.asarray(labels, dtype=np.int64)
         if len(self.labels) != len(images):
             raise ValueError(f"{len(images)} images but {len(self.labels)} labels")
@@ -111,12 +111,7 @@ class Dataset:
 
     def _channel_stats(self):
         if self._stats is None:
-            try:
-                self._stats = channel_stats(self.train.images)
-            except OSError as exc:      # a corrupt chunk of a file-backed split
-                raise InputError(f"{self.path or self.name}: reading /train/images failed, the "
-                                 f"file is corrupt ({exc}); check it with `python -m "
-                                 f"ringnet.datasets info --verify FILE`") from None
+            self._stats = channel_stats(self.train.images)
         return self._stats
 
     def fingerprint(self, samples=FINGERPRINT_SAMPLES):
@@ -131,11 +126,7 @@ class Dataset:
             digest.update(np.ascontiguousarray(split.labels, dtype=np.int64).tobytes())
             n = len(split)
             index = np.unique(np.linspace(0, n - 1, min(n, samples)).astype(np.int64)) if n else []
-            try:
-                digest.update(np.ascontiguousarray(split.images[index] if n else b"").tobytes())
-            except OSError as exc:
-                raise InputError(f"{self.path or self.name}: reading images failed, the file is "
-                                 f"corrupt ({exc})") from None
+            digest.update(np.ascontiguousarray(split.images[index] if n else b"").tobytes())
         return {"data set size": f"{len(self.train)} train / {len(self.test)} test",
                 "data set shape": _shape_str(self.input_shape),
                 "data set classes": ",".join(self.classes),
@@ -207,7 +198,8 @@ def _open_file(path, label, in_memory):
             images = f[split]["images"]
             labels = f[split]["labels"][()]
             keep = in_memory if in_memory is not None else images.nbytes <= IN_MEMORY_BYTES
-            splits[split] = Split(images[()] if keep else images, labels)
+            splits[split] = Split(images[()] if keep else FileImages(images, path, f"/{split}/images"),
+                                  labels)
         classes = [c.decode() if isinstance(c, bytes) else str(c) for c in f.attrs["classes"]]
         attrs = {k: f.attrs[k] for k in f.attrs if k != "classes"}
     except (OSError, KeyError, ValueError, TypeError) as exc:

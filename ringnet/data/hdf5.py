@@ -17,7 +17,7 @@ import numpy as np
 from ringnet.errors import InputError
 
 __all__ = ["SPLITS", "write_dataset", "atomic_output", "validate_file", "image_chunks", "file_mode",
-           "verify_file"]
+           "verify_file", "FileImages"]
 
 SPLITS = ("train", "test")
 
@@ -187,6 +187,41 @@ def validate_file(path):
     return f
 
 
+def _rows(index):
+    """Describe the rows an index selects: "3..9" for a slice, "4 rows from 0 to 17" otherwise."""
+    if isinstance(index, slice):
+        return f"{index.start or 0}..{index.stop - 1}" if index.stop is not None else f"{index.start or 0}.."
+    rows = np.asarray(index).reshape(-1)
+    if rows.size == 1:
+        return str(int(rows[0]))
+    return f"{rows.size} rows from {int(rows.min())} to {int(rows.max())}" if rows.size else "no rows"
+
+
+class FileImages:
+    """The images of a split left in its file: reads go to the h5py data set, and a read
+    that fails (a corrupt chunk, a file changed or truncated under the run) raises
+    :class:`~ringnet.errors.InputError` naming the file, the data set and the rows."""
+
+    HINT = "; check it with `python -m ringnet.datasets info --verify FILE`"
+
+    def __init__(self, dataset, path, name, hint=HINT):
+        self.dataset, self.hint = dataset, hint
+        self.path = os.fspath(path)
+        self.name = name                  # "/train/images"
+        self.shape, self.dtype, self.chunks = dataset.shape, dataset.dtype, dataset.chunks
+        self.ndim, self.nbytes = dataset.ndim, dataset.nbytes
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        try:
+            return self.dataset[index]
+        except OSError as exc:
+            raise InputError(f"{self.path}: {self.name} {_rows(index)} cannot be read, the file is "
+                             f"corrupt ({exc}){self.hint}") from None
+
+
 def verify_file(path, progress=None):
     """Validate ``path`` and read every chunk of every data set; raise InputError on the first bad one.
 
@@ -196,15 +231,11 @@ def verify_file(path, progress=None):
         total = sum(f[f"{split}/images"].shape[0] for split in SPLITS)
         done = 0
         for split in SPLITS:
-            images = f[f"{split}/images"]
+            images = FileImages(f[f"{split}/images"], path, f"/{split}/images", hint="")
             step = images.chunks[0] if images.chunks else max(1, MAX_CHUNK_IMAGES)
             for start in range(0, images.shape[0], step):
                 stop = min(images.shape[0], start + step)
-                try:
-                    images[start:stop]
-                except (OSError, ValueError) as exc:
-                    raise InputError(f"{path}: /{split}/images {start}..{stop - 1} cannot be read, "
-                                     f"the file is corrupt ({exc})") from None
+                images[start:stop]
                 done += stop - start
                 if progress is not None:
                     progress(done, total)
