@@ -59,6 +59,8 @@ def _parser():
     parser.add_argument("--chunk-bytes", type=int, default=None,
                         help="ring: cut each step into chunks of this many bytes (pipelined)")
     parser.add_argument("--json", action="store_true", help='print {"rows": [...]} on rank 0')
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print bus bandwidth per size as a Markdown table (the README's)")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="rank 0 also draws bus bandwidth against size (.png; needs matplotlib)")
     return parser
@@ -133,6 +135,9 @@ def main(argv=None):
             print(json.dumps({"rows": rows, "ranks": n, "transport": transport.name}))
         else:
             _print_table(rows, n, transport.name, args)
+            if args.markdown:
+                from ringnet.bench.tables import comm_table
+                print(comm_table(rows))
         if args.plot:
             from ringnet.bench.plot import plot_comm
             plot_comm(rows, args.plot, title=f"all-reduce, {n} ranks, {transport.name}, "

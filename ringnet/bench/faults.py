@@ -382,6 +382,36 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
     return Outcome(case, code, seconds, bound, problems, output)
 
 
+# -- the README's summary table ----------------------------------------------------------
+GROUPS = (
+    ("SIGSTOP in setup", lambda c: c.kind == "stop" and _phase(c) == "setup"),
+    ("SIGSTOP at step 3: deadline + stall check", lambda c: c.kind == "stop" and _phase(c).startswith("step")),
+    ("SIGSTOP in evaluation, statistics or shutdown",
+     lambda c: c.kind == "stop" and _phase(c) in ("evaluation", "statistics", "shutdown")),
+    ("SIGSTOP in the save, before or while rank 0 writes",
+     lambda c: c.kind == "stop" and _phase(c).startswith("save")),
+    ("SIGKILL in any phase: the launcher ends the job", lambda c: c.kind == "kill"),
+    ("MPMD mismatch, bad file, flag or environment: exit 2", lambda c: c.kind in ("mpmd", "bad")),
+)
+
+
+def _phase(case):
+    return case.fault.split(":")[1] if case.fault else ""
+
+
+def markdown_table(outcomes):
+    """Return the README's table: per group of cases, (count) and min / median / max time to exit."""
+    from ringnet.bench.tables import markdown
+    rows = []
+    for label, member in GROUPS:
+        seconds = sorted(o.seconds for o in outcomes if member(o.case))
+        if seconds:
+            mid = float(np.median(seconds))
+            rows.append([f"{label} ({len(seconds)})",
+                         f"{seconds[0]:.1f} / {mid:.1f} / {seconds[-1]:.1f}"])
+    return markdown(["fault", "time to exit, min / median / max (s)"], rows)
+
+
 # -- command line ----------------------------------------------------------------------
 def _parser():
     p = argparse.ArgumentParser(prog="python -m ringnet.bench faults", description=__doc__,
@@ -393,6 +423,8 @@ def _parser():
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
     p.add_argument("--list", action="store_true", help="print the case names and exit")
     p.add_argument("--json", action="store_true", help="print one JSON line per case")
+    p.add_argument("--markdown", action="store_true",
+                   help="after the cases, print the README's summary table (time to exit per group)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     return p
 
@@ -414,12 +446,14 @@ def main(argv=None):
         raise UsageError(f"{args.mpirun} not found: the fault cases need an MPI launcher")
     files = tempfile.mkdtemp(prefix="ringnet-faults-")
     failed = 0
+    outcomes = []
     try:
         prepare(files)
         if not args.json:
             print(f"{'case':44s} {'exit':>5s} {'time to exit':>13s} {'bound':>6s}  result")
         for case in cases:
             out = run_case(case, files, timeout=args.timeout, mpirun=args.mpirun)
+            outcomes.append(out)
             failed += not out.ok
             if args.json:
                 print(json.dumps({"case": case.name, "kind": case.kind, "ranks": case.ranks,
@@ -433,6 +467,8 @@ def main(argv=None):
         if not args.json:
             print(f"{len(cases) - failed} of {len(cases)} cases passed "
                   f"(RINGNET_COMM_TIMEOUT={args.timeout:g})")
+        if args.markdown:
+            print(markdown_table(outcomes))
     finally:
         if not args.keep:
             shutil.rmtree(files, ignore_errors=True)

@@ -59,6 +59,8 @@ def _parser():
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="also draw speedup and efficiency against N (.png; needs matplotlib)")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} instead of the table')
+    p.add_argument("--markdown", action="store_true",
+                   help="print the table as Markdown, as the README shows it")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
     g = p.add_argument_group("time to accuracy")
     g.add_argument("--to-accuracy", type=float, default=None, metavar="A",
@@ -210,6 +212,9 @@ def main(argv=None):
         print(json.dumps({"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
                           "repeats": args.repeats, "to_accuracy": args.to_accuracy, "rows": rows}))
         return 0
+    if args.markdown:
+        print(markdown_table(args, rows))
+        return 0
     if args.to_accuracy is not None:
         _print_to_accuracy(args, rows)
         return 0
@@ -225,6 +230,26 @@ def main(argv=None):
               f"{r['exposed_comm_ms']:>16.2f} {r['overlap']:>8.2f} {r['bytes_per_step']:>12,} "
               f"{r['fc_params_per_rank'] if r['fc_params_per_rank'] is not None else '-':>15}")
     return 0
+
+
+def markdown_table(args, rows):
+    """Return the README's Markdown table of ``rows`` (the timing or the time-to-accuracy table)."""
+    from ringnet.bench.tables import markdown
+    if args.to_accuracy is None:
+        return markdown(["mode", "delay", "N", "step ms", "speedup", "exposed comm ms"],
+                        [[r["mode"], r["delay"], r["np"], f"{r['step_ms']:.1f}", f"{r['speedup']:.2f}",
+                          f"{r['exposed_comm_ms']:.2f}"] for r in rows])
+    target = f"{100 * args.to_accuracy:g}%"
+    compensation = args.delay_compensation or "lookahead"       # train's default at delay 1
+    out = []
+    for r in rows:
+        reached = r["epochs_to_acc"] is not None
+        out.append([f"{r['mode']} (`{compensation}`)" if r["delay"] else r["mode"], r["delay"], r["np"],
+                    f"{r['images_per_sec']:.0f}", r["epochs_to_acc"] if reached else "not reached",
+                    f"{r['seconds_to_acc']:.1f}" if reached else "–", f"{100 * r['final_accuracy']:.2f}%"])
+    epochs = f"{args.epochs} epoch" + ("s" if args.epochs != 1 else "")
+    return markdown(["mode", "delay", "N", "images/s", f"epochs to {target}", f"seconds to {target}",
+                     f"accuracy after {epochs}"], out)
 
 
 def _print_to_accuracy(args, rows):
