@@ -27,7 +27,7 @@ from ringnet.backend import get_array_module, to_numpy
 from ringnet.errors import InputError
 
 __all__ = ["LocalPlan", "ShardedPlan", "RootedPlan", "DelayedUpdate", "Lookahead",
-           "COMPENSATIONS", "compensation", "synchronize"]
+           "COMPENSATIONS", "compensation"]
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,6 @@ def compensation(name):
         raise InputError(f"unknown delay compensation {name!r}; choose one of "
                          f"{', '.join(COMPENSATIONS)}")
     return COMPENSATIONS[name]
-
-
-def synchronize(array):
-    """Block until the device work queued on ``array``'s device (current stream) is done."""
-    xp = get_array_module(array)
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
 
 
 class LocalPlan:
@@ -184,7 +177,6 @@ class DelayedUpdate:
                 if source is not None:
                     weights[owned] = source[owned]
                 self.optimizer.step(weights[owned], grads[owned], it)
-                synchronize(weights)
         with self.stats.span(kind, op="distribute", bytes=weights.nbytes):
             self.plan.distribute(weights)
 
