@@ -281,10 +281,12 @@ def _print_summary(summary):
 
 
 def _resume_settings(cfg, world):
-    """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint, note).
+    """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint,
+    (note, record)).
 
-    Hyperparameters not given explicitly continue with the checkpoint's values; the note
-    says which were taken and which a flag overrode.
+    Hyperparameters not given explicitly continue with the checkpoint's values; a flag that
+    is given overrides (giving it is the explicit request to leave the trajectory). The log
+    note and the --json record say which were taken and which a flag overrode.
     """
     import dataclasses
     from ringnet.checkpoint import HYPERPARAMETERS, load_checkpoint, resume_settings
@@ -304,7 +306,12 @@ def _resume_settings(cfg, world):
     if overridden:
         note += "; overridden: " + ", ".join(f"{flag[n]} {asked} (checkpoint: {stored})"
                                              for n, stored, asked in overridden)
-    return cfg, checkpoint, note
+    # The same for --json: a changed trajectory is on record even under --quiet.
+    record = {"checkpoint": str(cfg.resume), "step": int(attrs.get("step", 0)),
+              "from_checkpoint": dict(settings),
+              "overridden": {n: {"checkpoint": stored, "given": asked}
+                             for n, stored, asked in overridden}}
+    return cfg, checkpoint, (note, record)
 
 
 def _epoch_line(epoch, recent, test_acc, test_loss):
@@ -361,11 +368,11 @@ def train(cfg=None, world=None, **overrides):
 def _train(cfg, world, deadline, rank, size, t_start):
     """The run once the deadline is known (see :func:`train`)."""
     asked_batch = cfg.batch_size
-    checkpoint = resume_note = None
+    checkpoint = resume_note = resumed = None
     # Communicator creation blocks inside MPI: a watchdog bounds the whole setup.
     with watchdog("setup", 2 * deadline.ceiling + 10):
         if cfg.resume:
-            cfg, checkpoint, resume_note = _resume_settings(cfg, world)
+            cfg, checkpoint, (resume_note, resumed) = _resume_settings(cfg, world)
         cfg, xp, dataset, model, strategy, loader = _setup(cfg, world)
         spe = loader.steps_per_epoch
         total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
@@ -503,6 +510,8 @@ def _train(cfg, world, deadline, rank, size, t_start):
     }
     if cfg.eval_every:
         summary["evals"] = evals
+    if resumed is not None:
+        summary["resumed"] = resumed
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
     tested = ("no test split" if test_acc is None else
               f"test loss {test_loss:.4f}, test accuracy {100 * test_acc:.2f}%")
