@@ -287,7 +287,7 @@ def read_imagefolder(src_dir, size):
     if not src_dir.is_dir():
         raise InputError(f"image folder {src_dir} is not a directory")
     if size < 1:
-        raise InputError(f"--size must be positive, got {size}")
+        raise InputError(f"image size must be positive, got {size}")
     classes = sorted(p.name for p in src_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise InputError(f"{src_dir}: no class sub-folders")
@@ -315,7 +315,7 @@ def read_imagefolder(src_dir, size):
 def convert_imagefolder(src_dir, out, size=64, test_fraction=0.2, seed=0, name=None):
     """Convert a one-folder-per-class image tree to ``out`` with a seeded stratified split."""
     if not 0.0 <= test_fraction < 1.0:
-        raise InputError(f"--test-fraction must be in [0, 1), got {test_fraction}")
+        raise InputError(f"test fraction must be in [0, 1), got {test_fraction}")
     images, labels, classes = read_imagefolder(src_dir, size)
     is_test = stratified_split(labels, test_fraction, seed)
     return write_dataset(out, images[~is_test], labels[~is_test], images[is_test], labels[is_test],
