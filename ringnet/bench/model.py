@@ -351,6 +351,7 @@ class System:
     rate: float = 1.0
     rooted: dict = None              # local: mode -> Link calibrated on that communicator
     calibrated: dict = None
+    ranks_here: int = 1              # ranks of this job on one node (set per prediction)
 
     def hop(self, a, b):
         """Return the Link between ranks a and b (ranks fill nodes in order)."""
@@ -485,49 +486,173 @@ def traffic(model, mode, n, batch):
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def _region_parts(model, mode, n, delay):
+    """The replicated region's size and the parts its exchange runs in (the code's buckets)."""
+    if mode == "split-fc":
+        size, stop = model.param_offsets()[f"{_first_fc(model)}.weight"][0], model.fc_start()
+    else:
+        size, stop = model.num_params, len(model.layers)
+    parts = [(lo, hi) for lo, hi, _ in buckets(model, stop)] if not delay and n > 1 else []
+    return size, parts or [(0, size)]
+
+
+def _first_fc(model):
+    from ringnet.parallel.fc_slices import fc_blocks
+    return fc_blocks(model)[0][0]
+
+
+def messages(model, mode, n, batch, delay=0):
+    """Return the messages (non-empty sends) each of N ranks posts in one step of ``mode``.
+
+    From the code's sizes and structure: the ring's 2(N-1) steps per part (a step with an
+    empty shard sends nothing), the rooted communicators' pieces (``pipeline_pieces``), the
+    delay-0 buckets (``backward_buckets``), split-fc's activation collectives.
+    """
+    if n == 1 or mode == "single":
+        return [0] * n
+    itemsize = model.dtype.itemsize
+    count = [0] * n
+
+    def ring(bounds, phases=("rs", "ag")):
+        for r in range(n):
+            for k in range(n - 1):
+                if "rs" in phases:
+                    a, b = bounds[(r - k - 1) % n]
+                    count[r] += b > a
+                if "ag" in phases:
+                    a, b = bounds[(r - k) % n]
+                    count[r] += b > a
+
+    size, parts = _region_parts(model, mode, n, delay)
+    for lo, hi in parts:
+        if mode in ("ring", "split-fc"):
+            ring([(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo)
+                  for a, b in _shard_bounds(size, n)])
+            continue
+        pieces = len(_pieces(hi - lo, itemsize)) if _rooted_concurrent() else 1
+        for v in range(n):
+            if mode == "tree":
+                count[v] += pieces * ((v > 0) + len(_tree_children(v, n)))
+            else:
+                count[v] += pieces * (n - 1 if v == 0 else 1)
+    if mode == "split-fc":
+        plan, _, _ = split_fc_plan(model, n, batch)
+        for label, kind, bounds in plan:
+            if not label.startswith("conv "):
+                ring(bounds, (kind,))
+    return count
+
+
 # -- timing ----------------------------------------------------------------------------------
+def _pieces(length, itemsize):
+    """Return the element ranges a rooted transfer of ``length`` elements is cut into: the
+    communicators' own ``pipeline_pieces`` (one piece where the code has none)."""
+    try:
+        from ringnet.comm.base import pipeline_pieces
+    except ImportError:
+        return [(0, length)] if length else []
+    return pipeline_pieces(length, itemsize)
+
+
+def _rooted_concurrent():
+    """True when a rooted communicator receives from all its senders at once (piece by piece)."""
+    from ringnet.comm.base import RootedCommunicator
+    return hasattr(RootedCommunicator, "_gather_sum")
+
+
 def _ring_time(system, bounds, itemsize, kind):
     """Seconds of one ring reduce-scatter ("rs", with adds) or all-gather ("ag") over ``bounds``."""
+    return sum(seconds for _, seconds in _ring_items(system, bounds, itemsize, kind))
+
+
+def _ring_items(system, bounds, itemsize, kind):
+    """The ring collective as the stream runs it: [("msg", s) and ("cpu", s) for the adds]."""
     n = len(bounds)
     if n == 1:
-        return 0.0
-    # lockstep: every step waits for the largest shard on the slowest hop of the ring
+        return []
+    # lockstep: every step waits for the largest shard on the slowest hop of the ring; a
+    # step whose shards are all empty sends nothing (the transport skips zero-byte sides)
     shard = max(b - a for a, b in bounds)
+    if shard == 0:
+        return []
     hop = system.intra if n <= system.ranks_per_node else system.inter
-    step = hop.time(shard * itemsize)
-    if kind == "rs":
-        step += system.compute.add(shard)
-    return (n - 1) * step
+    items = []
+    for _ in range(n - 1):
+        items.append(("msg", hop.time(shard * itemsize)))
+        if kind == "rs":
+            items.append(("cpu", system.compute.add(shard)))
+    return items
 
 
 def _tree_time(system, n, nbytes, elems):
-    """Seconds of a tree reduce (to the root) plus broadcast (to the last leaf)."""
-    add = system.compute.add(elems)
-    done = [0.0] * n
-    for v in range(n - 1, -1, -1):                 # children before parents
-        t = 0.0
-        for c in _tree_children(v, n):
-            t = max(t, done[c]) + system.hop(c, v).time(nbytes) + add
-        done[v] = t
-    arrive = [0.0] * n
-    for v in range(n):                             # parents before children
+    """Seconds of a tree reduce (to the root) plus broadcast (to the last leaf).
+
+    Heap of the code (children 2v+1, 2v+2). With the pipelined communicator every rank
+    receives both children's piece j at once (sharing its link), adds them and sends the
+    sum up while piece j+1 arrives; the broadcast relays piece by piece, a rank sending
+    each piece to both children at once. Without it (one piece, children one after the
+    other) the same recursion runs with serial receives.
+    """
+    if n <= 1:
+        return 0.0, 0.0
+    itemsize = nbytes / max(elems, 1)
+    concurrent = _rooted_concurrent()
+    pieces = [b - a for a, b in _pieces(elems, itemsize)] if concurrent else [elems]
+    ready = [[0.0] * len(pieces) for _ in range(n)]     # piece j's partial ready to go up
+    for v in range(n - 1, -1, -1):                      # children before parents
         kids = _tree_children(v, n)
-        if kids:
-            # both sends start at once and share the sender's link
-            t = arrive[v] + max(system.hop(v, c).alpha_s for c in kids) \
-                + sum(nbytes / system.hop(v, c).beta_Bps for c in kids)
+        link = add = 0.0
+        for j, e in enumerate(pieces):
+            if not kids:
+                continue
+            size = e * itemsize
+            if concurrent:
+                link = max(link, max(ready[c][j] for c in kids)) \
+                    + max(system.hop(c, v).alpha_s for c in kids) \
+                    + sum(size / system.hop(c, v).beta_Bps for c in kids)
+                add = max(add, link) + len(kids) * system.compute.add(e)
+            else:
+                for c in kids:
+                    link = max(link, ready[c][j], add) + system.hop(c, v).time(size)
+                    add = link + system.compute.add(e)
+            ready[v][j] = add
+    reduce = ready[0][-1]
+    have = [[0.0] * len(pieces) for _ in range(n)]       # piece j arrived at v
+    for v in range(n):                                   # parents before children
+        kids = _tree_children(v, n)
+        out = 0.0
+        for j, e in enumerate(pieces):
+            if not kids:
+                continue
+            out = max(out, have[v][j]) + max(system.hop(v, c).alpha_s for c in kids) \
+                + sum(e * itemsize / system.hop(v, c).beta_Bps for c in kids)
             for c in kids:
-                arrive[c] = t
-    return done[0], max(arrive)
+                have[c][j] = out
+    return reduce, max(h[-1] for h in have)
 
 
 def _master_time(system, n, nbytes, elems):
-    reduce = sum(system.hop(w, 0).time(nbytes) + system.compute.add(elems) for w in range(1, n))
-    bcast = 0.0
-    if n > 1:
-        bcast = max(system.hop(0, w).alpha_s for w in range(1, n)) \
-            + sum(nbytes / system.hop(0, w).beta_Bps for w in range(1, n))
-    return reduce, bcast
+    """Seconds of the master's reduce (N-1 gradients into the root) and broadcast.
+
+    Pipelined communicator: the root posts every worker's piece j at once (they share its
+    link) and adds them in rank order while piece j+1 arrives; it sends each piece to all
+    workers at once. Without it: one worker after the other.
+    """
+    if n <= 1:
+        return 0.0, 0.0
+    itemsize = nbytes / max(elems, 1)
+    workers = range(1, n)
+    alpha = max(system.hop(w, 0).alpha_s for w in workers)
+    if not _rooted_concurrent():
+        reduce = sum(system.hop(w, 0).time(nbytes) + system.compute.add(elems) for w in workers)
+        return reduce, alpha + sum(nbytes / system.hop(0, w).beta_Bps for w in workers)
+    link = add = out = 0.0
+    for a, b in _pieces(elems, itemsize):
+        size = (b - a) * itemsize
+        link += alpha + sum(size / system.hop(w, 0).beta_Bps for w in workers)
+        add = max(add, link) + (n - 1) * system.compute.add(b - a)
+        out += alpha + sum(size / system.hop(0, w).beta_Bps for w in workers)
+    return add, out
 
 
 @dataclasses.dataclass
@@ -542,40 +667,149 @@ class Prediction:
     bytes_max: int
 
 
-def _exchange_s(system, model, mode, n):
-    """Seconds of the data-parallel exchange's transfers (reduce + distribute, no update)."""
-    itemsize, p = model.dtype.itemsize, model.num_params
+def _exchange_items(system, model, mode, n, size, part, update_s):
+    """The exchange of ``part`` = [lo, hi) of a region of ``size`` elements, as the stream runs
+    it: [("msg", seconds) for each wait on a transfer, ("cpu", seconds) for adds and update].
+
+    ring: reduce-scatter over the region's shard bounds clipped to the part (as the code's
+    bucket plans clip them), then the update of this rank's share, then all-gather; tree
+    and master: reduce, the root's update, broadcast, each cut into the waits the code makes.
+    """
+    itemsize = model.dtype.itemsize
+    lo, hi = part
     if n == 1:
-        return 0.0
+        return [("cpu", update_s)]
     if mode == "ring":
-        bounds = _shard_bounds(p, n)
-        return _ring_time(system, bounds, itemsize, "rs") + _ring_time(system, bounds, itemsize, "ag")
+        bounds = [(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo)
+                  for a, b in _shard_bounds(size, n)]
+        return (_ring_items(system, bounds, itemsize, "rs") + [("cpu", update_s)]
+                + _ring_items(system, bounds, itemsize, "ag"))
     if system.rooted and mode in system.rooted:     # local: the link fitted on this communicator
         link = system.rooted[mode]
         system = dataclasses.replace(system, intra=link, inter=link)
-    if mode == "tree":
-        return sum(_tree_time(system, n, p * itemsize, p))
-    return sum(_master_time(system, n, p * itemsize, p))
+    elems = hi - lo
+    timing = _tree_time if mode == "tree" else _master_time
+    reduce, bcast = timing(system, n, elems * itemsize, elems)
+    waits = _rooted_waits(mode, n, elems, itemsize)
+    return ([("msg", reduce / waits)] * waits + [("cpu", update_s)]
+            + [("msg", bcast / waits)] * waits)
 
 
-def _overlap(system, n, compute_s, comm_s, device_s):
-    """Step time when the exchange (transfers ``comm_s``, then update/adds ``device_s`` on
-    the same device) runs on the communication stream beside the compute."""
+def _exchange_s(system, model, mode, n):
+    """Seconds of the data-parallel exchange's transfers and adds (no update), blocking."""
+    p = model.num_params
+    return sum(t for _, t in _exchange_items(system, model, mode, n, p, (0, p), 0.0))
+
+
+def _rooted_waits(mode, n, elems, itemsize):
+    """Waits on the critical path of a rooted reduce or broadcast (each may sleep until progressed)."""
+    pieces = len(_pieces(elems, itemsize)) if _rooted_concurrent() else 1
+    depth = max(1, math.ceil(math.log2(n + 1)) - 1) if mode == "tree" else 1
+    return max(1, pieces * depth)
+
+
+def buckets(model, stop_layer):
+    """The code's delay-0 buckets of ``model.layers[:stop_layer]``: [(lo, hi, layer)] in the
+    order the backward completes them, or [] where the code has none (or they are off)."""
+    try:
+        from ringnet.parallel.exchange import backward_buckets, bucket_bytes
+    except ImportError:
+        return []
+    size = bucket_bytes()
+    return list(backward_buckets(model, stop_layer, size)) if size else []
+
+
+def _progress(system):
+    """How the stream's transfers progress beside the compute: gpu, driven, poll or block."""
     if system.cores is None:
-        # GPU: transfers overlap, but the update kernels share the device with compute
-        return max(compute_s + device_s, comm_s + device_s)
-    # CPU: beside the compute the exchange moves at ``rate`` of its blocking speed and
-    # takes ``steal`` of the core; what is left when the compute ends runs at full speed.
-    # Its update is CPU work that competes with the compute unless a spare core is free.
-    steal, rate = min(system.steal, 0.9), max(system.rate, 1e-3)
-    span = comm_s / rate
-    if span <= compute_s + steal * span:        # the exchange ends during the compute
-        busy, left = compute_s + steal * span, 0.0
-    else:
-        busy = compute_s / (1.0 - steal)
-        left = comm_s - rate * busy
-    spare = system.cores / max(n, 1) >= 2
-    return busy + left + (0.0 if spare else device_s)
+        return "gpu"
+    try:
+        from ringnet.comm.stream import progress_mode
+    except ImportError:
+        return "poll"                   # a thread that polls its own transfers
+    return progress_mode()
+
+
+@dataclasses.dataclass
+class Timeline:
+    """One step's compute on the training thread: where it calls the streams' progress.
+
+    ``points``: times of the layer boundaries (the strategy's hook progresses the
+    streams there); ``dense``: intervals in which the thread waits in MPI itself (a
+    blocking collective), which progresses the streams all along; ``ready``: the time
+    the backward of each layer index ends; ``end``: when the compute ends.
+    """
+    points: list
+    dense: list
+    ready: dict
+    end: float
+
+    def next_progress(self, t, shift):
+        """First time >= t at which the training thread progresses (compute delayed by ``shift``)."""
+        for a, b in self.dense:
+            if a + shift <= t <= b + shift:
+                return t
+        later = [p + shift for p in self.points if p + shift >= t]
+        later += [a + shift for a, _ in self.dense if a + shift >= t]
+        return min(later) if later else t
+
+
+def _layer_timeline(cp, model, segments, slow):
+    """Build a Timeline from [("fwd"|"bwd", layer index, batch, share) | ("dense", seconds)]."""
+    t, points, dense, ready = 0.0, [], [], {}
+    for seg in segments:
+        if seg[0] == "dense":
+            dense.append((t, t + seg[1]))
+            t += seg[1]
+            continue
+        kind, index, batch, share = seg
+        fwd, bwd = cp.layer(model.name, model.layers[index][0], batch, share)
+        t += (fwd if kind == "fwd" else bwd) * slow
+        points.append(t)
+        if kind == "bwd":
+            ready[index] = t
+    return Timeline(points, dense, ready, t)
+
+
+def _simulate(system, timeline, ops, progress):
+    """Step time when ``ops`` [(ready time, items)] run in order on the stream beside the compute.
+
+    A transfer takes its blocking time; how it is noticed depends on ``progress``, as the
+    code runs it: ``driven`` (the stream's thread sleeps until the training thread tests the
+    transfer at a layer boundary, or all along while it waits in MPI, or at the end of the
+    step when it waits for the stream), ``poll``/``block`` (the stream's thread polls: the
+    transfer moves at the calibrated ``rate`` of its blocking speed and takes ``steal`` of
+    the core meanwhile), ``gpu`` (transfers overlap the compute). The stream's adds and
+    update are work on the rank's core (or device): they delay the compute unless a spare
+    core is free.
+    """
+    n_spare = progress != "gpu" and system.cores is not None and system.cores >= 2 * system.ranks_here
+    shift, t = 0.0, 0.0
+    rate, steal = max(system.rate, 1e-3), min(system.steal, 0.9)
+    for ready, items in ops:
+        t = max(t, ready + shift)
+        for kind, seconds in items:
+            computing = t < timeline.end + shift
+            if kind == "cpu":
+                if computing and not n_spare:
+                    shift += seconds
+                t += seconds
+                continue
+            if not computing or progress == "gpu":
+                t += seconds
+            elif progress == "driven":
+                t = timeline.next_progress(t + seconds, shift)
+            else:                               # poll, block: the calibrated rate and steal
+                span = seconds / rate
+                left = timeline.end + shift - t
+                if span * (1 - steal) <= left:
+                    shift += steal * span
+                    t += span
+                else:                           # the compute ends first: the rest at full speed
+                    busy = left / (1 - steal)
+                    shift += steal * busy
+                    t += busy + seconds - rate * busy
+    return max(timeline.end + shift, t), shift
 
 
 def predict(system, model, mode, delay, n, batch):
@@ -585,23 +819,22 @@ def predict(system, model, mode, delay, n, batch):
     if mode == "single":
         n, delay = 1, 0
     system = system.at(n)
+    system = dataclasses.replace(system, ranks_here=min(n, system.ranks_per_node))
     cp = system.compute
     name, itemsize = model.name, model.dtype.itemsize
     slow = system.contention(n)
     sent = traffic(model, mode, n, batch)
     bytes_mean, bytes_max = float(np.mean(sent)), int(max(sent))
+    progress = _progress(system)
+    layers = range(len(model.layers))
 
     if mode == "split-fc":
         plan, conv, blocks = split_fc_plan(model, n, batch)
         fc_start = model.fc_start()
-        conv_names = {lname for lname, _ in model.layers[:fc_start]}
         fc_names = {lname for lname, _ in model.layers[fc_start:]}
         share = max(max(b - a for a, b in _shard_bounds(layer.out_features, n)) / layer.out_features
                     for _, layer, _ in blocks)
-        compute = (cp.step_compute(name, batch / n, conv_names)
-                   + cp.step_compute(name, batch, fc_names, share)
-                   + cp.overhead_s(name, batch)) * slow
-        conv_bounds = _shard_bounds(conv, n)
+        fc_compute = (cp.step_compute(name, batch, fc_names, share) + cp.overhead_s(name, batch)) * slow
         fc_rows = sum(max(b - a for a, b in _shard_bounds(layer.out_features, n))
                       * (layer.in_features + 1) for _, layer, _ in blocks)
         fc_update = cp.update(fc_rows, 2 * len(blocks)) * slow
@@ -610,7 +843,7 @@ def predict(system, model, mode, delay, n, batch):
         # the layer's backward), the conversion layer's also with the FC update.
         hidden = {}
         if system.cores is None:
-            for k, (bname, _, _) in enumerate(blocks):
+            for bname, _, _ in blocks:
                 hidden[bname] = 0.5 * cp.layer(name, bname, batch, share)[1] * slow
             hidden[blocks[0][0]] += fc_update
         act = 0.0
@@ -620,24 +853,47 @@ def predict(system, model, mode, delay, n, batch):
             t = _ring_time(system, bounds, itemsize, kind)
             block = _overlapped_block(label, blocks)
             act += max(0.0, t - hidden.get(block, 0.0)) if block else t
-        conv_update = cp.update(max(b - a for a, b in conv_bounds)) * slow
-        exch = sum(_ring_time(system, conv_bounds, itemsize, kind) for kind in ("rs", "ag"))
-        before = compute + act + fc_update
-        step = _overlap(system, n, before, exch, conv_update) if delay \
-            else before + exch + conv_update
-        return Prediction(step, compute, act + exch, fc_update + conv_update,
-                          max(0.0, step - compute - fc_update - conv_update), bytes_mean, bytes_max)
-
-    compute = (cp.step_compute(name, batch / n) + cp.overhead_s(name, batch / n)) * slow
-    if mode == "ring" and n > 1:
-        owned = max(b - a for a, b in _shard_bounds(model.num_params, n))
+        local = batch / n
+        segments = ([("fwd", i, local, 1.0) for i in layers[:fc_start]]
+                    + [("dense", fc_compute + act + fc_update)]
+                    + [("bwd", i, local, 1.0) for i in reversed(layers[:fc_start])])
+        timeline = _layer_timeline(cp, model, segments, slow)
+        compute = timeline.end - act - fc_update
+        region, bucket_list = conv, (buckets(model, fc_start) if not delay and n > 1 else [])
+        fixed = fc_update
     else:
-        owned = model.num_params          # single, tree and master: the root updates all of it
-    update = cp.update(owned) * slow
-    comm = _exchange_s(system, model, mode, n)
-    step = _overlap(system, n, compute, comm, update) if delay else compute + comm + update
-    return Prediction(step, compute, comm, update, max(0.0, step - compute - update),
-                      bytes_mean, bytes_max)
+        local = batch / n
+        segments = ([("fwd", i, local, 1.0) for i in layers]
+                    + [("dense", cp.overhead_s(name, local) * slow)]
+                    + [("bwd", i, local, 1.0) for i in reversed(layers)])
+        timeline = _layer_timeline(cp, model, segments, slow)
+        compute, act, fixed = timeline.end, 0.0, 0.0
+        region = model.num_params
+        bucket_list = buckets(model, len(model.layers)) if not delay and n > 1 else []
+
+    def update_of(lo, hi):
+        """The update of this rank's share of [lo, hi): its ring shard, or all of it on the root."""
+        if mode in ("ring", "split-fc") and n > 1:
+            owned = max(max(0, min(b, hi) - max(a, lo)) for a, b in _shard_bounds(region, n))
+        else:
+            owned = hi - lo
+        return cp.update(owned) * slow
+
+    xmode = "ring" if mode in ("split-fc", "single") else mode
+    whole = _exchange_items(system, model, xmode, n, region, (0, region), update_of(0, region))
+    comm = sum(t for kind, t in whole if kind == "msg")
+    update = update_of(0, region) + fixed
+    if delay and n > 1:
+        step, _ = _simulate(system, timeline, [(0.0, whole)], progress)
+    elif bucket_list:
+        ops = [(timeline.ready[layer], _exchange_items(system, model, xmode, n, region, (lo, hi),
+                                                       update_of(lo, hi)))
+               for lo, hi, layer in bucket_list]
+        step, _ = _simulate(system, timeline, ops, progress)
+    else:
+        step = timeline.end + sum(t for _, t in whole)
+    return Prediction(step, compute, comm + act, update,
+                      max(0.0, step - compute - update), bytes_mean, bytes_max)
 
 
 # -- sweeps, crossovers ---------------------------------------------------------------------
@@ -812,6 +1068,19 @@ def _calibrate_worker(iters):
     return 0
 
 
+def _relative_lstsq(rows, rhs, seconds):
+    """Least squares of the *relative* error: each timing weighted by 1 / its measured time.
+
+    Timings on a shared machine scatter in proportion to their size, so plain least squares
+    lets the large messages' scatter set the latency; split-fc's activation messages and
+    the ring's steps at large N are small, and must count as much as the large ones.
+    """
+    weights = 1.0 / np.maximum(np.asarray(seconds, float), 1e-12)
+    solution, *_ = np.linalg.lstsq(np.array(rows) * weights[:, None], np.array(rhs) * weights,
+                                   rcond=None)
+    return solution
+
+
 def _fit_link(n, sizes_s, add_s_per_elem):
     """Fit (alpha, beta) of ring RS+AG times: t = 2(N-1) alpha + 2(N-1)/N S / beta + adds."""
     rows, rhs = [], []
@@ -819,7 +1088,7 @@ def _fit_link(n, sizes_s, add_s_per_elem):
         adds = (n - 1) * add_s_per_elem * size / 4 / n
         rows.append([2 * (n - 1), 2 * (n - 1) / n * size])
         rhs.append(max(seconds - adds, 0.0))
-    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    alpha, inv_beta = _relative_lstsq(rows, rhs, [t for _, t in sizes_s])
     if inv_beta <= 0:                      # latency-bound in the measured range
         inv_beta = 1e-12
     return max(float(alpha), 0.0), 1.0 / float(inv_beta)
