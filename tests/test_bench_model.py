@@ -527,3 +527,64 @@ def test_strategies_send_what_the_model_counts(name, mode, delay):
     assert sent == expected, f"{mode} delay {delay} at N={size}: bytes sent per rank"
     expected = [steps * m for m in pm.messages(model, mode, size, batch, delay)]
     assert messages == expected, f"{mode} delay {delay} at N={size}: messages per rank"
+
+
+# -- validation records ----------------------------------------------------------------------
+def _validation_record(measured, code=None):
+    compute = pm.roofline_compute("k40", ("lenet",)).to_json()
+    compute["device"] = "cpu"
+    raw = {"solo_s": 0.02, "together_s": 0.02,
+           "blocking": {"4096": 0.004, "1048576": 0.010},
+           "streamed": {"1048576": [0.020, 0.040]}}
+    record = {"batch_size": 64, "steps": 5,
+              "rounds": [{"compute": compute, "calibration": {"by_np": {"2": {"raw": raw}}},
+                          "measured": measured}]}
+    if code is not None:
+        record["code"] = code
+    return record
+
+
+def test_validation_reprint_says_where_the_model_is_off(tmp_path):
+    row = {"model": "lenet", "mode": "ring", "delay": 0, "np": 2, "step_ms": 100.0,
+           "compute_ms": 10.0, "exposed_ms": 85.0, "update_ms": 1.0, "data_ms": 4.0}
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(_validation_record([row])))
+    rows = pm.validation_rows(json.loads(path.read_text()))
+    assert len(rows) == 1 and rows[0]["measured_ms"] == 100.0
+    predicted_exposed, measured_exposed = rows[0]["parts"]["exposed"]
+    assert measured_exposed == 85.0
+    text = pm.diagnose(rows[0], rows)
+    # the model's exchange of a 1.7 MB gradient on this link is far below 85 ms
+    assert predicted_exposed < 40 and "exposed communication" in text and "85.0 ms" in text
+    proc = _cli("--compute", "k40", "--models", "lenet", "--profile", "pcie3", "--np", "1", "2",
+                "--validation", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "where the model is off" in proc.stdout and "exposed communication" in proc.stdout
+    assert "the code measured: CPU streams poll, no delay-0 buckets" in proc.stdout
+
+
+def test_a_record_is_predicted_as_the_code_it_measured_ran():
+    row = {"model": "lenet", "mode": "ring", "delay": 1, "np": 2, "step_ms": 100.0}
+    old = pm.validation_rows(_validation_record([row]))[0]["predicted_ms"]
+    assert pm.validation_rows(_validation_record([row], pm.OLD_FACTS))[0]["predicted_ms"] == old
+    # the same record measured with driven progress: the exchange waits for layer boundaries
+    driven = dict(pm.OLD_FACTS, progress="driven")
+    assert pm.validation_rows(_validation_record([row], driven))[0]["predicted_ms"] != old
+    with pm.facts(driven):
+        assert pm.code_facts() == driven
+
+
+def test_code_facts_are_the_code_s():
+    facts = pm.code_facts()
+    try:
+        from ringnet.comm.stream import progress_mode
+    except ImportError:
+        assert facts["progress"] == "poll"
+    else:
+        assert facts["progress"] == progress_mode()
+    try:
+        from ringnet.parallel.exchange import bucket_bytes
+    except ImportError:
+        assert facts["bucket_bytes"] == 0
+    else:
+        assert facts["bucket_bytes"] == bucket_bytes()

@@ -40,6 +40,7 @@ while it runs (shared-memory MPI copies and polling are CPU work); what is left 
 when the compute ends runs at blocking speed.
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -554,10 +555,58 @@ def _pieces(length, itemsize):
     return pipeline_pieces(length, itemsize)
 
 
+# What the code does where it has a choice; a saved validation record replaces it with
+# what the code it measured did (see ``code_facts``).
+_FACTS = None
+
+
+def code_facts():
+    """The behaviour of the code the model follows: how CPU streams progress, the delay-0
+    bucket size, whether rooted communicators receive concurrently in pieces."""
+    if _FACTS is not None:
+        return dict(_FACTS)
+    from ringnet.comm.base import RootedCommunicator
+    try:
+        from ringnet.comm.stream import progress_mode
+        progress = progress_mode()
+    except ImportError:
+        progress = "poll"               # a thread that polls its own transfers
+    try:
+        from ringnet.parallel.exchange import bucket_bytes
+        size = bucket_bytes()
+    except ImportError:
+        size = 0
+    return {"progress": progress, "bucket_bytes": size,
+            "rooted_concurrent": hasattr(RootedCommunicator, "_gather_sum")}
+
+
+@contextlib.contextmanager
+def facts(values):
+    """Predict as the code described by ``values`` (a ``code_facts()`` dict) ran."""
+    global _FACTS
+    saved, _FACTS = _FACTS, dict(values)
+    try:
+        yield
+    finally:
+        _FACTS = saved
+
+
+# The code before any of these facts were recorded: threads that poll, no buckets, rooted
+# communicators receiving one sender after the other.
+OLD_FACTS = {"progress": "poll", "bucket_bytes": 0, "rooted_concurrent": False}
+
+
+def _describe_facts(values):
+    buckets_text = (f"delay-0 buckets of {values['bucket_bytes'] // 1024} KiB"
+                    if values["bucket_bytes"] else "no delay-0 buckets")
+    rooted = ("tree/master receive all senders at once, in pipeline pieces"
+              if values["rooted_concurrent"] else "tree/master receive one sender at a time")
+    return f"CPU streams {values['progress']}, {buckets_text}, {rooted}"
+
+
 def _rooted_concurrent():
     """True when a rooted communicator receives from all its senders at once (piece by piece)."""
-    from ringnet.comm.base import RootedCommunicator
-    return hasattr(RootedCommunicator, "_gather_sum")
+    return code_facts()["rooted_concurrent"]
 
 
 def _ring_time(system, bounds, itemsize, kind):
@@ -711,23 +760,18 @@ def _rooted_waits(mode, n, elems, itemsize):
 def buckets(model, stop_layer):
     """The code's delay-0 buckets of ``model.layers[:stop_layer]``: [(lo, hi, layer)] in the
     order the backward completes them, or [] where the code has none (or they are off)."""
-    try:
-        from ringnet.parallel.exchange import backward_buckets, bucket_bytes
-    except ImportError:
+    size = code_facts()["bucket_bytes"]
+    if not size:
         return []
-    size = bucket_bytes()
-    return list(backward_buckets(model, stop_layer, size)) if size else []
+    from ringnet.parallel.exchange import backward_buckets
+    return list(backward_buckets(model, stop_layer, size))
 
 
 def _progress(system):
     """How the stream's transfers progress beside the compute: gpu, driven, poll or block."""
     if system.cores is None:
         return "gpu"
-    try:
-        from ringnet.comm.stream import progress_mode
-    except ImportError:
-        return "poll"                   # a thread that polls its own transfers
-    return progress_mode()
+    return code_facts()["progress"]
 
 
 @dataclasses.dataclass
@@ -1039,6 +1083,12 @@ def _calibrate_worker(iters):
             by_mode[mode][size] = float(np.median(samples))
     stream = ring.new_stream()
     streamed = {}
+    try:                                 # progress at layer boundaries, as the strategies do
+        from ringnet.comm.stream import progress_all
+    except ImportError:
+        progress_all = None
+    if progress_all is not None and hasattr(model, "layer_hook"):
+        model.layer_hook = lambda phase, index: progress_all()
     for size in STREAM_SIZES:
         buf = np.ones(size // 4, np.float32)
         spans, works = [], []
@@ -1177,18 +1227,30 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
         for i, (name, mode, delay, n) in enumerate(configs):
             args.model = name
             result = scaling.run_config(args, mode, delay, n)
+            steps_run = max(int(result.get("steps") or steps), 1)
             measured.append({"model": name, "mode": mode, "delay": delay, "np": n,
-                             "step_ms": result["step_ms"]})
+                             "step_ms": result["step_ms"],
+                             # per step, mean over ranks: where the time went
+                             **{f"{part}_ms": 1e3 * result[f"{key}_s"] / steps_run
+                                for part, key in (("compute", "compute"), ("exposed", "comm_wait"),
+                                                  ("update", "update"), ("data", "data"))
+                                if f"{key}_s" in result}})
             print(f"\r[round {round_ + 1}/{repeats}] {i + 1}/{len(configs)} ", end="",
                   file=sys.stderr, flush=True)
         rounds.append({"compute": compute.to_json(), "calibration": calibration,
                        "measured": measured})
     print(file=sys.stderr)
-    return {"batch_size": batch, "steps": steps, "rounds": rounds}
+    return {"batch_size": batch, "steps": steps, "rounds": rounds, "code": code_facts(),
+            "load_average": list(os.getloadavg())}
 
 
 def validation_rows(record):
     """Return [{model, mode, delay, np, predicted_ms, measured_ms}]: medians over rounds."""
+    with facts(record.get("code", OLD_FACTS)):       # as the code that was measured ran
+        return _validation_rows(record)
+
+
+def _validation_rows(record):
     batch = record["batch_size"]
     table = {}
     for rnd in record["rounds"]:
@@ -1197,14 +1259,51 @@ def validation_rows(record):
         for m in rnd["measured"]:
             key = (m["model"], m["mode"], m["delay"], m["np"])
             pred = predict(system, build_model(m["model"]), m["mode"], m["delay"], m["np"], batch)
-            entry = table.setdefault(key, {"predicted": [], "measured": []})
+            entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": []})
             entry["predicted"].append(pred.step_s * 1e3)
             entry["measured"].append(m["step_ms"])
-    return [{"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
-             "predicted_ms": statistics.median(v["predicted"]),
-             "measured_ms": statistics.median(v["measured"]),
-             "spread": (max(v["measured"]) - min(v["measured"])) / statistics.median(v["measured"])}
-            for k, v in table.items()]
+            parts = {"compute": (pred.compute_s * 1e3, m.get("compute_ms")),
+                     "exposed": (pred.exposed_s * 1e3, m.get("exposed_ms")),
+                     "update": (pred.update_s * 1e3, m.get("update_ms")),
+                     "data": (0.0, m.get("data_ms"))}
+            entry["parts"].append(parts)
+    rows = []
+    for k, v in table.items():
+        parts = {}
+        for part in ("compute", "exposed", "update", "data"):
+            pred = statistics.median(p[part][0] for p in v["parts"])
+            got = [p[part][1] for p in v["parts"] if p[part][1] is not None]
+            parts[part] = (pred, statistics.median(got) if got else None)
+        rows.append({"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
+                     "predicted_ms": statistics.median(v["predicted"]),
+                     "measured_ms": statistics.median(v["measured"]),
+                     "spread": (max(v["measured"]) - min(v["measured"]))
+                     / statistics.median(v["measured"]), "parts": parts})
+    return rows
+
+
+def diagnose(row, rows):
+    """Say where a validation row's error comes from: the part of the step (compute, exposed
+    communication, update, data loading the model does not charge) that differs most, and
+    how far the machine itself moved (the spread of this row's rounds; the N=1 rows of the
+    same model, which all do the same work)."""
+    err = (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+    measured = {k: v for k, v in row["parts"].items() if v[1] is not None}
+    words = []
+    if measured:
+        diffs = {k: p - m for k, (p, m) in measured.items()}
+        worst = max(diffs, key=lambda k: abs(diffs[k]))
+        what = {"compute": "compute (the profile or the contention at this N)",
+                "exposed": "exposed communication (the link or the overlap)",
+                "update": "the update", "data": "data loading (not modelled)"}[worst]
+        words.append(f"{what}: predicted {measured[worst][0]:.1f} ms, measured "
+                     f"{measured[worst][1]:.1f} ms")
+    ones = [r["measured_ms"] for r in rows if r["model"] == row["model"] and r["np"] == 1]
+    if len(ones) > 1:
+        floor = (max(ones) - min(ones)) / statistics.median(ones)
+        words.append(f"same-work N=1 rows of {row['model']} differ by {100 * floor:.0f}%")
+    words.append(f"rounds of this row differ by {100 * row['spread']:.0f}%")
+    return f"{_label(row['mode'], row['delay'])} N={row['np']} {100 * err:+.0f}%: " + "; ".join(words)
 
 
 def paper_rows(compute_name, profile, dtype="float32"):
@@ -1436,6 +1535,7 @@ def main(argv=None):
         return 0
 
     print(f"# compute: {compute.name} ({compute.source})")
+    print(f"# the code modelled: {_describe_facts(code_facts())}")
     for spec in profiles:
         if spec in ("local",):
             continue
@@ -1466,7 +1566,10 @@ def main(argv=None):
               f"{r['step_ms']:8.3f} {r['speedup']:8.2f} {rep:>8s}")
     if validation:
         print(f"\n# validation on this machine: global batch {args.validate_batch}, "
-              f"{args.validate_steps} steps, median of {args.validate_repeats} interleaved rounds")
+              f"{args.validate_steps} steps, median of {args.validate_repeats} interleaved rounds; "
+              f"the code measured: {_describe_facts(record.get('code', OLD_FACTS))}"
+              + (f"; load average then {', '.join(f'{x:.1f}' for x in record['load_average'])}"
+                 if record.get("load_average") else ""))
         print(f"  {'model':14s} {'mode':>11s} {'N':>3s} {'predicted ms':>12s} {'measured ms':>11s} "
               f"{'error':>7s} {'spread':>7s}")
         errors = []
@@ -1480,6 +1583,13 @@ def main(argv=None):
         print(f"  median |error| {100 * statistics.median(errors):.0f}%, {within} of {len(errors)} "
               f"within 15%; spread = (max - min) / median of the measured rounds: "
               f"{100 * statistics.median(r['spread'] for r in validation):.0f}% (median)")
+        off = [r for r, e in zip(validation, errors) if e > 0.15]
+        if off:
+            print("# where the model is off by more than 15%, and the part of the step that differs most")
+            for r in off:
+                print(f"  {r['model']:14s} {diagnose(r, validation)}")
+        print(f"# load average now: {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
+              "(timings on a loaded machine move by tens of percent)")
     if args.plot:
         print(f"\n# plot written to {args.plot}")
     return 0
