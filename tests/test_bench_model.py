@@ -195,6 +195,40 @@ def test_bucketed_ring_sends_what_the_model_counts(n, monkeypatch):
     assert sum(messages) < len(parts) * 2 * (n - 1) * n        # some steps are empty
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_auto_runs_the_rounds_the_model_times(n):
+    # the model times auto's algorithms by the code's table (rounds, bytes of the busiest
+    # rank); here the code's implementation is held to that table on the recording transport
+    auto = pytest.importorskip("ringnet.comm.auto")
+    length = 1000
+    for algorithm in auto.ALGORITHMS:
+        runs = []
+        for rank in range(n):
+            transport = _recording_transport(rank, n)
+            with np.errstate(all="ignore"):
+                auto.AutoCommunicator(transport, algorithm=algorithm).allreduce(
+                    np.zeros(length, np.float32))
+            runs.append(transport)
+        rounds, sent, _ = auto.terms(algorithm, 4 * length, n)
+        posts = [sum(what == "post" for what, _ in t.log) for t in runs]
+        if algorithm == "direct":          # N-1 transfers posted at once: one round
+            for t in runs:
+                first_wait = next(i for i, (what, _) in enumerate(t.log) if what == "wait")
+                assert first_wait == n - 1
+            assert max(t.bytes_sent for t in runs) == sent
+        else:
+            assert max(posts) == rounds, algorithm
+        if n & (n - 1) == 0:               # no folding: the busiest rank sends the table's bytes
+            assert max(t.bytes_sent for t in runs) == pytest.approx(sent, abs=4 * n), algorithm
+    system = _system()
+    if n == 4:                             # recursive doubling: 2 rounds of the whole 4000 bytes
+        assert pm.allreduce_time(system, "rd", 4000, 4) == pytest.approx(2 * ALPHA + 8000 / BETA)
+    # the model's auto is the algorithm the code picks
+    picked = auto.choose(4 * length, n)
+    assert pm.allreduce_time(system, "auto", 4 * length, n) == \
+        pm.allreduce_time(system, picked, 4 * length, n)
+
+
 def test_rooted_receives_are_posted_as_the_model_assumes():
     # concurrent: the root posts its receive from worker 2 before it waits on worker 1's;
     # serial: it waits on each receive before posting the next
@@ -263,8 +297,10 @@ def test_tree_and_master_times_hand_computed(monkeypatch):
 def test_delay0_adds_and_delay1_overlaps():
     system = _system(update=1e-9)
     lenet = build_model("lenet")
+    unbucketed = dict(pm.code_facts(), bucket_bytes=0)
     for mode in ("ring", "tree", "master"):
-        sync = pm.predict(system, lenet, mode, 0, 4, 64)
+        with pm.facts(unbucketed):
+            sync = pm.predict(system, lenet, mode, 0, 4, 64)
         assert sync.step_s == pytest.approx(sync.compute_s + sync.comm_s + sync.update_s)
         lagged = pm.predict(system, lenet, mode, 1, 4, 64)
         assert lagged.step_s == pytest.approx(max(lagged.compute_s, lagged.comm_s) + lagged.update_s)
@@ -506,6 +542,10 @@ def test_strategies_send_what_the_model_counts(name, mode, delay):
     model = build_model(name, seed=1)
     strategy = parallel.create(mode, model, lambda k: SGD(k, LRPolicy("fixed", 1e-3)),
                                world, delay=delay, transport="mpi")
+    if hasattr(strategy, "buckets"):                 # the delay-0 buckets the model assumes
+        stop = model.fc_start() if mode == "split-fc" else len(model.layers)
+        expected = pm.buckets(model, stop) if delay == 0 else []
+        assert [tuple(b) for b in strategy.buckets] == [tuple(b) for b in expected]
     transport = strategy.transport
     posted = [0]
     isendrecv = transport.isendrecv

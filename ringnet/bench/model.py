@@ -644,7 +644,7 @@ def _tree_time(system, n, nbytes, elems):
     """
     if n <= 1:
         return 0.0, 0.0
-    itemsize = nbytes / max(elems, 1)
+    itemsize = max(1, nbytes // max(elems, 1))
     concurrent = _rooted_concurrent()
     pieces = [b - a for a, b in _pieces(elems, itemsize)] if concurrent else [elems]
     ready = [[0.0] * len(pieces) for _ in range(n)]     # piece j's partial ready to go up
@@ -689,7 +689,7 @@ def _master_time(system, n, nbytes, elems):
     """
     if n <= 1:
         return 0.0, 0.0
-    itemsize = nbytes / max(elems, 1)
+    itemsize = max(1, nbytes // max(elems, 1))
     workers = range(1, n)
     alpha = max(system.hop(w, 0).alpha_s for w in workers)
     if not _rooted_concurrent():
@@ -702,6 +702,58 @@ def _master_time(system, n, nbytes, elems):
         add = max(add, link) + (n - 1) * system.compute.add(b - a)
         out += alpha + sum(size / system.hop(0, w).beta_Bps for w in workers)
     return add, out
+
+
+def auto_algorithms():
+    """The all-reduce algorithms of the code's ``auto`` communicator, or () where it has none."""
+    try:
+        from ringnet.comm.auto import ALGORITHMS
+    except ImportError:
+        return ()
+    return tuple(ALGORITHMS)
+
+
+def allreduce_time(system, algorithm, nbytes, n, itemsize=4):
+    """Seconds of one all-reduce of ``nbytes`` over N ranks by ``algorithm`` (``auto``: the
+    algorithm the code's ``AutoCommunicator`` picks for this size and N, with its own rule).
+
+    The ring runs as the model's ring; auto's other algorithms by their rounds, the bytes
+    the busiest rank sends and the bytes it adds (``ringnet.comm.auto.terms``, the table
+    the code's choice is made from), each round one message time on this link.
+    """
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if algorithm == "auto":
+        from ringnet.comm.auto import choose
+        algorithm = choose(nbytes, n)
+    elems = max(1, nbytes // itemsize)
+    if algorithm == "ring":
+        bounds = _shard_bounds(elems, n)
+        return _ring_time(system, bounds, itemsize, "rs") + _ring_time(system, bounds, itemsize, "ag")
+    from ringnet.comm.auto import terms
+    rounds, sent, added = terms(algorithm, nbytes, n)
+    link = system.intra if n <= system.ranks_per_node else system.inter
+    cp = system.compute
+    return rounds * (link.alpha_s + cp.add_s_per_call) + sent / link.beta_Bps \
+        + added / itemsize * cp.add_s_per_elem
+
+
+def allreduce_rows(system, model, nps):
+    """Rows {model, profile, np, bytes, picked, auto_ms, ring_ms} for the whole gradient."""
+    if "ring" not in auto_algorithms():
+        return []
+    from ringnet.comm.auto import choose
+    nbytes = model.num_params * model.dtype.itemsize
+    rows = []
+    for n in nps:
+        if n < 2:
+            continue
+        sys_n = system.at(n)
+        rows.append({"model": model.name, "profile": system.name, "np": n, "bytes": nbytes,
+                     "picked": choose(nbytes, n),
+                     "auto_ms": 1e3 * allreduce_time(sys_n, "auto", nbytes, n, model.dtype.itemsize),
+                     "ring_ms": 1e3 * allreduce_time(sys_n, "ring", nbytes, n, model.dtype.itemsize)})
+    return rows
 
 
 @dataclasses.dataclass
@@ -1491,13 +1543,14 @@ def main(argv=None):
             with open(args.calibration, "w") as f:
                 json.dump(calibration, f, indent=1)
 
-    predictions, crosses = [], []
+    predictions, crosses, allreduces = [], [], []
     for spec in profiles:
         system = make_system(spec, compute, args.ranks_per_node, calibration)
         for name in models:
             model = build_model(name, dtype=args.dtype)
             rows = sweep(system, model, nps, args.batch_size, args.scaling)
             predictions += rows
+            allreduces += allreduce_rows(system, model, nps)
             crosses += crossovers(system, model, args.batch_size, args.scaling,
                                   min(args.max_crossover_np, max(nps)))
     paper, paper_compute, paper_system = paper_rows(args.paper_compute, args.paper_profile, args.dtype)
@@ -1551,6 +1604,14 @@ def main(argv=None):
                   f"compute slowdown {c['slowdown']:.2f} (effective cores "
                   f"{n / max(c['slowdown'], 1e-9):.2f}); stream steals {c['steal']:.2f} of a core")
     _print_tables(predictions, args.batch_size, args.scaling, nps)
+    if allreduces:
+        print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "
+              "picks for the size and N) against the ring, on each profile")
+        print(f"  {'model':14s} {'profile':15s} {'N':>5s} {'bytes':>9s} {'auto picks':>10s} "
+              f"{'auto ms':>9s} {'ring ms':>9s}")
+        for r in allreduces:
+            print(f"  {r['model']:14s} {r['profile']:15s} {r['np']:>5d} {r['bytes']:>9d} "
+                  f"{r['picked']:>10s} {r['auto_ms']:9.3g} {r['ring_ms']:9.3g}")
     if crosses:
         print("\n# crossovers (time per image): from N on, the first mode is faster")
         for c in crosses:
