@@ -1468,9 +1468,9 @@ def _parser():
     p.add_argument("--calibration", metavar="FILE",
                    help="read the local calibration from FILE (written by --calibrate when given)")
     p.add_argument("--validate", action="store_true",
-                   help="run ringnet.train at N=1,2,4 for every mode and print predicted beside "
-                        "measured step time; measures compute and calibrates in every round "
-                        "(about 4 minutes a round)")
+                   help="run ringnet.train at each --np given (default 1 2 4) for every mode "
+                        "and print predicted beside measured step time; measures compute and "
+                        "calibrates in every round (about 4 minutes a round)")
     p.add_argument("--validation", metavar="FILE",
                    help="with --validate: also write the measurements to FILE; without: read "
                         "them from FILE and print the validation again (predictions recomputed)")
@@ -1558,7 +1558,8 @@ def main(argv=None):
     validation = []
     if args.validate:
         record = validate(models, args.validate_batch, args.validate_steps,
-                          args.validate_repeats, args.mpirun, args.iters)
+                          args.validate_repeats, args.mpirun, args.iters,
+                          nps=VALIDATION_NP if args.np == list(DEFAULT_NP) else tuple(nps))
         if args.validation:
             with open(args.validation, "w") as f:
                 json.dump(record, f, indent=1)
