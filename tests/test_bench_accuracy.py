@@ -69,6 +69,20 @@ def test_delay_bench_separates_plain_from_compensated_on_lenet():
 
 
 @pytest.mark.timeout(900)
+def test_default_compensation_is_stable_where_single_is_on_lenet_lr_0_03():
+    """LeNet, lr 0.03, momentum 0.9: single converges, so must the default delay 1.
+
+    The former fixed k = 5 (momentum 0.98, lr/5, c 2, written out here) diverges there:
+    its stable range on a quadratic is lr*h < 1.3 against synchronous SGD's 3.8.
+    """
+    rows = {v: delay.run("lenet", "synthetic", v, 0.03, 0.9, epochs=2, seed=0)
+            for v in ("single", "lookahead", "pred:2+mom:0.98+lrs:0.2")}
+    assert rows["single"]["status"] == "ok" and rows["single"]["test_accuracy"] >= 0.95
+    assert rows["lookahead"]["status"] == "ok" and rows["lookahead"]["test_accuracy"] >= 0.95
+    assert rows["pred:2+mom:0.98+lrs:0.2"]["status"].startswith("div@"), rows
+
+
+@pytest.mark.timeout(900)
 def test_curves_and_to_accuracy_end_to_end(tmp_path):
     out_csv, out_png = tmp_path / "c.csv", tmp_path / "c.png"
     try:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ringnet.backend import get_array_module, to_numpy
 from ringnet.errors import InputError
+from ringnet.optim import lookahead_k
 
 __all__ = ["LocalPlan", "ShardedPlan", "RootedPlan", "DelayedUpdate", "Lookahead",
            "COMPENSATIONS", "compensation", "synchronize"]
@@ -45,16 +46,21 @@ class Lookahead:
         w[t+1]  = w[t] - v[t+1]
 
     On a quadratic with curvature h the plain delayed update (k = 1, c = 0) is stable
-    only while ``lr * h < 1 - mu`` (0.1 at mu = 0.9; synchronous SGD: ``2 (1 + mu)``);
-    a smoother trajectory (larger k) is predicted better one step ahead, which widens
-    that bound roughly k-fold. ``k = 1, c = 0`` is the plain recurrence.
+    only while ``lr * h < 1 - mu`` (0.1 at mu = 0.9; synchronous SGD: ``2 (1 + mu)``).
+    ``k = None`` (the default) takes ``k = ringnet.optim.lookahead_k(mu, c)``, the
+    smallest k whose stable range is synchronous SGD's (15.005 at mu 0.9, c 2; the
+    derivation is in ``ringnet.optim``). ``k = 1, c = 0`` is the plain recurrence.
     """
-    k: float = 5.0
+    k: Optional[float] = None
     c: float = 2.0
 
     @property
     def plain(self):
         return self.k == 1 and self.c == 0
+
+    def k_for(self, momentum):
+        """The k used with the user's ``momentum``."""
+        return lookahead_k(momentum, self.c) if self.k is None else self.k
 
 
 COMPENSATIONS = {"none": Lookahead(1.0, 0.0), "lookahead": Lookahead()}
@@ -164,8 +170,9 @@ class DelayedUpdate:
             self.sent = grads.copy()
             if lookahead is not None and not lookahead.plain:
                 self.lookahead = lookahead
-                optimizer.momentum = 1.0 - (1.0 - optimizer.momentum) / lookahead.k
-                optimizer.lr_scale = 1.0 / lookahead.k
+                k = lookahead.k_for(optimizer.momentum)
+                optimizer.momentum = 1.0 - (1.0 - optimizer.momentum) / k
+                optimizer.lr_scale = 1.0 / k
                 self.base = params.copy()   # w[t-1] during step t (the front is the look-ahead point)
 
     # -- one step -------------------------------------------------------------------
