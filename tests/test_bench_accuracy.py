@@ -122,3 +122,28 @@ def test_curves_and_to_accuracy_end_to_end(tmp_path):
     # evaluated at steps 5, 10, 15, 20 and at the end (22 steps per epoch)
     assert row["epochs_to_acc"] in [round(s / 22, 3) for s in (5, 10, 15, 20, 22)]
     assert 0 < row["seconds_to_acc"] and row["final_accuracy"] >= 0.5
+
+
+@pytest.mark.timeout(900)
+def test_delay_speed_prints_interleaved_ratio():
+    """bench delay --speed: none and lookahead alternate, one ratio line per N."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringnet.bench", "delay", "--speed", "--model", "digits",
+         "--dataset", "digits", "--steps", "3", "--repeats", "2", "--np", "1", "2"],
+        capture_output=True, text=True, env=ENV, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert sum("ring delay 1, mpirun -np" in line for line in out) == 2, proc.stdout
+    ratios = [line for line in out if "ratio lookahead / none: median" in line]
+    assert len(ratios) == 2, proc.stdout
+    for name in ("none", "lookahead"):
+        rows = [line.split() for line in out if line.split()[:1] == [name]]
+        assert len(rows) == 2 and all(len(r) == 5 for r in rows), proc.stdout   # 2 rounds each
+        assert all(float(v) > 0 for r in rows for v in (r[1], r[3], r[4]))
+
+
+def test_delay_speed_refuses_bad_values():
+    from conftest import assert_one_line_error, run_cli
+    assert_one_line_error(run_cli("delay", "--speed", "--np", "0", module="ringnet.bench"), "--np")
+    assert_one_line_error(run_cli("delay", "--speed", "--np", "5", module="ringnet.bench"),
+                          "not divisible")

@@ -20,13 +20,23 @@ of these variants of the recurrence written out here (joined with '+'):
 It prints test accuracy per (variant, lr, momentum), mean over seeds, or ``div@S``
 when the loss became NaN/inf at step S; a run whose final test accuracy is under twice
 chance counts as failed too (``dead``).
+
+``--speed`` instead times ``mpirun -np N python -m ringnet.train --mode ring --delay 1``
+with ``--delay-compensation none`` and ``lookahead``, interleaved (one launch per round
+and variant, ABBA order, STEPS steps each; ``step_ms`` is the run's median step), and
+prints per N the median ms per step of each, the median of the per-round ratios
+lookahead / none and the load average. N = 1 is the delayed engine without exchange
+(the compensation's extra vector work against the whole step). The timing runs use
+lr 0.001, where neither recurrence diverges.
 """
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -167,6 +177,39 @@ def run(model_name, dataset, variant, lr, momentum, epochs, seed, batch_size=64,
         ds.close()
 
 
+def _abba(repeats):
+    """Variant order per round: none, lookahead, then lookahead, none, ... (ABBA)."""
+    for r in range(repeats):
+        yield ("none", "lookahead") if r % 2 == 0 else ("lookahead", "none")
+
+
+def speed(model_name, dataset, nranks, steps=20, repeats=6, batch_size=64, data_dir=None,
+          mpirun="mpirun", timeout=1800, lr=0.001):
+    """Return {variant: [step_ms, per round]} of ``ring --delay 1`` under mpirun, interleaved."""
+    from ringnet.bench.scaling import run_config
+    args = SimpleNamespace(mpirun=mpirun, model=model_name, dataset=dataset,
+                           batch_size=batch_size, steps=steps, transport="auto", device="cpu",
+                           lr=lr, seed=0, data_dir=data_dir, timeout=timeout)
+    times = {"none": [], "lookahead": []}
+    for order in _abba(repeats):
+        for name in order:
+            summary = run_config(args, "ring", 1, nranks, extra=["--delay-compensation", name])
+            times[name].append(summary["step_ms"])
+    return times
+
+
+def _speed_report(title, times):
+    ratios = [a / b for a, b in zip(times["lookahead"], times["none"])]
+    print(f"{title}: ms per step, median of {len(ratios)} interleaved rounds "
+          f"(load average {os.getloadavg()[0]:.1f})")
+    for name, values in times.items():
+        print(f"  {name:>10} {statistics.median(values):9.2f}   rounds: "
+              + " ".join(f"{v:.1f}" for v in values))
+    print(f"  ratio lookahead / none: median {statistics.median(ratios):.3f} "
+          f"(rounds {min(ratios):.3f} .. {max(ratios):.3f})")
+    return statistics.median(ratios)
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="python -m ringnet.bench delay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,6 +226,13 @@ def _parser():
     p.add_argument("--subset", type=int, default=None, help="train on the first N images only")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--json", action="store_true", help="one JSON line per run instead of the table")
+    p.add_argument("--speed", action="store_true",
+                   help="time the delay-1 step with none and lookahead, interleaved, and print the ratio")
+    p.add_argument("--steps", type=int, default=20, help="--speed: steps per round (default 20)")
+    p.add_argument("--repeats", type=int, default=6, help="--speed: rounds per variant (default 6)")
+    p.add_argument("--np", type=int, nargs="+", default=[1, 2],
+                   help="--speed: rank counts to time ring --delay 1 at (default 1 2)")
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
     return p
 
 
@@ -190,6 +240,17 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     if args.model not in MODELS:
         raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
+    if args.speed:
+        if args.steps < 1 or args.repeats < 1 or min(args.np) < 1:
+            raise UsageError("--steps, --repeats and --np must be >= 1")
+        if args.batch_size % max(args.np):
+            raise UsageError(f"--batch-size {args.batch_size} is not divisible by every --np")
+        for n in args.np:
+            _speed_report(f"{args.model} on {args.dataset}, global batch {args.batch_size}, "
+                          f"ring delay 1, mpirun -np {n}",
+                          speed(args.model, args.dataset, n, args.steps, args.repeats,
+                                args.batch_size, args.data_dir, args.mpirun))
+        return 0
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
         if v not in ENGINE:
