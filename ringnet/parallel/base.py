@@ -15,7 +15,7 @@ import numpy as np
 
 from ringnet.backend import to_numpy
 from ringnet.layers import Dropout
-from ringnet.parallel.exchange import DelayedUpdate, LocalPlan, synchronize
+from ringnet.parallel.exchange import DelayedUpdate, LocalPlan
 from ringnet.stats import StepStats
 
 __all__ = ["Strategy", "DataParallelStrategy", "StepStats"]
@@ -40,7 +40,7 @@ class Strategy:
         self.size = world.Get_size() if world is not None else 1
         self.delay = delay
         self.make_optimizer = make_optimizer
-        self.stats = StepStats()
+        self.stats = StepStats(gpu=None if self.xp is np else self.xp)
         self.transport = None
 
     # -- contract -----------------------------------------------------------
@@ -167,7 +167,6 @@ class DataParallelStrategy(Strategy):
             self.engine.show_front()
             with self.stats.span("compute", phase="forward_backward"):
                 loss, correct = self.model.loss_and_grad(x, labels)
-                synchronize(self.model.grads)
             self.engine.gradients_ready(it)
         return loss, correct
 

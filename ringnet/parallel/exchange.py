@@ -28,7 +28,7 @@ from ringnet.errors import InputError
 from ringnet.optim import lookahead_k
 
 __all__ = ["LocalPlan", "ShardedPlan", "RootedPlan", "DelayedUpdate", "Lookahead",
-           "COMPENSATIONS", "compensation", "synchronize"]
+           "COMPENSATIONS", "compensation"]
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,6 @@ def compensation(name):
         raise InputError(f"unknown delay compensation {name!r}; choose one of "
                          f"{', '.join(COMPENSATIONS)}")
     return COMPENSATIONS[name]
-
-
-def synchronize(array):
-    """Block until the device work queued on ``array``'s device (current stream) is done."""
-    xp = get_array_module(array)
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
 
 
 class LocalPlan:
@@ -191,7 +184,6 @@ class DelayedUpdate:
                 if source is not None:
                     weights[owned] = source[owned]
                 self.optimizer.step(weights[owned], grads[owned], it)
-                synchronize(weights)
         with self.stats.span(kind, op="distribute", bytes=weights.nbytes):
             self.plan.distribute(weights)
 

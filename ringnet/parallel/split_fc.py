@@ -39,7 +39,7 @@ from ringnet.backend import to_numpy
 from ringnet.errors import InputError
 from ringnet.parallel.base import Strategy
 from ringnet.parallel.conversion import ActivationCollectives, DataConversion
-from ringnet.parallel.exchange import DelayedUpdate, ShardedPlan, synchronize
+from ringnet.parallel.exchange import DelayedUpdate, ShardedPlan
 from ringnet.parallel.fc_slices import FcBlock, FcSlice, check_split, fc_blocks
 
 __all__ = ["SplitFCStrategy", "FcSlice", "check_split", "fc_blocks"]
@@ -97,7 +97,6 @@ class SplitFCStrategy(Strategy):
     def _compute(self, phase):
         with self.stats.span("compute", phase=phase):
             yield
-            synchronize(self.model.params)
 
     # -- one step: named phases -------------------------------------------------------
     def step(self, x, labels, it):
@@ -174,7 +173,6 @@ class SplitFCStrategy(Strategy):
             params, grads = self.model.params, self.model.grads
             for (a, b), optimizer in zip(self.fc_regions, self.fc_optimizers):
                 optimizer.step(params[a:b], grads[a:b], it)
-            synchronize(params)
 
     def drain(self):
         self.engine.drain()
