@@ -140,6 +140,8 @@ def test_delay_speed_prints_interleaved_ratio():
         rows = [line.split() for line in out if line.split()[:1] == [name]]
         assert len(rows) == 2 and all(len(r) == 5 for r in rows), proc.stdout   # 2 rounds each
         assert all(float(v) > 0 for r in rows for v in (r[1], r[3], r[4]))
+    assert sum("step boundary and update alone" in line for line in out) == 1, proc.stdout
+    assert [line.split("N=")[1][0] for line in out if "extra / ring delay 1 step" in line] == ["1", "2"]
 
 
 def test_delay_speed_refuses_bad_values():

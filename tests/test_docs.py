@@ -284,6 +284,8 @@ SUITE = "runs the test suite; CI runs it (bash .ci/run)"
 CLUSTER = "trace and plot commands; run by their own tests (tests/test_trace*.py, plot tests)"
 FASHION = ("needs Fashion-MNIST (Debian's dataset-fashion-mnist), which CI does not install; "
            "the bench commands have their own tests on small data")
+SWEEP = ("36 training runs; tests/test_bench_accuracy.py runs its LeNet points at lr 0.01 and "
+         "0.03, momentum 0.9")
 COMMANDS = {
     # README.md
     'pip install -e ".[mpich]" && mpirun -np 4 python -m ringnet.train': quick_start,
@@ -336,6 +338,14 @@ COMMANDS = {
     "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
     "--to-accuracy 0.84 --epochs 1 --eval-every 117": FASHION,
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2": FASHION,
+    "python -m ringnet.bench delay --model digits --dataset digits --epochs 20 --seeds 1 2 3":
+        "nine 440-step runs; tests/test_bench_accuracy.py runs bench delay on LeNet",
+    "python -m ringnet.bench delay --model digits --dataset digits --epochs 10 --lr 0.01 0.03 0.1 "
+    "0.3 --momentum 0 0.5 0.9 --variants single,none,lookahead": SWEEP,
+    "python -m ringnet.bench delay --model lenet --dataset synthetic --epochs 2 --lr 0.003 0.01 "
+    "0.03 0.1 --momentum 0 0.5 0.9 --variants single,none,lookahead": SWEEP,
+    "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8":
+        "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 1 --np 2 "
     "--eval-every 234": FASHION,
     # datasets/README.md

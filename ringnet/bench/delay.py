@@ -26,8 +26,11 @@ with ``--delay-compensation none`` and ``lookahead``, interleaved (one launch pe
 and variant, ABBA order, STEPS steps each; ``step_ms`` is the run's median step), and
 prints per N the median ms per step of each, the median of the per-round ratios
 lookahead / none and the load average. N = 1 is the delayed engine without exchange
-(the compensation's extra vector work against the whole step). The timing runs use
-lr 0.001, where neither recurrence diverges.
+(the compensation's extra vector work against the whole step). It then times the step
+boundary alone (the look-ahead point and the update, ``gradients_ready``) of both
+engines in one process, alternating every step, and prints the extra milliseconds as
+a share of each N's step. The timing runs use lr 0.001, where neither recurrence
+diverges.
 """
 import argparse
 import json
@@ -198,6 +201,41 @@ def speed(model_name, dataset, nranks, steps=20, repeats=6, batch_size=64, data_
     return times
 
 
+def boundary_cost(model_name, dataset, steps=40, batch_size=64, data_dir=None, dtype="float32",
+                  lr=0.001, momentum=0.9):
+    """Return {variant: [ms per step]} of the delayed engine's step boundary, in one process.
+
+    Both engines train their own copy of the model on the same batches; only
+    ``gradients_ready`` (drain, the front/look-ahead point, the update) is timed, the two
+    alternating every step (ABBA), so the compensation's extra vector work is measured
+    without the noise of the forward/backward around it.
+    """
+    spec = MODELS[model_name]
+    ds = open_dataset(dataset, seed=0, data_dir=data_dir, input_shape=spec.input_shape,
+                      num_classes=spec.num_classes)
+    try:
+        loader = ShardedLoader(ds.train, batch_size, seed=0, dtype=dtype, mean=ds.mean,
+                               std=ds.std, prefetch=0)
+        batches = loader.epoch(0)
+        data = [next(batches) for _ in range(min(steps, loader.steps_per_epoch))]
+        batches.close()
+    finally:
+        ds.close()
+    engines = {name: _Engine(build_model(model_name, dtype=dtype, seed=0), name, lr, momentum,
+                             5e-4, dtype).strategy for name in ("none", "lookahead")}
+    times = {name: [] for name in engines}
+    for it, order in enumerate(_abba(steps + 2)):
+        x, y = data[it % len(data)]
+        for name in order:
+            strategy = engines[name]
+            strategy.model.loss_and_grad(x, y)
+            t0 = time.perf_counter()
+            strategy.engine.gradients_ready(it)
+            if it >= 2:                 # the first two steps allocate
+                times[name].append(1000 * (time.perf_counter() - t0))
+    return times
+
+
 def _speed_report(title, times):
     ratios = [a / b for a, b in zip(times["lookahead"], times["none"])]
     print(f"{title}: ms per step, median of {len(ratios)} interleaved rounds "
@@ -245,11 +283,21 @@ def main(argv=None):
             raise UsageError("--steps, --repeats and --np must be >= 1")
         if args.batch_size % max(args.np):
             raise UsageError(f"--batch-size {args.batch_size} is not divisible by every --np")
+        what = f"{args.model} on {args.dataset}, global batch {args.batch_size}"
+        steps = {}
         for n in args.np:
-            _speed_report(f"{args.model} on {args.dataset}, global batch {args.batch_size}, "
-                          f"ring delay 1, mpirun -np {n}",
-                          speed(args.model, args.dataset, n, args.steps, args.repeats,
-                                args.batch_size, args.data_dir, args.mpirun))
+            times = speed(args.model, args.dataset, n, args.steps, args.repeats,
+                          args.batch_size, args.data_dir, args.mpirun)
+            _speed_report(f"{what}, ring delay 1, mpirun -np {n}", times)
+            steps[n] = statistics.median(times["none"])
+        cost = boundary_cost(args.model, args.dataset, 2 * args.steps,
+                             args.batch_size, args.data_dir)
+        extra = statistics.median(cost["lookahead"]) - statistics.median(cost["none"])
+        print(f"{what}, step boundary and update alone (one process, alternating every step, "
+              f"median of {len(cost['none'])}): none {statistics.median(cost['none']):.2f} ms, "
+              f"lookahead {statistics.median(cost['lookahead']):.2f} ms, extra {extra:.2f} ms")
+        for n, ms in steps.items():
+            print(f"  extra / ring delay 1 step at N={n} ({ms:.1f} ms): {100 * extra / ms:+.2f} %")
         return 0
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
