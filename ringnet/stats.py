@@ -23,6 +23,16 @@ Spans of one kind must not nest (their time would count twice); spans of differe
 kinds may. Totals are updated under a lock: the training thread and the stream
 threads fill the same :class:`StepStats`.
 
+**On a GPU** (``StepStats(gpu=cupy)``) the host does not wait for the device to time a
+span: ``compute`` and ``update`` spans record a CUDA event on the thread's current
+stream at their start and end, and their duration is the device time between the two
+(``cupy.cuda.get_elapsed_time``), added to the totals once the end event has completed
+(checked without blocking at every ``step`` span's end; :meth:`StepStats.resolve`
+waits for the rest). The host enqueues ahead and synchronizes only where it reads a
+value (the loss, a buffer MPI sends). Host-side spans (``step``, ``wait``, ``comm``,
+``exposed_comm``) keep their wall-clock durations. Listeners get the host times of
+every span (when it was enqueued, on the GPU).
+
 **Tracing hook.** ``subscribe(listener)`` registers ``listener(event)``, called once
 for every span that ends, on the thread that ran it, after the totals were updated
 and outside the lock. ``event`` is a :class:`SpanEvent` with ``name`` (the span name),
@@ -43,7 +53,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-__all__ = ["StepStats", "SpanEvent", "span", "subscribe", "SPAN_FIELDS"]
+__all__ = ["StepStats", "SpanEvent", "span", "subscribe", "SPAN_FIELDS", "DEVICE_SPANS"]
 
 # span name -> the StepStats totals it adds its duration to
 SPAN_FIELDS = {
@@ -54,6 +64,8 @@ SPAN_FIELDS = {
     "wait": ("comm_wait_s",),
     "exposed_comm": ("comm_total_s", "comm_wait_s"),
 }
+# spans whose work is queued on the device: timed with CUDA events when StepStats has a GPU
+DEVICE_SPANS = frozenset({"compute", "update"})
 
 
 class SpanEvent(NamedTuple):
@@ -103,14 +115,20 @@ def span(name: str, **args):
 
 @dataclass
 class StepStats:
-    """Per-rank time totals of a training run, filled by :meth:`span`."""
+    """Per-rank time totals of a training run, filled by :meth:`span`.
+
+    ``gpu``: the CuPy module when the run's arrays live on a GPU (device spans are then
+    timed with CUDA events, see the module docstring), else None.
+    """
     steps: int = 0
     compute_s: float = 0.0
     comm_wait_s: float = 0.0    # time the training thread was blocked on communication
     comm_total_s: float = 0.0   # time communication took, hidden or not
     update_s: float = 0.0
     step_times: list = field(default_factory=list)
+    gpu: object = field(default=None, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _pending: list = field(default_factory=list, repr=False, compare=False)
 
     @contextmanager
     def span(self, name: str, **args):
@@ -118,21 +136,51 @@ class StepStats:
         fields = SPAN_FIELDS.get(name)
         if fields is None:
             raise ValueError(f"unknown statistics span {name!r}; known: {', '.join(SPAN_FIELDS)}")
+        events = None
+        if self.gpu is not None and name in DEVICE_SPANS:
+            events = (self.gpu.cuda.Event(), self.gpu.cuda.Event())
+            events[0].record()                  # on this thread's current stream
         start = time.perf_counter()
         try:
             yield
         finally:
             duration = time.perf_counter() - start
+            if events is not None:
+                events[1].record()
             with self._lock:
-                for name_ in fields:
-                    setattr(self, name_, getattr(self, name_) + duration)
+                if events is not None:
+                    self._pending.append((fields, events))
+                else:
+                    for name_ in fields:
+                        setattr(self, name_, getattr(self, name_) + duration)
                 if name == "step":
                     self.steps += 1
                     self.step_times.append(duration)
+            if name == "step" and self._pending:
+                self.resolve(wait=False)
             _publish(name, start, duration, args)
+
+    def resolve(self, wait: bool = True) -> None:
+        """Add the device time of finished GPU spans to the totals (all of them when ``wait``)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        later = []
+        for fields, (begin, end) in pending:
+            if not wait and not end.done:
+                later.append((fields, (begin, end)))
+                continue
+            end.synchronize()
+            seconds = self.gpu.cuda.get_elapsed_time(begin, end) / 1000.0
+            with self._lock:
+                for name_ in fields:
+                    setattr(self, name_, getattr(self, name_) + seconds)
+        if later:
+            with self._lock:
+                self._pending[:0] = later
 
     def overlap(self) -> float:
         """Return the fraction of communication time hidden behind computation (0 without communication)."""
+        self.resolve()
         with self._lock:
             total, wait = self.comm_total_s, self.comm_wait_s
         if total <= 0:

@@ -11,7 +11,10 @@ span. Every span ringnet times (see :mod:`ringnet.stats`) becomes a complete eve
 ``loss``, ``update``, ``wait``, ``comm``, ``transfer``, ...); ``args`` hold what the span
 was given (a transfer's ``peer`` and ``bytes``, a step's number). ``ts`` counts from a
 barrier all ranks pass when tracing starts, so lanes of different ranks line up (to the
-barrier's skew, microseconds on one node). Each rank collects its events in memory; at
+barrier's skew, microseconds on one node). Spans are host time: over NCCL on a GPU a
+``transfer`` span covers the enqueueing of the send and receive (``"enqueued": true``),
+the transfer itself runs later on the CUDA stream; the statistics time GPU compute and
+update with CUDA events instead (see :mod:`ringnet.stats`). Each rank collects its events in memory; at
 the end rank 0 gathers them and writes the file atomically.
 """
 import contextlib

@@ -425,6 +425,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
 
     set_phase("statistics")
     stats = strategy.stats
+    stats.resolve()             # device time of the last GPU spans
     steps_run = step - first_step
     sent, received = strategy.bytes_moved()
     local_loss = float(np.mean(recent)) if recent else float("nan")

@@ -152,3 +152,69 @@ def test_a_delay1_ring_step_reports_its_phases_and_the_stream_thread():
     assert {e.args["op"] for e in comm} == {"reduce", "distribute"}
     assert all(e.args["bytes"] == model.num_params * 8 for e in comm)
     assert strategy.stats.steps == 2 and len(strategy.stats.step_times) == 2
+
+
+class _FakeCuda:
+    """The part of ``cupy.cuda`` GPU spans use: events on a device clock the test moves."""
+
+    def __init__(self):
+        self.device_now = 0.0           # ms
+        self.finished = True            # whether recorded events have completed
+        self.waits = 0                  # Event.synchronize calls (host waits)
+        cuda = self
+
+        class Event:
+            def record(self, stream=None):
+                self.at = cuda.device_now
+
+            @property
+            def done(self):
+                return cuda.finished
+
+            def synchronize(self):
+                cuda.waits += 1
+        self.Event = Event
+
+    def get_elapsed_time(self, start, end):
+        return end.at - start.at
+
+
+class _FakeCupy:
+    def __init__(self):
+        self.cuda = _FakeCuda()
+
+
+def test_gpu_spans_take_device_time_from_events_without_waiting_in_the_step(clock):
+    """compute/update on a GPU: the event interval, added once the end event is done;
+    host spans keep the host clock; the step never waits for the device."""
+    gpu = _FakeCupy()
+    st = StepStats(gpu=gpu)
+    gpu.cuda.finished = False                   # the device lags the host
+    with st.span("step"):
+        with st.span("compute"):
+            gpu.cuda.device_now += 250.0        # 0.25 s of kernels between the two events
+        with st.span("update"):
+            gpu.cuda.device_now += 40.0
+        with st.span("wait"):
+            pass
+    assert gpu.cuda.waits == 0                  # nothing blocked the host
+    assert st.compute_s == 0 and st.update_s == 0, "device spans counted before they finished"
+    assert st.comm_wait_s == 1                  # a host span: one clock tick
+    assert st.steps == 1
+    gpu.cuda.finished = True
+    with st.span("step"):                       # the next step's end collects finished spans
+        pass
+    assert st.compute_s == pytest.approx(0.25) and st.update_s == pytest.approx(0.04)
+    assert gpu.cuda.waits == 2
+    gpu.cuda.finished = False
+    with st.span("compute"):
+        gpu.cuda.device_now += 10.0
+    st.resolve()                                # the end of a run waits for the rest
+    assert st.compute_s == pytest.approx(0.26)
+
+
+def test_cpu_spans_record_no_events(clock):
+    st = StepStats()
+    with st.span("compute"):
+        pass
+    assert st.compute_s == 1 and not st._pending

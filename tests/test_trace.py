@@ -177,3 +177,24 @@ def test_no_listener_no_fine_spans():
         assert not trace.active() and not seen              # no Tracer: a no-op
     finally:
         unsubscribe()
+
+
+def test_nccl_transfers_are_traced(tmp_path):
+    """Over the NCCL transport (its strict host stand-in) the trace shows every transfer,
+    and they add up to the bytes the summary reports."""
+    env = dict(ENV, RINGNET_NCCL="standin")
+    path = tmp_path / "trace.json"
+    cmd = ["mpirun", "-np", "2", sys.executable, "-m", "ringnet.train", "--steps", "4",
+           "--no-eval", "--json", "--quiet", "--transport", "nccl", "--mode", "ring",
+           "--delay", "1", "--trace", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["transport"] == "nccl"
+    events = spans(json.load(open(path)))
+    transfers = [e for e in events if e["cat"] == "transfer"]
+    assert transfers and all(e["args"]["enqueued"] is False for e in transfers)
+    assert sum(e["args"]["sent"] for e in transfers) / 2 == summary["bytes_sent"]
+    lanes = {e["tid"] for e in transfers}
+    assert len(lanes) >= 1 and all(e["args"]["to"] in (0, 1) or e["args"]["from"] in (0, 1)
+                                   for e in transfers)

@@ -25,6 +25,7 @@ import warnings
 
 from mpi4py import MPI
 
+from ringnet import trace
 from ringnet.backend import cupy, gpu_available, is_gpu_array
 from ringnet.comm.stream import CpuStream, GpuStream, current_tag
 from ringnet.comm.transport import CommTimeoutError, Transport, describe
@@ -246,23 +247,28 @@ class NcclTransport(Transport):
             return _Enqueued(self)
         comm = self._comm()
         stream = self._stream_ptr()
-        what = describe("sendrecv" if send_bytes and recv_bytes else "send" if send_bytes else "recv",
-                        send_peer if send_bytes else None, recv_peer if recv_bytes else None,
+        op = "sendrecv" if send_bytes and recv_bytes else "send" if send_bytes else "recv"
+        what = describe(op, send_peer if send_bytes else None, recv_peer if recv_bytes else None,
                         max(send_bytes, recv_bytes))
         # groupEnd can block on the host (NCCL connects a pair of ranks at first use).
         call = self._watch_call(f"{what} (NCCL group call)")
-        # A lone send and a lone receive in opposite orders deadlock: group them.
-        self.nccl.groupStart()
-        try:
-            if send_bytes:
-                ptr, count, dtype = self._args(send_array)
-                comm.send(ptr, count, dtype, send_peer, stream)
-            if recv_bytes:
-                ptr, count, dtype = self._args(recv_array)
-                comm.recv(ptr, count, dtype, recv_peer, stream)
-        finally:
-            self.nccl.groupEnd()
-            call.done = True
+        # On a GPU the span covers the enqueueing (the transfer runs on the stream later);
+        # the host stand-in completes the transfer inside it.
+        with trace.span("transfer", op=op, to=send_peer if send_bytes else None,
+                        sent=send_bytes, received=recv_bytes, enqueued=not self.on_host,
+                        **{"from": recv_peer if recv_bytes else None}):
+            # A lone send and a lone receive in opposite orders deadlock: group them.
+            self.nccl.groupStart()
+            try:
+                if send_bytes:
+                    ptr, count, dtype = self._args(send_array)
+                    comm.send(ptr, count, dtype, send_peer, stream)
+                if recv_bytes:
+                    ptr, count, dtype = self._args(recv_array)
+                    comm.recv(ptr, count, dtype, recv_peer, stream)
+            finally:
+                self.nccl.groupEnd()
+                call.done = True
         self._count(send_bytes, recv_bytes)
         if self._watchdog is not None:
             self._watchdog.watch(cupy.cuda.get_current_stream().record(), what)

@@ -16,8 +16,7 @@ import numpy as np
 from ringnet.backend import to_numpy
 from ringnet.comm.stream import progress_all
 from ringnet.layers import Dropout
-from ringnet.parallel.exchange import (DelayedUpdate, LocalPlan, backward_buckets, bucket_bytes,
-                                       synchronize)
+from ringnet.parallel.exchange import DelayedUpdate, LocalPlan, backward_buckets, bucket_bytes
 from ringnet.stats import StepStats
 
 __all__ = ["Strategy", "DataParallelStrategy", "StepStats"]
@@ -42,7 +41,7 @@ class Strategy:
         self.size = world.Get_size() if world is not None else 1
         self.delay = delay
         self.make_optimizer = make_optimizer
-        self.stats = StepStats()
+        self.stats = StepStats(gpu=None if self.xp is np else self.xp)
         self.transport = None
 
     # -- contract -----------------------------------------------------------
@@ -189,7 +188,6 @@ class DataParallelStrategy(Strategy):
             try:
                 with self.stats.span("compute", phase="forward_backward"):
                     loss, correct = self.model.loss_and_grad(x, labels)
-                    synchronize(self.model.grads)
             finally:
                 self.model.layer_hook = None
             self.engine.gradients_ready(it)

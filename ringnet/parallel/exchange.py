@@ -37,7 +37,7 @@ from ringnet.backend import get_array_module, to_numpy
 from ringnet.errors import InputError
 
 __all__ = ["LocalPlan", "ShardedPlan", "RootedPlan", "DelayedUpdate", "Lookahead",
-           "COMPENSATIONS", "compensation", "synchronize", "BUCKET_BYTES", "bucket_bytes",
+           "COMPENSATIONS", "compensation", "BUCKET_BYTES", "bucket_bytes",
            "backward_buckets"]
 
 # Delay-0 bucket size: a part is closed once it holds this many bytes of gradient.
@@ -126,13 +126,6 @@ def compensation(name):
         raise InputError(f"unknown delay compensation {name!r}; choose one of "
                          f"{', '.join(COMPENSATIONS)}")
     return COMPENSATIONS[name]
-
-
-def synchronize(array):
-    """Block until the device work queued on ``array``'s device (current stream) is done."""
-    xp = get_array_module(array)
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
 
 
 class LocalPlan:
@@ -268,7 +261,6 @@ class DelayedUpdate:
                 if source is not None:
                     weights[owned] = source[owned]
                 self.optimizer.step(weights[owned], grads[owned], it)
-                synchronize(weights)
         with self.stats.span(kind, op="distribute", bytes=weights.nbytes):
             self.plan.distribute(weights)
 
@@ -290,7 +282,6 @@ class DelayedUpdate:
         if optimizer is not None:
             with self.stats.span("update"):
                 optimizer.step(weights[owned], grads[owned], it)
-                synchronize(weights)
         with self.stats.span(kind, op="distribute", bytes=weights.nbytes, bucket=(lo, hi)):
             plan.distribute(weights)
 

@@ -36,12 +36,11 @@ from contextlib import contextmanager
 import numpy as np
 
 from ringnet.backend import to_numpy
+from ringnet.comm.stream import progress_all
 from ringnet.errors import InputError
 from ringnet.parallel.base import Strategy
 from ringnet.parallel.conversion import ActivationCollectives, DataConversion
-from ringnet.comm.stream import progress_all
-from ringnet.parallel.exchange import (DelayedUpdate, ShardedPlan, backward_buckets, bucket_bytes,
-                                       synchronize)
+from ringnet.parallel.exchange import DelayedUpdate, ShardedPlan, backward_buckets, bucket_bytes
 from ringnet.parallel.fc_slices import FcBlock, FcSlice, check_split, fc_blocks
 
 __all__ = ["SplitFCStrategy", "FcSlice", "check_split", "fc_blocks"]
@@ -109,7 +108,6 @@ class SplitFCStrategy(Strategy):
     def _compute(self, phase):
         with self.stats.span("compute", phase=phase):
             yield
-            synchronize(self.model.params)
 
     def _layer_done(self, phase, index):
         """After each conv layer: progress the streams; start a bucket whose gradient is complete."""
@@ -197,7 +195,6 @@ class SplitFCStrategy(Strategy):
             params, grads = self.model.params, self.model.grads
             for (a, b), optimizer in zip(self.fc_regions, self.fc_optimizers):
                 optimizer.step(params[a:b], grads[a:b], it)
-            synchronize(params)
 
     def drain(self):
         self.engine.drain()

@@ -1,10 +1,15 @@
 """Each model's training step on the GPU beside PyTorch's CUDA step for the same net and batch.
 
-Usage: python tests/gpu/step_vs_torch.py [--iters N] [--out FILE]   (needs a GPU; torch optional)
+Usage: python tests/gpu/step_vs_torch.py [--iters N] [--layers] [--out FILE]
+       (needs a GPU; torch optional)
 
 Both steps are timed interleaved (forward, backward, SGD with momentum), each ended by a
 device synchronisation; medians in ms and their ratio. Before timing, both nets give the
 same loss on the same weights and batch (float32, relative 1e-4), or the run fails.
+
+``--layers`` adds, per layer, the host time its forward and backward calls take (Python
+and kernel launches) beside the device time between CUDA events around them: where the
+host time is the larger, the layer is launch-bound and fewer, larger kernels would help.
 """
 import argparse
 import json
@@ -84,10 +89,47 @@ def time_model(name, iters, batch_size=64, lr=0.001):
     return result
 
 
+def layer_profile(name, iters, batch_size=64):
+    """Per layer: median host ms of the forward/backward call and device ms between events."""
+    model = build_model(name, dtype="float32", seed=0, xp=cupy)
+    rng = np.random.default_rng(0)
+    x = cupy.asarray(rng.normal(size=(batch_size,) + model.input_shape).astype(np.float32))
+    y = cupy.asarray(rng.integers(0, model.num_classes, size=batch_size))
+    rows = {lname: {"fwd_host": [], "fwd_gpu": [], "bwd_host": [], "bwd_gpu": []}
+            for lname, _ in model.layers}
+
+    def timed(fn, arg, host, gpu):
+        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+        begin.record()
+        t0 = time.perf_counter()
+        out = fn(arg)
+        host.append(time.perf_counter() - t0)
+        end.record()
+        end.synchronize()
+        gpu.append(cupy.cuda.get_elapsed_time(begin, end) / 1e3)
+        return out
+
+    for it in range(iters + 3):
+        keep = it >= 3
+        h = model._input(x)
+        for lname, layer in model.layers:
+            r = rows[lname] if keep else {k: [] for k in rows[lname]}
+            h = timed(lambda a, layer=layer: layer.forward(a, True), h, r["fwd_host"], r["fwd_gpu"])
+        model.loss_layer.forward(h, y)
+        d = model.loss_layer.backward()
+        for lname, layer in reversed(model.layers):
+            r = rows[lname] if keep else {k: [] for k in rows[lname]}
+            d = timed(layer.backward, d, r["bwd_host"], r["bwd_gpu"])
+    return [{"layer": lname, **{k: 1e3 * float(np.median(v)) for k, v in r.items()}}
+            for lname, r in rows.items()]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default=None, help="also write the JSON list here")
+    parser.add_argument("--layers", action="store_true",
+                        help="also time each layer's forward and backward (host vs device ms)")
     args = parser.parse_args(argv)
     if not gpu_available():
         print("step_vs_torch: no usable CUDA GPU", file=sys.stderr)
@@ -98,6 +140,14 @@ def main(argv=None):
         ratio = f"{r['ratio_vs_torch']:.2f}" if "ratio_vs_torch" in r else r.get("torch", "")
         print(f"{r['model']:>14}  ringnet {r['step_ms']:8.2f} ms  "
               f"torch {r.get('torch_step_ms', float('nan')):8.2f} ms  ratio {ratio}")
+    if args.layers:
+        for r in results:
+            r["layers"] = layer_profile(r["model"], args.iters)
+            print(f"{r['model']}: per layer, ms  (host = Python + launches, gpu = device time)")
+            print(f"  {'layer':<10} {'fwd host':>9} {'fwd gpu':>9} {'bwd host':>9} {'bwd gpu':>9}")
+            for row in r["layers"]:
+                print(f"  {row['layer']:<10} {row['fwd_host']:9.3f} {row['fwd_gpu']:9.3f} "
+                      f"{row['bwd_host']:9.3f} {row['bwd_gpu']:9.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f)
