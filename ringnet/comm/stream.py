@@ -225,7 +225,7 @@ class CpuStream:
 
 
 # A thread that waits on a driven stream polls at most this long between tests.
-_DRIVE_MAX_PAUSE_S = 0.0005
+_DRIVE_MAX_PAUSE_S = 0.0002
 _driven = []
 _driven_lock = threading.Lock()
 
