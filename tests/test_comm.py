@@ -107,3 +107,63 @@ def test_bench_sizes_and_bus_bandwidth():
         parse_sizes("lots")
     # closed form: 4 ranks move 2*3/4 of the buffer per link
     assert bus_bandwidth(2.0, 4) == pytest.approx(3.0)
+
+
+def test_auto_switch_point_is_the_alpha_beta_crossover():
+    """At N = 2 one round of the whole buffer (direct: alpha + n beta + n gamma) against two
+    rounds of half of it (ring: 2 alpha + n beta + n gamma / 2) cross at n = 2 alpha / gamma."""
+    from ringnet.comm.auto import choose, cost, thresholds
+    alpha, beta, gamma = 20e-6, 0.3e-9, 0.1e-9
+    crossover = 2 * alpha / gamma
+    switches = thresholds(2, alpha=alpha, beta=beta, gamma=gamma)
+    assert [a for _, a in switches] == ["direct", "rhd"]      # rhd = ring's cost at N = 2: first wins ties
+    assert abs(switches[1][0] - crossover) <= 1
+    # only rounds count: the fewest rounds wins at every N; only bytes: the fewest bytes
+    for n in (2, 3, 4, 5, 8):
+        assert choose(1 << 20, n, alpha=1, beta=0, gamma=0) == "direct"
+        assert choose(1 << 20, n, alpha=0, beta=1, gamma=1) in ("ring", "rhd")
+    # at N = 3 halving-doubling pays the fold in full: the ring moves fewer bytes in as many rounds
+    assert cost("ring", 1 << 20, 3) < cost("rhd", 1 << 20, 3)
+
+
+def test_auto_refuses_unknown_algorithms(transport):
+    with pytest.raises(ValueError, match="bogus"):
+        create("auto", transport=transport, algorithm="bogus")
+    buf = np.arange(5.0)
+    create("auto", transport=transport).allreduce(buf)      # one rank: nothing moves
+    np.testing.assert_array_equal(buf, np.arange(5.0))
+
+
+def test_bench_comm_repetitions_and_targets():
+    from ringnet.bench.comm import repetitions, target
+    assert repetitions(8) == 64 and repetitions(64 << 10) == 4 and repetitions(64 << 20) == 1
+    assert target(512 << 10) == 0.8 and target(1 << 20) == 1.0
+
+
+def test_bench_comm_fit_command_of_docs_comm():
+    """docs/comm.md's refit command, shortened: every row ok, a fit with positive constants."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    command = "python -m ringnet.bench comm --algos auto,native,direct,rd,rhd,ring --fit"
+    assert command in " ".join((root / "docs" / "comm.md").read_text().split())
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    proc = subprocess.run(["mpirun", "-np", "2", sys.executable, *command.split()[1:],
+                           "--sizes", "8,64K,1M", "--iters", "2", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert all(row["ok"] for row in result["rows"])
+    assert {row["algo"] for row in result["rows"]} == {"auto", "native", "direct", "rd", "rhd", "ring"}
+    assert [row["picked"] for row in result["rows"] if row["algo"] == "auto"] == \
+        [create_choice(nbytes) for nbytes in (8, 64 << 10, 1 << 20)]
+    fit = result["fit"]
+    assert fit["alpha"] >= 0 and fit["beta"] >= 0 and fit["gamma"] >= 0 and fit["switches"]
+
+
+def create_choice(nbytes):
+    from ringnet.comm.auto import choose
+    return choose(nbytes, 2)

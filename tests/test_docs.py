@@ -209,8 +209,11 @@ def bench_comm(command, tmp_path):
     """Shortened (two sizes, two iterations): every algorithm's row, each checked ok."""
     proc = run(command + " --sizes 1K,64K --iters 2")
     rows = [l.split() for l in proc.stdout.splitlines() if l.strip() and not l.startswith("#")]
-    assert {r[3] for r in rows} == {"ring", "native", "tree", "master"}, proc.stdout
+    assert {r[3] for r in rows} == {"ring", "native", "tree", "master", "auto"}, proc.stdout
     assert all(r[-1] == "yes" for r in rows), proc.stdout
+    auto = [r for r in rows if r[3] == "auto"]             # the algorithm it picked, judged
+    assert all(r[4] in ("direct", "rd", "rhd", "ring") and r[-3] in ("PASS", "FAIL")
+               for r in auto), proc.stdout
 
 
 def bench_scaling(command, tmp_path):

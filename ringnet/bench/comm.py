@@ -1,6 +1,14 @@
-"""python -m ringnet.bench comm: nccl-tests style all-reduce table for ring/tree/master/native."""
+"""python -m ringnet.bench comm: nccl-tests style all-reduce table for ring/tree/master/auto/native.
+
+Each row's ``x native`` is the native MPI_Allreduce time over the algorithm's time (the
+bus-bandwidth ratio: both move the same buffer). The ``auto`` row also names the algorithm
+it picked and says PASS or FAIL against its targets: at least TARGET_SMALL x native
+below TARGET_SWITCH bytes and TARGET_LARGE x from there up. ``direct``, ``rd`` and ``rhd``
+rows force one of auto's algorithms (to measure its cost model).
+"""
 import argparse
 import json
+import os
 import re
 import time
 
@@ -9,11 +17,17 @@ from mpi4py import MPI
 
 from ringnet.backend import cupy, to_numpy
 from ringnet.comm import COMMUNICATORS, create, make_transport
+from ringnet.comm.auto import ALGORITHMS as AUTO_ALGORITHMS, fit, thresholds
 from ringnet.errors import UsageError
 
-__all__ = ["main", "parse_sizes", "bus_bandwidth"]
+__all__ = ["main", "parse_sizes", "bus_bandwidth", "repetitions", "target"]
 
-ALGOS = ("ring", "native", "tree", "master")
+ALGOS = ("ring", "native", "tree", "master", "auto")
+FORCED = tuple(a for a in AUTO_ALGORITHMS if a != "ring")   # auto with its choice forced
+TARGET_SMALL, TARGET_LARGE, TARGET_SWITCH = 0.8, 1.0, 1 << 20
+# Small all-reduces are timed REPS_BYTES // size times back to back per sample (at most
+# MAX_REPS), as nccl-tests loops: one barrier per call would dominate a 10 us operation.
+REPS_BYTES, MAX_REPS = 256 << 10, 64
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -43,13 +57,24 @@ def bus_bandwidth(algbw, size):
     return algbw * 2 * (size - 1) / size
 
 
+def repetitions(nbytes):
+    """Calls per timed sample for a buffer of ``nbytes``."""
+    return max(1, min(MAX_REPS, REPS_BYTES // max(nbytes, 1)))
+
+
+def target(nbytes):
+    """The auto row's goal for ``nbytes``: its busbw over native's must reach this."""
+    return TARGET_LARGE if nbytes >= TARGET_SWITCH else TARGET_SMALL
+
+
 def _parser():
     parser = argparse.ArgumentParser(
         prog="python -m ringnet.bench comm",
-        description="Time all-reduce of ring/tree/master communicators and the library's "
+        description="Time all-reduce of ring/tree/master/auto communicators and the library's "
                     "own all-reduce, interleaved per iteration; run under mpirun.")
     parser.add_argument("--algos", default=",".join(ALGOS),
-                        help="comma list of ring,native,tree,master (default: all)")
+                        help=f"comma list of {','.join(ALGOS)} (default: all), or "
+                             f"{','.join(FORCED)} (auto forced to that algorithm)")
     parser.add_argument("--sizes", default="8,1K,64K,1M,4M,16M,64M",
                         help="comma list of byte sizes (K/M/G suffixes) or MIN:MAX doubling")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per size (median)")
@@ -57,36 +82,53 @@ def _parser():
     parser.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
     parser.add_argument("--transport", default="auto", choices=("auto", "mpi", "nccl"))
     parser.add_argument("--chunk-bytes", type=int, default=None,
-                        help="ring: cut each step into chunks of this many bytes (pipelined)")
+                        help="ring, tree, master: cut transfers into pieces of this many bytes "
+                             "(pipelined; tree and master pick a size by default)")
+    parser.add_argument("--fit", action="store_true",
+                        help="also fit auto's cost model (alpha, beta, gamma) to the ring, direct, "
+                             "rd and rhd rows and print the switch points it implies")
     parser.add_argument("--json", action="store_true", help='print {"rows": [...]} on rank 0')
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="rank 0 also draws bus bandwidth against size (.png; needs matplotlib)")
     return parser
 
 
+def _call(comms, transport, algo, buf):
+    if algo == "native":
+        transport.allreduce_native(buf)
+    else:
+        comms[algo].allreduce(buf)
+
+
 def _run_size(comms, transport, algos, xp, dtype, count, iters, warmup):
-    """Time every algo on one buffer size; return {algo: (median_s, ok)}."""
+    """Time every algo on one buffer size; return {algo: (median_s, ok)}.
+
+    Each algo first runs once on (rank + 1) and is checked against N(N+1)/2; timed samples
+    run ``repetitions`` calls back to back (the values then grow, which costs nothing).
+    """
     world = transport.mpi_comm
     n, rank = transport.size, transport.rank
     expected = n * (n + 1) / 2
     buf = xp.empty(count, dtype)
+    reps = repetitions(count * dtype.itemsize)
     times = {algo: [] for algo in algos}
-    ok = {algo: True for algo in algos}
+    ok = {}
+    for algo in algos:
+        buf.fill(rank + 1)
+        _call(comms, transport, algo, buf)
+        ok[algo] = bool((to_numpy(buf) == dtype.type(expected)).all())
     for it in range(warmup + iters):
         for algo in algos:  # interleaved: machine noise hits every algo alike
-            buf.fill(rank + 1)
+            buf.fill(0)
             if xp is not np:
                 transport.finish()
             world.Barrier()
             start = time.perf_counter()
-            if algo == "native":
-                transport.allreduce_native(buf)
-            else:
-                comms[algo].allreduce(buf)
-            elapsed = time.perf_counter() - start
+            for _ in range(reps):
+                _call(comms, transport, algo, buf)
+            elapsed = (time.perf_counter() - start) / reps
             if it >= warmup:
                 times[algo].append(elapsed)
-            ok[algo] &= bool((to_numpy(buf) == dtype.type(expected)).all())
     names = list(algos)
     # The slowest rank defines an iteration's time.
     local = np.array([times[a] for a in names], np.float64)
@@ -101,9 +143,10 @@ def _run_size(comms, transport, algos, xp, dtype, count, iters, warmup):
 def main(argv=None):
     args = _parser().parse_args(argv)
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    unknown = [a for a in algos if a not in ALGOS]
+    unknown = [a for a in algos if a not in ALGOS + FORCED]
     if unknown or not algos:
-        raise UsageError(f"unknown algo(s) {unknown or args.algos!r}: choose from {', '.join(ALGOS)}")
+        raise UsageError(f"unknown algo(s) {unknown or args.algos!r}: choose from "
+                         f"{', '.join(ALGOS + FORCED)}")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
     sizes = parse_sizes(args.sizes)
@@ -115,24 +158,43 @@ def main(argv=None):
     dtype = np.dtype(args.dtype)
     transport = make_transport(args.transport)
     xp = cupy if transport.uses_gpu() and transport.name == "nccl" else np
-    options = {"ring": {"chunk_bytes": args.chunk_bytes}}
-    comms = {a: create(a, transport=transport, **options.get(a, {}))
-             for a in algos if a in COMMUNICATORS}
+    chunks = {"chunk_bytes": args.chunk_bytes}
+    comms = {a: create(a, transport=transport, **chunks) for a in algos if a in COMMUNICATORS}
+    comms.update({a: create("auto", transport=transport, algorithm=a, **chunks)
+                  for a in algos if a in FORCED})
     n, rows = transport.size, []
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
         results = _run_size(comms, transport, algos, xp, dtype, count, args.iters, args.warmup)
+        native = results["native"][0] if "native" in results else None
         for algo in algos:
             seconds, ok = results[algo]
             algbw = count * dtype.itemsize / seconds / 1e9
-            rows.append({"algo": algo, "bytes": count * dtype.itemsize, "count": count,
-                         "dtype": args.dtype, "time_us": seconds * 1e6, "algbw": algbw,
-                         "busbw": bus_bandwidth(algbw, n), "ok": ok})
+            row = {"algo": algo, "bytes": count * dtype.itemsize, "count": count,
+                   "dtype": args.dtype, "time_us": seconds * 1e6, "algbw": algbw,
+                   "busbw": bus_bandwidth(algbw, n), "ok": ok, "picked": None,
+                   "vs_native": None, "target": None, "passed": None}
+            if algo == "auto":
+                row["picked"] = comms[algo].choose(count * dtype.itemsize)
+            if native is not None and algo != "native":
+                row["vs_native"] = native / seconds
+                if algo == "auto":
+                    row["target"] = target(row["bytes"])
+                    row["passed"] = row["vs_native"] >= row["target"]
+            rows.append(row)
+    model = _fit(rows, n) if args.fit else None
     if transport.rank == 0:
         if args.json:
-            print(json.dumps({"rows": rows, "ranks": n, "transport": transport.name}))
+            print(json.dumps({"rows": rows, "ranks": n, "transport": transport.name,
+                              **({"fit": model} if model else {})}))
         else:
             _print_table(rows, n, transport.name, args)
+            if model:
+                print(f"# fit: alpha {model['alpha'] * 1e6:.2f} us, beta {model['beta'] * 1e9:.4f} "
+                      f"ns/B, gamma {model['gamma'] * 1e9:.4f} ns/B -> switch points "
+                      + ", ".join(f"{_size(b)}: {a}" for b, a in model["switches"]))
+            print("# auto's switch points at N = %d: " % n
+                  + ", ".join(f"{_size(b)}: {a}" for b, a in thresholds(n)))
         if args.plot:
             from ringnet.bench.plot import plot_comm
             plot_comm(rows, args.plot, title=f"all-reduce, {n} ranks, {transport.name}, "
@@ -141,20 +203,49 @@ def main(argv=None):
 
 
 def _print_table(rows, n, transport_name, args):
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"# all-reduce, {n} ranks, transport {transport_name}, dtype {args.dtype}, "
-          f"median of {args.iters} (after {args.warmup} warm-up), slowest rank per iteration")
-    print(f"# {'bytes':>10} {'count':>10} {'dtype':>8} {'algo':>7} {'time_us':>11} "
-          f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'ok':>3}")
+          f"median of {args.iters} (after {args.warmup} warm-up), slowest rank per iteration; "
+          f"load average {load}")
+    print(f"# {'bytes':>10} {'count':>10} {'dtype':>8} {'algo':>7} {'picked':>6} {'time_us':>11} "
+          f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'x native':>8} {'target':>11} {'ok':>3}")
     for row in rows:
+        ratio = "-" if row["vs_native"] is None else f"{row['vs_native']:.2f}"
+        goal = "-" if row["target"] is None else \
+            f"{'PASS' if row['passed'] else 'FAIL'} >={row['target']:.1f}"
         print(f"  {row['bytes']:>10} {row['count']:>10} {row['dtype']:>8} {row['algo']:>7} "
-              f"{row['time_us']:>11.1f} {row['algbw']:>10.3f} {row['busbw']:>10.3f} "
-              f"{'yes' if row['ok'] else 'NO':>3}")
-    by_size = {}
-    for row in rows:
-        by_size.setdefault(row["bytes"], {})[row["algo"]] = row["time_us"]
-    ratios = [(b, t["native"] / t["ring"]) for b, t in by_size.items() if "ring" in t and "native" in t]
-    if ratios:
-        print("# ring busbw / native busbw: " + ", ".join(f"{b}B {r:.2f}" for b, r in ratios))
+              f"{row['picked'] or '-':>6} {row['time_us']:>11.1f} {row['algbw']:>10.3f} "
+              f"{row['busbw']:>10.3f} {ratio:>8} {goal:>11} {'yes' if row['ok'] else 'NO':>3}")
+    for algo in dict.fromkeys(r["algo"] for r in rows):
+        ratios = [(r["bytes"], r["vs_native"]) for r in rows
+                  if r["algo"] == algo and r["vs_native"] is not None]
+        if ratios:
+            print(f"# {algo} busbw / native busbw: "
+                  + ", ".join(f"{_size(b)} {x:.2f}" for b, x in ratios))
+    judged = [r for r in rows if r["passed"] is not None]
+    if judged:
+        failed = [_size(r["bytes"]) for r in judged if not r["passed"]]
+        print(f"# auto targets (>= {TARGET_SMALL} x native, >= {TARGET_LARGE} x from "
+              f"{_size(TARGET_SWITCH)}): " + ("PASS at every size" if not failed
+                                              else f"FAIL at {', '.join(failed)}"))
+
+
+def _fit(rows, n):
+    """Fit auto's alpha, beta, gamma to the rows of the algorithms it chooses from."""
+    samples = [(r["algo"], r["bytes"], n, r["time_us"] * 1e-6) for r in rows
+               if r["algo"] in AUTO_ALGORITHMS]
+    if n < 2 or len({s[0] for s in samples}) < 2 or len(samples) < 3:
+        return None
+    alpha, beta, gamma = fit(samples)
+    return {"alpha": alpha, "beta": beta, "gamma": gamma,
+            "switches": thresholds(n, alpha=alpha, beta=beta, gamma=gamma)}
+
+
+def _size(nbytes):
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ name       CPU  GPU  transport         what it is for
                                        (any N); the reduction-tree baseline
 ``master`` yes  yes  mpi, nccl         workers send to the root, the root answers
                                        each; the synchronous master-slave baseline
+``auto``   yes  yes  mpi, nccl         all-reduce by the algorithm fastest for the
+                                       size and N (direct, recursive doubling,
+                                       halving-doubling, ring): see ``comm.auto``
 =========  ===  ===  ================  ==============================================
 
 Transports: ``mpi`` (mpi4py; CuPy buffers direct with a CUDA-aware MPI, staged through
@@ -27,6 +30,7 @@ import os
 from dataclasses import dataclass
 
 from ringnet.backend import bind_device, check_gpu, gpu_available, pci_bus_id
+from ringnet.comm.auto import AutoCommunicator
 from ringnet.comm.base import CommunicatorBase, shard_bounds
 from ringnet.comm.master_slave import MasterSlaveCommunicator
 from ringnet.comm.mpi_transport import MpiTransport
@@ -40,12 +44,13 @@ __all__ = ["create", "make_transport", "local_rank", "bind_gpu", "Placement",
            "COMMUNICATORS", "TRANSPORTS",
            "Transport", "MpiTransport", "NcclTransport", "CommTimeoutError",
            "CommunicatorBase", "RingCommunicator", "TreeCommunicator",
-           "MasterSlaveCommunicator", "CpuStream", "GpuStream", "Handle", "shard_bounds"]
+           "MasterSlaveCommunicator", "AutoCommunicator", "CpuStream", "GpuStream", "Handle", "shard_bounds"]
 
 COMMUNICATORS = {
     "ring": RingCommunicator,
     "tree": TreeCommunicator,
     "master": MasterSlaveCommunicator,
+    "auto": AutoCommunicator,
 }
 
 TRANSPORTS = {
@@ -169,7 +174,7 @@ def create(name, transport="auto", mpi_comm=None, device="auto", **options):
     ``transport`` is a name for :func:`make_transport` or a Transport instance; ``device``
     says where the buffers live: ``cpu`` for NumPy (never touches CUDA), ``gpu`` for CuPy,
     ``auto`` the GPU when every rank has one. ``options`` go to the communicator (e.g.
-    ``chunk_bytes`` for the ring).
+    ``chunk_bytes`` for the ring and the rooted ones, ``algorithm`` to force one of auto's).
     """
     if name not in COMMUNICATORS:
         raise ValueError(f"unknown communicator {name!r}: choose {', '.join(COMMUNICATORS)}")

@@ -6,6 +6,9 @@ __all__ = ["MasterSlaveCommunicator"]
 
 class MasterSlaveCommunicator(RootedCommunicator):
     """Synchronous master-slave baseline: the root's link carries (N-1)x the buffer each way.
+
+    The root posts the receives of all workers at once and adds each piece as it completes
+    (in rank order); the answers to all workers are in flight together.
     """
 
     name = "master"
@@ -15,21 +18,16 @@ class MasterSlaveCommunicator(RootedCommunicator):
 
     def _reduce(self, buf, root, op):
         if self.rank != root:
-            self.transport.isendrecv(buf, root, None, None).wait()
+            self._gather_sum(buf, [], root)
             return
-        if self.size > 1:
-            scratch = self._scratch_for(buf, buf.size)
-            # In rank order, so the sum is the same float result on every run.
-            for worker in self._workers(root):
-                self.transport.isendrecv(None, None, scratch, worker).wait()
-                self._add_from(buf, scratch)
+        # Every worker's receive is posted at once; the sums run in rank order, so the
+        # float result is the same on every run.
+        self._gather_sum(buf, self._workers(root), None)
         if op == "mean":
             self._divide(buf)
 
     def _bcast(self, buf, root):
         if self.rank != root:
-            self.transport.isendrecv(None, None, buf, root).wait()
-            return
-        pending = [self.transport.isendrecv(buf, worker, None, None) for worker in self._workers(root)]
-        for p in pending:
-            p.wait()
+            self._relay(buf, root, [])
+        else:
+            self._relay(buf, None, self._workers(root))

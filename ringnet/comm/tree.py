@@ -11,6 +11,10 @@ class TreeCommunicator(RootedCommunicator):
     whole buffer from up to two children, so the root's link carries 2x the buffer.
     An inner rank sums its children's partials into a scratch buffer, so after ``reduce``
     every non-root ``buf`` is unchanged (the contract of every rooted communicator).
+
+    A rank receives from both children at once, and large buffers move in pieces
+    (``chunk_bytes``, default :func:`~ringnet.comm.base.pipeline_pieces`): a rank sums and
+    forwards piece k while piece k+1 arrives, so the depth costs one piece, not the buffer.
     """
 
     name = "tree"
@@ -25,25 +29,12 @@ class TreeCommunicator(RootedCommunicator):
 
     def _reduce(self, buf, root, op):
         parent, children = self._family(root)
-        partial = buf                   # the root sums into its own buffer
-        if children:
-            incoming = self._scratch_for(buf, buf.size)
-            if parent is not None:
-                partial = self._scratch_for(buf, buf.size, slot=1)
-                partial[...] = buf
-            for child in children:
-                self.transport.isendrecv(None, None, incoming, child).wait()
-                self._add_from(partial, incoming)
-        if parent is not None:
-            self.transport.isendrecv(partial, parent, None, None).wait()
-        elif op == "mean":
+        # Both children's pieces are received at once; each piece goes up as soon as it is
+        # summed (buf + first child + second child, in that order).
+        self._gather_sum(buf, children, parent)
+        if parent is None and op == "mean":
             self._divide(buf)
 
     def _bcast(self, buf, root):
         parent, children = self._family(root)
-        if parent is not None:
-            self.transport.isendrecv(None, None, buf, parent).wait()
-        # Both children at once: the two sends share the wait.
-        pending = [self.transport.isendrecv(buf, child, None, None) for child in children]
-        for p in pending:
-            p.wait()
+        self._relay(buf, parent, children)

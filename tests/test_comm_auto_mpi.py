@@ -1,0 +1,186 @@
+"""auto's algorithms and the pipelined rooted communicators against exact references.
+
+Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/test_comm_auto_mpi.py`` (N = 1..4).
+Integers in float64 make every sum exact, so results are compared with ``==``; random
+floats are compared with MPI's own Allreduce within rounding, and across ranks bit for bit.
+All collective work comes before the first assertion.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ringnet.comm import AutoCommunicator, MpiTransport, NcclTransport, create
+from ringnet.comm.auto import ALGORITHMS, choose, thresholds
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD
+N, RANK = WORLD.Get_size(), WORLD.Get_rank()
+LENGTHS = sorted({0, 1, max(N - 1, 1), N + 1, 7, 1001, 100003, (1 << 20) + 3})
+
+
+@pytest.fixture(scope="module")
+def transport():
+    t = MpiTransport(WORLD)
+    yield t
+    t.close()
+
+
+def integers(length, rank, dtype=np.float64):
+    """Rank-dependent integers: a shard in the wrong place changes the sum."""
+    return ((np.arange(length) * 7 + 3 * rank * rank + 1) % 1013).astype(dtype)
+
+
+def exact_sum(length, dtype=np.float64):
+    return sum(integers(length, r, np.float64) for r in range(N)).astype(dtype)
+
+
+def randoms(length, rank, dtype=np.float32):
+    return np.random.default_rng(1000 + rank).standard_normal(length).astype(dtype)
+
+
+def same_on_every_rank(buf):
+    """True when every rank holds the same bits (rank 0's buffer, broadcast, compared)."""
+    reference = buf.copy()
+    WORLD.Bcast(reference, root=0)
+    return WORLD.allreduce(int(np.array_equal(reference.view(np.uint8), buf.view(np.uint8))),
+                           op=MPI.MIN) == 1
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("algorithm", ALGORITHMS + ("auto",))
+def test_every_algorithm_gives_the_exact_sum(transport, algorithm, length):
+    comm = AutoCommunicator(transport, algorithm=None if algorithm == "auto" else algorithm)
+    buf = integers(length, RANK)
+    comm.allreduce(buf)
+    again = integers(length, RANK, np.float32)
+    comm.allreduce(again, op="mean")
+    identical = same_on_every_rank(again)
+    np.testing.assert_array_equal(buf, exact_sum(length), err_msg=f"{algorithm} rank {RANK}/{N}")
+    np.testing.assert_allclose(again, exact_sum(length) / N, rtol=1e-6,
+                               err_msg=f"{algorithm} mean rank {RANK}/{N}")
+    assert identical, f"{algorithm}: ranks disagree on the mean"
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_random_floats_match_mpi_and_agree_bitwise(transport, algorithm, dtype):
+    length = 30011
+    comm = AutoCommunicator(transport, algorithm=algorithm)
+    buf = randoms(length, RANK, dtype)
+    reference = buf.astype(np.float64)
+    WORLD.Allreduce(MPI.IN_PLACE, reference)
+    comm.allreduce(buf)
+    identical = same_on_every_rank(buf)
+    tol = {np.float16: 5e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    np.testing.assert_allclose(buf.astype(np.float64), reference, rtol=tol, atol=tol * N)
+    assert identical, f"{algorithm} {np.dtype(dtype)}: ranks hold different bits"
+
+
+def test_auto_uses_the_algorithm_its_model_picks(transport):
+    """Across every switch point of the model at this N (and both sides of it)."""
+    comm = create("auto", transport=transport)
+    sizes = {8, 8 << 20}
+    for start, _ in thresholds(N, max_bytes=64 << 20):
+        sizes |= {max(8, start - 8), start + 8}
+    used, results = {}, {}
+    for nbytes in sorted(sizes):
+        length = nbytes // 8
+        buf = integers(length, RANK)
+        comm.allreduce(buf)
+        used[nbytes] = comm.last_algorithm
+        results[nbytes] = np.array_equal(buf, exact_sum(length))
+    expected = {nbytes: choose(nbytes // 8 * 8, N) for nbytes in used}
+    assert used == expected
+    assert all(results.values()), results
+    if N > 1:   # small messages go by the fewest rounds, large ones by the fewest bytes
+        assert used[8] == "direct" and used[8 << 20] in ("ring", "rhd"), used
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_auto_on_a_stream_and_a_sub_communicator(algorithm):
+    sub = WORLD.Split(RANK % 2, RANK)
+    try:
+        n, rank = sub.Get_size(), sub.Get_rank()
+        comm = create("auto", transport="mpi", mpi_comm=sub, device="cpu", algorithm=algorithm)
+        stream = comm.new_stream()
+        buf = integers(5003, rank)
+        handle = comm.allreduce(buf, stream=stream)
+        handle.wait(timeout=120)
+        stream.close()
+        comm.transport.close()
+    finally:
+        sub.Free()
+    expected = sum(integers(5003, r) for r in range(n))
+    np.testing.assert_array_equal(buf, expected)
+
+
+@pytest.mark.parametrize("length", [0, 1, N + 1, 10007])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_through_the_nccl_standin(algorithm, length):
+    transport = NcclTransport(WORLD, timeout_s=30, nccl="standin")
+    try:
+        comm = create("auto", transport=transport, algorithm=algorithm)
+        buf = integers(length, RANK)
+        comm.allreduce(buf)
+        stream = comm.new_stream()
+        on_stream = integers(length, RANK, np.float32)
+        comm.allreduce(on_stream, op="mean", stream=stream).wait(timeout=120)
+        stream.close()
+    finally:
+        transport.close()
+    np.testing.assert_array_equal(buf, exact_sum(length))
+    np.testing.assert_allclose(on_stream, exact_sum(length) / N, rtol=1e-6)
+
+
+# -- tree and master: receives all posted, pieces pipelined, the same float sum -------------
+def heap_sum(parts, v=0):
+    """The tree's order: node v's partial is its own + first child's + second child's."""
+    total = parts[v].copy()
+    for child in (2 * v + 1, 2 * v + 2):
+        if child < len(parts):
+            total += heap_sum(parts, child)
+    return total
+
+
+def rank_order_sum(parts, root):
+    """The master's order: root's own, then the workers root+1, root+2, ... (mod N)."""
+    total = parts[root].copy()
+    for i in range(1, len(parts)):
+        total += parts[(root + i) % len(parts)]
+    return total
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 4096, 100000])
+@pytest.mark.parametrize("name", ["tree", "master"])
+def test_rooted_reduce_sums_in_its_fixed_order(transport, name, chunk_bytes):
+    """Bit for bit the same float32 sum as the structure's own order, however pieces arrive."""
+    root = N - 1
+    length = 300007
+    comm = create(name, transport=transport, chunk_bytes=chunk_bytes)
+    buf = randoms(length, RANK)
+    sent = buf.copy()
+    comm.reduce(buf, root=root)
+    reduced = buf.copy()
+    comm.bcast(buf, root=root)
+    everywhere = buf.copy()
+    parts = [randoms(length, r) for r in range(N)]
+    if name == "tree":       # heap positions count from the root
+        expected = heap_sum([parts[(v + root) % N] for v in range(N)])
+    else:
+        expected = rank_order_sum(parts, root)
+    if RANK == root:
+        np.testing.assert_array_equal(reduced, expected, err_msg=f"{name} {chunk_bytes}")
+    else:
+        np.testing.assert_array_equal(reduced, sent, err_msg=f"{name} changed rank {RANK}'s buffer")
+    np.testing.assert_array_equal(everywhere, expected, err_msg=f"{name} bcast {chunk_bytes}")
+
+
+@pytest.mark.parametrize("length", [0, 1, N + 1, 1031])
+@pytest.mark.parametrize("name", ["tree", "master"])
+def test_rooted_pieces_of_one_element(transport, name, length):
+    """Pieces down to one element (more pieces than elements per rank)."""
+    comm = create(name, transport=transport, chunk_bytes=8)
+    buf = integers(length, RANK)
+    comm.allreduce(buf)
+    np.testing.assert_array_equal(buf, exact_sum(length))
