@@ -77,10 +77,12 @@ def test_backward_buckets_follow_layers_last_first():
     names = [name for name, _ in model.layers]
     for lo, _, layer in buckets:
         assert offsets[f"{names[layer]}.weight"][0] == lo
-    # one bucket per parameter layer at a tiny size; one bucket at size 0
+    # one bucket per parameter layer at a tiny size; none at size 0 or where one would hold all
     per_layer = backward_buckets(model, len(model.layers), 1)
     assert len(per_layer) == len({n.split(".")[0] for n in offsets})
-    assert backward_buckets(model, len(model.layers), 0) == [(0, model.num_params, 0)]
+    assert backward_buckets(model, len(model.layers), 0) == []
+    assert backward_buckets(model, len(model.layers), model.params.nbytes) == []
+    assert backward_buckets(model, 1, 1) == []       # the first layer alone
 
 
 @pytest.mark.parametrize("strategy_class", [RingStrategy, TreeStrategy])
@@ -195,6 +197,9 @@ def test_a_polling_stream_tests_on_its_own_thread():
         try:
             # 8 MiB: the send cannot complete before its receive is posted, 0.1 s later
             handle = stream.submit(transport.send, send, 0)
+            deadline = time.monotonic() + WAIT_S
+            while not threads and time.monotonic() < deadline:     # the send is posted
+                time.sleep(0.001)
             time.sleep(0.1)
             transport.mpi_comm.Recv(recv, source=0, tag=stream.tag)
             handle.wait(WAIT_S)

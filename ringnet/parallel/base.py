@@ -151,8 +151,6 @@ class DataParallelStrategy(Strategy):
             bucket_size = bucket_bytes()
         if comm is not None and not delay and bucket_size:
             self.buckets = backward_buckets(model, len(model.layers), bucket_size)
-            if len(self.buckets) < 2:   # one bucket is ready only when the backward ends
-                self.buckets = []
         stream = comm.new_stream() if comm is not None and (delay or self.buckets) else None
         self.engine = DelayedUpdate(model.params, model.grads, plan,
                                     make_optimizer(plan.owned.stop - plan.owned.start),

@@ -63,7 +63,9 @@ def backward_buckets(model, stop_layer, size_bytes):
     Returns [(lo, hi, layer)] in the order the backward completes them (last layers
     first): bucket ``[lo, hi)`` of the flat buffer is final once the backward of layer
     index ``layer`` has run. Buckets follow layer boundaries and hold at least
-    ``size_bytes`` each (the first layers' bucket may hold less); ``size_bytes`` 0: one.
+    ``size_bytes`` each (the first layers' bucket may hold less). Returns [] where that
+    makes one bucket only (it would be ready only when the backward ends) and for
+    ``size_bytes`` 0: the whole region is then exchanged after the backward.
     """
     index = {name: i for i, (name, _) in enumerate(model.layers)}
     ranges = {}
@@ -87,7 +89,7 @@ def backward_buckets(model, stop_layer, size_bytes):
             current = None
     if current is not None:
         buckets.append(tuple(current))
-    return buckets
+    return buckets if len(buckets) > 1 else []
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,6 @@ class SplitFCStrategy(Strategy):
             bucket_size = bucket_bytes()
         self.buckets = backward_buckets(model, self.fc_index, bucket_size) \
             if not delay and bucket_size and n else []
-        if len(self.buckets) < 2:       # one bucket is ready only when the backward ends
-            self.buckets = []
         self._bucket_at = {layer: k for k, (_, _, layer) in enumerate(self.buckets)}
         self._it = 0
         self.engine = DelayedUpdate(model.params[:n], model.grads[:n], plan,
