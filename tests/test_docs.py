@@ -442,6 +442,10 @@ COMMANDS = {
         imagefolder,
     "python -m ringnet.datasets info datasets/mnist.h5": datasets_info,
     "python -m ringnet.bench layers --vs torch": bench_layers_vs_torch,
+    "python -m ringnet.bench overlap --model lenet":
+        "tests/test_overlap.py::test_bench_overlap_prints_a_row_per_variant",
+    "python -m ringnet.bench overlap --model cifar10_quick":
+        "tests/test_overlap.py::test_bench_overlap_prints_a_row_per_variant",
     "mpirun -np 4 python -m ringnet.bench comm": bench_comm,
     "python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc --model cifar10_quick":
         bench_scaling,
