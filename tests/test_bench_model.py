@@ -99,46 +99,143 @@ def test_split_fc_plan_matches_the_conversion_layer_buffers():
 
 
 class _Done:
+    def __init__(self, log=None, entry=None):
+        self.log, self.entry = log, entry
+
     def wait(self):
-        return None
+        if self.log is not None:
+            self.log.append(("wait", self.entry))
 
 
 def _recording_transport(rank, size):
-    """A Transport that moves nothing and counts what the communicator code asks it to send."""
+    """A Transport that moves nothing and records what the communicator code asks of it:
+    ``bytes_sent``, ``messages`` (non-empty sends) and ``log`` (posts and waits in order)."""
     from ringnet.comm.transport import Transport
 
     class Recording(Transport):
         name = "recording"
 
         def isendrecv(self, send_array, send_peer, recv_array, recv_peer):
-            self._count(0 if send_array is None else send_array.nbytes,
-                        0 if recv_array is None else recv_array.nbytes)
-            return _Done()
+            sent = 0 if send_array is None else send_array.nbytes
+            received = 0 if recv_array is None else recv_array.nbytes
+            self._count(sent, received)
+            self.messages += sent > 0
+            entry = (len(self.log), send_peer if sent else None, recv_peer if received else None)
+            self.log.append(("post", entry))
+            return _Done(self.log, entry)
 
     world = types.SimpleNamespace(Get_rank=lambda: rank, Get_size=lambda: size)
-    return Recording(world, timeout_s=1)
+    transport = Recording(world, timeout_s=1)
+    transport.messages, transport.log = 0, []
+    return transport
+
+
+ROOTED_RUNS = {
+    "ring": lambda c, buf: (c.reduce_scatter(buf), c.allgather(buf)),
+    "tree": lambda c, buf: (c.reduce(buf, root=0), c.bcast(buf, root=0)),
+    "master": lambda c, buf: (c.reduce(buf, root=0), c.bcast(buf, root=0)),
+}
+
+
+def _record(mode, rank, n, length):
+    from ringnet.comm import MasterSlaveCommunicator, RingCommunicator, TreeCommunicator
+    classes = {"ring": RingCommunicator, "tree": TreeCommunicator,
+               "master": MasterSlaveCommunicator}
+    transport = _recording_transport(rank, n)
+    with np.errstate(all="ignore"):     # receives leave scratch unwritten: adds garbage
+        ROOTED_RUNS[mode](classes[mode](transport), np.zeros(length, np.float32))
+    return transport
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
 def test_communicator_code_sends_what_the_model_counts(n):
-    from ringnet.comm import MasterSlaveCommunicator, RingCommunicator, TreeCommunicator
+    # cifar10_quick's 580 KB gradient: several pipeline pieces where the code cuts them
     model = build_model("cifar10_quick")
     p = model.num_params
-    runs = {
-        "ring": lambda c, buf: (c.reduce_scatter(buf), c.allgather(buf)),
-        "tree": lambda c, buf: (c.reduce(buf, root=0), c.bcast(buf, root=0)),
-        "master": lambda c, buf: (c.reduce(buf, root=0), c.bcast(buf, root=0)),
-    }
-    classes = {"ring": RingCommunicator, "tree": TreeCommunicator,
-               "master": MasterSlaveCommunicator}
-    for mode, run in runs.items():
-        sent = []
+    for mode in ROOTED_RUNS:
+        runs = [_record(mode, rank, n, p) for rank in range(n)]
+        assert [t.bytes_sent for t in runs] == pm.traffic(model, mode, n, 64), mode
+        assert [t.messages for t in runs] == pm.messages(model, mode, n, 64, delay=1), mode
+
+
+def _layer_parts(model):
+    """One part per layer with parameters, last layers first (the shape of the code's buckets)."""
+    index = {name: i for i, (name, _) in enumerate(model.layers)}
+    per_layer = {}
+    for pname, (lo, hi, _) in model.param_offsets().items():
+        layer = index[pname.rsplit(".", 1)[0]]
+        a, b = per_layer.get(layer, (lo, hi))
+        per_layer[layer] = (min(a, lo), max(b, hi))
+    return [(lo, hi, layer) for layer, (lo, hi) in sorted(per_layer.items(), reverse=True)]
+
+
+@pytest.mark.parametrize("n", [2, 4, 7])
+def test_bucketed_ring_sends_what_the_model_counts(n, monkeypatch):
+    # each part's exchange runs over the shard bounds clipped to it (empty steps send nothing)
+    from ringnet.comm import RingCommunicator
+    model = build_model("lenet")
+    p = model.num_params
+    parts = _layer_parts(model)
+    monkeypatch.setattr(pm, "buckets", lambda model, stop: parts)
+    sent, messages = [], []
+    for rank in range(n):
+        transport = _recording_transport(rank, n)
+        comm = RingCommunicator(transport)
+        for lo, hi, _ in parts:
+            bounds = [(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo)
+                      for a, b in comm.shard_bounds(p)]
+            buf = np.zeros(hi - lo, np.float32)
+            with np.errstate(all="ignore"):
+                comm.reduce_scatter(buf, bounds=bounds)
+                comm.allgather(buf, bounds=bounds)
+        sent.append(transport.bytes_sent)
+        messages.append(transport.messages)
+    assert sent == pm.traffic(model, "ring", n, 64)
+    assert messages == pm.messages(model, "ring", n, 64, delay=0)
+    assert sum(messages) < len(parts) * 2 * (n - 1) * n        # some steps are empty
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_auto_runs_the_rounds_the_model_times(n):
+    # the model times auto's algorithms by the code's table (rounds, bytes of the busiest
+    # rank); here the code's implementation is held to that table on the recording transport
+    auto = pytest.importorskip("ringnet.comm.auto")
+    length = 1000
+    for algorithm in auto.ALGORITHMS:
+        runs = []
         for rank in range(n):
             transport = _recording_transport(rank, n)
-            with np.errstate(all="ignore"):     # receives leave scratch unwritten: adds garbage
-                run(classes[mode](transport), np.zeros(p, np.float32))
-            sent.append(transport.bytes_sent)
-        assert sent == pm.traffic(model, mode, n, 64), mode
+            with np.errstate(all="ignore"):
+                auto.AutoCommunicator(transport, algorithm=algorithm).allreduce(
+                    np.zeros(length, np.float32))
+            runs.append(transport)
+        rounds, sent, _ = auto.terms(algorithm, 4 * length, n)
+        posts = [sum(what == "post" for what, _ in t.log) for t in runs]
+        if algorithm == "direct":          # N-1 transfers posted at once: one round
+            for t in runs:
+                first_wait = next(i for i, (what, _) in enumerate(t.log) if what == "wait")
+                assert first_wait == n - 1
+            assert max(t.bytes_sent for t in runs) == sent
+        else:
+            assert max(posts) == rounds, algorithm
+        if n & (n - 1) == 0:               # no folding: the busiest rank sends the table's bytes
+            assert max(t.bytes_sent for t in runs) == pytest.approx(sent, abs=4 * n), algorithm
+    system = _system()
+    if n == 4:                             # recursive doubling: 2 rounds of the whole 4000 bytes
+        assert pm.allreduce_time(system, "rd", 4000, 4) == pytest.approx(2 * ALPHA + 8000 / BETA)
+    # the model's auto is the algorithm the code picks
+    picked = auto.choose(4 * length, n)
+    assert pm.allreduce_time(system, "auto", 4 * length, n) == \
+        pm.allreduce_time(system, picked, 4 * length, n)
+
+
+def test_rooted_receives_are_posted_as_the_model_assumes():
+    # concurrent: the root posts its receive from worker 2 before it waits on worker 1's;
+    # serial: it waits on each receive before posting the next
+    runs = _record("master", 0, 3, 1000)
+    first_wait = next(i for i, (what, _) in enumerate(runs.log) if what == "wait")
+    posts_before = sum(what == "post" for what, _ in runs.log[:first_wait])
+    assert (posts_before == 2) == pm._rooted_concurrent()
 
 
 # -- times -------------------------------------------------------------------------------
@@ -162,25 +259,48 @@ def test_inter_node_hop_sets_the_ring_pace():
     assert pm._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * (ALPHA + 1000 / BETA))
 
 
-def test_tree_and_master_times_hand_computed():
+def test_tree_and_master_times_hand_computed(monkeypatch):
     system = _system()
     nbytes = 4000
     h = ALPHA + nbytes / BETA
-    # heap of 4: 0 <- {1, 2}, 1 <- {3}. Reduce: 1 gets 3 (h), 0 gets 1 (2h) then 2 (3h).
-    # Broadcast: 0 sends to 1 and 2 at once (alpha + 2 S/beta), 1 then to 3.
+    # serial communicators, heap of 4: 0 <- {1, 2}, 1 <- {3}. Reduce: 1 gets 3 (h), 0 gets 1
+    # (2h) then 2 (3h). Broadcast: 0 sends to 1 and 2 at once (alpha + 2 S/beta), 1 then to 3.
+    monkeypatch.setattr(pm, "_rooted_concurrent", lambda: False)
     reduce, bcast = pm._tree_time(system, 4, nbytes, 1000)
     assert reduce == pytest.approx(3 * h)
     assert bcast == pytest.approx(2 * ALPHA + 3 * nbytes / BETA)
     reduce, bcast = pm._master_time(system, 4, nbytes, 1000)
     assert reduce == pytest.approx(3 * h)                      # one after the other
     assert bcast == pytest.approx(ALPHA + 3 * nbytes / BETA)   # three copies share one link
+    # concurrent receives, one piece: 1 gets 3 (h); 0 gets 1 and 2 at once on its link
+    monkeypatch.setattr(pm, "_rooted_concurrent", lambda: True)
+    monkeypatch.setattr(pm, "_pieces", lambda length, itemsize: [(0, length)])
+    reduce, bcast = pm._tree_time(system, 4, nbytes, 1000)
+    assert reduce == pytest.approx(h + ALPHA + 2 * nbytes / BETA)
+    assert bcast == pytest.approx(2 * ALPHA + 3 * nbytes / BETA)
+    reduce, bcast = pm._master_time(system, 4, nbytes, 1000)
+    assert reduce == pytest.approx(ALPHA + 3 * nbytes / BETA)  # three at once share one link
+    # four pieces of 250 elements: a chain 0 <- 1 (N=2 heap is one edge) streams them
+    quarter = ALPHA + nbytes / 4 / BETA
+    monkeypatch.setattr(pm, "_pieces", lambda length, itemsize: [(a, a + length // 4)
+                                                                 for a in range(0, length, length // 4)])
+    reduce, bcast = pm._tree_time(system, 2, nbytes, 1000)
+    assert reduce == pytest.approx(4 * quarter) and bcast == pytest.approx(4 * quarter)
+    # heap of 3 pipelined: the root's link takes both children's piece j at once
+    reduce, bcast = pm._tree_time(system, 3, nbytes, 1000)
+    assert reduce == pytest.approx(4 * (ALPHA + 2 * nbytes / 4 / BETA))
+    add = _system(add=1e-6)                                    # + two adds of 250 per piece
+    reduce, _ = pm._tree_time(add, 3, nbytes, 1000)
+    assert reduce == pytest.approx(4 * (ALPHA + 2 * nbytes / 4 / BETA) + 2 * 250e-6)
 
 
 def test_delay0_adds_and_delay1_overlaps():
     system = _system(update=1e-9)
     lenet = build_model("lenet")
+    unbucketed = dict(pm.code_facts(), bucket_bytes=0)
     for mode in ("ring", "tree", "master"):
-        sync = pm.predict(system, lenet, mode, 0, 4, 64)
+        with pm.facts(unbucketed):
+            sync = pm.predict(system, lenet, mode, 0, 4, 64)
         assert sync.step_s == pytest.approx(sync.compute_s + sync.comm_s + sync.update_s)
         lagged = pm.predict(system, lenet, mode, 1, 4, 64)
         assert lagged.step_s == pytest.approx(max(lagged.compute_s, lagged.comm_s) + lagged.update_s)
@@ -200,15 +320,61 @@ def test_cpu_contention_slows_compute_past_the_cores():
     assert pm.predict(system, lenet, "ring", 0, 4, 64).compute_s == pytest.approx(2 * free)
 
 
-def test_cpu_delay1_overlap_hand_computed():
+def test_polled_stream_overlap_hand_computed():
     system = _system()
-    system.cores, system.steal, system.rate = 2.0, 0.5, 0.5
+    system.cores, system.steal, system.rate, system.ranks_here = 2.0, 0.5, 0.5, 2
+    ops = [(0.0, [("msg", 2.0), ("cpu", 0.25)])]
     # exchange of 2 s needs 4 s beside the compute, which it slows by 0.5 * 4 s
-    assert pm._overlap(system, 2, 10.0, 2.0, 0.25) == pytest.approx(10.0 + 2.0 + 0.25)
+    long = pm.Timeline([], [], {}, 10.0)
+    assert pm._simulate(system, long, ops, "poll")[0] == pytest.approx(10.0 + 2.0 + 0.25)
     # a 1 s compute stretches to 2 s; 1 s of exchange done, 1 s left at full speed
-    assert pm._overlap(system, 2, 1.0, 2.0, 0.25) == pytest.approx(2.0 + 1.0 + 0.25)
+    short = pm.Timeline([], [], {}, 1.0)
+    assert pm._simulate(system, short, ops, "poll")[0] == pytest.approx(2.0 + 1.0 + 0.25)
     # a spare core takes the update off the compute's core
-    assert pm._overlap(system, 1, 10.0, 2.0, 0.25) == pytest.approx(12.0)
+    system.ranks_here = 1
+    assert pm._simulate(system, long, ops, "poll")[0] == pytest.approx(12.0)
+
+
+def test_driven_stream_waits_for_layer_boundaries():
+    system = _system()
+    system.cores, system.ranks_here = 1.0, 1
+    ops = [(0.0, [("msg", 0.5), ("cpu", 0.1), ("msg", 0.5)])]
+    # the first transfer is noticed at the boundary at 1; the add delays the compute by
+    # 0.1, so the next boundaries are 2.1, 3.1, 4.1; the second transfer is seen at 2.1
+    layers = pm.Timeline([1.0, 2.0, 3.0, 4.0], [], {}, 4.0)
+    assert pm._simulate(system, layers, ops, "driven") == pytest.approx((4.1, 0.1))
+    # after the compute the waiting thread drives: at blocking speed
+    one = pm.Timeline([1.0], [], {}, 1.0)
+    assert pm._simulate(system, one, ops, "driven")[0] == pytest.approx(1.0 + 0.1 + 0.5)
+    # inside a blocking collective the thread progresses all along
+    dense = pm.Timeline([], [(0.0, 4.0)], {}, 4.0)
+    assert pm._simulate(system, dense, [(0.0, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.0)
+    assert pm._simulate(system, dense, [(3.9, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.4)
+
+
+def test_buckets_start_during_the_backward(monkeypatch):
+    lenet = build_model("lenet")
+    system = _system(alpha=1e-6, beta=1e8)         # bandwidth-bound: 4.3 ms per shard step
+    system.compute.layers["lenet"] = [(name, (fa * 1e3, fb * 1e3), (ba * 1e3, bb * 1e3))
+                                      for name, (fa, fb), (ba, bb) in system.compute.layers["lenet"]]
+    monkeypatch.setattr(pm, "buckets", lambda model, stop: [])
+    whole = pm.predict(system, lenet, "ring", 0, 4, 64)
+    steps = 6 * (1e-6 + 107770 * 4 / 1e8)          # 2(N-1) steps of one 107770-element shard
+    assert whole.step_s == pytest.approx(whole.compute_s + steps, rel=1e-9)
+    # one bucket per layer with parameters, last layers first: the ip1 and ip2 buckets'
+    # exchanges run while the conv layers' backward goes on
+    parts = _layer_parts(lenet)
+    monkeypatch.setattr(pm, "buckets", lambda model, stop: parts)
+    bucketed = pm.predict(system, lenet, "ring", 0, 4, 64)
+    assert bucketed.step_s < whole.step_s - 0.5 * steps
+    # conv1's bucket (520 parameters) starts only when the backward ends: its steps stay exposed
+    conv1 = 6 * (1e-6 + 130 * 4 / 1e8)
+    assert bucketed.step_s >= bucketed.compute_s + conv1 - 1e-12
+    # latency-bound, four buckets cost four times the messages: buckets lose
+    system.intra = system.inter = pm.Link("slow", 5e-2, 1e12)
+    slow_bucketed = pm.predict(system, lenet, "ring", 0, 4, 64).step_s
+    monkeypatch.setattr(pm, "buckets", lambda model, stop: [])
+    assert slow_bucketed > pm.predict(system, lenet, "ring", 0, 4, 64).step_s + 6 * 5e-2
 
 
 def test_calibration_record_from_raw_timings():
@@ -376,13 +542,89 @@ def test_strategies_send_what_the_model_counts(name, mode, delay):
     model = build_model(name, seed=1)
     strategy = parallel.create(mode, model, lambda k: SGD(k, LRPolicy("fixed", 1e-3)),
                                world, delay=delay, transport="mpi")
+    if hasattr(strategy, "buckets"):                 # the delay-0 buckets the model assumes
+        stop = model.fc_start() if mode == "split-fc" else len(model.layers)
+        expected = pm.buckets(model, stop) if delay == 0 else []
+        assert [tuple(b) for b in strategy.buckets] == [tuple(b) for b in expected]
+    transport = strategy.transport
+    posted = [0]
+    isendrecv = transport.isendrecv
+
+    def counting(send_array, *args):          # non-empty sends, as the transport posts them
+        posted[0] += send_array is not None and send_array.nbytes > 0
+        return isendrecv(send_array, *args)
+    transport.isendrecv = counting
     rng = np.random.default_rng(rank)
     local = batch // size
     for it in range(steps):
         x = rng.normal(size=(local,) + model.input_shape).astype(model.dtype)
         strategy.step(x, rng.integers(0, model.num_classes, size=local), it)
     strategy.drain()
-    sent = world.allgather(int(strategy.transport.bytes_sent))
+    sent = world.allgather(int(transport.bytes_sent))
+    messages = world.allgather(posted[0])
     strategy.close()
     expected = [steps * b for b in pm.traffic(model, mode, size, batch)]
     assert sent == expected, f"{mode} delay {delay} at N={size}: bytes sent per rank"
+    expected = [steps * m for m in pm.messages(model, mode, size, batch, delay)]
+    assert messages == expected, f"{mode} delay {delay} at N={size}: messages per rank"
+
+
+# -- validation records ----------------------------------------------------------------------
+def _validation_record(measured, code=None):
+    compute = pm.roofline_compute("k40", ("lenet",)).to_json()
+    compute["device"] = "cpu"
+    raw = {"solo_s": 0.02, "together_s": 0.02,
+           "blocking": {"4096": 0.004, "1048576": 0.010},
+           "streamed": {"1048576": [0.020, 0.040]}}
+    record = {"batch_size": 64, "steps": 5,
+              "rounds": [{"compute": compute, "calibration": {"by_np": {"2": {"raw": raw}}},
+                          "measured": measured}]}
+    if code is not None:
+        record["code"] = code
+    return record
+
+
+def test_validation_reprint_says_where_the_model_is_off(tmp_path):
+    row = {"model": "lenet", "mode": "ring", "delay": 0, "np": 2, "step_ms": 100.0,
+           "compute_ms": 10.0, "exposed_ms": 85.0, "update_ms": 1.0, "data_ms": 4.0}
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(_validation_record([row])))
+    rows = pm.validation_rows(json.loads(path.read_text()))
+    assert len(rows) == 1 and rows[0]["measured_ms"] == 100.0
+    predicted_exposed, measured_exposed = rows[0]["parts"]["exposed"]
+    assert measured_exposed == 85.0
+    text = pm.diagnose(rows[0], rows)
+    # the model's exchange of a 1.7 MB gradient on this link is far below 85 ms
+    assert predicted_exposed < 40 and "exposed communication" in text and "85.0 ms" in text
+    proc = _cli("--compute", "k40", "--models", "lenet", "--profile", "pcie3", "--np", "1", "2",
+                "--validation", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "where the model is off" in proc.stdout and "exposed communication" in proc.stdout
+    assert "the code measured: CPU streams poll, no delay-0 buckets" in proc.stdout
+
+
+def test_a_record_is_predicted_as_the_code_it_measured_ran():
+    row = {"model": "lenet", "mode": "ring", "delay": 1, "np": 2, "step_ms": 100.0}
+    old = pm.validation_rows(_validation_record([row]))[0]["predicted_ms"]
+    assert pm.validation_rows(_validation_record([row], pm.OLD_FACTS))[0]["predicted_ms"] == old
+    # the same record measured with driven progress: the exchange waits for layer boundaries
+    driven = dict(pm.OLD_FACTS, progress="driven")
+    assert pm.validation_rows(_validation_record([row], driven))[0]["predicted_ms"] != old
+    with pm.facts(driven):
+        assert pm.code_facts() == driven
+
+
+def test_code_facts_are_the_code_s():
+    facts = pm.code_facts()
+    try:
+        from ringnet.comm.stream import progress_mode
+    except ImportError:
+        assert facts["progress"] == "poll"
+    else:
+        assert facts["progress"] == progress_mode()
+    try:
+        from ringnet.parallel.exchange import bucket_bytes
+    except ImportError:
+        assert facts["bucket_bytes"] == 0
+    else:
+        assert facts["bucket_bytes"] == bucket_bytes()

@@ -40,6 +40,7 @@ while it runs (shared-memory MPI copies and polling are CPU work); what is left 
 when the compute ends runs at blocking speed.
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -351,6 +352,7 @@ class System:
     rate: float = 1.0
     rooted: dict = None              # local: mode -> Link calibrated on that communicator
     calibrated: dict = None
+    ranks_here: int = 1              # ranks of this job on one node (set per prediction)
 
     def hop(self, a, b):
         """Return the Link between ranks a and b (ranks fill nodes in order)."""
@@ -485,49 +487,273 @@ def traffic(model, mode, n, batch):
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def _region_parts(model, mode, n, delay):
+    """The replicated region's size and the parts its exchange runs in (the code's buckets)."""
+    if mode == "split-fc":
+        size, stop = model.param_offsets()[f"{_first_fc(model)}.weight"][0], model.fc_start()
+    else:
+        size, stop = model.num_params, len(model.layers)
+    parts = [(lo, hi) for lo, hi, _ in buckets(model, stop)] if not delay and n > 1 else []
+    return size, parts or [(0, size)]
+
+
+def _first_fc(model):
+    from ringnet.parallel.fc_slices import fc_blocks
+    return fc_blocks(model)[0][0]
+
+
+def messages(model, mode, n, batch, delay=0):
+    """Return the messages (non-empty sends) each of N ranks posts in one step of ``mode``.
+
+    From the code's sizes and structure: the ring's 2(N-1) steps per part (a step with an
+    empty shard sends nothing), the rooted communicators' pieces (``pipeline_pieces``), the
+    delay-0 buckets (``backward_buckets``), split-fc's activation collectives.
+    """
+    if n == 1 or mode == "single":
+        return [0] * n
+    itemsize = model.dtype.itemsize
+    count = [0] * n
+
+    def ring(bounds, phases=("rs", "ag")):
+        for r in range(n):
+            for k in range(n - 1):
+                if "rs" in phases:
+                    a, b = bounds[(r - k - 1) % n]
+                    count[r] += b > a
+                if "ag" in phases:
+                    a, b = bounds[(r - k) % n]
+                    count[r] += b > a
+
+    size, parts = _region_parts(model, mode, n, delay)
+    for lo, hi in parts:
+        if mode in ("ring", "split-fc"):
+            ring([(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo)
+                  for a, b in _shard_bounds(size, n)])
+            continue
+        pieces = len(_pieces(hi - lo, itemsize)) if _rooted_concurrent() else 1
+        for v in range(n):
+            if mode == "tree":
+                count[v] += pieces * ((v > 0) + len(_tree_children(v, n)))
+            else:
+                count[v] += pieces * (n - 1 if v == 0 else 1)
+    if mode == "split-fc":
+        plan, _, _ = split_fc_plan(model, n, batch)
+        for label, kind, bounds in plan:
+            if not label.startswith("conv "):
+                ring(bounds, (kind,))
+    return count
+
+
 # -- timing ----------------------------------------------------------------------------------
+def _pieces(length, itemsize):
+    """Return the element ranges a rooted transfer of ``length`` elements is cut into: the
+    communicators' own ``pipeline_pieces`` (one piece where the code has none)."""
+    try:
+        from ringnet.comm.base import pipeline_pieces
+    except ImportError:
+        return [(0, length)] if length else []
+    return pipeline_pieces(length, itemsize)
+
+
+# What the code does where it has a choice; a saved validation record replaces it with
+# what the code it measured did (see ``code_facts``).
+_FACTS = None
+
+
+def code_facts():
+    """The behaviour of the code the model follows: how CPU streams progress, the delay-0
+    bucket size, whether rooted communicators receive concurrently in pieces."""
+    if _FACTS is not None:
+        return dict(_FACTS)
+    from ringnet.comm.base import RootedCommunicator
+    try:
+        from ringnet.comm.stream import progress_mode
+        progress = progress_mode()
+    except ImportError:
+        progress = "poll"               # a thread that polls its own transfers
+    try:
+        from ringnet.parallel.exchange import bucket_bytes
+        size = bucket_bytes()
+    except ImportError:
+        size = 0
+    return {"progress": progress, "bucket_bytes": size,
+            "rooted_concurrent": hasattr(RootedCommunicator, "_gather_sum")}
+
+
+@contextlib.contextmanager
+def facts(values):
+    """Predict as the code described by ``values`` (a ``code_facts()`` dict) ran."""
+    global _FACTS
+    saved, _FACTS = _FACTS, dict(values)
+    try:
+        yield
+    finally:
+        _FACTS = saved
+
+
+# The code before any of these facts were recorded: threads that poll, no buckets, rooted
+# communicators receiving one sender after the other.
+OLD_FACTS = {"progress": "poll", "bucket_bytes": 0, "rooted_concurrent": False}
+
+
+def _describe_facts(values):
+    buckets_text = (f"delay-0 buckets of {values['bucket_bytes'] // 1024} KiB"
+                    if values["bucket_bytes"] else "no delay-0 buckets")
+    rooted = ("tree/master receive all senders at once, in pipeline pieces"
+              if values["rooted_concurrent"] else "tree/master receive one sender at a time")
+    return f"CPU streams {values['progress']}, {buckets_text}, {rooted}"
+
+
+def _rooted_concurrent():
+    """True when a rooted communicator receives from all its senders at once (piece by piece)."""
+    return code_facts()["rooted_concurrent"]
+
+
 def _ring_time(system, bounds, itemsize, kind):
     """Seconds of one ring reduce-scatter ("rs", with adds) or all-gather ("ag") over ``bounds``."""
+    return sum(seconds for _, seconds in _ring_items(system, bounds, itemsize, kind))
+
+
+def _ring_items(system, bounds, itemsize, kind):
+    """The ring collective as the stream runs it: [("msg", s) and ("cpu", s) for the adds]."""
     n = len(bounds)
     if n == 1:
-        return 0.0
-    # lockstep: every step waits for the largest shard on the slowest hop of the ring
+        return []
+    # lockstep: every step waits for the largest shard on the slowest hop of the ring; a
+    # step whose shards are all empty sends nothing (the transport skips zero-byte sides)
     shard = max(b - a for a, b in bounds)
+    if shard == 0:
+        return []
     hop = system.intra if n <= system.ranks_per_node else system.inter
-    step = hop.time(shard * itemsize)
-    if kind == "rs":
-        step += system.compute.add(shard)
-    return (n - 1) * step
+    items = []
+    for _ in range(n - 1):
+        items.append(("msg", hop.time(shard * itemsize)))
+        if kind == "rs":
+            items.append(("cpu", system.compute.add(shard)))
+    return items
 
 
 def _tree_time(system, n, nbytes, elems):
-    """Seconds of a tree reduce (to the root) plus broadcast (to the last leaf)."""
-    add = system.compute.add(elems)
-    done = [0.0] * n
-    for v in range(n - 1, -1, -1):                 # children before parents
-        t = 0.0
-        for c in _tree_children(v, n):
-            t = max(t, done[c]) + system.hop(c, v).time(nbytes) + add
-        done[v] = t
-    arrive = [0.0] * n
-    for v in range(n):                             # parents before children
+    """Seconds of a tree reduce (to the root) plus broadcast (to the last leaf).
+
+    Heap of the code (children 2v+1, 2v+2). With the pipelined communicator every rank
+    receives both children's piece j at once (sharing its link), adds them and sends the
+    sum up while piece j+1 arrives; the broadcast relays piece by piece, a rank sending
+    each piece to both children at once. Without it (one piece, children one after the
+    other) the same recursion runs with serial receives.
+    """
+    if n <= 1:
+        return 0.0, 0.0
+    itemsize = max(1, nbytes // max(elems, 1))
+    concurrent = _rooted_concurrent()
+    pieces = [b - a for a, b in _pieces(elems, itemsize)] if concurrent else [elems]
+    ready = [[0.0] * len(pieces) for _ in range(n)]     # piece j's partial ready to go up
+    for v in range(n - 1, -1, -1):                      # children before parents
         kids = _tree_children(v, n)
-        if kids:
-            # both sends start at once and share the sender's link
-            t = arrive[v] + max(system.hop(v, c).alpha_s for c in kids) \
-                + sum(nbytes / system.hop(v, c).beta_Bps for c in kids)
+        link = add = 0.0
+        for j, e in enumerate(pieces):
+            if not kids:
+                continue
+            size = e * itemsize
+            if concurrent:
+                link = max(link, max(ready[c][j] for c in kids)) \
+                    + max(system.hop(c, v).alpha_s for c in kids) \
+                    + sum(size / system.hop(c, v).beta_Bps for c in kids)
+                add = max(add, link) + len(kids) * system.compute.add(e)
+            else:
+                for c in kids:
+                    link = max(link, ready[c][j], add) + system.hop(c, v).time(size)
+                    add = link + system.compute.add(e)
+            ready[v][j] = add
+    reduce = ready[0][-1]
+    have = [[0.0] * len(pieces) for _ in range(n)]       # piece j arrived at v
+    for v in range(n):                                   # parents before children
+        kids = _tree_children(v, n)
+        out = 0.0
+        for j, e in enumerate(pieces):
+            if not kids:
+                continue
+            out = max(out, have[v][j]) + max(system.hop(v, c).alpha_s for c in kids) \
+                + sum(e * itemsize / system.hop(v, c).beta_Bps for c in kids)
             for c in kids:
-                arrive[c] = t
-    return done[0], max(arrive)
+                have[c][j] = out
+    return reduce, max(h[-1] for h in have)
 
 
 def _master_time(system, n, nbytes, elems):
-    reduce = sum(system.hop(w, 0).time(nbytes) + system.compute.add(elems) for w in range(1, n))
-    bcast = 0.0
-    if n > 1:
-        bcast = max(system.hop(0, w).alpha_s for w in range(1, n)) \
-            + sum(nbytes / system.hop(0, w).beta_Bps for w in range(1, n))
-    return reduce, bcast
+    """Seconds of the master's reduce (N-1 gradients into the root) and broadcast.
+
+    Pipelined communicator: the root posts every worker's piece j at once (they share its
+    link) and adds them in rank order while piece j+1 arrives; it sends each piece to all
+    workers at once. Without it: one worker after the other.
+    """
+    if n <= 1:
+        return 0.0, 0.0
+    itemsize = max(1, nbytes // max(elems, 1))
+    workers = range(1, n)
+    alpha = max(system.hop(w, 0).alpha_s for w in workers)
+    if not _rooted_concurrent():
+        reduce = sum(system.hop(w, 0).time(nbytes) + system.compute.add(elems) for w in workers)
+        return reduce, alpha + sum(nbytes / system.hop(0, w).beta_Bps for w in workers)
+    link = add = out = 0.0
+    for a, b in _pieces(elems, itemsize):
+        size = (b - a) * itemsize
+        link += alpha + sum(size / system.hop(w, 0).beta_Bps for w in workers)
+        add = max(add, link) + (n - 1) * system.compute.add(b - a)
+        out += alpha + sum(size / system.hop(0, w).beta_Bps for w in workers)
+    return add, out
+
+
+def auto_algorithms():
+    """The all-reduce algorithms of the code's ``auto`` communicator, or () where it has none."""
+    try:
+        from ringnet.comm.auto import ALGORITHMS
+    except ImportError:
+        return ()
+    return tuple(ALGORITHMS)
+
+
+def allreduce_time(system, algorithm, nbytes, n, itemsize=4):
+    """Seconds of one all-reduce of ``nbytes`` over N ranks by ``algorithm`` (``auto``: the
+    algorithm the code's ``AutoCommunicator`` picks for this size and N, with its own rule).
+
+    The ring runs as the model's ring; auto's other algorithms by their rounds, the bytes
+    the busiest rank sends and the bytes it adds (``ringnet.comm.auto.terms``, the table
+    the code's choice is made from), each round one message time on this link.
+    """
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if algorithm == "auto":
+        from ringnet.comm.auto import choose
+        algorithm = choose(nbytes, n)
+    elems = max(1, nbytes // itemsize)
+    if algorithm == "ring":
+        bounds = _shard_bounds(elems, n)
+        return _ring_time(system, bounds, itemsize, "rs") + _ring_time(system, bounds, itemsize, "ag")
+    from ringnet.comm.auto import terms
+    rounds, sent, added = terms(algorithm, nbytes, n)
+    link = system.intra if n <= system.ranks_per_node else system.inter
+    cp = system.compute
+    return rounds * (link.alpha_s + cp.add_s_per_call) + sent / link.beta_Bps \
+        + added / itemsize * cp.add_s_per_elem
+
+
+def allreduce_rows(system, model, nps):
+    """Rows {model, profile, np, bytes, picked, auto_ms, ring_ms} for the whole gradient."""
+    if "ring" not in auto_algorithms():
+        return []
+    from ringnet.comm.auto import choose
+    nbytes = model.num_params * model.dtype.itemsize
+    rows = []
+    for n in nps:
+        if n < 2:
+            continue
+        sys_n = system.at(n)
+        rows.append({"model": model.name, "profile": system.name, "np": n, "bytes": nbytes,
+                     "picked": choose(nbytes, n),
+                     "auto_ms": 1e3 * allreduce_time(sys_n, "auto", nbytes, n, model.dtype.itemsize),
+                     "ring_ms": 1e3 * allreduce_time(sys_n, "ring", nbytes, n, model.dtype.itemsize)})
+    return rows
 
 
 @dataclasses.dataclass
@@ -542,40 +768,144 @@ class Prediction:
     bytes_max: int
 
 
-def _exchange_s(system, model, mode, n):
-    """Seconds of the data-parallel exchange's transfers (reduce + distribute, no update)."""
-    itemsize, p = model.dtype.itemsize, model.num_params
+def _exchange_items(system, model, mode, n, size, part, update_s):
+    """The exchange of ``part`` = [lo, hi) of a region of ``size`` elements, as the stream runs
+    it: [("msg", seconds) for each wait on a transfer, ("cpu", seconds) for adds and update].
+
+    ring: reduce-scatter over the region's shard bounds clipped to the part (as the code's
+    bucket plans clip them), then the update of this rank's share, then all-gather; tree
+    and master: reduce, the root's update, broadcast, each cut into the waits the code makes.
+    """
+    itemsize = model.dtype.itemsize
+    lo, hi = part
     if n == 1:
-        return 0.0
+        return [("cpu", update_s)]
     if mode == "ring":
-        bounds = _shard_bounds(p, n)
-        return _ring_time(system, bounds, itemsize, "rs") + _ring_time(system, bounds, itemsize, "ag")
+        bounds = [(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo)
+                  for a, b in _shard_bounds(size, n)]
+        return (_ring_items(system, bounds, itemsize, "rs") + [("cpu", update_s)]
+                + _ring_items(system, bounds, itemsize, "ag"))
     if system.rooted and mode in system.rooted:     # local: the link fitted on this communicator
         link = system.rooted[mode]
         system = dataclasses.replace(system, intra=link, inter=link)
-    if mode == "tree":
-        return sum(_tree_time(system, n, p * itemsize, p))
-    return sum(_master_time(system, n, p * itemsize, p))
+    elems = hi - lo
+    timing = _tree_time if mode == "tree" else _master_time
+    reduce, bcast = timing(system, n, elems * itemsize, elems)
+    waits = _rooted_waits(mode, n, elems, itemsize)
+    return ([("msg", reduce / waits)] * waits + [("cpu", update_s)]
+            + [("msg", bcast / waits)] * waits)
 
 
-def _overlap(system, n, compute_s, comm_s, device_s):
-    """Step time when the exchange (transfers ``comm_s``, then update/adds ``device_s`` on
-    the same device) runs on the communication stream beside the compute."""
+def _exchange_s(system, model, mode, n):
+    """Seconds of the data-parallel exchange's transfers and adds (no update), blocking."""
+    p = model.num_params
+    return sum(t for _, t in _exchange_items(system, model, mode, n, p, (0, p), 0.0))
+
+
+def _rooted_waits(mode, n, elems, itemsize):
+    """Waits on the critical path of a rooted reduce or broadcast (each may sleep until progressed)."""
+    pieces = len(_pieces(elems, itemsize)) if _rooted_concurrent() else 1
+    depth = max(1, math.ceil(math.log2(n + 1)) - 1) if mode == "tree" else 1
+    return max(1, pieces * depth)
+
+
+def buckets(model, stop_layer):
+    """The code's delay-0 buckets of ``model.layers[:stop_layer]``: [(lo, hi, layer)] in the
+    order the backward completes them, or [] where the code has none (or they are off)."""
+    size = code_facts()["bucket_bytes"]
+    if not size:
+        return []
+    from ringnet.parallel.exchange import backward_buckets
+    return list(backward_buckets(model, stop_layer, size))
+
+
+def _progress(system):
+    """How the stream's transfers progress beside the compute: gpu, driven, poll or block."""
     if system.cores is None:
-        # GPU: transfers overlap, but the update kernels share the device with compute
-        return max(compute_s + device_s, comm_s + device_s)
-    # CPU: beside the compute the exchange moves at ``rate`` of its blocking speed and
-    # takes ``steal`` of the core; what is left when the compute ends runs at full speed.
-    # Its update is CPU work that competes with the compute unless a spare core is free.
-    steal, rate = min(system.steal, 0.9), max(system.rate, 1e-3)
-    span = comm_s / rate
-    if span <= compute_s + steal * span:        # the exchange ends during the compute
-        busy, left = compute_s + steal * span, 0.0
-    else:
-        busy = compute_s / (1.0 - steal)
-        left = comm_s - rate * busy
-    spare = system.cores / max(n, 1) >= 2
-    return busy + left + (0.0 if spare else device_s)
+        return "gpu"
+    return code_facts()["progress"]
+
+
+@dataclasses.dataclass
+class Timeline:
+    """One step's compute on the training thread: where it calls the streams' progress.
+
+    ``points``: times of the layer boundaries (the strategy's hook progresses the
+    streams there); ``dense``: intervals in which the thread waits in MPI itself (a
+    blocking collective), which progresses the streams all along; ``ready``: the time
+    the backward of each layer index ends; ``end``: when the compute ends.
+    """
+    points: list
+    dense: list
+    ready: dict
+    end: float
+
+    def next_progress(self, t, shift):
+        """First time >= t at which the training thread progresses (compute delayed by ``shift``)."""
+        for a, b in self.dense:
+            if a + shift <= t <= b + shift:
+                return t
+        later = [p + shift for p in self.points if p + shift >= t]
+        later += [a + shift for a, _ in self.dense if a + shift >= t]
+        return min(later) if later else t
+
+
+def _layer_timeline(cp, model, segments, slow):
+    """Build a Timeline from [("fwd"|"bwd", layer index, batch, share) | ("dense", seconds)]."""
+    t, points, dense, ready = 0.0, [], [], {}
+    for seg in segments:
+        if seg[0] == "dense":
+            dense.append((t, t + seg[1]))
+            t += seg[1]
+            continue
+        kind, index, batch, share = seg
+        fwd, bwd = cp.layer(model.name, model.layers[index][0], batch, share)
+        t += (fwd if kind == "fwd" else bwd) * slow
+        points.append(t)
+        if kind == "bwd":
+            ready[index] = t
+    return Timeline(points, dense, ready, t)
+
+
+def _simulate(system, timeline, ops, progress):
+    """Step time when ``ops`` [(ready time, items)] run in order on the stream beside the compute.
+
+    A transfer takes its blocking time; how it is noticed depends on ``progress``, as the
+    code runs it: ``driven`` (the stream's thread sleeps until the training thread tests the
+    transfer at a layer boundary, or all along while it waits in MPI, or at the end of the
+    step when it waits for the stream), ``poll``/``block`` (the stream's thread polls: the
+    transfer moves at the calibrated ``rate`` of its blocking speed and takes ``steal`` of
+    the core meanwhile), ``gpu`` (transfers overlap the compute). The stream's adds and
+    update are work on the rank's core (or device): they delay the compute unless a spare
+    core is free.
+    """
+    n_spare = progress != "gpu" and system.cores is not None and system.cores >= 2 * system.ranks_here
+    shift, t = 0.0, 0.0
+    rate, steal = max(system.rate, 1e-3), min(system.steal, 0.9)
+    for ready, items in ops:
+        t = max(t, ready + shift)
+        for kind, seconds in items:
+            computing = t < timeline.end + shift
+            if kind == "cpu":
+                if computing and not n_spare:
+                    shift += seconds
+                t += seconds
+                continue
+            if not computing or progress == "gpu":
+                t += seconds
+            elif progress == "driven":
+                t = timeline.next_progress(t + seconds, shift)
+            else:                               # poll, block: the calibrated rate and steal
+                span = seconds / rate
+                left = timeline.end + shift - t
+                if span * (1 - steal) <= left:
+                    shift += steal * span
+                    t += span
+                else:                           # the compute ends first: the rest at full speed
+                    busy = left / (1 - steal)
+                    shift += steal * busy
+                    t += busy + seconds - rate * busy
+    return max(timeline.end + shift, t), shift
 
 
 def predict(system, model, mode, delay, n, batch):
@@ -585,23 +915,22 @@ def predict(system, model, mode, delay, n, batch):
     if mode == "single":
         n, delay = 1, 0
     system = system.at(n)
+    system = dataclasses.replace(system, ranks_here=min(n, system.ranks_per_node))
     cp = system.compute
     name, itemsize = model.name, model.dtype.itemsize
     slow = system.contention(n)
     sent = traffic(model, mode, n, batch)
     bytes_mean, bytes_max = float(np.mean(sent)), int(max(sent))
+    progress = _progress(system)
+    layers = range(len(model.layers))
 
     if mode == "split-fc":
         plan, conv, blocks = split_fc_plan(model, n, batch)
         fc_start = model.fc_start()
-        conv_names = {lname for lname, _ in model.layers[:fc_start]}
         fc_names = {lname for lname, _ in model.layers[fc_start:]}
         share = max(max(b - a for a, b in _shard_bounds(layer.out_features, n)) / layer.out_features
                     for _, layer, _ in blocks)
-        compute = (cp.step_compute(name, batch / n, conv_names)
-                   + cp.step_compute(name, batch, fc_names, share)
-                   + cp.overhead_s(name, batch)) * slow
-        conv_bounds = _shard_bounds(conv, n)
+        fc_compute = (cp.step_compute(name, batch, fc_names, share) + cp.overhead_s(name, batch)) * slow
         fc_rows = sum(max(b - a for a, b in _shard_bounds(layer.out_features, n))
                       * (layer.in_features + 1) for _, layer, _ in blocks)
         fc_update = cp.update(fc_rows, 2 * len(blocks)) * slow
@@ -610,7 +939,7 @@ def predict(system, model, mode, delay, n, batch):
         # the layer's backward), the conversion layer's also with the FC update.
         hidden = {}
         if system.cores is None:
-            for k, (bname, _, _) in enumerate(blocks):
+            for bname, _, _ in blocks:
                 hidden[bname] = 0.5 * cp.layer(name, bname, batch, share)[1] * slow
             hidden[blocks[0][0]] += fc_update
         act = 0.0
@@ -620,24 +949,47 @@ def predict(system, model, mode, delay, n, batch):
             t = _ring_time(system, bounds, itemsize, kind)
             block = _overlapped_block(label, blocks)
             act += max(0.0, t - hidden.get(block, 0.0)) if block else t
-        conv_update = cp.update(max(b - a for a, b in conv_bounds)) * slow
-        exch = sum(_ring_time(system, conv_bounds, itemsize, kind) for kind in ("rs", "ag"))
-        before = compute + act + fc_update
-        step = _overlap(system, n, before, exch, conv_update) if delay \
-            else before + exch + conv_update
-        return Prediction(step, compute, act + exch, fc_update + conv_update,
-                          max(0.0, step - compute - fc_update - conv_update), bytes_mean, bytes_max)
-
-    compute = (cp.step_compute(name, batch / n) + cp.overhead_s(name, batch / n)) * slow
-    if mode == "ring" and n > 1:
-        owned = max(b - a for a, b in _shard_bounds(model.num_params, n))
+        local = batch / n
+        segments = ([("fwd", i, local, 1.0) for i in layers[:fc_start]]
+                    + [("dense", fc_compute + act + fc_update)]
+                    + [("bwd", i, local, 1.0) for i in reversed(layers[:fc_start])])
+        timeline = _layer_timeline(cp, model, segments, slow)
+        compute = timeline.end - act - fc_update
+        region, bucket_list = conv, (buckets(model, fc_start) if not delay and n > 1 else [])
+        fixed = fc_update
     else:
-        owned = model.num_params          # single, tree and master: the root updates all of it
-    update = cp.update(owned) * slow
-    comm = _exchange_s(system, model, mode, n)
-    step = _overlap(system, n, compute, comm, update) if delay else compute + comm + update
-    return Prediction(step, compute, comm, update, max(0.0, step - compute - update),
-                      bytes_mean, bytes_max)
+        local = batch / n
+        segments = ([("fwd", i, local, 1.0) for i in layers]
+                    + [("dense", cp.overhead_s(name, local) * slow)]
+                    + [("bwd", i, local, 1.0) for i in reversed(layers)])
+        timeline = _layer_timeline(cp, model, segments, slow)
+        compute, act, fixed = timeline.end, 0.0, 0.0
+        region = model.num_params
+        bucket_list = buckets(model, len(model.layers)) if not delay and n > 1 else []
+
+    def update_of(lo, hi):
+        """The update of this rank's share of [lo, hi): its ring shard, or all of it on the root."""
+        if mode in ("ring", "split-fc") and n > 1:
+            owned = max(max(0, min(b, hi) - max(a, lo)) for a, b in _shard_bounds(region, n))
+        else:
+            owned = hi - lo
+        return cp.update(owned) * slow
+
+    xmode = "ring" if mode in ("split-fc", "single") else mode
+    whole = _exchange_items(system, model, xmode, n, region, (0, region), update_of(0, region))
+    comm = sum(t for kind, t in whole if kind == "msg")
+    update = update_of(0, region) + fixed
+    if delay and n > 1:
+        step, _ = _simulate(system, timeline, [(0.0, whole)], progress)
+    elif bucket_list:
+        ops = [(timeline.ready[layer], _exchange_items(system, model, xmode, n, region, (lo, hi),
+                                                       update_of(lo, hi)))
+               for lo, hi, layer in bucket_list]
+        step, _ = _simulate(system, timeline, ops, progress)
+    else:
+        step = timeline.end + sum(t for _, t in whole)
+    return Prediction(step, compute, comm + act, update,
+                      max(0.0, step - compute - update), bytes_mean, bytes_max)
 
 
 # -- sweeps, crossovers ---------------------------------------------------------------------
@@ -783,6 +1135,12 @@ def _calibrate_worker(iters):
             by_mode[mode][size] = float(np.median(samples))
     stream = ring.new_stream()
     streamed = {}
+    try:                                 # progress at layer boundaries, as the strategies do
+        from ringnet.comm.stream import progress_all
+    except ImportError:
+        progress_all = None
+    if progress_all is not None and hasattr(model, "layer_hook"):
+        model.layer_hook = lambda phase, index: progress_all()
     for size in STREAM_SIZES:
         buf = np.ones(size // 4, np.float32)
         spans, works = [], []
@@ -812,6 +1170,19 @@ def _calibrate_worker(iters):
     return 0
 
 
+def _relative_lstsq(rows, rhs, seconds):
+    """Least squares of the *relative* error: each timing weighted by 1 / its measured time.
+
+    Timings on a shared machine scatter in proportion to their size, so plain least squares
+    lets the large messages' scatter set the latency; split-fc's activation messages and
+    the ring's steps at large N are small, and must count as much as the large ones.
+    """
+    weights = 1.0 / np.maximum(np.asarray(seconds, float), 1e-12)
+    solution, *_ = np.linalg.lstsq(np.array(rows) * weights[:, None], np.array(rhs) * weights,
+                                   rcond=None)
+    return solution
+
+
 def _fit_link(n, sizes_s, add_s_per_elem):
     """Fit (alpha, beta) of ring RS+AG times: t = 2(N-1) alpha + 2(N-1)/N S / beta + adds."""
     rows, rhs = [], []
@@ -819,7 +1190,7 @@ def _fit_link(n, sizes_s, add_s_per_elem):
         adds = (n - 1) * add_s_per_elem * size / 4 / n
         rows.append([2 * (n - 1), 2 * (n - 1) / n * size])
         rhs.append(max(seconds - adds, 0.0))
-    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    alpha, inv_beta = _relative_lstsq(rows, rhs, [t for _, t in sizes_s])
     if inv_beta <= 0:                      # latency-bound in the measured range
         inv_beta = 1e-12
     return max(float(alpha), 0.0), 1.0 / float(inv_beta)
@@ -908,18 +1279,30 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
         for i, (name, mode, delay, n) in enumerate(configs):
             args.model = name
             result = scaling.run_config(args, mode, delay, n)
+            steps_run = max(int(result.get("steps") or steps), 1)
             measured.append({"model": name, "mode": mode, "delay": delay, "np": n,
-                             "step_ms": result["step_ms"]})
+                             "step_ms": result["step_ms"],
+                             # per step, mean over ranks: where the time went
+                             **{f"{part}_ms": 1e3 * result[f"{key}_s"] / steps_run
+                                for part, key in (("compute", "compute"), ("exposed", "comm_wait"),
+                                                  ("update", "update"), ("data", "data"))
+                                if f"{key}_s" in result}})
             print(f"\r[round {round_ + 1}/{repeats}] {i + 1}/{len(configs)} ", end="",
                   file=sys.stderr, flush=True)
         rounds.append({"compute": compute.to_json(), "calibration": calibration,
                        "measured": measured})
     print(file=sys.stderr)
-    return {"batch_size": batch, "steps": steps, "rounds": rounds}
+    return {"batch_size": batch, "steps": steps, "rounds": rounds, "code": code_facts(),
+            "load_average": list(os.getloadavg())}
 
 
 def validation_rows(record):
     """Return [{model, mode, delay, np, predicted_ms, measured_ms}]: medians over rounds."""
+    with facts(record.get("code", OLD_FACTS)):       # as the code that was measured ran
+        return _validation_rows(record)
+
+
+def _validation_rows(record):
     batch = record["batch_size"]
     table = {}
     for rnd in record["rounds"]:
@@ -928,14 +1311,51 @@ def validation_rows(record):
         for m in rnd["measured"]:
             key = (m["model"], m["mode"], m["delay"], m["np"])
             pred = predict(system, build_model(m["model"]), m["mode"], m["delay"], m["np"], batch)
-            entry = table.setdefault(key, {"predicted": [], "measured": []})
+            entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": []})
             entry["predicted"].append(pred.step_s * 1e3)
             entry["measured"].append(m["step_ms"])
-    return [{"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
-             "predicted_ms": statistics.median(v["predicted"]),
-             "measured_ms": statistics.median(v["measured"]),
-             "spread": (max(v["measured"]) - min(v["measured"])) / statistics.median(v["measured"])}
-            for k, v in table.items()]
+            parts = {"compute": (pred.compute_s * 1e3, m.get("compute_ms")),
+                     "exposed": (pred.exposed_s * 1e3, m.get("exposed_ms")),
+                     "update": (pred.update_s * 1e3, m.get("update_ms")),
+                     "data": (0.0, m.get("data_ms"))}
+            entry["parts"].append(parts)
+    rows = []
+    for k, v in table.items():
+        parts = {}
+        for part in ("compute", "exposed", "update", "data"):
+            pred = statistics.median(p[part][0] for p in v["parts"])
+            got = [p[part][1] for p in v["parts"] if p[part][1] is not None]
+            parts[part] = (pred, statistics.median(got) if got else None)
+        rows.append({"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
+                     "predicted_ms": statistics.median(v["predicted"]),
+                     "measured_ms": statistics.median(v["measured"]),
+                     "spread": (max(v["measured"]) - min(v["measured"]))
+                     / statistics.median(v["measured"]), "parts": parts})
+    return rows
+
+
+def diagnose(row, rows):
+    """Say where a validation row's error comes from: the part of the step (compute, exposed
+    communication, update, data loading the model does not charge) that differs most, and
+    how far the machine itself moved (the spread of this row's rounds; the N=1 rows of the
+    same model, which all do the same work)."""
+    err = (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+    measured = {k: v for k, v in row["parts"].items() if v[1] is not None}
+    words = []
+    if measured:
+        diffs = {k: p - m for k, (p, m) in measured.items()}
+        worst = max(diffs, key=lambda k: abs(diffs[k]))
+        what = {"compute": "compute (the profile or the contention at this N)",
+                "exposed": "exposed communication (the link or the overlap)",
+                "update": "the update", "data": "data loading (not modelled)"}[worst]
+        words.append(f"{what}: predicted {measured[worst][0]:.1f} ms, measured "
+                     f"{measured[worst][1]:.1f} ms")
+    ones = [r["measured_ms"] for r in rows if r["model"] == row["model"] and r["np"] == 1]
+    if len(ones) > 1:
+        floor = (max(ones) - min(ones)) / statistics.median(ones)
+        words.append(f"same-work N=1 rows of {row['model']} differ by {100 * floor:.0f}%")
+    words.append(f"rounds of this row differ by {100 * row['spread']:.0f}%")
+    return f"{_label(row['mode'], row['delay'])} N={row['np']} {100 * err:+.0f}%: " + "; ".join(words)
 
 
 def paper_rows(compute_name, profile, dtype="float32"):
@@ -1048,9 +1468,9 @@ def _parser():
     p.add_argument("--calibration", metavar="FILE",
                    help="read the local calibration from FILE (written by --calibrate when given)")
     p.add_argument("--validate", action="store_true",
-                   help="run ringnet.train at N=1,2,4 for every mode and print predicted beside "
-                        "measured step time; measures compute and calibrates in every round "
-                        "(about 4 minutes a round)")
+                   help="run ringnet.train at each --np given (default 1 2 4) for every mode "
+                        "and print predicted beside measured step time; measures compute and "
+                        "calibrates in every round (about 4 minutes a round)")
     p.add_argument("--validation", metavar="FILE",
                    help="with --validate: also write the measurements to FILE; without: read "
                         "them from FILE and print the validation again (predictions recomputed)")
@@ -1123,13 +1543,14 @@ def main(argv=None):
             with open(args.calibration, "w") as f:
                 json.dump(calibration, f, indent=1)
 
-    predictions, crosses = [], []
+    predictions, crosses, allreduces = [], [], []
     for spec in profiles:
         system = make_system(spec, compute, args.ranks_per_node, calibration)
         for name in models:
             model = build_model(name, dtype=args.dtype)
             rows = sweep(system, model, nps, args.batch_size, args.scaling)
             predictions += rows
+            allreduces += allreduce_rows(system, model, nps)
             crosses += crossovers(system, model, args.batch_size, args.scaling,
                                   min(args.max_crossover_np, max(nps)))
     paper, paper_compute, paper_system = paper_rows(args.paper_compute, args.paper_profile, args.dtype)
@@ -1137,7 +1558,8 @@ def main(argv=None):
     validation = []
     if args.validate:
         record = validate(models, args.validate_batch, args.validate_steps,
-                          args.validate_repeats, args.mpirun, args.iters)
+                          args.validate_repeats, args.mpirun, args.iters,
+                          nps=VALIDATION_NP if args.np == list(DEFAULT_NP) else tuple(nps))
         if args.validation:
             with open(args.validation, "w") as f:
                 json.dump(record, f, indent=1)
@@ -1167,6 +1589,7 @@ def main(argv=None):
         return 0
 
     print(f"# compute: {compute.name} ({compute.source})")
+    print(f"# the code modelled: {_describe_facts(code_facts())}")
     for spec in profiles:
         if spec in ("local",):
             continue
@@ -1182,6 +1605,14 @@ def main(argv=None):
                   f"compute slowdown {c['slowdown']:.2f} (effective cores "
                   f"{n / max(c['slowdown'], 1e-9):.2f}); stream steals {c['steal']:.2f} of a core")
     _print_tables(predictions, args.batch_size, args.scaling, nps)
+    if allreduces:
+        print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "
+              "picks for the size and N) against the ring, on each profile")
+        print(f"  {'model':14s} {'profile':15s} {'N':>5s} {'bytes':>9s} {'auto picks':>10s} "
+              f"{'auto ms':>9s} {'ring ms':>9s}")
+        for r in allreduces:
+            print(f"  {r['model']:14s} {r['profile']:15s} {r['np']:>5d} {r['bytes']:>9d} "
+                  f"{r['picked']:>10s} {r['auto_ms']:9.3g} {r['ring_ms']:9.3g}")
     if crosses:
         print("\n# crossovers (time per image): from N on, the first mode is faster")
         for c in crosses:
@@ -1197,7 +1628,10 @@ def main(argv=None):
               f"{r['step_ms']:8.3f} {r['speedup']:8.2f} {rep:>8s}")
     if validation:
         print(f"\n# validation on this machine: global batch {args.validate_batch}, "
-              f"{args.validate_steps} steps, median of {args.validate_repeats} interleaved rounds")
+              f"{args.validate_steps} steps, median of {args.validate_repeats} interleaved rounds; "
+              f"the code measured: {_describe_facts(record.get('code', OLD_FACTS))}"
+              + (f"; load average then {', '.join(f'{x:.1f}' for x in record['load_average'])}"
+                 if record.get("load_average") else ""))
         print(f"  {'model':14s} {'mode':>11s} {'N':>3s} {'predicted ms':>12s} {'measured ms':>11s} "
               f"{'error':>7s} {'spread':>7s}")
         errors = []
@@ -1211,6 +1645,13 @@ def main(argv=None):
         print(f"  median |error| {100 * statistics.median(errors):.0f}%, {within} of {len(errors)} "
               f"within 15%; spread = (max - min) / median of the measured rounds: "
               f"{100 * statistics.median(r['spread'] for r in validation):.0f}% (median)")
+        off = [r for r, e in zip(validation, errors) if e > 0.15]
+        if off:
+            print("# where the model is off by more than 15%, and the part of the step that differs most")
+            for r in off:
+                print(f"  {r['model']:14s} {diagnose(r, validation)}")
+        print(f"# load average now: {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
+              "(timings on a loaded machine move by tens of percent)")
     if args.plot:
         print(f"\n# plot written to {args.plot}")
     return 0
