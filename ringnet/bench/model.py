@@ -816,7 +816,8 @@ def buckets(model, stop_layer):
     if not size:
         return []
     from ringnet.parallel.exchange import backward_buckets
-    return list(backward_buckets(model, stop_layer, size))
+    parts = list(backward_buckets(model, stop_layer, size))
+    return parts if len(parts) >= 2 else []      # one bucket is ready only when the backward ends
 
 
 def _progress(system):
