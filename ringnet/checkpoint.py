@@ -33,7 +33,7 @@ import h5py
 import numpy as np
 
 from ringnet.data.hdf5 import file_mode
-from ringnet.errors import UsageError, fault_point
+from ringnet.errors import InputError, SetupError, fault_point
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_lookahead_base", "check_writable",
            "checkpoint_bytes", "stale_temporaries", "resume_settings", "HYPERPARAMETERS", "FORMAT"]
@@ -56,23 +56,24 @@ def checkpoint_bytes(num_params, itemsize, tensors=3):
 
 
 def check_writable(path, nbytes=0):
-    """Raise UsageError unless a checkpoint of ``nbytes`` can be written at ``path``.
+    """Raise unless a checkpoint of ``nbytes`` can be written at ``path``.
 
+    InputError when ``path`` names a folder; SetupError when the file system refuses.
     Creates missing folders, writes and removes a small test file (a read-only or
     full file system fails here), and compares the free space with ``nbytes``.
     """
     if os.path.isdir(path):
-        raise UsageError(f"cannot write checkpoint {path}: it is a folder")
+        raise InputError(f"cannot write checkpoint {path}: it is a folder")
     directory = os.path.dirname(os.path.abspath(path))
     existing = directory
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise UsageError(f"cannot write checkpoint {path}: {existing} is not a folder")
+        raise InputError(f"cannot write checkpoint {path}: {existing} is not a folder")
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"cannot write checkpoint {path}: cannot create folder {directory} "
+        raise SetupError(f"cannot write checkpoint {path}: cannot create folder {directory} "
                          f"({exc.strerror or exc})") from None
     probe = None
     try:
@@ -82,14 +83,14 @@ def check_writable(path, nbytes=0):
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
-        raise UsageError(f"cannot write checkpoint {path}: a test write in {directory} failed "
+        raise SetupError(f"cannot write checkpoint {path}: a test write in {directory} failed "
                          f"({exc.strerror or exc})") from None
     finally:
         if probe is not None and os.path.exists(probe):
             os.remove(probe)
     free = shutil.disk_usage(directory).free
     if nbytes and free < nbytes:
-        raise UsageError(f"cannot write checkpoint {path}: {free / 2**20:.1f} MiB free in "
+        raise SetupError(f"cannot write checkpoint {path}: {free / 2**20:.1f} MiB free in "
                          f"{directory}, the checkpoint needs about {nbytes / 2**20:.1f} MiB")
 
 
@@ -191,7 +192,7 @@ def _check_finite(path, groups):
             array = np.asarray(array)
             if array.dtype.kind == "f" and not np.isfinite(array).all():
                 bad = int(array.size - np.count_nonzero(np.isfinite(array)))
-                raise UsageError(f"checkpoint {path}: {group_name}/{name} holds {bad} NaN or "
+                raise InputError(f"checkpoint {path}: {group_name}/{name} holds {bad} NaN or "
                                  "infinite value(s); it cannot be trained from")
 
 
@@ -201,7 +202,7 @@ def save_checkpoint(path, params, momentum=None, prev_params=None, /, lookahead_
 
     The arrays are positional only, so ``attrs`` may hold a ``momentum`` setting.
 
-    Refuses non-finite weights; an OS error becomes a UsageError naming the file; the
+    Refuses non-finite weights; an OS error becomes a SetupError naming the file; the
     old file at ``path`` is untouched in every case.
     """
     _check_finite(path, (("params", params), ("momentum", momentum), ("prev_params", prev_params),
@@ -214,7 +215,7 @@ def save_checkpoint(path, params, momentum=None, prev_params=None, /, lookahead_
     try:
         return _write(path, params, momentum, prev_params, lookahead_base, rng, attrs)
     except OSError as exc:
-        raise UsageError(f"cannot write checkpoint {path} ({exc})") from None
+        raise SetupError(f"cannot write checkpoint {path} ({exc})") from None
 
 
 def _write(path, params, momentum, prev_params, lookahead_base, rng, attrs):
@@ -256,18 +257,18 @@ def load_checkpoint(path):
     """Return ``(params, momentum or None, prev_params or None, attrs)`` read from ``path``.
 
     ``attrs["rng"]`` is the dict of layer RNG states (None when the file has none).
-    Raises :class:`UsageError` when the file is missing, unreadable, not a checkpoint,
+    Raises :class:`~ringnet.errors.InputError` when the file is missing, unreadable, not a checkpoint,
     or holds non-finite values.
     """
     try:
         f = h5py.File(path, "r")
     except FileNotFoundError:
-        raise UsageError(f"checkpoint {path} does not exist") from None
+        raise InputError(f"checkpoint {path} does not exist") from None
     except OSError as exc:
-        raise UsageError(f"checkpoint {path} is not a readable HDF5 file ({exc})") from None
+        raise InputError(f"checkpoint {path} is not a readable HDF5 file ({exc})") from None
     with f:
         if f.attrs.get("format") != FORMAT or "params" not in f:
-            raise UsageError(f"{path} is not a ringnet checkpoint")
+            raise InputError(f"{path} is not a ringnet checkpoint")
         try:
             groups = {}
             for group_name in ("params", "momentum", "prev_params"):
@@ -277,7 +278,7 @@ def load_checkpoint(path):
                      for key, value in f.attrs.items()}
             attrs["rng"] = json.loads(attrs["rng"]) if attrs.get("rng") else None
         except (OSError, KeyError, ValueError, AttributeError) as exc:
-            raise UsageError(f"checkpoint {path} is corrupt ({exc})") from None
+            raise InputError(f"checkpoint {path} is corrupt ({exc})") from None
     _check_finite(path, groups.items())
     return groups["params"], groups["momentum"], groups["prev_params"], attrs
 
@@ -290,7 +291,7 @@ def load_lookahead_base(path):
                 return None
             return {name: ds[()] for name, ds in f["lookahead_base"].items()}
     except (OSError, KeyError, ValueError) as exc:
-        raise UsageError(f"checkpoint {path} is corrupt ({exc})") from None
+        raise InputError(f"checkpoint {path} is corrupt ({exc})") from None
 
 
 def resume_settings(attrs, given):

@@ -8,8 +8,9 @@
   and :class:`SetupError` (a ``RuntimeError``: the machine cannot run what was asked).
   Library modules raise these in their own words; only entry points speak of flags.
 * :class:`TrainingError` — a run that cannot go on (NaN loss, replicas that diverged, a
-  rank that stopped answering). The rank that saw it prints one line naming the step
-  or phase and the rank(s) at fault, then the whole MPI job is aborted.
+  rank that stopped answering, a data chunk that cannot be read mid-training:
+  :class:`RunInputError`, exit code 2). The rank that saw it prints one line naming the
+  step or phase and the rank(s) at fault, then the whole MPI job is aborted.
 * any other exception — a bug. The failing rank prints its traceback once, prefixed
   with its rank, and the whole MPI job is aborted (``MPI_Abort``).
 
@@ -40,7 +41,7 @@ import time
 import traceback
 
 __all__ = ["UsageError", "InputError", "SetupError", "USER_ERRORS", "ArgumentParser",
-           "TrainingError", "StallError", "Deadline", "collective", "exchange",
+           "TrainingError", "RunInputError", "StallError", "Deadline", "collective", "exchange",
            "watchdog", "set_phase", "current_phase", "fault_point", "comm_timeout",
            "DivergedError", "run_main", "abort", "import_mpi", "EXIT_USAGE", "EXIT_FAILURE",
            "EXIT_DIVERGED"]
@@ -75,6 +76,12 @@ class TrainingError(RuntimeError):
 class DivergedError(TrainingError):
     """The loss became NaN or infinite: deterministic, so the job ends with EXIT_DIVERGED."""
     exit_code = EXIT_DIVERGED
+
+
+class RunInputError(TrainingError):
+    """Bad input met during the run by some ranks only (a data chunk first read mid-training
+    that cannot be read): the rank that met it prints one line, the job is aborted, exit 2."""
+    exit_code = EXIT_USAGE
 
 
 class StallError(TrainingError):

@@ -18,8 +18,9 @@ import numpy as np
 from ringnet import backend
 from ringnet.checkpoint import HYPERPARAMETERS
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args
-from ringnet.errors import (Deadline, DivergedError, StallError, TrainingError, UsageError, collective,
-                            current_phase, exchange, import_mpi, run_main, set_phase, watchdog)
+from ringnet.errors import (USER_ERRORS, Deadline, DivergedError, InputError, RunInputError,
+                            StallError, TrainingError, UsageError, collective, current_phase,
+                            exchange, import_mpi, run_main, set_phase, watchdog)
 from ringnet.progress import Progress, progress_interval
 from ringnet.trace import Tracer, timed
 
@@ -86,7 +87,7 @@ def _setup(cfg, world):
             ds = open_dataset(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir,
                               input_shape=spec.input_shape, num_classes=spec.num_classes,
                               synthetic_size=cfg.synthetic_size)
-        except UsageError as exc:
+        except InputError as exc:
             if dataset_given:
                 raise
             raise UsageError(f"{exc} ({cfg.dataset} is the default data set of model "
@@ -244,11 +245,48 @@ def _log(cfg, world, text):
             out.flush()
 
 
-def _resume_settings(cfg, world):
-    """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint, note).
+def wait_until_read(stream, limit_s=2.0):
+    """Return once the reader of ``stream`` has taken every byte written to it (at most ``limit_s``).
 
-    Hyperparameters not given explicitly continue with the checkpoint's values; the note
-    says which were taken and which a flag overrode.
+    Only for a pipe (mpirun's forwarder reads each rank's stdout and stderr through one);
+    a file or terminal has no reader to wait for. Under ``mpirun ... 2>&1`` the launcher
+    relays what it has read in order, so a line printed after this follows every line
+    written to ``stream`` before it.
+    """
+    import array
+    import fcntl
+    import os
+    import stat
+    import termios
+    try:
+        stream.flush()
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+        unread = array.array("i", [0])
+        end = time.monotonic() + limit_s
+        while True:
+            fcntl.ioctl(fd, termios.FIONREAD, unread)
+            if unread[0] == 0 or time.monotonic() > end:
+                return
+            time.sleep(0.002)
+    except (OSError, ValueError, AttributeError):
+        return
+
+
+def _print_summary(summary):
+    """Print the --json summary line on stdout after every other line of this run (rank 0)."""
+    wait_until_read(sys.stderr)
+    print(json.dumps(summary), flush=True)
+
+
+def _resume_settings(cfg, world):
+    """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint,
+    (note, record)).
+
+    Hyperparameters not given explicitly continue with the checkpoint's values; a flag that
+    is given overrides (giving it is the explicit request to leave the trajectory). The log
+    note and the --json record say which were taken and which a flag overrode.
     """
     import dataclasses
     from ringnet.checkpoint import HYPERPARAMETERS, load_checkpoint, resume_settings
@@ -268,7 +306,12 @@ def _resume_settings(cfg, world):
     if overridden:
         note += "; overridden: " + ", ".join(f"{flag[n]} {asked} (checkpoint: {stored})"
                                              for n, stored, asked in overridden)
-    return cfg, checkpoint, note
+    # The same for --json: a changed trajectory is on record even under --quiet.
+    record = {"checkpoint": str(cfg.resume), "step": int(attrs.get("step", 0)),
+              "from_checkpoint": dict(settings),
+              "overridden": {n: {"checkpoint": stored, "given": asked}
+                             for n, stored, asked in overridden}}
+    return cfg, checkpoint, (note, record)
 
 
 def _epoch_line(epoch, recent, test_acc, test_loss):
@@ -312,16 +355,24 @@ def train(cfg=None, world=None, **overrides):
         return _train(cfg, world, deadline, rank, size, t_start)
     except CommTimeoutError as exc:
         raise _stalled(world, exc, deadline) from None
+    except USER_ERRORS as exc:
+        # Set-up and save errors are agreed by every rank; what a rank meets while training
+        # or evaluating (a corrupt chunk of a file-backed data set) only it knows: it speaks
+        # and the job is aborted, rather than leaving the others waiting for it.
+        phase = current_phase()
+        if not phase.startswith(("step ", "evaluation", "replica check")):
+            raise
+        raise RunInputError(f"{phase}: {exc}") from None
 
 
 def _train(cfg, world, deadline, rank, size, t_start):
     """The run once the deadline is known (see :func:`train`)."""
     asked_batch = cfg.batch_size
-    checkpoint = resume_note = None
+    checkpoint = resume_note = resumed = None
     # Communicator creation blocks inside MPI: a watchdog bounds the whole setup.
     with watchdog("setup", 2 * deadline.ceiling + 10):
         if cfg.resume:
-            cfg, checkpoint, resume_note = _resume_settings(cfg, world)
+            cfg, checkpoint, (resume_note, resumed) = _resume_settings(cfg, world)
         cfg, xp, dataset, model, strategy, loader = _setup(cfg, world)
         spe = loader.steps_per_epoch
         total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
@@ -459,6 +510,8 @@ def _train(cfg, world, deadline, rank, size, t_start):
     }
     if cfg.eval_every:
         summary["evals"] = evals
+    if resumed is not None:
+        summary["resumed"] = resumed
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
     tested = ("no test split" if test_acc is None else
               f"test loss {test_loss:.4f}, test accuracy {100 * test_acc:.2f}%")
@@ -468,7 +521,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
     if tracer is not None:
         collective(world, tracer.close, summary)
     if cfg.json and rank == 0:
-        print(json.dumps(summary), flush=True)
+        _print_summary(summary)
     return TrainResult(summary, strategy, cfg)
 
 

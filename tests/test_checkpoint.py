@@ -12,7 +12,7 @@ import pytest
 from ringnet import checkpoint
 from ringnet.checkpoint import (check_writable, load_checkpoint, save_checkpoint,
                                 stale_temporaries)
-from ringnet.errors import UsageError
+from ringnet.errors import InputError, SetupError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(2, np.float32)}
@@ -76,10 +76,10 @@ def test_file_and_folder_are_fsynced_before_and_after_the_rename(tmp_path, monke
 def test_write_check_tries_a_real_write_and_the_free_space(tmp_path):
     check_writable(str(tmp_path / "new" / "ck.h5"), 1 << 20)
     assert _tmp_files(tmp_path / "new") == []
-    with pytest.raises(UsageError, match="MiB free"):
+    with pytest.raises(SetupError, match="MiB free"):
         check_writable(str(tmp_path / "ck.h5"), 1 << 60)
     # /proc passes os.access for root but takes no files: only a real write finds out
-    with pytest.raises(UsageError, match="test write in /proc failed"):
+    with pytest.raises(SetupError, match="test write in /proc failed"):
         check_writable("/proc/ck.h5")
 
 
@@ -87,7 +87,7 @@ def test_write_check_tries_a_real_write_and_the_free_space(tmp_path):
 def test_non_finite_weights_are_refused_on_save_and_load(tmp_path, bad):
     params = {k: v.copy() for k, v in PARAMS.items()}
     params["b"][1] = bad
-    with pytest.raises(UsageError, match="params/b holds 1 NaN or infinite"):
+    with pytest.raises(InputError, match="params/b holds 1 NaN or infinite"):
         save_checkpoint(tmp_path / "a.h5", params)
     assert not (tmp_path / "a.h5").exists()
     import h5py
@@ -95,7 +95,7 @@ def test_non_finite_weights_are_refused_on_save_and_load(tmp_path, bad):
     save_checkpoint(path, PARAMS, PARAMS)
     with h5py.File(path, "r+") as f:
         f["momentum/w"][0, 0] = bad
-    with pytest.raises(UsageError, match="momentum/w holds 1 NaN"):
+    with pytest.raises(InputError, match="momentum/w holds 1 NaN"):
         load_checkpoint(path)
 
 
@@ -111,3 +111,37 @@ def test_dropout_rng_state_round_trips_through_a_checkpoint(tmp_path):
     restored.set_rng_state(load_checkpoint(path)[3]["rng"]["drop"])
     assert np.array_equal(restored.forward(x), expected)
     assert not np.array_equal(Dropout(0.5, seed=3).forward(x), expected)   # fresh stream differs
+
+
+def test_resume_overrides_only_what_is_given_and_reports_it(tmp_path):
+    """A resume continues with the checkpoint's hyperparameters; a flag given on the command
+    line overrides its value, and the run reports every override (log line and --json),
+    even under --quiet. The reference: a run that changes the same settings at the same
+    step from the same weights (a resume given them all explicitly) equals it."""
+    from mpi4py import MPI
+
+    from ringnet.config import TrainConfig
+    from ringnet.train import train
+    base = TrainConfig(model="digits", dataset="digits", dtype="float64", progress=False,
+                       quiet=True, eval_every_epoch=False)
+    path = str(tmp_path / "ck.h5")
+    recipe = dict(batch_size=32, lr=0.05, momentum=0.8, weight_decay=1e-3, seed=3)
+    train(base, world=MPI.COMM_SELF, steps=6, save=path, **recipe)
+    changed = dict(batch_size=16, momentum=0.5, weight_decay=0.0, lr_policy="inv")
+    resumed = train(base, world=MPI.COMM_SELF, steps=10, resume=path, lr=0.05, **changed)
+    record = resumed.summary["resumed"]
+    assert record["step"] == 6 and record["checkpoint"] == path
+    assert record["overridden"] == {"batch_size": {"checkpoint": 32, "given": 16},
+                                    "momentum": {"checkpoint": 0.8, "given": 0.5},
+                                    "weight_decay": {"checkpoint": 1e-3, "given": 0.0},
+                                    "lr_policy": {"checkpoint": "fixed", "given": "inv"}}
+    assert "lr" not in record["overridden"]              # given, but equal to the checkpoint's
+    assert record["from_checkpoint"]["seed"] == 3 and "momentum" not in record["from_checkpoint"]
+    assert resumed.summary["batch_size"] == 16
+    explicit = train(base, world=MPI.COMM_SELF, steps=10, resume=path, **recipe | changed)
+    np.testing.assert_array_equal(np.asarray(resumed.strategy.eval_model().params),
+                                  np.asarray(explicit.strategy.eval_model().params))
+    untouched = train(base, world=MPI.COMM_SELF, steps=10, resume=path)
+    assert untouched.summary["resumed"]["overridden"] == {}
+    assert not np.array_equal(np.asarray(untouched.strategy.eval_model().params),
+                              np.asarray(resumed.strategy.eval_model().params))

@@ -105,16 +105,44 @@ def test_json_is_a_whole_line_even_with_stderr_merged_under_mpirun():
     proc = train_cli("--epochs", "2", "--batch-size", "128", "--json", "--no-progress", np_=2,
                      merge=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    # mpirun forwards stdout and stderr separately, so their order is the launcher's; what
-    # holds is that every line arrives whole: the JSON is one line of its own.
+    # Every line arrives whole, and the JSON comes last: rank 0 prints it only once the
+    # launcher has read everything it wrote to stderr (mpirun forwards the two separately).
     lines = [l for l in proc.stdout.splitlines() if l.strip()]
     objects = [l for l in lines if l.startswith("{")]
-    assert len(objects) == 1, lines
+    assert len(objects) == 1 and lines[-1] == objects[0], lines
     summary = json.loads(objects[0])
     assert summary["steps"] == 2 * (1437 // 128) and summary["ranks"] == 2
     others = [l for l in lines if not l.startswith("{")]
     assert [l.split()[0] for l in others] == ["ringnet:", "epoch", "epoch", "done:"], others
     assert not any("{" in l for l in others), others
+
+
+def test_json_is_the_last_line_under_mpirun_with_stderr_merged():
+    # Before the summary waited for the launcher to read stderr, `done:` came after the JSON
+    # in about half of such runs; five in a row catch that with probability > 0.95.
+    for _ in range(5):
+        proc = train_cli("--model", "digits", "--steps", "4", "--json", "--no-progress",
+                         np_=2, merge=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        last = proc.stdout.strip().splitlines()[-1]
+        assert json.loads(last)["steps"] == 4, proc.stdout[-3000:]
+
+
+def test_wait_until_read_waits_for_the_reader_of_a_pipe():
+    import threading
+    import time
+    from ringnet.train import wait_until_read
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(write_fd, "w") as stream, os.fdopen(read_fd, "rb", buffering=0) as reader:
+        stream.write("x" * 1000)
+        threading.Timer(0.5, reader.read, (1000,)).start()
+        t0 = time.monotonic()
+        wait_until_read(stream, limit_s=30)
+        assert 0.4 < time.monotonic() - t0 < 20          # returned once the reader took it
+        stream.write("y")
+        t0 = time.monotonic()
+        wait_until_read(stream, limit_s=0.3)              # nobody reads: gives up at the limit
+        assert 0.25 < time.monotonic() - t0 < 20
 
 
 def test_every_epoch_has_its_line_and_done_reports_the_losses():

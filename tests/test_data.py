@@ -1,4 +1,5 @@
 """Data sets and sharded loading, checked against sklearn, NumPy references and N=1 runs."""
+import re
 import threading
 import time
 import types
@@ -10,8 +11,8 @@ import pytest
 from ringnet.backend import gpu_available, to_numpy
 from ringnet.data import (ShardedLoader, Split, check_compatible, default_data_dir,
                           iterate_eval, make_synthetic, open_dataset, write_dataset)
-from ringnet.data.loader import PAD, _read, augment_batch, augment_params
-from ringnet.errors import InputError, UsageError
+from ringnet.data.loader import PAD, _read, augment_batch, augment_params, normalize
+from ringnet.errors import InputError
 
 DIGITS = default_data_dir() / "digits.h5"
 
@@ -86,6 +87,36 @@ def test_file_reads_equal_numpy_indexing(tmp_path, chunks):
                     np.array([], dtype=np.int64)):
             assert np.array_equal(_read(f["x"], idx), split.images[idx])
 
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_chunk_corrupted_after_open_names_file_and_rows(tmp_path, prefetch):
+    """A file-backed split whose chunk goes bad after the open (validation passed): the
+    batch that reads it raises InputError naming the file, the data set and the rows,
+    and the batches before it are intact."""
+    split = small_split(n=64, shape=(1, 8, 8))
+    path = tmp_path / "d.h5"
+    write_dataset(path, split.images, split.labels, split.images[:8], split.labels[:8], range(7))
+    with h5py.File(path, "r+") as f:     # 8 images a chunk: row 40 is in the sixth
+        del f["train/images"]
+        f.create_dataset("train/images", data=split.images, chunks=(8, 1, 8, 8), compression="gzip")
+    with open_dataset(str(path), in_memory=False) as ds:
+        with h5py.File(path, "r") as f:
+            info = f["train/images"].id.get_chunk_info_by_coord((40, 0, 0, 0))
+        with open(path, "r+b") as raw:
+            raw.seek(info.byte_offset + 8)
+            raw.write(b"\xff" * (info.size - 16))
+        loader = ShardedLoader(ds.train, 16, prefetch=prefetch, shuffle=False)
+        got = []
+        with pytest.raises(InputError, match=rf"{re.escape(str(path))}: /train/images 40\.\.47 cannot be read, "
+                                             "the file is corrupt"):
+            for x, _ in loader.epoch(0):
+                got.append(x)
+        assert len(got) == 2
+        assert np.array_equal(np.concatenate(got), normalize(split.images[:32], None, None))
+        with pytest.raises(InputError, match=r"/train/images 3 rows from 39 to 41 cannot be read"):
+            ds.train.images[[39, 40, 41]]
+    assert not prefetch_threads()
 
 # -- batch order ------------------------------------------------------------------
 
@@ -383,13 +414,13 @@ def test_augmentation_independent_of_world_size():
 def test_missing_mnist_names_the_download_command(tmp_path, monkeypatch):
     monkeypatch.setenv("RINGNET_DATA", str(tmp_path))
     monkeypatch.setattr("ringnet.data.datasets.default_data_dir", lambda: tmp_path / "none")
-    with pytest.raises(UsageError, match="python -m ringnet.datasets download mnist"):
+    with pytest.raises(InputError, match="python -m ringnet.datasets download mnist"):
         open_dataset("mnist")
-    with pytest.raises(UsageError, match="download cifar10 --dir"):
+    with pytest.raises(InputError, match="download cifar10 --dir"):
         open_dataset("cifar10", data_dir=tmp_path / "d")
-    with pytest.raises(UsageError, match="unknown data set"):
+    with pytest.raises(InputError, match="unknown data set"):
         open_dataset("imagenet")
-    with pytest.raises(UsageError, match="does not exist"):
+    with pytest.raises(InputError, match="does not exist"):
         open_dataset(str(tmp_path / "missing.h5"))
 
 
@@ -406,33 +437,33 @@ def test_named_lookup_in_ringnet_data(tmp_path, monkeypatch):
 def test_corrupt_and_wrong_layout_files(tmp_path):
     junk = tmp_path / "junk.h5"
     junk.write_bytes(np.random.default_rng(0).bytes(4096))
-    with pytest.raises(UsageError, match="not a readable HDF5"):
+    with pytest.raises(InputError, match="not a readable HDF5"):
         open_dataset(str(junk))
     wrong = tmp_path / "wrong.h5"
     with h5py.File(wrong, "w") as f:
         f["train/images"] = np.zeros((4, 1, 8, 8), np.uint8)
         f["train/labels"] = np.zeros(4, np.int64)
         f.attrs["classes"] = ["a", "b"]
-    with pytest.raises(UsageError, match="missing data set /test/images"):
+    with pytest.raises(InputError, match="missing data set /test/images"):
         open_dataset(str(wrong))
     with h5py.File(wrong, "a") as f:
         f["test/images"] = np.zeros((2, 8, 8), np.uint8)
         f["test/labels"] = np.zeros(2, np.int64)
-    with pytest.raises(UsageError, match=r"/test/images must be uint8 \(N, C, H, W\)"):
+    with pytest.raises(InputError, match=r"/test/images must be uint8 \(N, C, H, W\)"):
         open_dataset(str(wrong))
     truncated = tmp_path / "truncated.h5"
     truncated.write_bytes(DIGITS.read_bytes()[:DIGITS.stat().st_size // 2])
-    with pytest.raises(UsageError, match="truncated.h5"):
+    with pytest.raises(InputError, match="truncated.h5"):
         open_dataset(str(truncated))
 
 
 def test_check_compatible_messages(digits):
     check_compatible(digits, (1, 8, 8), 10)
     check_compatible(digits, (1, 8, 8), 12)  # a model with spare outputs still fits
-    with pytest.raises(UsageError, match="data set digits has images 1x8x8 but model lenet "
+    with pytest.raises(InputError, match="data set digits has images 1x8x8 but model lenet "
                                          "expects 1x28x28"):
         check_compatible(digits, (1, 28, 28), 10, model="lenet")
-    with pytest.raises(UsageError, match="10 classes but the model has only 5 outputs"):
+    with pytest.raises(InputError, match="10 classes but the model has only 5 outputs"):
         check_compatible(digits, (1, 8, 8), 5)
 
 
@@ -458,5 +489,5 @@ def test_synthetic_reproducible_and_learnable():
 
 
 def test_synthetic_needs_model_shape():
-    with pytest.raises(UsageError, match="input shape"):
+    with pytest.raises(InputError, match="input shape"):
         open_dataset("synthetic")

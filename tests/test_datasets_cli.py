@@ -20,6 +20,7 @@ import pytest
 
 from ringnet import datasets
 from ringnet.data import convert
+from ringnet.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -412,7 +413,7 @@ def test_forbidden_codec_refused():
             import codecs
             return (codecs.encode, (b"x" * 10, "zlib_codec"))
     data = pickle.dumps({b"data": Bomb(), b"labels": []}, protocol=2)
-    with pytest.raises(datasets.UsageError, match="_codecs.encode allowed only"):
+    with pytest.raises(InputError, match="_codecs.encode allowed only"):
         convert.load_cifar_batch(data, "batch")
 
 

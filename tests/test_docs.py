@@ -238,16 +238,6 @@ def bench_scaling(command, tmp_path):
             assert row["bytes_per_step"] == 2 * (n - 1) * params * 4 // n, row
 
 
-def same_scaling_as_readme(command, tmp_path):
-    """A subset of the README's scaling run (which runs above): the same flags, fewer N."""
-    from ringnet.bench.scaling import _parser
-    full = "python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc " \
-           "--model cifar10_quick"
-    assert full in COMMANDS and COMMANDS[full] is bench_scaling
-    mine, theirs = (vars(_parser().parse_args(shlex.split(c)[4:])) for c in (command, full))
-    assert set(mine.pop("np")) < set(theirs.pop("np")) and mine == theirs
-
-
 def readme_bytes(command, tmp_path):
     """The split-fc / ring byte counts the README states, measured."""
     text = " ".join((ROOT / "README.md").read_text().split())
@@ -282,6 +272,147 @@ def local_launcher(command, tmp_path):
         done_line(reference)[0].split("images/s")[0].rsplit(",", 1)[0]
 
 
+# --- README tables: each measured table is the --markdown output of the command above it -----
+
+def readme_tables(text=None):
+    """Return [(header, rows, the paragraph just above)] for every table of README.md."""
+    from ringnet.bench.tables import parse_markdown
+    lines = (text if text is not None else (ROOT / "README.md").read_text()).splitlines()
+    tables, i = [], 0
+    while i < len(lines):
+        if not (lines[i].lstrip().startswith("|") and i + 1 < len(lines)
+                and re.fullmatch(r"\s*\|(\s*-+\s*\|)+\s*", lines[i + 1])):
+            i += 1
+            continue
+        end = i
+        while end < len(lines) and lines[end].lstrip().startswith("|"):
+            end += 1
+        k = i - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        above = []
+        while k >= 0 and lines[k].strip() and not lines[k].lstrip().startswith("|"):
+            above.insert(0, lines[k].strip())
+            k -= 1
+        header, rows = parse_markdown("\n".join(lines[i:end]))
+        tables.append((header, rows, " ".join(above)))
+        i = end
+    return tables
+
+
+TABLE_COMMAND = re.compile(r"`((?:mpirun -np \d+ )?python -m ringnet\.bench [^`]*--markdown)`")
+# Tables of facts, not measurements, and what keeps them true.
+STATIC = {
+    ("model", "`--dataset`", "`--lr`", "`--epochs`"): "tests/test_cli.py (per-model defaults)",
+    ("mode", "per step", "update work", "default delay"): "tests/test_modes.py (parallel.mode_table)",
+    ("model", "input", "layers"): "the model definitions (ringnet/models.py)",
+    ("transport", "moves", "needs"): "the transport rules of DESIGN.md",
+}
+# Measured tables whose benchmark prints them as text, assembled into Markdown by hand.
+NOT_GENERATED = {
+    ("model", "batch per GPU", "ring d1", "ring d0", "tree", "master", "split-fc",
+     "reported (ring d1)"): "bench model --paper-compute k40 --paper-profile pcie3",
+    ("model", "mode", "N=1 predicted / measured ms", "N=2", "N=4"): "bench model --validate",
+    ("", "seed 1", "seed 2", "seed 3", "mean"): "bench delay --seeds 1 2 3",
+    ("model (epochs)", "lr", "momentum 0", "0.5", "0.9"): "bench delay --lr ... --momentum ...",
+    ("periodic save (1.77 MB checkpoint)", "training time", "cost per save"): "bench elastic",
+}
+
+
+def _shape(cell):
+    """A cell with every number replaced by 9: what a re-run keeps while the figures vary."""
+    return re.sub(r"\d[\d,]*(\.\d+)?", "9", cell)
+
+
+def _readme_table_of(command):
+    for header, rows, above in readme_tables():
+        found = TABLE_COMMAND.search(above)
+        if found and found.group(1) == command:
+            return header, rows
+    raise AssertionError(f"no README table under `{command}`")
+
+
+def _main_output(main, argv):
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+def _fake_summary(mode, delay, n, accuracy=0.9):
+    """What one training run reports, as far as bench scaling reads it."""
+    return {"step_ms": 100.0 / n, "comm_wait_s": 0.01, "steps": 2, "overlap": 0.5,
+            "bytes_per_step": 1000, "fc_params_per_rank": None, "test_accuracy": accuracy,
+            "evals": [[10, 0.5, 3.0, accuracy - 0.1], [20, 1.0, 6.0, accuracy]]}
+
+
+def _table_output(command, tmp_path):
+    """Return what ``command`` prints: run (shortened) where that is quick here, else its own
+    code with the runs it launches stood in for (the rows are made up, the format is its)."""
+    args = shlex.split(command)
+    bench = args[args.index("ringnet.bench") + 1]
+    if bench == "layers":
+        pytest.importorskip("torch")
+        return run(command + " --iters 2").stdout
+    if bench == "comm":
+        return run(command + " --sizes 8,1K,4M --iters 2").stdout
+    argv = args[args.index("ringnet.bench") + 2:]
+    with pytest.MonkeyPatch.context() as mp:
+        if bench == "scaling":
+            from ringnet.bench import scaling
+            mp.setattr(scaling, "run_config", lambda a, mode, delay, n, **kw: _fake_summary(mode, delay, n))
+            return _main_output(scaling.main, argv)
+        if bench == "faults":
+            from ringnet.bench import faults
+            mp.setattr(faults, "prepare", lambda folder: folder)
+            mp.setattr(faults, "run_case", lambda case, files, **kw: faults.Outcome(
+                case, case.code, 12.5, 30.0, [], ""))
+            return _main_output(faults.main, argv + ["--timeout", "8"])
+    raise AssertionError(f"no way to produce the table of {command}")
+
+
+def readme_table(command, tmp_path):
+    """The README table under ``command`` has the columns the command prints, and each of
+    its rows the form of a row the command prints (labels equal, numbers anywhere)."""
+    from ringnet.bench.tables import parse_markdown
+    header, rows = _readme_table_of(command)
+    out_header, out_rows = parse_markdown(_table_output(command, tmp_path))
+    assert header == out_header, (header, out_header)
+    shapes = {tuple(map(_shape, r)) for r in out_rows}
+    for row in rows:
+        assert tuple(map(_shape, row)) in shapes, (row, out_rows)
+
+
+def test_every_readme_table_is_printed_by_the_command_above_it():
+    seen = set()
+    for header, rows, above in readme_tables():
+        key = tuple(header)
+        if key in STATIC or key in NOT_GENERATED:
+            seen.add(key)
+            continue
+        found = TABLE_COMMAND.search(above)
+        assert found, (f"README table {header} has no `python -m ringnet.bench ... --markdown` "
+                       "command in the line just above it (or belongs in STATIC)")
+        assert COMMANDS.get(found.group(1)) is readme_table, found.group(1)
+    assert seen == set(STATIC) | set(NOT_GENERATED), "stale STATIC / NOT_GENERATED entries"
+
+
+def test_table_check_fails_on_a_changed_column():
+    """The format check can fail: a README header or a row label that the command does not
+    print is caught."""
+    command = "python -m ringnet.bench faults --markdown"
+    header, rows = _readme_table_of(command)
+    from ringnet.bench.tables import parse_markdown
+    out_header, out_rows = parse_markdown(_table_output(command, None))
+    assert header == out_header
+    assert tuple(map(_shape, ["SIGSTOP in setup (8)", "1.0 / 2.0 / 3.0"])) in \
+        {tuple(map(_shape, r)) for r in out_rows}
+    assert tuple(map(_shape, ["SIGSTOP in setup (8)", "1.0 s"])) not in \
+        {tuple(map(_shape, r)) for r in out_rows}
+
+
 INSTALL = "installs packages; .ci/run installs the same extras on every CI run"
 SUITE = "runs the test suite; CI runs it (bash .ci/run)"
 CLUSTER = "trace and plot commands; run by their own tests (tests/test_trace*.py, plot tests)"
@@ -312,8 +443,13 @@ COMMANDS = {
     "mpirun -np 4 python -m ringnet.bench comm": bench_comm,
     "python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc --model cifar10_quick":
         bench_scaling,
-    "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master,split-fc --model cifar10_quick":
-        same_scaling_as_readme,
+    "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master,split-fc --model cifar10_quick "
+    "--markdown": readme_table,
+    "python -m ringnet.bench layers --vs torch --markdown": readme_table,
+    "mpirun -np 4 python -m ringnet.bench comm --markdown": readme_table,
+    "python -m ringnet.bench faults --markdown": readme_table,
+    "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
+    "--to-accuracy 0.84 --epochs 1 --eval-every 117 --repeats 1 --markdown": readme_table,
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset synthetic --mode split-fc --steps 3 --json":
         readme_bytes,
     "python -m pytest --with-mpi tests": SUITE,
@@ -428,3 +564,16 @@ def test_chunk_sizes_in_datasets_readme():
                          ("256", (1, 8, 8))):
         assert image_chunks((10 ** 5,) + shape)[0] == int(count)
         assert re.search(rf"\b{count} (images per chunk )?for ", text), count
+
+
+def test_bench_scaling_takes_its_modes_and_delays_from_the_registry(monkeypatch):
+    """bench scaling runs every parallel mode of ringnet.parallel.MODES at its default delay,
+    and at delay 0 beside it where that default is the delayed update; a changed registry
+    changes what it runs."""
+    import dataclasses
+    from ringnet import parallel
+    from ringnet.bench import scaling
+    assert scaling.default_delays() == {"ring": (1, 0), "tree": (0,), "master": (0,), "split-fc": (0,)}
+    changed = dict(parallel.MODES, tree=dataclasses.replace(parallel.MODES["tree"], default_delay=1))
+    monkeypatch.setattr(scaling, "MODES", changed)
+    assert scaling.default_delays()["tree"] == (1, 0)

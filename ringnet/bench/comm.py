@@ -88,6 +88,8 @@ def _parser():
                         help="also fit auto's cost model (alpha, beta, gamma) to the ring, direct, "
                              "rd and rhd rows and print the switch points it implies")
     parser.add_argument("--json", action="store_true", help='print {"rows": [...]} on rank 0')
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print bus bandwidth per size as a Markdown table (the README's)")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="rank 0 also draws bus bandwidth against size (.png; needs matplotlib)")
     return parser
@@ -195,6 +197,9 @@ def main(argv=None):
                       + ", ".join(f"{_size(b)}: {a}" for b, a in model["switches"]))
             print("# auto's switch points at N = %d: " % n
                   + ", ".join(f"{_size(b)}: {a}" for b, a in thresholds(n)))
+            if args.markdown:
+                from ringnet.bench.tables import comm_table
+                print(comm_table(rows))
         if args.plot:
             from ringnet.bench.plot import plot_comm
             plot_comm(rows, args.plot, title=f"all-reduce, {n} ranks, {transport.name}, "

@@ -15,7 +15,7 @@ import shutil
 import sys
 
 from ringnet.bench.scaling import run_config
-from ringnet.errors import UsageError
+from ringnet.errors import USER_ERRORS, UsageError
 
 __all__ = ["main", "parse_runs", "DEFAULT_RUNS"]
 
@@ -140,7 +140,7 @@ def main(argv=None):
             ds = open_dataset(args.dataset, data_dir=args.data_dir, seed=args.seed,
                               input_shape=spec and spec.input_shape,
                               num_classes=spec and spec.num_classes)
-        except UsageError:
+        except USER_ERRORS:
             ds = None
         n = len(ds.train) if ds is not None else 4 * args.batch_size
         if ds is not None:

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from ringnet.errors import UsageError
+from ringnet.errors import InputError, UsageError
 
 __all__ = ["Case", "Outcome", "all_cases", "quick_cases", "prepare", "run_case", "main"]
 
@@ -145,6 +145,12 @@ def bad_cases():
         bad("--weight-decay nan", ["--weight-decay", "nan"], r"--weight-decay must be a finite number", 2),
         bad("resume non-finite", ["--resume", "{dir}/ck_nan.h5"], r".*holds 1 NaN or infinite", 2),
         bad("resume not a checkpoint", ["--resume", "{dir}/digits.h5"], r".*is not a ringnet checkpoint"),
+        # Read first mid-run, by one rank: that rank speaks and the job is aborted.
+        Case("bad late corrupt chunk (evaluation) N=2", "bad", 2, "ring",
+             args=("--dataset", "{dir}/late_corrupt.h5"), env={"RINGNET_DATA_IN_MEMORY_MB": "0"},
+             code=2, bound="quick",
+             message=r"^\[rank 1\] ringnet: error: evaluation: \S*late_corrupt\.h5: /test/images "
+                     r"\d+\.\.\d+ cannot be read, the file is corrupt"),
     ]
 
 
@@ -169,13 +175,28 @@ def quick_cases():
 
 
 # -- the files the cases read ----------------------------------------------------------
-def _corrupt_first_chunk(path):
+def _corrupt_chunk(path, name, row):
+    """Overwrite the compressed bytes of the chunk of data set ``name`` that holds ``row``."""
     import h5py
     with h5py.File(path, "r") as f:
-        info = f["train/images"].id.get_chunk_info(0)
+        images = f[name]
+        info = images.id.get_chunk_info_by_coord((row - row % images.chunks[0],) + (0,) * (images.ndim - 1))
     with open(path, "r+b") as raw:
         raw.seek(info.byte_offset + 8)
         raw.write(b"\xff" * max(1, min(info.size - 16, 512)))
+
+
+def _late_corruption(f, rows=4):
+    """Rechunk /test/images by ``rows`` images and return the first row of the last chunk
+    that the checks at open do not read (the data fingerprint samples a few images): the
+    final evaluation is the first to read it, on the last rank."""
+    from ringnet.data.datasets import FINGERPRINT_SAMPLES
+    images = f["test/images"][()]
+    del f["test/images"]
+    f.create_dataset("test/images", data=images, chunks=(rows,) + images.shape[1:], compression="gzip")
+    n = len(images)
+    sampled = set(np.linspace(0, n - 1, min(n, FINGERPRINT_SAMPLES)).astype(np.int64) // rows)
+    return max(c for c in range(n // rows) if c not in sampled) * rows
 
 
 def prepare(folder, python=sys.executable):
@@ -219,8 +240,13 @@ def prepare(folder, python=sys.executable):
         data = src.read()
     with open(os.path.join(folder, "truncated.h5"), "wb") as f:
         f.write(data[:len(data) // 2])
+    late = os.path.join(folder, "late_corrupt.h5")
+    shutil.copyfile(good, late)
+    with h5py.File(late, "r+") as f:
+        row = _late_corruption(f)
+    _corrupt_chunk(late, "test/images", row)
     shutil.copyfile(good, os.path.join(folder, "corrupt_chunk.h5"))
-    _corrupt_first_chunk(os.path.join(folder, "corrupt_chunk.h5"))
+    _corrupt_chunk(os.path.join(folder, "corrupt_chunk.h5"), "train/images", 0)
     ck = os.path.join(folder, "ck.h5")
     subprocess.run([python, *TRAIN[:2], "--steps", "2", "--quiet", "--no-progress", "--save", ck],
                    check=True, env=_env(), capture_output=True)
@@ -336,7 +362,7 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
                 pass
     try:
         load_checkpoint(save)
-    except UsageError as exc:
+    except InputError as exc:
         problems.append(f"checkpoint damaged: {exc}")
     if code != 0 and os.path.exists(save) and _digest(save) != before and case.kind != "stop":
         problems.append("checkpoint changed by a failed run")
@@ -356,6 +382,36 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
     return Outcome(case, code, seconds, bound, problems, output)
 
 
+# -- the README's summary table ----------------------------------------------------------
+GROUPS = (
+    ("SIGSTOP in setup", lambda c: c.kind == "stop" and _phase(c) == "setup"),
+    ("SIGSTOP at step 3: deadline + stall check", lambda c: c.kind == "stop" and _phase(c).startswith("step")),
+    ("SIGSTOP in evaluation, statistics or shutdown",
+     lambda c: c.kind == "stop" and _phase(c) in ("evaluation", "statistics", "shutdown")),
+    ("SIGSTOP in the save, before or while rank 0 writes",
+     lambda c: c.kind == "stop" and _phase(c).startswith("save")),
+    ("SIGKILL in any phase: the launcher ends the job", lambda c: c.kind == "kill"),
+    ("MPMD mismatch, bad file, flag or environment: exit 2", lambda c: c.kind in ("mpmd", "bad")),
+)
+
+
+def _phase(case):
+    return case.fault.split(":")[1] if case.fault else ""
+
+
+def markdown_table(outcomes):
+    """Return the README's table: per group of cases, (count) and min / median / max time to exit."""
+    from ringnet.bench.tables import markdown
+    rows = []
+    for label, member in GROUPS:
+        seconds = sorted(o.seconds for o in outcomes if member(o.case))
+        if seconds:
+            mid = float(np.median(seconds))
+            rows.append([f"{label} ({len(seconds)})",
+                         f"{seconds[0]:.1f} / {mid:.1f} / {seconds[-1]:.1f}"])
+    return markdown(["fault", "time to exit, min / median / max (s)"], rows)
+
+
 # -- command line ----------------------------------------------------------------------
 def _parser():
     p = argparse.ArgumentParser(prog="python -m ringnet.bench faults", description=__doc__,
@@ -367,6 +423,8 @@ def _parser():
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
     p.add_argument("--list", action="store_true", help="print the case names and exit")
     p.add_argument("--json", action="store_true", help="print one JSON line per case")
+    p.add_argument("--markdown", action="store_true",
+                   help="after the cases, print the README's summary table (time to exit per group)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     return p
 
@@ -388,12 +446,14 @@ def main(argv=None):
         raise UsageError(f"{args.mpirun} not found: the fault cases need an MPI launcher")
     files = tempfile.mkdtemp(prefix="ringnet-faults-")
     failed = 0
+    outcomes = []
     try:
         prepare(files)
         if not args.json:
             print(f"{'case':44s} {'exit':>5s} {'time to exit':>13s} {'bound':>6s}  result")
         for case in cases:
             out = run_case(case, files, timeout=args.timeout, mpirun=args.mpirun)
+            outcomes.append(out)
             failed += not out.ok
             if args.json:
                 print(json.dumps({"case": case.name, "kind": case.kind, "ranks": case.ranks,
@@ -407,6 +467,8 @@ def main(argv=None):
         if not args.json:
             print(f"{len(cases) - failed} of {len(cases)} cases passed "
                   f"(RINGNET_COMM_TIMEOUT={args.timeout:g})")
+        if args.markdown:
+            print(markdown_table(outcomes))
     finally:
         if not args.keep:
             shutil.rmtree(files, ignore_errors=True)

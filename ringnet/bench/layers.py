@@ -152,6 +152,8 @@ def parse_args(argv):
                                                    "interleaved step by step, and report the ratio")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line instead of tables")
+    p.add_argument("--markdown", action="store_true",
+                   help="also print the step times as a Markdown table, as the README shows them")
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.iters < 1:
         raise UsageError("--batch-size and --iters must be >= 1")
@@ -200,4 +202,7 @@ def main(argv=None):
         keys = ("model", "step_ms", "torch_step_ms", "ratio_vs_torch")
         print(json.dumps({"models": [{k: r[k] for k in keys if k in r} | {"layers": r["layers"]}
                                      for r in results]}))
+    elif args.markdown:
+        from ringnet.bench.tables import layers_table
+        print(layers_table(results))
     return 0

@@ -15,10 +15,21 @@ import sys
 
 from ringnet.bench import run_json
 from ringnet.errors import ArgumentParser, UsageError
+from ringnet.parallel import MODES
 
-__all__ = ["main", "run_config"]
+__all__ = ["main", "run_config", "default_delays"]
 
-DEFAULT_DELAYS = {"ring": (1, 0), "tree": (0,), "master": (0,), "split-fc": (0,)}
+
+def default_delays():
+    """Return {mode: delays} for every parallel mode of :data:`ringnet.parallel.MODES`:
+    its default delay, and delay 0 beside it where the default is the delayed update
+    (what the delay buys)."""
+    return {m.name: (m.default_delay,) + ((0,) if m.default_delay else ())
+            for m in MODES.values() if m.communicator is not None}
+
+
+def _delays_text():
+    return ", ".join(f"{m} {' and '.join(map(str, d))}" for m, d in default_delays().items())
 
 
 def _parser():
@@ -26,9 +37,9 @@ def _parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, nargs="+", default=[1, 2], help="rank counts (default 1 2)")
     p.add_argument("--modes", default="ring,tree,master",
-                   help="comma list of ring, tree, master, split-fc (single at N=1 is always run)")
+                   help=f"comma list of {', '.join(default_delays())} (single at N=1 is always run)")
     p.add_argument("--delays", default=None,
-                   help="comma list of delays for every mode (default: ring 1 and 0, others 0)")
+                   help=f"comma list of delays for every mode (default: {_delays_text()})")
     p.add_argument("--model", default="cifar10_quick", help="model to train (default cifar10_quick)")
     p.add_argument("--dataset", default="synthetic", help="data set (default synthetic)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
@@ -48,6 +59,8 @@ def _parser():
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="also draw speedup and efficiency against N (.png; needs matplotlib)")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} instead of the table')
+    p.add_argument("--markdown", action="store_true",
+                   help="print the table as Markdown, as the README shows it")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
     g = p.add_argument_group("time to accuracy")
     g.add_argument("--to-accuracy", type=float, default=None, metavar="A",
@@ -127,9 +140,10 @@ def main(argv=None):
     if shutil.which(args.mpirun) is None:
         raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
     modes = [m for m in args.modes.split(",") if m]
+    per_mode = default_delays()
     for m in modes:
-        if m not in DEFAULT_DELAYS:
-            raise UsageError(f"unknown mode {m!r} in --modes; choose from {', '.join(DEFAULT_DELAYS)}")
+        if m not in per_mode:
+            raise UsageError(f"unknown mode {m!r} in --modes; choose from {', '.join(per_mode)}")
     if any(n < 1 for n in args.np):
         raise UsageError("--np values must be >= 1")
     bad = [n for n in args.np if args.batch_size % n]
@@ -149,7 +163,7 @@ def main(argv=None):
         if n == 1:
             continue
         for m in modes:
-            for d in (delays if delays is not None else DEFAULT_DELAYS[m]):
+            for d in (delays if delays is not None else per_mode[m]):
                 configs.append((m, d, n))
     runs = {c: [] for c in configs}
     total = len(configs) * args.repeats
@@ -198,6 +212,9 @@ def main(argv=None):
         print(json.dumps({"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
                           "repeats": args.repeats, "to_accuracy": args.to_accuracy, "rows": rows}))
         return 0
+    if args.markdown:
+        print(markdown_table(args, rows))
+        return 0
     if args.to_accuracy is not None:
         _print_to_accuracy(args, rows)
         return 0
@@ -213,6 +230,26 @@ def main(argv=None):
               f"{r['exposed_comm_ms']:>16.2f} {r['overlap']:>8.2f} {r['bytes_per_step']:>12,} "
               f"{r['fc_params_per_rank'] if r['fc_params_per_rank'] is not None else '-':>15}")
     return 0
+
+
+def markdown_table(args, rows):
+    """Return the README's Markdown table of ``rows`` (the timing or the time-to-accuracy table)."""
+    from ringnet.bench.tables import markdown
+    if args.to_accuracy is None:
+        return markdown(["mode", "delay", "N", "step ms", "speedup", "exposed comm ms"],
+                        [[r["mode"], r["delay"], r["np"], f"{r['step_ms']:.1f}", f"{r['speedup']:.2f}",
+                          f"{r['exposed_comm_ms']:.2f}"] for r in rows])
+    target = f"{100 * args.to_accuracy:g}%"
+    compensation = args.delay_compensation or "lookahead"       # train's default at delay 1
+    out = []
+    for r in rows:
+        reached = r["epochs_to_acc"] is not None
+        out.append([f"{r['mode']} (`{compensation}`)" if r["delay"] else r["mode"], r["delay"], r["np"],
+                    f"{r['images_per_sec']:.0f}", r["epochs_to_acc"] if reached else "not reached",
+                    f"{r['seconds_to_acc']:.1f}" if reached else "–", f"{100 * r['final_accuracy']:.2f}%"])
+    epochs = f"{args.epochs} epoch" + ("s" if args.epochs != 1 else "")
+    return markdown(["mode", "delay", "N", "images/s", f"epochs to {target}", f"seconds to {target}",
+                     f"accuracy after {epochs}"], out)
 
 
 def _print_to_accuracy(args, rows):

@@ -20,7 +20,7 @@ __all__ = ["main", "info"]
 def info(path, verify=False):
     """Return a dict describing the data set file ``path``: counts, shape, classes, SHA-256.
 
-    ``verify`` also reads every image chunk (a corrupt one raises UsageError).
+    ``verify`` also reads every image chunk (a corrupt one raises InputError).
     """
     if verify:
         verify_file(path)
@@ -162,6 +162,10 @@ def main(argv=None):
         elif args.format == "cifar10":
             _convert.convert_cifar10(args.src, out)
         else:
+            if args.size < 1:       # the library says the same in its words; here, the flags'
+                raise UsageError(f"--size must be positive, got {args.size}")
+            if not 0 <= args.test_fraction < 1:
+                raise UsageError(f"--test-fraction must be in [0, 1), got {args.test_fraction}")
             _convert.convert_imagefolder(args.src, out, size=args.size, test_fraction=args.test_fraction,
                                          seed=args.seed, name=args.name)
         print(f"wrote {out}")

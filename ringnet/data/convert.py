@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ringnet.data.hdf5 import write_dataset
-from ringnet.errors import UsageError
+from ringnet.errors import InputError, SetupError
 
 __all__ = ["read_idx", "convert_mnist", "load_cifar_batch", "read_cifar10", "convert_cifar10",
            "read_imagefolder", "convert_imagefolder", "stratified_split",
@@ -47,29 +47,29 @@ def _read_maybe_gzip(path):
     try:
         return gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as exc:
-        raise UsageError(f"{path}: corrupt or truncated gzip data ({_one_line(exc)})") from None
+        raise InputError(f"{path}: corrupt or truncated gzip data ({_one_line(exc)})") from None
 
 
 def read_idx(path, expect_magic=None):
     """Parse an MNIST idx file (2051 images / 2049 labels, gzipped or not); return a uint8 array."""
     data = _read_maybe_gzip(path)
     if len(data) < 8:
-        raise UsageError(f"{path}: too short for an idx header ({len(data)} bytes)")
+        raise InputError(f"{path}: too short for an idx header ({len(data)} bytes)")
     magic = int.from_bytes(data[:4], "big")
     if magic not in (IDX_IMAGES, IDX_LABELS):
-        raise UsageError(f"{path}: bad magic number {magic} (expected {IDX_IMAGES} for images "
+        raise InputError(f"{path}: bad magic number {magic} (expected {IDX_IMAGES} for images "
                          f"or {IDX_LABELS} for labels)")
     if expect_magic is not None and magic != expect_magic:
-        raise UsageError(f"{path}: magic number {magic}, expected {expect_magic}")
+        raise InputError(f"{path}: magic number {magic}, expected {expect_magic}")
     ndim = 3 if magic == IDX_IMAGES else 1
     header = 4 + 4 * ndim
     if len(data) < header:
-        raise UsageError(f"{path}: truncated idx header")
+        raise InputError(f"{path}: truncated idx header")
     dims = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
     declared = int(np.prod(dims))
     actual = len(data) - header
     if actual != declared:
-        raise UsageError(f"{path}: header declares {'x'.join(map(str, dims))} = {declared} bytes "
+        raise InputError(f"{path}: header declares {'x'.join(map(str, dims))} = {declared} bytes "
                          f"of data but the file holds {actual}")
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
 
@@ -79,13 +79,13 @@ def _find_mnist_file(src_dir, stem):
         path = Path(src_dir) / name
         if path.is_file():
             return path
-    raise UsageError(f"{src_dir}: neither {stem} nor {stem}.gz found")
+    raise InputError(f"{src_dir}: neither {stem} nor {stem}.gz found")
 
 
 def read_mnist(src_dir):
     """Return {split: (images (N, 1, 28, 28) uint8, labels int64)} from the idx files in ``src_dir``."""
     if not Path(src_dir).is_dir():
-        raise UsageError(f"MNIST source {src_dir} is not a directory")
+        raise InputError(f"MNIST source {src_dir} is not a directory")
     parts = {}
     for split, (image_stem, label_stem) in MNIST_FILES.items():
         image_path = _find_mnist_file(src_dir, image_stem)
@@ -93,10 +93,10 @@ def read_mnist(src_dir):
         images = read_idx(image_path, IDX_IMAGES)
         labels = read_idx(label_path, IDX_LABELS)
         if len(images) != len(labels):
-            raise UsageError(f"{split}: {len(images)} images in {image_path.name} but "
+            raise InputError(f"{split}: {len(images)} images in {image_path.name} but "
                              f"{len(labels)} labels in {label_path.name}")
         if labels.size and labels.max() > 9:
-            raise UsageError(f"{label_path}: label {int(labels.max())} outside 0..9")
+            raise InputError(f"{label_path}: label {int(labels.max())} outside 0..9")
         parts[split] = (images[:, None, :, :], labels.astype(np.int64))
     return parts
 
@@ -165,7 +165,7 @@ def _unpickle(data, what):
         return _BatchUnpickler(io.BytesIO(data), encoding="bytes").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
             IndexError, KeyError, MemoryError, OverflowError) as exc:
-        raise UsageError(f"{what}: not a valid CIFAR-10 pickle ({_one_line(exc)})") from None
+        raise InputError(f"{what}: not a valid CIFAR-10 pickle ({_one_line(exc)})") from None
 
 
 _BATCH_KEYS = {b"data", b"labels", b"batch_label", b"filenames"}
@@ -175,26 +175,26 @@ def load_cifar_batch(data, what="batch"):
     """Unpickle one CIFAR-10 batch safely; return (images (N, 3, 32, 32) uint8, labels int64)."""
     batch = _unpickle(data, what)
     if not isinstance(batch, dict):
-        raise UsageError(f"{what}: expected a dict, got {type(batch).__name__}")
+        raise InputError(f"{what}: expected a dict, got {type(batch).__name__}")
     extra = set(batch) - _BATCH_KEYS
     if extra:
-        raise UsageError(f"{what}: unexpected keys {sorted(map(repr, extra))}")
+        raise InputError(f"{what}: unexpected keys {sorted(map(repr, extra))}")
     for key in (b"data", b"labels"):
         if key not in batch:
-            raise UsageError(f"{what}: missing key {key!r}")
+            raise InputError(f"{what}: missing key {key!r}")
     pixels, labels = batch[b"data"], batch[b"labels"]
     if not isinstance(pixels, np.ndarray) or pixels.dtype != np.uint8 or pixels.ndim != 2 \
             or pixels.shape[1] != 3 * 32 * 32:
         shape = getattr(pixels, "shape", None)
-        raise UsageError(f"{what}: b'data' must be a uint8 array (N, 3072), got "
+        raise InputError(f"{what}: b'data' must be a uint8 array (N, 3072), got "
                          f"{type(pixels).__name__} {getattr(pixels, 'dtype', '')} {shape}")
     if not isinstance(labels, list) or not all(type(v) is int for v in labels):
-        raise UsageError(f"{what}: b'labels' must be a list of ints")
+        raise InputError(f"{what}: b'labels' must be a list of ints")
     if len(labels) != len(pixels):
-        raise UsageError(f"{what}: {len(pixels)} images but {len(labels)} labels")
+        raise InputError(f"{what}: {len(pixels)} images but {len(labels)} labels")
     labels = np.asarray(labels, dtype=np.int64)
     if labels.size and (labels.min() < 0 or labels.max() > 9):
-        raise UsageError(f"{what}: label outside 0..9")
+        raise InputError(f"{what}: label outside 0..9")
     # Rows are 1024 red, then 1024 green, then 1024 blue values, each plane row-major.
     return pixels.reshape(-1, 3, 32, 32), labels
 
@@ -203,7 +203,7 @@ def _load_cifar_meta(data, what):
     meta = _unpickle(data, what)
     names = meta.get(b"label_names") if isinstance(meta, dict) else None
     if not isinstance(names, list) or len(names) != 10 or not all(isinstance(n, bytes) for n in names):
-        raise UsageError(f"{what}: b'label_names' must be a list of 10 byte strings")
+        raise InputError(f"{what}: b'label_names' must be a list of 10 byte strings")
     return [n.decode("utf-8", "replace") for n in names]
 
 
@@ -215,10 +215,10 @@ def _cifar_members(src):
         base = src / CIFAR10_DIR if (src / CIFAR10_DIR).is_dir() else src
         for name in names:
             if not (base / name).is_file():
-                raise UsageError(f"{base}: missing CIFAR-10 file {name}")
+                raise InputError(f"{base}: missing CIFAR-10 file {name}")
         return {name: (base / name).read_bytes() for name in names}
     if not src.is_file():
-        raise UsageError(f"CIFAR-10 source {src} does not exist")
+        raise InputError(f"CIFAR-10 source {src} does not exist")
     members = {}
     try:
         # Members are read into memory by name, never extracted, so archive paths cannot escape.
@@ -227,13 +227,13 @@ def _cifar_members(src):
                 try:
                     info = tar.getmember(f"{CIFAR10_DIR}/{name}")
                 except KeyError:
-                    raise UsageError(f"{src}: archive lacks {CIFAR10_DIR}/{name}") from None
+                    raise InputError(f"{src}: archive lacks {CIFAR10_DIR}/{name}") from None
                 handle = tar.extractfile(info) if info.isfile() else None
                 if handle is None:
-                    raise UsageError(f"{src}: {CIFAR10_DIR}/{name} is not a regular file")
+                    raise InputError(f"{src}: {CIFAR10_DIR}/{name} is not a regular file")
                 members[name] = handle.read()
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        raise UsageError(f"{src}: corrupt or truncated archive ({_one_line(exc)})") from None
+        raise InputError(f"{src}: corrupt or truncated archive ({_one_line(exc)})") from None
     return members
 
 
@@ -275,7 +275,7 @@ def _pillow():
     try:
         from PIL import Image
     except ImportError:
-        raise UsageError("converting image folders needs Pillow: pip install 'ringnet[images]' "
+        raise SetupError("converting image folders needs Pillow: pip install 'ringnet[images]' "
                          "(or pip install pillow)") from None
     return Image
 
@@ -285,18 +285,18 @@ def read_imagefolder(src_dir, size):
     Image = _pillow()
     src_dir = Path(src_dir)
     if not src_dir.is_dir():
-        raise UsageError(f"image folder {src_dir} is not a directory")
+        raise InputError(f"image folder {src_dir} is not a directory")
     if size < 1:
-        raise UsageError(f"--size must be positive, got {size}")
+        raise InputError(f"image size must be positive, got {size}")
     classes = sorted(p.name for p in src_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
-        raise UsageError(f"{src_dir}: no class sub-folders")
+        raise InputError(f"{src_dir}: no class sub-folders")
     files, labels = [], []
     for label, name in enumerate(classes):
         found = sorted(p for p in (src_dir / name).iterdir()
                        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
         if not found:
-            raise UsageError(f"{src_dir / name}: no .png/.jpg/.jpeg images")
+            raise InputError(f"{src_dir / name}: no .png/.jpg/.jpeg images")
         files += found
         labels += [label] * len(found)
     images = np.empty((len(files), size, size, 3), dtype=np.uint8)
@@ -308,14 +308,14 @@ def read_imagefolder(src_dir, size):
                     image = image.resize((size, size), Image.BILINEAR)
                 images[i] = np.asarray(image)
         except (OSError, SyntaxError, ValueError) as exc:
-            raise UsageError(f"{path}: cannot read image ({_one_line(exc)})") from None
+            raise InputError(f"{path}: cannot read image ({_one_line(exc)})") from None
     return images.transpose(0, 3, 1, 2), np.asarray(labels, dtype=np.int64), classes
 
 
 def convert_imagefolder(src_dir, out, size=64, test_fraction=0.2, seed=0, name=None):
     """Convert a one-folder-per-class image tree to ``out`` with a seeded stratified split."""
     if not 0.0 <= test_fraction < 1.0:
-        raise UsageError(f"--test-fraction must be in [0, 1), got {test_fraction}")
+        raise InputError(f"test fraction must be in [0, 1), got {test_fraction}")
     images, labels, classes = read_imagefolder(src_dir, size)
     is_test = stratified_split(labels, test_fraction, seed)
     return write_dataset(out, images[~is_test], labels[~is_test], images[is_test], labels[is_test],

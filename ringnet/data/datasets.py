@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 
 import ringnet
-from ringnet.data.hdf5 import validate_file
+from ringnet.data.hdf5 import FileImages, validate_file
 from ringnet.data.synthetic import make_synthetic
-from ringnet.errors import UsageError
+from ringnet.errors import InputError
 
 __all__ = ["NAMED", "DOWNLOADABLE", "IN_MEMORY_BYTES", "Split", "Dataset",
            "default_data_dir", "data_dirs", "find_dataset", "open_dataset",
@@ -54,7 +54,7 @@ class Split:
     """One part of a data set: ``images`` uint8 (N, C, H, W), ``labels`` int64 (N,)."""
 
     def __init__(self, images, labels):
-        self.images = images  # numpy array or h5py data set
+        self.images = images  # numpy array, or FileImages (read from the file on demand)
         self.labels = np.asarray(labels, dtype=np.int64)
         if len(self.labels) != len(images):
             raise ValueError(f"{len(images)} images but {len(self.labels)} labels")
@@ -111,12 +111,7 @@ class Dataset:
 
     def _channel_stats(self):
         if self._stats is None:
-            try:
-                self._stats = channel_stats(self.train.images)
-            except OSError as exc:      # a corrupt chunk of a file-backed split
-                raise UsageError(f"{self.path or self.name}: reading /train/images failed, the "
-                                 f"file is corrupt ({exc}); check it with `python -m "
-                                 f"ringnet.datasets info --verify FILE`") from None
+            self._stats = channel_stats(self.train.images)
         return self._stats
 
     def fingerprint(self, samples=FINGERPRINT_SAMPLES):
@@ -124,18 +119,14 @@ class Dataset:
 
         The content is a SHA-256 over every label and ``samples`` evenly spaced images
         of each split: cheap for any size, and it differs for different files, a
-        different conversion, or scrambled labels. Raises UsageError on a read error.
+        different conversion, or scrambled labels. Raises InputError on a read error.
         """
         digest = hashlib.sha256()
         for split in (self.train, self.test):
             digest.update(np.ascontiguousarray(split.labels, dtype=np.int64).tobytes())
             n = len(split)
             index = np.unique(np.linspace(0, n - 1, min(n, samples)).astype(np.int64)) if n else []
-            try:
-                digest.update(np.ascontiguousarray(split.images[index] if n else b"").tobytes())
-            except OSError as exc:
-                raise UsageError(f"{self.path or self.name}: reading images failed, the file is "
-                                 f"corrupt ({exc})") from None
+            digest.update(np.ascontiguousarray(split.images[index] if n else b"").tobytes())
         return {"data set size": f"{len(self.train)} train / {len(self.test)} test",
                 "data set shape": _shape_str(self.input_shape),
                 "data set classes": ",".join(self.classes),
@@ -175,11 +166,11 @@ def _looks_like_path(name):
 
 
 def find_dataset(name, data_dir=None):
-    """Return the path of data set ``name`` (a known name or an .h5 path) or raise UsageError."""
+    """Return the path of data set ``name`` (a known name or an .h5 path) or raise InputError."""
     path = Path(os.path.expanduser(str(name)))
     if _looks_like_path(name) or (name not in NAMED and path.is_file()):
         if not path.is_file():
-            raise UsageError(f"data set file {path} does not exist")
+            raise InputError(f"data set file {path} does not exist")
         return path
     dirs = data_dirs(data_dir)
     for d in dirs:
@@ -191,11 +182,11 @@ def find_dataset(name, data_dir=None):
         command = f"python -m ringnet.datasets download {name}"
         if data_dir is not None:
             command += f" --dir {data_dir}"
-        raise UsageError(f"data set {name} not found (looked for {name}.h5 in {looked}); "
+        raise InputError(f"data set {name} not found (looked for {name}.h5 in {looked}); "
                          f"get it with: {command}")
     if name in NAMED:
-        raise UsageError(f"data set {name} not found (looked for {name}.h5 in {looked})")
-    raise UsageError(f"unknown data set {name!r}: choose {', '.join(NAMED)}, "
+        raise InputError(f"data set {name} not found (looked for {name}.h5 in {looked})")
+    raise InputError(f"unknown data set {name!r}: choose {', '.join(NAMED)}, "
                      f"a name with <name>.h5 in {looked}, or a path to an .h5 file")
 
 
@@ -207,12 +198,13 @@ def _open_file(path, label, in_memory):
             images = f[split]["images"]
             labels = f[split]["labels"][()]
             keep = in_memory if in_memory is not None else images.nbytes <= IN_MEMORY_BYTES
-            splits[split] = Split(images[()] if keep else images, labels)
+            splits[split] = Split(images[()] if keep else FileImages(images, path, f"/{split}/images"),
+                                  labels)
         classes = [c.decode() if isinstance(c, bytes) else str(c) for c in f.attrs["classes"]]
         attrs = {k: f.attrs[k] for k in f.attrs if k != "classes"}
     except (OSError, KeyError, ValueError, TypeError) as exc:
         f.close()
-        raise UsageError(f"{path} is corrupt ({exc})") from None
+        raise InputError(f"{path} is corrupt ({exc})") from None
     except BaseException:
         f.close()
         raise
@@ -231,16 +223,16 @@ def open_dataset(name, seed=0, data_dir=None, input_shape=None, num_classes=None
     the ``datasets/`` folder next to the package. "synthetic" needs ``input_shape``
     and ``num_classes`` and is reproducible from ``seed``. ``in_memory`` forces
     (True) or forbids (False) reading the images into memory; by default files up
-    to ``IN_MEMORY_BYTES`` of images are read. Problems raise UsageError.
+    to ``IN_MEMORY_BYTES`` of images are read. Problems raise :class:`~ringnet.errors.InputError`.
     """
     if name == "synthetic":
         if input_shape is None or num_classes is None:
-            raise UsageError("data set synthetic needs the model's input shape and class count")
+            raise InputError("data set synthetic needs the model's input shape and class count")
         n_train, n_test = synthetic_size
         try:
             arrays = make_synthetic(input_shape, num_classes, n_train, n_test, seed=seed)
         except ValueError as exc:
-            raise UsageError(str(exc)) from None
+            raise InputError(str(exc)) from None
         return Dataset("synthetic", Split(*arrays[:2]), Split(*arrays[2:]),
                        [str(c) for c in range(num_classes)],
                        attrs={"name": "synthetic", "source": f"ringnet synthetic, seed {seed}"})
@@ -250,13 +242,13 @@ def open_dataset(name, seed=0, data_dir=None, input_shape=None, num_classes=None
 
 
 def check_compatible(dataset, input_shape, num_classes, model=None):
-    """Raise UsageError unless ``dataset`` fits a model with this input shape and class count."""
+    """Raise InputError unless ``dataset`` fits a model with this input shape and class count."""
     who = f"model {model}" if model else "the model"
     have = tuple(int(v) for v in dataset.input_shape)
     want = tuple(int(v) for v in input_shape)
     if have != want:
-        raise UsageError(f"data set {dataset.name} has images {_shape_str(have)} but "
+        raise InputError(f"data set {dataset.name} has images {_shape_str(have)} but "
                          f"{who} expects {_shape_str(want)}")
     if dataset.num_classes > num_classes:
-        raise UsageError(f"data set {dataset.name} has {dataset.num_classes} classes but "
+        raise InputError(f"data set {dataset.name} has {dataset.num_classes} classes but "
                          f"{who} has only {num_classes} outputs")

@@ -14,10 +14,10 @@ import tempfile
 import h5py
 import numpy as np
 
-from ringnet.errors import UsageError
+from ringnet.errors import InputError
 
 __all__ = ["SPLITS", "write_dataset", "atomic_output", "validate_file", "image_chunks", "file_mode",
-           "verify_file"]
+           "verify_file", "FileImages"]
 
 SPLITS = ("train", "test")
 
@@ -96,16 +96,16 @@ def write_dataset(path, train_images, train_labels, test_images, test_labels,
         images = np.asarray(images)
         labels = np.asarray(labels)
         if images.dtype != np.uint8 or images.ndim != 4:
-            raise UsageError(f"{split} images must be uint8 (N, C, H, W), got {images.dtype} {images.shape}")
+            raise InputError(f"{split} images must be uint8 (N, C, H, W), got {images.dtype} {images.shape}")
         if labels.dtype.kind not in "iu":
-            raise UsageError(f"{split} labels must be integers, got {labels.dtype}")
+            raise InputError(f"{split} labels must be integers, got {labels.dtype}")
         if labels.ndim != 1 or len(labels) != len(images):
-            raise UsageError(f"{split}: {len(images)} images but labels of shape {labels.shape}")
+            raise InputError(f"{split}: {len(images)} images but labels of shape {labels.shape}")
         if len(labels) and (labels.min() < 0 or labels.max() >= len(classes)):
-            raise UsageError(f"{split} labels outside [0, {len(classes)})")
+            raise InputError(f"{split} labels outside [0, {len(classes)})")
         parts[split] = (images, labels.astype(np.int64))
     if parts["train"][0].shape[1:] != parts["test"][0].shape[1:]:
-        raise UsageError("train and test images differ in shape")
+        raise InputError("train and test images differ in shape")
     with atomic_output(path, suffix=".h5.tmp") as tmp:
         with h5py.File(tmp, "w") as f:
             for split, (images, labels) in parts.items():
@@ -124,22 +124,22 @@ def write_dataset(path, train_images, train_labels, test_images, test_labels,
 def _classes(path, f):
     """Return the class names of open file ``f``: a 1-D array of strings, at least one."""
     if "classes" not in f.attrs:
-        raise UsageError(f"{path}: missing attribute 'classes'")
+        raise InputError(f"{path}: missing attribute 'classes'")
     classes = f.attrs["classes"]
     if not isinstance(classes, np.ndarray) or classes.ndim != 1 or not len(classes) \
             or not all(isinstance(c, (str, bytes)) for c in classes):
-        raise UsageError(f"{path}: attribute 'classes' must be a list of class names, "
+        raise InputError(f"{path}: attribute 'classes' must be a list of class names, "
                          f"got {type(classes).__name__} {np.asarray(classes).dtype}")
     return [c.decode() if isinstance(c, bytes) else str(c) for c in classes]
 
 
 def _dataset(path, f, name):
-    """Return the h5py data set ``name`` of ``f`` or raise UsageError (missing, or a group)."""
+    """Return the h5py data set ``name`` of ``f`` or raise InputError (missing, or a group)."""
     obj = f.get(name)
     if obj is None:
-        raise UsageError(f"{path}: missing data set /{name}")
+        raise InputError(f"{path}: missing data set /{name}")
     if not isinstance(obj, h5py.Dataset):
-        raise UsageError(f"{path}: /{name} must be a data set, got a {type(obj).__name__}")
+        raise InputError(f"{path}: /{name} must be a data set, got a {type(obj).__name__}")
     return obj
 
 
@@ -147,16 +147,16 @@ def validate_file(path):
     """Open ``path`` read-only and check the layout; return the open h5py.File.
 
     Checks the structure, dtypes and shapes, that labels are integers within the
-    classes, and reads every label. Raises :class:`UsageError` naming the file and the
+    classes, and reads every label. Raises :class:`~ringnet.errors.InputError` naming the file and the
     problem. :func:`verify_file` also reads every image chunk.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise UsageError(f"data set file {path} does not exist")
+        raise InputError(f"data set file {path} does not exist")
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
-        raise UsageError(f"{path} is not a readable HDF5 file ({exc})") from None
+        raise InputError(f"{path} is not a readable HDF5 file ({exc})") from None
     try:
         num_classes = len(_classes(path, f))
         shape = None
@@ -164,31 +164,66 @@ def validate_file(path):
             images = _dataset(path, f, f"{split}/images")
             labels = _dataset(path, f, f"{split}/labels")
             if images.dtype != np.uint8 or images.ndim != 4:
-                raise UsageError(f"{path}: /{split}/images must be uint8 (N, C, H, W), "
+                raise InputError(f"{path}: /{split}/images must be uint8 (N, C, H, W), "
                                  f"got {images.dtype} {images.shape}")
             if labels.dtype.kind not in "iu":
-                raise UsageError(f"{path}: /{split}/labels must be integers, got {labels.dtype} "
+                raise InputError(f"{path}: /{split}/labels must be integers, got {labels.dtype} "
                                  "(convert them with the class index of each image)")
             if labels.shape != (images.shape[0],):
-                raise UsageError(f"{path}: /{split} has {images.shape[0]} images but "
+                raise InputError(f"{path}: /{split} has {images.shape[0]} images but "
                                  f"labels of shape {labels.shape}")
             if shape is not None and images.shape[1:] != shape:
-                raise UsageError(f"{path}: train and test images differ in shape")
+                raise InputError(f"{path}: train and test images differ in shape")
             shape = images.shape[1:]
             lab = labels[()]
             if lab.size and (lab.min() < 0 or lab.max() >= num_classes):
-                raise UsageError(f"{path}: /{split}/labels outside [0, {num_classes})")
-    except UsageError:
+                raise InputError(f"{path}: /{split}/labels outside [0, {num_classes})")
+    except InputError:
         f.close()
         raise
     except (OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
         f.close()
-        raise UsageError(f"{path} is corrupt ({exc})") from None
+        raise InputError(f"{path} is corrupt ({exc})") from None
     return f
 
 
+def _rows(index):
+    """Describe the rows an index selects: "3..9" for a slice, "4 rows from 0 to 17" otherwise."""
+    if isinstance(index, slice):
+        return f"{index.start or 0}..{index.stop - 1}" if index.stop is not None else f"{index.start or 0}.."
+    rows = np.asarray(index).reshape(-1)
+    if rows.size == 1:
+        return str(int(rows[0]))
+    return f"{rows.size} rows from {int(rows.min())} to {int(rows.max())}" if rows.size else "no rows"
+
+
+class FileImages:
+    """The images of a split left in its file: reads go to the h5py data set, and a read
+    that fails (a corrupt chunk, a file changed or truncated under the run) raises
+    :class:`~ringnet.errors.InputError` naming the file, the data set and the rows."""
+
+    HINT = "; check it with `python -m ringnet.datasets info --verify FILE`"
+
+    def __init__(self, dataset, path, name, hint=HINT):
+        self.dataset, self.hint = dataset, hint
+        self.path = os.fspath(path)
+        self.name = name                  # "/train/images"
+        self.shape, self.dtype, self.chunks = dataset.shape, dataset.dtype, dataset.chunks
+        self.ndim, self.nbytes = dataset.ndim, dataset.nbytes
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        try:
+            return self.dataset[index]
+        except OSError as exc:
+            raise InputError(f"{self.path}: {self.name} {_rows(index)} cannot be read, the file is "
+                             f"corrupt ({exc}){self.hint}") from None
+
+
 def verify_file(path, progress=None):
-    """Validate ``path`` and read every chunk of every data set; raise UsageError on the first bad one.
+    """Validate ``path`` and read every chunk of every data set; raise InputError on the first bad one.
 
     ``progress(done, total)`` is called after each block of images.
     """
@@ -196,15 +231,11 @@ def verify_file(path, progress=None):
         total = sum(f[f"{split}/images"].shape[0] for split in SPLITS)
         done = 0
         for split in SPLITS:
-            images = f[f"{split}/images"]
+            images = FileImages(f[f"{split}/images"], path, f"/{split}/images", hint="")
             step = images.chunks[0] if images.chunks else max(1, MAX_CHUNK_IMAGES)
             for start in range(0, images.shape[0], step):
                 stop = min(images.shape[0], start + step)
-                try:
-                    images[start:stop]
-                except (OSError, ValueError) as exc:
-                    raise UsageError(f"{path}: /{split}/images {start}..{stop - 1} cannot be read, "
-                                     f"the file is corrupt ({exc})") from None
+                images[start:stop]
                 done += stop - start
                 if progress is not None:
                     progress(done, total)
