@@ -819,8 +819,7 @@ def buckets(model, stop_layer):
     if not size:
         return []
     from ringnet.parallel.exchange import backward_buckets
-    parts = list(backward_buckets(model, stop_layer, size))
-    return parts if len(parts) >= 2 else []      # one bucket is ready only when the backward ends
+    return list(backward_buckets(model, stop_layer, size))
 
 
 def _progress(system):
