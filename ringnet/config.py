@@ -218,9 +218,10 @@ def build_parser():
                         "0 otherwise)")
     g.add_argument("--delay-compensation", choices=list(COMPENSATIONS), default=None,
                    help=f"with --delay 1: lookahead (default) computes step t's gradient at "
-                        f"w[t-1] + {_LA.c:g} (w[t-1] - w[t-2]) and runs momentum 1 - (1 - M)/{_LA.k:g} "
-                        f"at lr LR/{_LA.k:g} (the same long-run step LR/(1 - M)), which widens the "
-                        f"delayed update's stable range; none: the plain recurrence, gradient "
+                        f"w[t-1] + {_LA.c:g} (w[t-1] - w[t-2]) and runs momentum 1 - (1 - M)/k "
+                        f"at lr LR/k (the same long-run step LR/(1 - M)), k the smallest that makes "
+                        f"the delayed update stable wherever synchronous SGD is (on a quadratic; "
+                        f"k = {_LA.k_for(0.9):.2f} at M 0.9); none: the plain recurrence, gradient "
                         f"at w[t-1], momentum M, lr LR (default lookahead at delay 1, none at delay 0)")
     g.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
                    help="how bytes move (default auto: nccl when every rank has its own GPU, "

@@ -157,6 +157,9 @@ class Model:
             host[slot.start:slot.stop] = init_array(slot.init, slot.shape, rng, self.dtype).reshape(-1)
         self.params = xp.asarray(host)
         self.grads = xp.zeros(offset, dtype=self.dtype)
+        # layer_hook(phase, index): called after each layer's forward ("forward") and
+        # backward ("backward"); the strategies progress and start exchanges from it.
+        self.layer_hook = None
         if self.layers:
             # Nothing upstream of the first layer wants an input gradient.
             self.layers[0][1].needs_dx = False
@@ -232,16 +235,24 @@ class Model:
 
     def forward_layers(self, x, start=0, stop=None, train=True):
         """Run ``layers[start:stop]`` forward on activations ``x`` (no input checks)."""
-        for name, layer in self.layers[start:stop]:
+        hook = self.layer_hook
+        for index in range(len(self.layers))[start:stop]:
+            name, layer = self.layers[index]
             with trace.span("forward", layer=name):
                 x = layer.forward(x, train)
+            if hook is not None:
+                hook("forward", index)
         return x
 
     def backward_layers(self, d, start=0, stop=None):
         """Run ``layers[start:stop]`` backward from their output gradient ``d``; return dx."""
-        for name, layer in reversed(self.layers[start:stop]):
+        hook = self.layer_hook
+        for index in reversed(range(len(self.layers))[start:stop]):
+            name, layer = self.layers[index]
             with trace.span("backward", layer=name):
                 d = layer.backward(d)
+            if hook is not None:
+                hook("backward", index)
         return d
 
     def _correct(self, logits, labels):

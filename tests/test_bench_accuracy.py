@@ -69,6 +69,20 @@ def test_delay_bench_separates_plain_from_compensated_on_lenet():
 
 
 @pytest.mark.timeout(900)
+def test_default_compensation_is_stable_where_single_is_on_lenet_lr_0_03():
+    """LeNet, lr 0.03, momentum 0.9: single converges, so must the default delay 1.
+
+    The former fixed k = 5 (momentum 0.98, lr/5, c 2, written out here) diverges there:
+    its stable range on a quadratic is lr*h < 1.3 against synchronous SGD's 3.8.
+    """
+    rows = {v: delay.run("lenet", "synthetic", v, 0.03, 0.9, epochs=2, seed=0)
+            for v in ("single", "lookahead", "pred:2+mom:0.98+lrs:0.2")}
+    assert rows["single"]["status"] == "ok" and rows["single"]["test_accuracy"] >= 0.95
+    assert rows["lookahead"]["status"] == "ok" and rows["lookahead"]["test_accuracy"] >= 0.95
+    assert rows["pred:2+mom:0.98+lrs:0.2"]["status"].startswith("div@"), rows
+
+
+@pytest.mark.timeout(900)
 def test_curves_and_to_accuracy_end_to_end(tmp_path):
     out_csv, out_png = tmp_path / "c.csv", tmp_path / "c.png"
     try:
@@ -108,3 +122,30 @@ def test_curves_and_to_accuracy_end_to_end(tmp_path):
     # evaluated at steps 5, 10, 15, 20 and at the end (22 steps per epoch)
     assert row["epochs_to_acc"] in [round(s / 22, 3) for s in (5, 10, 15, 20, 22)]
     assert 0 < row["seconds_to_acc"] and row["final_accuracy"] >= 0.5
+
+
+@pytest.mark.timeout(900)
+def test_delay_speed_prints_interleaved_ratio():
+    """bench delay --speed: none and lookahead alternate, one ratio line per N."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringnet.bench", "delay", "--speed", "--model", "digits",
+         "--dataset", "digits", "--steps", "3", "--repeats", "2", "--np", "1", "2"],
+        capture_output=True, text=True, env=ENV, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert sum("ring delay 1, mpirun -np" in line for line in out) == 2, proc.stdout
+    ratios = [line for line in out if "ratio lookahead / none: median" in line]
+    assert len(ratios) == 2, proc.stdout
+    for name in ("none", "lookahead"):
+        rows = [line.split() for line in out if line.split()[:1] == [name]]
+        assert len(rows) == 2 and all(len(r) == 5 for r in rows), proc.stdout   # 2 rounds each
+        assert all(float(v) > 0 for r in rows for v in (r[1], r[3], r[4]))
+    assert sum("step boundary and update alone" in line for line in out) == 1, proc.stdout
+    assert [line.split("N=")[1][0] for line in out if "extra / ring delay 1 step" in line] == ["1", "2"]
+
+
+def test_delay_speed_refuses_bad_values():
+    from conftest import assert_one_line_error, run_cli
+    assert_one_line_error(run_cli("delay", "--speed", "--np", "0", module="ringnet.bench"), "--np")
+    assert_one_line_error(run_cli("delay", "--speed", "--np", "5", module="ringnet.bench"),
+                          "not divisible")

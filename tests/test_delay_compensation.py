@@ -3,6 +3,8 @@
 The data-parallel strategy without a communicator runs the delayed recurrence in
 process (the exchange is the local plan); its weights must equal the written-out
 ``g_t = G_t(w[t-1] + c (w[t-1] - w[t-2]))``, momentum ``1 - (1 - mu)/k``, lr ``lr/k``.
+The stability bounds that choose k are checked against the recurrences iterated on a
+quadratic.
 """
 import numpy as np
 import pytest
@@ -10,12 +12,14 @@ import pytest
 from ringnet.config import TrainConfig
 from ringnet.errors import UsageError
 from ringnet.models import build_model
-from ringnet.optim import SGD, LRPolicy
+from ringnet.optim import SGD, LRPolicy, heavy_ball_bound, lookahead_bound, lookahead_k
 from ringnet.parallel import COMPENSATIONS
 from ringnet.parallel.base import DataParallelStrategy
 
 LR, MU, WD = 0.05, 0.9, 5e-4
-K, C = 5.0, 2.0             # the lookahead defaults, written here on purpose
+# the lookahead default at momentum 0.9, written here on purpose:
+# k = A (4 A + 2 (1 - mu)) / (A + 1 - mu) with A = 2 (1 + mu) = 3.8, i.e. 58.52 / 3.9
+K, C = 15.005128205128205, 2.0
 
 
 def _batches(steps, seed=0):
@@ -79,3 +83,58 @@ def test_default_compensation_and_its_checks():
         TrainConfig(mode="ring", delay=0, delay_compensation="lookahead").resolved(2)
     with pytest.raises(UsageError, match="must be one of"):
         TrainConfig(mode="ring", delay_compensation="dc").resolved(2)
+
+
+def _grows(a, mu, k=None, c=0.0, steps=8000):
+    """Iterate the recurrence on f(w) = w^2 / 2 at lr*h = a; True if |w| does not shrink.
+
+    ``k=None``: heavy-ball SGD; else the delay-1 recurrence with momentum ``1 - (1 - mu)/k``,
+    lr ``a/k`` and the gradient at ``w[t-1] + c (w[t-1] - w[t-2])``. Compares the largest
+    |w| of the last quarter of the steps with that of the second quarter.
+    """
+    w2 = w1 = w = 1.0
+    v = 0.0
+    peaks = [0.0] * 4
+    for t in range(steps):
+        if k is None:
+            v = mu * v + a * w
+        else:
+            point = w if t == 0 else w1 + c * (w1 - w2)
+            v = (1 - (1 - mu) / k) * v + a / k * point
+        w2, w1, w = w1, w, w - v
+        if abs(w) > 1e12:
+            return True
+        q = 4 * t // steps
+        peaks[q] = max(peaks[q], abs(w))
+    return peaks[3] >= peaks[1]
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.5, 0.9, 0.99])
+def test_stability_bounds_match_the_iterated_recurrence(mu):
+    cases = [(None, 0.0, heavy_ball_bound(mu)), (1.0, 0.0, lookahead_bound(mu, 1.0, 0.0)),
+             (5.0, 2.0, lookahead_bound(mu, 5.0, 2.0)), (15.0, 1.5, lookahead_bound(mu, 15.0, 1.5))]
+    for k, c, bound in cases:
+        assert not _grows(0.95 * bound, mu, k, c), (mu, k, c, bound)
+        assert _grows(1.05 * bound, mu, k, c), (mu, k, c, bound)
+        assert not _grows(0.05 * bound, mu, k, c), (mu, k, c, bound)
+    assert heavy_ball_bound(mu) == pytest.approx(2 * (1 + mu))
+    assert lookahead_bound(mu, 1.0, 0.0) == pytest.approx(1 - mu)
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.5, 0.9, 0.99])
+def test_default_k_is_stable_wherever_heavy_ball_is(mu):
+    k = COMPENSATIONS["lookahead"].k_for(mu)
+    assert k == pytest.approx(lookahead_k(mu, 2.0))
+    single = heavy_ball_bound(mu)
+    # the iterated delayed recurrence converges up to synchronous SGD's bound ...
+    for frac in (0.02, 0.3, 0.7, 0.97):
+        assert not _grows(frac * single, mu, k, C), (mu, frac)
+    # ... and k is the smallest that does: a slightly smaller k diverges just under it
+    assert _grows(0.99 * single, mu, 0.9 * k, C)
+    # the earlier fixed k = 5 does not reach it (momentum 0.9: diverges at 40 % of it)
+    assert _grows(0.97 * single, mu, 5.0, C)
+
+
+def test_default_k_at_momentum_0_9():
+    assert COMPENSATIONS["lookahead"].k_for(0.9) == pytest.approx(K, rel=1e-12)
+    assert COMPENSATIONS["none"].k_for(0.9) == 1.0 and COMPENSATIONS["none"].plain

@@ -418,6 +418,8 @@ SUITE = "runs the test suite; CI runs it (bash .ci/run)"
 CLUSTER = "trace and plot commands; run by their own tests (tests/test_trace*.py, plot tests)"
 FASHION = ("needs Fashion-MNIST (Debian's dataset-fashion-mnist), which CI does not install; "
            "the bench commands have their own tests on small data")
+SWEEP = ("36 training runs; tests/test_bench_accuracy.py runs its LeNet points at lr 0.01 and "
+         "0.03, momentum 0.9")
 COMMANDS = {
     # README.md
     'pip install -e ".[mpich]" && mpirun -np 4 python -m ringnet.train': quick_start,
@@ -440,6 +442,10 @@ COMMANDS = {
         imagefolder,
     "python -m ringnet.datasets info datasets/mnist.h5": datasets_info,
     "python -m ringnet.bench layers --vs torch": bench_layers_vs_torch,
+    "python -m ringnet.bench overlap --model lenet":
+        "tests/test_overlap.py::test_bench_overlap_prints_a_row_per_variant",
+    "python -m ringnet.bench overlap --model cifar10_quick":
+        "tests/test_overlap.py::test_bench_overlap_prints_a_row_per_variant",
     "mpirun -np 4 python -m ringnet.bench comm": bench_comm,
     "python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc --model cifar10_quick":
         bench_scaling,
@@ -475,6 +481,14 @@ COMMANDS = {
     "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
     "--to-accuracy 0.84 --epochs 1 --eval-every 117": FASHION,
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2": FASHION,
+    "python -m ringnet.bench delay --model digits --dataset digits --epochs 20 --seeds 1 2 3":
+        "nine 440-step runs; tests/test_bench_accuracy.py runs bench delay on LeNet",
+    "python -m ringnet.bench delay --model digits --dataset digits --epochs 10 --lr 0.01 0.03 0.1 "
+    "0.3 --momentum 0 0.5 0.9 --variants single,none,lookahead": SWEEP,
+    "python -m ringnet.bench delay --model lenet --dataset synthetic --epochs 2 --lr 0.003 0.01 "
+    "0.03 0.1 --momentum 0 0.5 0.9 --variants single,none,lookahead": SWEEP,
+    "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8":
+        "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 1 --np 2 "
     "--eval-every 234": FASHION,
     # datasets/README.md

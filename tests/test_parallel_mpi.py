@@ -76,6 +76,67 @@ def test_delay0_equals_single(mode):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["ring", "tree", "master", "split-fc"])
+def test_delay0_buckets_change_no_bit(mode, monkeypatch):
+    """Delay 0 with one bucket per layer (exchanges started during the backward) gives the
+    same bits as one exchange after the backward, and equals single."""
+    runs = {}
+    for size in ("1", "0"):
+        monkeypatch.setenv("RINGNET_BUCKET_BYTES", size)
+        result = train(TrainConfig(mode=mode, delay=0, **BASE), world=WORLD)
+        runs[size] = (flat_params(result.strategy), len(result.strategy.buckets))
+        result.strategy.close()
+    (bucketed, n_buckets), (whole, none) = runs["1"], runs["0"]
+    assert none == 0 and n_buckets >= 2, f"{mode}: {n_buckets} buckets"
+    assert np.array_equal(bucketed, whole), f"{mode}: buckets changed the weights"
+    assert _replicas_identical(bucketed)
+    if mode != "split-fc":      # split-fc against single: tests/test_split_fc_mpi.py
+        reference, _ = _single_reference()
+        assert rel_error(bucketed, reference) <= 1e-9
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["ring", "tree", "master", "split-fc"])
+def test_delay0_buckets_start_during_the_backward(mode, monkeypatch):
+    """Recorded spans: a bucket's exchange starts before the backward of the step that wrote
+    it ends (the first layer's backward, which computes no input gradient, is made 0.2 s
+    longer, as a larger model's would be)."""
+    from ringnet.layers import Conv2d
+    from ringnet.stats import subscribe
+    monkeypatch.setenv("RINGNET_BUCKET_BYTES", "1")
+    backward = Conv2d.backward
+
+    first_layer = []        # (start, end) of each backward of the first layer
+
+    def slow_first_layer(self, d):
+        if self.needs_dx:
+            return backward(self, d)
+        start = time.perf_counter()
+        time.sleep(0.2)
+        try:
+            return backward(self, d)
+        finally:
+            first_layer.append((start, time.perf_counter()))
+    monkeypatch.setattr(Conv2d, "backward", slow_first_layer)
+    phase = "conv_backward" if mode == "split-fc" else "forward_backward"
+    events = []
+    unsubscribe = subscribe(events.append)
+    try:
+        result = train(TrainConfig(mode=mode, delay=0, **dict(BASE, steps=3)), world=WORLD)
+    finally:
+        unsubscribe()
+    result.strategy.close()
+    reduces = [e.start for e in events if e.name == "comm" and e.args.get("op") == "reduce"
+               and "bucket" in e.args]
+    assert len(first_layer) == 3 and reduces
+    steps = [e.start for e in events if e.name == "step"]
+    assert len(steps) == 3
+    # an exchange that started in step i before step i's first-layer backward ended
+    early = [r for r in reduces if any(steps[i] <= r < first_layer[i][1] for i in range(3))]
+    assert early, f"{mode}: no bucket's exchange started before the first layer's backward ended"
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["ring", "tree", "master"])
 @pytest.mark.parametrize("compensation", [None, "none"])
 def test_delay1_equals_simulated_recurrence(mode, compensation):
@@ -137,7 +198,7 @@ class _SlowRing(RingCommunicator):
 @pytest.mark.mpi
 def test_delay1_hides_a_slow_exchange_that_delay0_exposes():
     """Communication slowed on purpose (80 ms a step) behind a compute of 250 ms a step:
-    delay 1 leaves almost none of it exposed, delay 0 exposes all of it."""
+    delay 1 leaves almost none of it exposed, delay 0 without buckets exposes all of it."""
     steps, compute_s = 6, 0.25
     ds = open_dataset("digits", seed=0)
     loader = ShardedLoader(ds.train, BATCH, rank=RANK, size=WORLD.Get_size(), seed=0,
@@ -153,7 +214,7 @@ def test_delay1_hides_a_slow_exchange_that_delay0_exposes():
         model.loss_and_grad = slow_compute
         ring = _SlowRing(transport="mpi", mpi_comm=WORLD)
         strategy = RingStrategy(model, lambda n: SGD(n, LRPolicy("fixed", 0.01), dtype="float64"),
-                                WORLD, ring, delay=delay)
+                                WORLD, ring, delay=delay, bucket_size=0)
         batches = loader.epoch(0)
         for it in range(steps):
             strategy.step(*next(batches), it)

@@ -1,4 +1,4 @@
-"""python -m ringnet.bench {layers,comm,scaling,model,curves,delay,elastic,faults} ... — benchmarks that print tables."""
+"""python -m ringnet.bench {layers,comm,scaling,overlap,model,curves,delay,elastic,faults} ... — benchmarks that print tables."""
 import importlib
 import sys
 
@@ -11,6 +11,8 @@ COMMANDS = {
     "layers": ("ringnet.bench.layers", "per-layer and full-step times, optionally against PyTorch CPU"),
     "comm": ("ringnet.bench.comm", "nccl-tests style table of ring/tree/master/native allreduce (run under mpirun)"),
     "scaling": ("ringnet.bench.scaling", "launches mpirun at several N and prints speedup per mode"),
+    "overlap": ("ringnet.bench.overlap", "interleaved runs of each way to overlap communication on the "
+                                         "CPU: delay 1 vs 0, stream progress, delay-0 buckets"),
     "model": ("ringnet.bench.model", "predicted step time, speedup and efficiency per mode, N = 1..1024"),
     "delay": ("ringnet.bench.delay", "delay-1 compensations side by side in one process (accuracy, stability)"),
     "curves": ("ringnet.bench.curves", "test accuracy vs epoch and wall time for every mode: CSV + plot"),
@@ -23,7 +25,7 @@ COMMANDS = {
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m ringnet.bench {layers,comm,scaling,model,curves,delay,elastic,faults} [options]\n")
+        print("usage: python -m ringnet.bench {layers,comm,scaling,overlap,model,curves,delay,elastic,faults} [options]\n")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:8s} {text}")
         print("\n`python -m ringnet.bench NAME --help` lists each benchmark's options.")

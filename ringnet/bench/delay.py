@@ -20,13 +20,26 @@ of these variants of the recurrence written out here (joined with '+'):
 It prints test accuracy per (variant, lr, momentum), mean over seeds, or ``div@S``
 when the loss became NaN/inf at step S; a run whose final test accuracy is under twice
 chance counts as failed too (``dead``).
+
+``--speed`` instead times ``mpirun -np N python -m ringnet.train --mode ring --delay 1``
+with ``--delay-compensation none`` and ``lookahead``, interleaved (one launch per round
+and variant, ABBA order, STEPS steps each; ``step_ms`` is the run's median step), and
+prints per N the median ms per step of each, the median of the per-round ratios
+lookahead / none and the load average. N = 1 is the delayed engine without exchange
+(the compensation's extra vector work against the whole step). It then times the step
+boundary alone (the look-ahead point and the update, ``gradients_ready``) of both
+engines in one process, alternating every step, and prints the extra milliseconds as
+a share of each N's step. The timing runs use lr 0.001, where neither recurrence
+diverges.
 """
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -167,6 +180,74 @@ def run(model_name, dataset, variant, lr, momentum, epochs, seed, batch_size=64,
         ds.close()
 
 
+def _abba(repeats):
+    """Variant order per round: none, lookahead, then lookahead, none, ... (ABBA)."""
+    for r in range(repeats):
+        yield ("none", "lookahead") if r % 2 == 0 else ("lookahead", "none")
+
+
+def speed(model_name, dataset, nranks, steps=20, repeats=6, batch_size=64, data_dir=None,
+          mpirun="mpirun", timeout=1800, lr=0.001):
+    """Return {variant: [step_ms, per round]} of ``ring --delay 1`` under mpirun, interleaved."""
+    from ringnet.bench.scaling import run_config
+    args = SimpleNamespace(mpirun=mpirun, model=model_name, dataset=dataset,
+                           batch_size=batch_size, steps=steps, transport="auto", device="cpu",
+                           lr=lr, seed=0, data_dir=data_dir, timeout=timeout)
+    times = {"none": [], "lookahead": []}
+    for order in _abba(repeats):
+        for name in order:
+            summary = run_config(args, "ring", 1, nranks, extra=["--delay-compensation", name])
+            times[name].append(summary["step_ms"])
+    return times
+
+
+def boundary_cost(model_name, dataset, steps=40, batch_size=64, data_dir=None, dtype="float32",
+                  lr=0.001, momentum=0.9):
+    """Return {variant: [ms per step]} of the delayed engine's step boundary, in one process.
+
+    Both engines train their own copy of the model on the same batches; only
+    ``gradients_ready`` (drain, the front/look-ahead point, the update) is timed, the two
+    alternating every step (ABBA), so the compensation's extra vector work is measured
+    without the noise of the forward/backward around it.
+    """
+    spec = MODELS[model_name]
+    ds = open_dataset(dataset, seed=0, data_dir=data_dir, input_shape=spec.input_shape,
+                      num_classes=spec.num_classes)
+    try:
+        loader = ShardedLoader(ds.train, batch_size, seed=0, dtype=dtype, mean=ds.mean,
+                               std=ds.std, prefetch=0)
+        batches = loader.epoch(0)
+        data = [next(batches) for _ in range(min(steps, loader.steps_per_epoch))]
+        batches.close()
+    finally:
+        ds.close()
+    engines = {name: _Engine(build_model(model_name, dtype=dtype, seed=0), name, lr, momentum,
+                             5e-4, dtype).strategy for name in ("none", "lookahead")}
+    times = {name: [] for name in engines}
+    for it, order in enumerate(_abba(steps + 2)):
+        x, y = data[it % len(data)]
+        for name in order:
+            strategy = engines[name]
+            strategy.model.loss_and_grad(x, y)
+            t0 = time.perf_counter()
+            strategy.engine.gradients_ready(it)
+            if it >= 2:                 # the first two steps allocate
+                times[name].append(1000 * (time.perf_counter() - t0))
+    return times
+
+
+def _speed_report(title, times):
+    ratios = [a / b for a, b in zip(times["lookahead"], times["none"])]
+    print(f"{title}: ms per step, median of {len(ratios)} interleaved rounds "
+          f"(load average {os.getloadavg()[0]:.1f})")
+    for name, values in times.items():
+        print(f"  {name:>10} {statistics.median(values):9.2f}   rounds: "
+              + " ".join(f"{v:.1f}" for v in values))
+    print(f"  ratio lookahead / none: median {statistics.median(ratios):.3f} "
+          f"(rounds {min(ratios):.3f} .. {max(ratios):.3f})")
+    return statistics.median(ratios)
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="python -m ringnet.bench delay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,6 +264,13 @@ def _parser():
     p.add_argument("--subset", type=int, default=None, help="train on the first N images only")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--json", action="store_true", help="one JSON line per run instead of the table")
+    p.add_argument("--speed", action="store_true",
+                   help="time the delay-1 step with none and lookahead, interleaved, and print the ratio")
+    p.add_argument("--steps", type=int, default=20, help="--speed: steps per round (default 20)")
+    p.add_argument("--repeats", type=int, default=6, help="--speed: rounds per variant (default 6)")
+    p.add_argument("--np", type=int, nargs="+", default=[1, 2],
+                   help="--speed: rank counts to time ring --delay 1 at (default 1 2)")
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
     return p
 
 
@@ -190,6 +278,27 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     if args.model not in MODELS:
         raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
+    if args.speed:
+        if args.steps < 1 or args.repeats < 1 or min(args.np) < 1:
+            raise UsageError("--steps, --repeats and --np must be >= 1")
+        if args.batch_size % max(args.np):
+            raise UsageError(f"--batch-size {args.batch_size} is not divisible by every --np")
+        what = f"{args.model} on {args.dataset}, global batch {args.batch_size}"
+        steps = {}
+        for n in args.np:
+            times = speed(args.model, args.dataset, n, args.steps, args.repeats,
+                          args.batch_size, args.data_dir, args.mpirun)
+            _speed_report(f"{what}, ring delay 1, mpirun -np {n}", times)
+            steps[n] = statistics.median(times["none"])
+        cost = boundary_cost(args.model, args.dataset, 2 * args.steps,
+                             args.batch_size, args.data_dir)
+        extra = statistics.median(cost["lookahead"]) - statistics.median(cost["none"])
+        print(f"{what}, step boundary and update alone (one process, alternating every step, "
+              f"median of {len(cost['none'])}): none {statistics.median(cost['none']):.2f} ms, "
+              f"lookahead {statistics.median(cost['lookahead']):.2f} ms, extra {extra:.2f} ms")
+        for n, ms in steps.items():
+            print(f"  extra / ring delay 1 step at N={n} ({ms:.1f} ms): {100 * extra / ms:+.2f} %")
+        return 0
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
         if v not in ENGINE:

@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from ringnet import trace
 from ringnet.backend import cupy, is_gpu_array
-from ringnet.comm.stream import current_tag
+from ringnet.comm.stream import current_stream, current_tag, progress_all
 from ringnet.comm.transport import CommTimeoutError, Transport, describe
 
 __all__ = ["MpiTransport", "mpi_cuda_aware"]
@@ -193,6 +193,14 @@ class MpiTransport(Transport):
     def _wait(self, requests, what):
         if not requests or self._test(requests):
             return
+        stream = current_stream()
+        if stream is not None and stream.mode != "poll" and not (
+                stream.mode == "block" and self._lock is not None):
+            # the stream sleeps until its rank's training thread sees the transfer done
+            if not stream.wait_transfer(lambda: self._test(requests),
+                                        lambda: MPI.Request.Waitall(requests), self.timeout_s):
+                self._expire(requests, what)
+            return
         start = time.perf_counter()
         pause = 0.0
         on_stream = current_tag() != 0
@@ -201,19 +209,23 @@ class MpiTransport(Transport):
         while not self._test(requests):
             now = time.perf_counter()
             if now - start > self.timeout_s:
-                for request in requests:
-                    # Cancel what can be cancelled so the buffers are not written later.
-                    try:
-                        request.Cancel()
-                    except MPI.Exception:
-                        pass
-                raise CommTimeoutError(f"{describe(*what)} did not complete within "
-                                       f"{self.timeout_s:g} s")
+                self._expire(requests, what)
+            if not on_stream:
+                progress_all()      # streams sleeping on transfers while this thread waits here
             if now - start > spin_s:
                 pause = min(max_pause_s, pause + 1e-5)
                 time.sleep(pause)
             else:
                 os.sched_yield()
+
+    def _expire(self, requests, what):
+        for request in requests:
+            # Cancel what can be cancelled so the buffers are not written later.
+            try:
+                request.Cancel()
+            except MPI.Exception:
+                pass
+        raise CommTimeoutError(f"{describe(*what)} did not complete within {self.timeout_s:g} s")
 
     def allreduce_native(self, buf, op="sum"):
         """MPI_Allreduce in place (the reference the ring is measured against)."""

@@ -1,12 +1,38 @@
-"""Streams: ordered queues of operations that run beside the caller's computation."""
-import queue
+"""Streams: ordered queues of operations that run beside the caller's computation.
+
+**Who progresses a CPU stream's transfers.** MPI moves a message only while some
+thread of the rank is inside an MPI call. A CPU stream's thread that polls its
+requests takes core time (and the GIL) from its own rank's computation, and a thread
+blocked inside MPI spins there. So by default (``RINGNET_CPU_PROGRESS=driven``) a CPU
+stream's thread *sleeps* on each transfer: the training thread tests the pending
+transfer at every layer boundary (:meth:`CpuStream.progress`; the strategies call it)
+and wakes the stream's thread when it completed; a thread that waits on the stream
+(:meth:`Handle.wait`) drives it meanwhile. ``poll``: the stream's thread polls its
+transfers itself (a short yielding spin, then short sleeps); ``block``: it blocks in
+MPI's own wait (no deadline: for comparisons only). GPU streams always poll: their
+host thread mostly waits on the device, not on the training thread's layers.
+"""
+import os
 import threading
+import queue
+import time
 
 from ringnet.backend import cupy, gpu_available
 
-__all__ = ["Handle", "CpuStream", "GpuStream", "current_tag"]
+__all__ = ["Handle", "CpuStream", "GpuStream", "current_tag", "current_stream", "PROGRESS_MODES",
+           "progress_mode", "progress_all"]
 
 _local = threading.local()
+
+PROGRESS_MODES = ("driven", "poll", "block")
+
+
+def progress_mode():
+    """Return how CPU streams progress their transfers: ``RINGNET_CPU_PROGRESS`` or driven."""
+    mode = os.environ.get("RINGNET_CPU_PROGRESS", "") or "driven"
+    if mode not in PROGRESS_MODES:
+        raise ValueError(f"RINGNET_CPU_PROGRESS={mode!r}: use one of {', '.join(PROGRESS_MODES)}")
+    return mode
 
 
 def current_tag():
@@ -14,16 +40,22 @@ def current_tag():
     return getattr(_local, "tag", 0)
 
 
+def current_stream():
+    """Return the stream whose thread is the calling thread (None off-stream)."""
+    return getattr(_local, "stream", None)
+
+
 class Handle:
     """Completion of one operation submitted to a stream."""
 
-    __slots__ = ("_event", "_error", "_value", "_cuda_event")
+    __slots__ = ("_event", "_error", "_value", "_cuda_event", "_stream")
 
-    def __init__(self):
+    def __init__(self, stream=None):
         self._event = threading.Event()
         self._error = None
         self._value = None
         self._cuda_event = None
+        self._stream = stream
 
     def _finish(self, value=None, error=None, cuda_event=None):
         self._value, self._error, self._cuda_event = value, error, cuda_event
@@ -32,7 +64,10 @@ class Handle:
     def done(self):
         """Return True once the operation has finished (without blocking)."""
         if not self._event.is_set():
-            return False
+            if self._stream is not None:
+                self._stream.progress()
+            if not self._event.is_set():
+                return False
         return self._cuda_event is None or self._cuda_event.done
 
     def wait(self, timeout=None):
@@ -43,7 +78,8 @@ class Handle:
         and copies on that stream (``asnumpy`` included) see its result while the host
         runs ahead. Deadlines on the device work are the transport's (its watchdog).
         """
-        if not self._event.wait(timeout):
+        driven = self._stream is not None and self._stream.driven
+        if not (self._stream._drive(self._event, timeout) if driven else self._event.wait(timeout)):
             raise TimeoutError(f"stream operation not finished within {timeout} s")
         if self._error is not None:
             raise self._error
@@ -56,13 +92,26 @@ class CpuStream:
     """One communication thread that runs submitted callables in submission order.
 
     ``tag`` separates this stream's messages from those of other streams (all ranks
-    create their streams in the same order, so they agree on it).
+    create their streams in the same order, so they agree on it). ``progress``: how
+    its transfers progress (see the module docstring; default ``progress_mode()``).
     """
 
-    def __init__(self, tag=0, name="ringnet-comm"):
+    def __init__(self, tag=0, name="ringnet-comm", progress=None):
         self.tag = tag
+        self.mode = progress_mode() if progress is None else progress
+        if self.mode not in PROGRESS_MODES:
+            raise ValueError(f"unknown progress mode {self.mode!r}: use one of {', '.join(PROGRESS_MODES)}")
+        self.driven = self.mode == "driven"
         self._queue = queue.SimpleQueue()
         self._closed = False
+        # driven progress: the test of the transfer this stream's thread sleeps on
+        self._cond = threading.Condition()
+        self._testing = threading.Lock()
+        self._test = None
+        self._completed = False
+        if self.driven:
+            with _driven_lock:
+                _driven.append(self)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-{tag}", daemon=True)
         self._thread.start()
 
@@ -79,6 +128,7 @@ class CpuStream:
 
     def _loop(self):
         _local.tag = self.tag
+        _local.stream = self
         self._enter()
         while True:
             item = self._queue.get()
@@ -92,11 +142,59 @@ class CpuStream:
             else:
                 handle._finish(value=value, cuda_event=cuda_event)
 
+    # -- progress -------------------------------------------------------------------
+    def wait_transfer(self, test, block, timeout):
+        """On this stream's thread: return True once ``test()`` is true, False after ``timeout`` s.
+
+        ``driven``: sleep until :meth:`progress` (another thread) saw ``test()`` true;
+        ``block``: call ``block()`` (MPI's own wait). The transport calls this only in
+        those modes; in ``poll`` mode it polls ``test`` itself.
+        """
+        if self.mode == "block":
+            block()
+            return True
+        with self._cond:
+            self._test, self._completed = test, False
+            try:
+                return self._cond.wait_for(lambda: self._completed, timeout)
+            finally:
+                self._test = None
+
+    def progress(self):
+        """Test the transfer this stream's thread sleeps on; wake the thread when it completed.
+
+        Cheap (one MPI test at most) and safe from any thread; a no-op unless driven.
+        """
+        test = self._test
+        if test is None or not self._testing.acquire(blocking=False):
+            return
+        try:
+            if self._test is test and test():
+                with self._cond:
+                    if self._test is test:
+                        self._completed = True
+                        self._cond.notify()
+        finally:
+            self._testing.release()
+
+    def _drive(self, event, timeout):
+        """Wait for ``event`` while progressing the transfers (the waiting thread drives)."""
+        start = time.perf_counter()
+        pause = 0.0
+        while True:
+            progress_all()
+            if event.wait(pause):
+                return True
+            if timeout is not None and time.perf_counter() - start > timeout:
+                return event.is_set()
+            pause = min(_DRIVE_MAX_PAUSE_S, pause + 1e-5)
+
+    # -- queue ----------------------------------------------------------------------
     def submit(self, fn, *args):
         """Queue ``fn(*args)`` behind the earlier operations; return its Handle."""
         if self._closed:
             raise RuntimeError("submit on a closed stream")
-        handle = Handle()
+        handle = Handle(self)
         self._queue.put((handle, fn, args, self._mark()))
         return handle
 
@@ -107,15 +205,39 @@ class CpuStream:
     def close(self):
         """Finish the queued operations and stop the thread."""
         if not self._closed:
+            if self.driven:     # drive what is queued: the thread may sleep on a transfer
+                try:
+                    self.synchronize()
+                except BaseException:  # noqa: BLE001 - each error went to its own Handle
+                    pass
             self._closed = True
             self._queue.put(None)
             self._thread.join()
+            with _driven_lock:
+                if self in _driven:
+                    _driven.remove(self)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+# A thread that waits on a driven stream polls at most this long between tests.
+_DRIVE_MAX_PAUSE_S = 0.0002
+_driven = []
+_driven_lock = threading.Lock()
+
+
+def progress_all():
+    """Progress every driven CPU stream of this process (see :meth:`CpuStream.progress`).
+
+    The strategies call it at layer boundaries; blocking transfers off-stream call it
+    while they wait, so a stream never sleeps while its rank is busy elsewhere in MPI.
+    """
+    for stream in tuple(_driven):
+        stream.progress()
 
 
 class GpuStream(CpuStream):
@@ -135,7 +257,7 @@ class GpuStream(CpuStream):
         self.device_id = cupy.cuda.Device().id if device_id is None else device_id
         with cupy.cuda.Device(self.device_id):
             self.cuda_stream = cupy.cuda.Stream(non_blocking=True)
-        super().__init__(tag, name="ringnet-cuda")
+        super().__init__(tag, name="ringnet-cuda", progress="poll")
 
     def _enter(self):
         # The current device is per host thread: bind the caller's device here too.

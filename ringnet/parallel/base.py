@@ -14,8 +14,9 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 
 from ringnet.backend import to_numpy
+from ringnet.comm.stream import progress_all
 from ringnet.layers import Dropout
-from ringnet.parallel.exchange import DelayedUpdate, LocalPlan
+from ringnet.parallel.exchange import DelayedUpdate, LocalPlan, backward_buckets, bucket_bytes
 from ringnet.stats import StepStats
 
 __all__ = ["Strategy", "DataParallelStrategy", "StepStats"]
@@ -135,7 +136,8 @@ class Strategy:
 class DataParallelStrategy(Strategy):
     """Every rank holds the whole model; the plan combines gradients and redistributes weights."""
 
-    def __init__(self, model, make_optimizer, world, comm=None, delay=0, lookahead=None):
+    def __init__(self, model, make_optimizer, world, comm=None, delay=0, lookahead=None,
+                 bucket_size=None):
         super().__init__(model, make_optimizer, world, delay)
         self.comm = comm
         self.transport = comm.transport if comm is not None else None
@@ -143,10 +145,20 @@ class DataParallelStrategy(Strategy):
             if isinstance(layer, Dropout):      # this rank's rows of the global-batch mask
                 layer.batch_part = (self.rank, self.size)
         plan = self._plan(model.num_params)
-        stream = comm.new_stream() if delay and comm is not None else None
+        # delay 0: buckets of the gradient start their exchange during the backward
+        self.buckets = []
+        if comm is not None and not delay and bucket_size is None:
+            bucket_size = bucket_bytes()
+        if comm is not None and not delay and bucket_size:
+            self.buckets = backward_buckets(model, len(model.layers), bucket_size)
+        stream = comm.new_stream() if comm is not None and (delay or self.buckets) else None
         self.engine = DelayedUpdate(model.params, model.grads, plan,
                                     make_optimizer(plan.owned.stop - plan.owned.start),
-                                    self.stats, delay=delay, stream=stream, lookahead=lookahead)
+                                    self.stats, delay=delay, stream=stream, lookahead=lookahead,
+                                    buckets=[(lo, hi) for lo, hi, _ in self.buckets] or None)
+        # layer index whose backward completes bucket k -> k
+        self._bucket_at = {layer: k for k, (_, _, layer) in enumerate(self.buckets)}
+        self._it = 0
 
     def _plan(self, size):
         """Return the exchange plan over a flat buffer of ``size`` (subclasses choose)."""
@@ -162,11 +174,22 @@ class DataParallelStrategy(Strategy):
         """The optimizer of the owned slice (its momentum covers that slice only)."""
         return self.engine.optimizer
 
+    def _layer_done(self, phase, index):
+        """After each layer: progress the streams; start a bucket whose gradient is complete."""
+        if phase == "backward" and index in self._bucket_at:
+            self.engine.part_ready(self._bucket_at[index], self._it)
+        progress_all()
+
     def step(self, x, labels, it):
         with self.stats.span("step"):
             self.engine.show_front()
-            with self.stats.span("compute", phase="forward_backward"):
-                loss, correct = self.model.loss_and_grad(x, labels)
+            self._it = it
+            self.model.layer_hook = self._layer_done
+            try:
+                with self.stats.span("compute", phase="forward_backward"):
+                    loss, correct = self.model.loss_and_grad(x, labels)
+            finally:
+                self.model.layer_hook = None
             self.engine.gradients_ready(it)
         return loss, correct
 

@@ -17,7 +17,17 @@ Delay-1 buffers: ``front`` (the model's own region: what the next step computes 
 flight is writing); ``sent`` holds the gradient the exchange in flight reduces, so the
 next backward can write the model's gradient region meanwhile. At the step boundary
 the finished back is copied into the front and the new gradient into ``sent``.
+
+Delay-0 buckets: with ``buckets``, the region is cut into contiguous parts on layer
+boundaries (:func:`backward_buckets`, last layers first, as PyTorch DDP does); the
+strategy calls :meth:`DelayedUpdate.part_ready` as soon as the backward has written
+a part's gradient, and that part's whole exchange (combine, update, distribute) runs
+on the stream while the backward of the earlier layers goes on. Each part keeps the
+owners of the unbucketed plan (:meth:`ShardedPlan.part` clips the shard bounds to the
+part), so every element is summed, averaged and updated exactly as without buckets.
 """
+import copy
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,9 +35,62 @@ import numpy as np
 
 from ringnet.backend import get_array_module, to_numpy
 from ringnet.errors import InputError
+from ringnet.optim import lookahead_k
 
 __all__ = ["LocalPlan", "ShardedPlan", "RootedPlan", "DelayedUpdate", "Lookahead",
-           "COMPENSATIONS", "compensation"]
+           "COMPENSATIONS", "compensation", "BUCKET_BYTES", "bucket_bytes",
+           "backward_buckets"]
+
+# Delay-0 bucket size: a part is closed once it holds this many bytes of gradient.
+BUCKET_BYTES = 256 * 1024
+
+
+def bucket_bytes():
+    """Return the delay-0 bucket size in bytes: ``RINGNET_BUCKET_BYTES`` or :data:`BUCKET_BYTES`.
+
+    0 turns buckets off: the whole exchange starts after the backward.
+    """
+    value = os.environ.get("RINGNET_BUCKET_BYTES", "")
+    if not value:
+        return BUCKET_BYTES
+    if not value.isdigit():
+        raise InputError(f"RINGNET_BUCKET_BYTES={value!r} is not a number of bytes (0: no buckets)")
+    return int(value)
+
+
+def backward_buckets(model, stop_layer, size_bytes):
+    """Cut the parameters of ``model.layers[:stop_layer]`` into delay-0 buckets.
+
+    Returns [(lo, hi, layer)] in the order the backward completes them (last layers
+    first): bucket ``[lo, hi)`` of the flat buffer is final once the backward of layer
+    index ``layer`` has run. Buckets follow layer boundaries and hold at least
+    ``size_bytes`` each (the first layers' bucket may hold less). Returns [] where that
+    makes one bucket only (it would be ready only when the backward ends) and for
+    ``size_bytes`` 0: the whole region is then exchanged after the backward.
+    """
+    index = {name: i for i, (name, _) in enumerate(model.layers)}
+    ranges = {}
+    for name, (lo, hi, _) in model.param_offsets().items():
+        layer = index[name.rsplit(".", 1)[0]]
+        a, b = ranges.get(layer, (lo, hi))
+        ranges[layer] = (min(a, lo), max(b, hi))
+    itemsize = np.dtype(model.dtype).itemsize
+    buckets, current = [], None
+    for layer in reversed(range(stop_layer)):
+        if layer not in ranges:
+            continue
+        lo, hi = ranges[layer]
+        if current is None:
+            current = [lo, hi, layer]
+        else:
+            assert hi == current[0], "layer parameters are not contiguous in layer order"
+            current[0], current[2] = lo, layer
+        if size_bytes and (current[1] - current[0]) * itemsize >= size_bytes:
+            buckets.append(tuple(current))
+            current = None
+    if current is not None:
+        buckets.append(tuple(current))
+    return buckets if len(buckets) > 1 else []
 
 
 @dataclass(frozen=True)
@@ -45,16 +108,21 @@ class Lookahead:
         w[t+1]  = w[t] - v[t+1]
 
     On a quadratic with curvature h the plain delayed update (k = 1, c = 0) is stable
-    only while ``lr * h < 1 - mu`` (0.1 at mu = 0.9; synchronous SGD: ``2 (1 + mu)``);
-    a smoother trajectory (larger k) is predicted better one step ahead, which widens
-    that bound roughly k-fold. ``k = 1, c = 0`` is the plain recurrence.
+    only while ``lr * h < 1 - mu`` (0.1 at mu = 0.9; synchronous SGD: ``2 (1 + mu)``).
+    ``k = None`` (the default) takes ``k = ringnet.optim.lookahead_k(mu, c)``, the
+    smallest k whose stable range is synchronous SGD's (15.005 at mu 0.9, c 2; the
+    derivation is in ``ringnet.optim``). ``k = 1, c = 0`` is the plain recurrence.
     """
-    k: float = 5.0
+    k: Optional[float] = None
     c: float = 2.0
 
     @property
     def plain(self):
         return self.k == 1 and self.c == 0
+
+    def k_for(self, momentum):
+        """The k used with the user's ``momentum``."""
+        return lookahead_k(momentum, self.c) if self.k is None else self.k
 
 
 COMPENSATIONS = {"none": Lookahead(1.0, 0.0), "lookahead": Lookahead()}
@@ -84,6 +152,10 @@ class LocalPlan:
         """Return the whole region assembled from every rank's owned slice (a host array)."""
         return to_numpy(owned_values)
 
+    def part(self, lo, hi):
+        """Return the plan of ``[lo, hi)`` of the region, with the same owner for every element."""
+        return LocalPlan(hi - lo)
+
 
 class ShardedPlan(LocalPlan):
     """Ring: reduce-scatter of the gradient, rank r updates shard r, all-gather of the weights.
@@ -96,6 +168,13 @@ class ShardedPlan(LocalPlan):
         self.comm, self.op = comm, op
         self.bounds = comm.shard_bounds(size)
         self.owned = slice(*self.bounds[comm.rank])
+
+    def part(self, lo, hi):
+        plan = object.__new__(ShardedPlan)
+        plan.comm, plan.op = self.comm, self.op
+        plan.bounds = [(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo) for a, b in self.bounds]
+        plan.owned = slice(*plan.bounds[self.comm.rank])
+        return plan
 
     def reduce(self, grads):
         self.comm.reduce_scatter(grads, op=self.op, bounds=self.bounds)
@@ -119,6 +198,9 @@ class RootedPlan(LocalPlan):
         self.comm, self.root = comm, root
         self.owned = slice(0, size) if comm.rank == root else slice(0, 0)
 
+    def part(self, lo, hi):
+        return RootedPlan(self.comm, hi - lo, self.root)
+
     def reduce(self, grads):
         self.comm.reduce(grads, root=self.root, op="mean")
 
@@ -140,16 +222,26 @@ class DelayedUpdate:
     ``stats``: the StepStats the exchange's spans fill. ``lookahead``: the delay
     compensation (:class:`Lookahead`; default: none, the plain recurrence); it changes
     the optimizer's momentum and lr scale, so pass an optimizer of this region only.
+    ``buckets``: delay 0 with a stream only: [(lo, hi)] covering the region, in the
+    order :meth:`part_ready` is called for them (see the module docstring).
     """
 
     def __init__(self, params, grads, plan, optimizer, stats, delay: int = 0, stream=None,
-                 lookahead: Optional[Lookahead] = None):
+                 lookahead: Optional[Lookahead] = None, buckets=None):
         if delay not in (0, 1):
             raise ValueError(f"delay must be 0 or 1, got {delay}")
         self.params, self.grads = params, grads
         self.plan, self.optimizer, self.stats = plan, optimizer, stats
         self.delay, self.stream = delay, stream
         self.pending = None             # Handle of the exchange in flight
+        self.parts = []                 # delay-0 buckets: (lo, hi, plan of the part)
+        if buckets is not None and not delay and stream is not None:
+            covered = sorted((int(lo), int(hi)) for lo, hi in buckets)
+            if covered[0][0] != 0 or covered[-1][1] != len(params) or any(
+                    covered[i][1] != covered[i + 1][0] for i in range(len(covered) - 1)):
+                raise ValueError(f"buckets {buckets} do not cover [0, {len(params)}) exactly")
+            self.parts = [(int(lo), int(hi), plan.part(int(lo), int(hi))) for lo, hi in buckets]
+        self._started = []              # Handles of this step's started parts
         self._saved_front = None        # the front while show_newest put the newest there
         self.lookahead = None
         if delay:
@@ -157,8 +249,9 @@ class DelayedUpdate:
             self.sent = grads.copy()
             if lookahead is not None and not lookahead.plain:
                 self.lookahead = lookahead
-                optimizer.momentum = 1.0 - (1.0 - optimizer.momentum) / lookahead.k
-                optimizer.lr_scale = 1.0 / lookahead.k
+                k = lookahead.k_for(optimizer.momentum)
+                optimizer.momentum = 1.0 - (1.0 - optimizer.momentum) / k
+                optimizer.lr_scale = 1.0 / k
                 self.base = params.copy()   # w[t-1] during step t (the front is the look-ahead point)
 
     # -- one step -------------------------------------------------------------------
@@ -180,15 +273,54 @@ class DelayedUpdate:
         with self.stats.span(kind, op="distribute", bytes=weights.nbytes):
             self.plan.distribute(weights)
 
+    def _exchange_part(self, lo, hi, plan, it):
+        """The whole exchange of bucket ``[lo, hi)`` (on the stream)."""
+        owned = plan.owned
+        optimizer = None
+        if owned.stop > owned.start:
+            # the part of the optimizer's state that covers this rank's elements of the bucket
+            start = lo + owned.start - self.plan.owned.start
+            optimizer = copy.copy(self.optimizer)
+            optimizer.v = self.optimizer.v[start:start + owned.stop - owned.start]
+            optimizer.size = owned.stop - owned.start
+            optimizer._scratch = None
+        kind = "comm"
+        grads, weights = self.grads[lo:hi], self.params[lo:hi]
+        with self.stats.span(kind, op="reduce", bytes=grads.nbytes, bucket=(lo, hi)):
+            plan.reduce(grads)
+        if optimizer is not None:
+            with self.stats.span("update"):
+                optimizer.step(weights[owned], grads[owned], it)
+        with self.stats.span(kind, op="distribute", bytes=weights.nbytes, bucket=(lo, hi)):
+            plan.distribute(weights)
+
+    def part_ready(self, k: int, it: int):
+        """Start the exchange of bucket ``k`` (and of any earlier one not started yet).
+
+        Call once the backward of step ``it`` has written bucket ``k``'s gradient; its
+        weights are then rewritten on the stream, so no later backward may read them.
+        """
+        while len(self._started) <= min(k, len(self.parts) - 1):
+            lo, hi, plan = self.parts[len(self._started)]
+            self._started.append(self.stream.submit(self._exchange_part, lo, hi, plan, it))
+
     def gradients_ready(self, it: int):
         """Exchange the gradient of step ``it`` the model just wrote into ``grads``.
 
-        Delay 0: blocks until the updated weights are in ``params``. Delay 1: waits for
-        the previous exchange, makes its result the front (what step ``it + 1`` computes
-        on) and starts this step's exchange on the stream.
+        Delay 0: blocks until the updated weights are in ``params`` (with buckets: starts
+        the parts not started yet and waits for all). Delay 1: waits for the previous
+        exchange, makes its result the front (what step ``it + 1`` computes on) and
+        starts this step's exchange on the stream.
         """
         if not self.delay:
-            self._exchange(self.grads, self.params, it, exposed=True)
+            if not self.parts:
+                self._exchange(self.grads, self.params, it, exposed=True)
+                return
+            self.part_ready(len(self.parts) - 1, it)
+            started, self._started = self._started, []
+            with self.stats.span("wait"):
+                for handle in started:
+                    handle.wait()
             return
         self.drain()
         source = None

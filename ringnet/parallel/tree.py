@@ -10,8 +10,10 @@ class TreeStrategy(DataParallelStrategy):
     name = "tree"
     root = 0
 
-    def __init__(self, model, make_optimizer, world, comm, delay=0, lookahead=None):
-        super().__init__(model, make_optimizer, world, comm=comm, delay=delay, lookahead=lookahead)
+    def __init__(self, model, make_optimizer, world, comm, delay=0, lookahead=None,
+                 bucket_size=None):
+        super().__init__(model, make_optimizer, world, comm=comm, delay=delay, lookahead=lookahead,
+                         bucket_size=bucket_size)
 
     def _plan(self, size):
         return RootedPlan(self.comm, size, root=self.root)

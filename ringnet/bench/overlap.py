@@ -1,0 +1,159 @@
+"""python -m ringnet.bench overlap — how communication overlaps computation on the CPU, variant by variant.
+
+Runs ``python -m ringnet.train`` under mpirun (one BLAS thread per rank) for single at
+N=1 and, at N ranks, every mode and delay under each way of overlapping:
+
+* ``progress``: how a CPU stream's transfers progress (``RINGNET_CPU_PROGRESS``):
+  ``driven`` (the stream thread sleeps; the training thread tests the transfer at every
+  layer boundary; the default), ``poll`` (the stream thread polls), ``block`` (the
+  stream thread blocks in MPI's wait);
+* ``buckets``: delay 0 only, ``RINGNET_BUCKET_BYTES``: ``0`` exchanges the whole
+  gradient after the backward, the default cuts it into buckets whose exchange starts
+  during the backward.
+
+Every configuration runs once per round, rounds interleaved, so machine noise hits all
+alike; each row is the median over rounds, with the load average of the machine before
+and after the runs (a ratio measured at a load above the core count says little).
+``delay1/delay0``: the step-time ratio of the same mode and variant (>= 1: delay 1 is
+not slower).
+"""
+import argparse
+import os
+import shutil
+import statistics
+
+from ringnet.bench.scaling import run_config
+from ringnet.errors import ArgumentParser, UsageError
+
+__all__ = ["main", "VARIANTS"]
+
+# (delay, progress, bucket bytes or None for the default): the variants of each mode
+VARIANTS = (
+    (0, "driven", "0"), (0, "poll", None), (0, "driven", None),
+    (1, "poll", None), (1, "block", None), (1, "driven", None),
+)
+MODES = ("ring", "tree", "master", "split-fc")
+
+
+def _parser():
+    p = ArgumentParser(prog="python -m ringnet.bench overlap", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--np", type=int, default=2, help="ranks of the parallel runs (default 2)")
+    p.add_argument("--modes", default="ring,tree,split-fc", help="comma list of "
+                   f"{', '.join(MODES)} (default ring,tree,split-fc)")
+    p.add_argument("--model", default="cifar10_quick", help="model (default cifar10_quick)")
+    p.add_argument("--dataset", default="synthetic", help="data set (default synthetic)")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--variants", default=None,
+                   help="comma list of DELAY:PROGRESS:BUCKETS (e.g. 1:driven:default,0:driven:0); "
+                        "default: every variant")
+    p.add_argument("--lr", type=float, default=0.001, help="learning rate (default 0.001)")
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
+                   help="launcher (default $MPIRUN or mpirun)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
+    return p
+
+
+def _variants(text):
+    if text is None:
+        return list(VARIANTS)
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in ("0", "1") \
+                or parts[1] not in ("driven", "poll", "block") \
+                or not (parts[2] == "default" or parts[2].isdigit()):
+            raise UsageError(f"--variants: {item!r} is not DELAY:PROGRESS:BUCKETS "
+                             "(delay 0/1, progress driven/poll/block, buckets default or bytes)")
+        out.append((int(parts[0]), parts[1], None if parts[2] == "default" else parts[2]))
+    if not out:
+        raise UsageError("--variants is empty")
+    return out
+
+
+def _label(variant):
+    delay, progress, buckets = variant
+    if delay:
+        return progress
+    if buckets == "0":
+        return "no buckets"
+    return f"{progress}, buckets {'default' if buckets is None else buckets}"
+
+
+def _load():
+    return os.getloadavg()[0]
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    for name in ("steps", "repeats", "batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.np < 2 or args.batch_size % args.np:
+        raise UsageError(f"--np must be >= 2 and divide --batch-size {args.batch_size}, got {args.np}")
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise UsageError(f"unknown mode {m!r} in --modes; choose from {', '.join(MODES)}")
+    variants = _variants(args.variants)
+    if shutil.which(args.mpirun) is None:
+        raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
+    args.transport, args.device, args.delay_compensation = "mpi", "cpu", None
+    configs = [("single", 0, 1, ("driven", "0"))] + [
+        (mode, delay, args.np, (progress, buckets))
+        for mode in modes for delay, progress, buckets in variants]
+    results = {c: [] for c in configs}
+    loads = [_load()]
+    saved = {k: os.environ.get(k) for k in ("RINGNET_CPU_PROGRESS", "RINGNET_BUCKET_BYTES")}
+    try:
+        for r in range(args.repeats):
+            for config in configs:
+                mode, delay, n, (progress, buckets) = config
+                os.environ["RINGNET_CPU_PROGRESS"] = progress
+                if buckets is None:
+                    os.environ.pop("RINGNET_BUCKET_BYTES", None)
+                else:
+                    os.environ["RINGNET_BUCKET_BYTES"] = buckets
+                summary = run_config(args, mode, delay, n)
+                results[config].append(summary)
+            loads.append(_load())
+            print(f"round {r + 1}/{args.repeats} done, load average {loads[-1]:.2f}", flush=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    def med(config, key):
+        return statistics.median(s[key] for s in results[config])
+
+    def step_ms(config):
+        return statistics.median(s["step_ms"] for s in results[config])
+
+    single = configs[0]
+    print(f"# model {args.model}, global batch {args.batch_size}, {args.steps} steps, N={args.np}, "
+          f"median of {args.repeats} interleaved rounds, 1 BLAS thread/rank; load average (1 min) "
+          f"{', '.join(f'{x:.1f}' for x in loads)} (machine: {os.cpu_count()} cores)")
+    print(f"{'mode':>8} {'delay':>5} {'variant':<24} {'step ms':>8} {'speedup':>8} "
+          f"{'exposed comm ms':>16} {'overlap':>8} {'delay1/delay0':>14}")
+    print(f"{'single':>8} {0:>5} {'':<24} {step_ms(single):8.2f} {1.0:8.2f} {0.0:16.2f} {0.0:8.2f}")
+    for config in configs[1:]:
+        mode, delay, n, (progress, buckets) = config
+        exposed = 1e3 * statistics.median(s["comm_wait_s"] / max(1, s["steps"]) for s in results[config])
+        ratio = ""
+        if delay:       # against the default delay-0 variant of the same mode
+            base = (mode, 0, n, ("driven", None))
+            if base in results:
+                ratio = f"{step_ms(base) / step_ms(config):.2f}"
+        print(f"{mode:>8} {delay:>5} {_label((delay, progress, buckets)):<24} {step_ms(config):8.2f} "
+              f"{step_ms(single) / step_ms(config):8.2f} {exposed:16.2f} {med(config, 'overlap'):8.2f} "
+              f"{ratio:>14}")
+    return 0
+
+
+if __name__ == "__main__":
+    from ringnet.errors import run_main
+    run_main(main)
