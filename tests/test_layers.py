@@ -344,3 +344,124 @@ def test_layers_on_gpu_match_numpy():
                                 for v in (a, d, grads["weight"], grads["bias"])]
     for ref, got in zip(results["numpy"], results["cupy"]):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+# --- the blocked im2col (CPU) and the phase-plane pools
+
+def _conv_against_torch(layer, x, seed):
+    """Run forward and backward of ``layer`` on ``x``; compare all four results with PyTorch."""
+    params, grads = layer.params, layer.grads
+    y = layer.forward(x)
+    dy = np.random.default_rng(seed).normal(size=y.shape)
+    dx = layer.backward(dy)
+    xt = torch.tensor(np.ascontiguousarray(x), requires_grad=True)
+    wt = torch.tensor(params["weight"], requires_grad=True)
+    bt = torch.tensor(params["bias"], requires_grad=True)
+    yt = torch.nn.functional.conv2d(xt, wt, bt, stride=layer.stride, padding=layer.padding)
+    yt.backward(torch.tensor(dy))
+    for name, ours, theirs in [("y", y, yt), ("dx", dx, xt.grad), ("dW", grads["weight"], wt.grad),
+                               ("db", grads["bias"], bt.grad)]:
+        np.testing.assert_allclose(ours, theirs.detach().numpy(), rtol=1e-12, atol=1e-12,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("block_bytes", [1, 3000, 40000, 1 << 30])
+def test_column_blocks_tile_the_output_in_contiguous_ranges(monkeypatch, block_bytes):
+    from ringnet.layers import conv
+    monkeypatch.setattr(conv, "CPU_BLOCK_BYTES", block_bytes)
+    for ho, wo, b, rows in [(7, 5, 3, 4), (16, 16, 64, 800), (1, 9, 2, 75), (5, 1, 1, 9)]:
+        blocks = conv.column_blocks(np, ho, wo, b, rows, 8)
+        covered = np.zeros(ho * wo * b, dtype=int)
+        for r0, r1, w0, w1 in blocks:
+            assert r1 - r0 == 1 or (w0, w1) == (0, wo), (r0, r1, w0, w1)
+            cols = conv._block_columns((r0, r1, w0, w1), wo, b)
+            assert cols.stop - cols.start == (r1 - r0) * (w1 - w0) * b
+            covered[cols] += 1
+            if len(blocks) > 1:                       # no block much over the budget
+                assert rows * (cols.stop - cols.start) * 8 <= max(block_bytes, rows * b * 8)
+        np.testing.assert_array_equal(covered, 1)     # every column exactly once
+        assert (len(blocks) == 1) == (rows * ho * wo * b * 8 <= block_bytes)
+        assert conv.column_blocks(None, ho, wo, b, rows, 8) == [(0, ho, 0, wo)]  # a GPU: one
+
+
+@needs_torch
+@pytest.mark.parametrize("block_bytes", [8, 2000, 1 << 30])
+@pytest.mark.parametrize("case", CONV_CASES + [(3, 4, 9, 9, 5, 3, 1, 2)])   # p > k-1: col2im
+def test_conv_blocked_columns_match_torch(monkeypatch, block_bytes, case):
+    # 8 bytes: one output position per block (every row split); 2000: whole rows and split
+    # rows; 2**30: one block, whose columns the weight gradient reuses.
+    from ringnet.layers import conv
+    monkeypatch.setattr(conv, "CPU_BLOCK_BYTES", block_bytes)
+    b, c, h, w, o, k, s, p = case
+    layer = Conv2d(c, o, k, stride=s, padding=p)
+    bound(layer, (c, h, w), seed=21)
+    x = np.random.default_rng(22).normal(size=(b, c, h, w))
+    _conv_against_torch(layer, x, seed=23)
+    _conv_against_torch(layer, batch_last(x), seed=24)       # buffers reused, other layout
+    layer.forward(x, train=False)                             # an eval pass in between keeps
+    _conv_against_torch(layer, x, seed=25)                    # nothing of the train pass
+
+
+POOL_EXTRA_CASES = [  # (B, C, H, W, kernel, stride, padding)
+    (2, 3, 10, 12, 3, 2, 0),           # cifar10_quick's 3/2 on even sizes: one-copy phase split
+    (1, 2, 7, 8, 2, 3, 0),             # kernel < stride: pixels no window reads
+    (2, 2, 9, 7, 3, 3, 1),             # stride 3 with padding, odd sizes
+    (1, 1, 4, 4, 1, 1, 0),             # identity window
+]
+
+
+def _pool_against_torch(ours, theirs, x, seed):
+    y = ours.forward(x)
+    dy = np.random.default_rng(seed).normal(size=y.shape)
+    xt = torch.tensor(np.ascontiguousarray(x), requires_grad=True)
+    yt = theirs(xt)
+    yt.backward(torch.tensor(dy))
+    name = type(ours).__name__
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=0, atol=1e-12, err_msg=name)
+    np.testing.assert_allclose(ours.backward(dy), xt.grad.numpy(), rtol=0, atol=1e-12,
+                               err_msg=name)
+
+
+@needs_torch
+@pytest.mark.parametrize("case", POOL_CASES + POOL_EXTRA_CASES)
+def test_max_pool_ties_match_torch(case):
+    # Values from {0, 1, 2} tie in almost every window; PyTorch, like Caffe, routes the
+    # gradient to the first maximum in row-major order, across the phase planes.
+    b, c, h, w, k, s, p = case
+    x = np.random.default_rng(26).integers(0, 3, size=(b, c, h, w)).astype(np.float64)
+    layer = MaxPool2d(k, s, p)
+    theirs = torch.nn.MaxPool2d(k, s, p, ceil_mode=True)
+    _pool_against_torch(layer, theirs, x, seed=27)
+    _pool_against_torch(layer, theirs, batch_last(x), seed=28)
+
+
+@needs_torch
+@pytest.mark.parametrize("case", POOL_EXTRA_CASES)
+def test_pools_extra_geometries_match_torch(case):
+    b, c, h, w, k, s, p = case
+    x = np.random.default_rng(29).normal(size=(b, c, h, w))
+    for ours, theirs in [(MaxPool2d(k, s, p), torch.nn.MaxPool2d(k, s, p, ceil_mode=True)),
+                         (AvgPool2d(k, s, p), torch.nn.AvgPool2d(k, s, p, ceil_mode=True))]:
+        _pool_against_torch(ours, theirs, x, seed=30)
+        _pool_against_torch(ours, theirs, batch_last(x), seed=31)
+
+
+@pytest.mark.parametrize("cls", [MaxPool2d, AvgPool2d])
+@pytest.mark.parametrize("case", POOL_EXTRA_CASES)
+def test_pool_extra_geometries_match_finite_differences(cls, case):
+    b, c, h, w, k, s, p = case
+    x = np.random.default_rng(32).normal(size=(b, c, h, w))
+    fd_check(cls(k, s, p), x, {}, {})
+
+
+def test_phase_planes_round_trip():
+    from ringnet.layers.pool import merge_phases, split_phases
+    for shape, stride in [((2, 3, 8, 6), (2, 2)), ((1, 2, 7, 9), (2, 3)), ((3, 1, 5, 5), (1, 1))]:
+        x = np.random.default_rng(33).normal(size=shape)
+        planes = split_phases(np, x, stride)
+        sh, sw = stride
+        for a in range(sh):
+            for e in range(sw):
+                part = x[:, :, a::sh, e::sw].transpose(1, 2, 3, 0)
+                np.testing.assert_array_equal(planes[a, e, :, :part.shape[1], :part.shape[2]], part)
+        np.testing.assert_array_equal(merge_phases(np, planes, *shape[2:]), x.transpose(1, 2, 3, 0))

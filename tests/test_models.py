@@ -212,3 +212,13 @@ def test_digits_model_learns_uci_digits():
             it += 1
     _, correct = m.evaluate(xte.astype(np.float32), yte)
     assert correct / len(yte) >= 0.95, f"test accuracy {correct / len(yte):.3f}"
+
+
+def test_step_flops_closed_form():
+    from ringnet.bench.layers import step_flops
+    m = build_model("lenet")
+    b = 64
+    conv1 = 2 * b * 20 * 24 * 24 * 1 * 5 * 5        # forward; weight gradient: the same again
+    conv2 = 2 * b * 50 * 8 * 8 * 20 * 5 * 5          # forward, weight and input gradients
+    ip1, ip2 = 2 * b * 800 * 500, 2 * b * 500 * 10
+    assert step_flops(m, b) == 2 * conv1 + 3 * (conv2 + ip1 + ip2) == 843_648_000

@@ -22,7 +22,7 @@ from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool
 from ringnet.models import MODELS, build_model  # noqa: E402
 from ringnet.optim import SGD, LRPolicy  # noqa: E402
 
-__all__ = ["main", "torch_model", "layer_times", "step_times"]
+__all__ = ["main", "torch_model", "layer_times", "step_times", "step_flops", "sgemm_rate"]
 
 DEFAULT_MODELS = ("lenet", "cifar10_quick")
 
@@ -38,22 +38,58 @@ def _batch(model, batch_size, seed):
     return x, y
 
 
-def layer_times(model, x, iters):
-    """Return [(name, forward ms, backward ms)] medians over ``iters`` passes."""
+def layer_times(model, x, iters, clock=time.perf_counter):
+    """Return [(name, forward ms, backward ms)] medians over ``iters`` passes (``clock``:
+    wall time by default, ``time.process_time`` for CPU time)."""
     fwd = {name: [] for name, _ in model.layers}
     bwd = {name: [] for name, _ in model.layers}
     for _ in range(iters):
         a = model._input(x)
         for name, layer in model.layers:
-            t0 = time.perf_counter()
+            t0 = clock()
             a = layer.forward(a, True)
-            fwd[name].append(time.perf_counter() - t0)
+            fwd[name].append(clock() - t0)
         d = np.ones_like(a) / a.size
         for name, layer in reversed(model.layers):
-            t0 = time.perf_counter()
+            t0 = clock()
             d = layer.backward(d)
-            bwd[name].append(time.perf_counter() - t0)
+            bwd[name].append(clock() - t0)
     return [(name, _median_ms(fwd[name]), _median_ms(bwd[name])) for name, _ in model.layers]
+
+
+def step_flops(model, batch_size):
+    """Return the GEMM FLOPs of one training step (forward, weight and input gradients).
+
+    Conv and Linear layers only, at their minimal count: 2 * outputs * fan-in per pass, the
+    input gradient skipped for the first layer (it has none). Pools, ReLU, the loss and
+    SGD are memory-bound and left out, so FLOPs / SGEMM rate is a lower bound.
+    """
+    total = 0
+    for (name, layer), shape in zip(model.layers, model.shapes):
+        if isinstance(layer, Conv2d):
+            kh, kw = layer.kernel_size
+            o, ho, wo = shape.out_shape
+            one = 2 * batch_size * o * ho * wo * layer.in_channels * kh * kw
+        elif isinstance(layer, Linear):
+            one = 2 * batch_size * layer.in_features * layer.out_features
+        else:
+            continue
+        total += one * (3 if layer.needs_dx else 2)
+    return total
+
+
+def sgemm_rate(n=1024, repeats=5):
+    """Return this core's float32 GEMM rate in FLOP/s: an n x n x n matmul, median CPU time."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.random((n, n), dtype=np.float32) for _ in range(2))
+    c = np.empty((n, n), dtype=np.float32)
+    np.matmul(a, b, out=c)
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        np.matmul(a, b, out=c)
+        times.append(time.process_time() - t0)
+    return 2.0 * n ** 3 / max(float(np.median(times)), 1e-9)
 
 
 def torch_model(model):
@@ -120,21 +156,28 @@ def step_times(model, x, y, iters, vs_torch):
         model.loss_and_grad(x, y)
         sgd.step(model.params, model.grads, it)
 
-    ours, theirs = [], []
+    # Wall time and this process's CPU time, step by step: on a shared machine the CPU
+    # time leaves out the time the process waited for a core.
+    ours, theirs, ours_cpu, theirs_cpu = [], [], [], []
     for it in range(iters + 2):                    # two warm-up rounds, not recorded
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         our_step(it)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         if net is not None:
             torch_step()
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         if it >= 2:
             ours.append(t1 - t0)
             theirs.append(t2 - t1)
+            ours_cpu.append(c1 - c0)
+            theirs_cpu.append(c2 - c1)
     result["step_ms"] = _median_ms(ours)
+    result["cpu_step_ms"] = _median_ms(ours_cpu)
     if net is not None:
         result["torch_step_ms"] = _median_ms(theirs)
         result["ratio_vs_torch"] = result["step_ms"] / result["torch_step_ms"]
+        result["torch_cpu_step_ms"] = _median_ms(theirs_cpu)
+        result["cpu_ratio_vs_torch"] = result["cpu_step_ms"] / result["torch_cpu_step_ms"]
     return result
 
 
@@ -179,17 +222,26 @@ def main(argv=None):
     if not _PINNED and not args.json:
         print("note: NumPy was loaded before the benchmark, BLAS threads not pinned to 1")
     results = []
+    rate = sgemm_rate()
+    load = os.getloadavg()
+    if not args.json:
+        print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; single-core SGEMM "
+              f"(1024^3 float32): {rate / 1e9:.1f} GFLOP/s")
     for name in args.model or DEFAULT_MODELS:
         model = build_model(name, dtype=args.dtype, seed=args.seed)
         x, y = _batch(model, args.batch_size, args.seed)
-        per_layer = layer_times(model, x, max(3, args.iters // 2))
+        per_layer = layer_times(model, x, max(3, args.iters // 2), clock=time.process_time)
         result = step_times(model, x, y, args.iters, args.vs == "torch")
         result["layers"] = [{"layer": n, "forward_ms": f, "backward_ms": b} for n, f, b in per_layer]
+        flops = step_flops(model, args.batch_size)
+        result["gflops_per_step"] = flops / 1e9
+        result["floor_ms"] = flops / rate * 1e3
+        result["cpu_step_vs_floor"] = result["cpu_step_ms"] / result["floor_ms"]
         results.append(result)
         if not args.json:
             print(f"{name}: batch {args.batch_size}, {args.dtype}, 1 BLAS thread, "
                   f"{model.num_params} parameters")
-            print(f"  {'layer':10s} {'forward ms':>11s} {'backward ms':>12s}")
+            print(f"  {'layer':10s} {'forward ms':>11s} {'backward ms':>12s}   (CPU time)")
             for n, f, b in per_layer:
                 print(f"  {n:10s} {f:11.3f} {b:12.3f}")
             line = f"  step (fwd+loss+bwd+SGD): {result['step_ms']:.2f} ms"
@@ -197,10 +249,24 @@ def main(argv=None):
                 line += (f"   PyTorch: {result['torch_step_ms']:.2f} ms   "
                          f"ratio {result['ratio_vs_torch']:.2f}   "
                          f"(loss {result['loss']:.6f} vs {result['torch_loss']:.6f})")
+            print(line)
+            line = f"  CPU time per step: {result['cpu_step_ms']:.2f} ms"
+            if "torch_cpu_step_ms" in result:
+                line += (f"   torch {result['torch_cpu_step_ms']:.2f} ms   "
+                         f"CPU-time ratio {result['cpu_ratio_vs_torch']:.2f}")
+            print(line)
+            line = (f"  floor: {flops / 1e9:.2f} GFLOP of GEMMs per step at the SGEMM rate = "
+                    f"{result['floor_ms']:.2f} ms; this step's CPU time is "
+                    f"{result['cpu_step_vs_floor']:.2f}x the floor")
+            if "torch_cpu_step_ms" in result:
+                line += f", torch's {result['torch_cpu_step_ms'] / result['floor_ms']:.2f}x"
             print(line, flush=True)
     if args.json:
-        keys = ("model", "step_ms", "torch_step_ms", "ratio_vs_torch")
-        print(json.dumps({"models": [{k: r[k] for k in keys if k in r} | {"layers": r["layers"]}
+        keys = ("model", "step_ms", "torch_step_ms", "ratio_vs_torch", "cpu_step_ms",
+                "torch_cpu_step_ms", "cpu_ratio_vs_torch", "gflops_per_step", "floor_ms",
+                "cpu_step_vs_floor")
+        print(json.dumps({"load_average": list(load), "sgemm_gflops": rate / 1e9,
+                          "models": [{k: r[k] for k in keys if k in r} | {"layers": r["layers"]}
                                      for r in results]}))
     elif args.markdown:
         from ringnet.bench.tables import layers_table

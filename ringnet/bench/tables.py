@@ -33,12 +33,20 @@ def _size(nbytes):
 def layers_table(results):
     """Return the table of ``python -m ringnet.bench layers --markdown`` from its results."""
     torch = any("torch_step_ms" in r for r in results)
-    header = ["model", "step ms"] + (["PyTorch step ms", "ratio"] if torch else [])
+    header = ["model", "step ms"] + (["PyTorch step ms", "ratio"] if torch else []) + \
+        ["step CPU ms"] + (["PyTorch CPU ms", "CPU-time ratio"] if torch else []) + \
+        ["GEMM floor ms", "CPU / floor"] + (["PyTorch CPU / floor"] if torch else [])
     rows = []
     for r in results:
         row = [f"`{r['model']}`", f"{r['step_ms']:.1f}"]
         if torch:
             row += [f"{r['torch_step_ms']:.1f}", f"{r['ratio_vs_torch']:.2f}"]
+        row.append(f"{r['cpu_step_ms']:.1f}")
+        if torch:
+            row += [f"{r['torch_cpu_step_ms']:.1f}", f"{r['cpu_ratio_vs_torch']:.2f}"]
+        row += [f"{r['floor_ms']:.1f}", f"{r['cpu_step_vs_floor']:.2f}"]
+        if torch:
+            row.append(f"{r['torch_cpu_step_ms'] / r['floor_ms']:.2f}")
         rows.append(row)
     return markdown(header, rows)
 

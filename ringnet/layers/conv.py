@@ -1,10 +1,19 @@
-"""Conv2d: im2col from per-tap slices + one GEMM per pass, on batch-last (C, H, W, B) memory."""
+"""Conv2d: im2col as one strided copy per column block + one GEMM per block, on batch-last
+(C, H, W, B) memory."""
+import numpy as np
+
 from ringnet.backend import get_array_module
 from ringnet.layers.base import (Layer, as_channel_rows, batch_last, check_init,
-                                 tap_ranges, tap_slice, window_geometry,
-                                 window_out_size, window_repr)
+                                 window_geometry, window_out_size, window_repr)
 
-__all__ = ["Conv2d", "conv_output_size"]
+__all__ = ["Conv2d", "conv_output_size", "column_blocks"]
+
+# On the CPU the column matrix is built and multiplied one block of output positions at a
+# time, each block about this many bytes: it stays in the core's cache between the copy
+# that writes it and the GEMM that reads it (the whole matrix of a cifar10_quick conv2 at
+# batch 64 is 52 MB and would make both passes run at memory speed). On a GPU there is one
+# block: every extra block is two more kernel launches.
+CPU_BLOCK_BYTES = 1 << 20
 
 
 def conv_output_size(size, kernel, stride, pad):
@@ -15,12 +24,49 @@ def conv_output_size(size, kernel, stride, pad):
     return out
 
 
+def column_blocks(xp, ho, wo, b, rows, itemsize):
+    """Split an (ho, wo) grid of output positions into blocks (r0, r1, w0, w1).
+
+    Each block is whole rows or part of one row, so its columns (``b`` per position, batch
+    innermost) are one contiguous range of a (rows, ho*wo*b) matrix; on the CPU a block's
+    column matrix holds about ``CPU_BLOCK_BYTES``.
+    """
+    if xp is not np:
+        return [(0, ho, 0, wo)]
+    per = max(1, CPU_BLOCK_BYTES // (rows * b * itemsize))       # positions per block
+    if per >= wo:
+        n = -(-ho // min(ho, per // wo))                         # blocks, then even rows each
+        nr = -(-ho // n)
+        return [(r, min(r + nr, ho), 0, wo) for r in range(0, ho, nr)]
+    n = -(-wo // per)
+    nw = -(-wo // n)
+    return [(r, r + 1, w, min(w + nw, wo)) for r in range(ho) for w in range(0, wo, nw)]
+
+
+def _block_columns(block, wo, b):
+    """Return the slice of a block's columns in an (rows, ho*wo*b) matrix."""
+    r0, r1, w0, w1 = block
+    return slice((r0 * wo + w0) * b, ((r1 - 1) * wo + w1) * b)
+
+
+def _window_view(xp, src, kernel, stride, block):
+    """Return the (C, kh, kw, rows, cols, B) view of padded ``src`` (C, Hp, Wp, B) that is
+    ``block``'s column matrix: entry (c, i, j, r, w, b) = src[c, r*sh + i, w*sw + j, b]."""
+    (kh, kw), (sh, sw) = kernel, stride
+    c, _, _, b = src.shape
+    r0, r1, w0, w1 = block
+    sc, sy, sx, sb = src.strides
+    return xp.lib.stride_tricks.as_strided(src[:, r0 * sh:, w0 * sw:, :],
+                                           (c, kh, kw, r1 - r0, w1 - w0, b),
+                                           (sc, sy, sx, sy * sh, sx * sw, sb))
+
+
 class Conv2d(Layer):
     """2-D convolution (cross-correlation), weight (out, in, kh, kw), bias (out,).
 
     Columns are laid out (C*kh*kw, Ho*Wo*B) so forward, weight gradient and input
-    gradient are each a single GEMM; the output comes out in (O, Ho, Wo, B) memory and
-    is returned as a logical (B, O, Ho, Wo) view of it.
+    gradient are each one GEMM per column block; the output comes out in (O, Ho, Wo, B)
+    memory and is returned as a logical (B, O, Ho, Wo) view of it.
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, *,
@@ -29,7 +75,8 @@ class Conv2d(Layer):
         self.kernel_size, self.stride, self.padding = window_geometry(
             "Conv2d", kernel_size, stride, padding)
         self.weight_init, self.bias_init = check_init(weight_init), check_init(bias_init)
-        self._cols = {}          # (train, shape) -> zero-bordered column buffer
+        self._buffers = {}       # role -> (shape, dtype, array), reused while shapes repeat
+        self._plans = {}         # role -> im2col views of those buffers
         self._cache = None
 
     def __repr__(self):
@@ -47,83 +94,114 @@ class Conv2d(Layer):
         return [("weight", (self.out_channels, self.in_channels, kh, kw), self.weight_init),
                 ("bias", (self.out_channels,), self.bias_init)]
 
-    def _column_buffer(self, xp, dtype, shape, role):
-        # Entries that read padding are zeroed once and never written again, because
-        # every call with this shape writes exactly the same in-bounds regions.
-        key = (role, shape, dtype)
-        buf = self._cols.get(key)
-        if buf is None:
-            self._cols = {k: v for k, v in self._cols.items() if k[0] != role}
-            buf = self._cols[key] = xp.zeros(shape, dtype=dtype)
+    def _buffer(self, xp, role, shape, dtype, zero=False):
+        # Zero-bordered buffers (zero=True) are zeroed once: every call with this shape
+        # writes exactly the same interior, so the border stays zero.
+        entry = self._buffers.get(role)
+        if entry is None or entry[0] != shape or entry[1] != dtype or \
+                get_array_module(entry[2]) is not xp:
+            array = xp.zeros(shape, dtype=dtype) if zero else xp.empty(shape, dtype=dtype)
+            entry = self._buffers[role] = (shape, dtype, array)
+        return entry[2]
+
+    def _padded(self, xp, src, pad, role):
+        """Copy (C, H, W, B) ``src`` into this role's buffer, with ``pad`` zeros around H, W."""
+        ph, pw = pad
+        c, h, w, b = src.shape
+        buf = self._buffer(xp, role, (c, h + 2 * ph, w + 2 * pw, b), src.dtype, zero=True)
+        buf[:, ph:ph + h, pw:pw + w] = src
         return buf
 
-    def _geometry(self, h, w):
-        _, ho, wo = self.output_shape((self.in_channels, h, w))
-        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
-        return ho, wo, tap_ranges(h, ho, kh, sh, ph), tap_ranges(w, wo, kw, sw, pw)
+    def _column_buffer(self, xp, role, rows, blocks, b, dtype):
+        n = max((r1 - r0) * (w1 - w0) for r0, r1, w0, w1 in blocks) * b
+        return self._buffer(xp, role, (rows * n,), dtype)
+
+    def _im2col_plan(self, xp, role, src, stride, blocks, b):
+        """Return per block (column matrix, its columns' slice, copy destination, source
+        view): one copy per block fills the matrix. Views are made once and kept while
+        the buffers and blocks stay the same (a strided view costs microseconds to make)."""
+        kh, kw = self.kernel_size
+        rows = src.shape[0] * kh * kw
+        buf = self._column_buffer(xp, "cols-" + role, rows, blocks, b, src.dtype)
+        plan = self._plans.get(role)
+        if plan is None or plan[0] is not src or plan[1] is not buf or plan[2] != blocks:
+            wo = blocks[-1][3]
+            steps = []
+            for block in blocks:
+                r0, r1, w0, w1 = block
+                n = (r1 - r0) * (w1 - w0) * b
+                dst = buf[:rows * n].reshape(src.shape[0], kh, kw, r1 - r0, w1 - w0, b)
+                steps.append((dst.reshape(rows, n), _block_columns(block, wo, b), dst,
+                              _window_view(xp, src, self.kernel_size, stride, block)))
+            plan = self._plans[role] = (src, buf, list(blocks), steps)
+        return plan[3]
 
     def forward(self, x, train=True):
         xp = get_array_module(x)
         b, c, h, w = x.shape                                     # (B, C, H, W)
-        ho, wo, rows, cols_r = self._geometry(h, w)
-        kh, kw = self.kernel_size
-        cols = self._column_buffer(xp, x.dtype, (c, kh, kw, ho, wo, b),
-                                   "train" if train else "eval")
-        _im2col(batch_last(xp, x), cols, rows, cols_r, self.stride)
-        cols2 = cols.reshape(c * kh * kw, ho * wo * b)           # (C*kh*kw, Ho*Wo*B)
-        weight = self.params["weight"].reshape(self.out_channels, -1)
-        y = xp.matmul(weight, cols2)                             # (O, Ho*Wo*B)
+        _, ho, wo = self.output_shape((c, h, w))
+        (kh, kw), o = self.kernel_size, self.out_channels
+        role = "train" if train else "eval"
+        xpad = self._padded(xp, x.transpose(1, 2, 3, 0), self.padding, "x-" + role)
+        blocks = column_blocks(xp, ho, wo, b, c * kh * kw, x.dtype.itemsize)
+        weight = self.params["weight"].reshape(o, c * kh * kw)
+        y = xp.empty((o, ho * wo * b), dtype=x.dtype)            # (O, Ho*Wo*B)
+        for cols, columns, dst, view in self._im2col_plan(xp, role, xpad, self.stride, blocks, b):
+            xp.copyto(dst, view)                                 # im2col of one block
+            xp.matmul(weight, cols, out=y[:, columns])
         y += self.params["bias"][:, None]
-        self._cache = (x.shape, cols2, rows, cols_r) if train else None
-        return y.reshape(self.out_channels, ho, wo, b).transpose(3, 0, 1, 2)  # (B, O, Ho, Wo)
+        # With one block the column matrix is still in its buffer for the weight gradient.
+        self._cache = (x.shape, xpad, blocks, len(blocks) == 1) if train else None
+        return y.reshape(o, ho, wo, b).transpose(3, 0, 1, 2)     # (B, O, Ho, Wo)
 
     def backward(self, dy):
         # y = W @ cols + b  =>  dW = dy @ cols^T,  db = sum_cols dy,  dcols = W^T @ dy,
         # and dx = col2im(dcols): every column entry adds back to the pixel it was read from.
         # With stride 1 the same dx is a convolution of dy (padded by k-1-p) with the
         # flipped, in/out-swapped kernel: cheaper when the output is not smaller than the
-        # input ("same" padding), since im2col only copies where col2im adds.
-        (b, c, h, w), cols2, rows, cols_r = self._cached()
+        # input ("same" padding), as a copy replaces the scattered adds of col2im.
+        (b, c, h, w), xpad, blocks, kept = self._cached()
         xp = get_array_module(dy)
+        _, o, ho, wo = dy.shape
+        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
+        k = c * kh * kw
         dy2 = as_channel_rows(xp, dy)                            # (O, Ho*Wo*B)
-        weight = self.params["weight"].reshape(self.out_channels, -1)
-        xp.matmul(dy2, cols2.T, out=self.grads["weight"].reshape(self.out_channels, -1))
+        # dW^T = cols @ dy^T, summed over blocks: the (C*kh*kw, O) orientation runs the
+        # GEMM faster than dy @ cols^T when a block has few columns (measured in OpenBLAS).
+        dweight_t = self._buffer(xp, "dweight", (k, o), dy.dtype)
+        part = self._buffer(xp, "dweight-part", (k, o), dy.dtype)
+        for i, (cols, columns, dst, view) in enumerate(
+                self._im2col_plan(xp, "train", xpad, self.stride, blocks, b)):
+            if not kept:
+                xp.copyto(dst, view)                             # rebuilt from xpad
+            xp.matmul(cols, dy2[:, columns].T, out=part if i else dweight_t)
+            if i:
+                dweight_t += part
+        self.grads["weight"].reshape(o, k)[...] = dweight_t.T
         xp.sum(dy2, axis=1, out=self.grads["bias"])
         if not self.needs_dx:
             return None
-        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
-        _, o, ho, wo = dy.shape
         if (sh, sw) == (1, 1) and ph < kh and pw < kw and h * w <= ho * wo:
-            cols = self._column_buffer(xp, dy.dtype, (o, kh, kw, h, w, b), "dx")
-            _im2col(dy2.reshape(o, ho, wo, b), cols,
-                    tap_ranges(ho, h, kh, 1, kh - 1 - ph), tap_ranges(wo, w, kw, 1, kw - 1 - pw),
-                    (1, 1))
             flipped = self.params["weight"].transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
             flipped = xp.ascontiguousarray(flipped).reshape(c, o * kh * kw)
-            dxc = xp.matmul(flipped, cols.reshape(o * kh * kw, h * w * b))
+            dypad = self._padded(xp, dy2.reshape(o, ho, wo, b), (kh - 1 - ph, kw - 1 - pw),
+                                 "dy")
+            dx_blocks = column_blocks(xp, h, w, b, o * kh * kw, dy.dtype.itemsize)
+            dxc = xp.empty((c, h * w * b), dtype=dy.dtype)       # (C, H*W*B)
+            for cols, columns, dst, view in self._im2col_plan(xp, "dx", dypad, (1, 1),
+                                                              dx_blocks, b):
+                xp.copyto(dst, view)
+                xp.matmul(flipped, cols, out=dxc[:, columns])
             return dxc.reshape(c, h, w, b).transpose(3, 0, 1, 2)  # (B, C, H, W)
-        dcols = xp.matmul(weight.T, dy2).reshape(c, kh, kw, ho, wo, b)
-        dxc = xp.zeros((c, h, w, b), dtype=dy.dtype)             # (C, H, W, B)
-        for i, j, out_i, out_j, in_i, in_j in _kernel_taps(rows, cols_r, (sh, sw)):
-            dxc[:, in_i, in_j] += dcols[:, i, j, out_i, out_j]   # col2im: the adjoint of _im2col
-        return dxc.transpose(3, 0, 1, 2)                         # (B, C, H, W)
-
-
-def _kernel_taps(rows, cols_r, stride):
-    """Yield (i, j, out rows, out cols, in rows, in cols) for each in-bounds kernel tap."""
-    sh, sw = stride
-    for i, ri in enumerate(rows):
-        if ri is None:
-            continue
-        out_i, in_i = tap_slice(ri, sh)
-        for j, rj in enumerate(cols_r):
-            if rj is None:
-                continue
-            out_j, in_j = tap_slice(rj, sw)
-            yield i, j, out_i, out_j, in_i, in_j
-
-
-def _im2col(xc, cols, rows, cols_r, stride):
-    """Copy each kernel tap's in-bounds slice of xc (C, H, W, B) into cols (C, kh, kw, Ho, Wo, B)."""
-    for i, j, out_i, out_j, in_i, in_j in _kernel_taps(rows, cols_r, stride):
-        cols[:, i, j, out_i, out_j] = xc[:, in_i, in_j]
+        # col2im into a zero-padded dx, block by block; taps that read padding add into
+        # the border, which is cut off at the end.
+        weight_t = self.params["weight"].reshape(o, k).T         # (C*kh*kw, O)
+        dxpad = xp.zeros((c, h + 2 * ph, w + 2 * pw, b), dtype=dy.dtype)
+        for (r0, r1, w0, w1), (dcols, columns, dst, _) in zip(
+                blocks, self._im2col_plan(xp, "train", xpad, self.stride, blocks, b)):
+            xp.matmul(weight_t, dy2[:, columns], out=dcols)
+            for i in range(kh):
+                rows = slice(r0 * sh + i, (r1 - 1) * sh + i + 1, sh)
+                for j in range(kw):
+                    dxpad[:, rows, w0 * sw + j:(w1 - 1) * sw + j + 1:sw] += dst[:, i, j]
+        return dxpad[:, ph:ph + h, pw:pw + w].transpose(3, 0, 1, 2)  # (B, C, H, W)

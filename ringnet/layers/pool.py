@@ -1,9 +1,15 @@
-"""MaxPool2d and AvgPool2d with Caffe's ceil-mode output size, as sums over kernel taps."""
+"""MaxPool2d and AvgPool2d with Caffe's ceil-mode output size, as sums over kernel taps.
+
+The input is first split into stride x stride *phase planes* (plane (a, b) holds the
+pixels whose row is a mod sh and column b mod sw), so every kernel tap reads a plain
+rectangle of one plane: in batch-last (C, H, W, B) memory each tap's rows are then long
+contiguous runs, where a stride-2 view of the input would give runs of only B elements.
+The input gradient is gathered in the same planes and interleaved back at the end.
+"""
 import numpy as np
 
 from ringnet.backend import get_array_module
-from ringnet.layers.base import (Layer, empty_like_layout, tap_ranges, tap_slice, window_geometry,
-                                 window_out_size, window_repr, zeros_like_layout)
+from ringnet.layers.base import Layer, tap_ranges, window_geometry, window_out_size, window_repr
 
 __all__ = ["MaxPool2d", "AvgPool2d", "pool_output_size"]
 
@@ -23,10 +29,51 @@ def pool_output_size(size, kernel, stride, pad):
     return out
 
 
-def _covers(tap, ho, wo):
-    """Return True when a (t, out slices, in slices) tap reaches every output position."""
-    _, (_, rows, cols), _ = tap
-    return tap[0] == 0 and rows == slice(0, ho) and cols == slice(0, wo)
+def _phase_view(xp, xc, stride):
+    """Return (C, H, W, B) ``xc`` as a (sh, sw, C, H/sh, W/sw, B) view (sizes divisible)."""
+    sh, sw = stride
+    c, h, w, b = xc.shape
+    st = xc.strides
+    return xp.lib.stride_tricks.as_strided(
+        xc, (sh, sw, c, h // sh, w // sw, b), (st[1], st[2], st[0], sh * st[1], sw * st[2], st[3]))
+
+
+def _plane_extent(size, phase, stride):
+    """Return how many of ``size`` positions have index = phase mod stride."""
+    return -(-(size - phase) // stride)
+
+
+def split_phases(xp, x, stride):
+    """Return logical (B, C, H, W) ``x`` as phase planes (sh, sw, C, ceil(H/sh), ceil(W/sw), B).
+
+    Entries past an odd-sized plane's end are left unset (no tap reads them).
+    """
+    sh, sw = stride
+    b, c, h, w = x.shape
+    xc = x.transpose(1, 2, 3, 0)                                 # (C, H, W, B)
+    planes = xp.empty((sh, sw, c, -(-h // sh), -(-w // sw), b), dtype=x.dtype)
+    if h % sh == 0 and w % sw == 0:
+        xp.copyto(planes, _phase_view(xp, xc, stride))           # one strided copy
+    else:
+        for a in range(sh):
+            for e in range(sw):
+                planes[a, e, :, :_plane_extent(h, a, sh), :_plane_extent(w, e, sw)] = \
+                    xc[:, a::sh, e::sw]
+    return planes
+
+
+def merge_phases(xp, planes, h, w):
+    """Return phase planes as a C-contiguous (C, H, W, B) array (the inverse of split_phases)."""
+    sh, sw, c, _, _, b = planes.shape
+    xc = xp.empty((c, h, w, b), dtype=planes.dtype)
+    if h % sh == 0 and w % sw == 0:
+        xp.copyto(_phase_view(xp, xc, (sh, sw)), planes)         # one strided copy
+    else:
+        for a in range(sh):
+            for e in range(sw):
+                xc[:, a::sh, e::sw] = \
+                    planes[a, e, :, :_plane_extent(h, a, sh), :_plane_extent(w, e, sw)]
+    return xc
 
 
 class _Pool2d(Layer):
@@ -48,17 +95,44 @@ class _Pool2d(Layer):
         return (c, *window_out_size(self, h, w, pool_output_size))
 
     def _taps(self, h, w):
-        """Yield (tap index, output slices, input slices) for in-bounds taps."""
+        """Return (Ho, Wo, taps, covered): taps are (t, out, plane) for in-bounds taps in
+        row-major order, ``out`` indexing a (C, Ho, Wo, B) array and ``plane`` the phase
+        planes; ``covered`` says the first tap of every plane writes all of that plane."""
         _, ho, wo = self.output_shape((1, h, w))
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         rows, cols = tap_ranges(h, ho, kh, sh, ph), tap_ranges(w, wo, kw, sw, pw)
-        taps = []
+        taps, first = [], {}
         for i, ri in enumerate(rows):
             for j, rj in enumerate(cols):
-                if ri is not None and rj is not None:
-                    (oi, ii), (oj, ij) = tap_slice(ri, sh), tap_slice(rj, sw)
-                    taps.append((i * kw + j, (Ellipsis, oi, oj), (Ellipsis, ii, ij)))
-        return ho, wo, taps
+                if ri is None or rj is None:
+                    continue
+                (lo, hi, r), (lj, hj, q) = ri, rj
+                a, e = r % sh, q % sw
+                out = (slice(None), slice(lo, hi), slice(lj, hj))
+                plane = (a, e, slice(None), slice(r // sh, r // sh + hi - lo),
+                         slice(q // sw, q // sw + hj - lj))
+                taps.append((i * kw + j, out, plane))
+                first.setdefault((a, e), (plane[3], plane[4]))
+        covered = all(first.get((a, e)) == (slice(0, _plane_extent(h, a, sh)),
+                                            slice(0, _plane_extent(w, e, sw)))
+                      for a in range(sh) for e in range(sw))
+        return ho, wo, taps, covered
+
+    def _scatter(self, xp, parts, taps, covered, shape, dtype):
+        """Return dx (B, C, H, W) from per-tap gradient contributions ``parts(t, out)``."""
+        b, c, h, w = shape
+        (sh, sw) = self.stride
+        planes = xp.empty((sh, sw, c, -(-h // sh), -(-w // sw), b), dtype=dtype)
+        if not covered:
+            planes.fill(0)
+        seen = set()
+        for t, out, plane in taps:
+            if covered and plane[:2] not in seen:              # the plane's first tap writes
+                seen.add(plane[:2])
+                parts(t, out, planes[plane])
+            else:
+                planes[plane] += parts(t, out, None)
+        return merge_phases(xp, planes, h, w).transpose(3, 0, 1, 2)
 
 
 class MaxPool2d(_Pool2d):
@@ -67,47 +141,46 @@ class MaxPool2d(_Pool2d):
     def forward(self, x, train=True):
         xp = get_array_module(x)
         b, c, h, w = x.shape                                     # (B, C, H, W)
-        ho, wo, taps = self._taps(h, w)
-        y = empty_like_layout(xp, x, (b, c, ho, wo))             # (B, C, Ho, Wo)
-        argmax = zeros_like_layout(xp, x, y.shape, np.uint8) if train else None
+        ho, wo, taps, covered = self._taps(h, w)
+        planes = split_phases(xp, x, self.stride)
+        y = xp.empty((c, ho, wo, b), dtype=x.dtype)              # (C, Ho, Wo, B)
+        argmax = xp.zeros(y.shape, dtype=np.uint8) if train else None
         if train:
-            wins = empty_like_layout(xp, x, y.shape, np.bool_)
-            step = empty_like_layout(xp, x, y.shape, np.uint8)
-        if _covers(taps[0], ho, wo):
-            y[...] = x[taps[0][2]]                               # tap 0 starts every window
-            taps = taps[1:]
+            win = xp.empty(y.shape, dtype=np.bool_)
+            step = xp.empty(y.shape, dtype=np.uint8)
+        t0, out0, plane0 = taps[0]
+        if out0 == (slice(None), slice(0, ho), slice(0, wo)):    # tap 0 starts every window
+            y[...] = planes[plane0]
+            rest = taps[1:]
         else:
             y.fill(-np.inf)
-        for t, out_sl, in_sl in taps:
-            src, dst = x[in_sl], y[out_sl]
+            rest = taps
+        for t, out, plane in rest:
+            src, dst = planes[plane], y[out]
             if train:
-                # argmax <- t where src wins, branch-free: a += win * (t - a) (mod 256)
-                win, delta, arg = wins[out_sl], step[out_sl], argmax[out_sl]
-                xp.greater(src, dst, out=win)
-                xp.subtract(np.uint8(t), arg, out=delta)
-                xp.multiply(delta, win, out=delta)
-                xp.add(arg, delta, out=arg)
+                # Strictly greater, so ties keep the earlier tap; taps come in increasing
+                # t, so argmax <- max(argmax, win * t) sets t exactly where this tap wins
+                # (branch-free: a masked copy runs at the speed of the mask's pattern).
+                xp.greater(src, dst, out=win[out])
+                xp.multiply(win[out].view(np.uint8), np.uint8(t), out=step[out])
+                xp.maximum(argmax[out], step[out], out=argmax[out])
             xp.maximum(dst, src, out=dst)
-        self._cache = (x, argmax, self._taps(h, w)[2]) if train else None
-        return y
+        self._cache = (x.shape, argmax, taps, covered) if train else None
+        return y.transpose(3, 0, 1, 2)                           # (B, C, Ho, Wo)
 
     def backward(self, dy):
         # y = x[argmax]  =>  dx[argmax] += dy, zero elsewhere (overlapping windows add up).
-        x, argmax, taps = self._cached()
+        shape, argmax, taps, covered = self._cached()
         xp = get_array_module(dy)
-        (kh, kw), (sh, sw) = self.kernel_size, self.stride
-        dx = zeros_like_layout(xp, x, x.shape)                   # (B, C, H, W)
-        hit = empty_like_layout(xp, argmax, argmax.shape, np.bool_)
-        part = empty_like_layout(xp, argmax, argmax.shape, dy.dtype)
-        for t, out_sl, in_sl in taps:
-            xp.equal(argmax[out_sl], np.uint8(t), out=hit[out_sl])
-            if t // kw < sh and t % kw < sw:
-                # taps in the first stride x stride block never share an input pixel
-                xp.multiply(dy[out_sl], hit[out_sl], out=dx[in_sl])
-            else:
-                xp.multiply(dy[out_sl], hit[out_sl], out=part[out_sl])
-                dx[in_sl] += part[out_sl]
-        return dx
+        dyc = dy.transpose(1, 2, 3, 0)                           # (C, Ho, Wo, B)
+        hit = xp.empty(argmax.shape, dtype=np.bool_)
+        part = xp.empty(argmax.shape, dtype=dy.dtype)
+
+        def parts(t, out, dst):
+            xp.equal(argmax[out], np.uint8(t), out=hit[out])
+            return xp.multiply(dyc[out], hit[out], out=part[out] if dst is None else dst)
+
+        return self._scatter(xp, parts, taps, covered, shape, dy.dtype)
 
 
 class AvgPool2d(_Pool2d):
@@ -119,31 +192,37 @@ class AvgPool2d(_Pool2d):
             start = np.arange(out) * s - p
             return np.minimum(start + k, size + p) - start
         inv = 1.0 / np.outer(count(h, ho, kh, sh, ph), count(w, wo, kw, sw, pw))
-        return xp.asarray(inv.astype(dtype))                      # (Ho, Wo)
+        return xp.asarray(inv.astype(dtype)[:, :, None])          # (Ho, Wo, 1)
 
     def forward(self, x, train=True):
         xp = get_array_module(x)
         b, c, h, w = x.shape                                     # (B, C, H, W)
-        ho, wo, taps = self._taps(h, w)
-        if _covers(taps[0], ho, wo):
-            y = empty_like_layout(xp, x, (b, c, ho, wo))         # (B, C, Ho, Wo)
-            y[...] = x[taps[0][2]]
+        ho, wo, taps, covered = self._taps(h, w)
+        planes = split_phases(xp, x, self.stride)
+        t0, out0, plane0 = taps[0]
+        if out0 == (slice(None), slice(0, ho), slice(0, wo)):
+            y = xp.empty((c, ho, wo, b), dtype=x.dtype)          # (C, Ho, Wo, B)
+            y[...] = planes[plane0]
             rest = taps[1:]
         else:
-            y, rest = zeros_like_layout(xp, x, (b, c, ho, wo)), taps
-        for _, out_sl, in_sl in rest:
-            y[out_sl] += x[in_sl]
+            y, rest = xp.zeros((c, ho, wo, b), dtype=x.dtype), taps
+        for _, out, plane in rest:
+            y[out] += planes[plane]
         inv = self._inv_count(xp, h, w, ho, wo, x.dtype)
         y *= inv
-        self._cache = (x, inv, taps) if train else None
-        return y
+        self._cache = (x.shape, inv, taps, covered) if train else None
+        return y.transpose(3, 0, 1, 2)                           # (B, C, Ho, Wo)
 
     def backward(self, dy):
         # y[o] = inv[o] * sum_{taps} x[o*s + k - p]  =>  dx[o*s + k - p] += inv[o] * dy[o].
-        x, inv, taps = self._cached()
+        shape, inv, taps, covered = self._cached()
         xp = get_array_module(dy)
-        g = dy * inv                                             # (B, C, Ho, Wo)
-        dx = zeros_like_layout(xp, x, x.shape)                   # (B, C, H, W)
-        for _, out_sl, in_sl in taps:
-            dx[in_sl] += g[out_sl]
-        return dx
+        g = xp.multiply(dy.transpose(1, 2, 3, 0), inv)           # (C, Ho, Wo, B)
+
+        def parts(t, out, dst):
+            if dst is None:
+                return g[out]
+            dst[...] = g[out]
+            return dst
+
+        return self._scatter(xp, parts, taps, covered, shape, dy.dtype)
