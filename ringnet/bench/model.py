@@ -15,29 +15,37 @@ mode runs in the code:
   spec-sheet profiles (``LINKS``) or calibrated on this machine by timing the ring
   communicator under mpirun (profile ``local``).
 
-How each mode is timed (blocking calls in lockstep, as in ``ringnet/comm``):
+How each mode is timed (as ``ringnet/comm`` and ``ringnet/parallel`` run it):
 
 =========  ==================================================================
-ring       reduce-scatter: N-1 steps of one shard (P/N) plus its add;
-           update of one shard; all-gather: N-1 steps of one shard. Delay 1
-           runs this exchange beside the next step's compute: max(C, X).
-tree       binary heap (children 2v+1, 2v+2): each inner rank receives its
-           children one after the other and adds; the root updates all P;
-           broadcast down the heap, a rank sending to both children at once.
-master     the root receives N-1 gradients one after the other (adding each),
-           updates all P, and sends N-1 copies at once from its one link.
+ring       reduce-scatter: N-1 lockstep steps of one shard (P/N) plus its add;
+           update of one shard; all-gather: N-1 steps of one shard.
+tree       binary heap (children 2v+1, 2v+2): a rank receives both children
+           at once (sharing its link) and adds, piece by piece
+           (``pipeline_pieces``); the root updates all P; the broadcast relays
+           each piece to both children at once.
+master     the root receives all N-1 gradients at once per piece (sharing its
+           link) and adds them in rank order, updates all P, and sends N-1
+           copies at once from its one link.
 split-fc   conv part on B/N samples; conversion layer all-gathers (B, F+1)
            features+labels; each FC layer computes out/N rows on B samples and
            all-gathers them; backward reduce-scatters the input gradients;
            conv gradients go round the ring as above (conv parameters only).
+auto       (all-reduce table only) the algorithm ``ringnet.comm.auto`` picks,
+           by its rounds and bytes.
 =========  ==================================================================
 
-Contention on a CPU machine is modelled, not hidden: ranks beyond the free cores
-slow compute by the measured factor ``s(N) = max(1, N / cores_eff)``, and a delay-1
-exchange on the communication thread progresses at a measured fraction ρ of its
-blocking speed while its rank computes, and steals a measured fraction κ of the core
-while it runs (shared-memory MPI copies and polling are CPU work); what is left of it
-when the compute ends runs at blocking speed.
+Delay 1 runs the exchange on the communication stream beside the next step's compute;
+delay 0 runs it in the code's buckets (``backward_buckets``), each starting when the
+backward of its first layer ends. The step is laid out layer by layer (``Timeline``)
+and the stream's transfers, adds and update are walked beside it (``_simulate``): on a
+GPU transfers overlap and the adds/update share the device; on the CPU with driven
+progress a transfer is noticed at the next layer boundary (the training thread tests
+it there), and with a polling thread the exchange moves at a measured fraction ρ of its
+blocking speed and steals a measured fraction κ of the core. Where the code has a choice
+(progress mode, bucket size, concurrent rooted receives) the model reads it from the
+code (``code_facts``). Ranks beyond the free cores slow compute by the measured factor
+``s(N) = max(1, N / cores_eff)``.
 """
 import argparse
 import contextlib
@@ -59,8 +67,9 @@ from ringnet.errors import UsageError  # noqa: E402
 from ringnet.models import MODELS, build_model  # noqa: E402
 
 __all__ = ["Link", "LINKS", "GPUS", "System", "ComputeProfile", "measure_compute",
-           "roofline_compute", "load_compute", "ring_phase_bytes", "traffic", "predict",
-           "sweep", "crossovers", "main"]
+           "roofline_compute", "load_compute", "ring_phase_bytes", "traffic", "messages",
+           "buckets", "code_facts", "facts", "allreduce_time", "predict", "sweep", "crossovers",
+           "validation_rows", "diagnose", "main"]
 
 DEFAULT_MODELS = ("lenet", "cifar10_quick")
 DEFAULT_NP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -794,12 +803,6 @@ def _exchange_items(system, model, mode, n, size, part, update_s):
     waits = _rooted_waits(mode, n, elems, itemsize)
     return ([("msg", reduce / waits)] * waits + [("cpu", update_s)]
             + [("msg", bcast / waits)] * waits)
-
-
-def _exchange_s(system, model, mode, n):
-    """Seconds of the data-parallel exchange's transfers and adds (no update), blocking."""
-    p = model.num_params
-    return sum(t for _, t in _exchange_items(system, model, mode, n, p, (0, p), 0.0))
 
 
 def _rooted_waits(mode, n, elems, itemsize):
