@@ -274,7 +274,7 @@ def test_tree_and_master_times_hand_computed(monkeypatch):
     assert bcast == pytest.approx(ALPHA + 3 * nbytes / BETA)   # three copies share one link
     # concurrent receives, one piece: 1 gets 3 (h); 0 gets 1 and 2 at once on its link
     monkeypatch.setattr(pm, "_rooted_concurrent", lambda: True)
-    monkeypatch.setattr(pm, "_pieces", lambda length, itemsize: [(0, length)])
+    monkeypatch.setattr(pm, "_pieces", lambda length, itemsize, mode, n: [(0, length)])
     reduce, bcast = pm._tree_time(system, 4, nbytes, 1000)
     assert reduce == pytest.approx(h + ALPHA + 2 * nbytes / BETA)
     assert bcast == pytest.approx(2 * ALPHA + 3 * nbytes / BETA)
@@ -282,7 +282,7 @@ def test_tree_and_master_times_hand_computed(monkeypatch):
     assert reduce == pytest.approx(ALPHA + 3 * nbytes / BETA)  # three at once share one link
     # four pieces of 250 elements: a chain 0 <- 1 (N=2 heap is one edge) streams them
     quarter = ALPHA + nbytes / 4 / BETA
-    monkeypatch.setattr(pm, "_pieces", lambda length, itemsize: [(a, a + length // 4)
+    monkeypatch.setattr(pm, "_pieces", lambda length, itemsize, mode, n: [(a, a + length // 4)
                                                                  for a in range(0, length, length // 4)])
     reduce, bcast = pm._tree_time(system, 2, nbytes, 1000)
     assert reduce == pytest.approx(4 * quarter) and bcast == pytest.approx(4 * quarter)

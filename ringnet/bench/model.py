@@ -57,6 +57,7 @@ import shutil
 import statistics
 import sys
 import time
+import types
 
 from ringnet.bench.layers import layer_times  # first: pins BLAS threads before NumPy loads
 
@@ -539,7 +540,7 @@ def messages(model, mode, n, batch, delay=0):
             ring([(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo)
                   for a, b in _shard_bounds(size, n)])
             continue
-        pieces = len(_pieces(hi - lo, itemsize)) if _rooted_concurrent() else 1
+        pieces = len(_pieces(hi - lo, itemsize, mode, n)) if _rooted_concurrent() else 1
         for v in range(n):
             if mode == "tree":
                 count[v] += pieces * ((v > 0) + len(_tree_children(v, n)))
@@ -554,14 +555,18 @@ def messages(model, mode, n, batch, delay=0):
 
 
 # -- timing ----------------------------------------------------------------------------------
-def _pieces(length, itemsize):
-    """Return the element ranges a rooted transfer of ``length`` elements is cut into: the
-    communicators' own ``pipeline_pieces`` (one piece where the code has none)."""
+def _pieces(length, itemsize, mode, n):
+    """Return the element ranges a rooted transfer of ``length`` elements is cut into, as
+    the communicator of ``mode`` at ``n`` ranks cuts them (its own ``_pieces`` rule: pieces
+    only where a rank forwards what it receives; one piece where the code has none)."""
     try:
-        from ringnet.comm.base import pipeline_pieces
+        from ringnet.comm.master_slave import MasterSlaveCommunicator
+        from ringnet.comm.tree import TreeCommunicator
     except ImportError:
         return [(0, length)] if length else []
-    return pipeline_pieces(length, itemsize)
+    probe = object.__new__(TreeCommunicator if mode == "tree" else MasterSlaveCommunicator)
+    probe.size, probe.chunk_bytes = n, None
+    return probe._pieces(types.SimpleNamespace(size=length, itemsize=itemsize))
 
 
 # What the code does where it has a choice; a saved validation record replaces it with
@@ -655,7 +660,7 @@ def _tree_time(system, n, nbytes, elems):
         return 0.0, 0.0
     itemsize = max(1, nbytes // max(elems, 1))
     concurrent = _rooted_concurrent()
-    pieces = [b - a for a, b in _pieces(elems, itemsize)] if concurrent else [elems]
+    pieces = [b - a for a, b in _pieces(elems, itemsize, "tree", n)] if concurrent else [elems]
     ready = [[0.0] * len(pieces) for _ in range(n)]     # piece j's partial ready to go up
     for v in range(n - 1, -1, -1):                      # children before parents
         kids = _tree_children(v, n)
@@ -705,7 +710,7 @@ def _master_time(system, n, nbytes, elems):
         reduce = sum(system.hop(w, 0).time(nbytes) + system.compute.add(elems) for w in workers)
         return reduce, alpha + sum(nbytes / system.hop(0, w).beta_Bps for w in workers)
     link = add = out = 0.0
-    for a, b in _pieces(elems, itemsize):
+    for a, b in _pieces(elems, itemsize, "master", n):
         size = (b - a) * itemsize
         link += alpha + sum(size / system.hop(w, 0).beta_Bps for w in workers)
         add = max(add, link) + (n - 1) * system.compute.add(b - a)
@@ -807,7 +812,7 @@ def _exchange_items(system, model, mode, n, size, part, update_s):
 
 def _rooted_waits(mode, n, elems, itemsize):
     """Waits on the critical path of a rooted reduce or broadcast (each may sleep until progressed)."""
-    pieces = len(_pieces(elems, itemsize)) if _rooted_concurrent() else 1
+    pieces = len(_pieces(elems, itemsize, mode, n)) if _rooted_concurrent() else 1
     depth = max(1, math.ceil(math.log2(n + 1)) - 1) if mode == "tree" else 1
     return max(1, pieces * depth)
 
