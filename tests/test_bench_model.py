@@ -160,12 +160,8 @@ def test_communicator_code_sends_what_the_model_counts(n):
 
 def _layer_parts(model):
     """One part per layer with parameters, last layers first (the shape of the code's buckets)."""
-    index = {name: i for i, (name, _) in enumerate(model.layers)}
-    per_layer = {}
-    for pname, (lo, hi, _) in model.param_offsets().items():
-        layer = index[pname.rsplit(".", 1)[0]]
-        a, b = per_layer.get(layer, (lo, hi))
-        per_layer[layer] = (min(a, lo), max(b, hi))
+    from ringnet.parallel.exchange import layer_param_ranges
+    per_layer = layer_param_ranges(model)
     return [(lo, hi, layer) for layer, (lo, hi) in sorted(per_layer.items(), reverse=True)]
 
 

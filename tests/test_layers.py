@@ -311,14 +311,7 @@ def test_pools_match_torch_ceil_mode(case):
     x = np.random.default_rng(14).normal(size=(b, c, h, w))
     for ours, theirs in [(MaxPool2d(k, s, p), torch.nn.MaxPool2d(k, s, p, ceil_mode=True)),
                          (AvgPool2d(k, s, p), torch.nn.AvgPool2d(k, s, p, ceil_mode=True))]:
-        y = ours.forward(x)
-        dy = np.random.default_rng(15).normal(size=y.shape)
-        xt = torch.tensor(x, requires_grad=True)
-        yt = theirs(xt)
-        yt.backward(torch.tensor(dy))
-        name = type(ours).__name__
-        np.testing.assert_allclose(y, yt.detach().numpy(), atol=1e-12, err_msg=name)
-        np.testing.assert_allclose(ours.backward(dy), xt.grad.numpy(), atol=1e-12, err_msg=name)
+        _pool_against_torch(ours, theirs, x, seed=15)
 
 
 @pytest.mark.gpu

@@ -1116,31 +1116,33 @@ def _calibrate_worker(iters):
             solo.append(_median_time(work, 1))
         idle_barrier()
         together.append(slowest(_median_time(work, 1)))
-    blocking = {}
-    for size in CALIBRATION_SIZES:
-        buf = np.ones(size // 4, np.float32)
-        samples = []
-        for _ in range(iters):
-            idle_barrier()
-            t0 = time.perf_counter()
-            ring.reduce_scatter(buf)
-            ring.allgather(buf)
-            samples.append(slowest(time.perf_counter() - t0))
-        blocking[size] = float(np.median(samples))
-    # the tree's and master's reduce + broadcast: their messages are fewer and larger
-    by_mode = {}
-    for mode, comm in rooted.items():
-        by_mode[mode] = {}
+    def sizes_timed(exchange):
+        """Median (over iters) of the slowest rank's time of ``exchange(buf)``, per size."""
+        times = {}
         for size in CALIBRATION_SIZES:
             buf = np.ones(size // 4, np.float32)
             samples = []
             for _ in range(iters):
                 idle_barrier()
                 t0 = time.perf_counter()
-                comm.reduce(buf, root=0)
-                comm.bcast(buf, root=0)
+                exchange(buf)
                 samples.append(slowest(time.perf_counter() - t0))
-            by_mode[mode][size] = float(np.median(samples))
+            times[size] = float(np.median(samples))
+        return times
+
+    def ring_allreduce(buf):
+        ring.reduce_scatter(buf)
+        ring.allgather(buf)
+
+    def rooted_allreduce(comm):
+        def run(buf):
+            comm.reduce(buf, root=0)
+            comm.bcast(buf, root=0)
+        return run
+
+    blocking = sizes_timed(ring_allreduce)
+    # the tree's and master's reduce + broadcast: their messages are fewer and larger
+    by_mode = {mode: sizes_timed(rooted_allreduce(comm)) for mode, comm in rooted.items()}
     stream = ring.new_stream()
     streamed = {}
     try:                                 # progress at layer boundaries, as the strategies do

@@ -39,7 +39,7 @@ from ringnet.optim import lookahead_k
 
 __all__ = ["LocalPlan", "ShardedPlan", "RootedPlan", "DelayedUpdate", "Lookahead",
            "COMPENSATIONS", "compensation", "BUCKET_BYTES", "bucket_bytes",
-           "backward_buckets"]
+           "backward_buckets", "layer_param_ranges"]
 
 # Delay-0 bucket size: a part is closed once it holds this many bytes of gradient.
 BUCKET_BYTES = 256 * 1024
@@ -58,6 +58,17 @@ def bucket_bytes():
     return int(value)
 
 
+def layer_param_ranges(model):
+    """Return {layer index: (lo, hi)}: where each layer's parameters lie in the flat buffer."""
+    index = {name: i for i, (name, _) in enumerate(model.layers)}
+    ranges = {}
+    for name, (lo, hi, _) in model.param_offsets().items():
+        layer = index[name.rsplit(".", 1)[0]]
+        a, b = ranges.get(layer, (lo, hi))
+        ranges[layer] = (min(a, lo), max(b, hi))
+    return ranges
+
+
 def backward_buckets(model, stop_layer, size_bytes):
     """Cut the parameters of ``model.layers[:stop_layer]`` into delay-0 buckets.
 
@@ -68,12 +79,7 @@ def backward_buckets(model, stop_layer, size_bytes):
     makes one bucket only (it would be ready only when the backward ends) and for
     ``size_bytes`` 0: the whole region is then exchanged after the backward.
     """
-    index = {name: i for i, (name, _) in enumerate(model.layers)}
-    ranges = {}
-    for name, (lo, hi, _) in model.param_offsets().items():
-        layer = index[name.rsplit(".", 1)[0]]
-        a, b = ranges.get(layer, (lo, hi))
-        ranges[layer] = (min(a, lo), max(b, hi))
+    ranges = layer_param_ranges(model)
     itemsize = np.dtype(model.dtype).itemsize
     buckets, current = [], None
     for layer in reversed(range(stop_layer)):
