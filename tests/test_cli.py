@@ -306,3 +306,20 @@ def test_gpu_script_without_a_gpu_exits_77():
     proc = run(["bash", "tests/gpu/run.sh"], timeout=120)
     assert proc.returncode == 77, proc.stderr
     assert "needs a CUDA GPU and CuPy" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("bench, args, needle", [
+    ("layers", ["--seed", "-1"], "--seed"), ("layers", ["--iters", "x"], "--iters"),
+    ("layers", ["--model", "nosuch"], "--model"),
+    ("comm", ["--sizes", ""], "--sizes"), ("comm", ["--chunk-bytes", "0"], "--chunk-bytes"),
+    ("comm", ["--dtype", "x"], "--dtype"),
+    ("scaling", ["--timeout", "inf"], "--timeout"), ("scaling", ["--modes", ","], "--modes"),
+    ("scaling", ["--csv", "/nonexistent/folder/s.csv"], "/nonexistent/folder"),
+    ("elastic", ["--timeout", "inf"], "--timeout"), ("elastic", ["--np", "x"], "--np"),
+    ("elastic", ["--mode", "nosuch"], "--mode"), ("elastic", ["--lr", "nan"], "--lr"),
+    ("elastic", ["--batch-size", "2"], "--batch-size"),
+])
+def test_bench_bad_values_are_one_line(bench, args, needle):
+    """A bad value of a benchmark flag is refused in one line before anything runs."""
+    proc = run([sys.executable, "-m", "ringnet.bench", bench, *args], timeout=60)
+    one_line_error(proc, needle)

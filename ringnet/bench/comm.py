@@ -6,7 +6,6 @@ it picked and says PASS or FAIL against its targets: at least TARGET_SMALL x nat
 below TARGET_SWITCH bytes and TARGET_LARGE x from there up. ``direct``, ``rd`` and ``rhd``
 rows force one of auto's algorithms (to measure its cost model).
 """
-import argparse
 import json
 import os
 import re
@@ -18,7 +17,7 @@ from mpi4py import MPI
 from ringnet.backend import cupy, to_numpy
 from ringnet.comm import COMMUNICATORS, create, make_transport
 from ringnet.comm.auto import ALGORITHMS as AUTO_ALGORITHMS, fit, thresholds
-from ringnet.errors import UsageError
+from ringnet.errors import ArgumentParser, UsageError
 
 __all__ = ["main", "parse_sizes", "bus_bandwidth", "repetitions", "target"]
 
@@ -68,7 +67,7 @@ def target(nbytes):
 
 
 def _parser():
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m ringnet.bench comm",
         description="Time all-reduce of ring/tree/master/auto communicators and the library's "
                     "own all-reduce, interleaved per iteration; run under mpirun.")
@@ -152,6 +151,10 @@ def main(argv=None):
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
     sizes = parse_sizes(args.sizes)
+    if not sizes:
+        raise UsageError(f"--sizes names no size, got {args.sizes!r}")
+    if args.chunk_bytes is not None and args.chunk_bytes < 1:
+        raise UsageError(f"--chunk-bytes must be >= 1, got {args.chunk_bytes}")
     if args.plot:
         from ringnet.bench.plot import check_writable
         from ringnet.errors import collective

@@ -22,28 +22,38 @@ import tempfile
 import time
 
 from ringnet.bench import run_json
-from ringnet.errors import UsageError
+from ringnet.bench.tables import markdown
+from ringnet.errors import ArgumentParser, UsageError
 
-__all__ = ["main", "rank_pids", "kill_rank_after_first_checkpoint"]
+__all__ = ["main", "rank_pids", "kill_rank_after_first_checkpoint", "markdown_tables"]
+
+
+def _modes():
+    from ringnet.parallel import MODES
+    return [m.name for m in MODES.values() if m.communicator is not None]
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m ringnet.bench elastic", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m ringnet.bench elastic", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, default=4, help="ranks (default 4)")
-    p.add_argument("--model", default="cifar10_quick")
-    p.add_argument("--dataset", default="synthetic")
-    p.add_argument("--mode", default="ring")
+    p.add_argument("--model", default="cifar10_quick", help="model to train (default cifar10_quick)")
+    p.add_argument("--dataset", default="synthetic", help="data set (default synthetic)")
+    p.add_argument("--mode", default="ring", choices=_modes(),
+                   help="parallel mode of every run (default ring)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
     p.add_argument("--every", type=int, default=10, help="--save-every K (default 10)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of part 1 (default 3)")
     p.add_argument("--kill-rank", type=int, default=1, help="rank killed in part 2 (default 1)")
     p.add_argument("--shrink", action="store_true", help="part 2 relaunches on fewer ranks")
-    p.add_argument("--lr", type=float, default=0.001)
+    p.add_argument("--lr", type=float, default=0.001,
+                   help="learning rate (default 0.001: no mode diverges in a timing run)")
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
                    help="launcher (default $MPIRUN or mpirun)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the two tables as Markdown, as the README shows them")
     return p
 
 
@@ -169,8 +179,13 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     if shutil.which(args.mpirun) is None:
         raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
-    if args.np < 2 or args.batch_size % args.np:
-        raise UsageError(f"--np must be >= 2 and divide --batch-size {args.batch_size}")
+    if args.np < 2 or args.batch_size < args.np or args.batch_size % args.np:
+        raise UsageError(f"--np must be >= 2 and divide --batch-size {args.batch_size}, "
+                         f"got --np {args.np}")
+    if not 0 < args.lr < float("inf"):
+        raise UsageError(f"--lr must be a positive number, got {args.lr}")
+    if not 0 < args.timeout < float("inf"):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if not 0 <= args.kill_rank < args.np:
         raise UsageError(f"--kill-rank must be in [0, {args.np})")
     if args.every < 1 or args.steps <= 2 * args.every:
@@ -180,6 +195,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="ringnet-bench-elastic-") as tmp:
         rows, size = save_cost(args, tmp)
         failure = lost_rank(args, tmp)
+    if args.markdown:
+        print(markdown_tables(args, rows, size, failure))
+        return 0
     print(f"# model {args.model}, {args.mode} on {args.np} ranks, global batch {args.batch_size}, "
           f"{args.steps} steps, --save-every {args.every} (checkpoint {size / 1e6:.2f} MB), "
           f"median of {args.repeats} interleaved rounds")
@@ -188,9 +206,37 @@ def main(argv=None):
         print(f"{name:>32} {train_s:>9.2f} {'-' if per_save is None else f'{per_save:.1f}':>12}")
     f = failure
     print(f"# rank {args.kill_rank} killed (SIGKILL) after the first checkpoint, "
-          f"python -m ringnet.launch -n {args.np}{' --shrink' if args.shrink else ''}")
+          f"{_launch_text(args)}")
     print(f"failed at step {f['failed_at']}, resumed from step {f['resumed_from']} on {f['ranks']} "
           f"ranks: {f['lost']} steps lost; training again {f['relaunch_s']:.1f} s after the "
           f"failure; whole run {f['elastic_s']:.1f} s against {f['uninterrupted_s']:.1f} s "
           f"uninterrupted")
     return 0
+
+
+def _launch_text(args):
+    return f"python -m ringnet.launch -n {args.np}{' --shrink' if args.shrink else ''}"
+
+
+# The rows of part 1 as the README words them (save_cost's names are the plain table's).
+_SAVE_LABELS = {"no periodic save": "none",
+                "rank 0 writes, others train on": "rank 0 writes in the background, all ranks train on",
+                "rank 0 writes, others wait": "rank 0 writes, the other ranks wait"}
+
+
+def markdown_tables(args, rows, size, failure):
+    """Return what ``--markdown`` prints: the save-cost table, a line saying which rank was
+    killed, and the table of what the relaunch cost."""
+    save = markdown(
+        [f"periodic save (every {args.every} steps)", "checkpoint", "training time", "cost per save"],
+        [[_SAVE_LABELS[name], "–" if per_save is None else f"{size / 1e6:.2f} MB",
+          f"{train_s:.2f} s", "–" if per_save is None else f"{per_save:.0f} ms"]
+         for name, train_s, per_save in rows])
+    f = failure
+    lost = markdown(
+        ["failed at step", "resumed from step", "on ranks", "steps lost",
+         "training again after the failure", "whole run", "uninterrupted run"],
+        [[f["failed_at"], f["resumed_from"], f["ranks"], f["lost"], f"{f['relaunch_s']:.1f} s",
+          f"{f['elastic_s']:.1f} s", f"{f['uninterrupted_s']:.1f} s"]])
+    return (f"{save}\n\nRank {args.kill_rank} killed (SIGKILL) after the first checkpoint, "
+            f"`{_launch_text(args)}` relaunching it:\n\n{lost}")

@@ -1,5 +1,4 @@
 """python -m ringnet.bench layers: per-layer and full-step times, optionally against PyTorch CPU."""
-import argparse
 import json
 import os
 import sys
@@ -16,7 +15,7 @@ if _PINNED:
 
 import numpy as np  # noqa: E402
 
-from ringnet.errors import UsageError  # noqa: E402
+from ringnet.errors import ArgumentParser, UsageError  # noqa: E402
 from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d,  # noqa: E402
                             ReLU)
 from ringnet.models import MODELS, build_model  # noqa: E402
@@ -181,11 +180,10 @@ def step_times(model, x, y, iters, vs_torch):
     return result
 
 
-def parse_args(argv):
-    """Parse the benchmark's flags."""
-    p = argparse.ArgumentParser(prog="python -m ringnet.bench layers",
-                                description="Per-layer forward/backward times and full training "
-                                            "steps (forward, loss, backward, SGD) on one BLAS thread.")
+def _parser():
+    p = ArgumentParser(prog="python -m ringnet.bench layers",
+                       description="Per-layer forward/backward times and full training "
+                                   "steps (forward, loss, backward, SGD) on one BLAS thread.")
     p.add_argument("--model", action="append", choices=sorted(MODELS),
                    help="model to time (repeatable; default: lenet and cifar10_quick)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per step (default 64)")
@@ -197,9 +195,16 @@ def parse_args(argv):
     p.add_argument("--json", action="store_true", help="print one JSON line instead of tables")
     p.add_argument("--markdown", action="store_true",
                    help="also print the step times as a Markdown table, as the README shows them")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    """Parse the benchmark's flags."""
+    args = _parser().parse_args(argv)
     if args.batch_size < 1 or args.iters < 1:
         raise UsageError("--batch-size and --iters must be >= 1")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
     if args.vs == "torch":
         _require_torch()
     return args

@@ -120,8 +120,14 @@ def _check(args):
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.lr is not None and (not args.lr > 0 or args.lr == float("inf")):
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be positive, got {args.timeout}")
+    if not 0 < args.timeout < float("inf"):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not [m for m in args.modes.split(",") if m.strip()]:
+        raise UsageError(f"--modes names no mode, got {args.modes!r}")
+    if args.csv:
+        folder = os.path.dirname(os.path.abspath(args.csv))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise UsageError(f"cannot write {args.csv}: folder {folder} does not exist or is not writable")
     delays = None
     if args.delays is not None:
         items = [d.strip() for d in args.delays.split(",") if d.strip()]
@@ -139,7 +145,7 @@ def main(argv=None):
         check_writable(args.plot)
     if shutil.which(args.mpirun) is None:
         raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
-    modes = [m for m in args.modes.split(",") if m]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     per_mode = default_delays()
     for m in modes:
         if m not in per_mode:
