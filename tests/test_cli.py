@@ -318,8 +318,17 @@ def test_gpu_script_without_a_gpu_exits_77():
     ("elastic", ["--timeout", "inf"], "--timeout"), ("elastic", ["--np", "x"], "--np"),
     ("elastic", ["--mode", "nosuch"], "--mode"), ("elastic", ["--lr", "nan"], "--lr"),
     ("elastic", ["--batch-size", "2"], "--batch-size"),
+    ("overlap", ["--timeout", "nan"], "--timeout"), ("overlap", ["--modes", ","], "--modes"),
 ])
 def test_bench_bad_values_are_one_line(bench, args, needle):
     """A bad value of a benchmark flag is refused in one line before anything runs."""
     proc = run([sys.executable, "-m", "ringnet.bench", bench, *args], timeout=60)
     one_line_error(proc, needle)
+
+
+def test_every_bench_refuses_a_bad_flag_in_one_line():
+    """Each benchmark's parser reports a wrong flag or value in one line (no usage dump)."""
+    from ringnet.bench.__main__ import COMMANDS
+    for bench in COMMANDS:
+        proc = run([sys.executable, "-m", "ringnet.bench", bench, "--no-such-flag"], timeout=60)
+        one_line_error(proc, "--no-such-flag", f"python -m ringnet.bench {bench} --help")

@@ -15,7 +15,7 @@ import shutil
 import sys
 
 from ringnet.bench.scaling import run_config
-from ringnet.errors import USER_ERRORS, UsageError
+from ringnet.errors import USER_ERRORS, ArgumentParser, UsageError
 
 __all__ = ["main", "parse_runs", "DEFAULT_RUNS"]
 
@@ -54,8 +54,8 @@ def parse_runs(text, np_):
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m ringnet.bench curves", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m ringnet.bench curves", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="lenet")
     p.add_argument("--dataset", default="fashion-mnist")
     p.add_argument("--epochs", type=int, default=10, help="epochs per run (default 10)")

@@ -45,7 +45,7 @@ import numpy as np
 
 from ringnet.data import ShardedLoader, iterate_eval, open_dataset
 from ringnet.data.datasets import Split
-from ringnet.errors import UsageError
+from ringnet.errors import ArgumentParser, UsageError
 from ringnet.models import MODELS, build_model
 from ringnet.optim import SGD, LRPolicy
 
@@ -249,8 +249,8 @@ def _speed_report(title, times):
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m ringnet.bench delay", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m ringnet.bench delay", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="digits")
     p.add_argument("--dataset", default="digits")
     p.add_argument("--variants", default="single,none,lookahead",

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from ringnet.errors import InputError, UsageError
+from ringnet.errors import ArgumentParser, InputError, UsageError
 
 __all__ = ["Case", "Outcome", "all_cases", "quick_cases", "prepare", "run_case", "main"]
 
@@ -414,8 +414,8 @@ def markdown_table(outcomes):
 
 # -- command line ----------------------------------------------------------------------
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m ringnet.bench faults", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m ringnet.bench faults", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="only the CI subset")
     p.add_argument("--filter", default=None, metavar="TEXT", help="only cases whose name contains TEXT")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,

@@ -64,7 +64,7 @@ from ringnet.bench.layers import layer_times  # first: pins BLAS threads before 
 import numpy as np  # noqa: E402
 
 from ringnet.bench import run_json  # noqa: E402
-from ringnet.errors import UsageError  # noqa: E402
+from ringnet.errors import ArgumentParser, UsageError  # noqa: E402
 from ringnet.models import MODELS, build_model  # noqa: E402
 
 __all__ = ["Link", "LINKS", "GPUS", "System", "ComputeProfile", "measure_compute",
@@ -1453,9 +1453,9 @@ def plot(rows, path, title):
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m ringnet.bench model",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m ringnet.bench model",
+                       description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma list of models")
     p.add_argument("--np", type=int, nargs="+", default=list(DEFAULT_NP), help="rank counts")
     p.add_argument("--profile", action="append",

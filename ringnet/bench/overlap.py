@@ -93,7 +93,11 @@ def main(argv=None):
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.np < 2 or args.batch_size % args.np:
         raise UsageError(f"--np must be >= 2 and divide --batch-size {args.batch_size}, got {args.np}")
-    modes = [m for m in args.modes.split(",") if m]
+    if not 0 < args.timeout < float("inf"):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        raise UsageError(f"--modes names no mode, got {args.modes!r}")
     for m in modes:
         if m not in MODES:
             raise UsageError(f"unknown mode {m!r} in --modes; choose from {', '.join(MODES)}")
