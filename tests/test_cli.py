@@ -332,3 +332,21 @@ def test_every_bench_refuses_a_bad_flag_in_one_line():
     for bench in COMMANDS:
         proc = run([sys.executable, "-m", "ringnet.bench", bench, "--no-such-flag"], timeout=60)
         one_line_error(proc, "--no-such-flag", f"python -m ringnet.bench {bench} --help")
+
+
+def test_every_bench_flag_has_help_with_its_default():
+    """`python -m ringnet.bench NAME --help` explains every flag and names every default."""
+    import argparse
+    import importlib
+    from ringnet.bench.__main__ import COMMANDS
+    missing = []
+    for bench, (module, _) in COMMANDS.items():
+        for a in importlib.import_module(module)._parser()._actions:
+            if not a.option_strings or a.help == argparse.SUPPRESS or \
+                    isinstance(a, argparse._HelpAction):
+                continue
+            switch = isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+            if not a.help or (not switch and a.default is not None and a.default is not False
+                              and "default" not in a.help):
+                missing.append(f"{bench} {a.option_strings[-1]}")
+    assert not missing, missing

@@ -75,11 +75,14 @@ def _parser():
                         help=f"comma list of {','.join(ALGOS)} (default: all), or "
                              f"{','.join(FORCED)} (auto forced to that algorithm)")
     parser.add_argument("--sizes", default="8,1K,64K,1M,4M,16M,64M",
-                        help="comma list of byte sizes (K/M/G suffixes) or MIN:MAX doubling")
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations per size (median)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
-    parser.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
-    parser.add_argument("--transport", default="auto", choices=("auto", "mpi", "nccl"))
+                        help="comma list of byte sizes (K/M/G suffixes) or MIN:MAX doubling "
+                             "(default 8,1K,64K,1M,4M,16M,64M)")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per size, median reported (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per size (default 2)")
+    parser.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"),
+                        help="element type of the reduced buffers (default float32)")
+    parser.add_argument("--transport", default="auto", choices=("auto", "mpi", "nccl"),
+                        help="how bytes move, as train's --transport (default auto)")
     parser.add_argument("--chunk-bytes", type=int, default=None,
                         help="ring, tree, master: cut transfers into pieces of this many bytes "
                              "(pipelined; tree and master pick a size by default)")

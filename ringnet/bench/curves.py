@@ -56,8 +56,8 @@ def parse_runs(text, np_):
 def _parser():
     p = ArgumentParser(prog="python -m ringnet.bench curves", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="lenet")
-    p.add_argument("--dataset", default="fashion-mnist")
+    p.add_argument("--model", default="lenet", help="model to train (default lenet)")
+    p.add_argument("--dataset", default="fashion-mnist", help="data set (default fashion-mnist)")
     p.add_argument("--epochs", type=int, default=10, help="epochs per run (default 10)")
     p.add_argument("--np", type=int, default=2, help="ranks of every parallel run (default 2)")
     p.add_argument("--runs", default=DEFAULT_RUNS,
@@ -67,12 +67,13 @@ def _parser():
                    help="steps between test evaluations (default: a quarter epoch)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the model's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     p.add_argument("--data-dir", default=None, help="folder holding <name>.h5 data sets")
-    p.add_argument("--transport", default="auto")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
-    p.add_argument("--timeout", type=float, default=7200, help="seconds per run before it is killed")
+    p.add_argument("--transport", default="auto", help="train's --transport (default auto)")
+    p.add_argument("--device", default="cpu", help="train's --device (default cpu)")
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
+                   help="launcher (default $MPIRUN or mpirun)")
+    p.add_argument("--timeout", type=float, default=7200, help="seconds per run before it is killed (default 7200)")
     p.add_argument("--csv", default="curves.csv", help="output CSV (default curves.csv)")
     p.add_argument("--plot", default="curves.png", help="output PNG (default curves.png; '' for none)")
     return p

@@ -251,18 +251,19 @@ def _speed_report(title, times):
 def _parser():
     p = ArgumentParser(prog="python -m ringnet.bench delay", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="digits")
-    p.add_argument("--dataset", default="digits")
+    p.add_argument("--model", default="digits", help="model to train (default digits)")
+    p.add_argument("--dataset", default="digits", help="data set (default digits)")
     p.add_argument("--variants", default="single,none,lookahead",
                    help="comma list (default %(default)s)")
-    p.add_argument("--lr", type=float, nargs="+", default=[0.01])
-    p.add_argument("--momentum", type=float, nargs="+", default=[0.9])
-    p.add_argument("--weight-decay", type=float, default=5e-4)
-    p.add_argument("--epochs", type=float, default=1)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, nargs="+", default=[0.01],
+                   help="learning rates; every one is run with every --momentum (default 0.01)")
+    p.add_argument("--momentum", type=float, nargs="+", default=[0.9], help="momenta (default 0.9)")
+    p.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay (default 0.0005)")
+    p.add_argument("--epochs", type=float, default=1, help="epochs per run (default 1)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds; one run each (default 0)")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     p.add_argument("--subset", type=int, default=None, help="train on the first N images only")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help="folder holding <name>.h5 data sets (default: train's)")
     p.add_argument("--json", action="store_true", help="one JSON line per run instead of the table")
     p.add_argument("--speed", action="store_true",
                    help="time the delay-1 step with none and lookahead, interleaved, and print the ratio")
@@ -270,7 +271,8 @@ def _parser():
     p.add_argument("--repeats", type=int, default=6, help="--speed: rounds per variant (default 6)")
     p.add_argument("--np", type=int, nargs="+", default=[1, 2],
                    help="--speed: rank counts to time ring --delay 1 at (default 1 2)")
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
+                   help="launcher (default $MPIRUN or mpirun)")
     return p
 
 

@@ -51,7 +51,7 @@ def _parser():
                    help="learning rate (default 0.001: no mode diverges in a timing run)")
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
                    help="launcher (default $MPIRUN or mpirun)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed (default 600)")
     p.add_argument("--markdown", action="store_true",
                    help="print the two tables as Markdown, as the README shows them")
     return p

@@ -420,7 +420,8 @@ def _parser():
     p.add_argument("--filter", default=None, metavar="TEXT", help="only cases whose name contains TEXT")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help=f"RINGNET_COMM_TIMEOUT of the runs, seconds (default {DEFAULT_TIMEOUT:g})")
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"))
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
+                   help="launcher (default $MPIRUN or mpirun)")
     p.add_argument("--list", action="store_true", help="print the case names and exit")
     p.add_argument("--json", action="store_true", help="print one JSON line per case")
     p.add_argument("--markdown", action="store_true",

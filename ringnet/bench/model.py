@@ -1456,8 +1456,8 @@ def _parser():
     p = ArgumentParser(prog="python -m ringnet.bench model",
                        description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma list of models")
-    p.add_argument("--np", type=int, nargs="+", default=list(DEFAULT_NP), help="rank counts")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma list of models (default %(default)s)")
+    p.add_argument("--np", type=int, nargs="+", default=list(DEFAULT_NP), help="rank counts (default 1 2 4 ... 1024)")
     p.add_argument("--profile", action="append",
                    help=f"INTRA[/INTER] link profile from {', '.join(LINKS)}, or local "
                         f"(calibrated here); repeatable (default: {', '.join(DEFAULT_PROFILES)})")
@@ -1472,7 +1472,8 @@ def _parser():
     p.add_argument("--scaling", choices=("weak", "strong"), default="weak",
                    help="weak: the batch per rank stays fixed (Caffe's multi-GPU convention); "
                         "strong: the global batch stays fixed (default weak)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64"),
+                   help="type of weights and activations (default float32)")
     p.add_argument("--calibrate", action="store_true",
                    help="calibrate profile local here (mpirun at N=2 and 4, about 30 s)")
     p.add_argument("--calibration", metavar="FILE",

@@ -37,7 +37,8 @@ def _parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, nargs="+", default=[1, 2], help="rank counts (default 1 2)")
     p.add_argument("--modes", default="ring,tree,master",
-                   help=f"comma list of {', '.join(default_delays())} (single at N=1 is always run)")
+                   help=f"comma list of {', '.join(default_delays())} (default ring,tree,master; "
+                        "single at N=1 is always run)")
     p.add_argument("--delays", default=None,
                    help=f"comma list of delays for every mode (default: {_delays_text()})")
     p.add_argument("--model", default="cifar10_quick", help="model to train (default cifar10_quick)")
@@ -61,7 +62,7 @@ def _parser():
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} instead of the table')
     p.add_argument("--markdown", action="store_true",
                    help="print the table as Markdown, as the README shows it")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed (default 600)")
     g = p.add_argument_group("time to accuracy")
     g.add_argument("--to-accuracy", type=float, default=None, metavar="A",
                    help="train each configuration for up to --epochs, evaluating the test set every "
