@@ -139,6 +139,8 @@ class TrainConfig:
             raise UsageError(f"--eval-every must be >= 0, got {cfg.eval_every}")
         if cfg.check_every < 0:
             raise UsageError(f"--check-every must be >= 0, got {cfg.check_every}")
+        if cfg.seed < 0:
+            raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
         if cfg.batch_size % world_size:
             raise UsageError(f"--batch-size {cfg.batch_size} (the global batch) is not divisible "
                              f"by the {world_size} ranks; choose a multiple of {world_size}")

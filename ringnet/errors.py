@@ -317,7 +317,12 @@ def _print_error(message):
         sys.stdout.flush()
     except (OSError, ValueError):
         pass
-    print(f"ringnet: error: {message}", file=sys.stderr, flush=True)
+    print(f"ringnet: error: {_one_line(message)}", file=sys.stderr, flush=True)
+
+
+def _one_line(message):
+    """``message`` on one line: library messages (h5py's, MPI's) may hold newlines."""
+    return " ".join(str(message).split())
 
 
 def abort(message=None, code=EXIT_FAILURE):
@@ -325,7 +330,7 @@ def abort(message=None, code=EXIT_FAILURE):
     comm = _world()
     if message:
         prefix = f"[rank {comm.Get_rank()}] " if comm is not None and comm.Get_size() > 1 else ""
-        print(f"{prefix}ringnet: error: {message}", file=sys.stderr, flush=True)
+        print(f"{prefix}ringnet: error: {_one_line(message)}", file=sys.stderr, flush=True)
     if comm is not None and comm.Get_size() > 1:
         # The launcher kills every process as soon as it learns of the abort; give its
         # forwarding of this rank's stderr a moment so the one line that explains the

@@ -350,3 +350,13 @@ def test_every_bench_flag_has_help_with_its_default():
                               and "default" not in a.help):
                 missing.append(f"{bench} {a.option_strings[-1]}")
     assert not missing, missing
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--resume", "/"], "checkpoint / is not a readable HDF5 file"),
+])
+def test_train_bad_values_are_one_line(args, needle):
+    """A negative seed and a checkpoint path that is a folder: one line (h5py's message spans
+    lines; the error line joins them), exit 2."""
+    one_line_error(train_cli("--steps", "1", *args, timeout=120), needle)
