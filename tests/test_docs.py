@@ -431,6 +431,22 @@ def test_every_readme_table_is_printed_by_the_command_above_it():
     assert seen == set(STATIC) | set(NOT_GENERATED), "stale STATIC / NOT_GENERATED entries"
 
 
+def test_table_check_covers_every_table_a_command_prints(monkeypatch):
+    """A command that prints two tables: the README must show both, with the command's line
+    between them; a missing table, another line or another column fails."""
+    printed = "| a | b |\n|---|---|\n| x | 1 |\n\nThen 2 more:\n\n| c |\n|---|\n| 3 |\n"
+    monkeypatch.setitem(globals(), "_table_output", lambda command, tmp_path: printed)
+    command = "python -m ringnet.bench fake --markdown"
+    good = (f"Intro.\n\n`{command}` printed:\n\n| a | b |\n|---|---|\n| x | 5 |\n\n"
+            "Then 7 more:\n\n| c |\n|---|\n| 4 |\n\nAfter.\n")
+    readme_table(command, None, text=good)
+    for bad in (good.split("\n\nThen")[0] + "\n",
+                good.replace("Then 7 more", "Then more"),
+                good.replace("| c |", "| d |")):
+        with pytest.raises(AssertionError):
+            readme_table(command, None, text=bad)
+
+
 def test_table_check_fails_on_a_changed_column():
     """The format check can fail: a README header or a row label that the command does not
     print is caught."""

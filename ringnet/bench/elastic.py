@@ -238,5 +238,5 @@ def markdown_tables(args, rows, size, failure):
          "training again after the failure", "whole run", "uninterrupted run"],
         [[f["failed_at"], f["resumed_from"], f["ranks"], f["lost"], f"{f['relaunch_s']:.1f} s",
           f"{f['elastic_s']:.1f} s", f"{f['uninterrupted_s']:.1f} s"]])
-    return (f"{save}\n\nRank {args.kill_rank} killed (SIGKILL) after the first checkpoint, "
-            f"`{_launch_text(args)}` relaunching it:\n\n{lost}")
+    return (f"{save}\n\nRank {args.kill_rank} killed (SIGKILL) after the first checkpoint; "
+            f"`{_launch_text(args)}` relaunched the job:\n\n{lost}")
