@@ -77,8 +77,10 @@ def _parser():
     parser.add_argument("--sizes", default="8,1K,64K,1M,4M,16M,64M",
                         help="comma list of byte sizes (K/M/G suffixes) or MIN:MAX doubling "
                              "(default 8,1K,64K,1M,4M,16M,64M)")
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations per size, median reported (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per size (default 2)")
+    parser.add_argument("--iters", type=int, default=10,
+                        help="timed iterations per size, median reported (default 10)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed iterations per size (default 2)")
     parser.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"),
                         help="element type of the reduced buffers (default float32)")
     parser.add_argument("--transport", default="auto", choices=("auto", "mpi", "nccl"),

@@ -73,7 +73,8 @@ def _parser():
     p.add_argument("--device", default="cpu", help="train's --device (default cpu)")
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
                    help="launcher (default $MPIRUN or mpirun)")
-    p.add_argument("--timeout", type=float, default=7200, help="seconds per run before it is killed (default 7200)")
+    p.add_argument("--timeout", type=float, default=7200,
+                   help="seconds per run before it is killed (default 7200)")
     p.add_argument("--csv", default="curves.csv", help="output CSV (default curves.csv)")
     p.add_argument("--plot", default="curves.png", help="output PNG (default curves.png; '' for none)")
     return p

@@ -260,10 +260,12 @@ def _parser():
     p.add_argument("--momentum", type=float, nargs="+", default=[0.9], help="momenta (default 0.9)")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay (default 0.0005)")
     p.add_argument("--epochs", type=float, default=1, help="epochs per run (default 1)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds; one run each (default 0)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0],
+                   help="seeds; one run each (default 0)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     p.add_argument("--subset", type=int, default=None, help="train on the first N images only")
-    p.add_argument("--data-dir", default=None, help="folder holding <name>.h5 data sets (default: train's)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding <name>.h5 data sets (default: train's)")
     p.add_argument("--json", action="store_true", help="one JSON line per run instead of the table")
     p.add_argument("--speed", action="store_true",
                    help="time the delay-1 step with none and lookahead, interleaved, and print the ratio")

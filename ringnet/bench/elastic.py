@@ -37,21 +37,24 @@ def _parser():
     p = ArgumentParser(prog="python -m ringnet.bench elastic", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, default=4, help="ranks (default 4)")
-    p.add_argument("--model", default="cifar10_quick", help="model to train (default cifar10_quick)")
+    p.add_argument("--model", default="cifar10_quick",
+                   help="model to train (default cifar10_quick)")
     p.add_argument("--dataset", default="synthetic", help="data set (default synthetic)")
     p.add_argument("--mode", default="ring", choices=_modes(),
                    help="parallel mode of every run (default ring)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
     p.add_argument("--every", type=int, default=10, help="--save-every K (default 10)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of part 1 (default 3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved rounds of part 1 (default 3)")
     p.add_argument("--kill-rank", type=int, default=1, help="rank killed in part 2 (default 1)")
     p.add_argument("--shrink", action="store_true", help="part 2 relaunches on fewer ranks")
     p.add_argument("--lr", type=float, default=0.001,
                    help="learning rate (default 0.001: no mode diverges in a timing run)")
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
                    help="launcher (default $MPIRUN or mpirun)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed (default 600)")
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds per run before it is killed (default 600)")
     p.add_argument("--markdown", action="store_true",
                    help="print the two tables as Markdown, as the README shows them")
     return p

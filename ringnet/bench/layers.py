@@ -192,7 +192,8 @@ def _parser():
                    help="type of weights and activations (default float32)")
     p.add_argument("--vs", choices=["torch"], help="also time the same net in PyTorch CPU, "
                                                    "interleaved step by step, and report the ratio")
-    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the weights and the batch (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of tables")
     p.add_argument("--markdown", action="store_true",
                    help="also print the step times as a Markdown table, as the README shows them")

@@ -1456,8 +1456,10 @@ def _parser():
     p = ArgumentParser(prog="python -m ringnet.bench model",
                        description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma list of models (default %(default)s)")
-    p.add_argument("--np", type=int, nargs="+", default=list(DEFAULT_NP), help="rank counts (default 1 2 4 ... 1024)")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help="comma list of models (default %(default)s)")
+    p.add_argument("--np", type=int, nargs="+", default=list(DEFAULT_NP),
+                   help="rank counts (default 1 2 4 ... 1024)")
     p.add_argument("--profile", action="append",
                    help=f"INTRA[/INTER] link profile from {', '.join(LINKS)}, or local "
                         f"(calibrated here); repeatable (default: {', '.join(DEFAULT_PROFILES)})")

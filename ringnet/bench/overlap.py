@@ -52,7 +52,8 @@ def _parser():
     p.add_argument("--lr", type=float, default=0.001, help="learning rate (default 0.001)")
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
                    help="launcher (default $MPIRUN or mpirun)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed (default 600)")
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds per run before it is killed (default 600)")
     return p
 
 

@@ -41,7 +41,8 @@ def _parser():
                         "single at N=1 is always run)")
     p.add_argument("--delays", default=None,
                    help=f"comma list of delays for every mode (default: {_delays_text()})")
-    p.add_argument("--model", default="cifar10_quick", help="model to train (default cifar10_quick)")
+    p.add_argument("--model", default="cifar10_quick",
+                   help="model to train (default cifar10_quick)")
     p.add_argument("--dataset", default="synthetic", help="data set (default synthetic)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
@@ -62,7 +63,8 @@ def _parser():
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} instead of the table')
     p.add_argument("--markdown", action="store_true",
                    help="print the table as Markdown, as the README shows it")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed (default 600)")
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds per run before it is killed (default 600)")
     g = p.add_argument_group("time to accuracy")
     g.add_argument("--to-accuracy", type=float, default=None, metavar="A",
                    help="train each configuration for up to --epochs, evaluating the test set every "
