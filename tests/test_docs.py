@@ -581,6 +581,8 @@ COMMANDS = {
         "the same launcher flags as the ringnet.launch example, which the elastic tests run",
     "python -m ringnet.bench elastic --np 4 --model cifar10_quick --dataset synthetic --steps 40 "
     "--every 10 --markdown": readme_table,
+    "python -m ringnet.launch -n 4": "the relauncher bench elastic ran, named in the line it prints "
+                                     "between its tables (checked with them)",
     'python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc '
     '--model cifar10_quick --dataset synthetic --device auto --csv "scaling-${SLURM_JOB_ID}.csv" '
     '"$@"': bench_scaling,
