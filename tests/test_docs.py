@@ -328,8 +328,9 @@ NOT_GENERATED = {
 
 
 def _shape(cell):
-    """A cell with every number replaced by 9: what a re-run keeps while the figures vary."""
-    return re.sub(r"\d[\d,]*(\.\d+)?", "9", cell)
+    """A cell with every number (sign included) replaced by 9: what a re-run keeps while the
+    figures vary."""
+    return re.sub(r"-?\d[\d,]*(\.\d+)?", "9", cell)     # a noisy difference may be negative
 
 
 def _readme_table_of(command):
