@@ -97,6 +97,33 @@ def test_auto_uses_the_algorithm_its_model_picks(transport):
         assert used[8] in ("direct", "rd") and used[8 << 20] in ("ring", "rhd"), used
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 4000, 8])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_lean_path_sums_as_the_transport_path(transport, algorithm, chunk_bytes):
+    """Off a stream auto calls MPI directly; on a stream it goes through the transport's
+    transfers. Both must give the same bits (same order of additions) and count the same
+    bytes, in pieces too (``chunk_bytes``; 8 bytes: one float64 per piece)."""
+    length = 30011 if chunk_bytes != 8 else 3 * N + 2
+    comm = AutoCommunicator(transport, algorithm=algorithm, chunk_bytes=chunk_bytes)
+    lean = randoms(length, RANK, np.float64)
+    generic = lean.copy()
+    exact = integers(length, RANK)
+    before = transport.bytes_sent, transport.bytes_recv
+    comm.allreduce(lean)
+    lean_bytes = transport.bytes_sent - before[0], transport.bytes_recv - before[1]
+    comm.allreduce(exact)
+    stream = comm.new_stream()
+    before = transport.bytes_sent, transport.bytes_recv
+    comm.allreduce(generic, stream=stream).wait(timeout=120)
+    generic_bytes = transport.bytes_sent - before[0], transport.bytes_recv - before[1]
+    stream.close()
+    identical = same_on_every_rank(lean)
+    np.testing.assert_array_equal(exact, exact_sum(length), err_msg=f"{algorithm} {chunk_bytes}")
+    np.testing.assert_array_equal(lean, generic, err_msg=f"{algorithm} {chunk_bytes} rank {RANK}")
+    assert lean_bytes == generic_bytes
+    assert identical
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_auto_on_a_stream_and_a_sub_communicator(algorithm):
     sub = WORLD.Split(RANK % 2, RANK)
