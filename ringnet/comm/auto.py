@@ -429,7 +429,7 @@ class _Lean:
             ka, kb = blocks[keep[0]][0], blocks[keep[1] - 1][1]
             ga, gb = blocks[give[0]][0], blocks[give[1] - 1][1]
             if distance == 1:                    # the last step: each piece goes back at once
-                self.reduce_and_return(buf, partner, (ka, kb), (ga, gb), inc)
+                self.reduce_and_pass(buf[ga:gb], partner, partner, buf[ka:kb], buf[ga:gb], inc)
             else:
                 self.exchange_add(buf[ga:gb], partner, buf[ka:kb], inc)
                 steps.append((partner, (ka, kb), (ga, gb)))
@@ -438,19 +438,19 @@ class _Lean:
         for partner, (ka, kb), (ga, gb) in reversed(steps):   # all-gather: the mirror image
             self.exchange(buf[ka:kb], partner, buf[ga:gb], partner)
 
-    def reduce_and_return(self, buf, partner, keep, give, inc):
-        """Last halving step and first doubling step with one partner, fused piece by piece:
-        give[j] goes out, keep[j] += what came back, keep[j] goes out, give[j] comes back."""
-        mine, theirs = buf[keep[0]:keep[1]], buf[give[0]:give[1]]
-        length = mine.size
-        pieces = _cut(max(length, theirs.size), buf.itemsize, self.piece_bytes)
+    def reduce_and_pass(self, send, to, source, target, refill, inc):
+        """A last reduce step fused with the first gather step, piece by piece: ``send``
+        goes to ``to``, what ``source`` sends is added into ``target``, each finished piece
+        of ``target`` goes to ``to`` at once and ``refill`` is filled from ``source``."""
+        length = target.size
+        pieces = _cut(max(length, send.size, refill.size), target.itemsize, self.piece_bytes)
         if len(pieces) == 1:
-            self.exchange_add(theirs, partner, mine, inc)
-            self.exchange(mine, partner, theirs, partner)
+            self.exchange_add(send, source, target, inc, to=to)
+            self.exchange(target, to, refill, source)
             return
 
         def reduce_piece(a, b):
-            return self.post(theirs[a:b], partner, inc[a:min(b, length)], partner, [])
+            return self.post(send[a:b], to, inc[a:min(b, length)], source, [])
 
         back = []
         pending = reduce_piece(*pieces[0])
@@ -458,12 +458,12 @@ class _Lean:
             arriving = pending
             if j + 1 < len(pieces):
                 pending = reduce_piece(*pieces[j + 1])
-            self.wait(arriving, partner)
-            b2 = min(b, length)
-            if a < b2:
-                np.add(mine[a:b2], inc[a:b2], out=mine[a:b2])
-            self.post(mine[a:b], partner, theirs[a:b], partner, back)
-        self.wait(back, partner)
+            self.wait(arriving, source)
+            end = min(b, length)
+            if a < end:
+                np.add(target[a:end], inc[a:end], out=target[a:end])
+            self.post(target[a:b], to, refill[a:b], source, back)
+        self.wait(back, source)
 
     def direct(self, buf):
         n, r, length = self.n, self.rank, buf.size
@@ -493,11 +493,13 @@ class _Lean:
         n, r = self.n, self.rank
         bounds = shard_bounds(buf.size, n)
         inc = self._space(buf, max(b - a for a, b in bounds))
-        for k in range(n - 1):          # reduce-scatter, as RingCommunicator
-            sa, sb = bounds[(r - k - 1) % n]
-            ra, rb = bounds[(r - k - 2) % n]
-            self.exchange_add(buf[sa:sb], self.left, buf[ra:rb], inc, to=self.right)
-        for k in range(n - 1):          # all-gather
-            sa, sb = bounds[(r - k) % n]
-            ra, rb = bounds[(r - k - 1) % n]
-            self.exchange(buf[sa:sb], self.right, buf[ra:rb], self.left)
+
+        def shard(i):
+            a, b = bounds[i % n]
+            return buf[a:b]
+        for k in range(n - 2):          # reduce-scatter, as RingCommunicator
+            self.exchange_add(shard(r - k - 1), self.left, shard(r - k - 2), inc, to=self.right)
+        # its last step (own shard complete) fused with the all-gather's first (own shard out)
+        self.reduce_and_pass(shard(r + 1), self.right, self.left, shard(r), shard(r - 1), inc)
+        for k in range(1, n - 1):       # the rest of the all-gather
+            self.exchange(shard(r - k), self.right, shard(r - k - 1), self.left)
