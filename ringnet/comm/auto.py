@@ -18,15 +18,26 @@ at once and sums all N in rank order (one round, but N-1 messages to post and po
 after. ``ring``: :class:`~ringnet.comm.ring.RingCommunicator`.
 
 The choice minimises the alpha-beta-gamma cost ``messages * ALPHA + sent * BETA +
-added * GAMMA`` of the table (:func:`cost`). ALPHA is the cost of one message in Python
-(posting, polling, the peer being scheduled: it dwarfs the wire latency, so messages
-posted together still cost one ALPHA each), BETA of a byte moved, GAMMA of a byte added. ``python -m ringnet.bench comm --algos auto,native,direct,rd,rhd,ring --fit`` fits
-them to measured rows; with MPI on one quiet host it gave alpha 19-25 us, beta 0.04-0.25
-ns/B, gamma 0.19-0.41 ns/B at N = 2, 3, 4, which the constants below round. Their switch
-points (:func:`thresholds`, printed by the benchmark): rd up to 333 KB then rhd (= the
-ring's cost) at N = 2; direct up to 136 KB then ring at N = 3; rd up to 160 KB then rhd
-at N = 4. Every rank computes the same choice from (n, N) alone; ties go to the earlier
-of :data:`ALGORITHMS`.
+added * GAMMA`` of the table (:func:`cost`). ALPHA is the cost of one message (posting and
+polling it from Python, the peer being scheduled: it dwarfs the wire latency, so messages
+posted together still cost one ALPHA each), BETA of a byte moved, GAMMA of a byte added.
+``python -m ringnet.bench comm --algos auto,native,direct,rd,rhd,ring --fit`` fits them
+to measured rows. Their switch points (:func:`thresholds`, printed by the benchmark) at
+the constants below: rd up to 32 KB then rhd (= the ring's cost) at N = 2; direct up to
+16 KB then ring at N = 3; rd up to 18 KB then rhd at N = 4. Every rank computes the same
+choice from (n, N) alone; ties go to the earlier of :data:`ALGORITHMS`.
+
+**Two paths.** Called without a stream on a NumPy buffer over the MPI transport, auto runs
+its algorithm straight on mpi4py (the lean path, :class:`_Lean`): Irecv/Isend on views of
+the caller's buffer, ``numpy.add(..., out=)`` into it, one preallocated scratch buffer per
+dtype, a short MPI_Testall spin before the transport's own wait (which yields the core and
+keeps the transfer deadline). A message then costs ~1-2 us of Python instead of the ~20 us
+of the generic path (a transfer object, trace span and checks per message), against 3-5 us
+for a whole MPI_Allreduce of a few bytes. On a stream, with CuPy buffers, over NCCL or
+while a trace records, auto goes through the transport's transfers like the other
+communicators. Both paths add in the same order and count the same bytes (tested). The
+lean ``rhd`` and ``ring`` fuse their last reduce step with the first gather step, and
+``chunk_bytes`` cuts their steps into pipelined pieces (none by default: see :func:`_cut`).
 
 Every algorithm leaves bit-identical results on all ranks: ``direct`` sums in rank order
 everywhere; in ``rd`` and ``rhd`` both partners of an exchange compute ``x + y`` (float
@@ -44,9 +55,9 @@ __all__ = ["AutoCommunicator", "ALGORITHMS", "terms", "cost", "fit", "choose", "
 
 ALGORITHMS = ("rd", "direct", "rhd", "ring")
 
-ALPHA = 25e-6           # s per message
+ALPHA = 4e-6            # s per message (the lean path)
 BETA = 0.25e-9          # s per byte sent (4 GB/s)
-GAMMA = 0.15e-9         # s per byte added (~7 GB/s, one core)
+GAMMA = 0.25e-9         # s per byte added (4 GB/s: two reads and a write, one core)
 
 
 def _pow2_below(n):
@@ -271,19 +282,18 @@ class AutoCommunicator(CommunicatorBase):
 # then sleeps, and raises CommTimeoutError at its deadline). A small message completes
 # within a few polls; the spin is short enough that ranks sharing a core still run.
 LEAN_SPINS = 64
-# Steps of at least PIECE_MIN_BYTES move in pieces of PIECE_BYTES: the next piece is on
-# the wire while this one is added (and, in the last halving step, sent back at once).
-PIECE_BYTES = 256 << 10
-PIECE_MIN_BYTES = 1 << 20
 
 
 def _cut(length, itemsize, piece_bytes=None):
-    """Element ranges of one step: ``piece_bytes`` pieces, or by default one range below
-    PIECE_MIN_BYTES and PIECE_BYTES pieces from there."""
+    """Element ranges of one step: pieces of ``piece_bytes`` (None: the whole step).
+
+    Pieces let piece j+1 travel while piece j is added (and, in a fused last step, sent
+    on), but every piece is one more meeting of two ranks: on 2 shared cores under load,
+    pieces of 128 KiB-1 MiB measured 0.2-0.9x the whole step at 16-64 MiB (N = 2, 4), so
+    by default steps move whole (``chunk_bytes`` cuts them).
+    """
     if piece_bytes is None:
-        if length * itemsize < PIECE_MIN_BYTES:
-            return [(0, length)]
-        piece_bytes = PIECE_BYTES
+        return [(0, length)]
     step = max(1, piece_bytes // itemsize)
     return [(a, min(a + step, length)) for a in range(0, length, step)] or [(0, 0)]
 
