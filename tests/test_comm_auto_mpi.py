@@ -5,11 +5,13 @@ Integers in float64 make every sum exact, so results are compared with ``==``; r
 floats are compared with MPI's own Allreduce within rounding, and across ranks bit for bit.
 All collective work comes before the first assertion.
 """
+import re
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringnet.comm import AutoCommunicator, MpiTransport, NcclTransport, create
+from ringnet.comm import AutoCommunicator, CommTimeoutError, MpiTransport, NcclTransport, create
 from ringnet.comm.auto import ALGORITHMS, choose, thresholds
 
 pytestmark = pytest.mark.mpi
@@ -122,6 +124,28 @@ def test_the_lean_path_sums_as_the_transport_path(transport, algorithm, chunk_by
     np.testing.assert_array_equal(lean, generic, err_msg=f"{algorithm} {chunk_bytes} rank {RANK}")
     assert lean_bytes == generic_bytes
     assert identical
+
+
+@pytest.mark.skipif(N < 2, reason="needs a peer that does not answer")
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_lean_path_keeps_the_transfer_deadline(algorithm):
+    """Rank 0 all-reduces alone: it must raise CommTimeoutError after ~timeout_s, not hang."""
+    transport = MpiTransport(WORLD, timeout_s=0.5)
+    error = None
+    try:
+        if RANK == 0:
+            comm = AutoCommunicator(transport, algorithm=algorithm)
+            try:
+                comm.allreduce(np.ones(1000, np.float32))
+            except CommTimeoutError as caught:
+                error = str(caught)
+        WORLD.Barrier()
+    finally:
+        transport.close()
+    if RANK == 0:
+        assert error is not None, f"{algorithm}: no CommTimeoutError"
+        assert re.fullmatch(r"all-reduce (to|from) rank \d.* of [1-9]\d* bytes did not complete "
+                            r"within 0.5 s", error), error
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -171,7 +171,7 @@ class AutoCommunicator(CommunicatorBase):
         Returns None, or a Handle when queued on ``stream``.
         """
         lean = self._lean
-        if lean is not None and stream is None and type(buf) is np.ndarray \
+        if lean is not None and stream is None and type(buf) is np.ndarray and not current_tag() \
                 and buf.ndim == 1 and buf.flags.c_contiguous and buf.dtype.type in _DTYPES \
                 and (op == "sum" or (op == "mean" and buf.dtype.kind == "f")):
             algorithm = self.last_algorithm = self.choose(buf.nbytes)
@@ -328,6 +328,8 @@ class _Lean:
         self.right, self.left = (r + 1) % self.n, (r - 1) % self.n
         self.scratch = {}
         self.sent = self.received = 0
+        self.tag = 0            # off a stream only (see AutoCommunicator.allreduce)
+        self.last = (None, None, None, None)
 
     def _space(self, buf, length, slot=0):
         key = (buf.dtype.str, slot)
@@ -338,7 +340,6 @@ class _Lean:
 
     def run(self, buf, algorithm):
         from ringnet import trace  # noqa: WPS433
-        self.tag = current_tag()
         self.sent = self.received = 0
         if trace.active():      # tracing: the generic path, which records every transfer
             self.transport_path(buf, algorithm)
@@ -372,16 +373,21 @@ class _Lean:
         finally:
             if self.lock is not None:
                 self.lock.release()
+        self.last = (to, source, send, recv)
         return requests
 
-    def wait(self, requests, peer=None):
+    def wait(self, requests, *_):
         if not requests:
             return
         test = self.transport._test if self.lock is not None else MPI.Request.Testall
         for _ in range(LEAN_SPINS):
             if test(requests):
                 return
-        self.transport._wait(requests, ("all-reduce step", peer, peer, 0))
+        to, source, send, recv = self.last     # the latest transfer posted, for the message
+        sizes = [x.nbytes for x in (send, recv) if x is not None and x.size]
+        self.transport._wait(requests, ("all-reduce", to if send is not None and send.size else None,
+                                        source if recv is not None and recv.size else None,
+                                        max(sizes, default=0)))
 
     def exchange(self, send, to, recv, source):
         self.wait(self.post(send, to, recv, source, []), to)
