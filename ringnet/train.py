@@ -178,7 +178,8 @@ def _stalled(world, exc, deadline):
     try:
         exchange(world, phase, phase="stall check", timeout=0.5 * deadline.seconds + 2.0)
     except StallError as stall:
-        return StallError(stall.missing, phase, deadline.seconds, detail=f"here: {exc}")
+        return StallError(stall.missing, phase, deadline.seconds, detail=f"here: {exc}",
+                          speaker=stall.speaker)
     except TrainingError as other:
         return other
     return TrainingError(f"{phase}: {exc}")
