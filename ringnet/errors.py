@@ -236,13 +236,15 @@ def _sleep_backoff(pause):
     return min(0.01, pause * 2 + 1e-4)
 
 
-def exchange(comm, value, phase=None, timeout=None):
+def exchange(comm, value, phase=None, timeout=None, root=None):
     """Return every rank's ``value`` (a small picklable object), ordered by rank.
 
     Non-blocking point-to-point messages on ``comm`` and one wait loop: at ``timeout``
     seconds (default :func:`comm_timeout`) it raises :class:`StallError` naming the
     ranks whose value did not arrive and ``phase``. A rank that arrives at another
-    phase raises :class:`TrainingError` naming both phases.
+    phase raises :class:`TrainingError` naming both phases. With ``root`` (a gather),
+    only that rank receives and returns the list; the others return None once it
+    took their value.
     """
     phase = phase or _phase
     if comm is None or comm.Get_size() == 1:
@@ -253,8 +255,9 @@ def exchange(comm, value, phase=None, timeout=None):
         except UsageError:      # reported by whoever reads it; do not fail the agreement
             timeout = 300.0
     rank, size = comm.Get_rank(), comm.Get_size()
-    sends = [comm.isend((phase, value), dest=r, tag=_TAG) for r in range(size) if r != rank]
-    got = {rank: value}
+    targets = [r for r in range(size) if r != rank and root in (None, r)]
+    sends = [(r, comm.isend((phase, value), dest=r, tag=_TAG)) for r in targets]
+    got = {rank: value} if root in (None, rank) else {r: None for r in range(size)}
     start = time.monotonic()
     pause = 1e-4
     while len(got) < size:
@@ -273,13 +276,14 @@ def exchange(comm, value, phase=None, timeout=None):
             raise StallError([r for r in range(size) if r not in got], phase, timeout,
                              speaker=_world_rank(comm, min(got)))
         pause = _sleep_backoff(pause)
-    while sends:    # small messages leave at once; this only waits on a full network buffer
-        sends = [s for s in sends if not s.Test()]
+    while sends:    # small messages leave at once; this waits on a large one or a full buffer
+        sends = [(r, s) for r, s in sends if not s.Test()]
         if sends and time.monotonic() - start > timeout:
-            raise StallError(["?"], phase, timeout, detail="a control message was not delivered")
+            raise StallError([r for r, _ in sends], phase, timeout,
+                             detail="its message from this rank was not taken")
         if sends:
             pause = _sleep_backoff(pause)
-    return [got[r] for r in range(size)]
+    return [got[r] for r in range(size)] if root in (None, rank) else None
 
 
 def collective(comm, fn, *args, phase=None, timeout=None, **kwargs):

@@ -78,7 +78,7 @@ def _setup(cfg, world):
         except RuntimeError as exc:
             raise UsageError(str(exc)) from None
     xp = collective(world, pick_device)
-    if cfg.device == "auto" and size > 1 and world.allreduce(int(xp is np)):
+    if cfg.device == "auto" and size > 1 and any(exchange(world, xp is np)):
         xp = np     # some rank has no usable GPU: every rank computes on the CPU
     placement, transport = collective(world, _place, cfg, world, "cpu" if xp is np else "gpu")
     spec = MODELS[cfg.model]
