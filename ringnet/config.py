@@ -4,11 +4,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ringnet.errors import ArgumentParser, UsageError
+from ringnet.errors import ArgumentParser, TransportUnavailable, UsageError
 from ringnet.parallel import COMPENSATIONS, MODES
 
 __all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "DEFAULTS", "build_parser", "config_from_args",
-           "default_batch_size", "synopsis"]
+           "default_batch_size", "synopsis", "TRANSPORT_ADVICE", "transport_usage_error"]
 
 # Per-model defaults (learning rate, epochs, data set) for runs that do not set them.
 MODEL_DEFAULTS = {
@@ -23,6 +23,21 @@ MODEL_DEFAULTS = {
 # settings continue with the checkpoint's values, and only then with these.
 DEFAULTS = {"batch_size": 64, "lr_policy": "fixed", "gamma": 0.1, "stepsize": 1000,
             "power": 0.75, "momentum": 0.9, "weight_decay": 5e-4, "seed": 0}
+
+
+# The flags to change, by the reason a transport or device was refused
+# (ringnet.errors.TransportUnavailable.reason).
+TRANSPORT_ADVICE = {
+    "cpu-device": "use --transport mpi (or auto)",
+    "no-gpu": "use --device cpu (or auto)",
+    "shared-gpu": "use --transport mpi or start at most one rank per GPU",
+    "no-nccl": "use --transport mpi",
+}
+
+
+def transport_usage_error(exc: TransportUnavailable) -> UsageError:
+    """Return the one-line command-line error for ``exc``: the library's words and the flag to change."""
+    return UsageError(f"{exc}; {TRANSPORT_ADVICE[exc.reason]}")
 
 
 def default_batch_size(world_size):
