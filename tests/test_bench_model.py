@@ -225,6 +225,31 @@ def test_auto_runs_the_rounds_the_model_times(n):
         pm.allreduce_time(system, picked, 4 * length, n)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_rooted_pieces_are_the_communicators_cuts(n):
+    # the public rule: the tree cuts from 4 ranks on (inner ranks forward), the master never
+    # unless chunk_bytes asks; the communicator's own buffers and the model use that rule
+    from ringnet.comm import MasterSlaveCommunicator, TreeCommunicator
+    from ringnet.comm.base import pipeline_pieces
+    length = build_model("cifar10_quick").num_params
+    whole = [(0, length)]
+    assert TreeCommunicator.pieces(length, 4, n) == (pipeline_pieces(length, 4) if n >= 4 else whole)
+    assert len(pipeline_pieces(length, 4)) > 1
+    assert MasterSlaveCommunicator.pieces(length, 4, n) == whole
+    assert MasterSlaveCommunicator.pieces(length, 4, n, chunk_bytes=4096)[:2] == [(0, 1024), (1024, 2048)]
+    assert TreeCommunicator.pieces(0, 4, n) == []
+    buf = np.zeros(length, np.float32)
+    for cls in (TreeCommunicator, MasterSlaveCommunicator):
+        comm = cls(_recording_transport(0, n))
+        assert comm._pieces(buf) == cls.pieces(length, 4, n)
+        assert pm._pieces(length, 4, cls.name, n) == cls.pieces(length, 4, n)
+        # the root receives every sender's piece as one message: pieces x senders
+        run = _record(cls.name, 0, n, length)
+        senders = 2 if cls is TreeCommunicator and n > 2 else 1 if cls is TreeCommunicator else n - 1
+        receives = sum(1 for kind, (_, _, src) in run.log if kind == "post" and src is not None)
+        assert receives == len(cls.pieces(length, 4, n)) * senders
+
+
 def test_rooted_receives_are_posted_as_the_model_assumes():
     # concurrent: the root posts its receive from worker 2 before it waits on worker 1's;
     # serial: it waits on each receive before posting the next

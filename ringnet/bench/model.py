@@ -57,7 +57,6 @@ import shutil
 import statistics
 import sys
 import time
-import types
 
 from ringnet.bench.layers import layer_times  # first: pins BLAS threads before NumPy loads
 
@@ -113,24 +112,21 @@ class Link:
 # it is the hardware latency named there plus SOFTWARE_ALPHA_S, the per-message cost of
 # ringnet's Python-level isendrecv + wait (stated, not measured; ``local`` measures its own).
 SOFTWARE_ALPHA_S = 15e-6
-LINKS = {
-    "pcie3": Link("pcie3", 5e-6 + SOFTWARE_ALPHA_S, 15.75e9,
-                  "PCIe 3.0 x16: 8 GT/s per lane, 128b/130b encoding, 16 lanes = 15.75 GB/s per "
-                  "direction (PCI-SIG PCI Express Base Specification 3.0); GPU peer copy "
-                  "latency ~5 us"),
-    "pcie5": Link("pcie5", 5e-6 + SOFTWARE_ALPHA_S, 63.0e9,
-                  "PCIe 5.0 x16: 32 GT/s per lane, 128b/130b, 16 lanes = 63.0 GB/s per direction "
-                  "(PCI-SIG PCI Express Base Specification 5.0)"),
-    "nvlink4": Link("nvlink4", 3e-6 + SOFTWARE_ALPHA_S, 450e9,
-                    "NVLink 4 on H100 SXM: 900 GB/s total per GPU = 450 GB/s per direction "
-                    "(NVIDIA H100 Tensor Core GPU datasheet)"),
-    "ib-hdr": Link("ib-hdr", 0.6e-6 + SOFTWARE_ALPHA_S, 25e9,
-                   "InfiniBand HDR: 200 Gb/s per port = 25 GB/s per direction, sub-0.6 us "
-                   "latency (NVIDIA ConnectX-6 VPI adapter product brief)"),
-    "eth-10g": Link("eth-10g", 25e-6 + SOFTWARE_ALPHA_S, 1.25e9,
-                    "10 Gigabit Ethernet: 10 Gb/s = 1.25 GB/s per direction (IEEE 802.3ae); "
-                    "~25 us TCP small-message latency through the kernel stack"),
+# name: (hardware latency s, beta B/s per direction, source of both)
+_LINK_SPECS = {
+    "pcie3": (5e-6, 15.75e9, "PCIe 3.0 x16: 8 GT/s x 16 lanes, 128b/130b = 15.75 GB/s per direction (PCI-SIG "
+                             "PCIe Base Specification 3.0); GPU peer copy latency ~5 us"),
+    "pcie5": (5e-6, 63.0e9, "PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b = 63.0 GB/s per direction (PCI-SIG PCIe "
+                            "Base Specification 5.0)"),
+    "nvlink4": (3e-6, 450e9, "NVLink 4 on H100 SXM: 900 GB/s total per GPU = 450 GB/s per direction (NVIDIA H100 "
+                             "Tensor Core GPU datasheet)"),
+    "ib-hdr": (0.6e-6, 25e9, "InfiniBand HDR: 200 Gb/s per port = 25 GB/s per direction, sub-0.6 us latency "
+                             "(NVIDIA ConnectX-6 VPI adapter product brief)"),
+    "eth-10g": (25e-6, 1.25e9, "10 Gigabit Ethernet: 10 Gb/s = 1.25 GB/s per direction (IEEE 802.3ae); ~25 us "
+                               "TCP small-message latency through the kernel stack"),
 }
+LINKS = {name: Link(name, latency + SOFTWARE_ALPHA_S, beta, source)
+         for name, (latency, beta, source) in _LINK_SPECS.items()}
 
 
 # -- compute ----------------------------------------------------------------------------------
@@ -557,16 +553,15 @@ def messages(model, mode, n, batch, delay=0):
 # -- timing ----------------------------------------------------------------------------------
 def _pieces(length, itemsize, mode, n):
     """Return the element ranges a rooted transfer of ``length`` elements is cut into, as
-    the communicator of ``mode`` at ``n`` ranks cuts them (its own ``_pieces`` rule: pieces
-    only where a rank forwards what it receives; one piece where the code has none)."""
+    the communicator of ``mode`` at ``n`` ranks cuts them (its own ``pieces`` rule; one
+    piece where the code has none)."""
     try:
         from ringnet.comm.master_slave import MasterSlaveCommunicator
         from ringnet.comm.tree import TreeCommunicator
     except ImportError:
         return [(0, length)] if length else []
-    probe = object.__new__(TreeCommunicator if mode == "tree" else MasterSlaveCommunicator)
-    probe.size, probe.chunk_bytes = n, None
-    return probe._pieces(types.SimpleNamespace(size=length, itemsize=itemsize))
+    comm = TreeCommunicator if mode == "tree" else MasterSlaveCommunicator
+    return comm.pieces(length, itemsize, n)
 
 
 # What the code does where it has a choice; a saved validation record replaces it with
