@@ -44,8 +44,11 @@ progress a transfer is noticed at the next layer boundary (the training thread t
 it there), and with a polling thread the exchange moves at a measured fraction ρ of its
 blocking speed and steals a measured fraction κ of the core. Where the code has a choice
 (progress mode, bucket size, concurrent rooted receives) the model reads it from the
-code (``code_facts``). Ranks beyond the free cores slow compute by the measured factor
-``s(N) = max(1, N / cores_eff)``.
+code (``code_facts``). Ranks beyond the cores share them: compute takes
+``s(N) = max(1, N / cores)`` times as long (``cores``: the job's CPU affinity). On the CPU
+a message is a wait (latency α) and a copy (bytes / β) that the rank's own core makes
+inside an MPI call: with driven progress that call is the training thread's test at a
+layer boundary, so the copy delays the compute (on a GPU the copy engine moves it).
 """
 import argparse
 import contextlib
@@ -240,23 +243,26 @@ def measure_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0):
     """Time every layer here (``bench layers``' code) at two batch sizes; fit the profile.
 
     The batch sizes alternate pass by pass, so a change of the machine's load hits both
-    alike; the rest of a step (the loss) is timed directly, not as a difference.
+    alike; the rest of a step (the loss) is timed directly, not as a difference. Each batch
+    size has its own model instance: a layer keeps its work buffers (padded input, im2col
+    columns, their views) while the shapes repeat, as they do in training, where the batch
+    never changes; one instance fed both sizes in turn would rebuild them on every call.
     """
     from ringnet.optim import SGD, LRPolicy
     layers, overhead = {}, {}
     for name in models:
-        model = build_model(name, dtype=dtype, seed=seed)
         rng = np.random.default_rng(seed)
         data = {}
         for batch in batches:
+            model = build_model(name, dtype=dtype, seed=seed)
             x = rng.normal(size=(batch,) + model.input_shape).astype(model.dtype)
             y = rng.integers(0, model.num_classes, size=batch)
             model.loss_and_grad(x, y)                                   # warm-up
-            data[batch] = (x, y)
+            data[batch] = (model, x, y)
         passes = {batch: [] for batch in batches}
         losses = {batch: [] for batch in batches}
         for _ in range(iters):
-            for batch, (x, y) in data.items():
+            for batch, (model, x, y) in data.items():
                 passes[batch].append(layer_times(model, x, 1))
                 logits = model.forward(x, train=True)
                 t0 = time.perf_counter()
@@ -284,7 +290,8 @@ def measure_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0):
         "here", "cpu", layers, overhead, max(per_upd, 0.0),
         max(costs[("upd", small)] - small * per_upd, 0.0), max(per_add, 0.0),
         max(costs[("add", small)] - small * per_add, 0.0),
-        f"measured on this machine, {dtype}, 1 BLAS thread, batches {list(batches)}")
+        f"measured on this machine, {dtype}, 1 BLAS thread, batches {list(batches)}, "
+        "one model per batch")
 
 
 # GPU rooflines for --compute k40/h100: stated spec numbers, stated efficiencies.
@@ -343,10 +350,12 @@ class System:
     """Where the ranks run: links per hop, ranks per node, and CPU contention.
 
     ``cores`` is None for GPUs (compute and transfers do not share a core). On a CPU
-    machine (profile ``local``) it is the effective number of free cores, ``steal``
-    the fraction of its rank's core a delay-1 exchange takes while it runs, and
-    ``rate`` the fraction of its blocking speed that exchange makes meanwhile
-    (all measured; ``calibrated`` holds them per calibrated N).
+    machine (profile ``local``) it is the number of cores the job may use (its CPU
+    affinity): ranks beyond them share them, so each rank's compute takes N / cores times
+    as long (a rank whose stream sleeps, as with driven progress, keeps one busy thread);
+    ``steal`` is the fraction of its rank's core a polling delay-1 exchange takes while it
+    runs, and ``rate`` the fraction of its blocking speed that exchange makes meanwhile
+    (measured; ``calibrated`` holds them per calibrated N).
     """
     name: str
     intra: Link
@@ -375,13 +384,21 @@ class System:
         rooted = {mode: Link(f"local-{mode}@{near}", v["alpha_s"], v["beta_Bps"], "calibrated here")
                   for mode, v in c.get("rooted", {}).items()}
         return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
-                                   cores=near / max(c["slowdown"], 1e-9), steal=c["steal"])
+                                   cores=c.get("cores") or usable_cores(), steal=c["steal"])
 
     def contention(self, n):
         """Return the compute slowdown of N ranks busy at once on this node: max(1, N / cores)."""
         if self.cores is None:
             return 1.0
         return max(1.0, min(n, self.ranks_per_node) / self.cores)
+
+
+def usable_cores():
+    """The cores this process may run on (its CPU affinity), as ``ringnet._threads`` counts them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def make_system(spec, compute, ranks_per_node, calibration=None):
@@ -636,10 +653,23 @@ def _ring_items(system, bounds, itemsize, kind):
     hop = system.intra if n <= system.ranks_per_node else system.inter
     items = []
     for _ in range(n - 1):
-        items.append(("msg", hop.time(shard * itemsize)))
+        items += _message(hop, shard * itemsize)
         if kind == "rs":
             items.append(("cpu", system.compute.add(shard)))
     return items
+
+
+def _message(link, nbytes):
+    """One message as the stream meets it: a wait for the peer ("msg", the latency) and the
+    copy of its bytes ("copy", bytes / beta)."""
+    return [("msg", link.alpha_s), ("copy", nbytes / link.beta_Bps)] if nbytes else []
+
+
+def _without_latency(system):
+    """The same system with every hop's latency zero (what remains: bytes and adds)."""
+    def flat(link):
+        return dataclasses.replace(link, alpha_s=0.0)
+    return dataclasses.replace(system, intra=flat(system.intra), inter=flat(system.inter))
 
 
 def _tree_time(system, n, nbytes, elems):
@@ -800,9 +830,12 @@ def _exchange_items(system, model, mode, n, size, part, update_s):
     elems = hi - lo
     timing = _tree_time if mode == "tree" else _master_time
     reduce, bcast = timing(system, n, elems * itemsize, elems)
+    moved = timing(_without_latency(system), n, elems * itemsize, elems)
     waits = _rooted_waits(mode, n, elems, itemsize)
-    return ([("msg", reduce / waits)] * waits + [("cpu", update_s)]
-            + [("msg", bcast / waits)] * waits)
+
+    def cut(total, copied):
+        return [("msg", max(0.0, total - copied) / waits), ("copy", copied / waits)] * waits
+    return cut(reduce, moved[0]) + [("cpu", update_s)] + cut(bcast, moved[1])
 
 
 def _rooted_waits(mode, n, elems, itemsize):
@@ -873,8 +906,10 @@ def _layer_timeline(cp, model, segments, slow):
 def _simulate(system, timeline, ops, progress):
     """Step time when ``ops`` [(ready time, items)] run in order on the stream beside the compute.
 
-    A transfer takes its blocking time; how it is noticed depends on ``progress``, as the
-    code runs it: ``driven`` (the stream's thread sleeps until the training thread tests the
+    A transfer is a wait ("msg") and a copy ("copy"); together they take its blocking time.
+    The copy is the rank's own core's work inside MPI: with driven progress the training
+    thread's test makes it, so it delays the compute. How the wait ends depends on
+    ``progress``, as the code runs it: ``driven`` (the stream's thread sleeps until the training thread tests the
     transfer at a layer boundary, or all along while it waits in MPI, or at the end of the
     step when it waits for the stream), ``poll``/``block`` (the stream's thread polls: the
     transfer moves at the calibrated ``rate`` of its blocking speed and takes ``steal`` of
@@ -897,7 +932,16 @@ def _simulate(system, timeline, ops, progress):
             if not computing or progress == "gpu":
                 t += seconds
             elif progress == "driven":
-                t = timeline.next_progress(t + seconds, shift)
+                # the copy is the training thread's work; the transfer moves at the rate the
+                # calibration measured beside compute progressed at layer boundaries (1 where
+                # none was measured) and is noticed at the next boundary
+                if kind == "copy":
+                    shift += seconds
+                span, left = seconds / rate, timeline.end + shift - t
+                if span <= left:
+                    t = timeline.next_progress(t + span, shift)
+                else:                           # the compute ends first: the rest at full speed
+                    t += left + seconds - rate * left
             else:                               # poll, block: the calibrated rate and steal
                 span = seconds / rate
                 left = timeline.end + shift - t
@@ -980,15 +1024,18 @@ def predict(system, model, mode, delay, n, batch):
 
     xmode = "ring" if mode in ("split-fc", "single") else mode
     whole = _exchange_items(system, model, xmode, n, region, (0, region), update_of(0, region))
-    comm = sum(t for kind, t in whole if kind == "msg")
+    comm = sum(t for kind, t in whole if kind in ("msg", "copy"))
     update = update_of(0, region) + fixed
+    ops = []
     if delay and n > 1:
-        step, _ = _simulate(system, timeline, [(0.0, whole)], progress)
+        ops = [(0.0, whole)]
     elif bucket_list:
         ops = [(timeline.ready[layer], _exchange_items(system, model, xmode, n, region, (lo, hi),
                                                        update_of(lo, hi)))
                for lo, hi, layer in bucket_list]
-        step, _ = _simulate(system, timeline, ops, progress)
+    if ops:
+        step, shift = _simulate(system, timeline, ops, progress)
+        compute += shift                # the stream's work the compute waited for on its core
     else:
         step = timeline.end + sum(t for _, t in whole)
     return Prediction(step, compute, comm + act, update,
@@ -1101,7 +1148,14 @@ def _calibrate_worker(iters):
             time.sleep(2e-4)
 
     def slowest(seconds):
-        return world.allreduce(seconds, op=MPI.MAX)
+        # sleeps while waiting (as idle_barrier), so a rank done early does not spin on a
+        # core its slower peers need (a spinning MAX reduce made 4 ranks on 2 cores look 3.3x
+        # slower than one, where training, whose waits sleep, runs them 2x slower)
+        out = np.zeros(1)
+        request = world.Iallreduce(np.array([seconds]), out, op=MPI.MAX)
+        while not request.Test():
+            time.sleep(2e-4)
+        return float(out[0])
 
     work()
     solo, together = [], []
@@ -1168,7 +1222,7 @@ def _calibrate_worker(iters):
         streamed[size] = (float(np.median(spans)), float(np.median(works)))
     stream.close()
     if rank == 0:
-        print(json.dumps({"np": n, "solo_s": float(np.median(solo)),
+        print(json.dumps({"np": n, "cores": usable_cores(), "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
                           "blocking": blocking, "streamed": streamed,
                           "rooted": by_mode}), flush=True)
@@ -1253,6 +1307,7 @@ def _calibration_record(n, raw, add_s_per_elem):
                                          add_s_per_elem)))
               for mode, sizes in raw.get("rooted", {}).items() if n > 1}
     return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted,
+            "cores": raw.get("cores") or usable_cores(),       # older records: this machine's
             "slowdown": together / raw["solo_s"],
             "rate": float(np.mean(rates)) if rates else 1.0,
             "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
@@ -1607,8 +1662,9 @@ def main(argv=None):
             print(f"# local at N={n}: alpha {c['alpha_s'] * 1e6:.1f} us, beta "
                   f"{c['beta_Bps'] / 1e9:.2f} GB/s; beside compute the stream moves at "
                   f"{c['rate']:.2f} of that speed; "
-                  f"compute slowdown {c['slowdown']:.2f} (effective cores "
-                  f"{n / max(c['slowdown'], 1e-9):.2f}); stream steals {c['steal']:.2f} of a core")
+                  f"{c['cores']} cores: the model's compute slowdown "
+                  f"{max(1.0, n / c['cores']):.2f} (measured with all ranks busy: "
+                  f"{c['slowdown']:.2f}); stream steals {c['steal']:.2f} of a core")
     _print_tables(predictions, args.batch_size, args.scaling, nps)
     if allreduces:
         print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "
