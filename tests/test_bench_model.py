@@ -373,6 +373,54 @@ def test_driven_stream_waits_for_layer_boundaries():
     assert pm._simulate(system, dense, [(3.9, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.4)
 
 
+def test_driven_copy_delays_the_compute_and_moves_at_the_calibrated_rate():
+    system = _system()
+    system.cores, system.ranks_here = 1.0, 1
+    layers = pm.Timeline([1.0, 2.0, 3.0, 4.0], [], {}, 4.0)
+    # one message: a 0.1 wait (seen at the boundary at 1), then a 0.3 copy the training
+    # thread makes inside its test: the compute ends 0.3 later (4.3)
+    ops = [(0.0, pm._message(pm.Link("x", 0.1, 1.0), 0.3))]
+    assert ops[0][1] == [("msg", 0.1), ("copy", 0.3)]
+    step, shift = pm._simulate(system, layers, ops, "driven")
+    assert shift == pytest.approx(0.3) and step == pytest.approx(4.3)
+    # at a calibrated rate of 0.25 a message takes 4x as long beside compute: the wait is
+    # seen at 1, the copy (1.2; +0.3 on the compute, boundaries now 1.3, 2.3, ...) at 2.3
+    system.rate = 0.25
+    late = [(0.0, [("msg", 0.1), ("copy", 0.3), ("msg", 0.1)])]
+    # the second wait starts at 2.3 and takes 0.4 beside compute: seen at the boundary 3.3
+    assert pm._simulate(system, layers, late, "driven") == pytest.approx((4.3, 0.3))
+    # a GPU's copy engine moves it: nothing added to the compute
+    assert pm._simulate(system, layers, ops, "gpu") == pytest.approx((4.0, 0.0))
+
+
+def test_ranks_beyond_the_cores_share_them():
+    # 4 ranks on 2 cores: each computes 2x slower, whatever the all-busy timing said (a
+    # spinning reduce once made it 3.3x); records without a core count use this machine's
+    raw = {"cores": 2, "solo_s": 0.02, "together_s": 0.066,
+           "blocking": {"4096": 0.004, "1048576": 0.010}, "streamed": {}}
+    record = pm._calibration_record(4, raw, 0.0)
+    assert record["cores"] == 2 and record["slowdown"] == pytest.approx(3.3)
+    system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record})
+    assert [system.at(n).contention(n) for n in (1, 2, 4)] == [1.0, 1.0, 2.0]
+    del raw["cores"]
+    assert pm._calibration_record(4, raw, 0.0)["cores"] == pm.usable_cores()
+
+
+def test_compute_profile_keeps_one_model_per_batch(monkeypatch):
+    # training never changes its batch, so its layers keep their buffers: the profile times
+    # each batch size on its own model instance (the sizes still alternate pass by pass)
+    seen = []
+
+    def fake(model, x, iters):
+        seen.append((len(x), id(model)))
+        return [(name, 1.0, 1.0) for name, _ in model.layers]
+    monkeypatch.setattr(pm, "layer_times", fake)
+    pm.measure_compute(("lenet",), batches=(2, 4), iters=3)
+    assert [b for b, _ in seen] == [2, 4] * 3
+    models = {b: {m for bb, m in seen if bb == b} for b in (2, 4)}
+    assert len(models[2]) == len(models[4]) == 1 and models[2] != models[4]
+
+
 def test_buckets_start_during_the_backward(monkeypatch):
     lenet = build_model("lenet")
     system = _system(alpha=1e-6, beta=1e8)         # bandwidth-bound: 4.3 ms per shard step
@@ -633,6 +681,23 @@ def test_a_record_is_predicted_as_the_code_it_measured_ran():
     assert pm.validation_rows(_validation_record([row], driven))[0]["predicted_ms"] != old
     with pm.facts(driven):
         assert pm.code_facts() == driven
+
+
+def test_markdown_tables_have_a_row_per_configuration():
+    from ringnet.bench.tables import parse_markdown
+    rows = [{"model": "lenet", "mode": mode, "delay": d, "np": n, "predicted_ms": 11.0,
+             "measured_ms": 10.0 if n == 1 else 12.5} for mode, d in (("single", 0), ("ring", 1))
+            for n in (1, 2) if mode != "single" or n == 1]
+    header, body = parse_markdown(pm.markdown_validation(rows))
+    assert header == ["model", "mode", "N=1 predicted / measured ms", "N=2"]
+    assert body == [["lenet", "single d0", "11 / 10 (+10%)", "\u2013"],
+                    ["lenet", "ring d1", "11 / 10 (+10%)", "11 / 12.5 (\u221212%)"]]
+    proc = _cli("--compute", "k40", "--np", "4", "--table", "paper", "--markdown")
+    assert proc.returncode == 0, proc.stderr
+    header, body = parse_markdown(proc.stdout)
+    assert header[-1] == "reported (ring d1)" and [r[-1] for r in body] == ["3.77", "3.79"]
+    proc = _cli("--compute", "k40", "--table", "validation", "--markdown")
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("ringnet: error: --table validation")
 
 
 def test_code_facts_are_the_code_s():

@@ -310,9 +310,6 @@ STATIC = {
 }
 # Measured tables whose benchmark prints them as text, assembled into Markdown by hand.
 NOT_GENERATED = {
-    ("model", "batch per GPU", "ring d1", "ring d0", "tree", "master", "split-fc",
-     "reported (ring d1)"): "bench model --paper-compute k40 --paper-profile pcie3",
-    ("model", "mode", "N=1 predicted / measured ms", "N=2", "N=4"): "bench model --validate",
     ("", "seed 1", "seed 2", "seed 3", "mean"): "bench delay --seeds 1 2 3",
     ("model (epochs)", "lr", "momentum 0", "0.5", "0.9"): "bench delay --lr ... --momentum ...",
     ("periodic save (1.77 MB checkpoint)", "training time", "cost per save"): "bench elastic",
@@ -360,6 +357,10 @@ def _table_output(command, tmp_path):
         return run(command + " --sizes 8,1K,4M --iters 2").stdout
     argv = args[args.index("ringnet.bench") + 2:]
     with pytest.MonkeyPatch.context() as mp:
+        if bench == "model":            # stated GPU profiles and a saved record: quick as written
+            from ringnet.bench import model
+            mp.chdir(ROOT)
+            return _main_output(model.main, argv)
         if bench == "scaling":
             from ringnet.bench import scaling
             mp.setattr(scaling, "run_config", lambda a, mode, delay, n, **kw: _fake_summary(mode, delay, n))
@@ -454,6 +455,11 @@ COMMANDS = {
     "python -m ringnet.bench layers --vs torch --markdown": readme_table,
     "mpirun -np 4 python -m ringnet.bench comm --markdown": readme_table,
     "python -m ringnet.bench faults --markdown": readme_table,
+    "python -m ringnet.bench model --compute h100 --profile nvlink4/ib-hdr --np 1 8 64 1024 "
+    "--table predictions --markdown": readme_table,
+    "python -m ringnet.bench model --compute k40 --np 4 --table paper --markdown": readme_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation.json --table validation --markdown": readme_table,
     "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
     "--to-accuracy 0.84 --epochs 1 --eval-every 117 --repeats 1 --markdown": readme_table,
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset synthetic --mode split-fc --steps 3 --json":

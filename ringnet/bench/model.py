@@ -1441,6 +1441,73 @@ def _compute(spec, models, dtype):
 
 
 # -- output ---------------------------------------------------------------------------------
+MARKDOWN_TABLES = ("predictions", "paper", "validation")
+PAPER_LABELS = {"lenet": "LeNet / MNIST", "cifar10_quick": "cifar10_quick / CIFAR-10"}
+
+
+def _minus(text):
+    return text.replace("-", "\u2212")
+
+
+def markdown_predictions(rows, nps):
+    """The predictions as one Markdown table: step ms and efficiency per mode, a row per
+    (model, profile, N)."""
+    from ringnet.bench.tables import markdown
+    cols = [md for md in MODES if any((r["mode"], r["delay"]) == md for r in rows)]
+    table = {}
+    for r in rows:
+        table.setdefault((r["model"], r["profile"]), {})[(r["mode"], r["delay"], r["np"])] = r
+    out = []
+    for (name, profile), got in table.items():
+        for n in nps:
+            cells = [got.get((md[0], md[1], n)) for md in cols]
+            if any(cells):
+                out.append([name, profile, n] + [f"{c['step_ms']:.3g} ms, {c['efficiency']:.2f}"
+                                                 if c else "\u2013" for c in cells])
+    return markdown(["model", "profile", "N"] + [f"{_label(*md)} (step, efficiency)" for md in cols],
+                    out)
+
+
+def markdown_paper(rows):
+    """The research's setting: predicted speedup per mode beside the reported one."""
+    from ringnet.bench.tables import markdown
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], r["batch_per_gpu"]), {})[(r["mode"], r["delay"])] = r
+    out = []
+    for (name, batch), got in by.items():
+        cells = [f"**{got[('ring', 1)]['speedup']:.2f}**"]
+        cells += [f"{got[md]['speedup']:.2f}" if md in got else "\u2013"
+                  for md in (("ring", 0), ("tree", 0), ("master", 0), ("split-fc", 0))]
+        out.append([PAPER_LABELS.get(name, name), batch] + cells
+                   + [f"{got[('ring', 1)]['reported_speedup']:.2f}"])
+    return markdown(["model", "batch per GPU", "ring d1", "ring d0", "tree", "master", "split-fc",
+                     "reported (ring d1)"], out)
+
+
+def markdown_validation(rows):
+    """Predicted / measured ms (error) per model and mode, a column per N."""
+    from ringnet.bench.tables import markdown
+    nps = sorted({r["np"] for r in rows})
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], _label(r["mode"], r["delay"])), {})[r["np"]] = r
+    out = []
+    for (name, label), got in by.items():
+        cells = []
+        for n in nps:
+            r = got.get(n)
+            if r is None:
+                cells.append("\u2013")
+                continue
+            err = 100 * (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+            cells.append(_minus(f"{r['predicted_ms']:.3g} / {r['measured_ms']:.3g} ({err:+.0f}%)"))
+        out.append([name, label] + cells)
+    header = ["model", "mode"] + [f"N={n} predicted / measured ms" if i == 0 else f"N={n}"
+                                  for i, n in enumerate(nps)]
+    return markdown(header, out)
+
+
 def _print_tables(rows, batch, scaling, nps):
     by = {}
     for r in rows:
@@ -1547,6 +1614,12 @@ def _parser():
     p.add_argument("--max-crossover-np", type=int, default=1024,
                    help="search crossovers up to this N (default 1024)")
     p.add_argument("--plot", metavar="PNG", help="write step time, speedup and efficiency vs N")
+    p.add_argument("--markdown", action="store_true",
+                   help="print one table as Markdown (the README's): the one --table names")
+    p.add_argument("--table", choices=MARKDOWN_TABLES, default="predictions",
+                   help="with --markdown: predictions (step ms and efficiency per mode and N), "
+                        "paper (the research's setting) or validation (predicted / measured; "
+                        "needs --validate or --validation FILE) (default predictions)")
     p.add_argument("--json", action="store_true",
                    help='print one line {"predictions": [...], "validation": [...], "paper": [...]}')
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
@@ -1566,6 +1639,8 @@ def main(argv=None):
         raise UsageError(f"unknown model(s) {unknown or args.models!r}: choose from {', '.join(MODELS)}")
     if any(n < 1 for n in args.np) or args.batch_size < 1 or args.ranks_per_node < 1:
         raise UsageError("--np, --batch-size and --ranks-per-node must be >= 1")
+    if args.markdown and args.table == "validation" and not (args.validate or args.validation):
+        raise UsageError("--table validation needs --validate or --validation FILE")
     if args.validate and (args.validate_steps < 3 or args.validate_repeats < 1):
         raise UsageError("--validate-steps must be >= 3 and --validate-repeats >= 1")
     nps = sorted(set(args.np))
@@ -1637,6 +1712,14 @@ def main(argv=None):
     if args.plot:
         plot(predictions, args.plot, f"ringnet predicted scaling ({args.scaling}, batch "
                                      f"{args.batch_size}, compute {compute.name})")
+    if args.markdown:
+        if args.table == "predictions":
+            print(markdown_predictions(predictions, nps))
+        elif args.table == "paper":
+            print(markdown_paper(paper))
+        else:
+            print(markdown_validation(validation))
+        return 0
     if args.json:
         keys = ("model", "mode", "delay", "np", "profile", "step_ms", "speedup", "efficiency")
         print(json.dumps({
