@@ -460,6 +460,8 @@ COMMANDS = {
     "python -m ringnet.bench model --compute k40 --np 4 --table paper --markdown": readme_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation.json --table validation --markdown": readme_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-quiet.json --table validation --markdown": readme_table,
     "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
     "--to-accuracy 0.84 --epochs 1 --eval-every 117 --repeats 1 --markdown": readme_table,
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset synthetic --mode split-fc --steps 3 --json":

@@ -45,7 +45,8 @@ it there), and with a polling thread the exchange moves at a measured fraction �
 blocking speed and steals a measured fraction κ of the core. Where the code has a choice
 (progress mode, bucket size, concurrent rooted receives) the model reads it from the
 code (``code_facts``). Ranks beyond the cores share them: compute takes
-``s(N) = max(1, N / cores)`` times as long (``cores``: the job's CPU affinity). On the CPU
+``s(N) = max(1, N / cores)`` times as long (``cores``: measured with every rank busy, waits
+that sleep; on a quiet machine the job's CPU affinity). On the CPU
 a message is a wait (latency α) and a copy (bytes / β) that the rank's own core makes
 inside an MPI call: with driven progress that call is the training thread's test at a
 layer boundary, so the copy delays the compute (on a GPU the copy engine moves it).
@@ -350,9 +351,12 @@ class System:
     """Where the ranks run: links per hop, ranks per node, and CPU contention.
 
     ``cores`` is None for GPUs (compute and transfers do not share a core). On a CPU
-    machine (profile ``local``) it is the number of cores the job may use (its CPU
-    affinity): ranks beyond them share them, so each rank's compute takes N / cores times
-    as long (a rank whose stream sleeps, as with driven progress, keeps one busy thread);
+    machine (profile ``local``) it is the cores the job's ranks get: N / (the calibration's
+    compute with all N ranks busy against one alone, timed with waits that sleep), so on a
+    quiet machine the cores of its CPU affinity, and on a shared one what the load leaves
+    (records of the older worker, whose waits spun, use the affinity). Ranks beyond them
+    share them: each rank's compute takes N / cores times as long (a rank whose stream
+    sleeps, as with driven progress, keeps one busy thread);
     ``steal`` is the fraction of its rank's core a polling delay-1 exchange takes while it
     runs, and ``rate`` the fraction of its blocking speed that exchange makes meanwhile
     (measured; ``calibrated`` holds them per calibrated N).
@@ -1306,9 +1310,13 @@ def _calibration_record(n, raw, add_s_per_elem):
                              _fit_rooted(mode, n, sorted((int(k), v) for k, v in sizes.items()),
                                          add_s_per_elem)))
               for mode, sizes in raw.get("rooted", {}).items() if n > 1}
-    return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted,
-            "cores": raw.get("cores") or usable_cores(),       # older records: this machine's
-            "slowdown": together / raw["solo_s"],
+    slowdown = together / raw["solo_s"]
+    if "cores" in raw:      # all ranks busy against one alone, waits that sleep: what N share
+        cores = n / max(slowdown, 1e-9)
+    else:                   # older workers waited spinning (overstated), and named no cores
+        cores = usable_cores()
+    return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted, "cores": cores,
+            "slowdown": slowdown,
             "rate": float(np.mean(rates)) if rates else 1.0,
             "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
 
@@ -1449,6 +1457,11 @@ def _minus(text):
     return text.replace("-", "\u2212")
 
 
+def _ms(seconds_ms):
+    """Milliseconds to three significant digits, never in exponent form."""
+    return f"{seconds_ms:.3g}" if seconds_ms < 1000 else f"{seconds_ms:.0f}"
+
+
 def markdown_predictions(rows, nps):
     """The predictions as one Markdown table: step ms and efficiency per mode, a row per
     (model, profile, N)."""
@@ -1462,7 +1475,7 @@ def markdown_predictions(rows, nps):
         for n in nps:
             cells = [got.get((md[0], md[1], n)) for md in cols]
             if any(cells):
-                out.append([name, profile, n] + [f"{c['step_ms']:.3g} ms, {c['efficiency']:.2f}"
+                out.append([name, profile, n] + [f"{_ms(c['step_ms'])} ms, {c['efficiency']:.2f}"
                                                  if c else "\u2013" for c in cells])
     return markdown(["model", "profile", "N"] + [f"{_label(*md)} (step, efficiency)" for md in cols],
                     out)
@@ -1501,7 +1514,7 @@ def markdown_validation(rows):
                 cells.append("\u2013")
                 continue
             err = 100 * (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
-            cells.append(_minus(f"{r['predicted_ms']:.3g} / {r['measured_ms']:.3g} ({err:+.0f}%)"))
+            cells.append(_minus(f"{_ms(r['predicted_ms'])} / {_ms(r['measured_ms'])} ({err:+.0f}%)"))
         out.append([name, label] + cells)
     header = ["model", "mode"] + [f"N={n} predicted / measured ms" if i == 0 else f"N={n}"
                                   for i, n in enumerate(nps)]
@@ -1745,9 +1758,10 @@ def main(argv=None):
             print(f"# local at N={n}: alpha {c['alpha_s'] * 1e6:.1f} us, beta "
                   f"{c['beta_Bps'] / 1e9:.2f} GB/s; beside compute the stream moves at "
                   f"{c['rate']:.2f} of that speed; "
-                  f"{c['cores']} cores: the model's compute slowdown "
-                  f"{max(1.0, n / c['cores']):.2f} (measured with all ranks busy: "
-                  f"{c['slowdown']:.2f}); stream steals {c['steal']:.2f} of a core")
+                  f"compute slowdown {max(1.0, n / c['cores']):.2f} (effective cores "
+                  f"{c['cores']:.2f}; all ranks busy against one alone: {c['slowdown']:.2f}, "
+                  f"{c['raw'].get('cores', '?')} cores here); "
+                  f"stream steals {c['steal']:.2f} of a core")
     _print_tables(predictions, args.batch_size, args.scaling, nps)
     if allreduces:
         print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "
