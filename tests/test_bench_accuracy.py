@@ -57,6 +57,27 @@ def test_delay_variants_are_checked():
     for bad in ("pred", "foo:1", "pred:x"):
         with pytest.raises(UsageError):
             delay.parse_variant(bad)
+    from ringnet.parallel import COMPENSATIONS
+    from ringnet.parallel.exchange import Lookahead
+    assert delay.engine_variant("lookahead") is COMPENSATIONS["lookahead"]
+    assert delay.engine_variant("none") is COMPENSATIONS["none"]
+    assert delay.engine_variant("single") is None
+    assert delay.engine_variant("lookahead/warm=30/k=5") == Lookahead(k=5.0, c=2.0, warmup=30)
+    assert delay.engine_variant("lookahead/c=1.5") == Lookahead(k=None, c=1.5, warmup=0)
+    for bad in ("lookahead/warm=1.5", "lookahead/k=0", "lookahead/x=1", "none/k=2",
+                "single/warm=3", "lookahead/k=-1", "lookahead/k=nan"):
+        with pytest.raises(UsageError):
+            delay.engine_variant(bad)
+
+
+def test_delay_loss_metric_tells_descent_from_divergence():
+    """--metric loss: no test evaluation; a run that descends is ok, one that blows up
+    (the plain recurrence at lr 0.3, momentum 0.9 on digits) is not."""
+    ok = delay.run("digits", "digits", "single", 0.03, 0.9, epochs=0.5, seed=0, metric="loss")
+    assert ok["status"] == "ok" and ok["train_loss"] < ok["first_loss"], ok
+    assert ok["test_accuracy"] != ok["test_accuracy"]       # NaN: the test set was not read
+    bad = delay.run("digits", "digits", "none", 0.3, 0.9, epochs=0.5, seed=0, metric="loss")
+    assert bad["status"] != "ok", bad
 
 
 def test_delay_bench_separates_plain_from_compensated_on_lenet():
