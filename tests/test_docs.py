@@ -408,6 +408,24 @@ def readme_delay_table(command, tmp_path, text=None):
             assert len(cell.split(" / ")) == len(outputs[0][1][i][j].split(" / ")), (row, cell)
 
 
+def readme_curves_table(command, tmp_path):
+    """The README table under ``bench curves --from-csv F --markdown`` is exactly what that
+    command prints from the CSV kept in the repository (no training: it runs here as written)."""
+    from ringnet.bench.tables import parse_markdown
+    assert parse_markdown(run(command).stdout) == _readme_table_of(command)
+
+
+def curves_replot(command, tmp_path):
+    """``bench curves --from-csv F --plot P`` redraws the README figure from the kept CSV
+    (drawn into a temporary file here, the figure in docs/ stays)."""
+    pytest.importorskip("matplotlib")
+    args = shlex.split(command)
+    out = tmp_path / "curves.png"
+    args[args.index("--plot") + 1] = str(out)
+    run(shlex.join(args))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_delay_table_check_fails_on_a_changed_cell():
     """The bench delay table check can fail: a cell in another form, a missing part, a
     changed row label."""
@@ -450,7 +468,8 @@ def test_every_readme_table_is_printed_by_the_command_above_it():
         found = TABLE_COMMAND.search(above)
         assert found, (f"README table {header} has no `python -m ringnet.bench ... --markdown` "
                        "command in the line just above it (or belongs in STATIC)")
-        assert COMMANDS.get(found.group(1)) in (readme_table, readme_delay_table), found.group(1)
+        assert COMMANDS.get(found.group(1)) in (readme_table, readme_delay_table,
+                                                readme_curves_table), found.group(1)
     assert seen == set(STATIC) | set(NOT_GENERATED), "stale STATIC / NOT_GENERATED entries"
 
 
