@@ -565,8 +565,12 @@ COMMANDS = {
     "--variants single,none,lookahead/k=5,lookahead --markdown": readme_delay_table,
     "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8":
         "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
-    "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 1 --np 2 "
-    "--eval-every 234": FASHION,
+    "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2 "
+    "--eval-every 937": FASHION,
+    "python -m ringnet.bench curves --from-csv docs/curves-lenet-fashion-mnist.csv --markdown":
+        readme_curves_table,
+    "python -m ringnet.bench curves --from-csv docs/curves-lenet-fashion-mnist.csv --plot "
+    "docs/curves-lenet-fashion-mnist.png": curves_replot,
     # datasets/README.md
     "python datasets/make_digits.py": "tests/test_data.py::test_digits_equal_sklearn",
     "python -m ringnet.datasets convert mnist SRC_DIR --out F.h5":
