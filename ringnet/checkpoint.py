@@ -8,9 +8,13 @@ Layout::
     /lookahead_base/<name>    delay 1 with the lookahead compensation only: w[t-1] of the
                               look-ahead point (see ringnet.parallel.exchange.Lookahead)
     attrs: format ("ringnet-checkpoint"), version, model, mode, delay, ranks, step, epoch,
-           dtype, the hyperparameters a resume continues with (HYPERPARAMETERS), rng (JSON:
-           the state of every layer's random stream, e.g. Dropout masks, so a resumed run
-           continues the same trajectory)
+           dtype, the hyperparameters a resume continues with (HYPERPARAMETERS)
+
+There is no random-stream state to store: Dropout masks are a hash of (seed, step, layer,
+sample, element) (:class:`ringnet.layers.Dropout`), and seed and step are attributes, so
+a resumed run applies the masks the uninterrupted run would have, on a CPU or a GPU.
+Version 1 files also hold ``rng`` (JSON: NumPy stream states of the former stream-drawn
+Dropout masks); they load, ``attrs["rng"]`` is returned and nothing uses it.
 
 Durability: the file is written to ``<name>.<host>.<pid>.<random>.h5.tmp`` next to the
 target, flushed to disk (``fsync``), renamed onto the target, and the folder is
@@ -39,7 +43,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "load_lookahead_base", "check_w
            "checkpoint_bytes", "stale_temporaries", "resume_settings", "HYPERPARAMETERS", "FORMAT"]
 
 FORMAT = "ringnet-checkpoint"
-VERSION = 1
+VERSION = 2          # 2: no rng attribute (stateless dropout masks)
 
 # Settings stored as attributes that a resumed run continues with unless told otherwise.
 HYPERPARAMETERS = ("batch_size", "lr", "lr_policy", "gamma", "stepsize", "power", "momentum",
@@ -197,8 +201,8 @@ def _check_finite(path, groups):
 
 
 def save_checkpoint(path, params, momentum=None, prev_params=None, /, lookahead_base=None,
-                    rng=None, **attrs):
-    """Write named host arrays, layer RNG states and scalar ``attrs`` to ``path`` atomically.
+                    **attrs):
+    """Write named host arrays and scalar ``attrs`` to ``path`` atomically.
 
     The arrays are positional only, so ``attrs`` may hold a ``momentum`` setting.
 
@@ -213,12 +217,12 @@ def save_checkpoint(path, params, momentum=None, prev_params=None, /, lookahead_
         except OSError:
             pass
     try:
-        return _write(path, params, momentum, prev_params, lookahead_base, rng, attrs)
+        return _write(path, params, momentum, prev_params, lookahead_base, attrs)
     except OSError as exc:
         raise SetupError(f"cannot write checkpoint {path} ({exc})") from None
 
 
-def _write(path, params, momentum, prev_params, lookahead_base, rng, attrs):
+def _write(path, params, momentum, prev_params, lookahead_base, attrs):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=TMP_SUFFIX, dir=directory)
@@ -231,8 +235,6 @@ def _write(path, params, momentum, prev_params, lookahead_base, rng, attrs):
                 f.attrs["version"] = VERSION
                 for key, value in attrs.items():
                     f.attrs[key] = "" if value is None else value
-                if rng:
-                    f.attrs["rng"] = json.dumps(rng)
                 for group_name, tensors in (("params", params), ("momentum", momentum),
                                             ("prev_params", prev_params),
                                             ("lookahead_base", lookahead_base)):
@@ -256,7 +258,8 @@ def _write(path, params, momentum, prev_params, lookahead_base, rng, attrs):
 def load_checkpoint(path):
     """Return ``(params, momentum or None, prev_params or None, attrs)`` read from ``path``.
 
-    ``attrs["rng"]`` is the dict of layer RNG states (None when the file has none).
+    ``attrs["rng"]`` is a version-1 file's dict of former Dropout stream states (None
+    otherwise; unused).
     Raises :class:`~ringnet.errors.InputError` when the file is missing, unreadable, not a checkpoint,
     or holds non-finite values.
     """

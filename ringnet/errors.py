@@ -32,10 +32,14 @@ fault-injection tests and of ``python -m ringnet.bench faults``.
 """
 import argparse
 import collections
+import fcntl
 import os
 import signal
+import stat
 import statistics
+import struct
 import sys
+import termios
 import threading
 import time
 import traceback
@@ -49,7 +53,9 @@ __all__ = ["UsageError", "InputError", "SetupError", "USER_ERRORS", "ArgumentPar
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 EXIT_DIVERGED = 3     # non-finite loss: a rerun from the same weights diverges again
-ABORT_GRACE_S = 0.25  # seconds between the error line and MPI_Abort (see abort)
+ABORT_GRACE_S = 0.25  # seconds between the error line leaving the pipe and MPI_Abort (see abort)
+DRAIN_LIMIT_S = 10.0  # at most this long for the launcher to read the error line (see abort)
+SPEAKER_WAIT_S = 20.0  # a stall's other ranks wait this long for its speaker's abort (run_main)
 _TAG = 0x5249       # control messages of exchange() on the caller's communicator
 
 
@@ -85,10 +91,14 @@ class RunInputError(TrainingError):
 
 
 class StallError(TrainingError):
-    """Ranks that did not arrive at a phase within the deadline."""
+    """Ranks that did not arrive at a phase within the deadline.
 
-    def __init__(self, missing, phase, seconds, detail=None):
+    ``speaker``: the world rank that reports it (the lowest rank that did arrive), or None.
+    """
+
+    def __init__(self, missing, phase, seconds, detail=None, speaker=None):
         self.missing, self.phase, self.seconds = list(missing), phase, seconds
+        self.speaker = speaker
         who = _ranks(self.missing)
         text = (f"{who} did not arrive at {phase} within {seconds:.3g} s "
                 f"(stopped, hung or far slower than the others; deadline: RINGNET_COMM_TIMEOUT)")
@@ -98,6 +108,23 @@ class StallError(TrainingError):
 def _ranks(ranks):
     ranks = list(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _world_rank(comm, rank):
+    """Return the MPI_COMM_WORLD rank of ``rank`` of ``comm`` (None if it cannot be told)."""
+    world = _world()
+    if world is None or comm is world:
+        return rank
+    try:
+        mine, theirs = comm.Get_group(), world.Get_group()
+        try:
+            found = mine.Translate_ranks([rank], theirs)[0]
+        finally:
+            mine.Free()
+            theirs.Free()
+    except Exception:  # noqa: BLE001 - a communicator without a group: nobody is chosen
+        return None
+    return None if found < 0 else int(found)
 
 
 def _world():
@@ -209,13 +236,15 @@ def _sleep_backoff(pause):
     return min(0.01, pause * 2 + 1e-4)
 
 
-def exchange(comm, value, phase=None, timeout=None):
+def exchange(comm, value, phase=None, timeout=None, root=None):
     """Return every rank's ``value`` (a small picklable object), ordered by rank.
 
     Non-blocking point-to-point messages on ``comm`` and one wait loop: at ``timeout``
     seconds (default :func:`comm_timeout`) it raises :class:`StallError` naming the
     ranks whose value did not arrive and ``phase``. A rank that arrives at another
-    phase raises :class:`TrainingError` naming both phases.
+    phase raises :class:`TrainingError` naming both phases. With ``root`` (a gather),
+    only that rank receives and returns the list; the others return None once it
+    took their value.
     """
     phase = phase or _phase
     if comm is None or comm.Get_size() == 1:
@@ -226,8 +255,9 @@ def exchange(comm, value, phase=None, timeout=None):
         except UsageError:      # reported by whoever reads it; do not fail the agreement
             timeout = 300.0
     rank, size = comm.Get_rank(), comm.Get_size()
-    sends = [comm.isend((phase, value), dest=r, tag=_TAG) for r in range(size) if r != rank]
-    got = {rank: value}
+    targets = [r for r in range(size) if r != rank and root in (None, r)]
+    sends = [(r, comm.isend((phase, value), dest=r, tag=_TAG)) for r in targets]
+    got = {rank: value} if root in (None, rank) else {r: None for r in range(size)}
     start = time.monotonic()
     pause = 1e-4
     while len(got) < size:
@@ -243,15 +273,17 @@ def exchange(comm, value, phase=None, timeout=None):
         if arrived:
             continue
         if time.monotonic() - start > timeout:
-            raise StallError([r for r in range(size) if r not in got], phase, timeout)
+            raise StallError([r for r in range(size) if r not in got], phase, timeout,
+                             speaker=_world_rank(comm, min(got)))
         pause = _sleep_backoff(pause)
-    while sends:    # small messages leave at once; this only waits on a full network buffer
-        sends = [s for s in sends if not s.Test()]
+    while sends:    # small messages leave at once; this waits on a large one or a full buffer
+        sends = [(r, s) for r, s in sends if not s.Test()]
         if sends and time.monotonic() - start > timeout:
-            raise StallError(["?"], phase, timeout, detail="a control message was not delivered")
+            raise StallError([r for r, _ in sends], phase, timeout,
+                             detail="its message from this rank was not taken")
         if sends:
             pause = _sleep_backoff(pause)
-    return [got[r] for r in range(size)]
+    return [got[r] for r in range(size)] if root in (None, rank) else None
 
 
 def collective(comm, fn, *args, phase=None, timeout=None, **kwargs):
@@ -327,12 +359,31 @@ def abort(message=None, code=EXIT_FAILURE):
         prefix = f"[rank {comm.Get_rank()}] " if comm is not None and comm.Get_size() > 1 else ""
         print(f"{prefix}ringnet: error: {message}", file=sys.stderr, flush=True)
     if comm is not None and comm.Get_size() > 1:
-        # The launcher kills every process as soon as it learns of the abort; give its
-        # forwarding of this rank's stderr a moment so the one line that explains the
-        # failure is not lost with them (seen with MPICH's hydra).
+        # The launcher kills every process as soon as it learns of the abort; a line still
+        # in the pipe to the launcher's forwarder dies with them (seen with MPICH's hydra
+        # under load). Wait until the forwarder has read stdout and stderr (bounded), and
+        # a moment more for it to pass them on.
+        _wait_until_read((1, 2), DRAIN_LIMIT_S)
         time.sleep(ABORT_GRACE_S)
         comm.Abort(code)
     os._exit(code)
+
+
+def _unread_bytes(fd):
+    """Return how many bytes written to pipe ``fd`` its reader has not read (None: not a pipe)."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return None
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+def _wait_until_read(fds, limit_s):
+    """Sleep until every pipe among ``fds`` is empty (its reader took the bytes), at most ``limit_s``."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end and any(_unread_bytes(fd) for fd in fds):
+        time.sleep(0.01)
 
 
 def _quiet_broken_pipe():
@@ -368,11 +419,18 @@ def run_main(main, argv=None):
     except KeyboardInterrupt:
         abort("interrupted", code=130)
     except TrainingError as exc:
-        # Often seen by several ranks at once (NaN loss): the lowest rank speaks first
-        # and its abort ends the others before they print.
+        # Often seen by several ranks at once (a stall, NaN loss): one rank speaks and its
+        # abort ends the others before they print. A stall names its speaker (the lowest
+        # rank that arrived: every live rank agrees on it); the others wait for its abort,
+        # and speak themselves only if it never comes. Otherwise the lowest rank speaks first.
         comm = _world()
         rank = comm.Get_rank() if comm is not None else 0
-        time.sleep(0.3 * min(rank, 10))
+        speaker = getattr(exc, "speaker", None)
+        if speaker is not None and comm is not None and comm.Get_size() > 1:
+            if rank != speaker:
+                time.sleep(SPEAKER_WAIT_S)
+        else:
+            time.sleep(0.3 * min(rank, 10))
         abort(str(exc), code=getattr(exc, "exit_code", EXIT_FAILURE))
     except BaseException as exc:  # noqa: BLE001 - last line of defence
         if isinstance(exc, _mpi_exception_type()):

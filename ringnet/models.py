@@ -135,6 +135,9 @@ class Model:
         names = [n for n, _ in self.layers]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate layer names in {names}")
+        for index, (_, layer) in enumerate(self.layers):
+            if isinstance(layer, Dropout):     # keys its masks: two Dropouts draw apart
+                layer.layer_index = index
         # Walk the shapes once: it validates the architecture and fixes the buffer layout.
         self.shapes = []              # [LayerShape]
         self._slots = []              # [ParamSlot], in buffer order

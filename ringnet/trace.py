@@ -24,6 +24,7 @@ import threading
 import time
 
 from ringnet import stats
+from ringnet.errors import exchange
 
 __all__ = ["Tracer", "load", "check_trace_path", "active", "span", "timed"]
 
@@ -94,7 +95,7 @@ class Tracer:
         self._events = []
         self._lock = threading.Lock()
         self._lanes = {}                      # thread id -> (lane number, thread name)
-        world.Barrier()
+        exchange(world, None)                 # a barrier under the deadline
         self.t0 = time.perf_counter()
         self._unsubscribe = stats.subscribe(self._record)
         global _active
@@ -139,7 +140,7 @@ class Tracer:
     def close(self, metadata=None):
         """Stop collecting; rank 0 gathers every rank's events and writes the file (collective)."""
         self.stop()
-        gathered = self.world.gather(self.events(), root=0)
+        gathered = exchange(self.world, self.events(), root=0)    # under the deadline
         if self.rank != 0:
             return None
         events = [e for rank_events in gathered for e in rank_events]

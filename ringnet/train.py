@@ -21,6 +21,7 @@ from ringnet.config import DEFAULTS, TrainConfig, config_from_args
 from ringnet.errors import (USER_ERRORS, Deadline, DivergedError, InputError, RunInputError,
                             StallError, TrainingError, UsageError, collective, current_phase,
                             exchange, import_mpi, run_main, set_phase, watchdog)
+from ringnet.layers import Dropout
 from ringnet.progress import Progress, progress_interval
 from ringnet.trace import Tracer, timed
 
@@ -77,7 +78,7 @@ def _setup(cfg, world):
         except RuntimeError as exc:
             raise UsageError(str(exc)) from None
     xp = collective(world, pick_device)
-    if cfg.device == "auto" and size > 1 and world.allreduce(int(xp is np)):
+    if cfg.device == "auto" and size > 1 and any(exchange(world, xp is np)):
         xp = np     # some rank has no usable GPU: every rank computes on the CPU
     placement, transport = collective(world, _place, cfg, world, "cpu" if xp is np else "gpu")
     spec = MODELS[cfg.model]
@@ -177,7 +178,8 @@ def _stalled(world, exc, deadline):
     try:
         exchange(world, phase, phase="stall check", timeout=0.5 * deadline.seconds + 2.0)
     except StallError as stall:
-        return StallError(stall.missing, phase, deadline.seconds, detail=f"here: {exc}")
+        return StallError(stall.missing, phase, deadline.seconds, detail=f"here: {exc}",
+                          speaker=stall.speaker)
     except TrainingError as other:
         return other
     return TrainingError(f"{phase}: {exc}")
@@ -325,13 +327,13 @@ def _checkpoint_saver(cfg, world, strategy, spe):
     size = world.Get_size()
 
     def collect():              # every rank
-        return strategy.full_state(), strategy.lookahead_state(), rng_states(strategy.model)
+        return strategy.full_state(), strategy.lookahead_state()
 
     def write(state, step):     # rank 0 only
         from ringnet.checkpoint import save_checkpoint
-        (params, momentum, prev), base, rng = state
+        (params, momentum, prev), base = state
         save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
-                        lookahead_base=base, rng=rng, model=cfg.model, mode=cfg.mode,
+                        lookahead_base=base, model=cfg.model, mode=cfg.mode,
                         delay=cfg.delay, delay_compensation=cfg.delay_compensation,
                         ranks=size, step=step, epoch=step // spe, dtype=cfg.dtype,
                         **{n: getattr(cfg, n) for n in HYPERPARAMETERS})
@@ -417,6 +419,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
                 batches = loader.epoch(epoch, start_step=offset)
                 for x, labels in timed(batches):
                     set_phase(f"step {step}")
+                    set_dropout_step(strategy.model, step)
                     loss, _ = strategy.step(x, labels, step)
                     loss = float(loss)
                     if not math.isfinite(loss):
@@ -545,23 +548,19 @@ def _restore(cfg, world, strategy, checkpoint, total_steps):
         try:
             strategy.load_full_state(params, momentum, prev if cfg.delay else None,
                                      base if cfg.delay else None)
-            set_rng_states(strategy.model, attrs.get("rng"))
         except ValueError as exc:
             raise UsageError(f"checkpoint {cfg.resume}: {exc}") from None
     collective(world, restore)
     return int(attrs.get("step", 0))
 
 
-def rng_states(model):
-    """Return {layer name: state} of every layer with a random stream (Dropout)."""
-    return {name: layer.rng_state() for name, layer in model.layers if hasattr(layer, "rng_state")}
-
-
-def set_rng_states(model, states):
-    """Restore what :func:`rng_states` returned (None: a checkpoint without RNG states)."""
-    for name, layer in model.layers:
-        if states and name in states and hasattr(layer, "set_rng_state"):
-            layer.set_rng_state(states[name])
+def set_dropout_step(model, step):
+    """Point every Dropout layer at global step ``step``: its masks are a function of the
+    seed, the step and the sample (no stream state), so a resumed run or another rank
+    count applies the same masks as the uninterrupted run."""
+    for _, layer in model.layers:
+        if isinstance(layer, Dropout):
+            layer.step = step
 
 
 def main(argv=None):

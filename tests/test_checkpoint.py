@@ -1,5 +1,6 @@
 """Checkpoint durability: signals and kill -9 leave nothing behind, fsync before rename,
-a real write test before training, non-finite weights refused, RNG states round-trip."""
+a real write test before training, non-finite weights refused, version-1 files (with stream states) still load."""
+import json
 import os
 import signal
 import subprocess
@@ -99,18 +100,22 @@ def test_non_finite_weights_are_refused_on_save_and_load(tmp_path, bad):
         load_checkpoint(path)
 
 
-def test_dropout_rng_state_round_trips_through_a_checkpoint(tmp_path):
-    from ringnet.layers import Dropout
-    layer = Dropout(0.5, seed=3)
-    x = np.ones((4, 5))
-    layer.forward(x)                                   # advance the stream
+def test_checkpoint_holds_no_stream_state_and_version_1_files_still_load(tmp_path):
+    """Dropout masks follow from seed and step (no stream state): a version-2 file has no
+    ``rng`` attribute; a version-1 file, which stored NumPy stream states there, loads."""
+    import h5py
     path = tmp_path / "ck.h5"
-    save_checkpoint(path, PARAMS, rng={"drop": layer.rng_state()})
-    expected = layer.forward(x)
-    restored = Dropout(0.5, seed=3)
-    restored.set_rng_state(load_checkpoint(path)[3]["rng"]["drop"])
-    assert np.array_equal(restored.forward(x), expected)
-    assert not np.array_equal(Dropout(0.5, seed=3).forward(x), expected)   # fresh stream differs
+    save_checkpoint(path, PARAMS, step=3, seed=5)
+    with h5py.File(path, "r") as f:
+        assert f.attrs["version"] == 2 and "rng" not in f.attrs
+    assert load_checkpoint(path)[3]["rng"] is None
+    old_state = {"drop1": np.random.default_rng(6).bit_generator.state}
+    with h5py.File(path, "r+") as f:
+        f.attrs["version"] = 1
+        f.attrs["rng"] = json.dumps(old_state)
+    params, _, _, attrs = load_checkpoint(path)
+    assert attrs["version"] == 1 and attrs["rng"] == json.loads(json.dumps(old_state))
+    np.testing.assert_array_equal(params["w"], PARAMS["w"])
 
 
 def test_resume_overrides_only_what_is_given_and_reports_it(tmp_path):

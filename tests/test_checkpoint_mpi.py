@@ -1,7 +1,8 @@
-"""Resume continues the exact trajectory of a dropout model (carnet): the Dropout mask
-stream's state is in the checkpoint. Reference: the uninterrupted run of the same length,
-in ring delay 1 and split-fc delay 1 on the MPI world, and single on one process resumed
-from a checkpoint the world wrote at another N (tree, delay 0, float64)."""
+"""Resume continues the exact trajectory of a dropout model (carnet): Dropout masks are a
+function of seed, step and global sample, and the checkpoint holds the step. Reference: the
+uninterrupted run of the same length, in ring delay 1 and split-fc delay 1 on the MPI world,
+and single on one process resumed from a checkpoint the world wrote at another N (tree,
+delay 0, float64)."""
 import numpy as np
 import pytest
 from mpi4py import MPI

@@ -5,11 +5,13 @@ Integers in float64 make every sum exact, so results are compared with ``==``; r
 floats are compared with MPI's own Allreduce within rounding, and across ranks bit for bit.
 All collective work comes before the first assertion.
 """
+import re
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringnet.comm import AutoCommunicator, MpiTransport, NcclTransport, create
+from ringnet.comm import AutoCommunicator, CommTimeoutError, MpiTransport, NcclTransport, create
 from ringnet.comm.auto import ALGORITHMS, choose, thresholds
 
 pytestmark = pytest.mark.mpi
@@ -95,6 +97,55 @@ def test_auto_uses_the_algorithm_its_model_picks(transport):
     assert all(results.values()), results
     if N > 1:   # small messages go by the fewest messages, large ones by the fewest bytes
         assert used[8] in ("direct", "rd") and used[8 << 20] in ("ring", "rhd"), used
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 4000, 8])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_lean_path_sums_as_the_transport_path(transport, algorithm, chunk_bytes):
+    """Off a stream auto calls MPI directly; on a stream it goes through the transport's
+    transfers. Both must give the same bits (same order of additions) and count the same
+    bytes, in pieces too (``chunk_bytes``; 8 bytes: one float64 per piece)."""
+    length = 30011 if chunk_bytes != 8 else 3 * N + 2
+    comm = AutoCommunicator(transport, algorithm=algorithm, chunk_bytes=chunk_bytes)
+    lean = randoms(length, RANK, np.float64)
+    generic = lean.copy()
+    exact = integers(length, RANK)
+    before = transport.bytes_sent, transport.bytes_recv
+    comm.allreduce(lean)
+    lean_bytes = transport.bytes_sent - before[0], transport.bytes_recv - before[1]
+    comm.allreduce(exact)
+    stream = comm.new_stream()
+    before = transport.bytes_sent, transport.bytes_recv
+    comm.allreduce(generic, stream=stream).wait(timeout=120)
+    generic_bytes = transport.bytes_sent - before[0], transport.bytes_recv - before[1]
+    stream.close()
+    identical = same_on_every_rank(lean)
+    np.testing.assert_array_equal(exact, exact_sum(length), err_msg=f"{algorithm} {chunk_bytes}")
+    np.testing.assert_array_equal(lean, generic, err_msg=f"{algorithm} {chunk_bytes} rank {RANK}")
+    assert lean_bytes == generic_bytes
+    assert identical
+
+
+@pytest.mark.skipif(N < 2, reason="needs a peer that does not answer")
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_lean_path_keeps_the_transfer_deadline(algorithm):
+    """Rank 0 all-reduces alone: it must raise CommTimeoutError after ~timeout_s, not hang."""
+    transport = MpiTransport(WORLD, timeout_s=0.5)
+    error = None
+    try:
+        if RANK == 0:
+            comm = AutoCommunicator(transport, algorithm=algorithm)
+            try:
+                comm.allreduce(np.ones(1000, np.float32))
+            except CommTimeoutError as caught:
+                error = str(caught)
+        WORLD.Barrier()
+    finally:
+        transport.close()
+    if RANK == 0:
+        assert error is not None, f"{algorithm}: no CommTimeoutError"
+        assert re.fullmatch(r"all-reduce (to|from) rank \d.* of [1-9]\d* bytes did not complete "
+                            r"within 0.5 s", error), error
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -62,3 +62,65 @@ def test_info_into_a_closed_pipe_exits_quietly(tmp_path):
     assert first.startswith(b"file "), first
     assert stderr == "", stderr
     assert proc.returncode == 141
+
+
+def test_abort_waits_until_the_launcher_read_the_error_line(tmp_path):
+    """abort() holds MPI_Abort until the reader of the rank's stderr pipe took the line,
+    and gives up at its limit when nobody reads."""
+    import os
+    import threading
+    import time
+
+    from ringnet import errors
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"ringnet: error: something\n")
+        assert errors._unread_bytes(write_end) == 26
+        start = time.monotonic()
+        errors._wait_until_read([write_end], 0.5)               # nobody reads: the limit
+        assert 0.5 <= time.monotonic() - start < 30
+        threading.Timer(0.3, os.read, (read_end, 100)).start()   # the launcher reads later
+        start = time.monotonic()
+        errors._wait_until_read([write_end], 60)
+        assert errors._unread_bytes(write_end) == 0 and time.monotonic() - start < 30
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    plain = tmp_path / "log"
+    with open(plain, "w") as f:
+        assert errors._unread_bytes(f.fileno()) is None          # not a pipe: nothing to wait for
+
+
+def test_a_stall_is_reported_once_by_the_lowest_rank_that_arrived(tmp_path):
+    """Rank 2 never arrives; rank 1 notices 3 s before rank 0. The one error line comes
+    from rank 0 (every live rank agrees it speaks) and names rank 2; rank 1 stays quiet
+    while waiting for rank 0's abort. (With a stagger by rank, rank 1 spoke first.)"""
+    import os
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import time\n"
+        "from mpi4py import MPI\n"
+        "from ringnet.errors import exchange, run_main\n"
+        "def main(argv):\n"
+        "    comm = MPI.COMM_WORLD\n"
+        "    rank = comm.Get_rank()\n"
+        "    if rank == 2:\n"
+        "        time.sleep(120)\n"
+        "    exchange(comm, rank, phase='the test phase', timeout=4.0 if rank == 0 else 1.0)\n"
+        "run_main(main)\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "MPI_", "HYDRA_", "OMPI_", "RINGNET_"))}
+    start = time.monotonic()
+    proc = subprocess.run(["mpirun", "-np", "3", sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=180, env=env)
+    seconds = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    lines = [line for line in output.splitlines() if "ringnet: error:" in line]
+    assert proc.returncode == 1, output
+    assert len(lines) == 1 and lines[0].startswith("[rank 0] ringnet: error: rank 2 did not "
+                                                   "arrive at the test phase within 4 s"), output
+    assert "Traceback" not in output
+    assert seconds < 90, f"took {seconds:.0f} s"

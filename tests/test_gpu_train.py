@@ -29,3 +29,37 @@ def test_gpu_run_equals_cpu_run(mode, delay):
     gpu.strategy.close()
     assert gpu.summary["device"] == "gpu"
     assert np.max(np.abs(a - b)) <= 1e-9 * np.max(np.abs(a))
+
+
+def test_gpu_dropout_masks_are_the_cpu_masks_bit_for_bit():
+    """The mask hash is plain uint64 arithmetic on xp arrays: CuPy gives NumPy's bits."""
+    import cupy
+    from ringnet.layers.activation import hash_bits, keep_mask
+    for key, first, shape in [((3, 0, 14), 0, (64, 256)), ((2**40 + 5, 123456, 7), 1000, (5, 3, 4, 4)),
+                              ((0, 2**62, 0), 3, (1, 1))]:
+        np.testing.assert_array_equal(cupy.asnumpy(hash_bits(cupy, shape, key, first)),
+                                      hash_bits(np, shape, key, first))
+        np.testing.assert_array_equal(cupy.asnumpy(keep_mask(cupy, shape, 0.3, key, first)),
+                                      keep_mask(np, shape, 0.3, key, first))
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="one process (gpu-n1): ranks would share tmp_path")
+def test_gpu_dropout_model_resumes_exactly_and_equals_the_cpu_run(tmp_path):
+    """carnet (dropout) on the GPU: 3 steps, save, resume to 6 equals 6 straight, bit for
+    bit; and the GPU run equals the CPU run (same masks) to float64 summation order."""
+    cfg = dict(BASE, model="carnet", dataset="synthetic", synthetic_size=(48, 12), batch_size=12,
+               steps=6, seed=5)
+    gpu = TrainConfig(mode="single", delay=0, device="gpu", **cfg)
+    straight = train(gpu, world=MPI.COMM_SELF)
+    expected = _weights(straight)
+    straight.strategy.close()
+    path = str(tmp_path / "ck.h5")
+    train(gpu, world=MPI.COMM_SELF, steps=3, save=path).strategy.close()
+    resumed = train(gpu, world=MPI.COMM_SELF, resume=path)
+    got = _weights(resumed)
+    resumed.strategy.close()
+    assert np.array_equal(got, expected), "GPU resume of a dropout model differs"
+    cpu = train(TrainConfig(mode="single", delay=0, device="cpu", **cfg), world=MPI.COMM_SELF)
+    reference = _weights(cpu)
+    cpu.strategy.close()
+    assert np.max(np.abs(expected - reference)) <= 1e-9 * np.max(np.abs(reference))

@@ -216,6 +216,107 @@ def test_dropout_mask_scale_and_reproducibility():
         Dropout(1.0, seed=0)
 
 
+# splitmix64 written out on Python ints: the reference for the xp array version.
+_U64 = (1 << 64) - 1
+
+
+def _splitmix_finalizer(z):
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+def _reference_bits(key, first_sample, shape):
+    """Element-by-element hash of ``hash_bits`` from its documented definition."""
+    z = 0
+    for part in key:
+        z = _splitmix_finalizer((z + 0x9E3779B97F4A7C15 + part) & _U64)
+    k1, k2 = z, _splitmix_finalizer((z + 0x9E3779B97F4A7C15) & _U64)
+    per_sample = int(np.prod(shape[1:]))
+    out = []
+    for index in range(first_sample * per_sample, (first_sample + shape[0]) * per_sample):
+        v = _splitmix_finalizer((index * 0x9E3779B97F4A7C15 + k1) & _U64)
+        out.append(_splitmix_finalizer(v ^ k2))
+    return np.array(out, dtype=np.uint64).reshape(shape)
+
+
+@pytest.mark.parametrize("key, first, shape", [((3, 0, 14), 0, (4, 5)), ((1, 7, 2), 9, (3, 2, 2)),
+                                                ((2**40 + 5, 123456, 0), 1000, (2, 3))])
+def test_dropout_hash_equals_python_integer_reference(key, first, shape):
+    from ringnet.layers.activation import hash_bits
+    with np.errstate(all="raise"):                    # wrapping uint64 arithmetic, no float detour
+        got = hash_bits(np, shape, key, first_sample=first)
+    assert got.dtype == np.uint64 and got.shape == shape
+    np.testing.assert_array_equal(got, _reference_bits(key, first, shape))
+
+
+def _binomial_ok(count, n, q, sds=5.0):
+    return abs(count - n * q) <= sds * np.sqrt(n * q * (1 - q))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_keep_rate_within_binomial_bounds(p):
+    from ringnet.layers.activation import keep_mask
+    for key in [(0, 0, 0), (5, 1, 14), (5, 2, 14), (6, 1, 14), (5, 1, 15), (2**63, 10**6, 3)]:
+        keep = keep_mask(np, (400, 250), p, key)
+        assert _binomial_ok(int(keep.sum()), keep.size, 1 - p), (key, keep.mean())
+        for axis in (0, 1):                           # no sample or feature is favoured
+            per = keep.mean(axis=axis)
+            assert per.std() < 5 * np.sqrt(p * (1 - p) / keep.shape[axis]) + 0.01
+    # the top bits are uniform: 16 buckets, chi-square with 15 degrees of freedom
+    from ringnet.layers.activation import hash_bits
+    top = (hash_bits(np, (1000, 64), (9, 4, 2)) >> np.uint64(60)).astype(np.int64)
+    counts = np.bincount(top.ravel(), minlength=16)
+    expected = top.size / 16
+    assert ((counts - expected) ** 2 / expected).sum() < 60     # p < 1e-6 by chance
+
+
+def test_dropout_masks_are_independent_across_steps_layers_seeds_and_neighbours():
+    """Two masks of p = 0.5 agree on a fraction 0.5 of elements (binomial bounds) when they
+    are independent: next step, next layer, next seed, a shifted key (seed + 1 at step t
+    against seed at step t + 1: an additive key would make these equal), the next sample
+    and the next element. Any reuse of a stream shows as agreement near 1."""
+    from ringnet.layers.activation import keep_mask
+    shape, p = (256, 256), 0.5
+    base = keep_mask(np, shape, p, (5, 3, 14))
+    others = {"next step": keep_mask(np, shape, p, (5, 4, 14)),
+              "next layer": keep_mask(np, shape, p, (5, 3, 15)),
+              "next seed": keep_mask(np, shape, p, (6, 3, 14)),
+              "seed+1, step-1": keep_mask(np, shape, p, (6, 2, 14)),
+              "swapped seed and step": keep_mask(np, shape, p, (3, 5, 14)),
+              "next block of samples": keep_mask(np, shape, p, (5, 3, 14), first_sample=shape[0])}
+    for name, other in others.items():
+        agree = int((base == other).sum())
+        assert _binomial_ok(agree, base.size, 0.5), f"{name}: agreement {agree / base.size:.4f}"
+    for name, a, b in [("neighbouring samples", base[1:], base[:-1]),
+                       ("neighbouring elements", base[:, 1:], base[:, :-1])]:
+        assert _binomial_ok(int((a == b).sum()), a.size, 0.5), name
+
+
+def test_dropout_mask_is_a_function_of_step_and_global_sample():
+    """Stateless: a fresh layer set to step k draws what a layer that ran k forwards draws;
+    part r of N on B rows draws rows r*B..(r+1)*B of the one-part mask of N*B rows."""
+    x = np.ones((6, 10))
+    walked = Dropout(0.4, seed=2)
+    for _ in range(3):
+        walked.forward(x)
+    fresh = Dropout(0.4, seed=2)
+    fresh.step = 3
+    np.testing.assert_array_equal(fresh.forward(x), walked.forward(x))
+    assert fresh.step == walked.step == 4
+    assert not np.array_equal(fresh.forward(x), Dropout(0.4, seed=2).forward(x))   # step 4 vs 0
+    whole = Dropout(0.4, seed=2)
+    whole.step = 7
+    expected = whole.forward(np.ones((18, 10)))
+    for part in range(3):
+        layer = Dropout(0.4, seed=2)
+        layer.step, layer.batch_part = 7, (part, 3)
+        np.testing.assert_array_equal(layer.forward(x), expected[part * 6:(part + 1) * 6])
+    other_layer = Dropout(0.4, seed=2)
+    other_layer.step, other_layer.layer_index = 7, 1
+    assert not np.array_equal(other_layer.forward(np.ones((18, 10))), expected)
+
+
 def test_softmax_cross_entropy_closed_form_and_fd():
     rng = np.random.default_rng(10)
     z = rng.normal(size=(6, 5))

@@ -123,35 +123,50 @@ def _cmdline(pid):
         return ""
 
 
-def _pids_with_args(*needles):
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()
-            and all(n in _cmdline(int(p)) for n in needles)]
+def _running(pid):
+    """True while ``pid`` is a live (not zombie) ringnet rank."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and "ringnet.train" in _cmdline(pid)
 
 
-def test_a_rank_dying_ends_the_whole_job_promptly():
+def test_a_rank_dying_ends_the_whole_job_promptly(tmp_path):
+    """kill -9 of one rank in the training loop ends the whole job, non-zero, within a
+    bound, and no rank outlives it. Each rank writes its own pid to a file (``exec`` keeps
+    it), and the kill comes once the first periodic checkpoint exists: no search of the
+    process table, no sleep standing in for "training has started"."""
     import signal
     import time
-    marker = "987654321"                        # unique seed to find this job's ranks
-    cmd = ["mpirun", "-np", "2", sys.executable, "-m", "ringnet.train", "--steps", "100000",
-           "--seed", marker, "--quiet"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    ck = tmp_path / "ck.h5"
+    pid_files = [tmp_path / f"pid.{rank}" for rank in (0, 1)]
+    rank_cmd = (f'echo $$ > "{tmp_path}/pid.$PMI_RANK" && exec "{sys.executable}" -m ringnet.train '
+                f'--steps 100000 --quiet --no-progress --save "{ck}" --save-every 1')
+    proc = subprocess.Popen(["mpirun", "-np", "2", "sh", "-c", rank_cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        pids = []
-        deadline = time.time() + 60
-        while len(pids) < 2 and time.time() < deadline:
-            time.sleep(0.5)
-            pids = [pid for pid in _pids_with_args("ringnet.train", marker) if pid != proc.pid
-                    and "mpirun" not in _cmdline(pid) and "hydra" not in _cmdline(pid)]
-        assert len(pids) >= 2, "ranks did not start"
-        time.sleep(2)                            # let them reach the training loop
-        os.kill(max(pids), signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while not (ck.exists() and all(f.exists() and f.read_text().strip() for f in pid_files)):
+            if proc.poll() is not None:
+                pytest.fail(f"the job ended before training: exit {proc.returncode}\n"
+                            f"{proc.stderr.read()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail("no checkpoint within 180 s: the ranks did not reach training")
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in pid_files]
+        assert all(_running(pid) for pid in pids), [_cmdline(pid) for pid in pids]
+        os.kill(pids[1], signal.SIGKILL)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             pytest.fail("the job still runs 60 s after one of its ranks was killed")
         assert proc.returncode != 0
-        survivors = [pid for pid in pids if os.path.exists(f"/proc/{pid}")
-                     and "ringnet.train" in _cmdline(pid)]
+        end = time.monotonic() + 10             # a killed rank may await its reaping a moment
+        while any(_running(pid) for pid in pids) and time.monotonic() < end:
+            time.sleep(0.1)
+        survivors = [pid for pid in pids if _running(pid)]
         assert not survivors, f"ranks {survivors} outlived the job"
     finally:
         if proc.poll() is None:

@@ -18,31 +18,46 @@ at once and sums all N in rank order (one round, but N-1 messages to post and po
 after. ``ring``: :class:`~ringnet.comm.ring.RingCommunicator`.
 
 The choice minimises the alpha-beta-gamma cost ``messages * ALPHA + sent * BETA +
-added * GAMMA`` of the table (:func:`cost`). ALPHA is the cost of one message in Python
-(posting, polling, the peer being scheduled: it dwarfs the wire latency, so messages
-posted together still cost one ALPHA each), BETA of a byte moved, GAMMA of a byte added. ``python -m ringnet.bench comm --algos auto,native,direct,rd,rhd,ring --fit`` fits
-them to measured rows; with MPI on one quiet host it gave alpha 19-25 us, beta 0.04-0.25
-ns/B, gamma 0.19-0.41 ns/B at N = 2, 3, 4, which the constants below round. Their switch
-points (:func:`thresholds`, printed by the benchmark): rd up to 333 KB then rhd (= the
-ring's cost) at N = 2; direct up to 136 KB then ring at N = 3; rd up to 160 KB then rhd
-at N = 4. Every rank computes the same choice from (n, N) alone; ties go to the earlier
-of :data:`ALGORITHMS`.
+added * GAMMA`` of the table (:func:`cost`). ALPHA is the cost of one message (posting and
+polling it from Python, the peer being scheduled: it dwarfs the wire latency, so messages
+posted together still cost one ALPHA each), BETA of a byte moved, GAMMA of a byte added.
+``python -m ringnet.bench comm --algos auto,native,direct,rd,rhd,ring --fit`` fits them
+to measured rows. Their switch points (:func:`thresholds`, printed by the benchmark) at
+the constants below: rd up to 32 KB then rhd (= the ring's cost) at N = 2; direct up to
+16 KB then ring at N = 3; rd up to 18 KB then rhd at N = 4. Every rank computes the same
+choice from (n, N) alone; ties go to the earlier of :data:`ALGORITHMS`.
+
+**Two paths.** Called without a stream on a NumPy buffer over the MPI transport, auto runs
+its algorithm straight on mpi4py (the lean path, :class:`_Lean`): Irecv/Isend on views of
+the caller's buffer, ``numpy.add(..., out=)`` into it, one preallocated scratch buffer per
+dtype, a short MPI_Testall spin before the transport's own wait (which yields the core and
+keeps the transfer deadline). A message then costs ~1-2 us of Python instead of the ~20 us
+of the generic path (a transfer object, trace span and checks per message), against 3-5 us
+for a whole MPI_Allreduce of a few bytes. On a stream, with CuPy buffers, over NCCL or
+while a trace records, auto goes through the transport's transfers like the other
+communicators. Both paths add in the same order and count the same bytes (tested). The
+lean ``rhd`` and ``ring`` fuse their last reduce step with the first gather step, and
+``chunk_bytes`` cuts their steps into pipelined pieces (none by default: see :func:`_cut`).
 
 Every algorithm leaves bit-identical results on all ranks: ``direct`` sums in rank order
 everywhere; in ``rd`` and ``rhd`` both partners of an exchange compute ``x + y`` (float
 addition is commutative) or one rank sums an element and the others copy it.
 """
-from ringnet.comm.base import CommunicatorBase
+import numpy as np
+from mpi4py import MPI
+
+from ringnet.comm.base import CommunicatorBase, _DTYPES
 from ringnet.comm.ring import RingCommunicator
+from ringnet.comm.stream import current_tag
 from ringnet.shards import shard_bounds
 
 __all__ = ["AutoCommunicator", "ALGORITHMS", "terms", "cost", "fit", "choose", "thresholds"]
 
 ALGORITHMS = ("rd", "direct", "rhd", "ring")
 
-ALPHA = 25e-6           # s per message
+ALPHA = 4e-6            # s per message (the lean path)
 BETA = 0.25e-9          # s per byte sent (4 GB/s)
-GAMMA = 0.15e-9         # s per byte added (~7 GB/s, one core)
+GAMMA = 0.25e-9         # s per byte added (4 GB/s: two reads and a write, one core)
 
 
 def _pow2_below(n):
@@ -137,6 +152,9 @@ class AutoCommunicator(CommunicatorBase):
         self._choices = {}
         self._p = _pow2_below(self.size)
         self._extra = self.size - self._p
+        # NumPy buffers over MPI, called off a stream: the lean path (see _Lean).
+        self._lean = _Lean(self) if getattr(self.transport, "name", None) == "mpi" \
+            and hasattr(self.transport, "mpi_comm") and self.size > 1 else None
 
     def choose(self, nbytes):
         """Return the algorithm an all-reduce of ``nbytes`` uses on this communicator."""
@@ -152,6 +170,16 @@ class AutoCommunicator(CommunicatorBase):
 
         Returns None, or a Handle when queued on ``stream``.
         """
+        lean = self._lean
+        if lean is not None and stream is None and type(buf) is np.ndarray and not current_tag() \
+                and buf.ndim == 1 and buf.flags.c_contiguous and buf.dtype.type in _DTYPES \
+                and (op == "sum" or (op == "mean" and buf.dtype.kind == "f")):
+            algorithm = self.last_algorithm = self.choose(buf.nbytes)
+            if buf.size:
+                lean.run(buf, algorithm)
+                if op == "mean":
+                    np.divide(buf, buf.dtype.type(self.size), out=buf)
+            return None
         self._check(buf, op)
         algorithm = self.last_algorithm = self.choose(buf.nbytes)
         return self._launch(self._allreduce, (buf, op, algorithm), stream)
@@ -247,3 +275,247 @@ class AutoCommunicator(CommunicatorBase):
         for partner, (ka, kb), (ga, gb) in reversed(steps):   # all-gather: the mirror image
             self.transport.isendrecv(buf[ka:kb], partner, buf[ga:gb], partner).wait()
 
+
+
+# -- the lean path: NumPy buffers over MPI, off a stream ---------------------------------
+# Polls of MPI_Testall before a wait is handed to the transport (which yields the core,
+# then sleeps, and raises CommTimeoutError at its deadline). A small message completes
+# within a few polls; the spin is short enough that ranks sharing a core still run.
+LEAN_SPINS = 64
+
+
+def _cut(length, itemsize, piece_bytes=None):
+    """Element ranges of one step: pieces of ``piece_bytes`` (None: the whole step).
+
+    Pieces let piece j+1 travel while piece j is added (and, in a fused last step, sent
+    on), but every piece is one more meeting of two ranks: on 2 shared cores under load,
+    pieces of 128 KiB-1 MiB measured 0.2-0.9x the whole step at 16-64 MiB (N = 2, 4), so
+    by default steps move whole (``chunk_bytes`` cuts them).
+    """
+    if piece_bytes is None:
+        return [(0, length)]
+    step = max(1, piece_bytes // itemsize)
+    return [(a, min(a + step, length)) for a in range(0, length, step)] or [(0, 0)]
+
+
+class _Lean:
+    """auto's algorithms straight on mpi4py: Irecv/Isend on the caller's buffer views,
+    numpy ufuncs with ``out=``, one preallocated scratch per dtype.
+
+    The generic path (a transfer object per message, trace spans, checks per message) costs
+    ~20 us per message in Python, MPI's own all-reduce 3-5 us per call; this one ~1-2 us per
+    message. It sums in the same order as the generic path, waits with the transport's
+    deadline (a short Testall spin first), uses the calling thread's message tag and counts
+    bytes like the transport.
+    """
+
+    def __init__(self, auto):
+        transport = auto.transport
+        self.auto, self.transport = auto, transport
+        self.mpi = transport.mpi_comm
+        self.lock = getattr(transport, "_lock", None)
+        self.n, self.rank, self.p, self.extra = auto.size, auto.rank, auto._p, auto._extra
+        self.piece_bytes = auto.ring.chunk_bytes
+        r, extra = self.rank, self.extra
+        self.role = ("give" if r % 2 == 0 else "take") if r < 2 * extra else "core"
+        self.me = r // 2 if r < 2 * extra else r - extra
+        self.real = auto._real
+        self.partners = []
+        mask = 1
+        while mask < self.p:
+            self.partners.append(auto._real(self.me ^ mask))
+            mask <<= 1
+        self.right, self.left = (r + 1) % self.n, (r - 1) % self.n
+        self.scratch = {}
+        self.sent = self.received = 0
+        self.tag = 0            # off a stream only (see AutoCommunicator.allreduce)
+        self.last = (None, None, None, None)
+
+    def _space(self, buf, length, slot=0):
+        key = (buf.dtype.str, slot)
+        space = self.scratch.get(key)
+        if space is None or space.size < length:
+            space = self.scratch[key] = np.empty(max(length, 1), buf.dtype)
+        return space[:length]
+
+    def run(self, buf, algorithm):
+        from ringnet import trace  # noqa: WPS433
+        self.sent = self.received = 0
+        if trace.active():      # tracing: the generic path, which records every transfer
+            self.transport_path(buf, algorithm)
+            return
+        try:
+            if algorithm == "direct":
+                self.direct(buf)
+            elif algorithm == "ring":
+                self.ring(buf)
+            else:
+                self.folded(buf, self.halving_doubling if algorithm == "rhd" else self.doubling)
+        finally:
+            self.transport._count(self.sent, self.received)
+
+    def transport_path(self, buf, algorithm):
+        self.auto._allreduce(buf, "sum", algorithm)
+
+    # -- messages --------------------------------------------------------------------------
+    def post(self, send, to, recv, source, requests):
+        """Append the requests of one paired transfer (empty sides skipped on both ends)."""
+        mpi, tag = self.mpi, self.tag
+        if self.lock is not None:
+            self.lock.acquire()
+        try:
+            if recv is not None and recv.size:
+                requests.append(mpi.Irecv([recv, MPI.BYTE], source, tag))
+                self.received += recv.nbytes
+            if send is not None and send.size:
+                requests.append(mpi.Isend([send, MPI.BYTE], to, tag))
+                self.sent += send.nbytes
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+        self.last = (to, source, send, recv)
+        return requests
+
+    def wait(self, requests, *_):
+        if not requests:
+            return
+        test = self.transport._test if self.lock is not None else MPI.Request.Testall
+        for _ in range(LEAN_SPINS):
+            if test(requests):
+                return
+        to, source, send, recv = self.last     # the latest transfer posted, for the message
+        sizes = [x.nbytes for x in (send, recv) if x is not None and x.size]
+        self.transport._wait(requests, ("all-reduce", to if send is not None and send.size else None,
+                                        source if recv is not None and recv.size else None,
+                                        max(sizes, default=0)))
+
+    def exchange(self, send, to, recv, source):
+        self.wait(self.post(send, to, recv, source, []), to)
+
+    def exchange_add(self, send, peer, target, inc, to=None):
+        """Send ``send`` to ``to`` (default ``peer``), receive as much as ``target`` from
+        ``peer`` and add it into ``target`` (``x + y``: the same bits on both sides of a
+        pair). Large steps go in pieces: piece j+1 is on the wire while piece j is added."""
+        to = peer if to is None else to
+        length = target.size
+        pieces = _cut(max(send.size, length), target.itemsize, self.piece_bytes)
+        pending = self.post(send[:pieces[0][1]], to, inc[:min(pieces[0][1], length)], peer, [])
+        for j, (a, b) in enumerate(pieces):
+            arriving = pending
+            if j + 1 < len(pieces):
+                c, d = pieces[j + 1]
+                pending = self.post(send[c:d], to, inc[c:min(d, length)], peer, [])
+            self.wait(arriving, peer)
+            b = min(b, length)
+            if a < b:
+                np.add(target[a:b], inc[a:b], out=target[a:b])
+
+    # -- algorithms ------------------------------------------------------------------------
+    def folded(self, buf, core):
+        r = self.rank
+        if self.role == "give":              # hands its buffer to r+1, gets the result back
+            self.exchange(buf, r + 1, None, None)
+            self.exchange(None, None, buf, r + 1)
+            return
+        if self.role == "take":
+            inc = self._space(buf, buf.size)
+            self.exchange(None, None, inc, r - 1)
+            np.add(buf, inc, out=buf)
+            core(buf)
+            self.exchange(buf, r - 1, None, None)
+        else:
+            core(buf)
+
+    def doubling(self, buf):
+        inc = self._space(buf, buf.size)
+        for partner in self.partners:
+            self.exchange_add(buf, partner, buf, inc)
+
+    def halving_doubling(self, buf):
+        p, me = self.p, self.me
+        blocks = shard_bounds(buf.size, p)
+        inc = self._space(buf, buf.size)
+        lo, hi = 0, p
+        distance = p // 2
+        steps = []
+        while distance >= 1:                     # reduce-scatter: keep half, send half
+            mid = (lo + hi) // 2
+            partner = self.real(me ^ distance)
+            keep, give = ((lo, mid), (mid, hi)) if me & distance == 0 else ((mid, hi), (lo, mid))
+            ka, kb = blocks[keep[0]][0], blocks[keep[1] - 1][1]
+            ga, gb = blocks[give[0]][0], blocks[give[1] - 1][1]
+            if distance == 1:                    # the last step: each piece goes back at once
+                self.reduce_and_pass(buf[ga:gb], partner, partner, buf[ka:kb], buf[ga:gb], inc)
+            else:
+                self.exchange_add(buf[ga:gb], partner, buf[ka:kb], inc)
+                steps.append((partner, (ka, kb), (ga, gb)))
+            lo, hi = keep
+            distance //= 2
+        for partner, (ka, kb), (ga, gb) in reversed(steps):   # all-gather: the mirror image
+            self.exchange(buf[ka:kb], partner, buf[ga:gb], partner)
+
+    def reduce_and_pass(self, send, to, source, target, refill, inc):
+        """A last reduce step fused with the first gather step, piece by piece: ``send``
+        goes to ``to``, what ``source`` sends is added into ``target``, each finished piece
+        of ``target`` goes to ``to`` at once and ``refill`` is filled from ``source``."""
+        length = target.size
+        pieces = _cut(max(length, send.size, refill.size), target.itemsize, self.piece_bytes)
+        if len(pieces) == 1:
+            self.exchange_add(send, source, target, inc, to=to)
+            self.exchange(target, to, refill, source)
+            return
+
+        def reduce_piece(a, b):
+            return self.post(send[a:b], to, inc[a:min(b, length)], source, [])
+
+        back = []
+        pending = reduce_piece(*pieces[0])
+        for j, (a, b) in enumerate(pieces):
+            arriving = pending
+            if j + 1 < len(pieces):
+                pending = reduce_piece(*pieces[j + 1])
+            self.wait(arriving, source)
+            end = min(b, length)
+            if a < end:
+                np.add(target[a:end], inc[a:end], out=target[a:end])
+            self.post(target[a:b], to, refill[a:b], source, back)
+        self.wait(back, source)
+
+    def direct(self, buf):
+        n, r, length = self.n, self.rank, buf.size
+        inbox = self._space(buf, (n - 1) * length)
+        requests = []
+        for k in range(1, n):       # from rank r - k into slot k - 1
+            self.post(buf, (r + k) % n, inbox[(k - 1) * length:k * length], (r - k) % n, requests)
+        self.wait(requests)
+
+        def part(rank):
+            if rank == r:
+                return buf
+            k = (r - rank) % n
+            return inbox[(k - 1) * length:k * length]
+        if r <= 1:                  # buf is one of the first two terms: sum straight into it
+            np.add(part(0), part(1), out=buf)
+            total = buf
+        else:
+            total = self._space(buf, length, slot=1)
+            np.add(part(0), part(1), out=total)
+        for rank in range(2, n):
+            np.add(total, part(rank), out=total)
+        if total is not buf:
+            buf[...] = total
+
+    def ring(self, buf):
+        n, r = self.n, self.rank
+        bounds = shard_bounds(buf.size, n)
+        inc = self._space(buf, max(b - a for a, b in bounds))
+
+        def shard(i):
+            a, b = bounds[i % n]
+            return buf[a:b]
+        for k in range(n - 2):          # reduce-scatter, as RingCommunicator
+            self.exchange_add(shard(r - k - 1), self.left, shard(r - k - 2), inc, to=self.right)
+        # its last step (own shard complete) fused with the all-gather's first (own shard out)
+        self.reduce_and_pass(shard(r + 1), self.right, self.left, shard(r), shard(r - 1), inc)
+        for k in range(1, n - 1):       # the rest of the all-gather
+            self.exchange(shard(r - k), self.right, shard(r - k - 1), self.left)

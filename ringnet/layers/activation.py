@@ -1,10 +1,10 @@
 """ReLU and Dropout."""
-import numpy as np
+import math
 
 from ringnet.backend import get_array_module
 from ringnet.layers.base import Layer
 
-__all__ = ["ReLU", "Dropout"]
+__all__ = ["ReLU", "Dropout", "keep_mask", "hash_bits"]
 
 
 class ReLU(Layer):
@@ -30,42 +30,31 @@ class ReLU(Layer):
 class Dropout(Layer):
     """Inverted dropout: in training keep with probability 1 - p and scale by 1 / (1 - p).
 
-    The mask stream is seeded (``seed``) and reproducible for a given array module;
-    evaluation (``train=False``) is the identity. ``batch_part = (part, parts)`` says this
-    forward sees part ``part`` of ``parts`` equal parts of a global batch (data-parallel
-    ranks): the mask is drawn for the whole global batch and this part's rows are used,
-    so every rank count applies the same mask to the same sample as one process would.
+    The mask is stateless: element ``j`` of sample ``i`` is kept when a 64-bit hash of
+    (``seed``, ``step``, ``layer_index``, global sample index ``i``, ``j``) is at least
+    ``p * 2**53`` in its top 53 bits (:func:`keep_mask`). The hash is plain unsigned
+    64-bit integer arithmetic on ``xp`` arrays, so NumPy and CuPy give bit-identical
+    masks, and a resumed run that sets the same ``step`` applies the same masks: there
+    is no random-stream state to save. ``step`` is set to the global training step
+    before each step by the training loop and advances by one after each training
+    forward (so consecutive calls draw fresh masks when nothing sets it);
+    ``layer_index`` is the layer's position in its model (set by the model).
+    ``batch_part = (part, parts)`` says this forward sees part ``part`` of ``parts``
+    equal parts of a global batch (data-parallel ranks): sample ``i`` of the part is
+    global sample ``part * B + i``, so every rank count applies the same mask to the
+    same sample as one process would. Evaluation (``train=False``) is the identity.
     """
 
     def __init__(self, p=0.5, seed=0):
         if not 0.0 <= float(p) < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p, self.seed = float(p), int(seed)
-        self._rng, self._rng_xp, self._mask = None, None, None
+        self.step, self.layer_index = 0, 0
+        self._mask = None
         self.batch_part = (0, 1)
 
     def __repr__(self):
         return f"Dropout(p={self.p})"
-
-    def rng_state(self):
-        """Return the mask stream's state (JSON-able; None before the first draw or on a GPU)."""
-        if self._rng is None or self._rng_xp is not np:
-            return None
-        return self._rng.bit_generator.state
-
-    def set_rng_state(self, state):
-        """Continue the mask stream from ``state`` (as returned by :meth:`rng_state`)."""
-        self._rng, self._rng_xp = None, None
-        if state is not None:
-            self._rng, self._rng_xp = np.random.default_rng(self.seed), np
-            self._rng.bit_generator.state = state
-
-    def _uniform(self, xp, shape, dtype):
-        if self._rng_xp is not xp:
-            self._rng = (np.random.default_rng(self.seed) if xp is np
-                         else xp.random.default_rng(self.seed))
-            self._rng_xp = xp
-        return self._rng.random(shape, dtype=dtype)
 
     def forward(self, x, train=True):
         if not train or self.p == 0.0:
@@ -73,15 +62,76 @@ class Dropout(Layer):
             return x
         xp = get_array_module(x)
         part, parts = self.batch_part
-        if parts == 1:
-            keep = self._uniform(xp, x.shape, x.dtype) >= self.p
-        else:  # (B, ...) rows of a (parts * B, ...) global mask
-            b = x.shape[0]
-            whole = self._uniform(xp, (parts * b,) + x.shape[1:], x.dtype)
-            keep = whole[part * b:(part + 1) * b] >= self.p
+        keep = keep_mask(xp, x.shape, self.p, (self.seed, self.step, self.layer_index),
+                         first_sample=part * x.shape[0])
+        self.step += 1
         self._mask = keep.astype(x.dtype) * x.dtype.type(1.0 / (1.0 - self.p))
         return x * self._mask
 
     def backward(self, dy):
         # y = x * m  =>  dx = dy * m (identity when the forward was the identity).
         return dy if self._mask is None else dy * self._mask
+
+
+_U64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15            # 2**64 / golden ratio, odd (splitmix64's increment)
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB   # splitmix64's finalizer constants
+
+
+def _mix_int(z):
+    """splitmix64's finalizer on a Python int (host side: stream keys)."""
+    z &= _U64
+    z = ((z ^ (z >> 30)) * _MIX1) & _U64
+    z = ((z ^ (z >> 27)) * _MIX2) & _U64
+    return z ^ (z >> 31)
+
+
+def stream_keys(key):
+    """Return two 64-bit keys hashed from the integer tuple ``key`` (seed, step, layer...)."""
+    z = 0
+    for part in key:
+        z = _mix_int(z + _GOLDEN + (int(part) & _U64))
+    return z, _mix_int(z + _GOLDEN)
+
+
+def _mix(xp, v, tmp):
+    """splitmix64's finalizer in place on the uint64 array ``v`` (wrapping arithmetic)."""
+    for shift, mult in ((30, _MIX1), (27, _MIX2)):
+        xp.right_shift(v, xp.uint64(shift), out=tmp)
+        xp.bitwise_xor(v, tmp, out=v)
+        xp.multiply(v, xp.uint64(mult), out=v)
+    xp.right_shift(v, xp.uint64(31), out=tmp)
+    xp.bitwise_xor(v, tmp, out=v)
+
+
+def hash_bits(xp, shape, key, first_sample=0):
+    """Return uint64 hashes of every element of a (B, ...) array, batch first.
+
+    Element ``j`` (C order within a sample) of sample ``i`` hashes its global index
+    ``(first_sample + i) * per_sample + j`` with the stream ``key`` (an integer tuple):
+    two rounds of splitmix64's finalizer, keyed before each. A pure function: the
+    same arguments give the same bits on NumPy and CuPy, in any process.
+    """
+    k1, k2 = stream_keys(key)
+    per_sample = 1
+    for n in shape[1:]:
+        per_sample *= int(n)
+    v = xp.arange(int(first_sample) * per_sample,
+                  (int(first_sample) + int(shape[0])) * per_sample, dtype=xp.uint64)
+    tmp = xp.empty_like(v)
+    xp.multiply(v, xp.uint64(_GOLDEN), out=v)
+    xp.add(v, xp.uint64(k1), out=v)
+    _mix(xp, v, tmp)
+    xp.bitwise_xor(v, xp.uint64(k2), out=v)
+    _mix(xp, v, tmp)
+    return v.reshape(shape)
+
+
+def keep_mask(xp, shape, p, key, first_sample=0):
+    """Return the boolean keep mask: the top 53 bits of each hash >= ceil(p * 2**53).
+
+    Each element is kept with probability 1 - ceil(p * 2**53) / 2**53 (1 - p to 1e-16).
+    """
+    bits = hash_bits(xp, shape, key, first_sample)
+    xp.right_shift(bits, xp.uint64(11), out=bits)
+    return bits >= xp.uint64(math.ceil(p * 2.0 ** 53))
