@@ -555,6 +555,9 @@ COMMANDS = {
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2": FASHION,
     "python -m ringnet.bench delay --model digits --dataset digits --epochs 20 --seeds 1 2 3":
         "nine 440-step runs; tests/test_bench_accuracy.py runs bench delay on LeNet",
+    "python -m ringnet.bench delay --model digits --dataset digits --epochs 20 --seeds 1 2 3 "
+    "--variants lookahead/warm=30": "three 440-step runs; tests/test_delay_compensation.py "
+        "checks the warm-up against the recurrence written out",
     "python -m ringnet.bench delay --model digits --dataset digits --epochs 10 --lr 0.01 0.03 0.1 "
     "0.3 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5,lookahead --markdown":
         readme_delay_table,
