@@ -4,11 +4,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ringnet.errors import ArgumentParser, UsageError
+from ringnet.errors import ArgumentParser, TransportUnavailable, UsageError
 from ringnet.parallel import COMPENSATIONS, MODES
 
 __all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "DEFAULTS", "build_parser", "config_from_args",
-           "default_batch_size", "synopsis"]
+           "default_batch_size", "synopsis", "TRANSPORT_ADVICE", "transport_usage_error"]
 
 # Per-model defaults (learning rate, epochs, data set) for runs that do not set them.
 MODEL_DEFAULTS = {
@@ -23,6 +23,21 @@ MODEL_DEFAULTS = {
 # settings continue with the checkpoint's values, and only then with these.
 DEFAULTS = {"batch_size": 64, "lr_policy": "fixed", "gamma": 0.1, "stepsize": 1000,
             "power": 0.75, "momentum": 0.9, "weight_decay": 5e-4, "seed": 0}
+
+
+# The flags to change, by the reason a transport or device was refused
+# (ringnet.errors.TransportUnavailable.reason).
+TRANSPORT_ADVICE = {
+    "cpu-device": "use --transport mpi (or auto)",
+    "no-gpu": "use --device cpu (or auto)",
+    "shared-gpu": "use --transport mpi or start at most one rank per GPU",
+    "no-nccl": "use --transport mpi",
+}
+
+
+def transport_usage_error(exc: TransportUnavailable) -> UsageError:
+    """Return the one-line command-line error for ``exc``: the library's words and the flag to change."""
+    return UsageError(f"{exc}; {TRANSPORT_ADVICE[exc.reason]}")
 
 
 def default_batch_size(world_size):
@@ -173,6 +188,17 @@ EXAMPLES = (
 
 _LA = COMPENSATIONS["lookahead"]
 
+# Optimisation flags that default to None and resolve from DEFAULTS (see there):
+# (flag, type, metavar, what it sets); the key in DEFAULTS is the flag's name.
+_TUNED = (
+    ("--gamma", float, "G", "factor of the step and inv policies"),
+    ("--stepsize", _positive_int, "K", "steps between lr drops of the step policy"),
+    ("--power", float, "P", "exponent of the inv policy"),
+    ("--momentum", float, "M", "SGD momentum, in [0, 1)"),
+    ("--weight-decay", float, "WD", "L2 weight decay added to the gradient"),
+    ("--seed", int, "S", "seeds weights, shuffling, dropout and synthetic data"),
+)
+
 
 def build_parser():
     """Return the argument parser of ``python -m ringnet.train``."""
@@ -246,18 +272,9 @@ def build_parser():
     g.add_argument("--lr-policy", choices=("fixed", "step", "inv"), default=None,
                    help="Caffe lr policies: fixed: lr; step: lr*gamma^floor(it/stepsize); inv: "
                         f"lr*(1+gamma*it)^-power (default {d['lr_policy']})")
-    g.add_argument("--gamma", type=float, default=None, metavar="G",
-                   help=f"factor of the step and inv policies (default {d['gamma']})")
-    g.add_argument("--stepsize", type=_positive_int, default=None, metavar="K",
-                   help=f"steps between lr drops of the step policy (default {d['stepsize']})")
-    g.add_argument("--power", type=float, default=None, metavar="P",
-                   help=f"exponent of the inv policy (default {d['power']})")
-    g.add_argument("--momentum", type=float, default=None, metavar="M",
-                   help=f"SGD momentum, in [0, 1) (default {d['momentum']})")
-    g.add_argument("--weight-decay", type=float, default=None, metavar="WD",
-                   help=f"L2 weight decay added to the gradient (default {d['weight_decay']:g})")
-    g.add_argument("--seed", type=int, default=None, metavar="S",
-                   help=f"seeds weights, shuffling, dropout and synthetic data (default {d['seed']})")
+    for flag, kind, metavar, text in _TUNED:
+        g.add_argument(flag, type=kind, default=None, metavar=metavar,
+                       help=f"{text} (default {d[flag[2:].replace('-', '_')]:g})")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="floating-point type of weights and activations (default float32)")
     g = p.add_argument_group("checkpoints and output")

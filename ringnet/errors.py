@@ -44,7 +44,7 @@ import threading
 import time
 import traceback
 
-__all__ = ["UsageError", "InputError", "SetupError", "USER_ERRORS", "ArgumentParser",
+__all__ = ["UsageError", "InputError", "SetupError", "TransportUnavailable", "USER_ERRORS", "ArgumentParser",
            "TrainingError", "RunInputError", "StallError", "Deadline", "collective", "exchange",
            "watchdog", "set_phase", "current_phase", "fault_point", "comm_timeout",
            "DivergedError", "run_main", "abort", "import_mpi", "EXIT_USAGE", "EXIT_FAILURE",
@@ -69,6 +69,25 @@ class InputError(ValueError):
 
 class SetupError(RuntimeError):
     """The machine or installation cannot run what was asked (no usable GPU, NCCL missing)."""
+
+
+class TransportUnavailable(SetupError):
+    """A transport or device asked for cannot run on this rank.
+
+    ``reason`` says which rule refused it, so that an entry point can name the setting
+    to change: ``"cpu-device"`` (a GPU transport with the buffers on the CPU),
+    ``"no-gpu"`` (the GPU asked for is not usable), ``"shared-gpu"`` (ranks share a GPU,
+    which NCCL cannot run), ``"no-nccl"`` (NCCL does not load on every rank).
+    ``transport`` is the transport asked for (None where the device was the problem).
+    """
+
+    REASONS = ("cpu-device", "no-gpu", "shared-gpu", "no-nccl")
+
+    def __init__(self, message, reason, transport=None):
+        if reason not in self.REASONS:
+            raise ValueError(f"unknown reason {reason!r}: choose {', '.join(self.REASONS)}")
+        super().__init__(message)
+        self.reason, self.transport = reason, transport
 
 
 # What an entry point reports in one line with exit code 2 (no traceback).

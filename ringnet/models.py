@@ -1,6 +1,6 @@
 """Models: layer sequences whose parameters and gradients live in one flat buffer each."""
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -121,10 +121,17 @@ class Model:
 
     Both are flat contiguous 1-D arrays of length ``num_params``; every layer holds views
     into them (layer order, weight before bias), so one array is what a communicator sends.
+
+    ``layers``: [(name, Layer)] in order; ``input_shape``: per-sample (C, H, W);
+    ``num_classes``: the last layer's output size; ``dtype``: float32 or float64;
+    ``xp``: numpy or cupy (where the buffers live); ``seed`` draws the initial weights.
+    Raises ValueError for duplicate layer names or layers whose shapes do not chain to
+    ``(num_classes,)``. Arrays below are ``xp`` arrays unless said to be on the host.
     """
 
-    def __init__(self, layers, input_shape, num_classes, dtype="float32", xp=np, seed=0,
-                 name="model"):
+    def __init__(self, layers: List[Tuple[str, object]], input_shape: Tuple[int, ...],
+                 num_classes: int, dtype: str = "float32", xp=np, seed: int = 0,
+                 name: str = "model"):
         self.name = name
         self.layers = list(layers)
         self.input_shape = tuple(input_shape)
@@ -186,8 +193,12 @@ class Model:
         if get_array_module(array) is not self.xp:
             raise ValueError(f"{what} buffer lives on the wrong device for this model")
 
-    def bind_flat(self, params=None, grads=None):
-        """Re-point every layer's views at other flat buffers (same length and dtype)."""
+    def bind_flat(self, params=None, grads=None) -> None:
+        """Re-point every layer's views at other flat buffers (None: keep the current one).
+
+        Each must be 1-D, contiguous, ``num_params`` long, of the model's dtype and device;
+        raises ValueError otherwise.
+        """
         params = self.params if params is None else params
         grads = self.grads if grads is None else grads
         self._check_flat(params, "params")
@@ -196,24 +207,24 @@ class Model:
         for (_, layer), (pviews, gviews) in zip(self.layers, self._views(params, grads)):
             layer.bind(pviews, gviews)
 
-    def param_names(self):
+    def param_names(self) -> List[str]:
         """Return parameter names in buffer order."""
         return [s.name for s in self._slots]
 
-    def param_offsets(self):
+    def param_offsets(self) -> Dict[str, Tuple[int, int, tuple]]:
         """Return name -> (start, stop, shape) in the flat buffers."""
         return {s.name: (s.start, s.stop, s.shape) for s in self._slots}
 
-    def named_params(self):
+    def named_params(self) -> dict:
         """Return name -> view of ``params`` in PyTorch layout."""
         return {s.name: self.params[s.start:s.stop].reshape(s.shape) for s in self._slots}
 
-    def named_grads(self):
+    def named_grads(self) -> dict:
         """Return name -> view of ``grads`` in PyTorch layout."""
         return {s.name: self.grads[s.start:s.stop].reshape(s.shape) for s in self._slots}
 
-    def fc_start(self):
-        """Return the index in ``layers`` of the first Linear layer."""
+    def fc_start(self) -> int:
+        """Return the index in ``layers`` of the first Linear layer (ValueError if none)."""
         for index, (_, layer) in enumerate(self.layers):
             if isinstance(layer, Linear):
                 return index
@@ -228,16 +239,22 @@ class Model:
                              f"got {tuple(x.shape)}")
         return x.astype(self.dtype, copy=False)
 
-    def forward(self, x, train=True):
-        """Return logits (B, num_classes)."""
+    def forward(self, x, train: bool = True):
+        """Return the logits (B, num_classes) of the batch ``x`` (B, *input_shape), on ``xp``.
+
+        ``train``: keep what ``backward`` needs (and apply dropout). Raises ValueError for
+        an input of another shape.
+        """
         return self.forward_layers(self._input(x), 0, None, train)
 
-    def backward(self, dlogits):
-        """Back-propagate dlogits; every slot of ``grads`` is overwritten."""
+    def backward(self, dlogits) -> None:
+        """Back-propagate ``dlogits`` (B, num_classes) after ``forward(train=True)``; every
+        slot of ``grads`` is overwritten."""
         return self.backward_layers(dlogits, 0, None)
 
-    def forward_layers(self, x, start=0, stop=None, train=True):
-        """Run ``layers[start:stop]`` forward on activations ``x`` (no input checks)."""
+    def forward_layers(self, x, start: int = 0, stop: Optional[int] = None, train: bool = True):
+        """Run ``layers[start:stop]`` forward on activations ``x`` (no input checks); return
+        their output. ``layer_hook("forward", index)`` follows each layer."""
         hook = self.layer_hook
         for index in range(len(self.layers))[start:stop]:
             name, layer = self.layers[index]
@@ -247,8 +264,10 @@ class Model:
                 hook("forward", index)
         return x
 
-    def backward_layers(self, d, start=0, stop=None):
-        """Run ``layers[start:stop]`` backward from their output gradient ``d``; return dx."""
+    def backward_layers(self, d, start: int = 0, stop: Optional[int] = None):
+        """Run ``layers[start:stop]`` backward from their output gradient ``d``; return dx
+        (None when ``start`` is 0: the first layer computes no input gradient).
+        ``layer_hook("backward", index)`` follows each layer."""
         hook = self.layer_hook
         for index in reversed(range(len(self.layers))[start:stop]):
             name, layer = self.layers[index]
@@ -261,8 +280,12 @@ class Model:
     def _correct(self, logits, labels):
         return int(to_numpy((logits.argmax(axis=1) == labels).sum()))
 
-    def loss_and_grad(self, x, labels):
-        """Forward, mean softmax cross-entropy, backward into ``grads``; return (loss, correct)."""
+    def loss_and_grad(self, x, labels) -> Tuple[float, int]:
+        """Forward, mean softmax cross-entropy, backward into ``grads``; return (loss, correct).
+
+        ``x``: (B, *input_shape) images; ``labels``: B class indices. ``correct``: how many
+        of the B the model classified right (before this step's update).
+        """
         labels = self.xp.asarray(labels).reshape(-1)
         logits = self.forward(x, train=True)
         with trace.span("loss"):
@@ -271,8 +294,9 @@ class Model:
         self.backward(dlogits)
         return float(loss), self._correct(logits, labels)
 
-    def evaluate(self, x, labels, batch_size=128):
-        """Return (mean loss, correct count) over x in inference mode; grads untouched."""
+    def evaluate(self, x, labels, batch_size: int = 128) -> Tuple[float, int]:
+        """Return (mean loss, correct count) over ``x`` in inference mode, ``batch_size``
+        samples at a time; ``grads`` untouched. Raises ValueError for an empty ``x``."""
         n = len(x)
         if n == 0:
             raise ValueError("evaluate needs at least one sample")
@@ -288,12 +312,15 @@ class Model:
 
     # --- export / import
 
-    def state(self):
+    def state(self) -> Dict[str, np.ndarray]:
         """Return name -> host NumPy copy in PyTorch layout."""
         return {name: to_numpy(view).copy() for name, view in self.named_params().items()}
 
-    def load_state(self, state):
-        """Copy ``state`` (name -> array) into the parameters; names and shapes must match."""
+    def load_state(self, state: dict) -> None:
+        """Copy ``state`` (name -> array, host or device) into the parameters.
+
+        Raises ValueError, changing nothing, unless names and shapes match the model's.
+        """
         views = self.named_params()
         missing = [n for n in views if n not in state]
         extra = [n for n in state if n not in views]
@@ -314,8 +341,13 @@ class Model:
         return "\n".join(lines)
 
 
-def build_model(name, dtype="float32", xp=np, seed=0, num_classes=None):
-    """Build model ``name`` from MODELS with seeded initial parameters on ``xp``."""
+def build_model(name: str, dtype: str = "float32", xp=np, seed: int = 0,
+                num_classes: Optional[int] = None) -> Model:
+    """Build model ``name`` from MODELS with seeded initial parameters on ``xp``.
+
+    ``num_classes``: the last layer's outputs (None: the spec's default; at least 2).
+    Raises ValueError for an unknown name or fewer than 2 classes.
+    """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
     spec = MODELS[name]

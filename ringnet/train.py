@@ -17,10 +17,11 @@ import numpy as np
 
 from ringnet import backend
 from ringnet.checkpoint import HYPERPARAMETERS
-from ringnet.config import DEFAULTS, TrainConfig, config_from_args
+from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
 from ringnet.errors import (USER_ERRORS, Deadline, DivergedError, InputError, RunInputError,
-                            StallError, TrainingError, UsageError, collective, current_phase,
-                            exchange, import_mpi, run_main, set_phase, watchdog)
+                            StallError, TrainingError, TransportUnavailable, UsageError,
+                            collective, current_phase, exchange, import_mpi, run_main,
+                            set_phase, watchdog)
 from ringnet.layers import Dropout
 from ringnet.progress import Progress, progress_interval
 from ringnet.trace import Tracer, timed
@@ -55,6 +56,8 @@ def _place(cfg, world, device):
             return ringcomm.Placement("cpu"), None
         device_id, bus_id, _ = ringcomm.bind_gpu(world)
         return ringcomm.Placement("gpu", f"GPU {device_id} ({bus_id})"), None
+    except TransportUnavailable as exc:
+        raise transport_usage_error(exc) from None
     except RuntimeError as exc:     # check_gpu: a CuPy that imports but cannot run
         raise UsageError(str(exc)) from None
 

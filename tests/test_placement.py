@@ -3,7 +3,9 @@
 * ``--device cpu`` never reaches CUDA (every CUDA entry point replaced by one that fails);
 * the run header and ``--json`` name device, GPU and transport with the reason;
 * ranks sharing a GPU (same node, same PCI bus id) are found from the gathered ids;
-* ``--transport nccl`` on the CPU is refused in one line unless the stand-in is asked for;
+* ``--transport nccl`` on the CPU is refused in one line unless the stand-in is asked for:
+  the library raises :class:`TransportUnavailable` in its own words, the entry points
+  (train, bench comm) add the flag to change;
 * CUDA-aware MPI: the override wins, otherwise the MPI library itself is asked;
 * the NCCL watchdog calls its expiry for an operation past the deadline, not before.
 """
@@ -17,8 +19,9 @@ from mpi4py import MPI
 
 from ringnet import comm as ringcomm
 from ringnet.comm.mpi_transport import mpi_cuda_aware
-from ringnet.comm.nccl_transport import _Watchdog
-from ringnet.errors import UsageError
+from ringnet.comm.nccl_transport import NcclTransport, _Watchdog
+from ringnet.config import TRANSPORT_ADVICE, transport_usage_error
+from ringnet.errors import SetupError, TransportUnavailable, UsageError
 
 WORLD = MPI.COMM_WORLD
 
@@ -56,8 +59,11 @@ def test_make_transport_on_the_cpu(no_cuda, monkeypatch):
     assert not transport.uses_gpu()
     transport.close()
     monkeypatch.delenv("RINGNET_NCCL", raising=False)
-    with pytest.raises(UsageError, match="--transport nccl moves GPU memory"):
+    with pytest.raises(TransportUnavailable, match="^transport nccl moves GPU memory") as info:
         ringcomm.make_transport("nccl", MPI.COMM_SELF, device="cpu")
+    assert (info.value.reason, info.value.transport) == ("cpu-device", "nccl")
+    assert isinstance(info.value, SetupError) and not isinstance(info.value, UsageError)
+    assert "--" not in str(info.value)      # library words: no command-line flags
     monkeypatch.setenv("RINGNET_NCCL", "standin")
     standin = ringcomm.make_transport("nccl", MPI.COMM_SELF, device="cpu")
     assert standin.name == "nccl" and "stand-in" in standin.placement.reason
@@ -71,7 +77,53 @@ def test_cli_refuses_nccl_on_the_cpu_in_one_line():
                          env={**__import__("os").environ, "RINGNET_NCCL": ""})
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ringnet: error: --transport nccl moves GPU"), lines
+    assert lines == ["ringnet: error: transport nccl moves GPU memory, but the device is the CPU; "
+                     "use --transport mpi (or auto)"], lines
+
+
+def test_bench_comm_refuses_nccl_on_the_cpu_in_one_line():
+    run = subprocess.run([sys.executable, "-m", "ringnet.bench", "comm", "--transport", "nccl",
+                          "--sizes", "8"], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "RINGNET_NCCL": ""})
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "ringnet: error: transport nccl moves GPU memory, but the device is the CPU; "
+        "use --transport mpi (or auto)"], run.stderr
+
+
+def test_nccl_transport_without_a_gpu_raises_a_library_error():
+    no_nccl = type("NoNccl", (), {})()      # a NCCL module on no GPU: not the host stand-in
+    with pytest.raises(TransportUnavailable, match="needs a usable CUDA GPU") as info:
+        NcclTransport(MPI.COMM_SELF, nccl=no_nccl)
+    assert (info.value.reason, info.value.transport) == ("no-nccl", "nccl")
+    assert "--" not in str(info.value)
+    assert str(transport_usage_error(info.value)).endswith("; use --transport mpi")
+
+
+def test_nccl_transport_refuses_ranks_sharing_a_gpu(monkeypatch):
+    import ringnet.backend as backend
+
+    class TwoRanksOneGpu:
+        def allgather(self, place):
+            return [place, ("n2", "0000:5e:00.0"), place]
+    monkeypatch.setattr(backend, "pci_bus_id", lambda device: "0000:3b:00.0")
+    transport = NcclTransport.__new__(NcclTransport)
+    transport.mpi_comm, transport.device_id = TwoRanksOneGpu(), 0
+    with pytest.raises(TransportUnavailable, match=r"^ranks 0 and 2 share GPU 0000:3b:00.0 on ") \
+            as info:
+        transport._check_devices()
+    assert info.value.reason == "shared-gpu" and "--" not in str(info.value)
+    assert str(transport_usage_error(info.value)).endswith(
+        "NCCL needs one GPU per rank; use --transport mpi or start at most one rank per GPU")
+
+
+def test_every_refusal_has_flag_advice():
+    assert set(TRANSPORT_ADVICE) == set(TransportUnavailable.REASONS)
+    for reason, advice in TRANSPORT_ADVICE.items():
+        message = str(transport_usage_error(TransportUnavailable("it cannot run", reason)))
+        assert message == f"it cannot run; {advice}" and "--" in advice
+    with pytest.raises(ValueError):
+        TransportUnavailable("it cannot run", "no-such-reason")
 
 
 def test_cli_header_and_json_name_the_transport():

@@ -18,7 +18,8 @@ from mpi4py import MPI
 from ringnet.backend import cupy, to_numpy
 from ringnet.comm import COMMUNICATORS, create, make_transport
 from ringnet.comm.auto import ALGORITHMS as AUTO_ALGORITHMS, fit, thresholds
-from ringnet.errors import UsageError
+from ringnet.config import transport_usage_error
+from ringnet.errors import TransportUnavailable, UsageError
 
 __all__ = ["main", "parse_sizes", "bus_bandwidth", "repetitions", "target"]
 
@@ -158,7 +159,10 @@ def main(argv=None):
         collective(MPI.COMM_WORLD, lambda: check_writable(args.plot)
                    if MPI.COMM_WORLD.Get_rank() == 0 else None)
     dtype = np.dtype(args.dtype)
-    transport = make_transport(args.transport)
+    try:
+        transport = make_transport(args.transport)
+    except TransportUnavailable as exc:
+        raise transport_usage_error(exc) from None
     xp = cupy if transport.uses_gpu() and transport.name == "nccl" else np
     chunks = {"chunk_bytes": args.chunk_bytes}
     comms = {a: create(a, transport=transport, **chunks) for a in algos if a in COMMUNICATORS}

@@ -34,15 +34,16 @@ from ringnet.comm.auto import AutoCommunicator
 from ringnet.comm.base import CommunicatorBase, shard_bounds
 from ringnet.comm.master_slave import MasterSlaveCommunicator
 from ringnet.comm.mpi_transport import MpiTransport
-from ringnet.comm.nccl_transport import NcclTransport, nccl_module
+from ringnet.comm.nccl_transport import NCCL_INSTALL, NcclTransport, nccl_module
 from ringnet.comm.ring import RingCommunicator
 from ringnet.comm.stream import CpuStream, GpuStream, Handle
 from ringnet.comm.transport import CommTimeoutError, Transport
 from ringnet.comm.tree import TreeCommunicator
+from ringnet.errors import TransportUnavailable
 
 __all__ = ["create", "make_transport", "local_rank", "bind_gpu", "Placement",
            "COMMUNICATORS", "TRANSPORTS",
-           "Transport", "MpiTransport", "NcclTransport", "CommTimeoutError",
+           "Transport", "MpiTransport", "NcclTransport", "CommTimeoutError", "TransportUnavailable",
            "CommunicatorBase", "RingCommunicator", "TreeCommunicator",
            "MasterSlaveCommunicator", "AutoCommunicator", "CpuStream", "GpuStream", "Handle", "shard_bounds"]
 
@@ -116,7 +117,6 @@ def make_transport(name="auto", mpi_comm=None, timeout_s=None, device="auto"):
     host-memory stand-in (for tests; it moves NumPy arrays).
     """
     from ringnet.comm.mpi_transport import mpi_cuda_aware  # noqa: WPS433
-    from ringnet.errors import UsageError  # noqa: WPS433
     if name not in ("auto", *TRANSPORTS):
         raise ValueError(f"unknown transport {name!r}: choose auto, {', '.join(TRANSPORTS)}")
     if device not in ("auto", "cpu", "gpu"):
@@ -127,26 +127,27 @@ def make_transport(name="auto", mpi_comm=None, timeout_s=None, device="auto"):
         device = "gpu" if comm.allreduce(int(gpu_available()), op=MPI.MIN) else "cpu"
     if device == "cpu":
         if name == "nccl" and not standin:
-            raise UsageError("--transport nccl moves GPU memory, but the device is the CPU: "
-                             "use --transport mpi (or auto)")
+            raise TransportUnavailable("transport nccl moves GPU memory, but the device is "
+                                       "the CPU", "cpu-device", transport=name)
         if name == "nccl":
             return _placed(NcclTransport(comm, timeout_s=timeout_s),
                            Placement("cpu", None, "nccl", "RINGNET_NCCL=standin: the host stand-in"))
         return _placed(MpiTransport(comm, timeout_s=timeout_s, device="cpu"),
                        Placement("cpu", None, "mpi", "device cpu"))
     if not gpu_available():
-        raise UsageError("--device gpu asked for, but no usable CUDA GPU on this rank")
+        raise TransportUnavailable("device gpu asked for, but no usable CUDA GPU on this rank",
+                                   "no-gpu")
     device_id, bus_id, places = bind_gpu(comm)
     gpu = f"GPU {device_id} ({bus_id})"
     shared = _shared_gpu(places)
     nccl_everywhere = comm.allreduce(int(nccl_module() is not None and not standin), op=MPI.MIN)
     if name == "nccl":
         if shared:
-            raise UsageError(f"{shared}: use --transport mpi or start at most one rank per GPU")
+            raise TransportUnavailable(shared, "shared-gpu", transport=name)
         if not nccl_everywhere:
-            raise UsageError("--transport nccl: NCCL cannot be loaded on every rank "
-                             "(pip install -e \".[gpu-cuda12]\" or \".[gpu-cuda13]\"); "
-                             "use --transport mpi")
+            raise TransportUnavailable("transport nccl: NCCL cannot be loaded on every rank "
+                                       f"({NCCL_INSTALL})", "no-nccl",
+                                       transport=name)
         return _placed(NcclTransport(comm, timeout_s=timeout_s),
                        Placement("gpu", gpu, "nccl", "every rank owns a GPU"))
     if name == "auto" and not shared and nccl_everywhere:

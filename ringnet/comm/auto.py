@@ -23,8 +23,12 @@ polling it from Python, the peer being scheduled: it dwarfs the wire latency, so
 posted together still cost one ALPHA each), BETA of a byte moved, GAMMA of a byte added.
 ``python -m ringnet.bench comm --algos auto,native,direct,rd,rhd,ring --fit`` fits them
 to measured rows. Their switch points (:func:`thresholds`, printed by the benchmark) at
-the constants below: rd up to 32 KB then rhd (= the ring's cost) at N = 2; direct up to
-16 KB then ring at N = 3; rd up to 18 KB then rhd at N = 4. Every rank computes the same
+the constants below: rd up to 160 KB then rhd (= the ring's cost) at N = 2; direct up to
+80 KB then ring at N = 3; rd up to 91 KB then rhd at N = 4. On 2 cores shared by many
+processes (load average ~27) every extra message costs a meeting of two ranks that the
+scheduler delays: at 64 KiB rd and direct, even through the slower transport path, measured
+1.6-4x faster there than the lean rhd and ring that a small alpha (4 us, the lean path's
+own Python cost) picked. Every rank computes the same
 choice from (n, N) alone; ties go to the earlier of :data:`ALGORITHMS`.
 
 **Two paths.** Called without a stream on a NumPy buffer over the MPI transport, auto runs
@@ -55,7 +59,8 @@ __all__ = ["AutoCommunicator", "ALGORITHMS", "terms", "cost", "fit", "choose", "
 
 ALGORITHMS = ("rd", "direct", "rhd", "ring")
 
-ALPHA = 4e-6            # s per message (the lean path)
+ALPHA = 20e-6           # s per message (the lean path's Python is ~2 us; the rest is waiting
+                        # for the peer to be scheduled on a shared, loaded host)
 BETA = 0.25e-9          # s per byte sent (4 GB/s)
 GAMMA = 0.25e-9         # s per byte added (4 GB/s: two reads and a write, one core)
 

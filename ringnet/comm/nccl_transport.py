@@ -29,11 +29,13 @@ from ringnet import trace
 from ringnet.backend import cupy, gpu_available, is_gpu_array
 from ringnet.comm.stream import CpuStream, GpuStream, current_tag
 from ringnet.comm.transport import CommTimeoutError, Transport, describe
-from ringnet.errors import UsageError
+from ringnet.errors import TransportUnavailable
 
-__all__ = ["NcclTransport", "nccl_module", "NCCL_CHOICES"]
+__all__ = ["NcclTransport", "nccl_module", "NCCL_CHOICES", "NCCL_INSTALL"]
 
 NCCL_CHOICES = ("cupy", "standin")
+# How to get CuPy with NCCL (the extras of setup.cfg)
+NCCL_INSTALL = 'pip install -e ".[gpu-cuda12]" or ".[gpu-cuda13]"'
 
 
 def nccl_module(kind=None):
@@ -137,9 +139,9 @@ class NcclTransport(Transport):
             nccl = nccl_module(nccl)
         self.on_host = bool(getattr(nccl, "HOST_MEMORY", False))
         if not self.on_host and (nccl is None or not gpu_available()):
-            raise UsageError("transport nccl needs a usable CUDA GPU and CuPy with NCCL "
-                             "(pip install -e \".[gpu-cuda12]\" or \".[gpu-cuda13]\"); "
-                             "use --transport mpi")
+            raise TransportUnavailable("transport nccl needs a usable CUDA GPU and CuPy with "
+                                       f"NCCL ({NCCL_INSTALL})",
+                                       "no-nccl", transport=self.name)
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         super().__init__(parent.Dup(), timeout_s)
         self.nccl = nccl
@@ -159,9 +161,9 @@ class NcclTransport(Transport):
         seen = {}
         for rank, place in enumerate(places):
             if place in seen:
-                raise UsageError(f"ranks {seen[place]} and {rank} share GPU {place[1]} on "
-                                 f"{place[0]}; NCCL needs one GPU per rank: use --transport mpi "
-                                 "or start at most one rank per GPU")
+                raise TransportUnavailable(f"ranks {seen[place]} and {rank} share GPU "
+                                           f"{place[1]} on {place[0]}; NCCL needs one GPU per "
+                                           "rank", "shared-gpu", transport=self.name)
             seen[place] = rank
 
     # -- communicators: one per stream, created collectively under a deadline ------------

@@ -16,6 +16,7 @@ import os
 import threading
 import queue
 import time
+from typing import Any, Callable, Optional
 
 from ringnet.backend import cupy, gpu_available
 
@@ -27,7 +28,7 @@ _local = threading.local()
 PROGRESS_MODES = ("driven", "poll", "block")
 
 
-def progress_mode():
+def progress_mode() -> str:
     """Return how CPU streams progress their transfers: ``RINGNET_CPU_PROGRESS`` or driven."""
     mode = os.environ.get("RINGNET_CPU_PROGRESS", "") or "driven"
     if mode not in PROGRESS_MODES:
@@ -35,22 +36,26 @@ def progress_mode():
     return mode
 
 
-def current_tag():
+def current_tag() -> int:
     """Return the message tag of the stream running on this thread (0 off-stream)."""
     return getattr(_local, "tag", 0)
 
 
-def current_stream():
+def current_stream() -> Optional["CpuStream"]:
     """Return the stream whose thread is the calling thread (None off-stream)."""
     return getattr(_local, "stream", None)
 
 
 class Handle:
-    """Completion of one operation submitted to a stream."""
+    """Completion of one operation submitted to a stream (:meth:`CpuStream.submit`).
+
+    :meth:`done` polls, :meth:`wait` blocks and returns the operation's value or
+    re-raises its exception on the waiting thread. Made by the stream, not by callers.
+    """
 
     __slots__ = ("_event", "_error", "_value", "_cuda_event", "_stream")
 
-    def __init__(self, stream=None):
+    def __init__(self, stream: Optional["CpuStream"] = None):
         self._event = threading.Event()
         self._error = None
         self._value = None
@@ -61,8 +66,9 @@ class Handle:
         self._value, self._error, self._cuda_event = value, error, cuda_event
         self._event.set()
 
-    def done(self):
-        """Return True once the operation has finished (without blocking)."""
+    def done(self) -> bool:
+        """Return True once the operation has finished, without blocking (a driven CPU
+        stream's transfer is tested once; a GPU operation counts when its event has run)."""
         if not self._event.is_set():
             if self._stream is not None:
                 self._stream.progress()
@@ -70,8 +76,11 @@ class Handle:
                 return False
         return self._cuda_event is None or self._cuda_event.done
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: Optional[float] = None) -> Any:
         """Wait for the operation; re-raise its error here; return its value.
+
+        ``timeout``: seconds to wait (None: no limit); past it, raises TimeoutError and
+        the operation stays queued.
 
         On a GPU stream the host waits only until the operation is enqueued; the caller's
         current CUDA stream then waits on the event recorded behind it, so later kernels
@@ -92,11 +101,13 @@ class CpuStream:
     """One communication thread that runs submitted callables in submission order.
 
     ``tag`` separates this stream's messages from those of other streams (all ranks
-    create their streams in the same order, so they agree on it). ``progress``: how
-    its transfers progress (see the module docstring; default ``progress_mode()``).
+    create their streams in the same order, so they agree on it). ``name`` prefixes the
+    thread's name. ``progress``: how its transfers progress, one of
+    :data:`PROGRESS_MODES` (see the module docstring; default ``progress_mode()``);
+    raises ValueError for another. ``close()`` (or leaving a ``with`` block) ends it.
     """
 
-    def __init__(self, tag=0, name="ringnet-comm", progress=None):
+    def __init__(self, tag: int = 0, name: str = "ringnet-comm", progress: Optional[str] = None):
         self.tag = tag
         self.mode = progress_mode() if progress is None else progress
         if self.mode not in PROGRESS_MODES:
@@ -143,7 +154,8 @@ class CpuStream:
                 handle._finish(value=value, cuda_event=cuda_event)
 
     # -- progress -------------------------------------------------------------------
-    def wait_transfer(self, test, block, timeout):
+    def wait_transfer(self, test: Callable[[], bool], block: Callable[[], Any],
+                      timeout: Optional[float]) -> bool:
         """On this stream's thread: return True once ``test()`` is true, False after ``timeout`` s.
 
         ``driven``: sleep until :meth:`progress` (another thread) saw ``test()`` true;
@@ -160,7 +172,7 @@ class CpuStream:
             finally:
                 self._test = None
 
-    def progress(self):
+    def progress(self) -> None:
         """Test the transfer this stream's thread sleeps on; wake the thread when it completed.
 
         Cheap (one MPI test at most) and safe from any thread; a no-op unless driven.
@@ -190,20 +202,25 @@ class CpuStream:
             pause = min(_DRIVE_MAX_PAUSE_S, pause + 1e-5)
 
     # -- queue ----------------------------------------------------------------------
-    def submit(self, fn, *args):
-        """Queue ``fn(*args)`` behind the earlier operations; return its Handle."""
+    def submit(self, fn: Callable[..., Any], *args) -> Handle:
+        """Queue ``fn(*args)`` behind the earlier operations; return its :class:`Handle`.
+
+        ``fn`` runs on the stream's thread; its value or exception goes to the Handle.
+        Raises RuntimeError on a closed stream.
+        """
         if self._closed:
             raise RuntimeError("submit on a closed stream")
         handle = Handle(self)
         self._queue.put((handle, fn, args, self._mark()))
         return handle
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Wait for every operation submitted so far (errors are re-raised)."""
         self.submit(lambda: None).wait()
 
-    def close(self):
-        """Finish the queued operations and stop the thread."""
+    def close(self) -> None:
+        """Finish the queued operations and stop the thread (errors stay with their
+        Handles); a second call does nothing."""
         if not self._closed:
             if self.driven:     # drive what is queued: the thread may sleep on a transfer
                 try:
@@ -230,7 +247,7 @@ _driven = []
 _driven_lock = threading.Lock()
 
 
-def progress_all():
+def progress_all() -> None:
     """Progress every driven CPU stream of this process (see :meth:`CpuStream.progress`).
 
     The strategies call it at layer boundaries; blocking transfers off-stream call it
@@ -249,9 +266,12 @@ class GpuStream(CpuStream):
     ``submit`` (so the caller need not synchronize before submitting a buffer it just
     wrote), and :meth:`Handle.wait` makes the waiter's stream wait on the event
     recorded after the operation.
+
+    ``tag`` as for :class:`CpuStream`; ``device_id``: the CUDA device (None: the caller's
+    current one). Raises RuntimeError without a usable CUDA device.
     """
 
-    def __init__(self, tag=0, device_id=None):
+    def __init__(self, tag: int = 0, device_id: Optional[int] = None):
         if not gpu_available():
             raise RuntimeError("GpuStream needs a usable CUDA device")
         self.device_id = cupy.cuda.Device().id if device_id is None else device_id

@@ -1,11 +1,12 @@
 """Transport interface: how bytes move between two ranks, and the transfer timeout."""
 import os
 import threading
+from typing import Optional
 
 import numpy as np
 
 from ringnet.backend import cupy, gpu_available, is_gpu_array
-from ringnet.comm.stream import CpuStream, GpuStream
+from ringnet.comm.stream import CpuStream, GpuStream, Handle
 
 __all__ = ["Transport", "CommTimeoutError", "default_timeout"]
 
@@ -14,8 +15,11 @@ class CommTimeoutError(RuntimeError):
     """A transfer did not complete within the transport's timeout."""
 
 
-def default_timeout():
-    """Return the transfer timeout in seconds: ``RINGNET_COMM_TIMEOUT`` or 300."""
+def default_timeout() -> float:
+    """Return the transfer timeout in seconds: ``RINGNET_COMM_TIMEOUT`` or 300.
+
+    Raises ValueError unless the variable is a positive finite number.
+    """
     value = os.environ.get("RINGNET_COMM_TIMEOUT", "")
     try:
         seconds = float(value) if value else 300.0
@@ -26,7 +30,7 @@ def default_timeout():
     return seconds
 
 
-def describe(what, send_peer, recv_peer, nbytes):
+def describe(what: str, send_peer: Optional[int], recv_peer: Optional[int], nbytes: int) -> str:
     """Return 'sendrecv to rank 3 / from rank 1 of N bytes' for error messages."""
     parts = []
     if send_peer is not None:
@@ -46,11 +50,17 @@ class Transport:
     Messages are matched per stream: a send queued on a rank's k-th stream pairs
     with the receive queued on its peer's k-th stream (every rank creates its
     streams in the same order), and calls off any stream pair with each other.
+
+    ``mpi_comm``: the mpi4py communicator whose ranks this transport connects;
+    ``timeout_s``: seconds a transfer may take before :class:`CommTimeoutError` (None:
+    :func:`default_timeout`). Arrays are C-contiguous NumPy arrays, or CuPy arrays on a
+    GPU transport; a peer is a rank of ``mpi_comm``. ``bytes_sent``/``bytes_recv`` count
+    what this rank moved.
     """
 
     name = "base"
 
-    def __init__(self, mpi_comm, timeout_s=None):
+    def __init__(self, mpi_comm, timeout_s: Optional[float] = None):
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
@@ -61,45 +71,60 @@ class Transport:
         self._next_tag = 1
 
     # -- to implement -----------------------------------------------------------------
-    def isendrecv(self, send_array, send_peer, recv_array, recv_peer):
-        """Start a paired transfer (either side may be None); return an object with wait()."""
+    def isendrecv(self, send_array, send_peer: Optional[int], recv_array,
+                  recv_peer: Optional[int]):
+        """Start sending ``send_array`` to ``send_peer`` and receiving ``recv_array`` from
+        ``recv_peer`` (either pair may be None); return a request whose ``wait()`` returns
+        once both finished, or raises :class:`CommTimeoutError` past ``timeout_s``."""
         raise NotImplementedError
 
-    def allreduce_native(self, buf, op="sum"):
-        """Allreduce ``buf`` in place with the library's own collective (for comparison)."""
+    def allreduce_native(self, buf, op: str = "sum") -> None:
+        """Sum ``buf`` over the ranks in place with the library's own collective (MPI's
+        Allreduce, ncclAllReduce), the reference the communicators are measured against;
+        ``op``: "sum"."""
         raise NotImplementedError
 
     # -- shared -----------------------------------------------------------------------
-    def send(self, array, peer, stream=None):
-        """Send ``array`` to rank ``peer``."""
-        if stream is not None:
-            return stream.submit(self.send, array, peer)
-        self.isendrecv(array, peer, None, None).wait()
-        self._complete(describe("send", peer, None, array.nbytes))
-        return None
+    def send(self, array, peer: int, stream=None) -> Optional[Handle]:
+        """Send ``array`` to rank ``peer``.
 
-    def recv(self, out_array, peer, stream=None):
-        """Receive from rank ``peer`` into ``out_array``."""
-        if stream is not None:
-            return stream.submit(self.recv, out_array, peer)
-        self.isendrecv(None, None, out_array, peer).wait()
-        self._complete(describe("recv", None, peer, out_array.nbytes))
-        return None
+        Returns None once sent, or the :class:`Handle` of the send queued on ``stream``.
+        """
+        return self._transfer("send", array, peer, None, None, stream)
 
-    def sendrecv(self, send_array, send_peer, recv_array, recv_peer, stream=None):
-        """Send to ``send_peer`` and receive from ``recv_peer`` at once (deadlock-free)."""
+    def recv(self, out_array, peer: int, stream=None) -> Optional[Handle]:
+        """Receive from rank ``peer`` into ``out_array`` (the length the peer sends).
+
+        Returns None once received, or the :class:`Handle` of the receive queued on ``stream``.
+        """
+        return self._transfer("recv", None, None, out_array, peer, stream)
+
+    def sendrecv(self, send_array, send_peer: int, recv_array, recv_peer: int,
+                 stream=None) -> Optional[Handle]:
+        """Send ``send_array`` to ``send_peer`` and receive ``recv_array`` from ``recv_peer``
+        at once (deadlock-free in a ring).
+
+        Returns None once both are done, or the :class:`Handle` queued on ``stream``.
+        """
+        return self._transfer("sendrecv", send_array, send_peer, recv_array, recv_peer, stream)
+
+    def _transfer(self, what, send_array, send_peer, recv_array, recv_peer, stream):
+        """Run one paired transfer now (None) or queue it on ``stream`` (its Handle)."""
         if stream is not None:
-            return stream.submit(self.sendrecv, send_array, send_peer, recv_array, recv_peer)
+            return stream.submit(self._transfer, what, send_array, send_peer, recv_array,
+                                 recv_peer, None)
         self.isendrecv(send_array, send_peer, recv_array, recv_peer).wait()
         nbytes = max(getattr(send_array, "nbytes", 0), getattr(recv_array, "nbytes", 0))
-        self._complete(describe("sendrecv", send_peer, recv_peer, nbytes))
+        self._complete(describe(what, send_peer, recv_peer, nbytes))
         return None
 
-    def _complete(self, what):
+    def _complete(self, what: str) -> None:
         """Return once the transfer just waited for has completed (GPU transports: on the device)."""
 
-    def new_stream(self):
-        """Return a new stream (CUDA-backed where a GPU is usable, a thread otherwise)."""
+    def new_stream(self) -> CpuStream:
+        """Return a new stream: a :class:`GpuStream` where this transport uses the GPU, a
+        :class:`CpuStream` otherwise. Collective in order: every rank creates its streams
+        in the same order, so that the k-th streams of two ranks exchange messages."""
         # Tags come from a per-transport counter: every rank creates its streams in
         # the same order, so a stream's messages match only the same stream's.
         tag, self._next_tag = self._next_tag, self._next_tag + 1
@@ -107,16 +132,17 @@ class Transport:
             return GpuStream(tag)
         return CpuStream(tag)
 
-    def uses_gpu(self):
+    def uses_gpu(self) -> bool:
         """Return True when this transport's streams are CUDA streams."""
         return gpu_available()
 
-    def finish(self, what="stream"):
-        """Wait for the work this thread queued on its current CUDA stream."""
+    def finish(self, what: str = "stream") -> None:
+        """Wait for the work this thread queued on its current CUDA stream (``what`` names
+        it in a timeout message; nothing to wait for on the CPU)."""
         if cupy is not None and gpu_available():
             cupy.cuda.get_current_stream().synchronize()
 
-    def barrier(self):
+    def barrier(self) -> None:
         """Block until every rank arrived."""
         self.mpi_comm.Barrier()
 
@@ -145,5 +171,5 @@ class Transport:
                 and is_gpu_array(send_array) != is_gpu_array(recv_array):
             raise ValueError("send and receive buffers must both be on the host or both on the GPU")
 
-    def close(self):
+    def close(self) -> None:
         """Release library resources (the MPI communicator duplicate)."""

@@ -58,6 +58,37 @@ def _print_info(summary):
         print("verified  every image chunk read without error")
 
 
+# The formats of `convert`: (name, help, description, (source metavar, its help),
+# default output name, [(flag, add_argument settings)] of the format's own options).
+_CONVERTERS = (
+    ("mnist", "the four idx files of MNIST or Fashion-MNIST",
+     "Read train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and "
+     "t10k-labels-idx1-ubyte (each gzipped or not) from SRC_DIR; images become (N, 1, 28, 28). "
+     "Also reads any other set in this format, such as Fashion-MNIST (Debian: apt-get install "
+     "dataset-fashion-mnist, then SRC_DIR = /usr/share/datasets/fashion-mnist).",
+     ("SRC_DIR", None), "NAME",
+     [("--name", {"default": "mnist",
+                  "help": "data set name stored in the file and default output name (default "
+                          "mnist); mnist and fashion-mnist also record their class names, "
+                          "source and licence"})]),
+    ("cifar10", "the CIFAR-10 python batches",
+     "Read data_batch_1..5, test_batch and batches.meta from cifar-10-python.tar.gz or the "
+     "extracted cifar-10-batches-py folder. The pickles are loaded with an unpickler that "
+     "allows only numpy's array globals; images become (N, 3, 32, 32).",
+     ("SRC", "cifar-10-python.tar.gz or the cifar-10-batches-py folder"), "cifar10", []),
+    ("imagefolder", "one sub-folder of JPEG/PNG images per class",
+     "Read SRC_DIR/<class>/*.png|*.jpg|*.jpeg (classes = sorted sub-folder names), convert to "
+     "RGB, resize to SIZE x SIZE and split each class into train and test with a seeded "
+     "shuffle. Needs Pillow (pip install 'ringnet[images]').",
+     ("SRC_DIR", None), "<SRC_DIR name>",
+     [("--size", {"type": int, "default": 64, "help": "output width and height (default 64)"}),
+      ("--test-fraction", {"type": float, "default": 0.2,
+                           "help": "share of each class put in the test split (default 0.2)"}),
+      ("--seed", {"type": int, "default": 0, "help": "seed of the split (default 0)"}),
+      ("--name", {"help": "data set name stored in the file (default: SRC_DIR's name)"})]),
+)
+
+
 def _build_parser():
     parser = ArgumentParser(prog="python -m ringnet.datasets",
                      description="Download, convert and inspect data sets in the ringnet HDF5 layout "
@@ -95,37 +126,12 @@ def _build_parser():
                                         "The output is written to a temporary file and renamed on "
                                         "success, so a failure leaves no output behind.")
     formats = p.add_subparsers(dest="format", metavar="{mnist,cifar10,imagefolder}", required=True)
-    q = formats.add_parser("mnist", help="the four idx files of MNIST or Fashion-MNIST",
-                           description="Read train-images-idx3-ubyte, train-labels-idx1-ubyte, "
-                                       "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte (each "
-                                       "gzipped or not) from SRC_DIR; images become (N, 1, 28, 28). "
-                                       "Also reads any other set in this format, such as "
-                                       "Fashion-MNIST (Debian: apt-get install dataset-fashion-mnist, "
-                                       "then SRC_DIR = /usr/share/datasets/fashion-mnist).")
-    q.add_argument("src", metavar="SRC_DIR")
-    q.add_argument("--name", default="mnist",
-                   help="data set name stored in the file and default output name (default mnist); "
-                        "mnist and fashion-mnist also record their class names, source and licence")
-    q.add_argument("--out", metavar="F.h5", help=f"output file (default: {default_dir}/NAME.h5)")
-    q = formats.add_parser("cifar10", help="the CIFAR-10 python batches",
-                           description="Read data_batch_1..5, test_batch and batches.meta from "
-                                       "cifar-10-python.tar.gz or the extracted cifar-10-batches-py "
-                                       "folder. The pickles are loaded with an unpickler that allows "
-                                       "only numpy's array globals; images become (N, 3, 32, 32).")
-    q.add_argument("src", metavar="SRC", help="cifar-10-python.tar.gz or the cifar-10-batches-py folder")
-    q.add_argument("--out", metavar="F.h5", help=f"output file (default: {default_dir}/cifar10.h5)")
-    q = formats.add_parser("imagefolder", help="one sub-folder of JPEG/PNG images per class",
-                           description="Read SRC_DIR/<class>/*.png|*.jpg|*.jpeg (classes = sorted "
-                                       "sub-folder names), convert to RGB, resize to SIZE x SIZE and "
-                                       "split each class into train and test with a seeded shuffle. "
-                                       "Needs Pillow (pip install 'ringnet[images]').")
-    q.add_argument("src", metavar="SRC_DIR")
-    q.add_argument("--size", type=int, default=64, help="output width and height (default 64)")
-    q.add_argument("--test-fraction", type=float, default=0.2,
-                   help="share of each class put in the test split (default 0.2)")
-    q.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
-    q.add_argument("--name", help="data set name stored in the file (default: SRC_DIR's name)")
-    q.add_argument("--out", metavar="F.h5", help=f"output file (default: {default_dir}/<SRC_DIR name>.h5)")
+    for name, help_text, description, (src, src_help), out, options in _CONVERTERS:
+        q = formats.add_parser(name, help=help_text, description=description)
+        q.add_argument("src", metavar=src, help=src_help)
+        for flag, settings in options:
+            q.add_argument(flag, **settings)
+        q.add_argument("--out", metavar="F.h5", help=f"output file (default: {default_dir}/{out}.h5)")
 
     p = commands.add_parser("info", help="counts, shape, classes and SHA-256 of a data set file",
                             description="Validate F.h5 (layout, integer labels within the classes) and "

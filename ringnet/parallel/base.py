@@ -9,6 +9,7 @@ the exchange (delay 0: blocking; delay 1: on the communication stream, the delay
 model update of DESIGN.md).
 """
 import zlib
+from contextlib import contextmanager
 from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
@@ -89,6 +90,53 @@ class Strategy:
     def close(self) -> None:
         """Wait for the exchange in flight and release the streams."""
 
+    # -- the exchange engine of the strategies that use one ------------------
+    def _exchange_engine(self, params, grads, plan, comm, upto: int, bucket_size=None,
+                         lookahead=None) -> None:
+        """Set ``self.engine``: a :class:`DelayedUpdate` of ``plan`` over ``params``/``grads``.
+
+        ``comm``: the communicator (None for one process); ``upto``: the layers [0, upto)
+        whose parameters ``params`` holds. At delay 0 with a communicator their gradient is
+        cut into buckets of ``bucket_size`` bytes (None: :func:`bucket_bytes`; 0: none) that
+        :meth:`_layer_done` starts during the backward. The engine gets a stream of ``comm``
+        when it runs anything in the background (delay 1 or buckets).
+        """
+        self.buckets = []
+        if comm is not None and not self.delay and len(params):
+            if bucket_size is None:
+                bucket_size = bucket_bytes()
+            if bucket_size:
+                self.buckets = backward_buckets(self.model, upto, bucket_size)
+        # layer index whose backward completes bucket k -> k
+        self._bucket_at = {layer: k for k, (_, _, layer) in enumerate(self.buckets)}
+        self._it = 0
+        stream = comm.new_stream() if comm is not None and (self.delay or self.buckets) else None
+        self.engine = DelayedUpdate(params, grads, plan,
+                                    self.make_optimizer(plan.owned.stop - plan.owned.start),
+                                    self.stats, delay=self.delay, stream=stream,
+                                    lookahead=lookahead,
+                                    buckets=[(lo, hi) for lo, hi, _ in self.buckets] or None)
+
+    def _layer_done(self, phase: str, index: int) -> None:
+        """After each layer: progress the streams; start a bucket whose gradient is complete."""
+        if phase == "backward" and index in self._bucket_at:
+            self.engine.part_ready(self._bucket_at[index], self._it)
+        progress_all()
+
+    @contextmanager
+    def _exchange_step(self, it: int):
+        """Frame of step ``it`` around its compute: the ``step`` span, the weights to compute
+        on, the layer hook that starts buckets; on leaving, the gradients go to the engine."""
+        with self.stats.span("step"):
+            self.engine.show_front()
+            self._it = it
+            self.model.layer_hook = self._layer_done
+            try:
+                yield
+            finally:
+                self.model.layer_hook = None
+            self.engine.gradients_ready(it)
+
     # -- shared -------------------------------------------------------------
     def _named(self, flat):
         flat = to_numpy(flat)
@@ -144,21 +192,8 @@ class DataParallelStrategy(Strategy):
         for _, layer in model.layers:
             if isinstance(layer, Dropout):      # this rank's rows of the global-batch mask
                 layer.batch_part = (self.rank, self.size)
-        plan = self._plan(model.num_params)
-        # delay 0: buckets of the gradient start their exchange during the backward
-        self.buckets = []
-        if comm is not None and not delay and bucket_size is None:
-            bucket_size = bucket_bytes()
-        if comm is not None and not delay and bucket_size:
-            self.buckets = backward_buckets(model, len(model.layers), bucket_size)
-        stream = comm.new_stream() if comm is not None and (delay or self.buckets) else None
-        self.engine = DelayedUpdate(model.params, model.grads, plan,
-                                    make_optimizer(plan.owned.stop - plan.owned.start),
-                                    self.stats, delay=delay, stream=stream, lookahead=lookahead,
-                                    buckets=[(lo, hi) for lo, hi, _ in self.buckets] or None)
-        # layer index whose backward completes bucket k -> k
-        self._bucket_at = {layer: k for k, (_, _, layer) in enumerate(self.buckets)}
-        self._it = 0
+        self._exchange_engine(model.params, model.grads, self._plan(model.num_params), comm,
+                              len(model.layers), bucket_size=bucket_size, lookahead=lookahead)
 
     def _plan(self, size):
         """Return the exchange plan over a flat buffer of ``size`` (subclasses choose)."""
@@ -174,23 +209,10 @@ class DataParallelStrategy(Strategy):
         """The optimizer of the owned slice (its momentum covers that slice only)."""
         return self.engine.optimizer
 
-    def _layer_done(self, phase, index):
-        """After each layer: progress the streams; start a bucket whose gradient is complete."""
-        if phase == "backward" and index in self._bucket_at:
-            self.engine.part_ready(self._bucket_at[index], self._it)
-        progress_all()
-
     def step(self, x, labels, it):
-        with self.stats.span("step"):
-            self.engine.show_front()
-            self._it = it
-            self.model.layer_hook = self._layer_done
-            try:
-                with self.stats.span("compute", phase="forward_backward"):
-                    loss, correct = self.model.loss_and_grad(x, labels)
-            finally:
-                self.model.layer_hook = None
-            self.engine.gradients_ready(it)
+        with self._exchange_step(it):
+            with self.stats.span("compute", phase="forward_backward"):
+                loss, correct = self.model.loss_and_grad(x, labels)
         return loss, correct
 
     def drain(self):

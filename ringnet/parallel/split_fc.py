@@ -36,11 +36,10 @@ from contextlib import contextmanager
 import numpy as np
 
 from ringnet.backend import to_numpy
-from ringnet.comm.stream import progress_all
 from ringnet.errors import InputError
 from ringnet.parallel.base import Strategy
 from ringnet.parallel.conversion import ActivationCollectives, DataConversion
-from ringnet.parallel.exchange import DelayedUpdate, ShardedPlan, backward_buckets, bucket_bytes
+from ringnet.parallel.exchange import ShardedPlan
 from ringnet.parallel.fc_slices import FcBlock, FcSlice, check_split, fc_blocks
 
 __all__ = ["SplitFCStrategy", "FcSlice", "check_split", "fc_blocks"]
@@ -78,20 +77,9 @@ class SplitFCStrategy(Strategy):
         # cores and was measured slower than blocking.
         # At delay 0 the conv prefix is exchanged in buckets that start during the conv
         # backward (see ``exchange``).
-        n = self.conv_size
-        plan = ShardedPlan(comm, n, op="sum")
-        if bucket_size is None:
-            bucket_size = bucket_bytes()
-        self.buckets = backward_buckets(model, self.fc_index, bucket_size) \
-            if not delay and bucket_size and n else []
-        self._bucket_at = {layer: k for k, (_, _, layer) in enumerate(self.buckets)}
-        self._it = 0
-        self.engine = DelayedUpdate(model.params[:n], model.grads[:n], plan,
-                                    make_optimizer(plan.owned.stop - plan.owned.start),
-                                    self.stats, delay=delay,
-                                    stream=comm.new_stream() if delay or self.buckets else None,
-                                    lookahead=lookahead,
-                                    buckets=[(lo, hi) for lo, hi, _ in self.buckets] or None)
+        self._exchange_engine(model.params[:self.conv_size], model.grads[:self.conv_size],
+                              ShardedPlan(comm, self.conv_size, op="sum"), comm, self.fc_index,
+                              bucket_size=bucket_size, lookahead=lookahead)
         self.overlap = (self.xp is not np) if overlap is None else bool(overlap)
         act_stream = comm.new_stream() if self.overlap else None
         self.collectives = ActivationCollectives(comm, self.stats, act_stream)
@@ -109,29 +97,16 @@ class SplitFCStrategy(Strategy):
         with self.stats.span("compute", phase=phase):
             yield
 
-    def _layer_done(self, phase, index):
-        """After each conv layer: progress the streams; start a bucket whose gradient is complete."""
-        if phase == "backward" and index in self._bucket_at:
-            self.engine.part_ready(self._bucket_at[index], self._it)
-        progress_all()
-
     # -- one step: named phases -------------------------------------------------------
     def step(self, x, labels, it):
-        with self.stats.span("step"):
-            self.engine.show_front()
+        with self._exchange_step(it):
             self._gathered = False
-            self._it = it
-            self.model.layer_hook = self._layer_done
-            try:
-                h = self._conv_forward(x)
-                a, lab = self.conversion.forward(h, labels)
-                inputs, logits = self._fc_forward(a)
-                loss, correct, dlogits = self._loss(logits, lab, h.shape[0])
-                d = self._fc_backward(dlogits, inputs, it)
-                self._conv_backward(d)
-            finally:
-                self.model.layer_hook = None
-            self.engine.gradients_ready(it)
+            h = self._conv_forward(x)
+            a, lab = self.conversion.forward(h, labels)
+            inputs, logits = self._fc_forward(a)
+            loss, correct, dlogits = self._loss(logits, lab, h.shape[0])
+            d = self._fc_backward(dlogits, inputs, it)
+            self._conv_backward(d)
         return loss, correct
 
     def _conv_forward(self, x):

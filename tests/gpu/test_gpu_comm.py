@@ -61,14 +61,15 @@ def test_allreduce_cupy_buffers(kind, name, length):
 @pytest.mark.mpi
 def test_ranks_sharing_a_gpu_get_mpi_from_auto_and_a_refusal_from_nccl():
     from ringnet.comm import make_transport
-    from ringnet.errors import UsageError
+    from ringnet.errors import TransportUnavailable
     if N < 2 or N <= cupy.cuda.runtime.getDeviceCount():
         pytest.skip("needs more ranks than GPUs")
     auto = make_transport("auto", device="gpu")
     assert auto.name == "mpi" and "share GPU" in auto.placement.reason, auto.placement
     auto.close()
-    with pytest.raises(UsageError, match=r"ranks [\d, ]+ share GPU"):
+    with pytest.raises(TransportUnavailable, match=r"ranks [\d, ]+ share GPU") as info:
         make_transport("nccl", device="gpu")
+    assert info.value.reason == "shared-gpu"
 
 
 def test_gpu_stream_reports_errors_at_wait():
