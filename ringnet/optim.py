@@ -28,7 +28,8 @@ import numpy as np
 
 from ringnet.backend import get_array_module, resolve_dtype, to_numpy
 
-__all__ = ["LRPolicy", "SGD", "heavy_ball_bound", "lookahead_bound", "lookahead_k"]
+__all__ = ["LRPolicy", "SGD", "heavy_ball_bound", "lookahead_bound", "lookahead_k",
+           "lookahead_warmup"]
 
 
 def heavy_ball_bound(momentum):
@@ -60,6 +61,18 @@ def lookahead_k(momentum, c=2.0):
         raise ValueError(f"lookahead_k takes c > 1, got {c}")
     a, e = heavy_ball_bound(momentum), 1.0 - momentum
     return a * (c * c * a + c * e) / ((c - 1.0) * a + e)
+
+
+def lookahead_warmup(momentum, spans=3):
+    """Synchronous steps before the compensated delay-1 recurrence: ``ceil(spans / (1 - mu))``.
+
+    Heavy-ball's momentum reaches ``1 - mu^n`` of its long-run value after n steps, so
+    3 spans of ``1/(1 - mu)`` give 95% (30 steps at mu 0.9) where the compensated
+    momentum ``mu'`` would need k times as many.
+    """
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    return math.ceil(spans / (1.0 - momentum) - 1e-9)
 
 
 class LRPolicy:

@@ -57,6 +57,27 @@ def test_delay_variants_are_checked():
     for bad in ("pred", "foo:1", "pred:x"):
         with pytest.raises(UsageError):
             delay.parse_variant(bad)
+    from ringnet.parallel import COMPENSATIONS
+    from ringnet.parallel.exchange import Lookahead
+    assert delay.engine_variant("lookahead") is COMPENSATIONS["lookahead"]
+    assert delay.engine_variant("none") is COMPENSATIONS["none"]
+    assert delay.engine_variant("single") is None
+    assert delay.engine_variant("lookahead/warm=30/k=5") == Lookahead(k=5.0, c=2.0, warmup=30)
+    assert delay.engine_variant("lookahead/c=1.5") == Lookahead(k=None, c=1.5, warmup=0)
+    for bad in ("lookahead/warm=1.5", "lookahead/k=0", "lookahead/x=1", "none/k=2",
+                "single/warm=3", "lookahead/k=-1", "lookahead/k=nan"):
+        with pytest.raises(UsageError):
+            delay.engine_variant(bad)
+
+
+def test_delay_loss_metric_tells_descent_from_divergence():
+    """--metric loss: no test evaluation; a run that descends is ok, one that blows up
+    (the plain recurrence at lr 0.3, momentum 0.9 on digits) is not."""
+    ok = delay.run("digits", "digits", "single", 0.03, 0.9, epochs=0.5, seed=0, metric="loss")
+    assert ok["status"] == "ok" and ok["train_loss"] < ok["first_loss"], ok
+    assert ok["test_accuracy"] != ok["test_accuracy"]       # NaN: the test set was not read
+    bad = delay.run("digits", "digits", "none", 0.3, 0.9, epochs=0.5, seed=0, metric="loss")
+    assert bad["status"] != "ok", bad
 
 
 def test_delay_bench_separates_plain_from_compensated_on_lenet():
@@ -109,6 +130,14 @@ def test_curves_and_to_accuracy_end_to_end(tmp_path):
     if plot:
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "wrote" in proc.stdout
+    # the CSV read back gives the same rows, and the summary from it without training
+    back = curves.read_csv([str(out_csv)])
+    assert [(r["label"], r["step"], r["test_accuracy"]) for r in back] == \
+        [(r["label"], int(r["step"]), float(r["test_accuracy"])) for r in rows]
+    again = subprocess.run([sys.executable, "-m", "ringnet.bench", "curves", "--from-csv",
+                            str(out_csv), "--markdown"],
+                           capture_output=True, text=True, env=ENV, timeout=120)
+    assert again.returncode == 0 and again.stdout.startswith("| run |"), again.stderr
 
     proc = subprocess.run(
         [sys.executable, "-m", "ringnet.bench", "scaling", "--np", "1", "--model", "digits",
@@ -122,6 +151,41 @@ def test_curves_and_to_accuracy_end_to_end(tmp_path):
     # evaluated at steps 5, 10, 15, 20 and at the end (22 steps per epoch)
     assert row["epochs_to_acc"] in [round(s / 22, 3) for s in (5, 10, 15, 20, 22)]
     assert 0 < row["seconds_to_acc"] and row["final_accuracy"] >= 0.5
+
+
+def _curve(label, accs, seconds=10.0):
+    return [{"label": label, "mode": label.split()[0], "delay": 0, "np": 2, "step": 10 * e,
+             "epoch": float(e), "train_s": seconds * e, "test_accuracy": a}
+            for e, a in enumerate(accs, 1)]
+
+
+def test_curves_summary_table_from_rows():
+    rows = _curve("single", [0.80, 0.85, 0.86, 0.90, 0.88, 0.89]) + _curve("ring d1", [0.7, 0.9])
+    from ringnet.bench.tables import parse_markdown
+    header, body = parse_markdown(curves.summary_table(rows))
+    # first, second, middle (3 of 6) and last evaluated epochs
+    assert header == ["run", "epoch 1", "epoch 2", "epoch 3", "epoch 6", "best (epoch)", "training s"]
+    assert body[0] == ["single", "80.00%", "85.00%", "86.00%", "89.00%", "90.00% (4)", "60"]
+    assert body[1] == ["ring d1", "70.00%", "90.00%", "–", "–", "90.00% (2)", "20"]
+
+
+def test_curves_from_csv_joins_and_refuses_bad_files(tmp_path):
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    curves._write_csv(str(a), _curve("single", [0.8, 0.9]))
+    curves._write_csv(str(b), _curve("tree d0", [0.7, 0.95]))
+    joined = tmp_path / "j.csv"
+    proc = subprocess.run([sys.executable, "-m", "ringnet.bench", "curves", "--from-csv", str(a),
+                           str(b), "--csv", str(joined), "--markdown"],
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["label"] for r in curves.read_csv([str(joined)])] == ["single"] * 2 + ["tree d0"] * 2
+    assert "| tree d0 | 70.00% | 95.00% | 95.00% (2) | 20 |" in proc.stdout
+    (tmp_path / "bad.csv").write_text("label,mode\nx,y\n")
+    for bad in (str(tmp_path / "bad.csv"), str(tmp_path / "missing.csv")):
+        proc = subprocess.run([sys.executable, "-m", "ringnet.bench", "curves", "--from-csv", bad],
+                              capture_output=True, text=True, env=ENV, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.startswith("ringnet: error: cannot read"), proc.stderr
+        assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.timeout(900)

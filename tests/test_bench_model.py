@@ -225,6 +225,31 @@ def test_auto_runs_the_rounds_the_model_times(n):
         pm.allreduce_time(system, picked, 4 * length, n)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_rooted_pieces_are_the_communicators_cuts(n):
+    # the public rule: the tree cuts from 4 ranks on (inner ranks forward), the master never
+    # unless chunk_bytes asks; the communicator's own buffers and the model use that rule
+    from ringnet.comm import MasterSlaveCommunicator, TreeCommunicator
+    from ringnet.comm.base import pipeline_pieces
+    length = build_model("cifar10_quick").num_params
+    whole = [(0, length)]
+    assert TreeCommunicator.pieces(length, 4, n) == (pipeline_pieces(length, 4) if n >= 4 else whole)
+    assert len(pipeline_pieces(length, 4)) > 1
+    assert MasterSlaveCommunicator.pieces(length, 4, n) == whole
+    assert MasterSlaveCommunicator.pieces(length, 4, n, chunk_bytes=4096)[:2] == [(0, 1024), (1024, 2048)]
+    assert TreeCommunicator.pieces(0, 4, n) == []
+    buf = np.zeros(length, np.float32)
+    for cls in (TreeCommunicator, MasterSlaveCommunicator):
+        comm = cls(_recording_transport(0, n))
+        assert comm._pieces(buf) == cls.pieces(length, 4, n)
+        assert pm._pieces(length, 4, cls.name, n) == cls.pieces(length, 4, n)
+        # the root receives every sender's piece as one message: pieces x senders
+        run = _record(cls.name, 0, n, length)
+        senders = 2 if cls is TreeCommunicator and n > 2 else 1 if cls is TreeCommunicator else n - 1
+        receives = sum(1 for kind, (_, _, src) in run.log if kind == "post" and src is not None)
+        assert receives == len(cls.pieces(length, 4, n)) * senders
+
+
 def test_rooted_receives_are_posted_as_the_model_assumes():
     # concurrent: the root posts its receive from worker 2 before it waits on worker 1's;
     # serial: it waits on each receive before posting the next
@@ -346,6 +371,56 @@ def test_driven_stream_waits_for_layer_boundaries():
     dense = pm.Timeline([], [(0.0, 4.0)], {}, 4.0)
     assert pm._simulate(system, dense, [(0.0, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.0)
     assert pm._simulate(system, dense, [(3.9, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.4)
+
+
+def test_driven_copy_delays_the_compute_and_moves_at_the_calibrated_rate():
+    system = _system()
+    system.cores, system.ranks_here = 1.0, 1
+    layers = pm.Timeline([1.0, 2.0, 3.0, 4.0], [], {}, 4.0)
+    # one message: a 0.1 wait (seen at the boundary at 1), then a 0.3 copy the training
+    # thread makes inside its test: the compute ends 0.3 later (4.3)
+    ops = [(0.0, pm._message(pm.Link("x", 0.1, 1.0), 0.3))]
+    assert ops[0][1] == [("msg", 0.1), ("copy", 0.3)]
+    step, shift = pm._simulate(system, layers, ops, "driven")
+    assert shift == pytest.approx(0.3) and step == pytest.approx(4.3)
+    # at a calibrated rate of 0.25 a message takes 4x as long beside compute: the wait is
+    # seen at 1, the copy (1.2; +0.3 on the compute, boundaries now 1.3, 2.3, ...) at 2.3
+    system.rate = 0.25
+    late = [(0.0, [("msg", 0.1), ("copy", 0.3), ("msg", 0.1)])]
+    # the second wait starts at 2.3 and takes 0.4 beside compute: seen at the boundary 3.3
+    assert pm._simulate(system, layers, late, "driven") == pytest.approx((4.3, 0.3))
+    # a GPU's copy engine moves it: nothing added to the compute
+    assert pm._simulate(system, layers, ops, "gpu") == pytest.approx((4.0, 0.0))
+
+
+def test_ranks_beyond_the_cores_share_them():
+    # 4 ranks busy at once took 2x one alone (waits that sleep): 2 effective cores, each
+    # rank's compute 2x slower at N = 4, none at N = 1, 2
+    raw = {"cores": 2, "solo_s": 0.02, "together_s": 0.04,
+           "blocking": {"4096": 0.004, "1048576": 0.010}, "streamed": {}}
+    record = pm._calibration_record(4, raw, 0.0)
+    assert record["cores"] == pytest.approx(2.0) and record["slowdown"] == pytest.approx(2.0)
+    system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record})
+    assert [system.at(n).contention(n) for n in (1, 2, 4)] == pytest.approx([1.0, 1.0, 2.0])
+    # a record of the older worker (its waits spun: 3.3x) names no cores: this machine's
+    raw.pop("cores")
+    raw["together_s"] = 0.066
+    assert pm._calibration_record(4, raw, 0.0)["cores"] == pm.usable_cores()
+
+
+def test_compute_profile_keeps_one_model_per_batch(monkeypatch):
+    # training never changes its batch, so its layers keep their buffers: the profile times
+    # each batch size on its own model instance (the sizes still alternate pass by pass)
+    seen = []
+
+    def fake(model, x, iters):
+        seen.append((len(x), id(model)))
+        return [(name, 1.0, 1.0) for name, _ in model.layers]
+    monkeypatch.setattr(pm, "layer_times", fake)
+    pm.measure_compute(("lenet",), batches=(2, 4), iters=3)
+    assert [b for b, _ in seen] == [2, 4] * 3
+    models = {b: {m for bb, m in seen if bb == b} for b in (2, 4)}
+    assert len(models[2]) == len(models[4]) == 1 and models[2] != models[4]
 
 
 def test_buckets_start_during_the_backward(monkeypatch):
@@ -608,6 +683,23 @@ def test_a_record_is_predicted_as_the_code_it_measured_ran():
     assert pm.validation_rows(_validation_record([row], driven))[0]["predicted_ms"] != old
     with pm.facts(driven):
         assert pm.code_facts() == driven
+
+
+def test_markdown_tables_have_a_row_per_configuration():
+    from ringnet.bench.tables import parse_markdown
+    rows = [{"model": "lenet", "mode": mode, "delay": d, "np": n, "predicted_ms": 11.0,
+             "measured_ms": 10.0 if n == 1 else 12.5} for mode, d in (("single", 0), ("ring", 1))
+            for n in (1, 2) if mode != "single" or n == 1]
+    header, body = parse_markdown(pm.markdown_validation(rows))
+    assert header == ["model", "mode", "N=1 predicted / measured ms", "N=2"]
+    assert body == [["lenet", "single d0", "11 / 10 (+10%)", "\u2013"],
+                    ["lenet", "ring d1", "11 / 10 (+10%)", "11 / 12.5 (\u221212%)"]]
+    proc = _cli("--compute", "k40", "--np", "4", "--table", "paper", "--markdown")
+    assert proc.returncode == 0, proc.stderr
+    header, body = parse_markdown(proc.stdout)
+    assert header[-1] == "reported (ring d1)" and [r[-1] for r in body] == ["3.77", "3.79"]
+    proc = _cli("--compute", "k40", "--table", "validation", "--markdown")
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("ringnet: error: --table validation")
 
 
 def test_code_facts_are_the_code_s():

@@ -15,6 +15,7 @@ from ringnet.models import build_model
 from ringnet.optim import SGD, LRPolicy, heavy_ball_bound, lookahead_bound, lookahead_k
 from ringnet.parallel import COMPENSATIONS
 from ringnet.parallel.base import DataParallelStrategy
+from ringnet.parallel.exchange import Lookahead
 
 LR, MU, WD = 0.05, 0.9, 5e-4
 # the lookahead default at momentum 0.9, written here on purpose:
@@ -32,22 +33,25 @@ def _optimizer(n):
 
 
 def _engine_run(compensation, steps):
+    if isinstance(compensation, str):
+        compensation = COMPENSATIONS[compensation]
     strategy = DataParallelStrategy(build_model("digits", dtype="float64", seed=1), _optimizer,
-                                    None, delay=1, lookahead=COMPENSATIONS[compensation])
+                                    None, delay=1, lookahead=compensation)
     losses = [float(strategy.step(x, y, it)[0]) for it, (x, y) in enumerate(_batches(steps))]
     return np.array(strategy.eval_model().params), losses
 
 
-def _written_out(steps, k, c):
+def _written_out(steps, k, c, warmup=0):
+    """The recurrence; the first ``warmup`` steps synchronous with momentum MU and lr LR."""
     model = build_model("digits", dtype="float64", seed=1)
-    mu, lr = 1 - (1 - MU) / k, LR / k
     w = model.params.copy()
     w1 = w2 = w.copy()           # w[t-1], w[t-2]
     v = np.zeros_like(w)
     losses = []
     for t, (x, y) in enumerate(_batches(steps)):
-        model.params[...] = w if t == 0 else w1 + c * (w1 - w2)
+        model.params[...] = w if t <= warmup else w1 + c * (w1 - w2)
         losses.append(float(model.loss_and_grad(x, y)[0]))
+        mu, lr = (MU, LR) if t < warmup else (1 - (1 - MU) / k, LR / k)
         v = mu * v + lr * (model.grads + WD * w)
         w2, w1, w = w1, w, w - v
     return w, losses
@@ -63,6 +67,19 @@ def test_engine_follows_the_written_out_recurrence(compensation, k, c):
     reference, ref_losses = _written_out(6, k, c)
     assert _rel(params, reference) <= 1e-12
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-12)
+
+
+@pytest.mark.parametrize("warmup", [1, 3, 8])
+def test_engine_with_warmup_follows_the_written_out_recurrence(warmup):
+    """Synchronous steps t < W (momentum and lr as given, gradient at w[t]), then the
+    compensated recurrence from the momentum buffer as the warm-up left it."""
+    params, losses = _engine_run(Lookahead(warmup=warmup), steps=6)
+    reference, ref_losses = _written_out(6, K, C, warmup)
+    assert _rel(params, reference) <= 1e-12
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-12)
+    if warmup < 6:      # the switch is really made: not the synchronous run throughout
+        assert _rel(params, _written_out(6, 1.0, 0.0, 6)[0]) > 1e-6
+        assert _rel(params, _written_out(6, K, C, warmup - 1)[0]) > 1e-6
 
 
 def test_the_compensation_changes_the_trajectory():
@@ -85,7 +102,7 @@ def test_default_compensation_and_its_checks():
         TrainConfig(mode="ring", delay_compensation="dc").resolved(2)
 
 
-def _grows(a, mu, k=None, c=0.0, steps=8000):
+def _grows(a, mu, k=None, c=0.0, steps=8000, warmup=0):
     """Iterate the recurrence on f(w) = w^2 / 2 at lr*h = a; True if |w| does not shrink.
 
     ``k=None``: heavy-ball SGD; else the delay-1 recurrence with momentum ``1 - (1 - mu)/k``,
@@ -96,7 +113,7 @@ def _grows(a, mu, k=None, c=0.0, steps=8000):
     v = 0.0
     peaks = [0.0] * 4
     for t in range(steps):
-        if k is None:
+        if k is None or t < warmup:
             v = mu * v + a * w
         else:
             point = w if t == 0 else w1 + c * (w1 - w2)
@@ -106,7 +123,7 @@ def _grows(a, mu, k=None, c=0.0, steps=8000):
             return True
         q = 4 * t // steps
         peaks[q] = max(peaks[q], abs(w))
-    return peaks[3] >= peaks[1]
+    return peaks[3] > 0 and peaks[3] >= peaks[1]     # all zero: converged exactly
 
 
 @pytest.mark.parametrize("mu", [0.0, 0.5, 0.9, 0.99])
@@ -133,6 +150,17 @@ def test_default_k_is_stable_wherever_heavy_ball_is(mu):
     assert _grows(0.99 * single, mu, 0.9 * k, C)
     # the earlier fixed k = 5 does not reach it (momentum 0.9: diverges at 40 % of it)
     assert _grows(0.97 * single, mu, 5.0, C)
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.5, 0.9])
+def test_a_synchronous_warmup_keeps_the_stable_range(mu):
+    """W heavy-ball steps, then the compensated recurrence from the momentum they left:
+    stable wherever heavy ball is (each phase is; one switch adds a finite transient)."""
+    k, single = lookahead_k(mu, C), heavy_ball_bound(mu)
+    for warmup in (1, 30, 300):
+        for frac in (0.02, 0.5, 0.97):
+            assert not _grows(frac * single, mu, k, C, warmup=warmup), (mu, warmup, frac)
+        assert _grows(1.05 * single, mu, k, C, warmup=warmup)
 
 
 def test_default_k_at_momentum_0_9():

@@ -322,8 +322,6 @@ NOT_GENERATED = {
     ("model", "batch per GPU", "ring d1", "ring d0", "tree", "master", "split-fc",
      "reported (ring d1)"): "bench model --paper-compute k40 --paper-profile pcie3",
     ("model", "mode", "N=1 predicted / measured ms", "N=2", "N=4"): "bench model --validate",
-    ("", "seed 1", "seed 2", "seed 3", "mean"): "bench delay --seeds 1 2 3",
-    ("model (epochs)", "lr", "momentum 0", "0.5", "0.9"): "bench delay --lr ... --momentum ...",
 }
 
 
@@ -333,8 +331,8 @@ def _shape(cell):
     return re.sub(r"-?\d[\d,]*(\.\d+)?", "9", cell)     # a noisy difference may be negative
 
 
-def _readme_table_of(command):
-    return _readme_tables_of(command)[0][1:]
+def _readme_table_of(command, text=None):
+    return _readme_tables_of(command, text)[0][1:]
 
 
 def _readme_tables_of(command, text=None):
@@ -384,6 +382,10 @@ def _table_output(command, tmp_path):
         return run(command + " --np 2 --steps 25 --repeats 1").stdout
     argv = args[args.index("ringnet.bench") + 2:]
     with pytest.MonkeyPatch.context() as mp:
+        if bench == "model":            # stated GPU profiles and a saved record: quick as written
+            from ringnet.bench import model
+            mp.chdir(ROOT)
+            return _main_output(model.main, argv)
         if bench == "scaling":
             from ringnet.bench import scaling
             mp.setattr(scaling, "run_config", lambda a, mode, delay, n, **kw: _fake_summary(mode, delay, n))
@@ -395,6 +397,81 @@ def _table_output(command, tmp_path):
                 case, case.code, 12.5, 30.0, [], ""))
             return _main_output(faults.main, argv + ["--timeout", "8"])
     raise AssertionError(f"no way to produce the table of {command}")
+
+
+def _delay_outputs(command):
+    """What ``bench delay ... --markdown`` prints when every run ends ok, diverged, or without
+    learning (its own code and formatting; the runs are stood in for): [(header, rows)]."""
+    from ringnet.bench import delay
+    from ringnet.bench.tables import parse_markdown
+    args = shlex.split(command)
+    argv = args[args.index("ringnet.bench") + 2:]
+    outputs = []
+    for status in ("ok", "div@12", "dead"):
+        def fake(model, dataset, variant, lr, momentum, epochs, seed, *a, status=status, **kw):
+            ok = status == "ok"
+            return {"variant": variant, "lr": lr, "momentum": momentum, "seed": seed,
+                    "status": status, "test_accuracy": 0.9 if ok else float("nan"),
+                    "train_loss": 0.5 if ok else float("nan")}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(delay, "run", fake)
+            outputs.append(parse_markdown(_main_output(delay.main, argv)))
+    return outputs
+
+
+def readme_delay_table(command, tmp_path, text=None):
+    """The README table under a ``bench delay ... --markdown`` command has the columns and the
+    row labels it prints, and every cell (each part of a " / " cell) a form it prints for a
+    run that ended ok, diverged or did not learn."""
+    header, rows = _readme_table_of(command, text)
+    outputs = _delay_outputs(command)
+    for out_header, out_rows in outputs:
+        assert header == out_header, (header, out_header)
+        assert [r[0] for r in rows] == [r[0] for r in out_rows], (rows, out_rows)
+    for i, row in enumerate(rows):
+        for j, cell in enumerate(row[1:], 1):
+            forms = {_shape(part) for _, out_rows in outputs for part in out_rows[i][j].split(" / ")}
+            for part in cell.split(" / "):
+                assert _shape(part) in forms, (row, part, forms)
+            assert len(cell.split(" / ")) == len(outputs[0][1][i][j].split(" / ")), (row, cell)
+
+
+def readme_curves_table(command, tmp_path):
+    """The README table under ``bench curves --from-csv F --markdown`` is exactly what that
+    command prints from the CSV kept in the repository (no training: it runs here as written)."""
+    from ringnet.bench.tables import parse_markdown
+    assert parse_markdown(run(command).stdout) == _readme_table_of(command)
+
+
+def curves_replot(command, tmp_path):
+    """``bench curves --from-csv F --plot P`` redraws the README figure from the kept CSV
+    (drawn into a temporary file here, the figure in docs/ stays)."""
+    pytest.importorskip("matplotlib")
+    args = shlex.split(command)
+    out = tmp_path / "curves.png"
+    args[args.index("--plot") + 1] = str(out)
+    run(shlex.join(args))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_delay_table_check_fails_on_a_changed_cell():
+    """The bench delay table check can fail: a cell in another form, a missing part, a
+    changed row label."""
+    command = ("python -m ringnet.bench delay --model digits --dataset digits --epochs 1 "
+               "--lr 0.01 0.1 --momentum 0.9 --variants single,none --markdown")
+    good = ["| lr: single / `none` | momentum 0.9 |", "|---|---|",
+            "| 0.01 | 97.8 / 96.9 |", "| 0.1 | 98.3 / – |"]
+    tables = {"good": good, "form": good[:3] + ["| 0.1 | 98.3 / diverged |"],
+              "parts": good[:3] + ["| 0.1 | 98.3 |"], "label": good[:3] + ["| 0.3 | 98.3 / – |"]}
+    outcomes = {}
+    for name, lines in tables.items():
+        text = f"`{command}`\n\n" + "\n".join(lines) + "\n"
+        try:
+            readme_delay_table(command, None, text)
+            outcomes[name] = "passed"
+        except AssertionError:
+            outcomes[name] = "failed"
+    assert outcomes == {"good": "passed", "form": "failed", "parts": "failed", "label": "failed"}
 
 
 def readme_table(command, tmp_path, text=None):
@@ -427,7 +504,8 @@ def test_every_readme_table_is_printed_by_the_command_above_it():
             continue            # printed by the command above the table before it
         assert found, (f"README table {header} has no `python -m ringnet.bench ... --markdown` "
                        "command in the line just above it (or belongs in STATIC)")
-        assert COMMANDS.get(found.group(1)) is readme_table, found.group(1)
+        assert COMMANDS.get(found.group(1)) in (readme_table, readme_delay_table,
+                                                readme_curves_table), found.group(1)
         generated = True
     assert seen == set(STATIC) | set(NOT_GENERATED), "stale STATIC / NOT_GENERATED entries"
 
@@ -467,8 +545,6 @@ SUITE = "runs the test suite; CI runs it (bash .ci/run)"
 CLUSTER = "trace and plot commands; run by their own tests (tests/test_trace*.py, plot tests)"
 FASHION = ("needs Fashion-MNIST (Debian's dataset-fashion-mnist), which CI does not install; "
            "the bench commands have their own tests on small data")
-SWEEP = ("36 training runs; tests/test_bench_accuracy.py runs its LeNet points at lr 0.01 and "
-         "0.03, momentum 0.9")
 COMMANDS = {
     # README.md
     'pip install -e ".[mpich]" && mpirun -np 4 python -m ringnet.train': quick_start,
@@ -503,6 +579,13 @@ COMMANDS = {
     "python -m ringnet.bench layers --vs torch --markdown": readme_table,
     "mpirun -np 4 python -m ringnet.bench comm --markdown": readme_table,
     "python -m ringnet.bench faults --markdown": readme_table,
+    "python -m ringnet.bench model --compute h100 --profile nvlink4/ib-hdr --np 1 8 64 1024 "
+    "--table predictions --markdown": readme_table,
+    "python -m ringnet.bench model --compute k40 --np 4 --table paper --markdown": readme_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation.json --table validation --markdown": readme_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-quiet.json --table validation --markdown": readme_table,
     "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
     "--to-accuracy 0.84 --epochs 1 --eval-every 117 --repeats 1 --markdown": readme_table,
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset synthetic --mode split-fc --steps 3 --json":
@@ -532,14 +615,25 @@ COMMANDS = {
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2": FASHION,
     "python -m ringnet.bench delay --model digits --dataset digits --epochs 20 --seeds 1 2 3":
         "nine 440-step runs; tests/test_bench_accuracy.py runs bench delay on LeNet",
+    "python -m ringnet.bench delay --model digits --dataset digits --epochs 20 --seeds 1 2 3 "
+    "--variants lookahead/warm=30": "three 440-step runs; tests/test_delay_compensation.py "
+        "checks the warm-up against the recurrence written out",
     "python -m ringnet.bench delay --model digits --dataset digits --epochs 10 --lr 0.01 0.03 0.1 "
-    "0.3 --momentum 0 0.5 0.9 --variants single,none,lookahead": SWEEP,
+    "0.3 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5,lookahead --markdown":
+        readme_delay_table,
     "python -m ringnet.bench delay --model lenet --dataset synthetic --epochs 2 --lr 0.003 0.01 "
-    "0.03 0.1 --momentum 0 0.5 0.9 --variants single,none,lookahead": SWEEP,
+    "0.03 0.1 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5,lookahead --markdown":
+        readme_delay_table,
+    "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3 "
+    "--variants single,none,lookahead/k=5,lookahead --markdown": readme_delay_table,
     "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8":
         "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
-    "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 1 --np 2 "
-    "--eval-every 234": FASHION,
+    "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2 "
+    "--eval-every 937": FASHION,
+    "python -m ringnet.bench curves --from-csv docs/curves-lenet-fashion-mnist.csv --markdown":
+        readme_curves_table,
+    "python -m ringnet.bench curves --from-csv docs/curves-lenet-fashion-mnist.csv --plot "
+    "docs/curves-lenet-fashion-mnist.png": curves_replot,
     # datasets/README.md
     "python datasets/make_digits.py": "tests/test_data.py::test_digits_equal_sklearn",
     "python -m ringnet.datasets convert mnist SRC_DIR --out F.h5":

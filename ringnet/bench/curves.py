@@ -7,6 +7,12 @@ evaluation to a CSV (mode, delay, N, step, epoch, train seconds with evaluations
 excluded, test accuracy) and, with matplotlib, a plot of test accuracy against epoch
 and against wall time. A run that fails (a diverged delay-1 run stops with a NaN loss)
 is listed as failed and left out of the CSV and the plot; the others go on.
+
+``--from-csv`` reads CSVs this benchmark wrote instead of training (several are joined:
+runs made by separate invocations), and writes the plot (``--plot``), a joined CSV
+(``--csv``) and the summary from them. ``--markdown`` prints the summary as the README's
+table: per run the test accuracy after the first, second, middle and last evaluated
+epoch, the best (and its epoch) and the training seconds of the last evaluation.
 """
 import argparse
 import csv
@@ -17,7 +23,7 @@ import sys
 from ringnet.bench.scaling import run_config
 from ringnet.errors import USER_ERRORS, ArgumentParser, UsageError
 
-__all__ = ["main", "parse_runs", "DEFAULT_RUNS"]
+__all__ = ["main", "parse_runs", "read_csv", "summary_table", "DEFAULT_RUNS"]
 
 DEFAULT_RUNS = "single,ring:0,ring:1,ring:1:none,tree,master,split-fc"
 FIELDS = ["label", "mode", "delay", "np", "step", "epoch", "train_s", "test_accuracy"]
@@ -75,9 +81,60 @@ def _parser():
                    help="launcher (default $MPIRUN or mpirun)")
     p.add_argument("--timeout", type=float, default=7200,
                    help="seconds per run before it is killed (default 7200)")
-    p.add_argument("--csv", default="curves.csv", help="output CSV (default curves.csv)")
-    p.add_argument("--plot", default="curves.png", help="output PNG (default curves.png; '' for none)")
+    p.add_argument("--csv", default=None,
+                   help="output CSV (default curves.csv; with --from-csv none)")
+    p.add_argument("--plot", default=None,
+                   help="output PNG (default curves.png, '' for none; with --from-csv none)")
+    p.add_argument("--from-csv", nargs="+", default=None, metavar="CSV",
+                   help="summarise (and plot, join) these CSVs of earlier runs instead of training")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the summary as a Markdown table (the README's)")
     return p
+
+
+def read_csv(paths):
+    """Return the rows of CSVs this benchmark wrote, joined (in file order), typed."""
+    rows = []
+    for path in paths:
+        try:
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                if reader.fieldnames != FIELDS:
+                    raise UsageError(f"cannot read {path}: columns {reader.fieldnames}, "
+                                     f"expected {','.join(FIELDS)}")
+                for r in reader:
+                    rows.append({"label": r["label"], "mode": r["mode"], "delay": int(r["delay"]),
+                                 "np": int(r["np"]), "step": int(r["step"]),
+                                 "epoch": float(r["epoch"]), "train_s": float(r["train_s"]),
+                                 "test_accuracy": float(r["test_accuracy"])})
+        except OSError as exc:
+            raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+        except (KeyError, ValueError, TypeError) as exc:
+            raise UsageError(f"cannot read {path}: bad value ({exc})") from None
+    if not rows:
+        raise UsageError(f"no evaluations in {' '.join(paths)}")
+    return rows
+
+
+def summary_table(rows):
+    """Return the ``--markdown`` summary: a row per run, accuracy after chosen epochs."""
+    from ringnet.bench.tables import markdown
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    epochs = sorted({r["epoch"] for r in rows})
+    last = epochs[-1]
+    middle = min(epochs, key=lambda e: (abs(e - last / 2), e))
+    shown = list(dict.fromkeys(e for e in (epochs[0], epochs[min(1, len(epochs) - 1)], middle, last)))
+    header = ["run"] + [f"epoch {e:g}" for e in shown] + ["best (epoch)", "training s"]
+    out = []
+    for label in labels:
+        mine = {r["epoch"]: r for r in rows if r["label"] == label}
+        best = max(mine.values(), key=lambda r: (r["test_accuracy"], -r["epoch"]))
+        final = mine[max(mine)]
+        out.append([label] + [f"{100 * mine[e]['test_accuracy']:.2f}%" if e in mine else "–"
+                              for e in shown]
+                   + [f"{100 * best['test_accuracy']:.2f}% ({best['epoch']:g})",
+                      f"{final['train_s']:.0f}"])
+    return markdown(header, out)
 
 
 def plot(rows, path, title):
@@ -119,19 +176,55 @@ def _write_csv(path, rows):
     os.replace(tmp, path)
 
 
+def _title(args):
+    return (f"{args.model} on {args.dataset}, global batch {args.batch_size}, "
+            f"N = {args.np} (single: 1), seed {args.seed}")
+
+
+def _report(rows, failed, args):
+    if args.markdown:
+        print(summary_table(rows))
+    else:
+        print(f"{'run':>18} {'final acc':>10} {'best acc':>9} {'train s':>9}")
+        for label in dict.fromkeys(r["label"] for r in rows):
+            mine = [r for r in rows if r["label"] == label]
+            print(f"{label:>18} {mine[-1]['test_accuracy']:>10.2%} "
+                  f"{max(r['test_accuracy'] for r in mine):>9.2%} {mine[-1]['train_s']:>9.1f}")
+    for label, reason in failed.items():
+        print(f"{label:>18} failed: {reason}")
+    written = [p for p in (args.csv, args.plot) if p]
+    if written:
+        print("wrote " + " and ".join(written))
+
+
+def _check_plot(path):
+    if path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install matplotlib (or --plot '')") from None
+
+
 def main(argv=None):
     args = _parser().parse_args(argv)
+    if args.from_csv:
+        _check_plot(args.plot)
+        rows = read_csv(args.from_csv)
+        if args.csv:
+            _write_csv(args.csv, rows)
+        if args.plot:
+            plot(rows, args.plot, _title(args))
+        _report(rows, {}, args)
+        return 0
+    args.csv = "curves.csv" if args.csv is None else args.csv
+    args.plot = "curves.png" if args.plot is None else args.plot
     if shutil.which(args.mpirun) is None:
         raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
     if args.epochs < 1 or args.np < 1 or (args.eval_every is not None and args.eval_every < 1):
         raise UsageError("--epochs, --np and --eval-every must be >= 1")
     if args.batch_size % args.np:
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by --np {args.np}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install matplotlib (or --plot '')") from None
+    _check_plot(args.plot)
     runs = parse_runs(args.runs, args.np)
     args.steps = None           # run_config's default length; every run here sets --epochs
     if args.eval_every is None:
@@ -166,14 +259,6 @@ def main(argv=None):
     if not rows:
         raise UsageError("every run failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
     if args.plot:
-        plot(rows, args.plot, f"{args.model} on {args.dataset}, global batch {args.batch_size}, "
-                              f"N = {args.np} (single: 1), seed {args.seed}")
-    print(f"{'run':>18} {'final acc':>10} {'best acc':>9} {'train s':>9}")
-    for label in dict.fromkeys(r["label"] for r in rows):
-        mine = [r for r in rows if r["label"] == label]
-        print(f"{label:>18} {mine[-1]['test_accuracy']:>10.2%} "
-              f"{max(r['test_accuracy'] for r in mine):>9.2%} {mine[-1]['train_s']:>9.1f}")
-    for label, reason in failed.items():
-        print(f"{label:>18} failed: {reason}")
-    print(f"wrote {args.csv}" + (f" and {args.plot}" if args.plot else ""))
+        plot(rows, args.plot, _title(args))
+    _report(rows, failed, args)
     return 0

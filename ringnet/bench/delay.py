@@ -6,9 +6,11 @@ same model, data, seed and batches with
 
 * ``single``     synchronous SGD (delay 0), the reference;
 * ``none``       the plain delay-1 recurrence, g_t = G_t(w[t-1]);
-* ``lookahead``  the default compensation (``ringnet.parallel.exchange.Lookahead``);
+* ``lookahead``  the default compensation (``ringnet.parallel.exchange.Lookahead``),
+  with its fields changed by ``/warm=W`` (W synchronous steps first), ``/k=K``, ``/c=C``
+  (``lookahead/k=5`` is the earlier fixed k);
 
-these three through ringnet's own delayed-exchange engine, and, for comparison, any
+these through ringnet's own delayed-exchange engine, and, for comparison, any
 of these variants of the recurrence written out here (joined with '+'):
 
 * ``dc:L``     DC-ASGD (Zheng et al. 2017): g + L * g*g*(w[t] - w[t-1]);
@@ -19,7 +21,12 @@ of these variants of the recurrence written out here (joined with '+'):
 
 It prints test accuracy per (variant, lr, momentum), mean over seeds, or ``div@S``
 when the loss became NaN/inf at step S; a run whose final test accuracy is under twice
-chance counts as failed too (``dead``).
+chance counts as failed too (``dead``). ``--metric loss`` reports the mean training loss
+of the last quarter of the steps instead (no test evaluation; for runs too short to
+learn the test set, where only stability can be read): a run fails when that is not
+below its first step's loss. ``--markdown`` prints the README's table: for one lr and
+momentum a row per variant and a column per seed; for a sweep a row per lr and a column
+per momentum, each cell the variants' means joined by " / " ("–" where any seed failed).
 
 ``--speed`` instead times ``mpirun -np N python -m ringnet.train --mode ring --delay 1``
 with ``--delay-compensation none`` and ``lookahead``, interleaved (one launch per round
@@ -33,6 +40,7 @@ a share of each N's step. The timing runs use lr 0.001, where neither recurrence
 diverges.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -45,14 +53,51 @@ import numpy as np
 
 from ringnet.data import ShardedLoader, iterate_eval, open_dataset
 from ringnet.data.datasets import Split
+from ringnet.bench.tables import markdown
 from ringnet.errors import ArgumentParser, UsageError
 from ringnet.models import MODELS, build_model
 from ringnet.optim import SGD, LRPolicy
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "seeds_table", "sweep_table", "engine_variant"]
 
 ENGINE = ("single", "none", "lookahead")
 _KEYS = {"dc", "dca", "mom", "lrs", "warm", "pred"}
+
+
+def engine_variant(text):
+    """Return the Lookahead of an engine variant (``lookahead/warm=W/k=K/c=C``), None for
+    single, or raise UsageError; None is returned for written-out variants too (check
+    :func:`is_engine` first)."""
+    from ringnet.parallel import COMPENSATIONS
+    from ringnet.parallel.exchange import Lookahead
+    name, *options = text.split("/")
+    if name == "single" and not options:
+        return None
+    if name not in COMPENSATIONS or (options and name != "lookahead"):
+        raise UsageError(f"bad variant {text!r}: use single, none, lookahead[/warm=W][/k=K][/c=C] "
+                         f"or {'|'.join(sorted(_KEYS))}:VALUE joined with '+'")
+    base = COMPENSATIONS[name]
+    fields = {"warm": "warmup", "k": "k", "c": "c"}
+    changes = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in fields:
+            raise UsageError(f"bad variant {text!r}: options are warm=W, k=K, c=C")
+        try:
+            number = float(value)
+        except ValueError:
+            raise UsageError(f"bad variant {text!r}: {value!r} is not a number") from None
+        if not (math.isfinite(number) and number >= 0) or (key == "warm" and number != int(number)) \
+                or (key == "k" and number == 0):
+            raise UsageError(f"bad variant {text!r}: {key} must be a number "
+                             + {"warm": ">= 0 (whole)", "k": "> 0", "c": ">= 0"}[key])
+        changes[fields[key]] = int(number) if key == "warm" else number
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+def is_engine(text):
+    """Whether ``text`` names a run through ringnet's own engine (single, none, lookahead...)."""
+    return text.split("/")[0] in ENGINE
 
 
 def parse_variant(text):
@@ -118,7 +163,6 @@ class _Engine:
     """single / none / lookahead through ringnet's delayed-exchange engine (one process)."""
 
     def __init__(self, model, name, lr, momentum, weight_decay, dtype):
-        from ringnet.parallel import COMPENSATIONS
         from ringnet.parallel.base import DataParallelStrategy
 
         def make_optimizer(n):
@@ -126,7 +170,7 @@ class _Engine:
                        dtype=dtype)
         delay = 0 if name == "single" else 1
         self.strategy = DataParallelStrategy(model, make_optimizer, None, delay=delay,
-                                             lookahead=COMPENSATIONS.get(name))
+                                             lookahead=engine_variant(name))
 
     def step(self, x, y, it):
         return self.strategy.step(x, y, it)[0]
@@ -136,8 +180,9 @@ class _Engine:
 
 
 def run(model_name, dataset, variant, lr, momentum, epochs, seed, batch_size=64,
-        weight_decay=5e-4, subset=None, data_dir=None, dtype="float32"):
-    """Train one variant; return a dict with the test accuracy and status."""
+        weight_decay=5e-4, subset=None, data_dir=None, dtype="float32", metric="accuracy"):
+    """Train one variant; return a dict with the test accuracy (``metric="loss"``: the mean
+    training loss of the last quarter of the steps, no test evaluation) and status."""
     spec = MODELS[model_name]
     ds = open_dataset(dataset, seed=seed, data_dir=data_dir, input_shape=spec.input_shape,
                       num_classes=spec.num_classes)
@@ -146,28 +191,34 @@ def run(model_name, dataset, variant, lr, momentum, epochs, seed, batch_size=64,
         if subset:
             train = Split(np.asarray(train.images[:subset]), train.labels[:subset])
         model = build_model(model_name, dtype=dtype, seed=seed)
-        runner = (_Engine if variant in ENGINE else _WrittenOut)(
-            model, variant if variant in ENGINE else parse_variant(variant), lr, momentum,
+        engine = is_engine(variant)
+        runner = (_Engine if engine else _WrittenOut)(
+            model, variant if engine else parse_variant(variant), lr, momentum,
             weight_decay, dtype)
         loader = ShardedLoader(train, batch_size, seed=seed, dtype=dtype, mean=ds.mean,
                                std=ds.std, prefetch=0)
         total = int(round(epochs * loader.steps_per_epoch))
-        status, it, t0 = "ok", 0, time.perf_counter()
+        status, it, t0, losses = "ok", 0, time.perf_counter(), []
         while it < total and status == "ok":
             batches = loader.epoch(it // loader.steps_per_epoch)
             for x, y in batches:
-                if not math.isfinite(float(runner.step(x, y, it))):
+                losses.append(float(runner.step(x, y, it)))
+                if not math.isfinite(losses[-1]):
                     status = f"div@{it}"
                     break
                 it += 1
                 if it >= total:
                     break
             batches.close()
-        acc = float("nan")
+        acc = late_loss = float("nan")
         if status == "ok":
             model = runner.eval_model()
+            late_loss = statistics.mean(losses[-max(1, len(losses) // 4):])
             if not np.all(np.isfinite(np.asarray(model.params))):
                 status = f"div@{it}"
+            elif metric == "loss":
+                if not late_loss < losses[0]:
+                    status = "dead"         # no descent: the loss ended above where it began
             else:
                 acc = _accuracy(model, ds, dtype)
                 if acc < 2.0 / spec.num_classes:
@@ -175,6 +226,7 @@ def run(model_name, dataset, variant, lr, momentum, epochs, seed, batch_size=64,
         return {"model": model_name, "dataset": dataset, "variant": variant, "lr": lr,
                 "momentum": momentum, "seed": seed, "epochs": epochs, "steps": total,
                 "subset": subset, "status": status, "test_accuracy": acc,
+                "first_loss": losses[0] if losses else float("nan"), "train_loss": late_loss,
                 "seconds": round(time.perf_counter() - t0, 1)}
     finally:
         ds.close()
@@ -266,7 +318,16 @@ def _parser():
     p.add_argument("--subset", type=int, default=None, help="train on the first N images only")
     p.add_argument("--data-dir", default=None,
                    help="folder holding <name>.h5 data sets (default: train's)")
-    p.add_argument("--json", action="store_true", help="one JSON line per run instead of the table")
+    p.add_argument("--metric", choices=("accuracy", "loss"), default="accuracy",
+                   help="accuracy: test accuracy at the end (default); loss: the mean training "
+                        "loss of the last quarter of the steps, no test evaluation (a run "
+                        "whose loss ends above its first step's fails)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON line per run as it ends, instead of the table (with --markdown: before it)")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the result as the README's Markdown table: one lr and momentum: "
+                        "a row per variant and a column per seed; several: a row per lr, a "
+                        "column per momentum, the variants' means in each cell")
     p.add_argument("--speed", action="store_true",
                    help="time the delay-1 step with none and lookahead, interleaved, and print the ratio")
     p.add_argument("--steps", type=int, default=20, help="--speed: steps per round (default 20)")
@@ -305,7 +366,9 @@ def main(argv=None):
         return 0
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
-        if v not in ENGINE:
+        if is_engine(v):
+            engine_variant(v)
+        else:
             parse_variant(v)
     rows = {}
     for lr in args.lr:
@@ -313,25 +376,90 @@ def main(argv=None):
             for v in variants:
                 for seed in args.seeds:
                     r = run(args.model, args.dataset, v, lr, mu, args.epochs, seed,
-                            args.batch_size, args.weight_decay, args.subset, args.data_dir)
+                            args.batch_size, args.weight_decay, args.subset, args.data_dir,
+                            metric=args.metric)
                     rows.setdefault((v, lr, mu), []).append(r)
                     if args.json:
                         print(json.dumps(r), flush=True)
                     else:
                         print(f"\r{v} lr {lr} momentum {mu} seed {seed}: {r['status']} "
                               f"{r['test_accuracy']:.4f}      ", end="", file=sys.stderr, flush=True)
-    if args.json:
+    if args.json and not args.markdown:
         return 0
     print(file=sys.stderr)
     print(f"# model {args.model}, data {args.dataset}"
           f"{f' (first {args.subset} training images)' if args.subset else ''}, "
           f"{args.epochs:g} epochs, global batch {args.batch_size}, weight decay "
           f"{args.weight_decay:g}, seeds {' '.join(map(str, args.seeds))}; one process")
-    print(f"{'variant':>28} {'lr':>7} {'momentum':>8} {'test acc (mean)':>16}  per seed")
+    if args.markdown:
+        sweep = len(args.lr) > 1 or len(args.momentum) > 1
+        print((sweep_table if sweep else seeds_table)(rows, args.metric))
+        return 0
+    what = "test acc (mean)" if args.metric == "accuracy" else "late loss (mean)"
+    print(f"{'variant':>28} {'lr':>7} {'momentum':>8} {what:>16}  per seed")
     for (v, lr, mu), results in rows.items():
-        ok = [r["test_accuracy"] for r in results if r["status"] == "ok"]
-        mean = f"{100 * statistics.mean(ok):.2f}%" if len(ok) == len(results) else "failed"
-        each = " ".join(f"{100 * r['test_accuracy']:.2f}" if r["status"] == "ok" else r["status"]
+        mean = _mean(results, args.metric)
+        mean = "failed" if mean is None else (f"{100 * mean:.2f}%" if args.metric == "accuracy"
+                                              else f"{mean:.4f}")
+        each = " ".join((f"{100 * r['test_accuracy']:.2f}" if args.metric == "accuracy"
+                         else f"{r['train_loss']:.4f}") if r["status"] == "ok" else r["status"]
                         for r in results)
         print(f"{v:>28} {lr:>7g} {mu:>8g} {mean:>16}  {each}")
     return 0
+
+
+def _mean(results, metric):
+    """Mean of the metric over seeds, or None if any seed failed."""
+    key = "test_accuracy" if metric == "accuracy" else "train_loss"
+    if any(r["status"] != "ok" for r in results):
+        return None
+    return statistics.mean(r[key] for r in results)
+
+
+def _label(variant):
+    return variant if variant == "single" else f"`{variant}`"
+
+
+def _failure(status, metric):
+    if status.startswith("div@"):
+        return f"diverged at step {status[4:]}"
+    return "chance accuracy" if metric == "accuracy" else "no descent"
+
+
+def seeds_table(rows, metric="accuracy"):
+    """The ``--markdown`` table of one (lr, momentum): a row per variant, a column per seed
+    and the mean ("–" where a seed failed)."""
+    seeds = [r["seed"] for r in next(iter(rows.values()))]
+    header = ["variant"] + [f"seed {s}" for s in seeds] + ["mean"]
+    out = []
+    for (v, _, _), results in rows.items():
+        cells = [(f"{100 * r['test_accuracy']:.2f}%" if metric == "accuracy"
+                  else f"{r['train_loss']:.3f}") if r["status"] == "ok"
+                 else _failure(r["status"], metric) for r in results]
+        mean = _mean(results, metric)
+        cells.append("–" if mean is None else
+                     (f"{100 * mean:.2f}%" if metric == "accuracy" else f"{mean:.3f}"))
+        out.append([_label(v)] + cells)
+    return markdown(header, out)
+
+
+def sweep_table(rows, metric="accuracy"):
+    """The ``--markdown`` table of an lr x momentum sweep: a row per lr, a column per
+    momentum, each cell the variants' means (test accuracy in %, or the late training
+    loss) in the order of the first column's title; "–" where a seed diverged or failed."""
+    variants = list(dict.fromkeys(v for v, _, _ in rows))
+    lrs = list(dict.fromkeys(lr for _, lr, _ in rows))
+    mus = list(dict.fromkeys(mu for _, _, mu in rows))
+    header = ["lr: " + " / ".join(_label(v) for v in variants)] + [f"momentum {m:g}" for m in mus]
+    out = []
+    for lr in lrs:
+        row = [f"{lr:g}"]
+        for mu in mus:
+            parts = []
+            for v in variants:
+                mean = _mean(rows[(v, lr, mu)], metric)
+                parts.append("–" if mean is None else
+                             (f"{100 * mean:.1f}" if metric == "accuracy" else f"{mean:.3g}"))
+            row.append(" / ".join(parts))
+        out.append(row)
+    return markdown(header, out)

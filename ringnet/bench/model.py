@@ -44,8 +44,12 @@ progress a transfer is noticed at the next layer boundary (the training thread t
 it there), and with a polling thread the exchange moves at a measured fraction ρ of its
 blocking speed and steals a measured fraction κ of the core. Where the code has a choice
 (progress mode, bucket size, concurrent rooted receives) the model reads it from the
-code (``code_facts``). Ranks beyond the free cores slow compute by the measured factor
-``s(N) = max(1, N / cores_eff)``.
+code (``code_facts``). Ranks beyond the cores share them: compute takes
+``s(N) = max(1, N / cores)`` times as long (``cores``: measured with every rank busy, waits
+that sleep; on a quiet machine the job's CPU affinity). On the CPU
+a message is a wait (latency α) and a copy (bytes / β) that the rank's own core makes
+inside an MPI call: with driven progress that call is the training thread's test at a
+layer boundary, so the copy delays the compute (on a GPU the copy engine moves it).
 """
 import argparse
 import contextlib
@@ -57,7 +61,6 @@ import shutil
 import statistics
 import sys
 import time
-import types
 
 from ringnet.bench.layers import layer_times  # first: pins BLAS threads before NumPy loads
 
@@ -113,24 +116,21 @@ class Link:
 # it is the hardware latency named there plus SOFTWARE_ALPHA_S, the per-message cost of
 # ringnet's Python-level isendrecv + wait (stated, not measured; ``local`` measures its own).
 SOFTWARE_ALPHA_S = 15e-6
-LINKS = {
-    "pcie3": Link("pcie3", 5e-6 + SOFTWARE_ALPHA_S, 15.75e9,
-                  "PCIe 3.0 x16: 8 GT/s per lane, 128b/130b encoding, 16 lanes = 15.75 GB/s per "
-                  "direction (PCI-SIG PCI Express Base Specification 3.0); GPU peer copy "
-                  "latency ~5 us"),
-    "pcie5": Link("pcie5", 5e-6 + SOFTWARE_ALPHA_S, 63.0e9,
-                  "PCIe 5.0 x16: 32 GT/s per lane, 128b/130b, 16 lanes = 63.0 GB/s per direction "
-                  "(PCI-SIG PCI Express Base Specification 5.0)"),
-    "nvlink4": Link("nvlink4", 3e-6 + SOFTWARE_ALPHA_S, 450e9,
-                    "NVLink 4 on H100 SXM: 900 GB/s total per GPU = 450 GB/s per direction "
-                    "(NVIDIA H100 Tensor Core GPU datasheet)"),
-    "ib-hdr": Link("ib-hdr", 0.6e-6 + SOFTWARE_ALPHA_S, 25e9,
-                   "InfiniBand HDR: 200 Gb/s per port = 25 GB/s per direction, sub-0.6 us "
-                   "latency (NVIDIA ConnectX-6 VPI adapter product brief)"),
-    "eth-10g": Link("eth-10g", 25e-6 + SOFTWARE_ALPHA_S, 1.25e9,
-                    "10 Gigabit Ethernet: 10 Gb/s = 1.25 GB/s per direction (IEEE 802.3ae); "
-                    "~25 us TCP small-message latency through the kernel stack"),
+# name: (hardware latency s, beta B/s per direction, source of both)
+_LINK_SPECS = {
+    "pcie3": (5e-6, 15.75e9, "PCIe 3.0 x16: 8 GT/s x 16 lanes, 128b/130b = 15.75 GB/s per direction (PCI-SIG "
+                             "PCIe Base Specification 3.0); GPU peer copy latency ~5 us"),
+    "pcie5": (5e-6, 63.0e9, "PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b = 63.0 GB/s per direction (PCI-SIG PCIe "
+                            "Base Specification 5.0)"),
+    "nvlink4": (3e-6, 450e9, "NVLink 4 on H100 SXM: 900 GB/s total per GPU = 450 GB/s per direction (NVIDIA H100 "
+                             "Tensor Core GPU datasheet)"),
+    "ib-hdr": (0.6e-6, 25e9, "InfiniBand HDR: 200 Gb/s per port = 25 GB/s per direction, sub-0.6 us latency "
+                             "(NVIDIA ConnectX-6 VPI adapter product brief)"),
+    "eth-10g": (25e-6, 1.25e9, "10 Gigabit Ethernet: 10 Gb/s = 1.25 GB/s per direction (IEEE 802.3ae); ~25 us "
+                               "TCP small-message latency through the kernel stack"),
 }
+LINKS = {name: Link(name, latency + SOFTWARE_ALPHA_S, beta, source)
+         for name, (latency, beta, source) in _LINK_SPECS.items()}
 
 
 # -- compute ----------------------------------------------------------------------------------
@@ -244,23 +244,26 @@ def measure_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0):
     """Time every layer here (``bench layers``' code) at two batch sizes; fit the profile.
 
     The batch sizes alternate pass by pass, so a change of the machine's load hits both
-    alike; the rest of a step (the loss) is timed directly, not as a difference.
+    alike; the rest of a step (the loss) is timed directly, not as a difference. Each batch
+    size has its own model instance: a layer keeps its work buffers (padded input, im2col
+    columns, their views) while the shapes repeat, as they do in training, where the batch
+    never changes; one instance fed both sizes in turn would rebuild them on every call.
     """
     from ringnet.optim import SGD, LRPolicy
     layers, overhead = {}, {}
     for name in models:
-        model = build_model(name, dtype=dtype, seed=seed)
         rng = np.random.default_rng(seed)
         data = {}
         for batch in batches:
+            model = build_model(name, dtype=dtype, seed=seed)
             x = rng.normal(size=(batch,) + model.input_shape).astype(model.dtype)
             y = rng.integers(0, model.num_classes, size=batch)
             model.loss_and_grad(x, y)                                   # warm-up
-            data[batch] = (x, y)
+            data[batch] = (model, x, y)
         passes = {batch: [] for batch in batches}
         losses = {batch: [] for batch in batches}
         for _ in range(iters):
-            for batch, (x, y) in data.items():
+            for batch, (model, x, y) in data.items():
                 passes[batch].append(layer_times(model, x, 1))
                 logits = model.forward(x, train=True)
                 t0 = time.perf_counter()
@@ -288,7 +291,8 @@ def measure_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0):
         "here", "cpu", layers, overhead, max(per_upd, 0.0),
         max(costs[("upd", small)] - small * per_upd, 0.0), max(per_add, 0.0),
         max(costs[("add", small)] - small * per_add, 0.0),
-        f"measured on this machine, {dtype}, 1 BLAS thread, batches {list(batches)}")
+        f"measured on this machine, {dtype}, 1 BLAS thread, batches {list(batches)}, "
+        "one model per batch")
 
 
 # GPU rooflines for --compute k40/h100: stated spec numbers, stated efficiencies.
@@ -347,10 +351,15 @@ class System:
     """Where the ranks run: links per hop, ranks per node, and CPU contention.
 
     ``cores`` is None for GPUs (compute and transfers do not share a core). On a CPU
-    machine (profile ``local``) it is the effective number of free cores, ``steal``
-    the fraction of its rank's core a delay-1 exchange takes while it runs, and
-    ``rate`` the fraction of its blocking speed that exchange makes meanwhile
-    (all measured; ``calibrated`` holds them per calibrated N).
+    machine (profile ``local``) it is the cores the job's ranks get: N / (the calibration's
+    compute with all N ranks busy against one alone, timed with waits that sleep), so on a
+    quiet machine the cores of its CPU affinity, and on a shared one what the load leaves
+    (records of the older worker, whose waits spun, use the affinity). Ranks beyond them
+    share them: each rank's compute takes N / cores times as long (a rank whose stream
+    sleeps, as with driven progress, keeps one busy thread);
+    ``steal`` is the fraction of its rank's core a polling delay-1 exchange takes while it
+    runs, and ``rate`` the fraction of its blocking speed that exchange makes meanwhile
+    (measured; ``calibrated`` holds them per calibrated N).
     """
     name: str
     intra: Link
@@ -379,13 +388,21 @@ class System:
         rooted = {mode: Link(f"local-{mode}@{near}", v["alpha_s"], v["beta_Bps"], "calibrated here")
                   for mode, v in c.get("rooted", {}).items()}
         return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
-                                   cores=near / max(c["slowdown"], 1e-9), steal=c["steal"])
+                                   cores=c.get("cores") or usable_cores(), steal=c["steal"])
 
     def contention(self, n):
         """Return the compute slowdown of N ranks busy at once on this node: max(1, N / cores)."""
         if self.cores is None:
             return 1.0
         return max(1.0, min(n, self.ranks_per_node) / self.cores)
+
+
+def usable_cores():
+    """The cores this process may run on (its CPU affinity), as ``ringnet._threads`` counts them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def make_system(spec, compute, ranks_per_node, calibration=None):
@@ -557,16 +574,15 @@ def messages(model, mode, n, batch, delay=0):
 # -- timing ----------------------------------------------------------------------------------
 def _pieces(length, itemsize, mode, n):
     """Return the element ranges a rooted transfer of ``length`` elements is cut into, as
-    the communicator of ``mode`` at ``n`` ranks cuts them (its own ``_pieces`` rule: pieces
-    only where a rank forwards what it receives; one piece where the code has none)."""
+    the communicator of ``mode`` at ``n`` ranks cuts them (its own ``pieces`` rule; one
+    piece where the code has none)."""
     try:
         from ringnet.comm.master_slave import MasterSlaveCommunicator
         from ringnet.comm.tree import TreeCommunicator
     except ImportError:
         return [(0, length)] if length else []
-    probe = object.__new__(TreeCommunicator if mode == "tree" else MasterSlaveCommunicator)
-    probe.size, probe.chunk_bytes = n, None
-    return probe._pieces(types.SimpleNamespace(size=length, itemsize=itemsize))
+    comm = TreeCommunicator if mode == "tree" else MasterSlaveCommunicator
+    return comm.pieces(length, itemsize, n)
 
 
 # What the code does where it has a choice; a saved validation record replaces it with
@@ -641,10 +657,23 @@ def _ring_items(system, bounds, itemsize, kind):
     hop = system.intra if n <= system.ranks_per_node else system.inter
     items = []
     for _ in range(n - 1):
-        items.append(("msg", hop.time(shard * itemsize)))
+        items += _message(hop, shard * itemsize)
         if kind == "rs":
             items.append(("cpu", system.compute.add(shard)))
     return items
+
+
+def _message(link, nbytes):
+    """One message as the stream meets it: a wait for the peer ("msg", the latency) and the
+    copy of its bytes ("copy", bytes / beta)."""
+    return [("msg", link.alpha_s), ("copy", nbytes / link.beta_Bps)] if nbytes else []
+
+
+def _without_latency(system):
+    """The same system with every hop's latency zero (what remains: bytes and adds)."""
+    def flat(link):
+        return dataclasses.replace(link, alpha_s=0.0)
+    return dataclasses.replace(system, intra=flat(system.intra), inter=flat(system.inter))
 
 
 def _tree_time(system, n, nbytes, elems):
@@ -805,9 +834,12 @@ def _exchange_items(system, model, mode, n, size, part, update_s):
     elems = hi - lo
     timing = _tree_time if mode == "tree" else _master_time
     reduce, bcast = timing(system, n, elems * itemsize, elems)
+    moved = timing(_without_latency(system), n, elems * itemsize, elems)
     waits = _rooted_waits(mode, n, elems, itemsize)
-    return ([("msg", reduce / waits)] * waits + [("cpu", update_s)]
-            + [("msg", bcast / waits)] * waits)
+
+    def cut(total, copied):
+        return [("msg", max(0.0, total - copied) / waits), ("copy", copied / waits)] * waits
+    return cut(reduce, moved[0]) + [("cpu", update_s)] + cut(bcast, moved[1])
 
 
 def _rooted_waits(mode, n, elems, itemsize):
@@ -878,8 +910,10 @@ def _layer_timeline(cp, model, segments, slow):
 def _simulate(system, timeline, ops, progress):
     """Step time when ``ops`` [(ready time, items)] run in order on the stream beside the compute.
 
-    A transfer takes its blocking time; how it is noticed depends on ``progress``, as the
-    code runs it: ``driven`` (the stream's thread sleeps until the training thread tests the
+    A transfer is a wait ("msg") and a copy ("copy"); together they take its blocking time.
+    The copy is the rank's own core's work inside MPI: with driven progress the training
+    thread's test makes it, so it delays the compute. How the wait ends depends on
+    ``progress``, as the code runs it: ``driven`` (the stream's thread sleeps until the training thread tests the
     transfer at a layer boundary, or all along while it waits in MPI, or at the end of the
     step when it waits for the stream), ``poll``/``block`` (the stream's thread polls: the
     transfer moves at the calibrated ``rate`` of its blocking speed and takes ``steal`` of
@@ -902,7 +936,16 @@ def _simulate(system, timeline, ops, progress):
             if not computing or progress == "gpu":
                 t += seconds
             elif progress == "driven":
-                t = timeline.next_progress(t + seconds, shift)
+                # the copy is the training thread's work; the transfer moves at the rate the
+                # calibration measured beside compute progressed at layer boundaries (1 where
+                # none was measured) and is noticed at the next boundary
+                if kind == "copy":
+                    shift += seconds
+                span, left = seconds / rate, timeline.end + shift - t
+                if span <= left:
+                    t = timeline.next_progress(t + span, shift)
+                else:                           # the compute ends first: the rest at full speed
+                    t += left + seconds - rate * left
             else:                               # poll, block: the calibrated rate and steal
                 span = seconds / rate
                 left = timeline.end + shift - t
@@ -985,15 +1028,18 @@ def predict(system, model, mode, delay, n, batch):
 
     xmode = "ring" if mode in ("split-fc", "single") else mode
     whole = _exchange_items(system, model, xmode, n, region, (0, region), update_of(0, region))
-    comm = sum(t for kind, t in whole if kind == "msg")
+    comm = sum(t for kind, t in whole if kind in ("msg", "copy"))
     update = update_of(0, region) + fixed
+    ops = []
     if delay and n > 1:
-        step, _ = _simulate(system, timeline, [(0.0, whole)], progress)
+        ops = [(0.0, whole)]
     elif bucket_list:
         ops = [(timeline.ready[layer], _exchange_items(system, model, xmode, n, region, (lo, hi),
                                                        update_of(lo, hi)))
                for lo, hi, layer in bucket_list]
-        step, _ = _simulate(system, timeline, ops, progress)
+    if ops:
+        step, shift = _simulate(system, timeline, ops, progress)
+        compute += shift                # the stream's work the compute waited for on its core
     else:
         step = timeline.end + sum(t for _, t in whole)
     return Prediction(step, compute, comm + act, update,
@@ -1106,7 +1152,14 @@ def _calibrate_worker(iters):
             time.sleep(2e-4)
 
     def slowest(seconds):
-        return world.allreduce(seconds, op=MPI.MAX)
+        # sleeps while waiting (as idle_barrier), so a rank done early does not spin on a
+        # core its slower peers need (a spinning MAX reduce made 4 ranks on 2 cores look 3.3x
+        # slower than one, where training, whose waits sleep, runs them 2x slower)
+        out = np.zeros(1)
+        request = world.Iallreduce(np.array([seconds]), out, op=MPI.MAX)
+        while not request.Test():
+            time.sleep(2e-4)
+        return float(out[0])
 
     work()
     solo, together = [], []
@@ -1173,7 +1226,7 @@ def _calibrate_worker(iters):
         streamed[size] = (float(np.median(spans)), float(np.median(works)))
     stream.close()
     if rank == 0:
-        print(json.dumps({"np": n, "solo_s": float(np.median(solo)),
+        print(json.dumps({"np": n, "cores": usable_cores(), "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
                           "blocking": blocking, "streamed": streamed,
                           "rooted": by_mode}), flush=True)
@@ -1257,8 +1310,13 @@ def _calibration_record(n, raw, add_s_per_elem):
                              _fit_rooted(mode, n, sorted((int(k), v) for k, v in sizes.items()),
                                          add_s_per_elem)))
               for mode, sizes in raw.get("rooted", {}).items() if n > 1}
-    return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted,
-            "slowdown": together / raw["solo_s"],
+    slowdown = together / raw["solo_s"]
+    if "cores" in raw:      # all ranks busy against one alone, waits that sleep: what N share
+        cores = n / max(slowdown, 1e-9)
+    else:                   # older workers waited spinning (overstated), and named no cores
+        cores = usable_cores()
+    return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted, "cores": cores,
+            "slowdown": slowdown,
             "rate": float(np.mean(rates)) if rates else 1.0,
             "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
 
@@ -1391,6 +1449,78 @@ def _compute(spec, models, dtype):
 
 
 # -- output ---------------------------------------------------------------------------------
+MARKDOWN_TABLES = ("predictions", "paper", "validation")
+PAPER_LABELS = {"lenet": "LeNet / MNIST", "cifar10_quick": "cifar10_quick / CIFAR-10"}
+
+
+def _minus(text):
+    return text.replace("-", "\u2212")
+
+
+def _ms(seconds_ms):
+    """Milliseconds to three significant digits, never in exponent form."""
+    return f"{seconds_ms:.3g}" if seconds_ms < 1000 else f"{seconds_ms:.0f}"
+
+
+def markdown_predictions(rows, nps):
+    """The predictions as one Markdown table: step ms and efficiency per mode, a row per
+    (model, profile, N)."""
+    from ringnet.bench.tables import markdown
+    cols = [md for md in MODES if any((r["mode"], r["delay"]) == md for r in rows)]
+    table = {}
+    for r in rows:
+        table.setdefault((r["model"], r["profile"]), {})[(r["mode"], r["delay"], r["np"])] = r
+    out = []
+    for (name, profile), got in table.items():
+        for n in nps:
+            cells = [got.get((md[0], md[1], n)) for md in cols]
+            if any(cells):
+                out.append([name, profile, n] + [f"{_ms(c['step_ms'])} ms, {c['efficiency']:.2f}"
+                                                 if c else "\u2013" for c in cells])
+    return markdown(["model", "profile", "N"] + [f"{_label(*md)} (step, efficiency)" for md in cols],
+                    out)
+
+
+def markdown_paper(rows):
+    """The research's setting: predicted speedup per mode beside the reported one."""
+    from ringnet.bench.tables import markdown
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], r["batch_per_gpu"]), {})[(r["mode"], r["delay"])] = r
+    out = []
+    for (name, batch), got in by.items():
+        cells = [f"**{got[('ring', 1)]['speedup']:.2f}**"]
+        cells += [f"{got[md]['speedup']:.2f}" if md in got else "\u2013"
+                  for md in (("ring", 0), ("tree", 0), ("master", 0), ("split-fc", 0))]
+        out.append([PAPER_LABELS.get(name, name), batch] + cells
+                   + [f"{got[('ring', 1)]['reported_speedup']:.2f}"])
+    return markdown(["model", "batch per GPU", "ring d1", "ring d0", "tree", "master", "split-fc",
+                     "reported (ring d1)"], out)
+
+
+def markdown_validation(rows):
+    """Predicted / measured ms (error) per model and mode, a column per N."""
+    from ringnet.bench.tables import markdown
+    nps = sorted({r["np"] for r in rows})
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], _label(r["mode"], r["delay"])), {})[r["np"]] = r
+    out = []
+    for (name, label), got in by.items():
+        cells = []
+        for n in nps:
+            r = got.get(n)
+            if r is None:
+                cells.append("\u2013")
+                continue
+            err = 100 * (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+            cells.append(_minus(f"{_ms(r['predicted_ms'])} / {_ms(r['measured_ms'])} ({err:+.0f}%)"))
+        out.append([name, label] + cells)
+    header = ["model", "mode"] + [f"N={n} predicted / measured ms" if i == 0 else f"N={n}"
+                                  for i, n in enumerate(nps)]
+    return markdown(header, out)
+
+
 def _print_tables(rows, batch, scaling, nps):
     by = {}
     for r in rows:
@@ -1500,6 +1630,12 @@ def _parser():
     p.add_argument("--max-crossover-np", type=int, default=1024,
                    help="search crossovers up to this N (default 1024)")
     p.add_argument("--plot", metavar="PNG", help="write step time, speedup and efficiency vs N")
+    p.add_argument("--markdown", action="store_true",
+                   help="print one table as Markdown (the README's): the one --table names")
+    p.add_argument("--table", choices=MARKDOWN_TABLES, default="predictions",
+                   help="with --markdown: predictions (step ms and efficiency per mode and N), "
+                        "paper (the research's setting) or validation (predicted / measured; "
+                        "needs --validate or --validation FILE) (default predictions)")
     p.add_argument("--json", action="store_true",
                    help='print one line {"predictions": [...], "validation": [...], "paper": [...]}')
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
@@ -1519,6 +1655,8 @@ def main(argv=None):
         raise UsageError(f"unknown model(s) {unknown or args.models!r}: choose from {', '.join(MODELS)}")
     if any(n < 1 for n in args.np) or args.batch_size < 1 or args.ranks_per_node < 1:
         raise UsageError("--np, --batch-size and --ranks-per-node must be >= 1")
+    if args.markdown and args.table == "validation" and not (args.validate or args.validation):
+        raise UsageError("--table validation needs --validate or --validation FILE")
     if args.validate and (args.validate_steps < 3 or args.validate_repeats < 1):
         raise UsageError("--validate-steps must be >= 3 and --validate-repeats >= 1")
     nps = sorted(set(args.np))
@@ -1590,6 +1728,14 @@ def main(argv=None):
     if args.plot:
         plot(predictions, args.plot, f"ringnet predicted scaling ({args.scaling}, batch "
                                      f"{args.batch_size}, compute {compute.name})")
+    if args.markdown:
+        if args.table == "predictions":
+            print(markdown_predictions(predictions, nps))
+        elif args.table == "paper":
+            print(markdown_paper(paper))
+        else:
+            print(markdown_validation(validation))
+        return 0
     if args.json:
         keys = ("model", "mode", "delay", "np", "profile", "step_ms", "speedup", "efficiency")
         print(json.dumps({
@@ -1615,8 +1761,10 @@ def main(argv=None):
             print(f"# local at N={n}: alpha {c['alpha_s'] * 1e6:.1f} us, beta "
                   f"{c['beta_Bps'] / 1e9:.2f} GB/s; beside compute the stream moves at "
                   f"{c['rate']:.2f} of that speed; "
-                  f"compute slowdown {c['slowdown']:.2f} (effective cores "
-                  f"{n / max(c['slowdown'], 1e-9):.2f}); stream steals {c['steal']:.2f} of a core")
+                  f"compute slowdown {max(1.0, n / c['cores']):.2f} (effective cores "
+                  f"{c['cores']:.2f}; all ranks busy against one alone: {c['slowdown']:.2f}, "
+                  f"{c['raw'].get('cores', '?')} cores here); "
+                  f"stream steals {c['steal']:.2f} of a core")
     _print_tables(predictions, args.batch_size, args.scaling, nps)
     if allreduces:
         print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "

@@ -28,8 +28,9 @@ class TreeCommunicator(RootedCommunicator):
         children = [(c + root) % n for c in (2 * v + 1, 2 * v + 2) if c < n]
         return parent, children
 
-    def _forwards(self):
-        return self.size >= 4       # from 4 ranks on, inner nodes pass partial sums up
+    @classmethod
+    def forwards(cls, n):
+        return n >= 4               # from 4 ranks on, inner nodes pass partial sums up
 
     def _reduce(self, buf, root, op):
         parent, children = self._family(root)

@@ -35,7 +35,7 @@ import numpy as np
 
 from ringnet.backend import get_array_module, to_numpy
 from ringnet.errors import InputError
-from ringnet.optim import lookahead_k
+from ringnet.optim import lookahead_k, lookahead_warmup
 
 __all__ = ["LocalPlan", "ShardedPlan", "RootedPlan", "DelayedUpdate", "Lookahead",
            "COMPENSATIONS", "compensation", "BUCKET_BYTES", "bucket_bytes",
@@ -118,9 +118,17 @@ class Lookahead:
     ``k = None`` (the default) takes ``k = ringnet.optim.lookahead_k(mu, c)``, the
     smallest k whose stable range is synchronous SGD's (15.005 at mu 0.9, c 2; the
     derivation is in ``ringnet.optim``). ``k = 1, c = 0`` is the plain recurrence.
+
+    ``warmup`` W: the first W steps are synchronous with the user's mu and lr
+    (``g_t = G_t(w[t])`` for t <= W, ``v <- mu v + lr (...)`` for t < W) and the
+    compensated recurrence takes over at step W with the momentum buffer as it is (its
+    long-run value ``lr' g / (1 - mu') = lr g / (1 - mu)`` is the same), so the
+    heavier momentum does not start from zero. ``warmup = None`` takes
+    ``ringnet.optim.lookahead_warmup(mu)``; 0 starts delayed.
     """
     k: Optional[float] = None
     c: float = 2.0
+    warmup: Optional[int] = 0
 
     @property
     def plain(self):
@@ -129,6 +137,10 @@ class Lookahead:
     def k_for(self, momentum):
         """The k used with the user's ``momentum``."""
         return lookahead_k(momentum, self.c) if self.k is None else self.k
+
+    def warmup_for(self, momentum):
+        """The synchronous steps before the compensated recurrence, at ``momentum``."""
+        return lookahead_warmup(momentum) if self.warmup is None else int(self.warmup)
 
 
 COMPENSATIONS = {"none": Lookahead(1.0, 0.0), "lookahead": Lookahead()}
@@ -255,10 +267,16 @@ class DelayedUpdate:
             self.sent = grads.copy()
             if lookahead is not None and not lookahead.plain:
                 self.lookahead = lookahead
-                k = lookahead.k_for(optimizer.momentum)
-                optimizer.momentum = 1.0 - (1.0 - optimizer.momentum) / k
-                optimizer.lr_scale = 1.0 / k
+                mu = optimizer.momentum
+                k = lookahead.k_for(mu)
+                # (momentum, lr scale) of the warm-up and of the compensated recurrence
+                self._phases = ((mu, 1.0), (1.0 - (1.0 - mu) / k, 1.0 / k))
+                self.warmup = lookahead.warmup_for(mu)
+                self._set_phase(self.warmup == 0)
                 self.base = params.copy()   # w[t-1] during step t (the front is the look-ahead point)
+
+    def _set_phase(self, compensated):
+        self.optimizer.momentum, self.optimizer.lr_scale = self._phases[bool(compensated)]
 
     # -- one step -------------------------------------------------------------------
     def _exchange(self, grads, weights, it, exposed, source=None):
@@ -330,9 +348,16 @@ class DelayedUpdate:
             return
         self.drain()
         source = None
+        if self.lookahead is not None and it < self.warmup:   # synchronous warm-up step
+            self._set_phase(False)
+            self.base[...] = self.params                       # w[it]
+            self._exchange(self.grads, self.params, it, exposed=True)
+            self.back[...] = self.params                       # w[it + 1], front and newest
+            return
         if self.lookahead is None:
             self.params[...] = self.back        # w[it]: what step it + 1 computes on
         else:                                   # w[it] + c * (w[it] - w[it-1])
+            self._set_phase(True)
             c = self.lookahead.c
             xp = get_array_module(self.params)
             xp.multiply(self.back, self.params.dtype.type(1.0 + c), out=self.params)
