@@ -56,7 +56,7 @@ def get_xp(device="auto"):
     if gpu_available():
         return cupy
     if device == "gpu":
-        raise RuntimeError("--device gpu asked for, but no usable CUDA GPU "
+        raise RuntimeError("no usable CUDA GPU "
                            "(CuPy missing or cupy.is_available() is False)")
     return np
 

@@ -58,18 +58,21 @@ def timed(batches, name="data"):
 
 
 def check_trace_path(path):
-    """Raise UsageError unless the trace file can be created (missing folders are made)."""
-    from ringnet.errors import UsageError
+    """Raise SetupError unless the trace file ``path`` can be created (missing folders are made).
+
+    The message starts with ``path``; the command line adds the flag that gave it.
+    """
+    from ringnet.errors import SetupError
     existing = os.path.dirname(os.path.abspath(path))
     while not os.path.isdir(existing):          # the first folder that exists must be writable
         parent = os.path.dirname(existing)
         if parent == existing or os.path.exists(existing):
-            raise UsageError(f"--trace {path}: {existing} is not a folder")
+            raise SetupError(f"{path}: {existing} is not a folder")
         existing = parent
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--trace {path}: folder {existing} is not writable")
+        raise SetupError(f"{path}: folder {existing} is not writable")
     if os.path.isdir(path):
-        raise UsageError(f"--trace {path} is a folder; give a file name such as trace.json")
+        raise SetupError(f"{path} is a folder; give a file name such as trace.json")
 
 
 def _display_name(name, args):
@@ -153,8 +156,8 @@ class Tracer:
                 json.dump(document, f, separators=(",", ":"))
             os.replace(tmp, self.path)
         except OSError as exc:
-            from ringnet.errors import UsageError
-            raise UsageError(f"cannot write trace {self.path} ({exc})") from None
+            from ringnet.errors import SetupError
+            raise SetupError(f"cannot write trace {self.path} ({exc})") from None
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)

@@ -19,9 +19,9 @@ from ringnet import backend
 from ringnet.checkpoint import HYPERPARAMETERS
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
 from ringnet.errors import (USER_ERRORS, Deadline, DivergedError, InputError, RunInputError,
-                            StallError, TrainingError, TransportUnavailable, UsageError,
-                            collective, current_phase, exchange, import_mpi, run_main,
-                            set_phase, watchdog)
+                            SetupError, StallError, TrainingError, TransportUnavailable,
+                            UsageError, collective, current_phase, exchange, import_mpi,
+                            run_main, set_phase, watchdog)
 from ringnet.layers import Dropout
 from ringnet.progress import Progress, progress_interval
 from ringnet.trace import Tracer, timed
@@ -79,7 +79,7 @@ def _setup(cfg, world):
         try:
             return backend.get_xp(cfg.device)
         except RuntimeError as exc:
-            raise UsageError(str(exc)) from None
+            raise UsageError(f"--device {cfg.device}: {exc}") from None
     xp = collective(world, pick_device)
     if cfg.device == "auto" and size > 1 and any(exchange(world, xp is np)):
         xp = np     # some rank has no usable GPU: every rank computes on the CPU
@@ -110,7 +110,12 @@ def _setup(cfg, world):
     check_same_run(world, collective(world, dataset.fingerprint))
     if cfg.trace:
         from ringnet.trace import check_trace_path
-        collective(world, lambda: check_trace_path(cfg.trace) if rank == 0 else None)
+        def check_trace():
+            try:
+                check_trace_path(cfg.trace)
+            except SetupError as exc:
+                raise UsageError(f"--trace {exc}") from None
+        collective(world, lambda: check_trace() if rank == 0 else None)
 
     model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed,
                         num_classes=dataset.num_classes)

@@ -91,6 +91,32 @@ def test_bench_comm_refuses_nccl_on_the_cpu_in_one_line():
         "use --transport mpi (or auto)"], run.stderr
 
 
+def test_device_gpu_without_a_gpu_is_a_library_error_and_one_cli_line(monkeypatch):
+    import ringnet.backend as backend
+    monkeypatch.setattr(backend, "gpu_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no usable CUDA GPU") as info:
+        backend.get_xp("gpu")
+    assert "--" not in str(info.value)      # library words; the command line adds the flag
+    run = subprocess.run([sys.executable, "-m", "ringnet.train", "--device", "gpu", "--steps", "1"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "ringnet: error: --device gpu: no usable CUDA GPU "
+        "(CuPy missing or cupy.is_available() is False)"], run.stderr
+
+
+def test_trace_path_check_is_a_library_error(tmp_path):
+    from ringnet.trace import check_trace_path
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SetupError, match="is not a folder") as info:
+        check_trace_path(str(tmp_path / "file" / "t.json"))
+    assert "--" not in str(info.value)
+    with pytest.raises(SetupError, match="is a folder; give a file name"):
+        check_trace_path(str(tmp_path))
+    check_trace_path(str(tmp_path / "new" / "t.json"))   # a missing folder is fine: it is made
+
+
 def test_nccl_transport_without_a_gpu_raises_a_library_error():
     no_nccl = type("NoNccl", (), {})()      # a NCCL module on no GPU: not the host stand-in
     with pytest.raises(TransportUnavailable, match="needs a usable CUDA GPU") as info:

@@ -47,12 +47,14 @@ Every algorithm leaves bit-identical results on all ranks: ``direct`` sums in ra
 everywhere; in ``rd`` and ``rhd`` both partners of an exchange compute ``x + y`` (float
 addition is commutative) or one rank sums an element and the others copy it.
 """
+from typing import Any, Optional
+
 import numpy as np
 from mpi4py import MPI
 
-from ringnet.comm.base import CommunicatorBase, _DTYPES
+from ringnet.comm.base import Array, CommunicatorBase, _DTYPES
 from ringnet.comm.ring import RingCommunicator
-from ringnet.comm.stream import current_tag
+from ringnet.comm.stream import CpuStream, Handle, current_tag
 from ringnet.shards import shard_bounds
 
 __all__ = ["AutoCommunicator", "ALGORITHMS", "terms", "cost", "fit", "choose", "thresholds"]
@@ -146,7 +148,8 @@ class AutoCommunicator(CommunicatorBase):
 
     name = "auto"
 
-    def __init__(self, transport="auto", mpi_comm=None, algorithm=None, chunk_bytes=None):
+    def __init__(self, transport: Any = "auto", mpi_comm: Any = None,
+                 algorithm: Optional[str] = None, chunk_bytes: Optional[int] = None):
         super().__init__(transport, mpi_comm)
         if algorithm is not None and algorithm not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {algorithm!r}: "
@@ -161,7 +164,7 @@ class AutoCommunicator(CommunicatorBase):
         self._lean = _Lean(self) if getattr(self.transport, "name", None) == "mpi" \
             and hasattr(self.transport, "mpi_comm") and self.size > 1 else None
 
-    def choose(self, nbytes):
+    def choose(self, nbytes: int) -> str:
         """Return the algorithm an all-reduce of ``nbytes`` uses on this communicator."""
         if self.algorithm is not None:
             return self.algorithm
@@ -170,7 +173,8 @@ class AutoCommunicator(CommunicatorBase):
             algorithm = self._choices[nbytes] = choose(nbytes, self.size)
         return algorithm
 
-    def allreduce(self, buf, op: str = "sum", stream=None):
+    def allreduce(self, buf: Array, op: str = "sum",
+                  stream: Optional[CpuStream] = None) -> Optional[Handle]:
         """Reduce ``buf`` over the ranks in place on every rank, bit-identical everywhere.
 
         Returns None, or a Handle when queued on ``stream``.

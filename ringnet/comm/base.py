@@ -1,12 +1,23 @@
-"""CommunicatorBase: what every communicator shares (shards, streams, scratch, checks)."""
+"""CommunicatorBase: what every communicator shares (shards, streams, scratch, checks).
+
+Types in the signatures: ``Array`` is a flat C-contiguous NumPy array (or a CuPy array on
+a GPU transport), ``Bounds`` one ``(start, stop)`` element range per rank, in rank order;
+a collective given ``stream`` is queued there and returns its :class:`Handle`, without it
+blocks and returns None.
+"""
+from typing import Any, List, Optional, Sequence, Tuple
+
 import numpy as np
 
 from ringnet.backend import get_array_module, is_gpu_array
-from ringnet.comm.stream import current_tag
+from ringnet.comm.stream import CpuStream, Handle, current_tag
 from ringnet.shards import shard_bounds
 
 __all__ = ["CommunicatorBase", "RootedCommunicator", "shard_bounds", "OPS", "pipeline_pieces",
-           "PIPELINE_MIN_BYTES", "PIPELINE_MAX_BYTES"]
+           "PIPELINE_MIN_BYTES", "PIPELINE_MAX_BYTES", "Array", "Bounds"]
+
+Array = Any                               # numpy.ndarray or cupy.ndarray, flat and contiguous
+Bounds = Sequence[Tuple[int, int]]
 
 OPS = ("sum", "mean")
 # Pipelining cuts a rooted transfer into pieces so that piece k+1 is on the wire while
@@ -21,7 +32,8 @@ PIPELINE_MIN_BYTES = 256 << 10
 PIPELINE_MAX_BYTES = 4 << 20
 
 
-def pipeline_pieces(length, itemsize, chunk_bytes=None):
+def pipeline_pieces(length: int, itemsize: int,
+                    chunk_bytes: Optional[int] = None) -> List[Tuple[int, int]]:
     """Return the element ranges a pipelined transfer of ``length`` elements is cut into.
 
     ``chunk_bytes`` None picks the alpha-beta optimum above (one piece for small buffers).
@@ -45,7 +57,10 @@ class CommunicatorBase:
 
     name = "base"
 
-    def __init__(self, transport="auto", mpi_comm=None):
+    def __init__(self, transport: Any = "auto", mpi_comm: Any = None):
+        """``transport``: a :class:`~ringnet.comm.transport.Transport` or its name ("auto",
+        "mpi", "nccl"); ``mpi_comm``: the mpi4py communicator a named transport spans
+        (default ``MPI.COMM_WORLD``)."""
         from ringnet.comm import make_transport  # noqa: WPS433 - avoids an import cycle
         if isinstance(transport, str):
             transport = make_transport(transport, mpi_comm=mpi_comm)
@@ -57,11 +72,11 @@ class CommunicatorBase:
     def __repr__(self):
         return f"{type(self).__name__}(rank={self.rank}, size={self.size}, transport={self.transport.name})"
 
-    def shard_bounds(self, length):
+    def shard_bounds(self, length: int) -> List[Tuple[int, int]]:
         """Return (start, stop) per rank: contiguous, as even as possible."""
         return shard_bounds(length, self.size)
 
-    def new_stream(self):
+    def new_stream(self) -> CpuStream:
         """Return a new stream for this communicator's transport."""
         return self.transport.new_stream()
 
@@ -124,20 +139,22 @@ class RootedCommunicator(CommunicatorBase):
     so that a rank forwards piece k while piece k+1 still arrives.
     """
 
-    def __init__(self, transport="auto", mpi_comm=None, chunk_bytes=None):
+    def __init__(self, transport: Any = "auto", mpi_comm: Any = None,
+                 chunk_bytes: Optional[int] = None):
         super().__init__(transport, mpi_comm)
         if chunk_bytes is not None and int(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
         self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)
 
     @classmethod
-    def forwards(cls, n):
+    def forwards(cls, n: int) -> bool:
         """True when, at ``n`` ranks, some rank passes on what it receives (only then do
         pieces pay by default)."""
         return False
 
     @classmethod
-    def pieces(cls, length, itemsize, n, chunk_bytes=None):
+    def pieces(cls, length: int, itemsize: int, n: int,
+               chunk_bytes: Optional[int] = None) -> List[Tuple[int, int]]:
         """Element ranges one transfer of ``length`` elements of ``itemsize`` bytes is cut into
         at ``n`` ranks: ``chunk_bytes`` pieces, or by default :func:`pipeline_pieces` where a
         rank forwards and the whole buffer otherwise (with nothing to forward, cutting only
@@ -150,13 +167,15 @@ class RootedCommunicator(CommunicatorBase):
     def _pieces(self, buf):
         return self.pieces(buf.size, buf.itemsize, self.size, self.chunk_bytes)
 
-    def reduce(self, buf, root: int = 0, op: str = "sum", stream=None):
+    def reduce(self, buf: Array, root: int = 0, op: str = "sum",
+               stream: Optional[CpuStream] = None) -> Optional[Handle]:
         """Combine every rank's ``buf`` into ``root``'s ``buf``; every other rank's ``buf`` is
         left unchanged (as MPI's reduce leaves a send buffer). Returns a Handle on a stream."""
         self._check(buf, op, root)
         return self._launch(self._reduce, (buf, root, op), stream)
 
-    def bcast(self, buf, root: int = 0, stream=None):
+    def bcast(self, buf: Array, root: int = 0,
+              stream: Optional[CpuStream] = None) -> Optional[Handle]:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (same length everywhere).
 
         Returns None, or a Handle when queued on ``stream``.
@@ -164,7 +183,8 @@ class RootedCommunicator(CommunicatorBase):
         self._check(buf, root=root)
         return self._launch(self._bcast, (buf, root), stream)
 
-    def allreduce(self, buf, op: str = "sum", stream=None):
+    def allreduce(self, buf: Array, op: str = "sum",
+                  stream: Optional[CpuStream] = None) -> Optional[Handle]:
         """Reduce to rank 0, then broadcast from it: every rank's ``buf`` holds the result.
 
         Returns None, or a Handle when queued on ``stream``.

@@ -1,5 +1,8 @@
 """RingCommunicator: reduce-scatter, all-gather and all-reduce in N-1 neighbour steps."""
-from ringnet.comm.base import CommunicatorBase
+from typing import Any, Optional
+
+from ringnet.comm.base import Array, Bounds, CommunicatorBase
+from ringnet.comm.stream import CpuStream, Handle
 
 __all__ = ["RingCommunicator"]
 
@@ -14,7 +17,8 @@ class RingCommunicator(CommunicatorBase):
 
     name = "ring"
 
-    def __init__(self, transport="auto", mpi_comm=None, chunk_bytes=None, pipeline=True):
+    def __init__(self, transport: Any = "auto", mpi_comm: Any = None,
+                 chunk_bytes: Optional[int] = None, pipeline: bool = True):
         super().__init__(transport, mpi_comm)
         if chunk_bytes is not None and int(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
@@ -24,7 +28,8 @@ class RingCommunicator(CommunicatorBase):
         self.left = (self.rank - 1) % self.size
 
     # -- public collectives -------------------------------------------------------------
-    def reduce_scatter(self, buf, op: str = "sum", bounds=None, stream=None):
+    def reduce_scatter(self, buf: Array, op: str = "sum", bounds: Optional[Bounds] = None,
+                       stream: Optional[CpuStream] = None) -> Optional[Handle]:
         """Reduce ``buf`` over the ranks so that ``buf[bounds[rank]]`` holds this rank's shard.
 
         ``buf``: flat contiguous array, same length on every rank; ``op``: "sum" or "mean";
@@ -36,7 +41,8 @@ class RingCommunicator(CommunicatorBase):
         bounds = self._bounds(buf, bounds)
         return self._launch(self._reduce_scatter, (buf, op, bounds), stream)
 
-    def allgather(self, buf, bounds=None, stream=None):
+    def allgather(self, buf: Array, bounds: Optional[Bounds] = None,
+                  stream: Optional[CpuStream] = None) -> Optional[Handle]:
         """Fill all of ``buf`` on every rank from every rank's ``buf[bounds[rank]]``.
 
         ``bounds`` as for :meth:`reduce_scatter`. Returns None, or a Handle on ``stream``.
@@ -45,7 +51,8 @@ class RingCommunicator(CommunicatorBase):
         bounds = self._bounds(buf, bounds)
         return self._launch(self._allgather, (buf, bounds), stream)
 
-    def allreduce(self, buf, op: str = "sum", stream=None):
+    def allreduce(self, buf: Array, op: str = "sum",
+                  stream: Optional[CpuStream] = None) -> Optional[Handle]:
         """Reduce ``buf`` over the ranks in place on every rank (reduce-scatter + all-gather).
 
         Returns None, or a Handle when queued on ``stream``.
