@@ -46,12 +46,19 @@ def span(name, **args):
     return stats.span(name, **args) if _active else _NULL
 
 
-def timed(batches, name="data"):
-    """Yield the items of ``batches``, each fetch inside a ``data`` span while tracing."""
+def timed(batches, name="data", totals=None):
+    """Yield the items of ``batches``, each fetch inside a ``name`` span while tracing.
+
+    ``totals``: a dict whose ``totals[name]`` gains each fetch's wall time (the training
+    loop's ``data_s``), so the summary and the trace's spans time the same interval.
+    """
     iterator = iter(batches)
     while True:
+        t0 = time.perf_counter()
         with span(name):
             item = next(iterator, _NULL)
+        if totals is not None:
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
         if item is _NULL:
             return
         yield item

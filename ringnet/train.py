@@ -418,6 +418,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
     t_train = time.perf_counter()
     test_acc = test_loss = None
     evals, eval_s = [], 0.0     # [step, epoch, training seconds before it, accuracy]
+    fetched = {"data": 0.0}     # the training thread's time getting batches (data_s)
     try:
         # Overflow on the way to a non-finite loss is reported once, below, not as warnings.
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -425,7 +426,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
             while step < total_steps:
                 epoch, offset = divmod(step, spe)
                 batches = loader.epoch(epoch, start_step=offset)
-                for x, labels in timed(batches):
+                for x, labels in timed(batches, totals=fetched):
                     set_phase(f"step {step}")
                     set_dropout_step(strategy.model, step)
                     loss, _ = strategy.step(x, labels, step)
@@ -491,7 +492,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
     steps_run = step - first_step
     sent, received = strategy.bytes_moved()
     local_loss = float(np.mean(recent)) if recent else float("nan")
-    per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, loader.wait_s,
+    per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, fetched["data"],
                          stats.comm_total_s, sent, received, step_bytes, local_loss],
                         dtype=np.float64)
     every = np.array(exchange(world, per_rank, phase="statistics", timeout=deadline.seconds))
