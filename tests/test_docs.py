@@ -317,12 +317,9 @@ STATIC = {
     ("model", "input", "layers"): "the model definitions (ringnet/models.py)",
     ("transport", "moves", "needs"): "the transport rules of DESIGN.md",
 }
-# Measured tables whose benchmark prints them as text, assembled into Markdown by hand.
-NOT_GENERATED = {
-    ("model", "batch per GPU", "ring d1", "ring d0", "tree", "master", "split-fc",
-     "reported (ring d1)"): "bench model --paper-compute k40 --paper-profile pcie3",
-    ("model", "mode", "N=1 predicted / measured ms", "N=2", "N=4"): "bench model --validate",
-}
+# Measured tables whose benchmark prints them as text, assembled into Markdown by hand:
+# none (every benchmark table comes from its command's --markdown).
+NOT_GENERATED = {}
 
 
 def _shape(cell):
