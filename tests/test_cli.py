@@ -319,6 +319,10 @@ def test_gpu_script_without_a_gpu_exits_77():
     ("elastic", ["--mode", "nosuch"], "--mode"), ("elastic", ["--lr", "nan"], "--lr"),
     ("elastic", ["--batch-size", "2"], "--batch-size"),
     ("overlap", ["--timeout", "nan"], "--timeout"), ("overlap", ["--modes", ","], "--modes"),
+    ("model", ["--validate-steps", "-1"], "--validate-steps"),
+    ("model", ["--validate-batch", "0"], "--validate-batch"),
+    ("model", ["--max-crossover-np", "-1"], "--max-crossover-np"),
+    ("curves", ["--model", "nosuch"], "nosuch"),
 ])
 def test_bench_bad_values_are_one_line(bench, args, needle):
     """A bad value of a benchmark flag is refused in one line before anything runs."""

@@ -224,13 +224,15 @@ def main(argv=None):
         raise UsageError("--epochs, --np and --eval-every must be >= 1")
     if args.batch_size % args.np:
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by --np {args.np}")
+    from ringnet.models import MODELS
+    if args.model not in MODELS:
+        raise UsageError(f"unknown model {args.model!r}: choose from {', '.join(MODELS)}")
     _check_plot(args.plot)
     runs = parse_runs(args.runs, args.np)
     args.steps = None           # run_config's default length; every run here sets --epochs
     if args.eval_every is None:
         from ringnet.data import open_dataset
-        from ringnet.models import MODELS
-        spec = MODELS[args.model] if args.model in MODELS else None
+        spec = MODELS[args.model]
         try:
             ds = open_dataset(args.dataset, data_dir=args.data_dir, seed=args.seed,
                               input_shape=spec and spec.input_shape,

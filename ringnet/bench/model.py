@@ -1657,8 +1657,11 @@ def main(argv=None):
         raise UsageError("--np, --batch-size and --ranks-per-node must be >= 1")
     if args.markdown and args.table == "validation" and not (args.validate or args.validation):
         raise UsageError("--table validation needs --validate or --validation FILE")
-    if args.validate and (args.validate_steps < 3 or args.validate_repeats < 1):
-        raise UsageError("--validate-steps must be >= 3 and --validate-repeats >= 1")
+    if args.validate_steps < 3 or args.validate_repeats < 1 or args.validate_batch < 1:
+        raise UsageError("--validate-steps must be >= 3, --validate-repeats and "
+                         "--validate-batch >= 1")
+    if args.max_crossover_np < 2:
+        raise UsageError(f"--max-crossover-np must be >= 2, got {args.max_crossover_np}")
     nps = sorted(set(args.np))
     profiles = args.profile or list(DEFAULT_PROFILES)
     for spec in profiles:
