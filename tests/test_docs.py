@@ -602,7 +602,7 @@ COMMANDS = {
     "--plot docs/bench-model.png": "tests/test_bench_model.py::test_cli_plot_writes_a_png",
     "python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 2 "
     "--validate-steps 20 --validation v.json":
-        "takes about 20 minutes; its model parts are tests/test_bench_model.py's",
+        "about 2.5 minutes on a quiet machine; its model parts are tests/test_bench_model.py's",
     "python -m ringnet.datasets convert mnist /usr/share/datasets/fashion-mnist --name fashion-mnist":
         FASHION,
     "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3":
@@ -623,6 +623,9 @@ COMMANDS = {
         readme_delay_table,
     "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3 "
     "--variants single,none,lookahead/k=5,lookahead --markdown": readme_delay_table,
+    "python -m ringnet.bench delay --model cifar10_quick --dataset synthetic --batch-size 16 "
+    "--epochs 2 --lr 0.005 0.01 0.02 0.03 --momentum 0.9 --seeds 0 1 2 --variants "
+    "single,none,lookahead --metric loss --markdown": readme_delay_table,
     "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8":
         "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2 "

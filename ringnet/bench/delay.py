@@ -202,7 +202,9 @@ def run(model_name, dataset, variant, lr, momentum, epochs, seed, batch_size=64,
         while it < total and status == "ok":
             batches = loader.epoch(it // loader.steps_per_epoch)
             for x, y in batches:
-                losses.append(float(runner.step(x, y, it)))
+                # A diverging run is reported as div@STEP, not as NumPy overflow warnings.
+                with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                    losses.append(float(runner.step(x, y, it)))
                 if not math.isfinite(losses[-1]):
                     status = f"div@{it}"
                     break
