@@ -10,6 +10,15 @@ from ringnet.backend import to_numpy
 # Child processes run with one BLAS thread: the machine is shared by the MPI ranks.
 ENV = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
 
+LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_", "HYDRA_", "OMPI_")
+
+
+def launcher_free_env(*also):
+    """``os.environ`` without the MPI launcher's variables (and those starting with any of
+    ``also``): a nested ``mpirun`` from a test that may itself be an MPI singleton."""
+    drop = LAUNCHER_PREFIXES + also
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
 
 def rel_error(a, b):
     """Return max |a - b| / max |b| (b is the reference)."""

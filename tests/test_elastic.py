@@ -20,6 +20,7 @@ import pytest
 
 from ringnet.bench.elastic import kill_rank_after_first_checkpoint
 from ringnet.launch import relaunch_size, slurm_tasks_alive
+from conftest import launcher_free_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
@@ -32,8 +33,7 @@ FLAGS = ["--model", "digits", "--dataset", "digits", "--lr", "0.05", "--seed", "
 
 def _env(extra=None):
     # A clean environment: the test process may itself be an MPI singleton.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "MPI_", "HYDRA_", "OMPI_", "SLURM_"))}
+    env = launcher_free_env("SLURM_")
     env.update(OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1", RINGNET_COMM_TIMEOUT="60",
                PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
     env.update(extra or {})

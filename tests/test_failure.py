@@ -7,6 +7,7 @@ import textwrap
 import time
 
 import pytest
+from conftest import launcher_free_env
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
 
@@ -25,8 +26,7 @@ def run_job(tmp_path, body, np_=2, env=None, limit=60):
         def main(argv):
         """) + textwrap.indent(textwrap.dedent(body), "    ") + "\nrun_main(main)\n")
     # A clean environment: the test process may itself be an MPI singleton.
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("PMI_", "PMIX_", "MPI_", "HYDRA_", "OMPI_"))}
+    clean = launcher_free_env()
     clean.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + clean.get("PYTHONPATH", ""))
     clean.update(env or {})
     start = time.perf_counter()

@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 from ringnet.bench import faults
+from conftest import launcher_free_env
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
 
@@ -111,8 +112,7 @@ def test_a_stall_is_reported_once_by_the_lowest_rank_that_arrived(tmp_path):
         "        time.sleep(120)\n"
         "    exchange(comm, rank, phase='the test phase', timeout=4.0 if rank == 0 else 1.0)\n"
         "run_main(main)\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "MPI_", "HYDRA_", "OMPI_", "RINGNET_"))}
+    env = launcher_free_env("RINGNET_")
     start = time.monotonic()
     proc = subprocess.run(["mpirun", "-np", "3", sys.executable, str(script)], capture_output=True,
                           text=True, timeout=180, env=env)

@@ -22,6 +22,7 @@ from ringnet.comm.mpi_transport import mpi_cuda_aware
 from ringnet.comm.nccl_transport import NcclTransport, _Watchdog
 from ringnet.config import TRANSPORT_ADVICE, transport_usage_error
 from ringnet.errors import SetupError, TransportUnavailable, UsageError
+from conftest import launcher_free_env
 
 WORLD = MPI.COMM_WORLD
 
@@ -224,8 +225,7 @@ def test_nccl_init_past_the_deadline_ends_the_job(tmp_path):
         "else:  # the transport's steps before NCCL init, then never joining\n"
         "    MPI.COMM_WORLD.Dup().bcast(None, root=0)\n"
         "    time.sleep(120)\n")
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("PMI_", "PMIX_", "MPI_", "HYDRA_", "OMPI_", "RINGNET_"))}
+    clean = launcher_free_env("RINGNET_")
     start = time.perf_counter()
     run = subprocess.run(["mpirun", "-np", "2", sys.executable, str(script)], capture_output=True,
                          text=True, timeout=100, env=clean)
