@@ -408,6 +408,115 @@ def test_ranks_beyond_the_cores_share_them():
     assert pm._calibration_record(4, raw, 0.0)["cores"] == pm.usable_cores()
 
 
+def _round_robin_wait(n, cores, slice_s, samples, rng):
+    """Simulate: N busy ranks share ``cores`` cores, each core running its N/cores ranks in
+    turn for one slice each; a rank blocks on a random peer at a random moment and waits
+    until that peer next runs. Returns the mean wait over ``samples`` draws."""
+    per_core = max(1, n // cores)                  # N <= cores: each rank has its own
+    period = per_core * slice_s
+    total = 0.0
+    for _ in range(samples):
+        peer = int(rng.integers(n))
+        turn = peer % per_core                     # its place in its core's rotation
+        t = float(rng.uniform(0, 50 * period))
+        start = (t // period) * period + turn * slice_s
+        while start + slice_s <= t:                # this period's slot is over: the next one
+            start += period
+        total += max(0.0, start - t)
+    return total / samples
+
+
+@pytest.mark.parametrize("n, cores", [(1, 2), (2, 2), (4, 2), (6, 2), (8, 2), (9, 3), (16, 4)])
+def test_scheduling_wait_matches_a_round_robin_simulation(n, cores):
+    rng = np.random.default_rng(n * 10 + cores)
+    slice_s = 3e-3
+    simulated = _round_robin_wait(n, cores, slice_s, 40000, rng)
+    assert pm.scheduling_wait(n, cores, slice_s) == pytest.approx(simulated, rel=0.03, abs=1e-9)
+    # every rank has a core (N <= cores), or a GPU (no cores): no wait at all
+    assert pm.scheduling_wait(min(n, cores), cores, slice_s) == 0.0
+    assert pm.scheduling_wait(n, None, slice_s) == 0.0
+
+
+def _waits_raw(n, first, per_msg, idle_alpha=1e-3):
+    """Raw calibration timings whose loaded small exchanges took ``first`` more (the wait for
+    peers) plus ``per_msg`` more per message than the same exchanges entered idle."""
+    msgs = 2 * (n - 1)
+    waits = {}
+    for count in pm.LOADED_EXCHANGES:
+        waits[f"idle{count}"] = count * msgs * idle_alpha
+        waits[f"loaded{count}"] = waits[f"idle{count}"] + first + count * msgs * per_msg
+    return {"cores": 2, "solo_s": 0.02, "together_s": 0.04,
+            "blocking": {"4096": 0.004, "1048576": 0.010}, "streamed": {}, "waits": waits}
+
+
+def test_calibrated_waits_set_the_step_s_wait_and_each_message_s():
+    # at N = 4 on 2 cores the exchange entered after compute waited 6 ms more, plus 0.2 ms
+    # per message: the slices are recovered, and at N = 4 the system waits exactly that
+    record = pm._calibration_record(4, _waits_raw(4, 6e-3, 2e-4), 0.0)
+    unit = pm.scheduling_wait(4, 2, 1.0)                # 1/4 of a slice at N = 4 on 2 cores
+    assert unit == pytest.approx(0.25)
+    assert record["slice_s"] == pytest.approx(6e-3 / unit)
+    assert record["msg_slice_s"] == pytest.approx(2e-4 / unit)
+    system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record})
+    at4 = system.at(4)
+    assert at4.wait_s == pytest.approx(6e-3)
+    assert at4.intra.alpha_s == pytest.approx(record["alpha_s"] + 2e-4)
+    # N = 8 from the N = 4 calibration: the closed form scales it, (1-2/8)(8/2-1)/2 / (1/4)
+    assert system.at(8).wait_s == pytest.approx(6e-3 * 0.75 * 3 / 2 / 0.25)
+    # N = 2 on 2 cores: every rank has a core, whatever the exchanges measured
+    two = pm._calibration_record(2, _waits_raw(2, 6e-3, 2e-4), 0.0)
+    assert two["slice_s"] == two["msg_slice_s"] == 0.0
+    assert pm.System("local", None, None, 1 << 30, _system().compute,
+                     calibrated={2: two}).at(2).wait_s == 0.0
+    # a record without these timings (older worker): no wait
+    raw = _waits_raw(4, 6e-3, 2e-4)
+    raw.pop("waits")
+    assert pm._calibration_record(4, raw, 0.0)["slice_s"] == 0.0
+    # spec-sheet profiles: none
+    assert pm.make_system("pcie3", _system().compute, 8).wait_s == 0.0
+
+
+def test_wait_for_peers_is_paid_once_per_step():
+    lenet = build_model("lenet")
+    system = _system()
+    base = {(m, d): pm.predict(system, lenet, m, d, 4, 64).step_s
+            for m, d in (("ring", 0), ("ring", 1), ("tree", 0), ("master", 0), ("split-fc", 0))}
+    system.wait_s = 5e-3
+    for (mode, delay), step in base.items():
+        got = pm.predict(system, lenet, mode, delay, 4, 64).step_s
+        # once per step, in every mode
+        assert got - step == pytest.approx(5e-3), (mode, delay)
+    # one rank: nothing to wait for
+    assert pm.predict(system, lenet, "ring", 0, 1, 64).step_s == \
+        pytest.approx(pm.predict(_system(), lenet, "ring", 0, 1, 64).step_s)
+
+
+def test_contention_is_measured_with_the_model_s_own_step():
+    # the work unit: 4 ranks 2x one alone (2 cores); lenet's own step at its per-rank batch:
+    # 2.5x (1.6 effective cores); a model the calibration did not time keeps the work unit's
+    raw = _waits_raw(4, 0.0, 0.0)
+    raw["models"] = {"lenet": {"batch": 16, "solo_s": 0.004, "together_s": 0.010}}
+    record = pm._calibration_record(4, raw, 0.0)
+    assert record["model_cores"] == {"lenet": pytest.approx(1.6)}
+    system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record})
+    at4 = system.at(4)
+    assert at4.contention(4, "lenet") == pytest.approx(2.5)
+    assert at4.contention(4, "cifar10_quick") == pytest.approx(2.0)
+    assert at4.contention(1, "lenet") == 1.0
+    # lenet predicts as on a machine of 1.6 cores; without its own timing, as on one of 2
+    lenet = build_model("lenet")
+
+    def local(**change):
+        return pm.System("local", None, None, 1 << 30, _system().compute,
+                         calibrated={4: dict(record, **change)})
+    for mode, delay in (("ring", 1), ("ring", 0), ("tree", 0)):
+        got = pm.predict(system, lenet, mode, delay, 4, 64)
+        assert got == pm.predict(local(cores=1.6, model_cores={}), lenet, mode, delay, 4, 64)
+        assert got.compute_s > pm.predict(local(model_cores={}), lenet, mode, delay, 4, 64).compute_s
+    # GPU / spec-sheet systems: no contention
+    assert pm.make_system("pcie3", _system().compute, 8).contention(4, "lenet") == 1.0
+
+
 def test_compute_profile_keeps_one_model_per_batch(monkeypatch):
     # training never changes its batch, so its layers keep their buffers: the profile times
     # each batch size on its own model instance (the sizes still alternate pass by pass)
@@ -638,6 +747,30 @@ def test_strategies_send_what_the_model_counts(name, mode, delay):
     assert sent == expected, f"{mode} delay {delay} at N={size}: bytes sent per rank"
     expected = [steps * m for m in pm.messages(model, mode, size, batch, delay)]
     assert messages == expected, f"{mode} delay {delay} at N={size}: messages per rank"
+
+
+@pytest.mark.mpi
+def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
+    # the worker's own output (one iteration, a tiny batch): what the record is made from
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    assert pm._calibrate_worker(1, ["lenet"], 3) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    if world.Get_rank():
+        assert out == []
+        return
+    raw = json.loads(out[-1])
+    n = world.Get_size()
+    assert raw["np"] == n and raw["cores"] == pm.usable_cores()
+    assert raw["models"]["lenet"]["batch"] == 3
+    assert raw["models"]["lenet"]["solo_s"] > 0 and raw["models"]["lenet"]["together_s"] > 0
+    assert sorted(raw["waits"]) == sorted(f"{kind}{c}" for kind in ("idle", "loaded")
+                                          for c in pm.LOADED_EXCHANGES)
+    assert all(v > 0 for v in raw["waits"].values())
+    record = pm._calibration_record(n, raw, 0.0)
+    assert record["model_cores"]["lenet"] > 0
+    if n <= raw["cores"]:
+        assert record["slice_s"] == record["msg_slice_s"] == 0.0
 
 
 # -- validation records ----------------------------------------------------------------------
