@@ -807,6 +807,39 @@ def test_validation_reprint_says_where_the_model_is_off(tmp_path):
     assert "the code measured: CPU streams poll, no delay-0 buckets" in proc.stdout
 
 
+def test_validate_writes_the_record_and_prints_its_readme_table(tmp_path, monkeypatch, capsys):
+    # the measuring runs stood in for by a record with the new timings at N = 4 (2 cores):
+    # the command writes it to the file given and ends with the table the reprint prints
+    rows = [{"model": "lenet", "mode": "ring", "delay": 0, "np": n, "step_ms": 20.0,
+             "compute_ms": 15.0, "exposed_ms": 4.0, "update_ms": 1.0, "data_ms": 0.0}
+            for n in (1, 4)]
+    record = _validation_record(rows)
+    raw4 = _waits_raw(4, 6e-3, 2e-4)
+    raw4["models"] = {"lenet": {"batch": 16, "solo_s": 0.004, "together_s": 0.010}}
+    record["rounds"][0]["calibration"]["by_np"]["4"] = {"raw": raw4}
+    seen = {}
+
+    def fake_validate(models, batch, steps, repeats, mpirun, iters, nps):
+        seen.update(models=models, batch=batch, steps=steps, repeats=repeats, nps=nps)
+        return record
+    monkeypatch.setattr(pm, "validate", fake_validate)
+    path = tmp_path / "docs-record.json"
+    args = ["--compute", "k40", "--models", "lenet", "--profile", "pcie3", "--np", "1", "4",
+            "--validate", "--validate-repeats", "2", "--validate-steps", "20", "--validation", str(path)]
+    assert pm.main(args) == 0
+    out = capsys.readouterr().out
+    assert seen == {"models": ["lenet"], "batch": 64, "steps": 20, "repeats": 2, "nps": (1, 4)}
+    assert json.loads(path.read_text()) == record
+    assert "N=4: lenet step (batch 16) with all ranks busy 2.50x alone; wait for descheduled " \
+           "peers 6.00 ms per step, 200 us per message" in out
+    table = out[out.index("# the README's validation table"):].split("\n", 1)[1].strip()
+    assert pm.main(["--compute", "k40", "--np", "1", "4", "--models", "lenet", "--profile", "pcie3",
+                    "--validation", str(path), "--table", "validation", "--markdown"]) == 0
+    assert capsys.readouterr().out.strip() == table
+    assert table.splitlines()[0] == "| model | mode | N=1 predicted / measured ms | N=4 |"
+    assert [line.split(" | ")[:2] for line in table.splitlines()[2:]] == [["| lenet", "ring d0"]]
+
+
 def test_a_record_is_predicted_as_the_code_it_measured_ran():
     row = {"model": "lenet", "mode": "ring", "delay": 1, "np": 2, "step_ms": 100.0}
     old = pm.validation_rows(_validation_record([row]))[0]["predicted_ms"]
