@@ -459,8 +459,20 @@ def test_calibrated_waits_set_the_step_s_wait_and_each_message_s():
     assert record["msg_slice_s"] == pytest.approx(2e-4 / unit)
     system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record})
     at4 = system.at(4)
-    assert at4.wait_s == pytest.approx(6e-3)
-    assert at4.intra.alpha_s == pytest.approx(record["alpha_s"] + 2e-4)
+    assert at4.wait_s == pytest.approx(6e-3) and at4.msg_wait_s == pytest.approx(2e-4)
+    # every message of a blocking ring exchange pays it: 2(N-1) of them
+    lenet = build_model("lenet")
+    plain = pm.System("local", None, None, 1 << 30, _system().compute,
+                      calibrated={4: dict(record, slice_s=0.0, msg_slice_s=0.0)}).at(4)
+    bounds = pm._shard_bounds(lenet.num_params, 4)
+    both = [pm._ring_time(s, bounds, 4, "rs") + pm._ring_time(s, bounds, 4, "ag") for s in (at4, plain)]
+    assert both[0] - both[1] == pytest.approx(6 * 2e-4)
+    # the tree's and the master's waits too, one per wait on their critical path
+    for mode in ("tree", "master"):
+        items = [pm._exchange_items(s, lenet, mode, 4, 1000, (0, 1000), 0.0) for s in (at4, plain)]
+        peers = [sec for kind, sec in items[0] if kind == "peer"]
+        assert peers and all(p == pytest.approx(2e-4) for p in peers)
+        assert [i for i in items[0] if i[0] != "peer"] == items[1]
     # N = 8 from the N = 4 calibration: the closed form scales it, (1-2/8)(8/2-1)/2 / (1/4)
     assert system.at(8).wait_s == pytest.approx(6e-3 * 0.75 * 3 / 2 / 0.25)
     # N = 2 on 2 cores: every rank has a core, whatever the exchanges measured
@@ -474,6 +486,20 @@ def test_calibrated_waits_set_the_step_s_wait_and_each_message_s():
     assert pm._calibration_record(4, raw, 0.0)["slice_s"] == 0.0
     # spec-sheet profiles: none
     assert pm.make_system("pcie3", _system().compute, 8).wait_s == 0.0
+
+
+def test_peer_wait_beside_compute_is_in_the_calibrated_rate():
+    # a message's wait for a descheduled peer costs its time after the compute, and nothing
+    # beside it (the stream's calibrated rate there was measured with the ranks oversubscribed)
+    system = _system()
+    system.cores, system.ranks_here = 1.0, 1
+    layers = pm.Timeline([1.0, 2.0, 3.0, 4.0], [], {}, 4.0)
+    assert pm._message(pm.Link("x", 0.1, 1.0), 0.3, 0.5) == [("msg", 0.1), ("copy", 0.3), ("peer", 0.5)]
+    beside = [(0.0, [("msg", 0.1), ("peer", 5.0)])]
+    assert pm._simulate(system, layers, beside, "driven") == pytest.approx((4.0, 0.0))
+    assert pm._simulate(system, layers, beside, "poll") == pytest.approx((4.0, 0.0))
+    after = [(4.0, [("msg", 0.1), ("peer", 0.5)])]
+    assert pm._simulate(system, layers, after, "driven") == pytest.approx((4.6, 0.0))
 
 
 def test_wait_for_peers_is_paid_once_per_step():

@@ -373,7 +373,8 @@ class System:
     calibrated: dict = None
     ranks_here: int = 1              # ranks of this job on one node (set per prediction)
     model_cores: dict = None         # local: model -> cores measured with its own step
-    wait_s: float = 0.0              # a blocking wait for peers descheduled (N > cores)
+    wait_s: float = 0.0              # a step's first wait for peers descheduled (N > cores)
+    msg_wait_s: float = 0.0          # each blocking message's wait for them
 
     def hop(self, a, b):
         """Return the Link between ranks a and b (ranks fill nodes in order)."""
@@ -394,13 +395,10 @@ class System:
         cores_here = c.get("raw", {}).get("cores") or usable_cores()
         wait = scheduling_wait(n, cores_here, c.get("slice_s", 0.0))
         per_msg = scheduling_wait(n, cores_here, c.get("msg_slice_s", 0.0))
-        if per_msg:
-            link = dataclasses.replace(link, alpha_s=link.alpha_s + per_msg)
-            rooted = {mode: dataclasses.replace(v, alpha_s=v.alpha_s + per_msg)
-                      for mode, v in rooted.items()}
         return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
                                    cores=c.get("cores") or usable_cores(), steal=c["steal"],
-                                   model_cores=c.get("model_cores") or None, wait_s=wait)
+                                   model_cores=c.get("model_cores") or None, wait_s=wait,
+                                   msg_wait_s=per_msg)
 
     def contention(self, n, model=None):
         """Return the compute slowdown of N ranks busy at once on this node: max(1, N / cores),
@@ -685,16 +683,19 @@ def _ring_items(system, bounds, itemsize, kind):
     hop = system.intra if n <= system.ranks_per_node else system.inter
     items = []
     for _ in range(n - 1):
-        items += _message(hop, shard * itemsize)
+        items += _message(hop, shard * itemsize, system.msg_wait_s)
         if kind == "rs":
             items.append(("cpu", system.compute.add(shard)))
     return items
 
 
-def _message(link, nbytes):
-    """One message as the stream meets it: a wait for the peer ("msg", the latency) and the
-    copy of its bytes ("copy", bytes / beta)."""
-    return [("msg", link.alpha_s), ("copy", nbytes / link.beta_Bps)] if nbytes else []
+def _message(link, nbytes, peer_s=0.0):
+    """One message as the stream meets it: a wait for the peer ("msg", the latency), the
+    copy of its bytes ("copy", bytes / beta), and where ranks outnumber the cores the wait
+    for a descheduled peer ("peer"; beside compute the calibrated rate already holds it)."""
+    if not nbytes:
+        return []
+    return [("msg", link.alpha_s), ("copy", nbytes / link.beta_Bps)] + ([("peer", peer_s)] if peer_s else [])
 
 
 def _without_latency(system):
@@ -865,8 +866,10 @@ def _exchange_items(system, model, mode, n, size, part, update_s):
     moved = timing(_without_latency(system), n, elems * itemsize, elems)
     waits = _rooted_waits(mode, n, elems, itemsize)
 
+    peer = [("peer", system.msg_wait_s)] if system.msg_wait_s else []
+
     def cut(total, copied):
-        return [("msg", max(0.0, total - copied) / waits), ("copy", copied / waits)] * waits
+        return ([("msg", max(0.0, total - copied) / waits), ("copy", copied / waits)] + peer) * waits
     return cut(reduce, moved[0]) + [("cpu", update_s)] + cut(bcast, moved[1])
 
 
@@ -956,6 +959,10 @@ def _simulate(system, timeline, ops, progress):
         t = max(t, ready + shift)
         for kind, seconds in items:
             computing = t < timeline.end + shift
+            if kind == "peer":                  # beside compute the calibrated rate holds it
+                if not computing:
+                    t += seconds
+                continue
             if kind == "cpu":
                 if computing and not n_spare:
                     shift += seconds
@@ -1056,7 +1063,7 @@ def predict(system, model, mode, delay, n, batch):
 
     xmode = "ring" if mode in ("split-fc", "single") else mode
     whole = _exchange_items(system, model, xmode, n, region, (0, region), update_of(0, region))
-    comm = sum(t for kind, t in whole if kind in ("msg", "copy"))
+    comm = sum(t for kind, t in whole if kind in ("msg", "copy", "peer"))
     update = update_of(0, region) + fixed
     ops = []
     if delay and n > 1:
