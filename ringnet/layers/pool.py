@@ -207,12 +207,14 @@ class MaxPool2d(_Pool2d):
                 xp.multiply(win[out].view(np.uint8), np.uint8(t), out=step[out])
                 xp.maximum(argmax[out], step[out], out=argmax[out])
             xp.maximum(dst, src, out=dst)
-        self._cache = (x.shape, argmax, taps, covered) if train else None
+        # kept as a (C, Ho, Wo, B) view: the tap index of each output, indexed as y is
+        self._cache = (x.shape, argmax.transpose(2, 1, 0, 3), taps, covered) if train else None
         return _to_rows(xp, y).transpose(3, 0, 1, 2)             # (B, C, Ho, Wo)
 
     def backward(self, dy):
         # y = x[argmax]  =>  dx[argmax] += dy, zero elsewhere (overlapping windows add up).
         shape, argmax, taps, covered = self._cached()
+        argmax = argmax.transpose(2, 1, 0, 3)                    # (Wo, Ho, C, B) memory
         xp = get_array_module(dy)
         dyc = _to_columns(xp, dy, self._scratch(xp, "dy", argmax.shape, dy.dtype))
         hit = self._scratch(xp, "win", argmax.shape, np.bool_)
@@ -233,8 +235,8 @@ class AvgPool2d(_Pool2d):
         def count(size, out, k, s, p):
             start = np.arange(out) * s - p
             return np.minimum(start + k, size + p) - start
-        inv = 1.0 / np.outer(count(w, wo, kw, sw, pw), count(h, ho, kh, sh, ph))
-        return xp.asarray(inv.astype(dtype)[:, :, None, None])    # (Wo, Ho, 1, 1)
+        inv = 1.0 / np.outer(count(h, ho, kh, sh, ph), count(w, wo, kw, sw, pw))
+        return xp.asarray(inv.astype(dtype)[:, :, None])          # (Ho, Wo, 1)
 
     def forward(self, x, train=True):
         xp = get_array_module(x)
@@ -252,8 +254,8 @@ class AvgPool2d(_Pool2d):
             rest = taps
         for _, out, plane in rest:
             y[out] += planes[plane]
-        inv = self._inv_count(xp, h, w, ho, wo, x.dtype)
-        y *= inv
+        inv = self._inv_count(xp, h, w, ho, wo, x.dtype)[:, :, 0].T[:, :, None, None]
+        y *= inv                                                 # (Wo, Ho, 1, 1)
         self._cache = (x.shape, inv, taps, covered) if train else None
         return _to_rows(xp, y).transpose(3, 0, 1, 2)             # (B, C, Ho, Wo)
 
