@@ -1,6 +1,8 @@
 """ReLU and Dropout."""
 import math
 
+import numpy as np
+
 from ringnet.backend import get_array_module
 from ringnet.layers.base import Layer, zeros_like_layout
 
@@ -16,13 +18,16 @@ class ReLU(Layer):
 
     def forward(self, x, train=True):
         xp = get_array_module(x)
-        # Against an array of zeros laid out like x: NumPy's maximum with a scalar (or any
-        # broadcast operand) runs 2-3x slower than with two arrays of one memory order.
-        zeros = self._zeros
-        if zeros is None or zeros.shape != x.shape or zeros.dtype != x.dtype or \
-                zeros.strides != x.strides or get_array_module(zeros) is not xp:
-            zeros = self._zeros = zeros_like_layout(xp, x, x.shape)
-        y = xp.maximum(x, zeros)                                 # same shape and memory order
+        if xp is np:
+            # Against an array of zeros laid out like x: NumPy's maximum with a scalar (or
+            # any broadcast operand) runs 2-3x slower than with two arrays of one order.
+            zeros = self._zeros
+            if zeros is None or zeros.shape != x.shape or zeros.dtype != x.dtype or \
+                    zeros.strides != x.strides:
+                zeros = self._zeros = zeros_like_layout(np, x, x.shape)
+            y = np.maximum(x, zeros)                             # same shape and memory order
+        else:
+            y = xp.maximum(x, 0)
         self._y = y if train else None
         return y
 

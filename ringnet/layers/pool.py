@@ -214,8 +214,8 @@ class MaxPool2d(_Pool2d):
     def backward(self, dy):
         # y = x[argmax]  =>  dx[argmax] += dy, zero elsewhere (overlapping windows add up).
         shape, argmax, taps, covered = self._cached()
-        argmax = argmax.transpose(2, 1, 0, 3)                    # (Wo, Ho, C, B) memory
         xp = get_array_module(dy)
+        argmax = argmax.transpose(2, 1, 0, 3)                    # (Wo, Ho, C, B) memory
         dyc = _to_columns(xp, dy, self._scratch(xp, "dy", argmax.shape, dy.dtype))
         hit = self._scratch(xp, "win", argmax.shape, np.bool_)
         part = self._scratch(xp, "part", argmax.shape, dy.dtype)
