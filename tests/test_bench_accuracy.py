@@ -72,12 +72,46 @@ def test_delay_variants_are_checked():
 
 def test_delay_loss_metric_tells_descent_from_divergence():
     """--metric loss: no test evaluation; a run that descends is ok, one that blows up
-    (the plain recurrence at lr 0.3, momentum 0.9 on digits) is not."""
+    (the plain recurrence at lr 0.3, momentum 0.9 on digits: 3.04 -> about 5) "grew"."""
     ok = delay.run("digits", "digits", "single", 0.03, 0.9, epochs=0.5, seed=0, metric="loss")
     assert ok["status"] == "ok" and ok["train_loss"] < ok["first_loss"], ok
     assert ok["test_accuracy"] != ok["test_accuracy"]       # NaN: the test set was not read
     bad = delay.run("digits", "digits", "none", 0.3, 0.9, epochs=0.5, seed=0, metric="loss")
-    assert bad["status"] != "ok", bad
+    assert bad["status"] == "grew" and bad["train_loss"] > 1.05 * bad["first_loss"], bad
+
+
+@pytest.mark.parametrize("losses, status", [
+    ([2.30, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], "ok"),          # descended
+    ([2.30, 2.31, 2.30, 2.32, 2.31, 2.30, 2.31, 2.32], "dead"),  # flat: not below, within 5%
+    ([2.30, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], "grew"),         # blew up without NaN
+    ([2.30, 2.5, 3.0, 4.0, 5.0, float("inf"), 7.0, 8.0], "div@5"),
+])
+def test_delay_loss_metric_states_and_their_table_cells(monkeypatch, losses, status):
+    """The late quarter's mean against the first step's loss decides ok / dead (flat) / grew
+    (more than 5% above it) / div@S, and each shows as its own cell in both tables."""
+    class Scripted:             # the training steps stood in for by a loss sequence
+        def __init__(self, model, *args):
+            self.model = model
+
+        def step(self, x, y, it):
+            return losses[it]
+
+        def eval_model(self):
+            return self.model
+    monkeypatch.setattr(delay, "_Engine", Scripted)
+    r = delay.run("digits", "digits", "single", 0.01, 0.9, epochs=8 / 22, seed=0, metric="loss")
+    assert r["steps"] == 8 and r["status"] == status, r
+    rows = {("single", 0.01, 0.9): [r], ("none", 0.01, 0.9): [dict(r, status="ok")]}
+    seeds = delay.seeds_table(rows, "loss").splitlines()[2]
+    sweep = delay.sweep_table(rows, "loss").splitlines()[2]
+    cell = {"ok": f"{r['train_loss']:.3f}", "dead": "no descent", "grew": "loss grew",
+            "div@5": "diverged at step 5"}[status]
+    assert seeds.startswith(f"| single | {cell} |"), seeds
+    part = {"ok": f"{r['train_loss']:.3g}", "dead": "–", "grew": "grew", "div@5": "–"}[status]
+    assert sweep.startswith(f"| 0.01 | {part} / "), sweep
+    # one seed that diverged outweighs one whose loss grew: the sweep shows "–"
+    rows[("single", 0.01, 0.9)] = [dict(r, status="grew"), dict(r, status="div@3")]
+    assert delay.sweep_table(rows, "loss").splitlines()[2].startswith("| 0.01 | – / ")
 
 
 def test_delay_bench_separates_plain_from_compensated_on_lenet():

@@ -17,16 +17,23 @@ of these variants of the recurrence written out here (joined with '+'):
 * ``dca:L``    DC-ASGD, adaptive: L / sqrt(ms) with ms the 0.95-average of g*g;
 * ``mom:M``    momentum M instead of the run's;  ``lrs:S``  lr * S;
 * ``warm:K``   the first K steps synchronous;
-* ``pred:C``   gradient at w[t-1] + C (w[t-1] - w[t-2]).
+* ``pred:C``   gradient at w[t-1] + C (w[t-1] - w[t-2]);
+* ``own:N``    N ranks simulated (the batch split in N equal shards), each computing
+  its gradient at its own prediction of w[t], the update of w[t-1] with its own
+  gradient of step t-1: w[t-1] + mu (w[t-1] - w[t-2]) - lr (g_r[t-1] + wd w[t-1])
+  (own:1 is synchronous SGD up to rounding).
 
 It prints test accuracy per (variant, lr, momentum), mean over seeds, or ``div@S``
 when the loss became NaN/inf at step S; a run whose final test accuracy is under twice
 chance counts as failed too (``dead``). ``--metric loss`` reports the mean training loss
 of the last quarter of the steps instead (no test evaluation; for runs too short to
 learn the test set, where only stability can be read): a run fails when that is not
-below its first step's loss. ``--markdown`` prints the README's table: for one lr and
+below its first step's loss, as ``grew`` when it is more than 5% above it (it blew up
+without reaching NaN), else as ``dead`` (it stayed flat). ``--markdown`` prints the README's table: for one lr and
 momentum a row per variant and a column per seed; for a sweep a row per lr and a column
-per momentum, each cell the variants' means joined by " / " ("–" where any seed failed).
+per momentum, each cell the variants' means joined by " / " ("–" where any seed diverged
+or did not learn; with ``--metric loss``, "grew" where a seed's loss grew and none
+reached NaN).
 
 ``--speed`` instead times ``mpirun -np N python -m ringnet.train --mode ring --delay 1``
 with ``--delay-compensation none`` and ``lookahead``, interleaved (one launch per round
@@ -61,7 +68,10 @@ from ringnet.optim import SGD, LRPolicy
 __all__ = ["main", "run", "seeds_table", "sweep_table", "engine_variant"]
 
 ENGINE = ("single", "none", "lookahead")
-_KEYS = {"dc", "dca", "mom", "lrs", "warm", "pred"}
+# --metric loss: a late loss more than this fraction above the first step's "grew" (the run
+# blew up without reaching NaN); not below the first step's but within it: "dead" (flat)
+GREW = 0.05
+_KEYS = {"dc", "dca", "mom", "lrs", "warm", "pred", "own"}
 
 
 def engine_variant(text):
@@ -112,6 +122,8 @@ def parse_variant(text):
             out[key] = float(value)
         except ValueError:
             raise UsageError(f"bad variant {text!r}: {value!r} is not a number") from None
+    if "own" in out and not (out["own"] >= 1 and out["own"] == int(out["own"])):
+        raise UsageError(f"bad variant {text!r}: own:N takes a whole number of ranks >= 1")
     return out
 
 
@@ -135,14 +147,38 @@ class _WrittenOut:
         self.w2 = self.w.copy()
         self.ms = np.zeros_like(self.w)
         self.t = self.model.params.dtype.type
+        self.ranks = int(variant.get("own", 0))
+        self.own = None             # own:N: each simulated rank's gradient of the last step
+
+    def _own_step(self, x, y, it, sync):
+        """own:N: the mean gradient of N shards, each at its rank's prediction of w[t]."""
+        t, n = self.t, self.ranks
+        if len(x) % n:
+            raise UsageError(f"own:{n}: the batch of {len(x)} does not split in {n} shards")
+        size, grads, losses = len(x) // n, [], []
+        for r in range(n):
+            if sync:
+                self.model.params[...] = self.w
+            else:
+                w1, lr = self.w1, t(self.opt.lr_policy(it - 1))
+                self.model.params[...] = (w1 + t(self.opt.momentum) * (w1 - self.w2)
+                                          - lr * (self.own[r] + t(self.opt.weight_decay) * w1))
+            losses.append(float(self.model.loss_and_grad(x[r * size:(r + 1) * size],
+                                                         y[r * size:(r + 1) * size])[0]))
+            grads.append(self.model.grads.copy())
+        self.own = grads
+        return sum(losses) / n, sum(grads[1:], grads[0].copy()) / t(n)
 
     def step(self, x, y, it):
         v, t = self.v, self.t
         sync = it == 0 or it < v.get("warm", 0)
         point = self.w if sync else self.w1 + t(v.get("pred", 0.0)) * (self.w1 - self.w2)
-        self.model.params[...] = point
-        loss, _ = self.model.loss_and_grad(x, y)
-        g = self.model.grads.copy()
+        if self.ranks:
+            loss, g = self._own_step(x, y, it, sync)
+        else:
+            self.model.params[...] = point
+            loss, _ = self.model.loss_and_grad(x, y)
+            g = self.model.grads.copy()
         if "dca" in v:
             self.ms *= t(0.95)
             self.ms += t(0.05) * g * g
@@ -219,8 +255,10 @@ def run(model_name, dataset, variant, lr, momentum, epochs, seed, batch_size=64,
             if not np.all(np.isfinite(np.asarray(model.params))):
                 status = f"div@{it}"
             elif metric == "loss":
-                if not late_loss < losses[0]:
-                    status = "dead"         # no descent: the loss ended above where it began
+                if late_loss > (1.0 + GREW) * losses[0]:
+                    status = "grew"         # blew up without reaching NaN
+                elif not late_loss < losses[0]:
+                    status = "dead"         # no descent: the loss stayed where it began
             else:
                 acc = _accuracy(model, ds, dtype)
                 if acc < 2.0 / spec.num_classes:
@@ -323,7 +361,8 @@ def _parser():
     p.add_argument("--metric", choices=("accuracy", "loss"), default="accuracy",
                    help="accuracy: test accuracy at the end (default); loss: the mean training "
                         "loss of the last quarter of the steps, no test evaluation (a run "
-                        "whose loss ends above its first step's fails)")
+                        "whose loss does not end below its first step's fails: 'grew' when "
+                        "more than 5%% above it, i.e. it blew up without NaN, else 'dead', flat)")
     p.add_argument("--json", action="store_true",
                    help="one JSON line per run as it ends, instead of the table (with --markdown: before it)")
     p.add_argument("--markdown", action="store_true",
@@ -425,7 +464,18 @@ def _label(variant):
 def _failure(status, metric):
     if status.startswith("div@"):
         return f"diverged at step {status[4:]}"
+    if status == "grew":
+        return "loss grew"
     return "chance accuracy" if metric == "accuracy" else "no descent"
+
+
+def _failed_part(results):
+    """A sweep cell's part for a variant whose seeds did not all end ok: "grew" where a
+    seed's loss grew and none diverged, else "–"."""
+    statuses = {r["status"] for r in results}
+    if "grew" in statuses and not any(s.startswith("div@") for s in statuses):
+        return "grew"
+    return "–"
 
 
 def seeds_table(rows, metric="accuracy"):
@@ -448,7 +498,8 @@ def seeds_table(rows, metric="accuracy"):
 def sweep_table(rows, metric="accuracy"):
     """The ``--markdown`` table of an lr x momentum sweep: a row per lr, a column per
     momentum, each cell the variants' means (test accuracy in %, or the late training
-    loss) in the order of the first column's title; "–" where a seed diverged or failed."""
+    loss) in the order of the first column's title; "–" where a seed diverged or did not
+    learn, "grew" where a seed's loss grew (and none diverged)."""
     variants = list(dict.fromkeys(v for v, _, _ in rows))
     lrs = list(dict.fromkeys(lr for _, lr, _ in rows))
     mus = list(dict.fromkeys(mu for _, _, mu in rows))
@@ -460,7 +511,7 @@ def sweep_table(rows, metric="accuracy"):
             parts = []
             for v in variants:
                 mean = _mean(rows[(v, lr, mu)], metric)
-                parts.append("–" if mean is None else
+                parts.append(_failed_part(rows[(v, lr, mu)]) if mean is None else
                              (f"{100 * mean:.1f}" if metric == "accuracy" else f"{mean:.3g}"))
             row.append(" / ".join(parts))
         out.append(row)
