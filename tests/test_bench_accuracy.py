@@ -70,6 +70,52 @@ def test_delay_variants_are_checked():
             delay.engine_variant(bad)
 
 
+def test_delay_own_gradient_prediction_against_its_recurrence():
+    """own:N: each of N simulated ranks computes on its shard at w[t-1] - (mu v[t-1] +
+    lr (g_r[t-1] + wd w[t-1])), its prediction of w[t] (v kept here as a buffer; the bench
+    rebuilds it from the weights); own:1 is synchronous SGD."""
+    from ringnet.models import build_model
+    lr, mu, wd, steps = 0.05, 0.9, 5e-4, 6
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(8, 1, 8, 8)), rng.integers(0, 10, size=8)) for _ in range(steps)]
+
+    def bench(variant):
+        model = build_model("digits", dtype="float64", seed=1)
+        runner = (delay._Engine if variant == "single" else delay._WrittenOut)(
+            model, variant if variant == "single" else delay.parse_variant(variant), lr, mu, wd,
+            "float64")
+        for it, (x, y) in enumerate(batches):
+            runner.step(x, y, it)
+        return np.array(runner.eval_model().params)
+
+    def reference(n):
+        model = build_model("digits", dtype="float64", seed=1)
+        w, v, own = model.params.copy(), np.zeros(model.num_params), None
+        w_prev, v_prev = w, v
+        for t, (x, y) in enumerate(batches):
+            grads = []
+            for r in range(n):
+                model.params[...] = w if t == 0 else w_prev - (mu * v_prev + lr * (own[r] + wd * w_prev))
+                model.loss_and_grad(x[r * 8 // n:(r + 1) * 8 // n], y[r * 8 // n:(r + 1) * 8 // n])
+                grads.append(model.grads.copy())
+            own = grads
+            w_prev, v_prev = w, v
+            v = mu * v + lr * (sum(grads) / n + wd * w)
+            w = w - v
+        return w
+
+    single = bench("single")
+    assert np.max(np.abs(bench("own:1") - single)) <= 1e-10 * np.max(np.abs(single))
+    assert np.max(np.abs(reference(1) - single)) <= 1e-10 * np.max(np.abs(single))
+    for n in (2, 4):
+        own = bench(f"own:{n}")
+        assert np.max(np.abs(own - reference(n))) <= 1e-10 * np.max(np.abs(single)), n
+        assert np.max(np.abs(own - single)) > 1e-6 * np.max(np.abs(single)), n  # not synchronous
+    for bad in ("own:0", "own:1.5", "own:-2"):
+        with pytest.raises(UsageError):
+            delay.parse_variant(bad)
+
+
 def test_delay_loss_metric_tells_descent_from_divergence():
     """--metric loss: no test evaluation; a run that descends is ok, one that blows up
     (the plain recurrence at lr 0.3, momentum 0.9 on digits: 3.04 -> about 5) "grew"."""
