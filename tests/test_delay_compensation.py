@@ -33,7 +33,9 @@ def _optimizer(n):
 
 
 def _engine_run(compensation, steps):
-    if isinstance(compensation, str):
+    if compensation == "lookahead":     # the recurrence itself: no synchronous warm-up
+        compensation = Lookahead(warmup=0)
+    elif isinstance(compensation, str):
         compensation = COMPENSATIONS[compensation]
     strategy = DataParallelStrategy(build_model("digits", dtype="float64", seed=1), _optimizer,
                                     None, delay=1, lookahead=compensation)
@@ -89,6 +91,27 @@ def test_the_compensation_changes_the_trajectory():
     # each of the two ingredients matters: look-ahead point and corrected momentum/lr
     assert _rel(lookahead, _written_out(6, K, 0.0)[0]) > 1e-5
     assert _rel(lookahead, _written_out(6, 1.0, C)[0]) > 1e-5
+
+
+def test_default_warmup_is_ten_momentum_spans():
+    """The default compensation starts with ceil(10 / (1 - mu)) synchronous steps (100 at
+    mu 0.9): for a run shorter than that, delay 1 is synchronous SGD."""
+    default = COMPENSATIONS["lookahead"]
+    assert [default.warmup_for(mu) for mu in (0.0, 0.5, 0.9, 0.99)] == [10, 20, 100, 1000]
+    params, losses = _engine_run(default, steps=6)
+    reference, ref_losses = _written_out(6, 1.0, 0.0, warmup=6)      # all synchronous
+    assert _rel(params, reference) <= 1e-12
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-12)
+    assert TrainConfig(mode="ring").resolved(2).warmup_steps == 100
+    assert TrainConfig(mode="ring", momentum=0.5).resolved(2).warmup_steps == 20
+    assert TrainConfig(mode="ring", warmup_steps=0).resolved(2).warmup_steps == 0
+    assert TrainConfig(mode="ring", delay=0).resolved(2).warmup_steps == 0
+    assert TrainConfig(mode="ring", delay_compensation="none").resolved(2).warmup_steps == 0
+    for bad, match in ((dict(warmup_steps=-1), "must be >= 0"),
+                       (dict(delay=0, warmup_steps=5), "applies to --delay 1"),
+                       (dict(delay_compensation="none", warmup_steps=5), "applies to --delay 1")):
+        with pytest.raises(UsageError, match=match):
+            TrainConfig(mode="ring", **bad).resolved(2)
 
 
 def test_default_compensation_and_its_checks():
