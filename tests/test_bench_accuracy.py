@@ -63,7 +63,8 @@ def test_delay_variants_are_checked():
     assert delay.engine_variant("none") is COMPENSATIONS["none"]
     assert delay.engine_variant("single") is None
     assert delay.engine_variant("lookahead/warm=30/k=5") == Lookahead(k=5.0, c=2.0, warmup=30)
-    assert delay.engine_variant("lookahead/c=1.5") == Lookahead(k=None, c=1.5, warmup=0)
+    assert delay.engine_variant("lookahead/c=1.5") == Lookahead(k=None, c=1.5, warmup=None)
+    assert delay.engine_variant("lookahead/warm=0") == Lookahead(k=None, c=2.0, warmup=0)
     for bad in ("lookahead/warm=1.5", "lookahead/k=0", "lookahead/x=1", "none/k=2",
                 "single/warm=3", "lookahead/k=-1", "lookahead/k=nan"):
         with pytest.raises(UsageError):
@@ -270,7 +271,7 @@ def test_curves_from_csv_joins_and_refuses_bad_files(tmp_path):
 
 @pytest.mark.timeout(900)
 def test_delay_speed_prints_interleaved_ratio():
-    """bench delay --speed: none and lookahead alternate, one ratio line per N."""
+    """bench delay --speed: none, lookahead and warm-up alternate, ratio lines per N."""
     proc = subprocess.run(
         [sys.executable, "-m", "ringnet.bench", "delay", "--speed", "--model", "digits",
          "--dataset", "digits", "--steps", "3", "--repeats", "2", "--np", "1", "2"],
@@ -280,7 +281,10 @@ def test_delay_speed_prints_interleaved_ratio():
     assert sum("ring delay 1, mpirun -np" in line for line in out) == 2, proc.stdout
     ratios = [line for line in out if "ratio lookahead / none: median" in line]
     assert len(ratios) == 2, proc.stdout
-    for name in ("none", "lookahead"):
+    assert sum("ratio warm-up / lookahead: median" in line for line in out) == 2, proc.stdout
+    warmups = [line for line in out if "the default warm-up (100 synchronous steps" in line]
+    assert [line.split("N=")[1][0] for line in warmups] == ["1", "2"], proc.stdout
+    for name in ("none", "lookahead", "warm-up"):
         rows = [line.split() for line in out if line.split()[:1] == [name]]
         assert len(rows) == 2 and all(len(r) == 5 for r in rows), proc.stdout   # 2 rounds each
         assert all(float(v) > 0 for r in rows for v in (r[1], r[3], r[4]))

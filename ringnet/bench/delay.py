@@ -36,10 +36,12 @@ or did not learn; with ``--metric loss``, "grew" where a seed's loss grew and no
 reached NaN).
 
 ``--speed`` instead times ``mpirun -np N python -m ringnet.train --mode ring --delay 1``
-with ``--delay-compensation none`` and ``lookahead``, interleaved (one launch per round
-and variant, ABBA order, STEPS steps each; ``step_ms`` is the run's median step), and
-prints per N the median ms per step of each, the median of the per-round ratios
-lookahead / none and the load average. N = 1 is the delayed engine without exchange
+with ``--delay-compensation none``, ``lookahead --warmup-steps 0`` (the compensated
+recurrence) and ``lookahead --warmup-steps STEPS`` (``warm-up``: every step synchronous,
+as in the default warm-up), interleaved (one launch per round and variant, ABBA order,
+STEPS steps each; ``step_ms`` is the run's median step), and prints per N the median ms
+per step of each, the medians of the per-round ratios lookahead / none and warm-up /
+lookahead, the load average, and what the default warm-up costs once per run. N = 1 is the delayed engine without exchange
 (the compensation's extra vector work against the whole step). It then times the step
 boundary alone (the look-ahead point and the update, ``gradients_ready``) of both
 engines in one process, alternating every step, and prints the extra milliseconds as
@@ -63,7 +65,7 @@ from ringnet.data.datasets import Split
 from ringnet.bench.tables import markdown
 from ringnet.errors import ArgumentParser, UsageError
 from ringnet.models import MODELS, build_model
-from ringnet.optim import SGD, LRPolicy
+from ringnet.optim import SGD, LRPolicy, lookahead_warmup
 
 __all__ = ["main", "run", "seeds_table", "sweep_table", "engine_variant"]
 
@@ -272,10 +274,17 @@ def run(model_name, dataset, variant, lr, momentum, epochs, seed, batch_size=64,
         ds.close()
 
 
-def _abba(repeats):
-    """Variant order per round: none, lookahead, then lookahead, none, ... (ABBA)."""
+def _abba(repeats, names=("none", "lookahead")):
+    """Variant order per round: ``names``, then reversed, ... (ABBA)."""
     for r in range(repeats):
-        yield ("none", "lookahead") if r % 2 == 0 else ("lookahead", "none")
+        yield tuple(names) if r % 2 == 0 else tuple(reversed(names))
+
+
+# --speed: the train flags of each timed variant. lookahead without warm-up is the
+# compensated recurrence; "warm-up" runs every step as a warm-up step (synchronous).
+SPEED_RUNS = {"none": ["--delay-compensation", "none"],
+              "lookahead": ["--delay-compensation", "lookahead", "--warmup-steps", "0"],
+              "warm-up": ["--delay-compensation", "lookahead", "--warmup-steps", "{steps}"]}
 
 
 def speed(model_name, dataset, nranks, steps=20, repeats=6, batch_size=64, data_dir=None,
@@ -285,10 +294,11 @@ def speed(model_name, dataset, nranks, steps=20, repeats=6, batch_size=64, data_
     args = SimpleNamespace(mpirun=mpirun, model=model_name, dataset=dataset,
                            batch_size=batch_size, steps=steps, transport="auto", device="cpu",
                            lr=lr, seed=0, data_dir=data_dir, timeout=timeout)
-    times = {"none": [], "lookahead": []}
-    for order in _abba(repeats):
+    times = {name: [] for name in SPEED_RUNS}
+    for order in _abba(repeats, tuple(SPEED_RUNS)):
         for name in order:
-            summary = run_config(args, "ring", 1, nranks, extra=["--delay-compensation", name])
+            extra = [a.format(steps=steps) for a in SPEED_RUNS[name]]
+            summary = run_config(args, "ring", 1, nranks, extra=extra)
             times[name].append(summary["step_ms"])
     return times
 
@@ -313,8 +323,10 @@ def boundary_cost(model_name, dataset, steps=40, batch_size=64, data_dir=None, d
         batches.close()
     finally:
         ds.close()
-    engines = {name: _Engine(build_model(model_name, dtype=dtype, seed=0), name, lr, momentum,
-                             5e-4, dtype).strategy for name in ("none", "lookahead")}
+    # lookahead without its warm-up: every timed boundary is the compensated one
+    engines = {name: _Engine(build_model(model_name, dtype=dtype, seed=0), variant, lr, momentum,
+                             5e-4, dtype).strategy
+               for name, variant in (("none", "none"), ("lookahead", "lookahead/warm=0"))}
     times = {name: [] for name in engines}
     for it, order in enumerate(_abba(steps + 2)):
         x, y = data[it % len(data)]
@@ -337,6 +349,10 @@ def _speed_report(title, times):
               + " ".join(f"{v:.1f}" for v in values))
     print(f"  ratio lookahead / none: median {statistics.median(ratios):.3f} "
           f"(rounds {min(ratios):.3f} .. {max(ratios):.3f})")
+    if "warm-up" in times:
+        warm = [a / b for a, b in zip(times["warm-up"], times["lookahead"])]
+        print(f"  ratio warm-up / lookahead: median {statistics.median(warm):.3f} "
+              f"(rounds {min(warm):.3f} .. {max(warm):.3f})")
     return statistics.median(ratios)
 
 
@@ -390,12 +406,13 @@ def main(argv=None):
         if args.batch_size % max(args.np):
             raise UsageError(f"--batch-size {args.batch_size} is not divisible by every --np")
         what = f"{args.model} on {args.dataset}, global batch {args.batch_size}"
-        steps = {}
+        steps, warmups = {}, {}
         for n in args.np:
             times = speed(args.model, args.dataset, n, args.steps, args.repeats,
                           args.batch_size, args.data_dir, args.mpirun)
             _speed_report(f"{what}, ring delay 1, mpirun -np {n}", times)
             steps[n] = statistics.median(times["none"])
+            warmups[n] = statistics.median(times["warm-up"]) - statistics.median(times["lookahead"])
         cost = boundary_cost(args.model, args.dataset, 2 * args.steps,
                              args.batch_size, args.data_dir)
         extra = statistics.median(cost["lookahead"]) - statistics.median(cost["none"])
@@ -404,6 +421,10 @@ def main(argv=None):
               f"lookahead {statistics.median(cost['lookahead']):.2f} ms, extra {extra:.2f} ms")
         for n, ms in steps.items():
             print(f"  extra / ring delay 1 step at N={n} ({ms:.1f} ms): {100 * extra / ms:+.2f} %")
+        w = lookahead_warmup(0.9)
+        for n, ms in warmups.items():
+            print(f"  the default warm-up ({w} synchronous steps at momentum 0.9) at N={n}: "
+                  f"{w} x {ms:+.2f} ms = {w * ms / 1000:+.2f} s once per run")
         return 0
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
