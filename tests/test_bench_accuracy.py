@@ -162,25 +162,29 @@ def test_delay_loss_metric_states_and_their_table_cells(monkeypatch, losses, sta
 
 
 def test_delay_bench_separates_plain_from_compensated_on_lenet():
-    """LeNet, lr 0.01, momentum 0.9: the plain delayed update diverges, the default does not."""
+    """LeNet, lr 0.01, momentum 0.9: the plain delayed update diverges, the compensated one
+    does not (without the default's warm-up, which is longer than these 64 steps)."""
     rows = {v: delay.run("lenet", "synthetic", v, 0.01, 0.9, epochs=2, seed=0)
-            for v in ("single", "none", "lookahead")}
+            for v in ("single", "none", "lookahead/warm=0")}
     assert rows["single"]["status"] == "ok" and rows["single"]["test_accuracy"] >= 0.95
     assert rows["none"]["status"].startswith("div@"), rows["none"]
-    assert rows["lookahead"]["status"] == "ok" and rows["lookahead"]["test_accuracy"] >= 0.95
+    assert rows["lookahead/warm=0"]["status"] == "ok", rows
+    assert rows["lookahead/warm=0"]["test_accuracy"] >= 0.95, rows
 
 
 @pytest.mark.timeout(900)
 def test_default_compensation_is_stable_where_single_is_on_lenet_lr_0_03():
-    """LeNet, lr 0.03, momentum 0.9: single converges, so must the default delay 1.
+    """LeNet, lr 0.03, momentum 0.9: single converges, so must the default delay 1 (its
+    compensated recurrence: no warm-up here, the default's would cover all 64 steps).
 
     The former fixed k = 5 (momentum 0.98, lr/5, c 2, written out here) diverges there:
     its stable range on a quadratic is lr*h < 1.3 against synchronous SGD's 3.8.
     """
     rows = {v: delay.run("lenet", "synthetic", v, 0.03, 0.9, epochs=2, seed=0)
-            for v in ("single", "lookahead", "pred:2+mom:0.98+lrs:0.2")}
+            for v in ("single", "lookahead/warm=0", "pred:2+mom:0.98+lrs:0.2")}
     assert rows["single"]["status"] == "ok" and rows["single"]["test_accuracy"] >= 0.95
-    assert rows["lookahead"]["status"] == "ok" and rows["lookahead"]["test_accuracy"] >= 0.95
+    assert rows["lookahead/warm=0"]["status"] == "ok", rows
+    assert rows["lookahead/warm=0"]["test_accuracy"] >= 0.95, rows
     assert rows["pred:2+mom:0.98+lrs:0.2"]["status"].startswith("div@"), rows
 
 

@@ -666,7 +666,7 @@ COMMANDS = {
     "srun started 2 tasks but MPI sees a world of 1 rank in each ...": "a message, not a command",
     "launch/local.sh [-n N] [flags]": "a template; launch/local.sh's own example runs below",
     "mpirun -np 2 python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 6 "
-    "--trace trace.json": CLUSTER,
+    "--warmup-steps 0 --trace trace.json": CLUSTER,
     "python -m ringnet.bench.plot trace trace.json trace.png --steps 2": CLUSTER,
     "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master,split-fc --model "
     "cifar10_quick --plot scaling.png --csv scaling.csv": CLUSTER,
