@@ -189,3 +189,41 @@ def test_a_synchronous_warmup_keeps_the_stable_range(mu):
 def test_default_k_at_momentum_0_9():
     assert COMPENSATIONS["lookahead"].k_for(0.9) == pytest.approx(K, rel=1e-12)
     assert COMPENSATIONS["none"].k_for(0.9) == 1.0 and COMPENSATIONS["none"].plain
+
+
+def test_warmup_steps_are_recorded_and_kept_by_a_resume(tmp_path):
+    """The checkpoint records --warmup-steps; a resume without the flag continues with it
+    (the same weights as the uninterrupted run), and a lookahead checkpoint written before
+    the warm-up existed (no such attribute) resumes without one."""
+    import h5py
+    from mpi4py import MPI
+
+    from ringnet.checkpoint import load_checkpoint
+    from ringnet.train import train
+    base = TrainConfig(mode="ring", delay=1, model="digits", dataset="digits", dtype="float64",
+                       progress=False, quiet=True, eval_every_epoch=False)
+
+    def weights(result):
+        params = np.array(result.strategy.eval_model().params)
+        result.strategy.close()
+        return params
+
+    path = str(tmp_path / "ck.h5")
+    whole = train(base, world=MPI.COMM_SELF, steps=8, warmup_steps=5)
+    assert whole.summary["warmup_steps"] == 5
+    expected = weights(whole)
+    weights(train(base, world=MPI.COMM_SELF, steps=3, warmup_steps=5, save=path))
+    assert load_checkpoint(path)[3]["warmup_steps"] == 5
+    resumed = train(base, world=MPI.COMM_SELF, steps=8, resume=path)
+    assert resumed.summary["warmup_steps"] == 5
+    assert resumed.summary["resumed"]["from_checkpoint"]["warmup_steps"] == 5
+    np.testing.assert_array_equal(weights(resumed), expected)
+    with h5py.File(path, "a") as f:            # as written before --warmup-steps existed
+        del f.attrs["warmup_steps"]
+    old = train(base, world=MPI.COMM_SELF, steps=8, resume=path)
+    assert old.summary["warmup_steps"] == 0
+    no_warmup = weights(old)
+    assert _rel(no_warmup, expected) > 1e-6
+    # the default (100 steps) would have made steps 3..7 synchronous: not what it was
+    default = train(base, world=MPI.COMM_SELF, steps=8, warmup_steps=100)
+    assert _rel(no_warmup, weights(default)) > 1e-6
