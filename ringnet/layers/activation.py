@@ -1,7 +1,8 @@
 """ReLU and Dropout."""
 import math
 
-from ringnet.backend import get_array_module
+from ringnet.backend import get_array_module, is_gpu_array
+from ringnet.layers import _cuda
 from ringnet.layers.base import Layer
 
 __all__ = ["ReLU", "Dropout", "keep_mask", "hash_bits"]
@@ -62,6 +63,12 @@ class Dropout(Layer):
             return x
         xp = get_array_module(x)
         part, parts = self.batch_part
+        if is_gpu_array(x):                   # the same mask, from one fused CUDA kernel
+            self._mask = _cuda.dropout_mask(
+                xp, x.shape, x.dtype, stream_keys((self.seed, self.step, self.layer_index)),
+                keep_threshold(self.p), 1.0 / (1.0 - self.p), first_sample=part * x.shape[0])
+            self.step += 1
+            return x * self._mask
         keep = keep_mask(xp, x.shape, self.p, (self.seed, self.step, self.layer_index),
                          first_sample=part * x.shape[0])
         self.step += 1
@@ -134,4 +141,9 @@ def keep_mask(xp, shape, p, key, first_sample=0):
     """
     bits = hash_bits(xp, shape, key, first_sample)
     xp.right_shift(bits, xp.uint64(11), out=bits)
-    return bits >= xp.uint64(math.ceil(p * 2.0 ** 53))
+    return bits >= xp.uint64(keep_threshold(p))
+
+
+def keep_threshold(p):
+    """Return ceil(p * 2**53): an element is kept when the top 53 bits of its hash reach it."""
+    return math.ceil(p * 2.0 ** 53)

@@ -3,6 +3,7 @@
 import numpy as np
 
 from ringnet.backend import get_array_module
+from ringnet.layers import _cuda
 from ringnet.layers.base import (Layer, as_channel_rows, batch_last, check_init,
                                  window_geometry, window_out_size, window_repr)
 
@@ -196,6 +197,11 @@ class Conv2d(Layer):
         # col2im into a zero-padded dx, block by block; taps that read padding add into
         # the border, which is cut off at the end.
         weight_t = self.params["weight"].reshape(o, k).T         # (C*kh*kw, O)
+        if xp is not np:                      # one block; col2im as one fused CUDA kernel
+            (dcols, _, dst, _), = self._im2col_plan(xp, "train", xpad, self.stride, blocks, b)
+            xp.matmul(weight_t, dy2, out=dcols)
+            dxc = _cuda.col2im(xp, dst, (h, w), self.stride, self.padding)
+            return dxc.transpose(3, 0, 1, 2)                     # (B, C, H, W)
         dxpad = xp.zeros((c, h + 2 * ph, w + 2 * pw, b), dtype=dy.dtype)
         for (r0, r1, w0, w1), (dcols, columns, dst, _) in zip(
                 blocks, self._im2col_plan(xp, "train", xpad, self.stride, blocks, b)):

@@ -9,6 +9,7 @@ The input gradient is gathered in the same planes and interleaved back at the en
 import numpy as np
 
 from ringnet.backend import get_array_module
+from ringnet.layers import _cuda
 from ringnet.layers.base import Layer, tap_ranges, window_geometry, window_out_size, window_repr
 
 __all__ = ["MaxPool2d", "AvgPool2d", "pool_output_size"]
@@ -140,6 +141,11 @@ class MaxPool2d(_Pool2d):
 
     def forward(self, x, train=True):
         xp = get_array_module(x)
+        if xp is not np:                                         # one fused CUDA kernel
+            y, argmax = _cuda.maxpool_forward(xp, x, self.output_shape(x.shape[1:])[1:],
+                                              self.kernel_size, self.stride, self.padding)
+            self._cache = (x.shape, argmax, None, None) if train else None
+            return y
         b, c, h, w = x.shape                                     # (B, C, H, W)
         ho, wo, taps, covered = self._taps(h, w)
         planes = split_phases(xp, x, self.stride)
@@ -172,6 +178,9 @@ class MaxPool2d(_Pool2d):
         # y = x[argmax]  =>  dx[argmax] += dy, zero elsewhere (overlapping windows add up).
         shape, argmax, taps, covered = self._cached()
         xp = get_array_module(dy)
+        if xp is not np:                                         # one fused CUDA kernel
+            return _cuda.maxpool_backward(xp, dy, argmax, shape, self.kernel_size,
+                                          self.stride, self.padding)
         dyc = dy.transpose(1, 2, 3, 0)                           # (C, Ho, Wo, B)
         hit = xp.empty(argmax.shape, dtype=np.bool_)
         part = xp.empty(argmax.shape, dtype=dy.dtype)
@@ -194,8 +203,23 @@ class AvgPool2d(_Pool2d):
         inv = 1.0 / np.outer(count(h, ho, kh, sh, ph), count(w, wo, kw, sw, pw))
         return xp.asarray(inv.astype(dtype)[:, :, None])          # (Ho, Wo, 1)
 
+    def _gpu_inv(self, xp, h, w, dtype):
+        # Kept on the device: a fresh copy per call would be a host-to-device transfer.
+        key = (h, w, np.dtype(dtype))
+        cached = getattr(self, "_inv_on_gpu", None)
+        if cached is None or cached[0] != key:
+            _, ho, wo = self.output_shape((1, h, w))
+            inv = self._inv_count(xp, h, w, ho, wo, dtype).reshape(ho, wo)
+            cached = self._inv_on_gpu = (key, xp.ascontiguousarray(inv))
+        return cached[1]
+
     def forward(self, x, train=True):
         xp = get_array_module(x)
+        if xp is not np:                                         # one fused CUDA kernel
+            inv = self._gpu_inv(xp, x.shape[2], x.shape[3], x.dtype)
+            self._cache = (x.shape, inv, None, None) if train else None
+            return _cuda.avgpool_forward(xp, x, inv, self.kernel_size, self.stride,
+                                         self.padding)
         b, c, h, w = x.shape                                     # (B, C, H, W)
         ho, wo, taps, covered = self._taps(h, w)
         planes = split_phases(xp, x, self.stride)
@@ -217,6 +241,9 @@ class AvgPool2d(_Pool2d):
         # y[o] = inv[o] * sum_{taps} x[o*s + k - p]  =>  dx[o*s + k - p] += inv[o] * dy[o].
         shape, inv, taps, covered = self._cached()
         xp = get_array_module(dy)
+        if xp is not np:                                         # one fused CUDA kernel
+            return _cuda.avgpool_backward(xp, dy, inv, shape, self.kernel_size, self.stride,
+                                          self.padding)
         g = xp.multiply(dy.transpose(1, 2, 3, 0), inv)           # (C, Ho, Wo, B)
 
         def parts(t, out, dst):

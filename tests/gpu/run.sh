@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU acceptance run, for a machine with at least one CUDA GPU (about 1-2 minutes on one
-# H200; every stage has its own limit, 420 s in all).
+# H200; every stage has its own limit, 480 s in all).
 # Usage: bash tests/gpu/run.sh   (repository root or anywhere; ringnet, mpi4py and CuPy installed)
 #
 # Stages (none may fail silently):
 #   gpu-n1      single-process GPU tests: single mode on the GPU equals the CPU run (float64),
-#               NCCL and MPI with CuPy buffers through every communicator at N=1
+#               NCCL and MPI with CuPy buffers through every communicator at N=1, the fused
+#               CUDA kernels (pooling, col2im, dropout masks) against the NumPy layers
 #   gpu-n2      2 ranks sharing the GPU(s), MPI transport with CuPy buffers: ring/tree/master
 #               at delay 0 and 1, split-fc at delay 0 and 1 against single / the recurrence;
 #               NCCL refused when ranks share a GPU
@@ -102,7 +103,8 @@ EOF
 export -f nccl_shared auto_shared quickstart
 export WORK GPUS MPIRUN
 PYTEST="python -m pytest -q -rfE --tb=short -p no:cacheprovider --with-mpi"
-stage gpu-n1 60 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py
+stage gpu-n1 120 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
+    tests/test_cuda_kernels.py
 stage gpu-n2 80 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu tests/test_gpu_train.py
 stage gpu-n4 90 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
 stage nccl-shared 35 bash -c nccl_shared

@@ -1,0 +1,500 @@
+"""Fused CUDA kernels of the GPU path (max/average pooling, col2im, dropout masks).
+
+On a GPU each of these layers' generic array code is a storm of small launches (a few
+ufuncs per kernel tap); here each is one kernel, compiled once per dtype and cached.
+Every kernel is a *gather*: one thread per output element sums, in a fixed order, what
+lands on it, so there are no atomics and the results do not change from run to run.
+The orders are the NumPy layers' orders (taps in row-major kernel order), so max,
+argmax and dropout masks are bit-identical to the NumPy path, and the sums are too
+(``--fmad=false`` keeps ``acc + a * b`` from becoming one differently rounded FMA).
+
+Each kernel is declared once: its parameter list (which also makes the CUDA signature),
+its CUDA body, and a NumPy *emulation* with the same parameters that performs the same
+index arithmetic for all threads at once, statement by statement (one NumPy lane per
+CUDA thread; ``continue`` becomes a lane mask). The host wrappers below call
+:func:`launch`, which runs the CUDA kernel for CuPy arrays and the emulation for NumPy
+arrays (checking every argument against the declared C types), so the CPU tests run
+the wrappers and the kernels' index logic against the NumPy layers. The layers call
+these wrappers only on CuPy arrays; their NumPy paths do not use this module.
+"""
+import numpy as np
+
+from ringnet.backend import cupy
+
+__all__ = ["KERNELS", "source", "launch", "maxpool_forward", "maxpool_backward",
+           "avgpool_forward", "avgpool_backward", "col2im", "dropout_mask"]
+
+THREADS = 256                   # threads per block; blocks stride over larger sizes
+MAX_BLOCKS = 32768
+OPTIONS = ("--fmad=false",)
+_CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+# Shared by every kernel: T is typedef'd to float or double in front of this.
+_PRELUDE = r"""
+#define FOR_EACH(idx, n) \
+  for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < (n); \
+       idx += (long long)blockDim.x * gridDim.x)
+
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+  z ^= z >> 30;
+  z *= 0xBF58476D1CE4E5B9ULL;
+  z ^= z >> 27;
+  z *= 0x94D049BB133111EBULL;
+  z ^= z >> 31;
+  return z;
+}
+"""
+
+KERNELS = {}                    # name -> (params [(name, C type)], CUDA body, emulation)
+
+
+def _kernel(name, params, body):
+    """Declare kernel ``name``: its parameters, CUDA body; decorates the NumPy emulation."""
+    def register(emulation):
+        KERNELS[name] = (tuple(params), body, emulation)
+        return emulation
+    return register
+
+
+def source(name, dtype):
+    """Return the CUDA C source of kernel ``name`` for ``dtype`` (float32 or float64)."""
+    params, body, _ = KERNELS[name]
+    decl = ", ".join(f"{ctype} {pname}" for pname, ctype in params)
+    return (f"typedef {_CTYPES[np.dtype(dtype)]} T;\n{_PRELUDE}\n"
+            f'extern "C" __global__ void {name}({decl})\n{{\n{body}}}\n')
+
+
+_compiled = {}
+
+
+def _compiled_kernel(name, dtype):
+    key = (name, np.dtype(dtype).char)
+    kernel = _compiled.get(key)
+    if kernel is None:
+        kernel = _compiled[key] = cupy.RawKernel(source(name, dtype), name, options=OPTIONS)
+    return kernel
+
+
+_SCALARS = {"int": np.int32, "long long": np.int64, "unsigned long long": np.uint64}
+
+
+def _check_args(name, dtype, args):
+    """Raise TypeError unless ``args`` match kernel ``name``'s C parameter types exactly."""
+    params = KERNELS[name][0]
+    if len(args) != len(params):
+        raise TypeError(f"{name}: {len(args)} arguments for {len(params)} parameters")
+    for (pname, ctype), arg in zip(params, args):
+        base = ctype.replace("const ", "").rstrip("*").strip()
+        if ctype.endswith("*"):
+            want = np.dtype(np.uint8) if base == "unsigned char" else np.dtype(dtype)
+            ok = isinstance(arg, np.ndarray) and arg.dtype == want and arg.flags.c_contiguous \
+                and (ctype.startswith("const ") or arg.flags.writeable)
+        else:
+            want = np.dtype(dtype).type if base == "T" else _SCALARS[base]
+            ok = type(arg) is want
+        if not ok:
+            raise TypeError(f"{name}: argument {pname} ({ctype}) got {type(arg).__name__} "
+                            f"{getattr(arg, 'dtype', '')}")
+
+
+def launch(xp, name, dtype, n, args):
+    """Run kernel ``name`` over ``n`` threads: on the GPU for CuPy, emulated for NumPy."""
+    if xp is np:
+        _check_args(name, dtype, args)
+        KERNELS[name][2](*args)
+        return
+    if n > 0:
+        blocks = min(-(-n // THREADS), MAX_BLOCKS)
+        _compiled_kernel(name, dtype)((blocks,), (THREADS,), args)
+
+
+# --- kernels. Arrays are C-contiguous; batch-last (C, H, W, B) for images, so the
+# threads of a warp (consecutive b) read consecutive addresses for every tap.
+
+_GEOMETRY = [("C", "int"), ("H", "int"), ("W", "int"), ("B", "int"), ("Ho", "int"),
+             ("Wo", "int"), ("kh", "int"), ("kw", "int"), ("sh", "int"), ("sw", "int"),
+             ("ph", "int"), ("pw", "int")]
+
+
+def _lanes(n):
+    return np.arange(n, dtype=np.int64)
+
+
+@_kernel("maxpool_fwd",
+         [("x", "const T*"), ("y", "T*"), ("argmax", "unsigned char*"), ("n", "long long")]
+         + _GEOMETRY + [("neg_inf", "T")], r"""
+  FOR_EACH(idx, n) {
+    int b = (int)(idx % B);
+    long long rest = idx / B;
+    int ox = (int)(rest % Wo);
+    rest /= Wo;
+    int oy = (int)(rest % Ho);
+    long long c = rest / Ho;
+    T m = neg_inf;
+    int arg = 0;
+    for (int i = 0; i < kh; ++i) {
+      int r = oy * sh + i - ph;
+      if (r < 0 || r >= H) continue;
+      for (int j = 0; j < kw; ++j) {
+        int q = ox * sw + j - pw;
+        if (q < 0 || q >= W) continue;
+        T v = x[((c * H + r) * W + q) * B + b];
+        if (v > m) {
+          m = v;
+          arg = i * kw + j;
+        } else if (v != v) {
+          m = v;
+        }
+      }
+    }
+    y[idx] = m;
+    argmax[idx] = (unsigned char)arg;
+  }
+""")
+def _maxpool_fwd(x, y, argmax, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, neg_inf):
+    x, y, argmax = x.reshape(-1), y.reshape(-1), argmax.reshape(-1)
+    idx = _lanes(n)
+    b = idx % B
+    rest = idx // B
+    ox = rest % Wo
+    rest //= Wo
+    oy = rest % Ho
+    c = rest // Ho
+    m = np.full(n, neg_inf, dtype=y.dtype)
+    arg = np.zeros(n, dtype=np.int64)
+    for i in range(kh):
+        r = oy * sh + i - ph
+        lane_i = ~((r < 0) | (r >= H))
+        for j in range(kw):
+            q = ox * sw + j - pw
+            lane = lane_i & ~((q < 0) | (q >= W))
+            v = x[np.where(lane, ((c * H + r) * W + q) * B + b, 0)]
+            win = lane & (v > m)
+            m = np.where(win, v, m)
+            arg = np.where(win, i * kw + j, arg)
+            m = np.where(lane & ~win & (v != v), v, m)
+    y[:] = m
+    argmax[:] = arg.astype(np.uint8)
+
+
+@_kernel("maxpool_bwd",
+         [("dy", "const T*"), ("argmax", "const unsigned char*"), ("dx", "T*"),
+          ("n", "long long")] + _GEOMETRY, r"""
+  FOR_EACH(idx, n) {
+    int b = (int)(idx % B);
+    long long rest = idx / B;
+    int q = (int)(rest % W);
+    rest /= W;
+    int r = (int)(rest % H);
+    long long c = rest / H;
+    T acc = 0;
+    for (int i = 0; i < kh; ++i) {
+      int dr = r + ph - i;
+      if (dr < 0 || dr % sh != 0) continue;
+      int oy = dr / sh;
+      if (oy >= Ho) continue;
+      for (int j = 0; j < kw; ++j) {
+        int dq = q + pw - j;
+        if (dq < 0 || dq % sw != 0) continue;
+        int ox = dq / sw;
+        if (ox >= Wo) continue;
+        long long o = ((c * Ho + oy) * Wo + ox) * B + b;
+        if (argmax[o] == i * kw + j) acc += dy[o];
+      }
+    }
+    dx[idx] = acc;
+  }
+""")
+def _maxpool_bwd(dy, argmax, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
+    dy, argmax, dx = dy.reshape(-1), argmax.reshape(-1), dx.reshape(-1)
+    idx = _lanes(n)
+    b = idx % B
+    rest = idx // B
+    q = rest % W
+    rest //= W
+    r = rest % H
+    c = rest // H
+    acc = np.zeros(n, dtype=dx.dtype)
+    for i in range(kh):
+        dr = r + ph - i
+        lane_i = ~((dr < 0) | (dr % sh != 0))
+        oy = dr // sh
+        lane_i &= ~(oy >= Ho)
+        for j in range(kw):
+            dq = q + pw - j
+            lane = lane_i & ~((dq < 0) | (dq % sw != 0))
+            ox = dq // sw
+            lane &= ~(ox >= Wo)
+            o = np.where(lane, ((c * Ho + oy) * Wo + ox) * B + b, 0)
+            hit = lane & (argmax[o] == i * kw + j)
+            acc = np.where(hit, acc + dy[o], acc)
+    dx[:] = acc
+
+
+@_kernel("avgpool_fwd",
+         [("x", "const T*"), ("inv", "const T*"), ("y", "T*"), ("n", "long long")]
+         + _GEOMETRY, r"""
+  FOR_EACH(idx, n) {
+    int b = (int)(idx % B);
+    long long rest = idx / B;
+    int ox = (int)(rest % Wo);
+    rest /= Wo;
+    int oy = (int)(rest % Ho);
+    long long c = rest / Ho;
+    T acc = 0;
+    for (int i = 0; i < kh; ++i) {
+      int r = oy * sh + i - ph;
+      if (r < 0 || r >= H) continue;
+      for (int j = 0; j < kw; ++j) {
+        int q = ox * sw + j - pw;
+        if (q < 0 || q >= W) continue;
+        acc += x[((c * H + r) * W + q) * B + b];
+      }
+    }
+    y[idx] = acc * inv[oy * Wo + ox];
+  }
+""")
+def _avgpool_fwd(x, inv, y, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
+    x, inv, y = x.reshape(-1), inv.reshape(-1), y.reshape(-1)
+    idx = _lanes(n)
+    b = idx % B
+    rest = idx // B
+    ox = rest % Wo
+    rest //= Wo
+    oy = rest % Ho
+    c = rest // Ho
+    acc = np.zeros(n, dtype=y.dtype)
+    for i in range(kh):
+        r = oy * sh + i - ph
+        lane_i = ~((r < 0) | (r >= H))
+        for j in range(kw):
+            q = ox * sw + j - pw
+            lane = lane_i & ~((q < 0) | (q >= W))
+            v = x[np.where(lane, ((c * H + r) * W + q) * B + b, 0)]
+            acc = np.where(lane, acc + v, acc)
+    y[:] = acc * inv[oy * Wo + ox]
+
+
+@_kernel("avgpool_bwd",
+         [("dy", "const T*"), ("inv", "const T*"), ("dx", "T*"), ("n", "long long")]
+         + _GEOMETRY, r"""
+  FOR_EACH(idx, n) {
+    int b = (int)(idx % B);
+    long long rest = idx / B;
+    int q = (int)(rest % W);
+    rest /= W;
+    int r = (int)(rest % H);
+    long long c = rest / H;
+    T acc = 0;
+    for (int i = 0; i < kh; ++i) {
+      int dr = r + ph - i;
+      if (dr < 0 || dr % sh != 0) continue;
+      int oy = dr / sh;
+      if (oy >= Ho) continue;
+      for (int j = 0; j < kw; ++j) {
+        int dq = q + pw - j;
+        if (dq < 0 || dq % sw != 0) continue;
+        int ox = dq / sw;
+        if (ox >= Wo) continue;
+        long long o = ((c * Ho + oy) * Wo + ox) * B + b;
+        acc += dy[o] * inv[oy * Wo + ox];
+      }
+    }
+    dx[idx] = acc;
+  }
+""")
+def _avgpool_bwd(dy, inv, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
+    dy, inv, dx = dy.reshape(-1), inv.reshape(-1), dx.reshape(-1)
+    idx = _lanes(n)
+    b = idx % B
+    rest = idx // B
+    q = rest % W
+    rest //= W
+    r = rest % H
+    c = rest // H
+    acc = np.zeros(n, dtype=dx.dtype)
+    for i in range(kh):
+        dr = r + ph - i
+        lane_i = ~((dr < 0) | (dr % sh != 0))
+        oy = dr // sh
+        lane_i &= ~(oy >= Ho)
+        for j in range(kw):
+            dq = q + pw - j
+            lane = lane_i & ~((dq < 0) | (dq % sw != 0))
+            ox = dq // sw
+            lane &= ~(ox >= Wo)
+            o = np.where(lane, ((c * Ho + oy) * Wo + ox) * B + b, 0)
+            acc = np.where(lane, acc + dy[o] * inv[np.where(lane, oy * Wo + ox, 0)], acc)
+    dx[:] = acc
+
+
+@_kernel("col2im",
+         [("cols", "const T*"), ("dx", "T*"), ("n", "long long")] + _GEOMETRY, r"""
+  FOR_EACH(idx, n) {
+    int b = (int)(idx % B);
+    long long rest = idx / B;
+    int q = (int)(rest % W);
+    rest /= W;
+    int r = (int)(rest % H);
+    long long c = rest / H;
+    T acc = 0;
+    for (int i = 0; i < kh; ++i) {
+      int dr = r + ph - i;
+      if (dr < 0 || dr % sh != 0) continue;
+      int oy = dr / sh;
+      if (oy >= Ho) continue;
+      for (int j = 0; j < kw; ++j) {
+        int dq = q + pw - j;
+        if (dq < 0 || dq % sw != 0) continue;
+        int ox = dq / sw;
+        if (ox >= Wo) continue;
+        acc += cols[((((c * kh + i) * kw + j) * Ho + oy) * Wo + ox) * B + b];
+      }
+    }
+    dx[idx] = acc;
+  }
+""")
+def _col2im(cols, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
+    cols, dx = cols.reshape(-1), dx.reshape(-1)
+    idx = _lanes(n)
+    b = idx % B
+    rest = idx // B
+    q = rest % W
+    rest //= W
+    r = rest % H
+    c = rest // H
+    acc = np.zeros(n, dtype=dx.dtype)
+    for i in range(kh):
+        dr = r + ph - i
+        lane_i = ~((dr < 0) | (dr % sh != 0))
+        oy = dr // sh
+        lane_i &= ~(oy >= Ho)
+        for j in range(kw):
+            dq = q + pw - j
+            lane = lane_i & ~((dq < 0) | (dq % sw != 0))
+            ox = dq // sw
+            lane &= ~(ox >= Wo)
+            v = cols[np.where(lane, ((((c * kh + i) * kw + j) * Ho + oy) * Wo + ox) * B + b, 0)]
+            acc = np.where(lane, acc + v, acc)
+    dx[:] = acc
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@_kernel("dropout_mask",
+         [("mask", "T*"), ("n", "long long"), ("first", "unsigned long long"),
+          ("k1", "unsigned long long"), ("k2", "unsigned long long"),
+          ("threshold", "unsigned long long"), ("scale", "T")], r"""
+  FOR_EACH(idx, n) {
+    unsigned long long v = (first + (unsigned long long)idx) * 0x9E3779B97F4A7C15ULL + k1;
+    v = mix64(v);
+    v ^= k2;
+    v = mix64(v);
+    mask[idx] = (v >> 11) >= threshold ? scale : (T)0;
+  }
+""")
+def _dropout_mask(mask, n, first, k1, k2, threshold, scale):
+    mask = mask.reshape(-1)
+    idx = _lanes(n)
+    v = (first + idx.astype(np.uint64)) * _GOLDEN + k1
+    v = _mix64(v)
+    v ^= k2
+    v = _mix64(v)
+    mask[:] = np.where((v >> np.uint64(11)) >= threshold, scale, mask.dtype.type(0))
+
+
+def _mix64(z):
+    z = z ^ (z >> np.uint64(30))
+    z = z * np.uint64(0xBF58476D1CE4E5B9)
+    z = z ^ (z >> np.uint64(27))
+    z = z * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return z
+
+
+# --- host wrappers: logical (B, C, H, W) arrays in, the NumPy layers' layouts out
+
+def _geometry(c, h, w, b, ho, wo, kernel, stride, padding):
+    return tuple(np.int32(v) for v in (c, h, w, b, ho, wo, *kernel, *stride, *padding))
+
+
+def maxpool_forward(xp, x, out_hw, kernel, stride, padding):
+    """Return (y, argmax): y logical (B, C, Ho, Wo) in (C, Ho, Wo, B) memory, argmax the
+    (C, Ho, Wo, B) uint8 row-major tap index of each window's first maximum."""
+    b, c, h, w = x.shape
+    ho, wo = out_hw
+    xc = xp.ascontiguousarray(x.transpose(1, 2, 3, 0))          # a no-op for batch-last x
+    y = xp.empty((c, ho, wo, b), dtype=x.dtype)
+    argmax = xp.empty((c, ho, wo, b), dtype=np.uint8)
+    n = c * ho * wo * b
+    launch(xp, "maxpool_fwd", x.dtype, n,
+           (xc, y, argmax, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding),
+            x.dtype.type(-np.inf)))
+    return y.transpose(3, 0, 1, 2), argmax
+
+
+def maxpool_backward(xp, dy, argmax, in_shape, kernel, stride, padding):
+    """Return dx logical (B, C, H, W) in (C, H, W, B) memory from dy and the forward's argmax."""
+    b, c, h, w = in_shape
+    _, _, ho, wo = dy.shape
+    dyc = xp.ascontiguousarray(dy.transpose(1, 2, 3, 0))
+    dx = xp.empty((c, h, w, b), dtype=dy.dtype)
+    n = c * h * w * b
+    launch(xp, "maxpool_bwd", dy.dtype, n,
+           (dyc, argmax, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
+    return dx.transpose(3, 0, 1, 2)
+
+
+def avgpool_forward(xp, x, inv, kernel, stride, padding):
+    """Return y logical (B, C, Ho, Wo) in (C, Ho, Wo, B) memory; ``inv`` is the (Ho, Wo)
+    reciprocal window size (C-contiguous, x's dtype)."""
+    b, c, h, w = x.shape
+    ho, wo = inv.shape[:2]
+    xc = xp.ascontiguousarray(x.transpose(1, 2, 3, 0))
+    y = xp.empty((c, ho, wo, b), dtype=x.dtype)
+    n = c * ho * wo * b
+    launch(xp, "avgpool_fwd", x.dtype, n,
+           (xc, inv, y, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
+    return y.transpose(3, 0, 1, 2)
+
+
+def avgpool_backward(xp, dy, inv, in_shape, kernel, stride, padding):
+    """Return dx logical (B, C, H, W) in (C, H, W, B) memory."""
+    b, c, h, w = in_shape
+    _, _, ho, wo = dy.shape
+    dyc = xp.ascontiguousarray(dy.transpose(1, 2, 3, 0))
+    dx = xp.empty((c, h, w, b), dtype=dy.dtype)
+    n = c * h * w * b
+    launch(xp, "avgpool_bwd", dy.dtype, n,
+           (dyc, inv, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
+    return dx.transpose(3, 0, 1, 2)
+
+
+def col2im(xp, cols, in_hw, stride, padding):
+    """Return dx (C, H, W, B), C-contiguous, from the (C, kh, kw, Ho, Wo, B) column
+    gradient: every column entry added back to the input pixel it was read from."""
+    c, kh, kw, ho, wo, b = cols.shape
+    h, w = in_hw
+    dx = xp.empty((c, h, w, b), dtype=cols.dtype)
+    n = c * h * w * b
+    launch(xp, "col2im", cols.dtype, n,
+           (cols, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding)))
+    return dx
+
+
+def dropout_mask(xp, shape, dtype, keys, threshold, scale, first_sample=0):
+    """Return the scaled dropout mask (C-contiguous ``shape``, ``dtype``): ``scale`` where
+    the top 53 bits of element j's hash are >= ``threshold``, else 0; the hash is
+    :func:`ringnet.layers.activation.hash_bits` with stream ``keys`` = (k1, k2)."""
+    dtype = np.dtype(dtype)
+    per_sample = 1
+    for size in shape[1:]:
+        per_sample *= int(size)
+    n = int(shape[0]) * per_sample
+    mask = xp.empty(shape, dtype=dtype)
+    k1, k2 = keys
+    launch(xp, "dropout_mask", dtype, n,
+           (mask, np.int64(n), np.uint64((int(first_sample) * per_sample) & ((1 << 64) - 1)),
+            np.uint64(k1), np.uint64(k2), np.uint64(threshold), dtype.type(scale)))
+    return mask

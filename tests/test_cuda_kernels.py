@@ -1,0 +1,438 @@
+"""The fused CUDA kernels (ringnet/layers/_cuda.py) against the NumPy layers.
+
+Without a GPU: each kernel's NumPy emulation (the same index arithmetic, one NumPy lane
+per CUDA thread) run through the same host wrappers, and the layers' GPU branches run
+on a stand-in array module that is NumPy under another name; the CUDA sources compile
+with NVRTC where its library loads. With a GPU (marked ``gpu``): the real kernels.
+Max, argmax, masks and the sums (the same order as NumPy's) must be bit-identical.
+"""
+import inspect
+import re
+
+import numpy as np
+import pytest
+
+from ringnet.backend import gpu_available
+from ringnet.layers import AvgPool2d, Conv2d, Dropout, MaxPool2d, _cuda, activation, conv, pool
+
+POOL_CASES = [  # (B, C, H, W, kernel, stride, padding)
+    (2, 3, 8, 8, 2, 2, 0),             # non-overlapping
+    (1, 2, 7, 9, 3, 2, 0),             # overlapping with ceil-mode overhang, batch 1
+    (2, 2, 6, 5, 3, 1, 1),             # padding, stride 1
+    (2, 1, 5, 5, 2, 2, 1),             # ceil rule drops the window starting in the pad
+    (3, 2, 11, 11, 3, 2, 1),           # padding and overhang, odd batch
+    (2, 3, 10, 12, 3, 2, 0),           # cifar10_quick's 3/2 on even sizes
+    (2, 2, 4, 6, (2, 3), (1, 2), (1, 1)),   # non-square geometry
+    (5, 1, 3, 3, 3, 3, 0),             # one window
+    (1, 1, 1, 1, 1, 1, 0),             # one pixel
+    (4, 3, 9, 7, 4, 3, 2),             # kernel 4 stride 3 pad 2: windows in the pad
+]
+DTYPES = [np.float32, np.float64]
+
+
+def _data(case, dtype, kind, seed=0):
+    b, c, h, w = case[:4]
+    rng = np.random.default_rng(seed)
+    if kind == "ties":                 # few distinct values: many ties inside windows
+        return rng.integers(-1, 2, size=(b, c, h, w)).astype(dtype)
+    x = rng.normal(size=(b, c, h, w)).astype(dtype)
+    if kind == "inf":                  # whole windows of -inf: nothing beats the start
+        x[:, :, ::2] = -np.inf
+    return x
+
+
+def _run(layer, x, dy_seed=1):
+    """Return (y, dx, cache) of a train forward and a backward with a random dy."""
+    y = layer.forward(x)
+    cache = layer._cache
+    dy = np.random.default_rng(dy_seed).normal(size=y.shape).astype(x.dtype)
+    dx = layer.backward(dy)
+    return np.asarray(y), np.asarray(dx), cache
+
+
+# --- without a GPU: the emulated kernels through the host wrappers
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["normal", "ties", "inf"])
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_emulated_maxpool_kernels_equal_the_numpy_layer_bit_for_bit(case, kind, dtype):
+    b, c, h, w, k, s, p = case
+    x = _data(case, dtype, kind)
+    layer = MaxPool2d(k, s, p)
+    y = layer.forward(x)
+    argmax = layer._cache[1]
+    dy = np.random.default_rng(1).normal(size=y.shape).astype(dtype)
+    dx = layer.backward(dy)
+    out_hw = layer.output_shape((c, h, w))[1:]
+    ye, argmax_e = _cuda.maxpool_forward(np, x, out_hw, layer.kernel_size, layer.stride,
+                                         layer.padding)
+    np.testing.assert_array_equal(ye, y)
+    np.testing.assert_array_equal(argmax_e, argmax)
+    assert argmax_e.shape == argmax.shape and argmax_e.dtype == np.uint8
+    dxe = _cuda.maxpool_backward(np, dy, argmax_e, x.shape, layer.kernel_size, layer.stride,
+                                 layer.padding)
+    np.testing.assert_array_equal(dxe, dx)
+    assert dxe.dtype == dtype and dxe.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_maxpool_propagates_nan_like_numpy(dtype):
+    x = _data((2, 2, 7, 7), dtype, "normal")
+    x[0, 0, 1, 1] = np.nan
+    x[1, 1, 4, 4] = np.nan
+    layer = MaxPool2d(3, 2, 1)
+    y = layer.forward(x)
+    ye, argmax_e = _cuda.maxpool_forward(np, x, y.shape[2:], layer.kernel_size,
+                                         layer.stride, layer.padding)
+    assert np.isnan(y).sum() >= 2
+    np.testing.assert_array_equal(ye, y)
+    np.testing.assert_array_equal(argmax_e, layer._cache[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_emulated_avgpool_kernels_equal_the_numpy_layer(case, dtype):
+    b, c, h, w, k, s, p = case
+    x = _data(case, dtype, "normal")
+    layer = AvgPool2d(k, s, p)
+    y = layer.forward(x)
+    dy = np.random.default_rng(2).normal(size=y.shape).astype(dtype)
+    dx = layer.backward(dy)
+    inv = layer._gpu_inv(np, h, w, dtype)
+    ye = _cuda.avgpool_forward(np, x, inv, layer.kernel_size, layer.stride, layer.padding)
+    dxe = _cuda.avgpool_backward(np, dy, inv, x.shape, layer.kernel_size, layer.stride,
+                                 layer.padding)
+    # The kernels add in the NumPy layer's order: equal to the last bit.
+    np.testing.assert_array_equal(ye, y)
+    np.testing.assert_array_equal(dxe, dx)
+
+
+CONV_CASES = [  # (B, C, H, W, O, kernel, stride, padding): the col2im branch of backward
+    (3, 2, 12, 12, 4, 5, 1, 0),        # lenet conv2's shape class: output smaller than input
+    (2, 3, 9, 9, 2, 3, 2, 1),          # stride 2 with padding
+    (2, 2, 9, 8, 3, 5, 3, 2),          # stride 3, windows overlap the pad
+    (1, 1, 7, 7, 2, (3, 2), (2, 1), (1, 0)),
+    (3, 4, 9, 9, 5, 3, 1, 3),          # stride 1, padding p >= k: taps that read only the pad
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_emulated_col2im_equals_the_numpy_col2im(monkeypatch, case, dtype):
+    monkeypatch.setattr(conv, "CPU_BLOCK_BYTES", 1 << 40)     # one block, as on a GPU
+    b, c, h, w, o, k, s, p = case
+    layer = Conv2d(c, o, k, stride=s, padding=p)
+    rng = np.random.default_rng(3)
+    layer.bind({"weight": rng.normal(size=(o, c, *layer.kernel_size)).astype(dtype),
+                "bias": rng.normal(size=o).astype(dtype)},
+               {"weight": np.empty((o, c, *layer.kernel_size), dtype), "bias": np.empty(o, dtype)})
+    x = rng.normal(size=(b, c, h, w)).astype(dtype)
+    y = layer.forward(x)
+    dx = layer.backward(rng.normal(size=y.shape).astype(dtype))
+    _, ho, wo = layer.output_shape((c, h, w))
+    kh, kw = layer.kernel_size
+    # The column gradient the NumPy col2im read is still in the column buffer.
+    dcols = layer._buffers["cols-train"][2][:c * kh * kw * ho * wo * b]
+    dxe = _cuda.col2im(np, dcols.reshape(c, kh, kw, ho, wo, b), (h, w), layer.stride,
+                       layer.padding)
+    np.testing.assert_array_equal(dxe.transpose(3, 0, 1, 2), dx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,p,key,first", [
+    ((4, 7), 0.5, (0, 0, 3), 0),
+    ((3, 2, 5, 5), 0.3, (12, 345, 1), 6),
+    ((1, 1000), 0.9, (2 ** 40, 7, 0), 3),
+    ((5, 3), 0.1, (-1, 2, 9), 0),
+])
+def test_emulated_dropout_mask_equals_the_numpy_mask(shape, p, key, first, dtype):
+    keep = activation.keep_mask(np, shape, p, key, first_sample=first)
+    scale = 1.0 / (1.0 - p)
+    mask = _cuda.dropout_mask(np, shape, dtype, activation.stream_keys(key),
+                              activation.keep_threshold(p), scale, first_sample=first)
+    np.testing.assert_array_equal(mask, keep.astype(dtype) * np.dtype(dtype).type(scale))
+    assert mask.dtype == dtype and mask.shape == shape and 0 < keep.sum() < keep.size
+
+
+def test_kernel_parameters_and_emulations_agree():
+    for name, (params, body, emulation) in _cuda.KERNELS.items():
+        assert [p for p, _ in params] == list(inspect.signature(emulation).parameters), name
+        for pname, _ in params:
+            assert pname in body, f"{name}: {pname} unused in the CUDA body"
+
+
+def _normal(text):
+    """Return C or Python text with casts, blanks and parentheses removed, C operators as
+    Python's: a typo-level fingerprint of an expression."""
+    for cast in ("(unsigned long long)", "(long long)", "(unsigned char)", "(int)"):
+        text = text.replace(cast, "")
+    text = text.replace("||", "|").replace("&&", "&").replace("/", "//").replace("////", "//")
+    return "".join(ch for ch in text if ch not in " \n()")
+
+
+def _cuda_statements(body):
+    """Yield the expressions of a CUDA body that its emulation must contain: loop bounds,
+    conditions, integer right-hand sides and every subscript."""
+    for var, bound in re.findall(r"for \(int (\w+) = 0; \1 < (\w+); \+\+\1\)", body):
+        yield f"for {var} in range({bound})"
+    for line in body.splitlines():
+        match = re.search(r"\bif \((.*)\)", line)
+        if match:
+            yield re.sub(r"\) (continue;|acc \+=.*|\{)$", "", match.group(1))
+        match = re.match(r"\s*(?:int|long long) \w+ = (.*);", line) or \
+            re.match(r"\s*(\w+ /= .*);", line)
+        if match and not re.fullmatch(r"\d+", match.group(1)):
+            yield match.group(1)
+        for index in re.findall(r"\w+\[([^\]]+)\]", line):
+            if index != "idx":
+                yield index
+
+
+@pytest.mark.parametrize("name", [k for k in _cuda.KERNELS if k != "dropout_mask"])
+def test_cuda_bodies_and_emulations_compute_the_same_expressions(name):
+    # The emulation is what the CPU tests run against the NumPy layers; each expression of
+    # the CUDA body must appear in it (casts, blanks, parentheses and operator spelling
+    # aside), so an index typo in the CUDA source fails here, without a GPU.
+    params, body, emulation = _cuda.KERNELS[name]
+    source = inspect.getsource(emulation)                  # after the decorator, which
+    emulated = _normal(source[source.index("\ndef "):])  # holds the CUDA body
+    statements = list(_cuda_statements(body))
+    assert len(statements) >= 10, statements
+    missing = [s for s in statements if _normal(s) not in emulated]
+    assert not missing, f"{name}: not in the emulation: {missing}"
+
+
+def test_argument_types_are_checked_against_the_c_signature():
+    x = np.zeros((1, 1, 4, 4), np.float32)
+    _cuda.maxpool_forward(np, x, (2, 2), (2, 2), (2, 2), (0, 0))      # fine
+    args = (np.zeros(16, np.float32), np.zeros(4, np.float32), np.zeros(4, np.uint8),
+            np.int64(4), *_cuda._geometry(1, 4, 4, 1, 2, 2, (2, 2), (2, 2), (0, 0)),
+            np.float32(-np.inf))
+    _cuda.launch(np, "maxpool_fwd", np.float32, 4, args)
+    for i, bad in [(3, 4), (4, np.int64(1)), (1, np.zeros(4, np.float64)),
+                   (2, np.zeros(4, np.int8)), (16, np.float64(-np.inf))]:
+        broken = args[:i] + (bad,) + args[i + 1:]
+        with pytest.raises(TypeError):
+            _cuda.launch(np, "maxpool_fwd", np.float32, 4, broken)
+    with pytest.raises(TypeError):
+        _cuda.launch(np, "maxpool_fwd", np.float32, 4, args[:-1])
+
+
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+        return nvrtc
+    except Exception:  # noqa: BLE001 - no NVRTC library on this machine
+        return None
+
+
+@pytest.mark.skipif(_nvrtc() is None, reason="no NVRTC library (CUDA runtime compiler) here")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_sources_compile_with_nvrtc(dtype):
+    nvrtc = _nvrtc()
+    for name in _cuda.KERNELS:
+        prog = nvrtc.createProgram(_cuda.source(name, dtype), name + ".cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, ["-arch=compute_70", *_cuda.OPTIONS])
+        except Exception as exc:  # noqa: BLE001
+            pytest.fail(f"{name} ({np.dtype(dtype).name}): {exc}\n{nvrtc.getProgramLog(prog)}")
+        ptx = nvrtc.getPTX(prog)
+        nvrtc.destroyProgram(prog)
+        assert f".entry {name}(".encode() in ptx
+
+
+# --- without a GPU: the layers' GPU branches on NumPy under another name
+
+class _StandIn:
+    """An array module that is NumPy but not ``numpy``: the layers take their GPU branch."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+def _patch(m):
+    xp = _StandIn()
+    for module in (pool, conv):
+        m.setattr(module, "get_array_module", lambda *a: xp)
+    m.setattr(activation, "is_gpu_array", lambda a: True)
+    launch = _cuda.launch
+    m.setattr(_cuda, "launch", lambda _xp, *args: launch(np, *args))
+
+
+def _layer_pair(make, dtype, in_shape=None):
+    a, b = make(), make()
+    if in_shape is not None:
+        rng = np.random.default_rng(4)
+        params = {s: rng.normal(size=shape).astype(dtype)
+                  for s, shape, _ in a.param_specs(in_shape)}
+        for layer in (a, b):
+            layer.bind({s: v.copy() for s, v in params.items()},
+                       {s: np.empty_like(v) for s, v in params.items()})
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_pool_layers_gpu_branch_equals_numpy_branch(monkeypatch, case, dtype):
+    b, c, h, w, k, s, p = case
+    for cls in (MaxPool2d, AvgPool2d):
+        for layout in ("batch-first", "batch-last"):
+            x = _data(case, dtype, "ties" if cls is MaxPool2d else "normal")
+            if layout == "batch-last":
+                x = np.ascontiguousarray(x.transpose(1, 2, 3, 0)).transpose(3, 0, 1, 2)
+            ref, gpu = _layer_pair(lambda: cls(k, s, p), dtype)
+            want = _run(ref, x)
+            with monkeypatch.context() as m:
+                _patch(m)
+                got = _run(gpu, x)
+                assert gpu._cache[2] is None          # the kernel branch ran
+                gpu.forward(x, train=False)
+                assert gpu._cache is None
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+            if cls is MaxPool2d:
+                np.testing.assert_array_equal(got[2][1], want[2][1])     # argmax
+            assert got[0].strides == want[0].strides  # the same (C, Ho, Wo, B) memory
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CONV_CASES + [(2, 3, 8, 8, 4, 5, 1, 2)])   # + flipped path
+def test_conv_gpu_branch_equals_numpy_branch(monkeypatch, case, dtype):
+    monkeypatch.setattr(conv, "CPU_BLOCK_BYTES", 1 << 40)     # one block, as on a GPU
+    b, c, h, w, o, k, s, p = case
+    ref, gpu = _layer_pair(lambda: Conv2d(c, o, k, stride=s, padding=p), dtype, (c, h, w))
+    x = np.random.default_rng(5).normal(size=(b, c, h, w)).astype(dtype)
+    want = _run(ref, x)
+    with monkeypatch.context() as m:
+        _patch(m)
+        got = _run(gpu, x)
+    for name, g, r in [("y", got[0], want[0]), ("dx", got[1], want[1]),
+                       ("dW", gpu.grads["weight"], ref.grads["weight"]),
+                       ("db", gpu.grads["bias"], ref.grads["bias"])]:
+        np.testing.assert_array_equal(g, r, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout_gpu_branch_equals_numpy_branch(monkeypatch, dtype):
+    x = np.random.default_rng(6).normal(size=(6, 3, 4, 5)).astype(dtype)
+    dy = np.random.default_rng(7).normal(size=x.shape).astype(dtype)
+    ref, gpu = Dropout(0.4, seed=11), Dropout(0.4, seed=11)
+    for layer in (ref, gpu):
+        layer.layer_index, layer.step, layer.batch_part = 5, 17, (1, 3)
+    want = [(ref.forward(x), ref.backward(dy)) for _ in range(2)]
+    with monkeypatch.context() as m:
+        _patch(m)
+        got = [(gpu.forward(x), gpu.backward(dy)) for _ in range(2)]
+        assert gpu.forward(x, train=False) is x
+    assert ref.step == gpu.step == 19
+    for (y, dx), (yr, dxr) in zip(got, want):
+        np.testing.assert_array_equal(y, yr)
+        np.testing.assert_array_equal(dx, dxr)
+    assert not np.array_equal(got[0][0], got[1][0])           # fresh masks per step
+
+
+# --- with a GPU: the real kernels
+
+gpu = pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU with CuPy")
+
+
+def _on_gpu(layer_ref, layer_gpu, x, dy_seed=1):
+    import cupy
+    want = _run(layer_ref, x, dy_seed)
+    y = layer_gpu.forward(cupy.asarray(x))
+    cache = layer_gpu._cache
+    dy = np.random.default_rng(dy_seed).normal(size=y.shape).astype(x.dtype)
+    dx = layer_gpu.backward(cupy.asarray(dy))
+    return (cupy.asnumpy(y), cupy.asnumpy(dx), cache), want
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_gpu_pool_kernels_equal_the_numpy_layers(case, dtype):
+    import cupy
+    b, c, h, w, k, s, p = case
+    for kind in ("normal", "ties", "inf"):
+        x = _data(case, dtype, kind)
+        got, want = _on_gpu(MaxPool2d(k, s, p), MaxPool2d(k, s, p), x)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=f"max y {kind}")
+        np.testing.assert_array_equal(cupy.asnumpy(got[2][1]), want[2][1],
+                                      err_msg=f"argmax {kind}")
+        np.testing.assert_array_equal(got[1], want[1], err_msg=f"max dx {kind}")
+    x = _data(case, dtype, "normal")
+    got, want = _on_gpu(AvgPool2d(k, s, p), AvgPool2d(k, s, p), x)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(got[0], want[0], **tol, err_msg="avg y")
+    np.testing.assert_allclose(got[1], want[1], **tol, err_msg="avg dx")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_maxpool_nan_and_eval(dtype):
+    import cupy
+    x = _data((2, 2, 7, 7), dtype, "normal")
+    x[0, 0, 1, 1] = np.nan
+    ref, dev = MaxPool2d(3, 2, 1), MaxPool2d(3, 2, 1)
+    got, want = _on_gpu(ref, dev, x)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(cupy.asnumpy(got[2][1]), want[2][1])
+    y = dev.forward(cupy.asarray(x), train=False)
+    assert dev._cache is None
+    np.testing.assert_array_equal(cupy.asnumpy(y), want[0])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CONV_CASES + [(2, 3, 8, 8, 4, 5, 1, 2)])
+def test_gpu_conv_col2im_equals_the_numpy_layer(case, dtype):
+    import cupy
+    b, c, h, w, o, k, s, p = case
+    ref, dev = _layer_pair(lambda: Conv2d(c, o, k, stride=s, padding=p), dtype, (c, h, w))
+    dev.bind({n: cupy.asarray(v) for n, v in dev.params.items()},
+             {n: cupy.asarray(v) for n, v in dev.grads.items()})
+    x = np.random.default_rng(5).normal(size=(b, c, h, w)).astype(dtype)
+    got, want = _on_gpu(ref, dev, x)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(got[0], want[0], **tol, err_msg="y")
+    np.testing.assert_allclose(got[1], want[1], **tol, err_msg="dx")
+    np.testing.assert_allclose(cupy.asnumpy(dev.grads["weight"]), ref.grads["weight"], **tol)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_dropout_masks_equal_the_numpy_masks(dtype):
+    import cupy
+    for shape, p, part in [((6, 3, 4, 5), 0.4, (1, 3)), ((64, 500), 0.5, (0, 1)),
+                           ((7, 33), 0.9, (3, 4))]:
+        x = np.random.default_rng(6).normal(size=shape).astype(dtype)
+        ref, dev = Dropout(p, seed=11), Dropout(p, seed=11)
+        for layer in (ref, dev):
+            layer.layer_index, layer.step, layer.batch_part = 5, 17, part
+        for _ in range(2):
+            y = ref.forward(x)
+            yd = dev.forward(cupy.asarray(x))
+            np.testing.assert_array_equal(cupy.asnumpy(dev._mask), ref._mask)
+            np.testing.assert_array_equal(cupy.asnumpy(yd), y)
+            dy = np.random.default_rng(8).normal(size=shape).astype(dtype)
+            np.testing.assert_array_equal(cupy.asnumpy(dev.backward(cupy.asarray(dy))),
+                                          ref.backward(dy))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_kernels_compile_once_per_dtype():
+    import cupy
+    x = cupy.asarray(_data((2, 3, 8, 8), np.float32, "normal"))
+    layer = MaxPool2d(2, 2)
+    layer.forward(x)
+    kernel = _cuda._compiled[("maxpool_fwd", "f")]
+    layer.forward(x)
+    MaxPool2d(3, 2).forward(x)
+    assert _cuda._compiled[("maxpool_fwd", "f")] is kernel
+    layer.forward(x.astype(cupy.float64))
+    assert ("maxpool_fwd", "d") in _cuda._compiled
