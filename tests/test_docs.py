@@ -632,6 +632,8 @@ COMMANDS = {
     "single,none,lookahead/warm=0 --metric loss --markdown": readme_delay_table,
     "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8":
         "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
+    "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8 --np 2":
+        "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2 "
     "--eval-every 937": FASHION,
     "python -m ringnet.bench curves --from-csv docs/curves-lenet-fashion-mnist.csv --markdown":
