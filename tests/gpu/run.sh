@@ -102,7 +102,7 @@ EOF
 
 export -f nccl_shared auto_shared quickstart
 export WORK GPUS MPIRUN
-PYTEST="python -m pytest -q -rfE --tb=short -p no:cacheprovider --with-mpi"
+PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi"
 stage gpu-n1 120 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
     tests/test_cuda_kernels.py
 stage gpu-n2 80 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu tests/test_gpu_train.py
