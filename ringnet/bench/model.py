@@ -45,8 +45,11 @@ it there), and with a polling thread the exchange moves at a measured fraction �
 blocking speed and steals a measured fraction κ of the core. Where the code has a choice
 (progress mode, bucket size, concurrent rooted receives) the model reads it from the
 code (``code_facts``). Ranks beyond the cores share them: compute takes
-``s(N) = max(1, N / cores)`` times as long (``cores``: measured with every rank busy, waits
-that sleep; on a quiet machine the job's CPU affinity). On the CPU
+``s(N) = max(1, N / cores)`` times as long (``cores``: measured with each model's own step
+at its per-rank batch on every rank at once against one alone, waits that sleep; on a quiet
+machine the job's CPU affinity), and a rank that blocks on a peer finds it descheduled: a
+wait of ``scheduling_wait`` once per step and on each blocking message, from slices the
+calibration measures (zero while every rank has a core). On the CPU
 a message is a wait (latency α) and a copy (bytes / β) that the rank's own core makes
 inside an MPI call: with driven progress that call is the training thread's test at a
 layer boundary, so the copy delays the compute (on a GPU the copy engine moves it).
