@@ -15,6 +15,10 @@ class ReLU(Layer):
         self._y = None
 
     def forward(self, x, train=True):
+        if is_gpu_array(x):                   # one kernel, in x's memory order
+            y = _cuda.relu_forward(get_array_module(x), x)
+            self._y = y if train else None
+            return y
         xp = get_array_module(x)
         y = xp.maximum(x, 0)                                     # same shape and memory order
         self._y = y if train else None
@@ -24,6 +28,8 @@ class ReLU(Layer):
         # dy/dx = 1 where y > 0, else 0 (0 at x = 0, like Caffe and PyTorch).
         if self._y is None:
             raise RuntimeError("ReLU.backward called without a forward(train=True)")
+        if is_gpu_array(dy):                  # one kernel, in y's memory order
+            return _cuda.relu_backward(get_array_module(dy), dy, self._y)
         xp = get_array_module(dy)
         return xp.multiply(dy, self._y > 0)
 
