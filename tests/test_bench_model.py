@@ -408,6 +408,141 @@ def test_ranks_beyond_the_cores_share_them():
     assert pm._calibration_record(4, raw, 0.0)["cores"] == pm.usable_cores()
 
 
+def _round_robin_wait(n, cores, slice_s, samples, rng):
+    """Simulate: N busy ranks share ``cores`` cores, each core running its N/cores ranks in
+    turn for one slice each; a rank blocks on a random peer at a random moment and waits
+    until that peer next runs. Returns the mean wait over ``samples`` draws."""
+    per_core = max(1, n // cores)                  # N <= cores: each rank has its own
+    period = per_core * slice_s
+    total = 0.0
+    for _ in range(samples):
+        peer = int(rng.integers(n))
+        turn = peer % per_core                     # its place in its core's rotation
+        t = float(rng.uniform(0, 50 * period))
+        start = (t // period) * period + turn * slice_s
+        while start + slice_s <= t:                # this period's slot is over: the next one
+            start += period
+        total += max(0.0, start - t)
+    return total / samples
+
+
+@pytest.mark.parametrize("n, cores", [(1, 2), (2, 2), (4, 2), (6, 2), (8, 2), (9, 3), (16, 4)])
+def test_scheduling_wait_matches_a_round_robin_simulation(n, cores):
+    rng = np.random.default_rng(n * 10 + cores)
+    slice_s = 3e-3
+    simulated = _round_robin_wait(n, cores, slice_s, 40000, rng)
+    assert pm.scheduling_wait(n, cores, slice_s) == pytest.approx(simulated, rel=0.03, abs=1e-9)
+    # every rank has a core (N <= cores), or a GPU (no cores): no wait at all
+    assert pm.scheduling_wait(min(n, cores), cores, slice_s) == 0.0
+    assert pm.scheduling_wait(n, None, slice_s) == 0.0
+
+
+def _waits_raw(n, first, per_msg, idle_alpha=1e-3):
+    """Raw calibration timings whose loaded small exchanges took ``first`` more (the wait for
+    peers) plus ``per_msg`` more per message than the same exchanges entered idle."""
+    msgs = 2 * (n - 1)
+    waits = {}
+    for count in pm.LOADED_EXCHANGES:
+        waits[f"idle{count}"] = count * msgs * idle_alpha
+        waits[f"loaded{count}"] = waits[f"idle{count}"] + first + count * msgs * per_msg
+    return {"cores": 2, "solo_s": 0.02, "together_s": 0.04,
+            "blocking": {"4096": 0.004, "1048576": 0.010}, "streamed": {}, "waits": waits}
+
+
+def test_calibrated_waits_set_the_step_s_wait_and_each_message_s():
+    # at N = 4 on 2 cores the exchange entered after compute waited 6 ms more, plus 0.2 ms
+    # per message: the slices are recovered, and at N = 4 the system waits exactly that
+    record = pm._calibration_record(4, _waits_raw(4, 6e-3, 2e-4), 0.0)
+    unit = pm.scheduling_wait(4, 2, 1.0)                # 1/4 of a slice at N = 4 on 2 cores
+    assert unit == pytest.approx(0.25)
+    assert record["slice_s"] == pytest.approx(6e-3 / unit)
+    assert record["msg_slice_s"] == pytest.approx(2e-4 / unit)
+    system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record})
+    at4 = system.at(4)
+    assert at4.wait_s == pytest.approx(6e-3) and at4.msg_wait_s == pytest.approx(2e-4)
+    # every message of a blocking ring exchange pays it: 2(N-1) of them
+    lenet = build_model("lenet")
+    plain = pm.System("local", None, None, 1 << 30, _system().compute,
+                      calibrated={4: dict(record, slice_s=0.0, msg_slice_s=0.0)}).at(4)
+    bounds = pm._shard_bounds(lenet.num_params, 4)
+    both = [pm._ring_time(s, bounds, 4, "rs") + pm._ring_time(s, bounds, 4, "ag") for s in (at4, plain)]
+    assert both[0] - both[1] == pytest.approx(6 * 2e-4)
+    # the tree's and the master's waits too, one per wait on their critical path
+    for mode in ("tree", "master"):
+        items = [pm._exchange_items(s, lenet, mode, 4, 1000, (0, 1000), 0.0) for s in (at4, plain)]
+        peers = [sec for kind, sec in items[0] if kind == "peer"]
+        assert peers and all(p == pytest.approx(2e-4) for p in peers)
+        assert [i for i in items[0] if i[0] != "peer"] == items[1]
+    # N = 8 from the N = 4 calibration: the closed form scales it, (1-2/8)(8/2-1)/2 / (1/4)
+    assert system.at(8).wait_s == pytest.approx(6e-3 * 0.75 * 3 / 2 / 0.25)
+    # N = 2 on 2 cores: every rank has a core, whatever the exchanges measured
+    two = pm._calibration_record(2, _waits_raw(2, 6e-3, 2e-4), 0.0)
+    assert two["slice_s"] == two["msg_slice_s"] == 0.0
+    assert pm.System("local", None, None, 1 << 30, _system().compute,
+                     calibrated={2: two}).at(2).wait_s == 0.0
+    # a record without these timings (older worker): no wait
+    raw = _waits_raw(4, 6e-3, 2e-4)
+    raw.pop("waits")
+    assert pm._calibration_record(4, raw, 0.0)["slice_s"] == 0.0
+    # spec-sheet profiles: none
+    assert pm.make_system("pcie3", _system().compute, 8).wait_s == 0.0
+
+
+def test_peer_wait_beside_compute_is_in_the_calibrated_rate():
+    # a message's wait for a descheduled peer costs its time after the compute, and nothing
+    # beside it (the stream's calibrated rate there was measured with the ranks oversubscribed)
+    system = _system()
+    system.cores, system.ranks_here = 1.0, 1
+    layers = pm.Timeline([1.0, 2.0, 3.0, 4.0], [], {}, 4.0)
+    assert pm._message(pm.Link("x", 0.1, 1.0), 0.3, 0.5) == [("msg", 0.1), ("copy", 0.3), ("peer", 0.5)]
+    beside = [(0.0, [("msg", 0.1), ("peer", 5.0)])]
+    assert pm._simulate(system, layers, beside, "driven") == pytest.approx((4.0, 0.0))
+    assert pm._simulate(system, layers, beside, "poll") == pytest.approx((4.0, 0.0))
+    after = [(4.0, [("msg", 0.1), ("peer", 0.5)])]
+    assert pm._simulate(system, layers, after, "driven") == pytest.approx((4.6, 0.0))
+
+
+def test_wait_for_peers_is_paid_once_per_step():
+    lenet = build_model("lenet")
+    system = _system()
+    base = {(m, d): pm.predict(system, lenet, m, d, 4, 64).step_s
+            for m, d in (("ring", 0), ("ring", 1), ("tree", 0), ("master", 0), ("split-fc", 0))}
+    system.wait_s = 5e-3
+    for (mode, delay), step in base.items():
+        got = pm.predict(system, lenet, mode, delay, 4, 64).step_s
+        # once per step, in every mode
+        assert got - step == pytest.approx(5e-3), (mode, delay)
+    # one rank: nothing to wait for
+    assert pm.predict(system, lenet, "ring", 0, 1, 64).step_s == \
+        pytest.approx(pm.predict(_system(), lenet, "ring", 0, 1, 64).step_s)
+
+
+def test_contention_is_measured_with_the_model_s_own_step():
+    # the work unit: 4 ranks 2x one alone (2 cores); lenet's own step at its per-rank batch:
+    # 2.5x (1.6 effective cores); a model the calibration did not time keeps the work unit's
+    raw = _waits_raw(4, 0.0, 0.0)
+    raw["models"] = {"lenet": {"batch": 16, "solo_s": 0.004, "together_s": 0.010}}
+    record = pm._calibration_record(4, raw, 0.0)
+    assert record["model_cores"] == {"lenet": pytest.approx(1.6)}
+    system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record})
+    at4 = system.at(4)
+    assert at4.contention(4, "lenet") == pytest.approx(2.5)
+    assert at4.contention(4, "cifar10_quick") == pytest.approx(2.0)
+    assert at4.contention(1, "lenet") == 1.0
+    # lenet predicts as on a machine of 1.6 cores; without its own timing, as on one of 2
+    lenet = build_model("lenet")
+
+    def local(**change):
+        return pm.System("local", None, None, 1 << 30, _system().compute,
+                         calibrated={4: dict(record, **change)})
+    for mode, delay in (("ring", 1), ("ring", 0), ("tree", 0)):
+        got = pm.predict(system, lenet, mode, delay, 4, 64)
+        assert got == pm.predict(local(cores=1.6, model_cores={}), lenet, mode, delay, 4, 64)
+        assert got.compute_s > pm.predict(local(model_cores={}), lenet, mode, delay, 4, 64).compute_s
+    # GPU / spec-sheet systems: no contention
+    assert pm.make_system("pcie3", _system().compute, 8).contention(4, "lenet") == 1.0
+
+
 def test_compute_profile_keeps_one_model_per_batch(monkeypatch):
     # training never changes its batch, so its layers keep their buffers: the profile times
     # each batch size on its own model instance (the sizes still alternate pass by pass)
@@ -640,6 +775,30 @@ def test_strategies_send_what_the_model_counts(name, mode, delay):
     assert messages == expected, f"{mode} delay {delay} at N={size}: messages per rank"
 
 
+@pytest.mark.mpi
+def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
+    # the worker's own output (one iteration, a tiny batch): what the record is made from
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    assert pm._calibrate_worker(1, ["lenet"], 3) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    if world.Get_rank():
+        assert out == []
+        return
+    raw = json.loads(out[-1])
+    n = world.Get_size()
+    assert raw["np"] == n and raw["cores"] == pm.usable_cores()
+    assert raw["models"]["lenet"]["batch"] == 3
+    assert raw["models"]["lenet"]["solo_s"] > 0 and raw["models"]["lenet"]["together_s"] > 0
+    assert sorted(raw["waits"]) == sorted(f"{kind}{c}" for kind in ("idle", "loaded")
+                                          for c in pm.LOADED_EXCHANGES)
+    assert all(v > 0 for v in raw["waits"].values())
+    record = pm._calibration_record(n, raw, 0.0)
+    assert record["model_cores"]["lenet"] > 0
+    if n <= raw["cores"]:
+        assert record["slice_s"] == record["msg_slice_s"] == 0.0
+
+
 # -- validation records ----------------------------------------------------------------------
 def _validation_record(measured, code=None):
     compute = pm.roofline_compute("k40", ("lenet",)).to_json()
@@ -672,6 +831,39 @@ def test_validation_reprint_says_where_the_model_is_off(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "where the model is off" in proc.stdout and "exposed communication" in proc.stdout
     assert "the code measured: CPU streams poll, no delay-0 buckets" in proc.stdout
+
+
+def test_validate_writes_the_record_and_prints_its_readme_table(tmp_path, monkeypatch, capsys):
+    # the measuring runs stood in for by a record with the new timings at N = 4 (2 cores):
+    # the command writes it to the file given and ends with the table the reprint prints
+    rows = [{"model": "lenet", "mode": "ring", "delay": 0, "np": n, "step_ms": 20.0,
+             "compute_ms": 15.0, "exposed_ms": 4.0, "update_ms": 1.0, "data_ms": 0.0}
+            for n in (1, 4)]
+    record = _validation_record(rows)
+    raw4 = _waits_raw(4, 6e-3, 2e-4)
+    raw4["models"] = {"lenet": {"batch": 16, "solo_s": 0.004, "together_s": 0.010}}
+    record["rounds"][0]["calibration"]["by_np"]["4"] = {"raw": raw4}
+    seen = {}
+
+    def fake_validate(models, batch, steps, repeats, mpirun, iters, nps):
+        seen.update(models=models, batch=batch, steps=steps, repeats=repeats, nps=nps)
+        return record
+    monkeypatch.setattr(pm, "validate", fake_validate)
+    path = tmp_path / "docs-record.json"
+    args = ["--compute", "k40", "--models", "lenet", "--profile", "pcie3", "--np", "1", "4",
+            "--validate", "--validate-repeats", "2", "--validate-steps", "20", "--validation", str(path)]
+    assert pm.main(args) == 0
+    out = capsys.readouterr().out
+    assert seen == {"models": ["lenet"], "batch": 64, "steps": 20, "repeats": 2, "nps": (1, 4)}
+    assert json.loads(path.read_text()) == record
+    assert "N=4: lenet step (batch 16) with all ranks busy 2.50x alone; wait for descheduled " \
+           "peers 6.00 ms per step, 200 us per message" in out
+    table = out[out.index("# the README's validation table"):].split("\n", 1)[1].strip()
+    assert pm.main(["--compute", "k40", "--np", "1", "4", "--models", "lenet", "--profile", "pcie3",
+                    "--validation", str(path), "--table", "validation", "--markdown"]) == 0
+    assert capsys.readouterr().out.strip() == table
+    assert table.splitlines()[0] == "| model | mode | N=1 predicted / measured ms | N=4 |"
+    assert [line.split(" | ")[:2] for line in table.splitlines()[2:]] == [["| lenet", "ring d0"]]
 
 
 def test_a_record_is_predicted_as_the_code_it_measured_ran():

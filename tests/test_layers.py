@@ -557,5 +557,30 @@ def test_phase_planes_round_trip():
         for a in range(sh):
             for e in range(sw):
                 part = x[:, :, a::sh, e::sw].transpose(1, 2, 3, 0)
-                np.testing.assert_array_equal(planes[a, e, :, :part.shape[1], :part.shape[2]], part)
+                np.testing.assert_array_equal(planes[a, e, :part.shape[2], :part.shape[1]],
+                                              part.transpose(2, 1, 0, 3))
         np.testing.assert_array_equal(merge_phases(np, planes, *shape[2:]), x.transpose(1, 2, 3, 0))
+
+
+@pytest.mark.parametrize("make", [lambda: MaxPool2d(3, 2), lambda: AvgPool2d(3, 2),
+                                  lambda: MaxPool2d(2, 2, 1), ReLU])
+def test_results_survive_later_calls(make):
+    # Work arrays are reused from call to call; what forward and backward return is not:
+    # a later call (same shapes, train or eval) leaves earlier results as they were.
+    layer = make()
+    rng = np.random.default_rng(34)
+    x1, x2 = (batch_last(rng.normal(size=(3, 2, 9, 9))) for _ in range(2))
+    y1 = layer.forward(x1)
+    dy = rng.normal(size=y1.shape)
+    dx1 = layer.backward(dy)
+    kept_y, kept_dx = y1.copy(), dx1.copy()
+    layer.forward(x2, train=False)
+    y2 = layer.forward(x2)
+    dx2 = layer.backward(2 * dy)
+    np.testing.assert_array_equal(y1, kept_y)
+    np.testing.assert_array_equal(dx1, kept_dx)
+    assert not np.array_equal(y1, y2) and not np.array_equal(dx1, dx2)
+    # ...and a fresh layer on x2 gives the same results as the reused one
+    fresh = make()
+    np.testing.assert_array_equal(fresh.forward(x2), y2)
+    np.testing.assert_array_equal(fresh.backward(2 * dy), dx2)

@@ -233,7 +233,8 @@ def main(argv=None):
     load = os.getloadavg()
     if not args.json:
         print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; single-core SGEMM "
-              f"(1024^3 float32): {rate / 1e9:.1f} GFLOP/s")
+              f"(1024^3 float32): {rate / 1e9:.1f} GFLOP/s; OPENBLAS_CORETYPE="
+              f"{os.environ.get('OPENBLAS_CORETYPE') or 'unset'}")
     for name in args.model or DEFAULT_MODELS:
         model = build_model(name, dtype=args.dtype, seed=args.seed)
         x, y = _batch(model, args.batch_size, args.seed)

@@ -372,6 +372,9 @@ class System:
     rooted: dict = None              # local: mode -> Link calibrated on that communicator
     calibrated: dict = None
     ranks_here: int = 1              # ranks of this job on one node (set per prediction)
+    model_cores: dict = None         # local: model -> cores measured with its own step
+    wait_s: float = 0.0              # a step's first wait for peers descheduled (N > cores)
+    msg_wait_s: float = 0.0          # each blocking message's wait for them
 
     def hop(self, a, b):
         """Return the Link between ranks a and b (ranks fill nodes in order)."""
@@ -387,14 +390,37 @@ class System:
         link = Link(f"local@{near}", c["alpha_s"], c["beta_Bps"], "calibrated here")
         rooted = {mode: Link(f"local-{mode}@{near}", v["alpha_s"], v["beta_Bps"], "calibrated here")
                   for mode, v in c.get("rooted", {}).items()}
+        # ranks beyond the cores: a blocking wait finds its peer descheduled (the slices the
+        # calibration measured, scaled to this N by the closed form); each message likewise
+        cores_here = c.get("raw", {}).get("cores") or usable_cores()
+        wait = scheduling_wait(n, cores_here, c.get("slice_s", 0.0))
+        per_msg = scheduling_wait(n, cores_here, c.get("msg_slice_s", 0.0))
         return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
-                                   cores=c.get("cores") or usable_cores(), steal=c["steal"])
+                                   cores=c.get("cores") or usable_cores(), steal=c["steal"],
+                                   model_cores=c.get("model_cores") or None, wait_s=wait,
+                                   msg_wait_s=per_msg)
 
-    def contention(self, n):
-        """Return the compute slowdown of N ranks busy at once on this node: max(1, N / cores)."""
+    def contention(self, n, model=None):
+        """Return the compute slowdown of N ranks busy at once on this node: max(1, N / cores),
+        ``cores`` measured with ``model``'s own step where the calibration timed it."""
         if self.cores is None:
             return 1.0
-        return max(1.0, min(n, self.ranks_per_node) / self.cores)
+        cores = (self.model_cores or {}).get(model) or self.cores
+        return max(1.0, min(n, self.ranks_per_node) / cores)
+
+
+def scheduling_wait(n, cores, slice_s):
+    """Mean wait of a rank that blocks on a peer when N busy ranks share ``cores`` cores.
+
+    Round robin with time slices ``slice_s``: a peer runs a share cores/N of the time and
+    is otherwise off for (N/cores - 1) slices; met at a random moment it is off with
+    probability 1 - cores/N, for half an off period on average:
+    (1 - cores/N) (N/cores - 1) slice / 2. Zero while every rank has a core (N <= cores;
+    GPUs, cluster nodes with a core per rank).
+    """
+    if not cores or n <= cores or not slice_s:
+        return 0.0
+    return (1 - cores / n) * (n / cores - 1) * slice_s / 2
 
 
 def usable_cores():
@@ -657,16 +683,19 @@ def _ring_items(system, bounds, itemsize, kind):
     hop = system.intra if n <= system.ranks_per_node else system.inter
     items = []
     for _ in range(n - 1):
-        items += _message(hop, shard * itemsize)
+        items += _message(hop, shard * itemsize, system.msg_wait_s)
         if kind == "rs":
             items.append(("cpu", system.compute.add(shard)))
     return items
 
 
-def _message(link, nbytes):
-    """One message as the stream meets it: a wait for the peer ("msg", the latency) and the
-    copy of its bytes ("copy", bytes / beta)."""
-    return [("msg", link.alpha_s), ("copy", nbytes / link.beta_Bps)] if nbytes else []
+def _message(link, nbytes, peer_s=0.0):
+    """One message as the stream meets it: a wait for the peer ("msg", the latency), the
+    copy of its bytes ("copy", bytes / beta), and where ranks outnumber the cores the wait
+    for a descheduled peer ("peer"; beside compute the calibrated rate already holds it)."""
+    if not nbytes:
+        return []
+    return [("msg", link.alpha_s), ("copy", nbytes / link.beta_Bps)] + ([("peer", peer_s)] if peer_s else [])
 
 
 def _without_latency(system):
@@ -837,8 +866,10 @@ def _exchange_items(system, model, mode, n, size, part, update_s):
     moved = timing(_without_latency(system), n, elems * itemsize, elems)
     waits = _rooted_waits(mode, n, elems, itemsize)
 
+    peer = [("peer", system.msg_wait_s)] if system.msg_wait_s else []
+
     def cut(total, copied):
-        return [("msg", max(0.0, total - copied) / waits), ("copy", copied / waits)] * waits
+        return ([("msg", max(0.0, total - copied) / waits), ("copy", copied / waits)] + peer) * waits
     return cut(reduce, moved[0]) + [("cpu", update_s)] + cut(bcast, moved[1])
 
 
@@ -928,6 +959,10 @@ def _simulate(system, timeline, ops, progress):
         t = max(t, ready + shift)
         for kind, seconds in items:
             computing = t < timeline.end + shift
+            if kind == "peer":                  # beside compute the calibrated rate holds it
+                if not computing:
+                    t += seconds
+                continue
             if kind == "cpu":
                 if computing and not n_spare:
                     shift += seconds
@@ -969,7 +1004,7 @@ def predict(system, model, mode, delay, n, batch):
     system = dataclasses.replace(system, ranks_here=min(n, system.ranks_per_node))
     cp = system.compute
     name, itemsize = model.name, model.dtype.itemsize
-    slow = system.contention(n)
+    slow = system.contention(n, name)
     sent = traffic(model, mode, n, batch)
     bytes_mean, bytes_max = float(np.mean(sent)), int(max(sent))
     progress = _progress(system)
@@ -1028,7 +1063,7 @@ def predict(system, model, mode, delay, n, batch):
 
     xmode = "ring" if mode in ("split-fc", "single") else mode
     whole = _exchange_items(system, model, xmode, n, region, (0, region), update_of(0, region))
-    comm = sum(t for kind, t in whole if kind in ("msg", "copy"))
+    comm = sum(t for kind, t in whole if kind in ("msg", "copy", "peer"))
     update = update_of(0, region) + fixed
     ops = []
     if delay and n > 1:
@@ -1042,6 +1077,11 @@ def predict(system, model, mode, delay, n, batch):
         compute += shift                # the stream's work the compute waited for on its core
     else:
         step = timeline.end + sum(t for _, t in whole)
+    if n > 1:
+        # ranks beyond the cores: the first wait for peers after the rank's own compute finds
+        # some descheduled (measured once per step: the waits that follow in the same step
+        # meet peers already in step, and pay the per-message part in the link's latency)
+        step += system.wait_s
     return Prediction(step, compute, comm + act, update,
                       max(0.0, step - compute - update), bytes_mean, bytes_max)
 
@@ -1121,12 +1161,15 @@ CALIBRATION_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
 STREAM_SIZES = (512 << 10, 2 << 20)
 
 
-def _calibrate_worker(iters):
+def _calibrate_worker(iters, models=(), batch=0):
     """Under mpirun: time the ring communicator blocking and on its stream beside compute.
 
     Prints one JSON line on rank 0: the compute work unit alone and with every rank busy,
-    blocking reduce-scatter+all-gather per size, and per stream size the exchange's own
-    duration and the work unit's time while it ran.
+    each of ``models``' training step (forward, loss, backward) at the per-rank ``batch``
+    alone and on every rank at once, blocking reduce-scatter+all-gather per size, per
+    stream size the exchange's own duration and the work unit's time while it ran, and a
+    small exchange (1 and 4 ring all-reduces of 4 KiB on the stream, waited for as
+    training waits) entered idle and entered right after the work unit.
     """
     from mpi4py import MPI
     from ringnet.comm import (MasterSlaveCommunicator, MpiTransport, RingCommunicator,
@@ -1161,6 +1204,13 @@ def _calibrate_worker(iters):
             time.sleep(2e-4)
         return float(out[0])
 
+    def mean_over_ranks(seconds):
+        out = np.zeros(1)
+        request = world.Iallreduce(np.array([seconds]), out, op=MPI.SUM)
+        while not request.Test():
+            time.sleep(2e-4)
+        return float(out[0]) / n
+
     work()
     solo, together = [], []
     for _ in range(iters):
@@ -1169,6 +1219,26 @@ def _calibrate_worker(iters):
             solo.append(_median_time(work, 1))
         idle_barrier()
         together.append(slowest(_median_time(work, 1)))
+    # each model's own step at its per-rank batch: one rank alone (the others sleep), then
+    # every rank at once (training's compute time is the mean over ranks)
+    steps = {}
+    for name in models:
+        net = build_model(name, seed=rank)
+        xb = rng.normal(size=(batch,) + net.input_shape).astype(net.dtype)
+        yb = rng.integers(0, net.num_classes, size=batch)
+
+        def step():
+            net.loss_and_grad(xb, yb)
+        step()
+        alone, all_ranks = [], []
+        for _ in range(iters):
+            idle_barrier()
+            if rank == 0:
+                alone.append(_median_time(step, 1))
+            idle_barrier()
+            all_ranks.append(mean_over_ranks(_median_time(step, 1)))
+        steps[name] = {"batch": batch, "solo_s": float(np.median(alone)) if rank == 0 else 0.0,
+                       "together_s": float(np.median(all_ranks))}
     def sizes_timed(exchange):
         """Median (over iters) of the slowest rank's time of ``exchange(buf)``, per size."""
         times = {}
@@ -1224,13 +1294,40 @@ def _calibrate_worker(iters):
             spans.append(slowest(got[0]))
             works.append(slowest(t_work))
         streamed[size] = (float(np.median(spans)), float(np.median(works)))
+    # waits for peers: a small exchange on the stream, waited for as training waits (the
+    # waiting thread drives it), entered idle or right after the work unit; from the end
+    # of the rank's own work to the exchange's end, mean over ranks
+    small = np.ones(1024, np.float32)
+
+    def exchanges(count):
+        for _ in range(count):
+            small.fill(1.0)
+            ring.reduce_scatter(small)
+            ring.allgather(small)
+    waits = {}
+    for _ in range(iters):
+        for count in LOADED_EXCHANGES:
+            for kind in ("idle", "loaded"):
+                idle_barrier()
+                if kind == "loaded":
+                    work()
+                t0 = time.perf_counter()
+                stream.submit(exchanges, count).wait()
+                waits.setdefault(f"{kind}{count}", []).append(
+                    mean_over_ranks(time.perf_counter() - t0))
     stream.close()
     if rank == 0:
         print(json.dumps({"np": n, "cores": usable_cores(), "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
                           "blocking": blocking, "streamed": streamed,
-                          "rooted": by_mode}), flush=True)
+                          "rooted": by_mode, "models": steps,
+                          "waits": {k: float(np.median(v)) for k, v in waits.items()}}),
+              flush=True)
     return 0
+
+
+# exchanges in a row of the calibration's wait measurement (two counts: per wait, per message)
+LOADED_EXCHANGES = (1, 4)
 
 
 def _relative_lstsq(rows, rhs, seconds):
@@ -1259,15 +1356,21 @@ def _fit_link(n, sizes_s, add_s_per_elem):
     return max(float(alpha), 0.0), 1.0 / float(inv_beta)
 
 
-def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300):
-    """Run the calibration worker at each N under mpirun; return the ``local`` calibration."""
+def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300, models=(), batch=64,
+              scaling="weak"):
+    """Run the calibration worker at each N under mpirun; return the ``local`` calibration.
+
+    ``models``' steps are timed at the per-rank batch (``batch``, or batch / N for strong
+    scaling) with every rank busy."""
     if shutil.which(mpirun) is None:
         raise UsageError(f"launcher {mpirun!r} not found; `pip install mpich` or pass --mpirun")
     by_np = {}
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
     for n in nps:
+        per_rank = max(1, batch // n) if scaling == "strong" else batch
         cmd = [mpirun, "-np", str(n), sys.executable, "-m", "ringnet.bench", "model",
-               "--calibrate-worker", "--iters", str(iters)]
+               "--calibrate-worker", "--iters", str(iters), "--batch-size", str(per_rank),
+               "--models", ",".join(models)]
         raw = run_json(cmd, f"calibration at N={n}", env=env, timeout=timeout)
         by_np[n] = _calibration_record(n, raw, compute.add_s_per_elem)
     return {"by_np": by_np}
@@ -1315,10 +1418,51 @@ def _calibration_record(n, raw, add_s_per_elem):
         cores = n / max(slowdown, 1e-9)
     else:                   # older workers waited spinning (overstated), and named no cores
         cores = usable_cores()
+    # each model's own step at its per-rank batch, every rank at once against one alone
+    model_cores = {name: n / max(v["together_s"] / v["solo_s"], 1e-9)
+                   for name, v in raw.get("models", {}).items() if v.get("solo_s")}
+    slice_s, msg_slice_s = _wait_slices(n, raw.get("cores"), raw.get("waits"))
     return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted, "cores": cores,
-            "slowdown": slowdown,
+            "slowdown": slowdown, "model_cores": model_cores,
+            "slice_s": slice_s, "msg_slice_s": msg_slice_s,
             "rate": float(np.mean(rates)) if rates else 1.0,
             "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
+
+
+def _describe_contention(n, record):
+    """One line: each model's own step slowed with every rank busy, the waits for peers."""
+    steps = record.get("raw", {}).get("models", {})
+    words = [f"{name} step (batch {v['batch']}) with all ranks busy {v['together_s'] / v['solo_s']:.2f}x "
+             "alone" for name, v in steps.items() if v.get("solo_s")]
+    cores = record.get("raw", {}).get("cores")
+    if record.get("slice_s") or record.get("msg_slice_s"):
+        words.append(f"wait for descheduled peers {1e3 * scheduling_wait(n, cores, record['slice_s']):.2f} "
+                      f"ms per step, {1e6 * scheduling_wait(n, cores, record['msg_slice_s']):.0f} us per "
+                      f"message (slices {1e3 * record['slice_s']:.1f} / {1e3 * record['msg_slice_s']:.2f} ms)")
+    elif "waits" in record.get("raw", {}):
+        words.append("no wait for descheduled peers (a core per rank)")
+    return "; ".join(words) or "no per-model or wait timings (older calibration)"
+
+
+def _wait_slices(n, cores, waits):
+    """The scheduler slices (per blocking wait, per message) that the calibration's small
+    exchanges entered right after compute imply, or (0, 0) where every rank has a core.
+
+    The exchange of ``count`` ring all-reduces (2(N-1) messages each) entered after the
+    work unit takes ``W + count 2(N-1) w`` longer than entered idle: ``W`` the wait for
+    peers still descheduled when it starts, ``w`` each message's. Two counts give both;
+    each is :func:`scheduling_wait` of a slice at this N, which is inverted here.
+    """
+    if not waits or not cores or n <= cores or any(
+            f"{kind}{c}" not in waits for kind in ("idle", "loaded") for c in LOADED_EXCHANGES):
+        return 0.0, 0.0
+    lo, hi = LOADED_EXCHANGES[0], LOADED_EXCHANGES[-1]
+    extra = {c: max(0.0, waits[f"loaded{c}"] - waits[f"idle{c}"]) for c in (lo, hi)}
+    per_exchange = 2 * (n - 1)
+    per_msg = max(0.0, (extra[hi] - extra[lo]) / ((hi - lo) * per_exchange))
+    first = max(0.0, extra[lo] - lo * per_exchange * per_msg)
+    unit = scheduling_wait(n, cores, 1.0)
+    return first / unit, per_msg / unit
 
 
 # -- validation: predicted against measured on this machine -----------------------------------
@@ -1342,7 +1486,8 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
     rounds = []
     for round_ in range(repeats):
         compute = measure_compute(models)
-        calibration = calibrate(tuple(n for n in nps if n > 1), compute, mpirun, iters)
+        calibration = calibrate(tuple(n for n in nps if n > 1), compute, mpirun, iters,
+                                models=models, batch=batch, scaling="strong")
         measured = []
         for i, (name, mode, delay, n) in enumerate(configs):
             args.model = name
@@ -1648,7 +1793,8 @@ def _parser():
 def main(argv=None):
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.calibrate_worker:
-        return _calibrate_worker(args.iters)
+        return _calibrate_worker(args.iters, [m for m in args.models.split(",") if m],
+                                 args.batch_size)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
@@ -1692,7 +1838,8 @@ def main(argv=None):
     elif args.calibrate or "local" in profiles:
         if compute.device != "cpu":
             raise UsageError("profile local is this CPU machine: use --compute here")
-        calibration = calibrate((2, 4), compute, args.mpirun, args.iters)
+        calibration = calibrate((2, 4), compute, args.mpirun, args.iters, models=models,
+                                batch=args.batch_size, scaling=args.scaling)
         if args.calibration:
             with open(args.calibration, "w") as f:
                 json.dump(calibration, f, indent=1)
@@ -1767,7 +1914,7 @@ def main(argv=None):
                   f"compute slowdown {max(1.0, n / c['cores']):.2f} (effective cores "
                   f"{c['cores']:.2f}; all ranks busy against one alone: {c['slowdown']:.2f}, "
                   f"{c['raw'].get('cores', '?')} cores here); "
-                  f"stream steals {c['steal']:.2f} of a core")
+                  f"stream steals {c['steal']:.2f} of a core; {_describe_contention(n, c)}")
     _print_tables(predictions, args.batch_size, args.scaling, nps)
     if allreduces:
         print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "
@@ -1814,8 +1961,19 @@ def main(argv=None):
             print("# where the model is off by more than 15%, and the part of the step that differs most")
             for r in off:
                 print(f"  {r['model']:14s} {diagnose(r, validation)}")
+        for i, rnd in enumerate(record["rounds"]):
+            for n, c in sorted((int(k), v) for k, v in rnd["calibration"]["by_np"].items()):
+                if "raw" in c:
+                    c = _calibration_record(n, c["raw"], rnd["compute"]["add_ns_per_element"] * 1e-9)
+                    print(f"# round {i + 1}, N={n}: {_describe_contention(n, c)}")
         print(f"# load average now: {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
               "(timings on a loaded machine move by tens of percent)")
+        if args.validate:
+            where = args.validation or "FILE"
+            print(f"\n# the README's validation table (reprinted by `python -m ringnet.bench model "
+                  f"--compute k40 --np {' '.join(map(str, sorted({r['np'] for r in validation})))} "
+                  f"--validation {where} --table validation --markdown`):")
+            print(markdown_validation(validation))
     if args.plot:
         print(f"\n# plot written to {args.plot}")
     return 0

@@ -1,10 +1,14 @@
 """MaxPool2d and AvgPool2d with Caffe's ceil-mode output size, as sums over kernel taps.
 
-The input is first split into stride x stride *phase planes* (plane (a, b) holds the
-pixels whose row is a mod sh and column b mod sw), so every kernel tap reads a plain
-rectangle of one plane: in batch-last (C, H, W, B) memory each tap's rows are then long
-contiguous runs, where a stride-2 view of the input would give runs of only B elements.
-The input gradient is gathered in the same planes and interleaved back at the end.
+The input is first split into stride x stride *phase planes* (plane (a, e) holds the
+pixels whose row is a mod sh and column e mod sw), so every kernel tap reads a plain
+rectangle of one plane, where a stride-2 view of the input would give runs of only B
+elements. Planes, outputs and gradients are held column-major, (W, H, C, B) in memory, so
+a tap's rectangle (a range of columns and of rows, all channels and samples) is one long
+contiguous run per column: NumPy runs a pass over a few long runs up to 3x faster than over
+the many short ones a column range of a (C, H, W, B) array would give. The output is
+copied back to (C, H, W, B) memory at the end, and the input gradient is interleaved back
+from its planes.
 """
 import numpy as np
 
@@ -31,12 +35,13 @@ def pool_output_size(size, kernel, stride, pad):
 
 
 def _phase_view(xp, xc, stride):
-    """Return (C, H, W, B) ``xc`` as a (sh, sw, C, H/sh, W/sw, B) view (sizes divisible)."""
+    """Return (C, H, W, B) ``xc`` as a (sh, sw, W/sw, H/sh, C, B) view (sizes divisible):
+    entry (a, e, q, r, c, b) = xc[c, r*sh + a, q*sw + e, b]."""
     sh, sw = stride
     c, h, w, b = xc.shape
-    st = xc.strides
+    sc, sy, sx, sb = xc.strides
     return xp.lib.stride_tricks.as_strided(
-        xc, (sh, sw, c, h // sh, w // sw, b), (st[1], st[2], st[0], sh * st[1], sw * st[2], st[3]))
+        xc, (sh, sw, w // sw, h // sh, c, b), (sy, sx, sw * sx, sh * sy, sc, sb))
 
 
 def _plane_extent(size, phase, stride):
@@ -44,37 +49,57 @@ def _plane_extent(size, phase, stride):
     return -(-(size - phase) // stride)
 
 
-def split_phases(xp, x, stride):
-    """Return logical (B, C, H, W) ``x`` as phase planes (sh, sw, C, ceil(H/sh), ceil(W/sw), B).
+def phase_shape(shape, stride):
+    """Return the shape of the phase planes of a logical (B, C, H, W) ``shape``."""
+    (b, c, h, w), (sh, sw) = shape, stride
+    return (sh, sw, -(-w // sw), -(-h // sh), c, b)
+
+
+def split_phases(xp, x, stride, out=None):
+    """Return logical (B, C, H, W) ``x`` as phase planes (sh, sw, ceil(W/sw), ceil(H/sh), C, B),
+    in ``out`` when given (an array of that shape and x's dtype).
 
     Entries past an odd-sized plane's end are left unset (no tap reads them).
     """
     sh, sw = stride
     b, c, h, w = x.shape
     xc = x.transpose(1, 2, 3, 0)                                 # (C, H, W, B)
-    planes = xp.empty((sh, sw, c, -(-h // sh), -(-w // sw), b), dtype=x.dtype)
+    planes = xp.empty(phase_shape(x.shape, stride), dtype=x.dtype) if out is None else out
     if h % sh == 0 and w % sw == 0:
         xp.copyto(planes, _phase_view(xp, xc, stride))           # one strided copy
     else:
         for a in range(sh):
             for e in range(sw):
-                planes[a, e, :, :_plane_extent(h, a, sh), :_plane_extent(w, e, sw)] = \
-                    xc[:, a::sh, e::sw]
+                planes[a, e, :_plane_extent(w, e, sw), :_plane_extent(h, a, sh)] = \
+                    xc[:, a::sh, e::sw].transpose(2, 1, 0, 3)
     return planes
 
 
 def merge_phases(xp, planes, h, w):
     """Return phase planes as a C-contiguous (C, H, W, B) array (the inverse of split_phases)."""
-    sh, sw, c, _, _, b = planes.shape
+    sh, sw, _, _, c, b = planes.shape
     xc = xp.empty((c, h, w, b), dtype=planes.dtype)
     if h % sh == 0 and w % sw == 0:
         xp.copyto(_phase_view(xp, xc, (sh, sw)), planes)         # one strided copy
     else:
         for a in range(sh):
             for e in range(sw):
-                xc[:, a::sh, e::sw] = \
-                    planes[a, e, :, :_plane_extent(h, a, sh), :_plane_extent(w, e, sw)]
+                xc[:, a::sh, e::sw] = planes[a, e, :_plane_extent(w, e, sw),
+                                             :_plane_extent(h, a, sh)].transpose(2, 1, 0, 3)
     return xc
+
+
+def _to_rows(xp, t):
+    """Return a column-major (W, H, C, B) array as a C-contiguous (C, H, W, B) copy."""
+    out = xp.empty((t.shape[2], t.shape[1], t.shape[0], t.shape[3]), dtype=t.dtype)
+    xp.copyto(out, t.transpose(2, 1, 0, 3))
+    return out
+
+
+def _to_columns(xp, x, out):
+    """Copy logical (B, C, H, W) ``x`` into ``out``, a C-contiguous (W, H, C, B) array."""
+    xp.copyto(out, x.transpose(3, 2, 1, 0))
+    return out
 
 
 class _Pool2d(Layer):
@@ -87,9 +112,24 @@ class _Pool2d(Layer):
             raise ValueError(f"pool padding {self.padding} must be at most half the "
                              f"kernel {self.kernel_size}")
         self._cache = None
+        self._buffers = {}
 
     def __repr__(self):
         return window_repr(self)
+
+    def _scratch(self, xp, role, shape, dtype):
+        """Return this layer's work array for ``role``, reused while the shape repeats.
+
+        Only for arrays that never leave the layer: a new array every call is memory the
+        allocator may have handed back to the OS since the last step, and touching it again
+        costs a page fault per 4 KiB (thousands per cifar10_quick step, each microseconds
+        on a virtual machine).
+        """
+        entry = self._buffers.get(role)
+        if entry is None or entry.shape != tuple(shape) or entry.dtype != dtype or \
+                get_array_module(entry) is not xp:
+            entry = self._buffers[role] = xp.empty(shape, dtype=dtype)
+        return entry
 
     def output_shape(self, in_shape):
         c, h, w = in_shape
@@ -97,8 +137,8 @@ class _Pool2d(Layer):
 
     def _taps(self, h, w):
         """Return (Ho, Wo, taps, covered): taps are (t, out, plane) for in-bounds taps in
-        row-major order, ``out`` indexing a (C, Ho, Wo, B) array and ``plane`` the phase
-        planes; ``covered`` says the first tap of every plane writes all of that plane."""
+        row-major order, ``out`` indexing a column-major (Wo, Ho, C, B) array and ``plane``
+        the phase planes; ``covered`` says the first tap of every plane writes all of it."""
         _, ho, wo = self.output_shape((1, h, w))
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         rows, cols = tap_ranges(h, ho, kh, sh, ph), tap_ranges(w, wo, kw, sw, pw)
@@ -109,21 +149,20 @@ class _Pool2d(Layer):
                     continue
                 (lo, hi, r), (lj, hj, q) = ri, rj
                 a, e = r % sh, q % sw
-                out = (slice(None), slice(lo, hi), slice(lj, hj))
-                plane = (a, e, slice(None), slice(r // sh, r // sh + hi - lo),
-                         slice(q // sw, q // sw + hj - lj))
+                out = (slice(lj, hj), slice(lo, hi))
+                plane = (a, e, slice(q // sw, q // sw + hj - lj),
+                         slice(r // sh, r // sh + hi - lo))
                 taps.append((i * kw + j, out, plane))
-                first.setdefault((a, e), (plane[3], plane[4]))
-        covered = all(first.get((a, e)) == (slice(0, _plane_extent(h, a, sh)),
-                                            slice(0, _plane_extent(w, e, sw)))
+                first.setdefault((a, e), (plane[2], plane[3]))
+        covered = all(first.get((a, e)) == (slice(0, _plane_extent(w, e, sw)),
+                                            slice(0, _plane_extent(h, a, sh)))
                       for a in range(sh) for e in range(sw))
         return ho, wo, taps, covered
 
     def _scatter(self, xp, parts, taps, covered, shape, dtype):
         """Return dx (B, C, H, W) from per-tap gradient contributions ``parts(t, out)``."""
-        b, c, h, w = shape
-        (sh, sw) = self.stride
-        planes = xp.empty((sh, sw, c, -(-h // sh), -(-w // sw), b), dtype=dtype)
+        h, w = shape[2:]
+        planes = self._scratch(xp, "planes", phase_shape(shape, self.stride), dtype)
         if not covered:
             planes.fill(0)
         seen = set()
@@ -148,14 +187,17 @@ class MaxPool2d(_Pool2d):
             return y
         b, c, h, w = x.shape                                     # (B, C, H, W)
         ho, wo, taps, covered = self._taps(h, w)
-        planes = split_phases(xp, x, self.stride)
-        y = xp.empty((c, ho, wo, b), dtype=x.dtype)              # (C, Ho, Wo, B)
-        argmax = xp.zeros(y.shape, dtype=np.uint8) if train else None
+        planes = split_phases(xp, x, self.stride, self._scratch(
+            xp, "planes", phase_shape(x.shape, self.stride), x.dtype))
+        y = self._scratch(xp, "y", (wo, ho, c, b), x.dtype)       # (Wo, Ho, C, B)
+        argmax = None
         if train:
-            win = xp.empty(y.shape, dtype=np.bool_)
-            step = xp.empty(y.shape, dtype=np.uint8)
+            argmax = self._scratch(xp, "argmax", y.shape, np.uint8)
+            argmax.fill(0)
+            win = self._scratch(xp, "win", y.shape, np.bool_)
+            step = self._scratch(xp, "step", y.shape, np.uint8)
         t0, out0, plane0 = taps[0]
-        if out0 == (slice(None), slice(0, ho), slice(0, wo)):    # tap 0 starts every window
+        if out0 == (slice(0, wo), slice(0, ho)):                 # tap 0 starts every window
             y[...] = planes[plane0]
             rest = taps[1:]
         else:
@@ -171,8 +213,9 @@ class MaxPool2d(_Pool2d):
                 xp.multiply(win[out].view(np.uint8), np.uint8(t), out=step[out])
                 xp.maximum(argmax[out], step[out], out=argmax[out])
             xp.maximum(dst, src, out=dst)
-        self._cache = (x.shape, argmax, taps, covered) if train else None
-        return y.transpose(3, 0, 1, 2)                           # (B, C, Ho, Wo)
+        # kept as a (C, Ho, Wo, B) view: the tap index of each output, indexed as y is
+        self._cache = (x.shape, argmax.transpose(2, 1, 0, 3), taps, covered) if train else None
+        return _to_rows(xp, y).transpose(3, 0, 1, 2)             # (B, C, Ho, Wo)
 
     def backward(self, dy):
         # y = x[argmax]  =>  dx[argmax] += dy, zero elsewhere (overlapping windows add up).
@@ -181,9 +224,10 @@ class MaxPool2d(_Pool2d):
         if xp is not np:                                         # one fused CUDA kernel
             return _cuda.maxpool_backward(xp, dy, argmax, shape, self.kernel_size,
                                           self.stride, self.padding)
-        dyc = dy.transpose(1, 2, 3, 0)                           # (C, Ho, Wo, B)
-        hit = xp.empty(argmax.shape, dtype=np.bool_)
-        part = xp.empty(argmax.shape, dtype=dy.dtype)
+        argmax = argmax.transpose(2, 1, 0, 3)                    # (Wo, Ho, C, B) memory
+        dyc = _to_columns(xp, dy, self._scratch(xp, "dy", argmax.shape, dy.dtype))
+        hit = self._scratch(xp, "win", argmax.shape, np.bool_)
+        part = self._scratch(xp, "part", argmax.shape, dy.dtype)
 
         def parts(t, out, dst):
             xp.equal(argmax[out], np.uint8(t), out=hit[out])
@@ -222,20 +266,22 @@ class AvgPool2d(_Pool2d):
                                          self.padding)
         b, c, h, w = x.shape                                     # (B, C, H, W)
         ho, wo, taps, covered = self._taps(h, w)
-        planes = split_phases(xp, x, self.stride)
+        planes = split_phases(xp, x, self.stride, self._scratch(
+            xp, "planes", phase_shape(x.shape, self.stride), x.dtype))
+        y = self._scratch(xp, "y", (wo, ho, c, b), x.dtype)       # (Wo, Ho, C, B)
         t0, out0, plane0 = taps[0]
-        if out0 == (slice(None), slice(0, ho), slice(0, wo)):
-            y = xp.empty((c, ho, wo, b), dtype=x.dtype)          # (C, Ho, Wo, B)
+        if out0 == (slice(0, wo), slice(0, ho)):
             y[...] = planes[plane0]
             rest = taps[1:]
         else:
-            y, rest = xp.zeros((c, ho, wo, b), dtype=x.dtype), taps
+            y.fill(0)
+            rest = taps
         for _, out, plane in rest:
             y[out] += planes[plane]
-        inv = self._inv_count(xp, h, w, ho, wo, x.dtype)
-        y *= inv
+        inv = self._inv_count(xp, h, w, ho, wo, x.dtype)[:, :, 0].T[:, :, None, None]
+        y *= inv                                                 # (Wo, Ho, 1, 1)
         self._cache = (x.shape, inv, taps, covered) if train else None
-        return y.transpose(3, 0, 1, 2)                           # (B, C, Ho, Wo)
+        return _to_rows(xp, y).transpose(3, 0, 1, 2)             # (B, C, Ho, Wo)
 
     def backward(self, dy):
         # y[o] = inv[o] * sum_{taps} x[o*s + k - p]  =>  dx[o*s + k - p] += inv[o] * dy[o].
@@ -244,7 +290,9 @@ class AvgPool2d(_Pool2d):
         if xp is not np:                                         # one fused CUDA kernel
             return _cuda.avgpool_backward(xp, dy, inv, shape, self.kernel_size, self.stride,
                                           self.padding)
-        g = xp.multiply(dy.transpose(1, 2, 3, 0), inv)           # (C, Ho, Wo, B)
+        b, c, ho, wo = dy.shape
+        g = self._scratch(xp, "dy", (wo, ho, c, b), dy.dtype)     # (Wo, Ho, C, B)
+        xp.multiply(dy.transpose(3, 2, 1, 0), inv, out=g)
 
         def parts(t, out, dst):
             if dst is None:
