@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 from ringnet.errors import ArgumentParser, TransportUnavailable, UsageError
+from ringnet.optim import WARMUP_SPANS, lookahead_warmup
 from ringnet.parallel import COMPENSATIONS, MODES
 
 __all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "DEFAULTS", "build_parser", "config_from_args",
@@ -54,6 +55,7 @@ class TrainConfig:
     mode: str = None
     delay: int = None
     delay_compensation: str = None
+    warmup_steps: int = None      # None: lookahead_warmup(momentum) with lookahead, else 0
     epochs: int = None
     steps: int = None
     batch_size: int = None        # None: DEFAULTS, or the checkpoint's under --resume
@@ -136,6 +138,14 @@ class TrainConfig:
             raise UsageError(f"--lr must be positive, got {cfg.lr}")
         if not 0 <= cfg.momentum < 1:
             raise UsageError(f"--momentum must be in [0, 1), got {cfg.momentum}")
+        if cfg.warmup_steps is None:
+            cfg.warmup_steps = (lookahead_warmup(cfg.momentum)
+                                if cfg.delay_compensation == "lookahead" else 0)
+        elif cfg.warmup_steps < 0:
+            raise UsageError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
+        elif cfg.warmup_steps and cfg.delay_compensation != "lookahead":
+            raise UsageError(f"--warmup-steps {cfg.warmup_steps} applies to --delay 1 with "
+                             f"--delay-compensation lookahead only")
         if cfg.weight_decay < 0:
             raise UsageError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
         if cfg.lr_policy not in ("fixed", "step", "inv"):
@@ -251,6 +261,12 @@ def build_parser():
                         f"the delayed update stable wherever synchronous SGD is (on a quadratic; "
                         f"k = {_LA.k_for(0.9):.2f} at M 0.9); none: the plain recurrence, gradient "
                         f"at w[t-1], momentum M, lr LR (default lookahead at delay 1, none at delay 0)")
+    g.add_argument("--warmup-steps", type=int, default=None, metavar="W",
+                   help=f"with --delay-compensation lookahead: the first W steps are synchronous "
+                        f"(momentum M, lr LR, the exchange waited for: no overlap), then the "
+                        f"compensated recurrence continues from their momentum; 0 starts delayed "
+                        f"(default ceil({WARMUP_SPANS:g} / (1 - M)): "
+                        f"{lookahead_warmup(0.9)} at M 0.9; a --resume keeps the checkpoint's)")
     g.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
                    help="how bytes move (default auto: nccl when every rank has its own GPU, "
                         "else mpi)")

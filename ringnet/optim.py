@@ -29,7 +29,7 @@ import numpy as np
 from ringnet.backend import get_array_module, resolve_dtype, to_numpy
 
 __all__ = ["LRPolicy", "SGD", "heavy_ball_bound", "lookahead_bound", "lookahead_k",
-           "lookahead_warmup"]
+           "lookahead_warmup", "WARMUP_SPANS"]
 
 
 def heavy_ball_bound(momentum):
@@ -63,12 +63,21 @@ def lookahead_k(momentum, c=2.0):
     return a * (c * c * a + c * e) / ((c - 1.0) * a + e)
 
 
-def lookahead_warmup(momentum, spans=3):
-    """Synchronous steps before the compensated delay-1 recurrence: ``ceil(spans / (1 - mu))``.
+# spans of 1/(1 - mu) in the default synchronous warm-up of the lookahead compensation
+WARMUP_SPANS = 10
 
-    Heavy-ball's momentum reaches ``1 - mu^n`` of its long-run value after n steps, so
-    3 spans of ``1/(1 - mu)`` give 95% (30 steps at mu 0.9) where the compensated
-    momentum ``mu'`` would need k times as many.
+
+def lookahead_warmup(momentum, spans=WARMUP_SPANS):
+    """Synchronous steps before the compensated delay-1 recurrence: ``ceil(spans / (1 - mu))``
+    (the default of ``--warmup-steps``: 100 at mu 0.9).
+
+    Heavy-ball's momentum averages over about ``1/(1 - mu)`` steps; the compensated
+    momentum ``mu'`` over k times as many, so started from zero it lags the synchronous
+    run for hundreds of steps, and a net that learns most of what it learns in those
+    steps ends lower. Measured on digits (20 epochs, 440 steps, mean of 20 seeds, against
+    single): no warm-up -0.89 points, 10 / 30 steps -0.75 / -0.64, 60 / 100 / 150 steps
+    -0.03 / +0.24 / +0.01 (README). Ten spans (100 steps at mu 0.9) is past that edge
+    with a margin.
     """
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")

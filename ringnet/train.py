@@ -133,7 +133,7 @@ def _setup(cfg, world):
     strategy = collective(world, parallel.create, cfg.mode, model, make_optimizer,
                           world if cfg.mode != "single" else None,
                           delay=cfg.delay, transport=transport,
-                          compensation=cfg.delay_compensation)
+                          compensation=cfg.delay_compensation, warmup=cfg.warmup_steps)
     strategy.placement = placement
     loader = ShardedLoader(dataset.train, cfg.batch_size, rank=rank, size=size, seed=cfg.seed,
                            shuffle=cfg.shuffle, xp=xp, dtype=cfg.dtype, mean=dataset.mean,
@@ -302,7 +302,13 @@ def _resume_settings(cfg, world):
     from ringnet.checkpoint import HYPERPARAMETERS, load_checkpoint, resume_settings
     checkpoint = collective(world, load_checkpoint, cfg.resume)
     attrs = checkpoint[3]
-    settings, overridden = resume_settings(attrs, {n: getattr(cfg, n) for n in HYPERPARAMETERS})
+    given = {n: getattr(cfg, n) for n in HYPERPARAMETERS}
+    if given["warmup_steps"] is None and "warmup_steps" not in attrs and \
+            attrs.get("delay_compensation") in ("lookahead", b"lookahead"):
+        given["warmup_steps"] = 0       # written before the warm-up existed: none was run
+    settings, overridden = resume_settings(attrs, given)
+    if "warmup_steps" in given and given["warmup_steps"] is not None:
+        cfg = dataclasses.replace(cfg, warmup_steps=given["warmup_steps"])
     cfg = dataclasses.replace(cfg, **settings)
     size = world.Get_size()
     if "batch_size" in settings and cfg.batch_size % size:
@@ -398,6 +404,8 @@ def _train(cfg, world, deadline, rank, size, t_start):
     steps_text = (f"steps {step} to {total_steps} ({total_steps - step} to run)" if step
                   else f"{total_steps} steps")
     delay_text = f"delay {cfg.delay}" + (f", {cfg.delay_compensation}" if cfg.delay else "")
+    if cfg.warmup_steps:
+        delay_text += f" after {cfg.warmup_steps} synchronous warm-up steps"
     _log(cfg, world, f"ringnet: {cfg.mode} ({delay_text}) on {size} rank(s), "
                      f"{strategy.placement.describe()}, model {cfg.model} "
                      f"({model.num_params:,} parameters, {model.num_classes} outputs: one per class "
@@ -503,6 +511,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
     step_ms = 1000 * statistics.median(times) if times else float("nan")
     summary = {
         "mode": cfg.mode, "delay": cfg.delay, "delay_compensation": cfg.delay_compensation,
+        "warmup_steps": cfg.warmup_steps,
         "ranks": size, "model": cfg.model,
         "dataset": dataset.name, "device": "gpu" if xp is not np else "cpu",
         "transport": getattr(strategy.transport, "name", None) if strategy.transport else None,

@@ -37,7 +37,7 @@ def flat_params(strategy):
 LOOKAHEAD = (15.005128205128205, 2.0)      # (k, c)
 
 
-def simulate_delay1(model, batches, optimizer, delayed=None, lookahead=None):
+def simulate_delay1(model, batches, optimizer, delayed=None, lookahead=None, warmup=0):
     """Run the delayed-update recurrence in one process; return (weights, losses).
 
     ``params[:delayed]`` (default: all) follows the delayed update,
@@ -48,6 +48,9 @@ def simulate_delay1(model, batches, optimizer, delayed=None, lookahead=None):
     ``lookahead = (k, c)``: the compensation, written out: the delayed part computes at
     ``p_t = c_{t-1} + c (c_{t-1} - c_{t-2})`` and is updated with momentum
     ``1 - (1 - mu)/k`` and lr ``lr/k``: ``v <- mu' v + lr' (g + wd w)``, ``w <- w - v``.
+    ``warmup`` W (with ``lookahead``): steps t < W are synchronous with mu and lr (the
+    delayed part computes at ``c_t``), step W computes at ``c_W`` too, and the compensated
+    recurrence continues from the momentum the warm-up left.
     """
     n = model.num_params if delayed is None else delayed
     c_prev2 = c_prev = c_cur = model.params[:n].copy()
@@ -60,14 +63,16 @@ def simulate_delay1(model, batches, optimizer, delayed=None, lookahead=None):
     v = np.zeros(model.num_params)
     losses = []
     for t, (x, y) in enumerate(batches):
-        model.params[:n] = c_prev + c * (c_prev - c_prev2)
+        synchronous = lookahead is not None and t <= warmup
+        model.params[:n] = c_cur if synchronous else c_prev + c * (c_prev - c_prev2)
         model.params[n:] = rest
         losses.append(model.loss_and_grad(x, y)[0])
         w = np.concatenate([c_cur, rest])
         if lookahead is None:
             optimizer.step(w, model.grads.copy(), t)
         else:
-            v = mu * v + scale * optimizer.lr_policy(t) * (model.grads + optimizer.weight_decay * w)
+            m, s = (optimizer.momentum, 1.0) if t < warmup else (mu, scale)
+            v = m * v + s * optimizer.lr_policy(t) * (model.grads + optimizer.weight_decay * w)
             w = w - v
         c_prev2, c_prev, c_cur, rest = c_prev, c_cur, w[:n], w[n:]
     return np.concatenate([c_cur, rest]), losses

@@ -63,43 +63,128 @@ def test_delay_variants_are_checked():
     assert delay.engine_variant("none") is COMPENSATIONS["none"]
     assert delay.engine_variant("single") is None
     assert delay.engine_variant("lookahead/warm=30/k=5") == Lookahead(k=5.0, c=2.0, warmup=30)
-    assert delay.engine_variant("lookahead/c=1.5") == Lookahead(k=None, c=1.5, warmup=0)
+    assert delay.engine_variant("lookahead/c=1.5") == Lookahead(k=None, c=1.5, warmup=None)
+    assert delay.engine_variant("lookahead/warm=0") == Lookahead(k=None, c=2.0, warmup=0)
     for bad in ("lookahead/warm=1.5", "lookahead/k=0", "lookahead/x=1", "none/k=2",
                 "single/warm=3", "lookahead/k=-1", "lookahead/k=nan"):
         with pytest.raises(UsageError):
             delay.engine_variant(bad)
 
 
+def test_delay_own_gradient_prediction_against_its_recurrence():
+    """own:N: each of N simulated ranks computes on its shard at w[t-1] - (mu v[t-1] +
+    lr (g_r[t-1] + wd w[t-1])), its prediction of w[t] (v kept here as a buffer; the bench
+    rebuilds it from the weights); own:1 is synchronous SGD."""
+    from ringnet.models import build_model
+    lr, mu, wd, steps = 0.05, 0.9, 5e-4, 6
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(8, 1, 8, 8)), rng.integers(0, 10, size=8)) for _ in range(steps)]
+
+    def bench(variant):
+        model = build_model("digits", dtype="float64", seed=1)
+        runner = (delay._Engine if variant == "single" else delay._WrittenOut)(
+            model, variant if variant == "single" else delay.parse_variant(variant), lr, mu, wd,
+            "float64")
+        for it, (x, y) in enumerate(batches):
+            runner.step(x, y, it)
+        return np.array(runner.eval_model().params)
+
+    def reference(n):
+        model = build_model("digits", dtype="float64", seed=1)
+        w, v, own = model.params.copy(), np.zeros(model.num_params), None
+        w_prev, v_prev = w, v
+        for t, (x, y) in enumerate(batches):
+            grads = []
+            for r in range(n):
+                model.params[...] = w if t == 0 else w_prev - (mu * v_prev + lr * (own[r] + wd * w_prev))
+                model.loss_and_grad(x[r * 8 // n:(r + 1) * 8 // n], y[r * 8 // n:(r + 1) * 8 // n])
+                grads.append(model.grads.copy())
+            own = grads
+            w_prev, v_prev = w, v
+            v = mu * v + lr * (sum(grads) / n + wd * w)
+            w = w - v
+        return w
+
+    single = bench("single")
+    assert np.max(np.abs(bench("own:1") - single)) <= 1e-10 * np.max(np.abs(single))
+    assert np.max(np.abs(reference(1) - single)) <= 1e-10 * np.max(np.abs(single))
+    for n in (2, 4):
+        own = bench(f"own:{n}")
+        assert np.max(np.abs(own - reference(n))) <= 1e-10 * np.max(np.abs(single)), n
+        assert np.max(np.abs(own - single)) > 1e-6 * np.max(np.abs(single)), n  # not synchronous
+    for bad in ("own:0", "own:1.5", "own:-2"):
+        with pytest.raises(UsageError):
+            delay.parse_variant(bad)
+
+
 def test_delay_loss_metric_tells_descent_from_divergence():
     """--metric loss: no test evaluation; a run that descends is ok, one that blows up
-    (the plain recurrence at lr 0.3, momentum 0.9 on digits) is not."""
+    (the plain recurrence at lr 0.3, momentum 0.9 on digits: 3.04 -> about 5) "grew"."""
     ok = delay.run("digits", "digits", "single", 0.03, 0.9, epochs=0.5, seed=0, metric="loss")
     assert ok["status"] == "ok" and ok["train_loss"] < ok["first_loss"], ok
     assert ok["test_accuracy"] != ok["test_accuracy"]       # NaN: the test set was not read
     bad = delay.run("digits", "digits", "none", 0.3, 0.9, epochs=0.5, seed=0, metric="loss")
-    assert bad["status"] != "ok", bad
+    assert bad["status"] == "grew" and bad["train_loss"] > 1.05 * bad["first_loss"], bad
+
+
+@pytest.mark.parametrize("losses, status", [
+    ([2.30, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], "ok"),          # descended
+    ([2.30, 2.31, 2.30, 2.32, 2.31, 2.30, 2.31, 2.32], "dead"),  # flat: not below, within 5%
+    ([2.30, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], "grew"),         # blew up without NaN
+    ([2.30, 2.5, 3.0, 4.0, 5.0, float("inf"), 7.0, 8.0], "div@5"),
+])
+def test_delay_loss_metric_states_and_their_table_cells(monkeypatch, losses, status):
+    """The late quarter's mean against the first step's loss decides ok / dead (flat) / grew
+    (more than 5% above it) / div@S, and each shows as its own cell in both tables."""
+    class Scripted:             # the training steps stood in for by a loss sequence
+        def __init__(self, model, *args):
+            self.model = model
+
+        def step(self, x, y, it):
+            return losses[it]
+
+        def eval_model(self):
+            return self.model
+    monkeypatch.setattr(delay, "_Engine", Scripted)
+    r = delay.run("digits", "digits", "single", 0.01, 0.9, epochs=8 / 22, seed=0, metric="loss")
+    assert r["steps"] == 8 and r["status"] == status, r
+    rows = {("single", 0.01, 0.9): [r], ("none", 0.01, 0.9): [dict(r, status="ok")]}
+    seeds = delay.seeds_table(rows, "loss").splitlines()[2]
+    sweep = delay.sweep_table(rows, "loss").splitlines()[2]
+    cell = {"ok": f"{r['train_loss']:.3f}", "dead": "no descent", "grew": "loss grew",
+            "div@5": "diverged at step 5"}[status]
+    assert seeds.startswith(f"| single | {cell} |"), seeds
+    part = {"ok": f"{r['train_loss']:.3g}", "dead": "–", "grew": "grew", "div@5": "–"}[status]
+    assert sweep.startswith(f"| 0.01 | {part} / "), sweep
+    # one seed that diverged outweighs one whose loss grew: the sweep shows "–"
+    rows[("single", 0.01, 0.9)] = [dict(r, status="grew"), dict(r, status="div@3")]
+    assert delay.sweep_table(rows, "loss").splitlines()[2].startswith("| 0.01 | – / ")
 
 
 def test_delay_bench_separates_plain_from_compensated_on_lenet():
-    """LeNet, lr 0.01, momentum 0.9: the plain delayed update diverges, the default does not."""
+    """LeNet, lr 0.01, momentum 0.9: the plain delayed update diverges, the compensated one
+    does not (without the default's warm-up, which is longer than these 64 steps)."""
     rows = {v: delay.run("lenet", "synthetic", v, 0.01, 0.9, epochs=2, seed=0)
-            for v in ("single", "none", "lookahead")}
+            for v in ("single", "none", "lookahead/warm=0")}
     assert rows["single"]["status"] == "ok" and rows["single"]["test_accuracy"] >= 0.95
     assert rows["none"]["status"].startswith("div@"), rows["none"]
-    assert rows["lookahead"]["status"] == "ok" and rows["lookahead"]["test_accuracy"] >= 0.95
+    assert rows["lookahead/warm=0"]["status"] == "ok", rows
+    assert rows["lookahead/warm=0"]["test_accuracy"] >= 0.95, rows
 
 
 @pytest.mark.timeout(900)
 def test_default_compensation_is_stable_where_single_is_on_lenet_lr_0_03():
-    """LeNet, lr 0.03, momentum 0.9: single converges, so must the default delay 1.
+    """LeNet, lr 0.03, momentum 0.9: single converges, so must the default delay 1 (its
+    compensated recurrence: no warm-up here, the default's would cover all 64 steps).
 
     The former fixed k = 5 (momentum 0.98, lr/5, c 2, written out here) diverges there:
     its stable range on a quadratic is lr*h < 1.3 against synchronous SGD's 3.8.
     """
     rows = {v: delay.run("lenet", "synthetic", v, 0.03, 0.9, epochs=2, seed=0)
-            for v in ("single", "lookahead", "pred:2+mom:0.98+lrs:0.2")}
+            for v in ("single", "lookahead/warm=0", "pred:2+mom:0.98+lrs:0.2")}
     assert rows["single"]["status"] == "ok" and rows["single"]["test_accuracy"] >= 0.95
-    assert rows["lookahead"]["status"] == "ok" and rows["lookahead"]["test_accuracy"] >= 0.95
+    assert rows["lookahead/warm=0"]["status"] == "ok", rows
+    assert rows["lookahead/warm=0"]["test_accuracy"] >= 0.95, rows
     assert rows["pred:2+mom:0.98+lrs:0.2"]["status"].startswith("div@"), rows
 
 
@@ -190,7 +275,7 @@ def test_curves_from_csv_joins_and_refuses_bad_files(tmp_path):
 
 @pytest.mark.timeout(900)
 def test_delay_speed_prints_interleaved_ratio():
-    """bench delay --speed: none and lookahead alternate, one ratio line per N."""
+    """bench delay --speed: none, lookahead and warm-up alternate, ratio lines per N."""
     proc = subprocess.run(
         [sys.executable, "-m", "ringnet.bench", "delay", "--speed", "--model", "digits",
          "--dataset", "digits", "--steps", "3", "--repeats", "2", "--np", "1", "2"],
@@ -200,7 +285,10 @@ def test_delay_speed_prints_interleaved_ratio():
     assert sum("ring delay 1, mpirun -np" in line for line in out) == 2, proc.stdout
     ratios = [line for line in out if "ratio lookahead / none: median" in line]
     assert len(ratios) == 2, proc.stdout
-    for name in ("none", "lookahead"):
+    assert sum("ratio warm-up / lookahead: median" in line for line in out) == 2, proc.stdout
+    warmups = [line for line in out if "the default warm-up (100 synchronous steps" in line]
+    assert [line.split("N=")[1][0] for line in warmups] == ["1", "2"], proc.stdout
+    for name in ("none", "lookahead", "warm-up"):
         rows = [line.split() for line in out if line.split()[:1] == [name]]
         assert len(rows) == 2 and all(len(r) == 5 for r in rows), proc.stdout   # 2 rounds each
         assert all(float(v) > 0 for r in rows for v in (r[1], r[3], r[4]))

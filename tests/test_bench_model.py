@@ -788,7 +788,7 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
     raw = json.loads(out[-1])
     n = world.Get_size()
     assert raw["np"] == n and raw["cores"] == pm.usable_cores()
-    assert raw["models"]["lenet"]["batch"] == 3
+    assert raw["models"]["lenet"]["batch"] == 3 and raw["models"]["lenet"]["calls"] >= 1
     assert raw["models"]["lenet"]["solo_s"] > 0 and raw["models"]["lenet"]["together_s"] > 0
     assert sorted(raw["waits"]) == sorted(f"{kind}{c}" for kind in ("idle", "loaded")
                                           for c in pm.LOADED_EXCHANGES)

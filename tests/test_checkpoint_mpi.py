@@ -26,7 +26,8 @@ def _params(result):
 @pytest.mark.parametrize("mode", ["ring", "split-fc"])
 def test_dropout_model_resumes_exactly_in_delay1(tmp_path, mode):
     path = WORLD.bcast(str(tmp_path / "ck.h5"))
-    cfg = TrainConfig(mode=mode, delay=1, **BASE)
+    # warm-up 4: the checkpoint (step 3) inside it, the switch to the delayed update after
+    cfg = TrainConfig(mode=mode, delay=1, warmup_steps=4, **BASE)
     expected = _params(train(cfg, world=WORLD, steps=6))
     _params(train(cfg, world=WORLD, steps=3, save=path))
     got = _params(train(cfg, world=WORLD, steps=6, resume=path))

@@ -33,7 +33,9 @@ def _optimizer(n):
 
 
 def _engine_run(compensation, steps):
-    if isinstance(compensation, str):
+    if compensation == "lookahead":     # the recurrence itself: no synchronous warm-up
+        compensation = Lookahead(warmup=0)
+    elif isinstance(compensation, str):
         compensation = COMPENSATIONS[compensation]
     strategy = DataParallelStrategy(build_model("digits", dtype="float64", seed=1), _optimizer,
                                     None, delay=1, lookahead=compensation)
@@ -89,6 +91,27 @@ def test_the_compensation_changes_the_trajectory():
     # each of the two ingredients matters: look-ahead point and corrected momentum/lr
     assert _rel(lookahead, _written_out(6, K, 0.0)[0]) > 1e-5
     assert _rel(lookahead, _written_out(6, 1.0, C)[0]) > 1e-5
+
+
+def test_default_warmup_is_ten_momentum_spans():
+    """The default compensation starts with ceil(10 / (1 - mu)) synchronous steps (100 at
+    mu 0.9): for a run shorter than that, delay 1 is synchronous SGD."""
+    default = COMPENSATIONS["lookahead"]
+    assert [default.warmup_for(mu) for mu in (0.0, 0.5, 0.9, 0.99)] == [10, 20, 100, 1000]
+    params, losses = _engine_run(default, steps=6)
+    reference, ref_losses = _written_out(6, 1.0, 0.0, warmup=6)      # all synchronous
+    assert _rel(params, reference) <= 1e-12
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-12)
+    assert TrainConfig(mode="ring").resolved(2).warmup_steps == 100
+    assert TrainConfig(mode="ring", momentum=0.5).resolved(2).warmup_steps == 20
+    assert TrainConfig(mode="ring", warmup_steps=0).resolved(2).warmup_steps == 0
+    assert TrainConfig(mode="ring", delay=0).resolved(2).warmup_steps == 0
+    assert TrainConfig(mode="ring", delay_compensation="none").resolved(2).warmup_steps == 0
+    for bad, match in ((dict(warmup_steps=-1), "must be >= 0"),
+                       (dict(delay=0, warmup_steps=5), "applies to --delay 1"),
+                       (dict(delay_compensation="none", warmup_steps=5), "applies to --delay 1")):
+        with pytest.raises(UsageError, match=match):
+            TrainConfig(mode="ring", **bad).resolved(2)
 
 
 def test_default_compensation_and_its_checks():
@@ -166,3 +189,41 @@ def test_a_synchronous_warmup_keeps_the_stable_range(mu):
 def test_default_k_at_momentum_0_9():
     assert COMPENSATIONS["lookahead"].k_for(0.9) == pytest.approx(K, rel=1e-12)
     assert COMPENSATIONS["none"].k_for(0.9) == 1.0 and COMPENSATIONS["none"].plain
+
+
+def test_warmup_steps_are_recorded_and_kept_by_a_resume(tmp_path):
+    """The checkpoint records --warmup-steps; a resume without the flag continues with it
+    (the same weights as the uninterrupted run), and a lookahead checkpoint written before
+    the warm-up existed (no such attribute) resumes without one."""
+    import h5py
+    from mpi4py import MPI
+
+    from ringnet.checkpoint import load_checkpoint
+    from ringnet.train import train
+    base = TrainConfig(mode="ring", delay=1, model="digits", dataset="digits", dtype="float64",
+                       progress=False, quiet=True, eval_every_epoch=False)
+
+    def weights(result):
+        params = np.array(result.strategy.eval_model().params)
+        result.strategy.close()
+        return params
+
+    path = str(tmp_path / "ck.h5")
+    whole = train(base, world=MPI.COMM_SELF, steps=8, warmup_steps=5)
+    assert whole.summary["warmup_steps"] == 5
+    expected = weights(whole)
+    weights(train(base, world=MPI.COMM_SELF, steps=3, warmup_steps=5, save=path))
+    assert load_checkpoint(path)[3]["warmup_steps"] == 5
+    resumed = train(base, world=MPI.COMM_SELF, steps=8, resume=path)
+    assert resumed.summary["warmup_steps"] == 5
+    assert resumed.summary["resumed"]["from_checkpoint"]["warmup_steps"] == 5
+    np.testing.assert_array_equal(weights(resumed), expected)
+    with h5py.File(path, "a") as f:            # as written before --warmup-steps existed
+        del f.attrs["warmup_steps"]
+    old = train(base, world=MPI.COMM_SELF, steps=8, resume=path)
+    assert old.summary["warmup_steps"] == 0
+    no_warmup = weights(old)
+    assert _rel(no_warmup, expected) > 1e-6
+    # the default (100 steps) would have made steps 3..7 synchronous: not what it was
+    default = train(base, world=MPI.COMM_SELF, steps=8, warmup_steps=100)
+    assert _rel(no_warmup, weights(default)) > 1e-6

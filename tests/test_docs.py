@@ -404,7 +404,8 @@ def _delay_outputs(command):
     args = shlex.split(command)
     argv = args[args.index("ringnet.bench") + 2:]
     outputs = []
-    for status in ("ok", "div@12", "dead"):
+    statuses = ("ok", "div@12", "dead") + (("grew",) if "loss" in argv else ())
+    for status in statuses:
         def fake(model, dataset, variant, lr, momentum, epochs, seed, *a, status=status, **kw):
             ok = status == "ok"
             return {"variant": variant, "lr": lr, "momentum": momentum, "seed": seed,
@@ -610,23 +611,28 @@ COMMANDS = {
     "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
     "--to-accuracy 0.84 --epochs 1 --eval-every 117": FASHION,
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2": FASHION,
-    "python -m ringnet.bench delay --model digits --dataset digits --epochs 20 --seeds 1 2 3":
-        "nine 440-step runs; tests/test_bench_accuracy.py runs bench delay on LeNet",
-    "python -m ringnet.bench delay --model digits --dataset digits --epochs 20 --seeds 1 2 3 "
-    "--variants lookahead/warm=30": "three 440-step runs; tests/test_delay_compensation.py "
-        "checks the warm-up against the recurrence written out",
+    "python -m ringnet.bench delay --model digits --dataset digits --epochs 20 --seeds 1 2 3 4 5 "
+    "6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 --variants single,lookahead/warm=0,lookahead/warm=10,"
+    "lookahead/warm=30,lookahead/warm=60,lookahead,lookahead/warm=150,lookahead/k=5,own:2":
+        "200 runs of 440 steps (about 15 minutes on a quiet machine); "
+        "tests/test_delay_compensation.py checks the warm-up against the recurrence written out "
+        "and tests/test_bench_accuracy.py own:N against its own",
     "python -m ringnet.bench delay --model digits --dataset digits --epochs 10 --lr 0.01 0.03 0.1 "
-    "0.3 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5,lookahead --markdown":
+    "0.3 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5,lookahead/warm=0 --markdown":
         readme_delay_table,
     "python -m ringnet.bench delay --model lenet --dataset synthetic --epochs 2 --lr 0.003 0.01 "
-    "0.03 0.1 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5,lookahead --markdown":
+    "0.03 0.1 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5,lookahead/warm=0 --markdown":
         readme_delay_table,
     "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3 "
-    "--variants single,none,lookahead/k=5,lookahead --markdown": readme_delay_table,
+    "--variants single,none,lookahead/k=5,lookahead/warm=0 --markdown": readme_delay_table,
+    "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3 "
+    "--variants lookahead --markdown": readme_delay_table,
     "python -m ringnet.bench delay --model cifar10_quick --dataset synthetic --batch-size 16 "
     "--epochs 2 --lr 0.005 0.01 0.02 0.03 --momentum 0.9 --seeds 0 1 2 --variants "
-    "single,none,lookahead --metric loss --markdown": readme_delay_table,
+    "single,none,lookahead/warm=0 --metric loss --markdown": readme_delay_table,
     "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8":
+        "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
+    "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8 --np 2":
         "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2 "
     "--eval-every 937": FASHION,
@@ -662,7 +668,7 @@ COMMANDS = {
     "srun started 2 tasks but MPI sees a world of 1 rank in each ...": "a message, not a command",
     "launch/local.sh [-n N] [flags]": "a template; launch/local.sh's own example runs below",
     "mpirun -np 2 python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 6 "
-    "--trace trace.json": CLUSTER,
+    "--warmup-steps 0 --trace trace.json": CLUSTER,
     "python -m ringnet.bench.plot trace trace.json trace.png --steps 2": CLUSTER,
     "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master,split-fc --model "
     "cifar10_quick --plot scaling.png --csv scaling.csv": CLUSTER,

@@ -5,7 +5,9 @@
 * delay 1: the same weights as a one-process simulation of the recurrence
   (``conftest.simulate_delay1``): by default with the lookahead compensation,
   ``g_t = G_t(w[t-1] + c (w[t-1] - w[t-2]))`` at momentum ``1 - (1 - mu)/k`` and lr
-  ``lr/k``; with ``--delay-compensation none`` the plain ``w[t+1] = upd(w[t], G_t(w[t-1]))``.
+  ``lr/k`` after a synchronous warm-up (``--warmup-steps``; 0 here where the recurrence
+  itself is checked, 3 and the default where the warm-up is); with
+  ``--delay-compensation none`` the plain ``w[t+1] = upd(w[t], G_t(w[t-1]))``.
 * every mode: all replicas bit-identical at the end.
 """
 import time
@@ -40,7 +42,7 @@ def _single_reference():
     return flat_params(result.strategy), result.summary["train_loss"]
 
 
-def _simulate_delay1(steps=STEPS, lookahead=LOOKAHEAD):
+def _simulate_delay1(steps=STEPS, lookahead=LOOKAHEAD, warmup=0):
     """The delayed recurrence in one process on the same global batches (None: plain)."""
     ds = open_dataset("digits", seed=BASE["seed"])
     model = build_model("digits", dtype="float64", seed=BASE["seed"])
@@ -50,7 +52,7 @@ def _simulate_delay1(steps=STEPS, lookahead=LOOKAHEAD):
                            mean=ds.mean, std=ds.std, prefetch=0)
     batches = loader.epoch(0)
     weights, _ = simulate_delay1(model, (next(batches) for _ in range(steps)), opt,
-                                 lookahead=lookahead)
+                                 lookahead=lookahead, warmup=warmup)
     batches.close()
     ds.close()
     return weights
@@ -140,8 +142,10 @@ def test_delay0_buckets_start_during_the_backward(mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["ring", "tree", "master"])
 @pytest.mark.parametrize("compensation", [None, "none"])
 def test_delay1_equals_simulated_recurrence(mode, compensation):
-    result = train(TrainConfig(mode=mode, delay=1, delay_compensation=compensation, **BASE),
-                   world=WORLD)
+    # no warm-up: the compensated recurrence from step 0 (the warm-up: the test below)
+    warmup = 0 if compensation is None else None
+    result = train(TrainConfig(mode=mode, delay=1, delay_compensation=compensation,
+                               warmup_steps=warmup, **BASE), world=WORLD)
     params = flat_params(result.strategy)
     identical = _replicas_identical(params)
     result.strategy.close()
@@ -159,6 +163,28 @@ def test_delay1_equals_simulated_recurrence(mode, compensation):
     # and delay 1 really is a different trajectory from delay 0
     single, _ = _single_reference()
     assert rel_error(params, single) > 1e-6
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["ring", "tree"])
+@pytest.mark.parametrize("warmup", [3, None])
+def test_delay1_warmup_equals_simulated_recurrence(mode, warmup):
+    """The default compensation after W synchronous steps: W = 3 switches inside the run;
+    the default W (100 at momentum 0.9) is longer than the run, so it is synchronous SGD."""
+    result = train(TrainConfig(mode=mode, delay=1, warmup_steps=warmup, **BASE), world=WORLD)
+    params = flat_params(result.strategy)
+    assert result.summary["warmup_steps"] == (100 if warmup is None else warmup)
+    identical = _replicas_identical(params)
+    result.strategy.close()
+    single, _ = _single_reference()
+    if warmup is None:
+        reference = single
+    else:
+        reference = _simulate_delay1(warmup=warmup)
+        for other in (single, _simulate_delay1(warmup=warmup - 1), _simulate_delay1(warmup=0)):
+            assert rel_error(other, reference) > 1e-6       # the switch is where it should be
+    assert rel_error(params, reference) <= 1e-9, f"{mode} delay 1, warm-up {warmup}: differs"
+    assert identical, f"{mode} delay 1: replicas differ"
 
 
 @pytest.mark.mpi
@@ -307,11 +333,13 @@ def test_dropout_masks_match_single_at_any_rank_count(mode):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode, delay", [("ring", 1), ("tree", 0), ("split-fc", 0), ("split-fc", 1)])
-def test_resume_continues_the_exact_trajectory(tmp_path, mode, delay):
-    """k steps + checkpoint + resume to k+m equals an uninterrupted k+m run (delay 1 included)."""
+@pytest.mark.parametrize("mode, delay, warmup", [("ring", 1, 0), ("ring", 1, 6), ("tree", 0, None),
+                                                 ("split-fc", 0, None), ("split-fc", 1, 6)])
+def test_resume_continues_the_exact_trajectory(tmp_path, mode, delay, warmup):
+    """k steps + checkpoint + resume to k+m equals an uninterrupted k+m run (delay 1 included;
+    warm-up 6: checkpoint at step 4 inside it, the switch after the resume)."""
     path = WORLD.bcast(str(tmp_path / "ck.h5"))
-    cfg = TrainConfig(mode=mode, delay=delay, **dict(BASE, steps=None))
+    cfg = TrainConfig(mode=mode, delay=delay, warmup_steps=warmup, **dict(BASE, steps=None))
     whole = train(cfg, world=WORLD, steps=9)
     expected = flat_params(whole.strategy)
     whole.strategy.close()

@@ -113,23 +113,28 @@ def test_gradients_are_the_rows_of_the_full_batch_gradient():
             f"rank {RANK}: gradient region [{a}, {b}) differs from the full-batch gradient"
 
 
-def _simulate_delay1(name, steps, lookahead=None):
+def _simulate_delay1(name, steps, lookahead=None, warmup=0):
     """One process: the delayed update on the conv prefix, the FC part updated at once."""
     model = _build(name)
     first = model.layers[model.fc_start()][0]
     conv = model.param_offsets()[f"{first}.weight"][0]
     # element-wise SGD: one optimizer over the whole vector updates both parts alike
     return simulate_delay1(model, _batches(model, steps), _make_optimizer(model.num_params),
-                           delayed=conv, lookahead=lookahead)
+                           delayed=conv, lookahead=lookahead, warmup=warmup)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("compensation", ["none", "lookahead"])
-def test_delay1_equals_simulated_recurrence(compensation):
+@pytest.mark.parametrize("compensation, warmup", [("none", 0), ("lookahead", 0), ("lookahead", 2)])
+def test_delay1_equals_simulated_recurrence(compensation, warmup):
+    import dataclasses
+
     from ringnet.parallel import COMPENSATIONS
     steps = 5
     model = _build("digits")
-    strategy = _split_fc(model, delay=1, lookahead=COMPENSATIONS[compensation])
+    lookahead = COMPENSATIONS[compensation]
+    if compensation == "lookahead":
+        lookahead = dataclasses.replace(lookahead, warmup=warmup)
+    strategy = _split_fc(model, delay=1, lookahead=lookahead)
     losses = [strategy.step(*_mine(x, y), it)[0] for it, (x, y) in enumerate(_batches(model, steps))]
     strategy.drain()
     params = flat_params(strategy)
@@ -137,8 +142,11 @@ def test_delay1_equals_simulated_recurrence(compensation):
     plain, _ = _simulate_delay1("digits", steps)
     reference, ref_losses = plain, _
     if compensation == "lookahead":
-        reference, ref_losses = _simulate_delay1("digits", steps, lookahead=LOOKAHEAD)
+        reference, ref_losses = _simulate_delay1("digits", steps, lookahead=LOOKAHEAD,
+                                                 warmup=warmup)
         assert rel_error(plain, reference) > 1e-4
+        if warmup:
+            assert rel_error(_simulate_delay1("digits", steps, LOOKAHEAD)[0], reference) > 1e-6
     immediate = SingleStrategy(_build("digits"), _make_optimizer)
     for it, (x, y) in enumerate(_batches(model, steps)):
         immediate.step(x, y, it)

@@ -68,7 +68,9 @@ def overlaps(a, b):
 
 @pytest.mark.parametrize("mode,delay", [("ring", 1), ("ring", 0), ("tree", 0), ("split-fc", 0)])
 def test_trace_parses_nests_and_matches_the_summary(tmp_path, mode, delay):
-    summary, trace = traced_run(tmp_path, "--mode", mode, "--delay", str(delay))
+    # delay 1 without the synchronous warm-up: the exchange on the stream from step 0
+    summary, trace = traced_run(tmp_path, "--mode", mode, "--delay", str(delay),
+                                *(["--warmup-steps", "0"] if delay else []))
     events = spans(trace)
     assert_nested(events)
     ranks = summary["ranks"]
@@ -112,7 +114,8 @@ def test_trace_parses_nests_and_matches_the_summary(tmp_path, mode, delay):
 
 
 def test_delay_one_exchange_runs_under_the_next_step(tmp_path):
-    _, trace = traced_run(tmp_path, "--mode", "ring", "--delay", "1", steps=10)
+    _, trace = traced_run(tmp_path, "--mode", "ring", "--delay", "1", "--warmup-steps", "0",
+                          steps=10)
     events = spans(trace)
     lanes = lane_names(trace)
     for r in (0, 1):
@@ -186,7 +189,7 @@ def test_nccl_transfers_are_traced(tmp_path):
     path = tmp_path / "trace.json"
     cmd = ["mpirun", "-np", "2", sys.executable, "-m", "ringnet.train", "--steps", "4",
            "--no-eval", "--json", "--quiet", "--transport", "nccl", "--mode", "ring",
-           "--delay", "1", "--trace", str(path)]
+           "--delay", "1", "--warmup-steps", "0", "--trace", str(path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

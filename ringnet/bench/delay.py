@@ -17,22 +17,31 @@ of these variants of the recurrence written out here (joined with '+'):
 * ``dca:L``    DC-ASGD, adaptive: L / sqrt(ms) with ms the 0.95-average of g*g;
 * ``mom:M``    momentum M instead of the run's;  ``lrs:S``  lr * S;
 * ``warm:K``   the first K steps synchronous;
-* ``pred:C``   gradient at w[t-1] + C (w[t-1] - w[t-2]).
+* ``pred:C``   gradient at w[t-1] + C (w[t-1] - w[t-2]);
+* ``own:N``    N ranks simulated (the batch split in N equal shards), each computing
+  its gradient at its own prediction of w[t], the update of w[t-1] with its own
+  gradient of step t-1: w[t-1] + mu (w[t-1] - w[t-2]) - lr (g_r[t-1] + wd w[t-1])
+  (own:1 is synchronous SGD up to rounding).
 
 It prints test accuracy per (variant, lr, momentum), mean over seeds, or ``div@S``
 when the loss became NaN/inf at step S; a run whose final test accuracy is under twice
 chance counts as failed too (``dead``). ``--metric loss`` reports the mean training loss
 of the last quarter of the steps instead (no test evaluation; for runs too short to
 learn the test set, where only stability can be read): a run fails when that is not
-below its first step's loss. ``--markdown`` prints the README's table: for one lr and
+below its first step's loss, as ``grew`` when it is more than 5% above it (it blew up
+without reaching NaN), else as ``dead`` (it stayed flat). ``--markdown`` prints the README's table: for one lr and
 momentum a row per variant and a column per seed; for a sweep a row per lr and a column
-per momentum, each cell the variants' means joined by " / " ("–" where any seed failed).
+per momentum, each cell the variants' means joined by " / " ("–" where any seed diverged
+or did not learn; with ``--metric loss``, "grew" where a seed's loss grew and none
+reached NaN).
 
 ``--speed`` instead times ``mpirun -np N python -m ringnet.train --mode ring --delay 1``
-with ``--delay-compensation none`` and ``lookahead``, interleaved (one launch per round
-and variant, ABBA order, STEPS steps each; ``step_ms`` is the run's median step), and
-prints per N the median ms per step of each, the median of the per-round ratios
-lookahead / none and the load average. N = 1 is the delayed engine without exchange
+with ``--delay-compensation none``, ``lookahead --warmup-steps 0`` (the compensated
+recurrence) and ``lookahead --warmup-steps STEPS`` (``warm-up``: every step synchronous,
+as in the default warm-up), interleaved (one launch per round and variant, ABBA order,
+STEPS steps each; ``step_ms`` is the run's median step), and prints per N the median ms
+per step of each, the medians of the per-round ratios lookahead / none and warm-up /
+lookahead, the load average, and what the default warm-up costs once per run. N = 1 is the delayed engine without exchange
 (the compensation's extra vector work against the whole step). It then times the step
 boundary alone (the look-ahead point and the update, ``gradients_ready``) of both
 engines in one process, alternating every step, and prints the extra milliseconds as
@@ -56,12 +65,15 @@ from ringnet.data.datasets import Split
 from ringnet.bench.tables import markdown
 from ringnet.errors import ArgumentParser, UsageError
 from ringnet.models import MODELS, build_model
-from ringnet.optim import SGD, LRPolicy
+from ringnet.optim import SGD, LRPolicy, lookahead_warmup
 
 __all__ = ["main", "run", "seeds_table", "sweep_table", "engine_variant"]
 
 ENGINE = ("single", "none", "lookahead")
-_KEYS = {"dc", "dca", "mom", "lrs", "warm", "pred"}
+# --metric loss: a late loss more than this fraction above the first step's "grew" (the run
+# blew up without reaching NaN); not below the first step's but within it: "dead" (flat)
+GREW = 0.05
+_KEYS = {"dc", "dca", "mom", "lrs", "warm", "pred", "own"}
 
 
 def engine_variant(text):
@@ -112,6 +124,8 @@ def parse_variant(text):
             out[key] = float(value)
         except ValueError:
             raise UsageError(f"bad variant {text!r}: {value!r} is not a number") from None
+    if "own" in out and not (out["own"] >= 1 and out["own"] == int(out["own"])):
+        raise UsageError(f"bad variant {text!r}: own:N takes a whole number of ranks >= 1")
     return out
 
 
@@ -135,14 +149,38 @@ class _WrittenOut:
         self.w2 = self.w.copy()
         self.ms = np.zeros_like(self.w)
         self.t = self.model.params.dtype.type
+        self.ranks = int(variant.get("own", 0))
+        self.own = None             # own:N: each simulated rank's gradient of the last step
+
+    def _own_step(self, x, y, it, sync):
+        """own:N: the mean gradient of N shards, each at its rank's prediction of w[t]."""
+        t, n = self.t, self.ranks
+        if len(x) % n:
+            raise UsageError(f"own:{n}: the batch of {len(x)} does not split in {n} shards")
+        size, grads, losses = len(x) // n, [], []
+        for r in range(n):
+            if sync:
+                self.model.params[...] = self.w
+            else:
+                w1, lr = self.w1, t(self.opt.lr_policy(it - 1))
+                self.model.params[...] = (w1 + t(self.opt.momentum) * (w1 - self.w2)
+                                          - lr * (self.own[r] + t(self.opt.weight_decay) * w1))
+            losses.append(float(self.model.loss_and_grad(x[r * size:(r + 1) * size],
+                                                         y[r * size:(r + 1) * size])[0]))
+            grads.append(self.model.grads.copy())
+        self.own = grads
+        return sum(losses) / n, sum(grads[1:], grads[0].copy()) / t(n)
 
     def step(self, x, y, it):
         v, t = self.v, self.t
         sync = it == 0 or it < v.get("warm", 0)
         point = self.w if sync else self.w1 + t(v.get("pred", 0.0)) * (self.w1 - self.w2)
-        self.model.params[...] = point
-        loss, _ = self.model.loss_and_grad(x, y)
-        g = self.model.grads.copy()
+        if self.ranks:
+            loss, g = self._own_step(x, y, it, sync)
+        else:
+            self.model.params[...] = point
+            loss, _ = self.model.loss_and_grad(x, y)
+            g = self.model.grads.copy()
         if "dca" in v:
             self.ms *= t(0.95)
             self.ms += t(0.05) * g * g
@@ -219,8 +257,10 @@ def run(model_name, dataset, variant, lr, momentum, epochs, seed, batch_size=64,
             if not np.all(np.isfinite(np.asarray(model.params))):
                 status = f"div@{it}"
             elif metric == "loss":
-                if not late_loss < losses[0]:
-                    status = "dead"         # no descent: the loss ended above where it began
+                if late_loss > (1.0 + GREW) * losses[0]:
+                    status = "grew"         # blew up without reaching NaN
+                elif not late_loss < losses[0]:
+                    status = "dead"         # no descent: the loss stayed where it began
             else:
                 acc = _accuracy(model, ds, dtype)
                 if acc < 2.0 / spec.num_classes:
@@ -234,10 +274,17 @@ def run(model_name, dataset, variant, lr, momentum, epochs, seed, batch_size=64,
         ds.close()
 
 
-def _abba(repeats):
-    """Variant order per round: none, lookahead, then lookahead, none, ... (ABBA)."""
+def _abba(repeats, names=("none", "lookahead")):
+    """Variant order per round: ``names``, then reversed, ... (ABBA)."""
     for r in range(repeats):
-        yield ("none", "lookahead") if r % 2 == 0 else ("lookahead", "none")
+        yield tuple(names) if r % 2 == 0 else tuple(reversed(names))
+
+
+# --speed: the train flags of each timed variant. lookahead without warm-up is the
+# compensated recurrence; "warm-up" runs every step as a warm-up step (synchronous).
+SPEED_RUNS = {"none": ["--delay-compensation", "none"],
+              "lookahead": ["--delay-compensation", "lookahead", "--warmup-steps", "0"],
+              "warm-up": ["--delay-compensation", "lookahead", "--warmup-steps", "{steps}"]}
 
 
 def speed(model_name, dataset, nranks, steps=20, repeats=6, batch_size=64, data_dir=None,
@@ -247,10 +294,11 @@ def speed(model_name, dataset, nranks, steps=20, repeats=6, batch_size=64, data_
     args = SimpleNamespace(mpirun=mpirun, model=model_name, dataset=dataset,
                            batch_size=batch_size, steps=steps, transport="auto", device="cpu",
                            lr=lr, seed=0, data_dir=data_dir, timeout=timeout)
-    times = {"none": [], "lookahead": []}
-    for order in _abba(repeats):
+    times = {name: [] for name in SPEED_RUNS}
+    for order in _abba(repeats, tuple(SPEED_RUNS)):
         for name in order:
-            summary = run_config(args, "ring", 1, nranks, extra=["--delay-compensation", name])
+            extra = [a.format(steps=steps) for a in SPEED_RUNS[name]]
+            summary = run_config(args, "ring", 1, nranks, extra=extra)
             times[name].append(summary["step_ms"])
     return times
 
@@ -275,8 +323,10 @@ def boundary_cost(model_name, dataset, steps=40, batch_size=64, data_dir=None, d
         batches.close()
     finally:
         ds.close()
-    engines = {name: _Engine(build_model(model_name, dtype=dtype, seed=0), name, lr, momentum,
-                             5e-4, dtype).strategy for name in ("none", "lookahead")}
+    # lookahead without its warm-up: every timed boundary is the compensated one
+    engines = {name: _Engine(build_model(model_name, dtype=dtype, seed=0), variant, lr, momentum,
+                             5e-4, dtype).strategy
+               for name, variant in (("none", "none"), ("lookahead", "lookahead/warm=0"))}
     times = {name: [] for name in engines}
     for it, order in enumerate(_abba(steps + 2)):
         x, y = data[it % len(data)]
@@ -299,6 +349,10 @@ def _speed_report(title, times):
               + " ".join(f"{v:.1f}" for v in values))
     print(f"  ratio lookahead / none: median {statistics.median(ratios):.3f} "
           f"(rounds {min(ratios):.3f} .. {max(ratios):.3f})")
+    if "warm-up" in times:
+        warm = [a / b for a, b in zip(times["warm-up"], times["lookahead"])]
+        print(f"  ratio warm-up / lookahead: median {statistics.median(warm):.3f} "
+              f"(rounds {min(warm):.3f} .. {max(warm):.3f})")
     return statistics.median(ratios)
 
 
@@ -323,7 +377,8 @@ def _parser():
     p.add_argument("--metric", choices=("accuracy", "loss"), default="accuracy",
                    help="accuracy: test accuracy at the end (default); loss: the mean training "
                         "loss of the last quarter of the steps, no test evaluation (a run "
-                        "whose loss ends above its first step's fails)")
+                        "whose loss does not end below its first step's fails: 'grew' when "
+                        "more than 5%% above it, i.e. it blew up without NaN, else 'dead', flat)")
     p.add_argument("--json", action="store_true",
                    help="one JSON line per run as it ends, instead of the table (with --markdown: before it)")
     p.add_argument("--markdown", action="store_true",
@@ -351,12 +406,13 @@ def main(argv=None):
         if args.batch_size % max(args.np):
             raise UsageError(f"--batch-size {args.batch_size} is not divisible by every --np")
         what = f"{args.model} on {args.dataset}, global batch {args.batch_size}"
-        steps = {}
+        steps, warmups = {}, {}
         for n in args.np:
             times = speed(args.model, args.dataset, n, args.steps, args.repeats,
                           args.batch_size, args.data_dir, args.mpirun)
             _speed_report(f"{what}, ring delay 1, mpirun -np {n}", times)
             steps[n] = statistics.median(times["none"])
+            warmups[n] = statistics.median(times["warm-up"]) - statistics.median(times["lookahead"])
         cost = boundary_cost(args.model, args.dataset, 2 * args.steps,
                              args.batch_size, args.data_dir)
         extra = statistics.median(cost["lookahead"]) - statistics.median(cost["none"])
@@ -365,6 +421,10 @@ def main(argv=None):
               f"lookahead {statistics.median(cost['lookahead']):.2f} ms, extra {extra:.2f} ms")
         for n, ms in steps.items():
             print(f"  extra / ring delay 1 step at N={n} ({ms:.1f} ms): {100 * extra / ms:+.2f} %")
+        w = lookahead_warmup(0.9)
+        for n, ms in warmups.items():
+            print(f"  the default warm-up ({w} synchronous steps at momentum 0.9) at N={n}: "
+                  f"{w} x {ms:+.2f} ms = {w * ms / 1000:+.2f} s once per run")
         return 0
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
@@ -425,7 +485,18 @@ def _label(variant):
 def _failure(status, metric):
     if status.startswith("div@"):
         return f"diverged at step {status[4:]}"
+    if status == "grew":
+        return "loss grew"
     return "chance accuracy" if metric == "accuracy" else "no descent"
+
+
+def _failed_part(results):
+    """A sweep cell's part for a variant whose seeds did not all end ok: "grew" where a
+    seed's loss grew and none diverged, else "–"."""
+    statuses = {r["status"] for r in results}
+    if "grew" in statuses and not any(s.startswith("div@") for s in statuses):
+        return "grew"
+    return "–"
 
 
 def seeds_table(rows, metric="accuracy"):
@@ -448,7 +519,8 @@ def seeds_table(rows, metric="accuracy"):
 def sweep_table(rows, metric="accuracy"):
     """The ``--markdown`` table of an lr x momentum sweep: a row per lr, a column per
     momentum, each cell the variants' means (test accuracy in %, or the late training
-    loss) in the order of the first column's title; "–" where a seed diverged or failed."""
+    loss) in the order of the first column's title; "–" where a seed diverged or did not
+    learn, "grew" where a seed's loss grew (and none diverged)."""
     variants = list(dict.fromkeys(v for v, _, _ in rows))
     lrs = list(dict.fromkeys(lr for _, lr, _ in rows))
     mus = list(dict.fromkeys(mu for _, _, mu in rows))
@@ -460,7 +532,7 @@ def sweep_table(rows, metric="accuracy"):
             parts = []
             for v in variants:
                 mean = _mean(rows[(v, lr, mu)], metric)
-                parts.append("–" if mean is None else
+                parts.append(_failed_part(rows[(v, lr, mu)]) if mean is None else
                              (f"{100 * mean:.1f}" if metric == "accuracy" else f"{mean:.3g}"))
             row.append(" / ".join(parts))
         out.append(row)

@@ -1227,17 +1227,24 @@ def _calibrate_worker(iters, models=(), batch=0):
         xb = rng.normal(size=(batch,) + net.input_shape).astype(net.dtype)
         yb = rng.integers(0, net.num_classes, size=batch)
 
+        net.loss_and_grad(xb, yb)
+        # steps back to back for at least STEPS_TIMED_S: several scheduler slices, so ranks
+        # that share a core share it as in training (one short step may run unshared)
+        calls = world.bcast(max(1, math.ceil(STEPS_TIMED_S / _median_time(
+            lambda: net.loss_and_grad(xb, yb), 1))) if rank == 0 else None, root=0)
+
         def step():
-            net.loss_and_grad(xb, yb)
-        step()
+            for _ in range(calls):
+                net.loss_and_grad(xb, yb)
         alone, all_ranks = [], []
         for _ in range(iters):
             idle_barrier()
             if rank == 0:
-                alone.append(_median_time(step, 1))
+                alone.append(_median_time(step, 1) / calls)
             idle_barrier()
-            all_ranks.append(mean_over_ranks(_median_time(step, 1)))
-        steps[name] = {"batch": batch, "solo_s": float(np.median(alone)) if rank == 0 else 0.0,
+            all_ranks.append(mean_over_ranks(_median_time(step, 1) / calls))
+        steps[name] = {"batch": batch, "calls": calls,
+                       "solo_s": float(np.median(alone)) if rank == 0 else 0.0,
                        "together_s": float(np.median(all_ranks))}
     def sizes_timed(exchange):
         """Median (over iters) of the slowest rank's time of ``exchange(buf)``, per size."""
@@ -1328,6 +1335,8 @@ def _calibrate_worker(iters, models=(), batch=0):
 
 # exchanges in a row of the calibration's wait measurement (two counts: per wait, per message)
 LOADED_EXCHANGES = (1, 4)
+# a model's steps are timed back to back for at least this long (a few scheduler slices)
+STEPS_TIMED_S = 0.03
 
 
 def _relative_lstsq(rows, rhs, seconds):

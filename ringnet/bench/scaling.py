@@ -92,9 +92,12 @@ def first_reaching(evals, accuracy):
 def run_config(args, mode, delay, nranks, length=None, extra=()):
     """Run one training job under mpirun; return its --json summary dict.
 
-    ``length``: the train arguments that say how long to run (default ``--steps S``);
-    ``extra``: further train arguments.
+    ``length``: the train arguments that say how long to run (default ``--steps S``: a
+    timing run, where delay 1 runs without the lookahead compensation's synchronous
+    warm-up, ``--warmup-steps 0``, so that its steps are the delayed ones; the warm-up is a
+    one-off, timed by ``bench delay --speed``); ``extra``: further train arguments.
     """
+    timing = length is None
     if length is None:
         length = ["--steps", str(args.steps)]
     cmd = [args.mpirun, "-np", str(nranks), sys.executable, "-m", "ringnet.train",
@@ -111,6 +114,8 @@ def run_config(args, mode, delay, nranks, length=None, extra=()):
         cmd += ["--delay", str(delay)]
         if delay and getattr(args, "delay_compensation", None):
             cmd += ["--delay-compensation", args.delay_compensation]
+        if delay and timing:
+            cmd += ["--warmup-steps", "0"]
     cmd += list(extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
     return run_json(cmd, f"{mode} delay {delay} at N={nranks}", env=env, timeout=args.timeout)

@@ -4,6 +4,7 @@
 and picks the default delay from it, ``--help`` describes the modes from it, and the
 README's mode table is tested against it.
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,15 +56,19 @@ def mode_table():
 
 
 def create(mode: str, model, make_optimizer, world, delay: int = 0,
-           transport: str = "auto", compensation: str = "none") -> Strategy:
+           transport: str = "auto", compensation: str = "none",
+           warmup: Optional[int] = None) -> Strategy:
     """Return the strategy of ``mode`` on ``world`` (an mpi4py communicator, or None for single).
 
-    ``compensation``: the delay-1 compensation, a key of :data:`COMPENSATIONS`.
+    ``compensation``: the delay-1 compensation, a key of :data:`COMPENSATIONS`;
+    ``warmup``: its synchronous warm-up steps (None: the compensation's default).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     spec = MODES[mode]
     lookahead = lookahead_of(compensation)
+    if warmup is not None and not lookahead.plain:
+        lookahead = dataclasses.replace(lookahead, warmup=int(warmup))
     if spec.communicator is None:
         return spec.strategy(model, make_optimizer, world, delay=delay)
     from ringnet import comm as ringcomm    # late: loading mpi4py initialises MPI

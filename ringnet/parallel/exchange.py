@@ -123,12 +123,13 @@ class Lookahead:
     (``g_t = G_t(w[t])`` for t <= W, ``v <- mu v + lr (...)`` for t < W) and the
     compensated recurrence takes over at step W with the momentum buffer as it is (its
     long-run value ``lr' g / (1 - mu') = lr g / (1 - mu)`` is the same), so the
-    heavier momentum does not start from zero. ``warmup = None`` takes
-    ``ringnet.optim.lookahead_warmup(mu)``; 0 starts delayed.
+    heavier momentum does not start from zero. ``warmup = None`` (the default) takes
+    ``ringnet.optim.lookahead_warmup(mu)`` (60 at mu 0.9); 0 starts delayed. Each phase
+    is stable wherever synchronous SGD is; the warm-up's steps wait for their exchange.
     """
     k: Optional[float] = None
     c: float = 2.0
-    warmup: Optional[int] = 0
+    warmup: Optional[int] = None
 
     @property
     def plain(self):

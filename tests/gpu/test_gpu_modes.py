@@ -33,8 +33,9 @@ RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 def _trained(mode, delay):
     from ringnet.config import TrainConfig
     from ringnet.train import train
+    # delay 1: the compensated recurrence from step 0 (no warm-up), as dp._simulate_delay1
     result = train(TrainConfig(mode=mode, delay=delay, device="gpu", transport="mpi",
-                               **dp.BASE), world=WORLD)
+                               warmup_steps=0 if delay else None, **dp.BASE), world=WORLD)
     params = flat_params(result.strategy)
     summary = result.summary
     result.strategy.close()
