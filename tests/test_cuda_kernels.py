@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from ringnet.backend import gpu_available
-from ringnet.layers import AvgPool2d, Conv2d, Dropout, MaxPool2d, _cuda, activation, conv, pool
+from ringnet.layers.base import _memory_order
+from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, MaxPool2d, ReLU, _cuda,
+                            activation, conv, linear, pool)
 
 POOL_CASES = [  # (B, C, H, W, kernel, stride, padding)
     (2, 3, 8, 8, 2, 2, 0),             # non-overlapping
@@ -138,6 +140,111 @@ def test_emulated_col2im_equals_the_numpy_col2im(monkeypatch, case, dtype):
     np.testing.assert_array_equal(dxe.transpose(3, 0, 1, 2), dx)
 
 
+# Geometries whose backward takes the flipped-convolution branch (stride 1, "same"-like
+# padding: output not smaller than input) and a few more for the columns themselves.
+FLIPPED_CASES = [  # (B, C, H, W, O, kernel, stride, padding)
+    (2, 3, 8, 8, 4, 5, 1, 2),          # cifar10_quick's 5x5 pad 2
+    (3, 2, 7, 9, 3, 3, 1, 1),          # odd sizes, 3x3 pad 1
+    (1, 4, 5, 6, 2, (3, 5), 1, (1, 2)),     # non-square kernel
+    (2, 1, 4, 4, 2, 3, 1, 2),          # output larger than the input
+]
+IM2COL_CASES = CONV_CASES + FLIPPED_CASES + [(2, 3, 6, 6, 2, 1, 1, 0), (1, 2, 9, 7, 3, 4, 2, 3)]
+
+
+def _conv_layer(case, dtype, seed=3):
+    b, c, h, w, o, k, s, p = case
+    layer = Conv2d(c, o, k, stride=s, padding=p)
+    rng = np.random.default_rng(seed)
+    kh, kw = layer.kernel_size
+    layer.bind({"weight": rng.normal(size=(o, c, kh, kw)).astype(dtype),
+                "bias": rng.normal(size=o).astype(dtype)},
+               {"weight": np.empty((o, c, kh, kw), dtype), "bias": np.empty(o, dtype)})
+    return layer
+
+
+def _layouts(x):
+    """x batch-first, batch-last, channel-last and as a non-dense view (every other row of
+    a larger array): the memory orders a layer's input can have."""
+    b, c, h, w = x.shape
+    wide = np.zeros((b, c, 2 * h, w), x.dtype)
+    wide[:, :, ::2] = x
+    return {"batch-first": x,
+            "batch-last": np.ascontiguousarray(x.transpose(1, 2, 3, 0)).transpose(3, 0, 1, 2),
+            "channel-last": np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2),
+            "strided": wide[:, :, ::2]}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", IM2COL_CASES)
+def test_emulated_im2col_equals_the_numpy_columns(monkeypatch, case, dtype):
+    monkeypatch.setattr(conv, "CPU_BLOCK_BYTES", 1 << 40)     # one block, as on a GPU
+    b, c, h, w, o, k, s, p = case
+    layer = _conv_layer(case, dtype)
+    x = np.random.default_rng(6).normal(size=(b, c, h, w)).astype(dtype)
+    y = layer.forward(x)
+    _, ho, wo = layer.output_shape((c, h, w))
+    kh, kw = layer.kernel_size
+    want = layer._buffers["cols-train"][2][:c * kh * kw * ho * wo * b].copy()
+    for name, xl in _layouts(x).items():
+        cols = np.full((c, kh, kw, ho, wo, b), np.nan, dtype)
+        _cuda.im2col(np, xl, cols, layer.stride, layer.padding)
+        np.testing.assert_array_equal(cols.reshape(-1), want, err_msg=name)
+    # the flipped branch's columns: dy padded by k - 1 - p, read with stride 1
+    dy = np.random.default_rng(7).normal(size=y.shape).astype(dtype)
+    layer.backward(dy)
+    if "cols-dx" in layer._buffers:
+        want = layer._buffers["cols-dx"][2][:o * kh * kw * h * w * b]
+        dcols = np.full((o, kh, kw, h, w, b), np.nan, dtype)
+        ph, pw = layer.padding
+        for name, dyl in _layouts(dy).items():
+            _cuda.im2col(np, dyl, dcols, (1, 1), (kh - 1 - ph, kw - 1 - pw))
+            np.testing.assert_array_equal(dcols.reshape(-1), want, err_msg=name)
+    else:
+        assert case in IM2COL_CASES[:len(CONV_CASES)] or s > 1 or p >= k
+
+
+def test_the_flipped_cases_take_the_flipped_branch(monkeypatch):
+    monkeypatch.setattr(conv, "CPU_BLOCK_BYTES", 1 << 40)
+    for case in FLIPPED_CASES:
+        layer = _conv_layer(case, np.float64)
+        y = layer.forward(np.ones(case[:4]))
+        layer.backward(np.ones(y.shape))
+        assert "cols-dx" in layer._buffers, case
+    for case in CONV_CASES:
+        layer = _conv_layer(case, np.float64)
+        y = layer.forward(np.ones(case[:4]))
+        layer.backward(np.ones(y.shape))
+        assert "cols-dx" not in layer._buffers, case
+
+
+def _relu_data(shape, dtype, seed=8):
+    x = np.random.default_rng(seed).normal(size=shape).astype(dtype)
+    flat = x.reshape(-1)
+    flat[:6] = [np.nan, -0.0, 0.0, np.inf, -np.inf, -np.nan]
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_relu_kernels_equal_numpy_bit_for_bit(dtype):
+    x = _relu_data((3, 2, 5, 4), dtype)
+    dy = _relu_data((3, 2, 5, 4), dtype, seed=9)[::-1].copy()   # NaN/inf/-0 against all y
+    for name, xl in _layouts(x).items():
+        y = _cuda.relu_forward(np, xl)
+        want = np.maximum(xl, 0)
+        assert y.tobytes() == want.tobytes() or \
+            np.ascontiguousarray(y).tobytes() == np.ascontiguousarray(want).tobytes(), name
+        np.testing.assert_array_equal(np.signbit(y), np.signbit(want))      # -0, -NaN
+        if name != "strided":
+            assert y.strides == xl.strides, name                           # x's memory order
+        for dname, dyl in _layouts(dy).items():
+            dx = _cuda.relu_backward(np, dyl, y)
+            with np.errstate(invalid="ignore"):
+                want_dx = np.multiply(dyl, y > 0)
+            assert np.ascontiguousarray(dx).tobytes() == \
+                np.ascontiguousarray(want_dx).tobytes(), (name, dname)
+            assert dx.strides == y.strides or name == "strided", (name, dname)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,p,key,first", [
     ((4, 7), 0.5, (0, 0, 3), 0),
@@ -164,7 +271,7 @@ def test_kernel_parameters_and_emulations_agree():
 def _normal(text):
     """Return C or Python text with casts, blanks and parentheses removed, C operators as
     Python's: a typo-level fingerprint of an expression."""
-    for cast in ("(unsigned long long)", "(long long)", "(unsigned char)", "(int)"):
+    for cast in ("(unsigned long long)", "(long long)", "(unsigned char)", "(int)", "(T)"):
         text = text.replace(cast, "")
     text = text.replace("||", "|").replace("&&", "&").replace("/", "//").replace("////", "//")
     return "".join(ch for ch in text if ch not in " \n()")
@@ -188,7 +295,14 @@ def _cuda_statements(body):
                 yield index
 
 
-@pytest.mark.parametrize("name", [k for k in _cuda.KERNELS if k != "dropout_mask"])
+ELEMENTWISE = {  # kernel -> the expressions its CUDA body and its emulation both contain
+    "relu_fwd": ["v = x[idx]", "v > (T)0 || v != v"],
+    "relu_bwd": ["dy[idx] * (T)(y[idx] > (T)0)"],
+}
+
+
+@pytest.mark.parametrize("name", [k for k in _cuda.KERNELS
+                                  if k != "dropout_mask" and k not in ELEMENTWISE])
 def test_cuda_bodies_and_emulations_compute_the_same_expressions(name):
     # The emulation is what the CPU tests run against the NumPy layers; each expression of
     # the CUDA body must appear in it (casts, blanks, parentheses and operator spelling
@@ -200,6 +314,16 @@ def test_cuda_bodies_and_emulations_compute_the_same_expressions(name):
     assert len(statements) >= 10, statements
     missing = [s for s in statements if _normal(s) not in emulated]
     assert not missing, f"{name}: not in the emulation: {missing}"
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_elementwise_bodies_and_emulations_compute_the_same_expressions(name):
+    params, body, emulation = _cuda.KERNELS[name]
+    source = inspect.getsource(emulation)
+    emulated = _normal(source[source.index("\ndef "):])
+    for expr in ELEMENTWISE[name]:
+        assert expr in body, f"{name}: {expr!r} not in the CUDA body"
+        assert _normal(expr) in emulated, f"{name}: {expr!r} not in the emulation"
 
 
 def test_argument_types_are_checked_against_the_c_signature():
@@ -253,9 +377,10 @@ class _StandIn:
 
 def _patch(m):
     xp = _StandIn()
-    for module in (pool, conv):
+    for module in (pool, conv, activation):
         m.setattr(module, "get_array_module", lambda *a: xp)
     m.setattr(activation, "is_gpu_array", lambda a: True)
+    m.setattr(linear, "is_gpu_array", lambda a: True)
     launch = _cuda.launch
     m.setattr(_cuda, "launch", lambda _xp, *args: launch(np, *args))
 
@@ -297,20 +422,55 @@ def test_pool_layers_gpu_branch_equals_numpy_branch(monkeypatch, case, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", CONV_CASES + [(2, 3, 8, 8, 4, 5, 1, 2)])   # + flipped path
+@pytest.mark.parametrize("case", CONV_CASES + FLIPPED_CASES)
 def test_conv_gpu_branch_equals_numpy_branch(monkeypatch, case, dtype):
     monkeypatch.setattr(conv, "CPU_BLOCK_BYTES", 1 << 40)     # one block, as on a GPU
     b, c, h, w, o, k, s, p = case
-    ref, gpu = _layer_pair(lambda: Conv2d(c, o, k, stride=s, padding=p), dtype, (c, h, w))
-    x = np.random.default_rng(5).normal(size=(b, c, h, w)).astype(dtype)
-    want = _run(ref, x)
+    x0 = np.random.default_rng(5).normal(size=(b, c, h, w)).astype(dtype)
+    for layout, x in _layouts(x0).items():
+        ref, gpu = _layer_pair(lambda: Conv2d(c, o, k, stride=s, padding=p), dtype, (c, h, w))
+        want = _run(ref, x)
+        with monkeypatch.context() as m:
+            _patch(m)
+            got = _run(gpu, x)
+            assert "cols-train" not in gpu._buffers           # the GPU branch ran
+            gpu.forward(x, train=False)
+            assert gpu._cache is None
+        for name, g, r in [("y", got[0], want[0]), ("dx", got[1], want[1]),
+                           ("dW", gpu.grads["weight"], ref.grads["weight"]),
+                           ("db", gpu.grads["bias"], ref.grads["bias"])]:
+            np.testing.assert_array_equal(g, r, err_msg=f"{name} {layout}")
+        assert got[0].strides == want[0].strides                  # (O, Ho, Wo, B) memory
+        assert _memory_order(got[1]) == _memory_order(want[1]) == [1, 2, 3, 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relu_and_flatten_gpu_branches_equal_numpy_branches(monkeypatch, dtype):
+    x0 = _relu_data((4, 3, 5, 6), dtype)
+    for layout, x in _layouts(x0).items():
+        dy = _relu_data(x.shape, dtype, seed=10)
+        ref, gpu = ReLU(), ReLU()
+        y, dx = ref.forward(x), ref.backward(dy)
+        with monkeypatch.context() as m:
+            _patch(m)
+            yg = gpu.forward(x)
+            dxg = gpu.backward(dy)
+            assert gpu.forward(x, train=False) is not None and gpu._y is None
+        for name, g, r in [("y", yg, y), ("dx", dxg, dx)]:
+            assert np.ascontiguousarray(g).tobytes() == np.ascontiguousarray(r).tobytes(), \
+                f"{name} {layout}"
+        if layout != "strided":
+            assert yg.strides == x.strides
+    x = _layouts(x0)["batch-last"]
+    ref, gpu = Flatten(), Flatten()
+    dy = np.random.default_rng(11).normal(size=(4, 90)).astype(dtype)
+    want = (ref.forward(x), ref.backward(dy))
     with monkeypatch.context() as m:
         _patch(m)
-        got = _run(gpu, x)
-    for name, g, r in [("y", got[0], want[0]), ("dx", got[1], want[1]),
-                       ("dW", gpu.grads["weight"], ref.grads["weight"]),
-                       ("db", gpu.grads["bias"], ref.grads["bias"])]:
-        np.testing.assert_array_equal(g, r, err_msg=name)
+        got = (gpu.forward(x), gpu.backward(dy))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert np.shares_memory(got[1], dy)                       # a view, no copy
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -387,19 +547,96 @@ def test_gpu_maxpool_nan_and_eval(dtype):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", CONV_CASES + [(2, 3, 8, 8, 4, 5, 1, 2)])
-def test_gpu_conv_col2im_equals_the_numpy_layer(case, dtype):
+@pytest.mark.parametrize("case", CONV_CASES + FLIPPED_CASES)
+def test_gpu_conv_equals_the_numpy_layer(case, dtype):
     import cupy
     b, c, h, w, o, k, s, p = case
-    ref, dev = _layer_pair(lambda: Conv2d(c, o, k, stride=s, padding=p), dtype, (c, h, w))
-    dev.bind({n: cupy.asarray(v) for n, v in dev.params.items()},
-             {n: cupy.asarray(v) for n, v in dev.grads.items()})
-    x = np.random.default_rng(5).normal(size=(b, c, h, w)).astype(dtype)
-    got, want = _on_gpu(ref, dev, x)
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=1e-11, atol=1e-11)
-    np.testing.assert_allclose(got[0], want[0], **tol, err_msg="y")
-    np.testing.assert_allclose(got[1], want[1], **tol, err_msg="dx")
-    np.testing.assert_allclose(cupy.asnumpy(dev.grads["weight"]), ref.grads["weight"], **tol)
+    x0 = np.random.default_rng(5).normal(size=(b, c, h, w)).astype(dtype)
+    for layout in ("batch-first", "batch-last"):
+        x = _layouts(x0)[layout]
+        ref, dev = _layer_pair(lambda: Conv2d(c, o, k, stride=s, padding=p), dtype, (c, h, w))
+        dev.bind({n: cupy.asarray(v) for n, v in dev.params.items()},
+                 {n: cupy.asarray(v) for n, v in dev.grads.items()})
+        want = _run(ref, x)
+        xd = cupy.asarray(x0)
+        if layout == "batch-last":
+            xd = cupy.ascontiguousarray(xd.transpose(1, 2, 3, 0)).transpose(3, 0, 1, 2)
+        y = dev.forward(xd)
+        dy = np.random.default_rng(1).normal(size=y.shape).astype(dtype)
+        dx = dev.backward(cupy.asarray(dy))
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=1e-11, atol=1e-11)
+        np.testing.assert_allclose(cupy.asnumpy(y), want[0], **tol, err_msg=f"y {layout}")
+        np.testing.assert_allclose(cupy.asnumpy(dx), want[1], **tol, err_msg=f"dx {layout}")
+        np.testing.assert_allclose(cupy.asnumpy(dev.grads["weight"]), ref.grads["weight"],
+                                   **tol, err_msg=f"dW {layout}")
+        np.testing.assert_allclose(cupy.asnumpy(dev.grads["bias"]), ref.grads["bias"],
+                                   **tol, err_msg=f"db {layout}")
+        assert _memory_order(dx) == [1, 2, 3, 0]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", IM2COL_CASES)
+def test_gpu_im2col_equals_the_emulation_bit_for_bit(case, dtype):
+    # the emulation equals the NumPy layer's columns (test above); the kernel must equal it
+    import cupy
+    b, c, h, w, o, k, s, p = case
+    layer = _conv_layer(case, dtype)
+    _, ho, wo = layer.output_shape((c, h, w))
+    kh, kw = layer.kernel_size
+    x0 = np.random.default_rng(6).normal(size=(b, c, h, w)).astype(dtype)
+    want = np.empty((c, kh, kw, ho, wo, b), dtype)
+    _cuda.im2col(np, x0, want, layer.stride, layer.padding)
+    for name, xl in _layouts(x0).items():
+        xd = cupy.asarray(xl)                  # asarray keeps C order: rebuild each layout
+        if name == "batch-last":
+            xd = cupy.ascontiguousarray(cupy.asarray(x0).transpose(1, 2, 3, 0)).transpose(
+                3, 0, 1, 2)
+        elif name == "channel-last":
+            xd = cupy.ascontiguousarray(cupy.asarray(x0).transpose(0, 2, 3, 1)).transpose(
+                0, 3, 1, 2)
+        elif name == "strided":
+            wide = cupy.zeros((b, c, 2 * h, w), dtype)
+            wide[:, :, ::2] = cupy.asarray(x0)
+            xd = wide[:, :, ::2]
+        cols = cupy.full((c, kh, kw, ho, wo, b), np.nan, dtype)
+        _cuda.im2col(cupy, xd, cols, layer.stride, layer.padding)
+        np.testing.assert_array_equal(cupy.asnumpy(cols), want, err_msg=name)
+
+
+def _assert_same_floats(got, want):
+    """Equal to the last bit, signs of zeros included; NaN where NaN (CUDA does not keep
+    NaN payloads or signs, x86 does, so NaN bits may differ)."""
+    np.testing.assert_array_equal(got, want)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.signbit(got[~nan]), np.signbit(want[~nan]))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_relu_and_flatten_equal_numpy_bit_for_bit(dtype):
+    import cupy
+    x = _relu_data((64, 8, 6, 5), dtype)
+    dy = _relu_data(x.shape, dtype, seed=10)
+    ref, dev = ReLU(), ReLU()
+    y, dx = ref.forward(x), ref.backward(dy)
+    xd = cupy.ascontiguousarray(cupy.asarray(x).transpose(1, 2, 3, 0)).transpose(3, 0, 1, 2)
+    yd = dev.forward(xd)
+    assert yd.strides == xd.strides                           # batch-last stays batch-last
+    for dyd in (cupy.asarray(dy), cupy.ascontiguousarray(cupy.asarray(dy).transpose(
+            1, 2, 3, 0)).transpose(3, 0, 1, 2)):
+        dxd = dev.backward(dyd)
+        assert dxd.strides == yd.strides
+        _assert_same_floats(cupy.asnumpy(dxd), dx)
+    _assert_same_floats(cupy.asnumpy(yd), y)
+    flat = Flatten()
+    flat.forward(xd)
+    g = cupy.asarray(np.random.default_rng(12).normal(size=(64, 240)).astype(dtype))
+    back = flat.backward(g)
+    assert back.shape == x.shape and back.data.ptr == g.data.ptr           # a view
+    np.testing.assert_array_equal(cupy.asnumpy(back), cupy.asnumpy(g).reshape(x.shape))
 
 
 @pytest.mark.gpu

@@ -613,18 +613,18 @@ COMMANDS = {
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2": FASHION,
     "python -m ringnet.bench delay --model digits --dataset digits --epochs 20 --seeds 1 2 3 4 5 "
     "6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 --variants single,lookahead/warm=0,lookahead/warm=10,"
-    "lookahead/warm=30,lookahead/warm=60,lookahead,lookahead/warm=150,lookahead/k=5,own:2":
+    "lookahead/warm=30,lookahead/warm=60,lookahead,lookahead/warm=150,lookahead/k=5/warm=0,own:2":
         "200 runs of 440 steps (about 15 minutes on a quiet machine); "
         "tests/test_delay_compensation.py checks the warm-up against the recurrence written out "
         "and tests/test_bench_accuracy.py own:N against its own",
     "python -m ringnet.bench delay --model digits --dataset digits --epochs 10 --lr 0.01 0.03 0.1 "
-    "0.3 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5,lookahead/warm=0 --markdown":
+    "0.3 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5/warm=0,lookahead/warm=0,lookahead --markdown":
         readme_delay_table,
     "python -m ringnet.bench delay --model lenet --dataset synthetic --epochs 2 --lr 0.003 0.01 "
-    "0.03 0.1 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5,lookahead/warm=0 --markdown":
+    "0.03 0.1 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5/warm=0,lookahead/warm=0 --markdown":
         readme_delay_table,
     "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3 "
-    "--variants single,none,lookahead/k=5,lookahead/warm=0 --markdown": readme_delay_table,
+    "--variants single,none,lookahead/k=5/warm=0,lookahead/warm=0 --markdown": readme_delay_table,
     "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3 "
     "--variants lookahead --markdown": readme_delay_table,
     "python -m ringnet.bench delay --model cifar10_quick --dataset synthetic --batch-size 16 "

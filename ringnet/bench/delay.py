@@ -8,7 +8,8 @@ same model, data, seed and batches with
 * ``none``       the plain delay-1 recurrence, g_t = G_t(w[t-1]);
 * ``lookahead``  the default compensation (``ringnet.parallel.exchange.Lookahead``),
   with its fields changed by ``/warm=W`` (W synchronous steps first), ``/k=K``, ``/c=C``
-  (``lookahead/k=5`` is the earlier fixed k);
+  (``lookahead/warm=0`` has no warm-up; ``lookahead/k=5/warm=0`` is the earlier fixed k
+  without it; an option not given keeps the default's value);
 
 these through ringnet's own delayed-exchange engine, and, for comparison, any
 of these variants of the recurrence written out here (joined with '+'):

@@ -1,4 +1,5 @@
-"""Fused CUDA kernels of the GPU path (max/average pooling, col2im, dropout masks).
+"""Fused CUDA kernels of the GPU path (max/average pooling, im2col, col2im, dropout
+masks, ReLU).
 
 On a GPU each of these layers' generic array code is a storm of small launches (a few
 ufuncs per kernel tap); here each is one kernel, compiled once per dtype and cached.
@@ -20,9 +21,11 @@ these wrappers only on CuPy arrays; their NumPy paths do not use this module.
 import numpy as np
 
 from ringnet.backend import cupy
+from ringnet.layers.base import _memory_order
 
 __all__ = ["KERNELS", "source", "launch", "maxpool_forward", "maxpool_backward",
-           "avgpool_forward", "avgpool_backward", "col2im", "dropout_mask"]
+           "avgpool_forward", "avgpool_backward", "im2col", "col2im", "dropout_mask",
+           "relu_forward", "relu_backward"]
 
 THREADS = 256                   # threads per block; blocks stride over larger sizes
 MAX_BLOCKS = 32768
@@ -379,6 +382,48 @@ def _col2im(cols, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
     dx[:] = acc
 
 
+@_kernel("im2col",
+         [("x", "const T*"), ("cols", "T*"), ("n", "long long")] + _GEOMETRY
+         + [("xs_c", "long long"), ("xs_h", "long long"), ("xs_w", "long long"),
+            ("xs_b", "long long")], r"""
+  FOR_EACH(idx, n) {
+    int b = (int)(idx % B);
+    long long rest = idx / B;
+    int ox = (int)(rest % Wo);
+    rest /= Wo;
+    int oy = (int)(rest % Ho);
+    rest /= Ho;
+    int j = (int)(rest % kw);
+    rest /= kw;
+    int i = (int)(rest % kh);
+    long long c = rest / kh;
+    int r = oy * sh + i - ph;
+    int q = ox * sw + j - pw;
+    T v = 0;
+    if (r >= 0 && r < H && q >= 0 && q < W) v = x[c * xs_c + r * xs_h + q * xs_w + b * xs_b];
+    cols[idx] = v;
+  }
+""")
+def _im2col(x, cols, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, xs_c, xs_h, xs_w, xs_b):
+    x, cols = x.reshape(-1), cols.reshape(-1)
+    idx = _lanes(n)
+    b = idx % B
+    rest = idx // B
+    ox = rest % Wo
+    rest //= Wo
+    oy = rest % Ho
+    rest //= Ho
+    j = rest % kw
+    rest //= kw
+    i = rest % kh
+    c = rest // kh
+    r = oy * sh + i - ph
+    q = ox * sw + j - pw
+    lane = (r >= 0) & (r < H) & (q >= 0) & (q < W)
+    v = x[np.where(lane, c * xs_c + r * xs_h + q * xs_w + b * xs_b, 0)]
+    cols[:] = np.where(lane, v, cols.dtype.type(0))
+
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -411,6 +456,36 @@ def _mix64(z):
     z = z * np.uint64(0x94D049BB133111EB)
     z = z ^ (z >> np.uint64(31))
     return z
+
+
+# ReLU, elementwise over dense memory (both operands in one memory order). The forward
+# is NumPy's maximum(x, 0) exactly (x where x > 0 or x is NaN, else +0: NaN passes
+# through, -0 becomes +0); the backward is NumPy's multiply(dy, y > 0): dy times 1 or 0 (NaN * 0 stays
+# NaN, -dy * 0 is -0), not a select.
+@_kernel("relu_fwd", [("x", "const T*"), ("y", "T*"), ("n", "long long")], r"""
+  FOR_EACH(idx, n) {
+    T v = x[idx];
+    y[idx] = (v > (T)0 || v != v) ? v : (T)0;
+  }
+""")
+def _relu_fwd(x, y, n):
+    x, y = x.reshape(-1), y.reshape(-1)
+    idx = _lanes(n)
+    v = x[idx]
+    y[:] = np.where((v > 0) | (v != v), v, y.dtype.type(0))
+
+
+@_kernel("relu_bwd", [("dy", "const T*"), ("y", "const T*"), ("dx", "T*"), ("n", "long long")],
+         r"""
+  FOR_EACH(idx, n) {
+    dx[idx] = dy[idx] * (T)(y[idx] > (T)0);
+  }
+""")
+def _relu_bwd(dy, y, dx, n):
+    dy, y, dx = dy.reshape(-1), y.reshape(-1), dx.reshape(-1)
+    idx = _lanes(n)
+    with np.errstate(invalid="ignore"):                      # inf * 0 is NaN, as in CUDA
+        dx[:] = dy[idx] * (y[idx] > 0).astype(dx.dtype)
 
 
 # --- host wrappers: logical (B, C, H, W) arrays in, the NumPy layers' layouts out
@@ -469,6 +544,57 @@ def avgpool_backward(xp, dy, inv, in_shape, kernel, stride, padding):
     launch(xp, "avgpool_bwd", dy.dtype, n,
            (dyc, inv, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
     return dx.transpose(3, 0, 1, 2)
+
+
+def _dense(xp, x):
+    """Return (m, order): m a C-contiguous array over x's memory, x == m.transpose(inverse
+    of order); x is copied to C order first only if its memory is not dense."""
+    order = _memory_order(x)
+    m = x.transpose(order)
+    if not m.flags.c_contiguous:
+        order = list(range(x.ndim))
+        m = xp.ascontiguousarray(x)
+    return m, order
+
+
+def _inverse(order):
+    return [order.index(a) for a in range(len(order))]
+
+
+def im2col(xp, x, cols, stride, padding):
+    """Fill ``cols`` (C, kh, kw, Ho, Wo, B), C-contiguous, with the columns of the logical
+    (B, C, H, W) ``x`` in any memory order: entry (c, i, j, oy, ox, b) is
+    x[b, c, oy*sh + i - ph, ox*sw + j - pw], 0 where that falls in the padding. One kernel
+    instead of a padded copy and a strided copy."""
+    b, c, h, w = x.shape
+    _, kh, kw, ho, wo, _ = cols.shape
+    m, order = _dense(xp, x)
+    strides = [0] * 4
+    for axis, stride_m in zip(order, m.strides):
+        strides[axis] = np.int64(stride_m // m.itemsize)
+    xs_b, xs_c, xs_h, xs_w = strides
+    n = c * kh * kw * ho * wo * b
+    launch(xp, "im2col", x.dtype, n,
+           (m, cols, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding),
+            xs_c, xs_h, xs_w, xs_b))
+    return cols
+
+
+def relu_forward(xp, x):
+    """Return max(x, 0) (as NumPy's maximum: NaN kept, -0 -> +0) in x's memory order."""
+    m, order = _dense(xp, x)
+    y = xp.empty(m.shape, dtype=x.dtype)
+    launch(xp, "relu_fwd", x.dtype, m.size, (m, y, np.int64(m.size)))
+    return y.transpose(_inverse(order))
+
+
+def relu_backward(xp, dy, y):
+    """Return dy * (y > 0) in y's memory order (dy is copied into it only if it differs)."""
+    ym, order = _dense(xp, y)
+    dym = xp.ascontiguousarray(dy.transpose(order))           # a no-op when dy is laid out as y
+    dx = xp.empty(ym.shape, dtype=dy.dtype)
+    launch(xp, "relu_bwd", dy.dtype, ym.size, (dym, ym, dx, np.int64(ym.size)))
+    return dx.transpose(_inverse(order))
 
 
 def col2im(xp, cols, in_hw, stride, padding):

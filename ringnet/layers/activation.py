@@ -18,6 +18,10 @@ class ReLU(Layer):
         self._zeros = None
 
     def forward(self, x, train=True):
+        if is_gpu_array(x):                   # one kernel, in x's memory order
+            y = _cuda.relu_forward(get_array_module(x), x)
+            self._y = y if train else None
+            return y
         xp = get_array_module(x)
         if xp is np:
             # Against an array of zeros laid out like x: NumPy's maximum with a scalar (or
@@ -36,6 +40,8 @@ class ReLU(Layer):
         # dy/dx = 1 where y > 0, else 0 (0 at x = 0, like Caffe and PyTorch).
         if self._y is None:
             raise RuntimeError("ReLU.backward called without a forward(train=True)")
+        if is_gpu_array(dy):                  # one kernel, in y's memory order
+            return _cuda.relu_backward(get_array_module(dy), dy, self._y)
         xp = get_array_module(dy)
         return xp.multiply(dy, self._y > 0)
 

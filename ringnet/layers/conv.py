@@ -139,6 +139,8 @@ class Conv2d(Layer):
 
     def forward(self, x, train=True):
         xp = get_array_module(x)
+        if xp is not np:
+            return self._forward_gpu(xp, x, train)
         b, c, h, w = x.shape                                     # (B, C, H, W)
         _, ho, wo = self.output_shape((c, h, w))
         (kh, kw), o = self.kernel_size, self.out_channels
@@ -161,8 +163,10 @@ class Conv2d(Layer):
         # With stride 1 the same dx is a convolution of dy (padded by k-1-p) with the
         # flipped, in/out-swapped kernel: cheaper when the output is not smaller than the
         # input ("same" padding), as a copy replaces the scattered adds of col2im.
-        (b, c, h, w), xpad, blocks, kept = self._cached()
         xp = get_array_module(dy)
+        if xp is not np:
+            return self._backward_gpu(xp, dy)
+        (b, c, h, w), xpad, blocks, kept = self._cached()
         _, o, ho, wo = dy.shape
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         k = c * kh * kw
@@ -197,11 +201,6 @@ class Conv2d(Layer):
         # col2im into a zero-padded dx, block by block; taps that read padding add into
         # the border, which is cut off at the end.
         weight_t = self.params["weight"].reshape(o, k).T         # (C*kh*kw, O)
-        if xp is not np:                      # one block; col2im as one fused CUDA kernel
-            (dcols, _, dst, _), = self._im2col_plan(xp, "train", xpad, self.stride, blocks, b)
-            xp.matmul(weight_t, dy2, out=dcols)
-            dxc = _cuda.col2im(xp, dst, (h, w), self.stride, self.padding)
-            return dxc.transpose(3, 0, 1, 2)                     # (B, C, H, W)
         dxpad = xp.zeros((c, h + 2 * ph, w + 2 * pw, b), dtype=dy.dtype)
         for (r0, r1, w0, w1), (dcols, columns, dst, _) in zip(
                 blocks, self._im2col_plan(xp, "train", xpad, self.stride, blocks, b)):
@@ -211,3 +210,49 @@ class Conv2d(Layer):
                 for j in range(kw):
                     dxpad[:, rows, w0 * sw + j:(w1 - 1) * sw + j + 1:sw] += dst[:, i, j]
         return dxpad[:, ph:ph + h, pw:pw + w].transpose(3, 0, 1, 2)  # (B, C, H, W)
+
+    # --- the GPU path: the same GEMMs on one column matrix, which one fused kernel builds
+    # straight from the input (any memory order, padding included) instead of a padded
+    # copy and a strided copy, and col2im as one fused kernel.
+
+    def _forward_gpu(self, xp, x, train):
+        b, c, h, w = x.shape                                     # (B, C, H, W)
+        _, ho, wo = self.output_shape((c, h, w))
+        (kh, kw), o = self.kernel_size, self.out_channels
+        k = c * kh * kw
+        cols = self._buffer(xp, "gpu-cols-" + ("train" if train else "eval"),
+                            (c, kh, kw, ho, wo, b), x.dtype)
+        _cuda.im2col(xp, x, cols, self.stride, self.padding)
+        y = xp.empty((o, ho * wo * b), dtype=x.dtype)            # (O, Ho*Wo*B)
+        xp.matmul(self.params["weight"].reshape(o, k), cols.reshape(k, ho * wo * b), out=y)
+        y += self.params["bias"][:, None]
+        self._cache = (x.shape, cols) if train else None
+        return y.reshape(o, ho, wo, b).transpose(3, 0, 1, 2)     # (B, O, Ho, Wo)
+
+    def _backward_gpu(self, xp, dy):
+        (b, c, h, w), cols = self._cached()
+        _, o, ho, wo = dy.shape
+        (kh, kw), (ph, pw) = self.kernel_size, self.padding
+        k = c * kh * kw
+        dy2 = as_channel_rows(xp, dy)                            # (O, Ho*Wo*B)
+        dweight_t = self._buffer(xp, "dweight", (k, o), dy.dtype)
+        xp.matmul(cols.reshape(k, ho * wo * b), dy2.T, out=dweight_t)
+        self.grads["weight"].reshape(o, k)[...] = dweight_t.T
+        xp.sum(dy2, axis=1, out=self.grads["bias"])
+        if not self.needs_dx:
+            return None
+        if tuple(self.stride) == (1, 1) and ph < kh and pw < kw and h * w <= ho * wo:
+            # the flipped convolution: the columns of dy padded by k-1-p, one kernel
+            flipped = self.params["weight"].transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
+            flipped = xp.ascontiguousarray(flipped).reshape(c, o * kh * kw)
+            dcols = self._buffer(xp, "gpu-cols-dx", (o, kh, kw, h, w, b), dy.dtype)
+            _cuda.im2col(xp, dy2.reshape(o, ho, wo, b).transpose(3, 0, 1, 2), dcols, (1, 1),
+                         (kh - 1 - ph, kw - 1 - pw))
+            dxc = xp.empty((c, h * w * b), dtype=dy.dtype)       # (C, H*W*B)
+            xp.matmul(flipped, dcols.reshape(o * kh * kw, h * w * b), out=dxc)
+            return dxc.reshape(c, h, w, b).transpose(3, 0, 1, 2)  # (B, C, H, W)
+        # col2im: the column gradient overwrites the columns (no longer needed), then one
+        # gather kernel adds every column entry back to its input pixel.
+        xp.matmul(self.params["weight"].reshape(o, k).T, dy2, out=cols.reshape(k, ho * wo * b))
+        dxc = _cuda.col2im(xp, cols, (h, w), self.stride, self.padding)
+        return dxc.transpose(3, 0, 1, 2)                         # (B, C, H, W)

@@ -1,5 +1,5 @@
 """Linear (fully connected) and Flatten."""
-from ringnet.backend import get_array_module
+from ringnet.backend import get_array_module, is_gpu_array
 from ringnet.layers.base import Layer, check_init, empty_like_layout
 
 __all__ = ["Linear", "Flatten"]
@@ -69,7 +69,10 @@ class Flatten(Layer):
 
     def backward(self, dy):
         # pure re-indexing: dx is dy read back in the input's shape (and memory order,
-        # so the layers below keep working on their own layout).
+        # so the layers below keep working on their own layout). On a GPU the layers below
+        # take any memory order (their kernels or one copy), so a view saves this copy.
+        if is_gpu_array(dy):
+            return dy.reshape(self._x.shape)
         xp = get_array_module(dy)
         dx = empty_like_layout(xp, self._x, self._x.shape)       # (B, C, H, W)
         dx[...] = dy.reshape(self._x.shape)
