@@ -43,6 +43,16 @@ communicators. Both paths add in the same order and count the same bytes (tested
 lean ``rhd`` and ``ring`` fuse their last reduce step with the first gather step, and
 ``chunk_bytes`` cuts their steps into pipelined pieces (none by default: see :func:`_cut`).
 
+**The short path.** ``rd`` (on the ranks of its power-of-two core) and ``direct`` in whole
+steps keep a plan per byte count: scratch views and their MPI buffer specs, made once.
+``allreduce`` looks the plan up before any other check, so a small all-reduce costs about
+the bare mpi4py calls (Irecv, Isend, a first MPI_Testall, ``numpy.add``) plus ~0.5 us; a
+wait that the first test does not finish goes through the same spin and deadline wait.
+Messages of 8-16 KB go as two halves (:data:`EAGER_SPLIT`: under MPICH's shared-memory
+eager limit); the generic ``rd`` step cuts them alike, so ranks on either path pair up.
+``python -m ringnet.bench comm --algos native,auto,floor`` times a bare mpi4py exchange
+beside auto: the least a Python all-reduce from point-to-point calls can cost.
+
 Every algorithm leaves bit-identical results on all ranks: ``direct`` sums in rank order
 everywhere; in ``rd`` and ``rhd`` both partners of an exchange compute ``x + y`` (float
 addition is commutative) or one rank sums an element and the others copy it.
