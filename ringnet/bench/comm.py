@@ -136,31 +136,37 @@ class Floor:
         n, r, mpi = self.n, self.rank, self.mpi
         if n == 1:
             return
-        key = (buf.dtype.char, buf.size)
-        if key not in self.scratch:
-            self.scratch[key] = np.empty((n - 1, buf.size), buf.dtype)
-        inbox = self.scratch[key]
-        cuts = _eager_cuts(buf.size, buf.itemsize)
+        plan = self.scratch.get(buf.nbytes)
+        if plan is None or plan[0] is not buf.dtype:
+            cuts = _eager_cuts(buf.size, buf.itemsize)
+            inbox = np.empty((n, buf.size), buf.dtype)     # n - 1 slots and a total
+            specs = [[[inbox[k, a:b], MPI.BYTE] for a, b in cuts] for k in range(n - 1)]
+            plan = self.scratch[buf.nbytes] = (buf.dtype, cuts, inbox, specs)
+        _, cuts, inbox, specs = plan
+        sends = [[buf, MPI.BYTE]] if len(cuts) == 1 else [[buf[a:b], MPI.BYTE] for a, b in cuts]
         if self.algorithm == "rd":
-            inc = inbox[0]
+            inc, spec = inbox[0], specs[0]
             mask = 1
             while mask < n:
                 peer = r ^ mask
-                requests = [mpi.Irecv([inc[a:b], MPI.BYTE], peer, 0) for a, b in cuts]
-                requests += [mpi.Isend([buf[a:b], MPI.BYTE], peer, 0) for a, b in cuts]
+                if len(cuts) == 1:
+                    requests = [mpi.Irecv(spec[0], peer, 0), mpi.Isend(sends[0], peer, 0)]
+                else:
+                    requests = [mpi.Irecv(x, peer, 0) for x in spec]
+                    requests += [mpi.Isend(x, peer, 0) for x in sends]
                 _wait(requests)
                 np.add(buf, inc, buf)
                 mask <<= 1
             return
         requests = []
         for k in range(1, n):
-            requests += [mpi.Irecv([inbox[k - 1, a:b], MPI.BYTE], (r - k) % n, 0) for a, b in cuts]
-            requests += [mpi.Isend([buf[a:b], MPI.BYTE], (r + k) % n, 0) for a, b in cuts]
+            requests += [mpi.Irecv(x, (r - k) % n, 0) for x in specs[k - 1]]
+            requests += [mpi.Isend(x, (r + k) % n, 0) for x in sends]
         _wait(requests)
 
         def part(rank):
             return buf if rank == r else inbox[(r - rank) % n - 1]
-        total = buf if r <= 1 else self.scratch.setdefault(key + (1,), np.empty_like(buf))
+        total = buf if r <= 1 else inbox[n - 1]
         np.add(part(0), part(1), total)
         for rank in range(2, n):
             np.add(total, part(rank), total)
