@@ -216,6 +216,15 @@ def bench_comm(command, tmp_path):
                for r in auto), proc.stdout
 
 
+def bench_comm_floor(command, tmp_path):
+    """Shortened (two iterations): native, auto and the bare mpi4py floor, each checked ok."""
+    proc = run(command + " --iters 2")
+    rows = [l.split() for l in proc.stdout.splitlines() if l.strip() and not l.startswith("#")]
+    assert {r[3] for r in rows} == {"native", "auto", "floor"}, proc.stdout
+    assert all(r[-1] == "yes" for r in rows), proc.stdout
+    assert {r[4] for r in rows if r[3] == "floor"} == {"rd"}, proc.stdout
+
+
 def bench_scaling(command, tmp_path):
     """Shortened (2 steps, 1 round): a row per mode, delay and N; ring bytes in closed form."""
     proc = run(command + " --steps 2 --repeats 1 --json", cwd=tmp_path, timeout=900,
@@ -570,6 +579,7 @@ COMMANDS = {
     "python -m ringnet.bench overlap --model cifar10_quick":
         "tests/test_overlap.py::test_bench_overlap_prints_a_row_per_variant",
     "mpirun -np 4 python -m ringnet.bench comm": bench_comm,
+    "mpirun -np 2 python -m ringnet.bench comm --algos native,auto,floor --sizes 8,1K,8K,64K,1M --iters 200": bench_comm_floor,
     "python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc --model cifar10_quick":
         bench_scaling,
     "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master,split-fc --model cifar10_quick "
