@@ -543,16 +543,57 @@ def test_contention_is_measured_with_the_model_s_own_step():
     assert pm.make_system("pcie3", _system().compute, 8).contention(4, "lenet") == 1.0
 
 
-def test_compute_profile_keeps_one_model_per_batch(monkeypatch):
-    # training never changes its batch, so its layers keep their buffers: the profile times
-    # each batch size on its own model instance (the sizes still alternate pass by pass)
+def test_step_split_telescopes_to_the_step():
+    # hook marks after each layer (3 layers), the loss's end, and the strategy's spans:
+    # the layer times, the rest and the update add up to the step span
+    marks = [("forward", 0, 1.0), ("forward", 1, 1.5), ("forward", 2, 2.5), ("loss", -1, 2.75),
+             ("backward", 2, 3.0), ("backward", 1, 4.0), ("backward", 0, 6.0)]
+    spans = {"step": (0.5, 7.0), "compute": (0.75, 5.5), "update": (6.5, 0.5)}
+    forward, backward, rest, update = pm._split_step(3, marks, spans)
+    assert forward == [0.25, 0.5, 1.0] and backward == [2.0, 1.0, 0.25]
+    assert rest == pytest.approx(0.25 + 0.25 + 1.0) and update == 0.5
+    assert sum(forward) + sum(backward) + rest + update == pytest.approx(spans["step"][1])
+
+
+def test_compute_profile_is_the_training_step_s(tmp_path):
+    # the profile (layers timed inside single-mode training steps) against a training run
+    # timed on its own: python -m ringnet.train's median step, before and after the profile
+    def train_step_ms():
+        proc = subprocess.run([sys.executable, "-m", "ringnet.train", "--model", "lenet",
+                               "--dataset", "synthetic", "--mode", "single", "--batch-size", "32",
+                               "--steps", "25", "--json", "--quiet", "--no-progress", "--no-eval"],
+                              capture_output=True, text=True, env=dict(ENV, OMP_NUM_THREADS="1",
+                                                                         RINGNET_BLAS_THREADS="1"),
+                              timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])["step_ms"]
+    before = train_step_ms()
+    compute = pm.measure_compute(("lenet",), batches=(16, 32), rounds=3, steps=5)
+    after = train_step_ms()
+    assert compute.method == pm.TRAINING_STEPS and set(compute.steps_ms["lenet"]) == {16, 32}
+    system = pm.make_system("pcie3", compute, 1)
+    predicted = pm.predict(system, build_model("lenet"), "single", 0, 1, 32).step_s * 1e3
+    measured = sorted((before, after))
+    # generous (a shared machine's load moves between the runs): 25% outside the two runs
+    assert 0.75 * measured[0] < predicted < 1.25 * measured[1], (predicted, measured)
+    # the profile's total at a batch it timed is the steps it timed in (the marks telescope)
+    assert predicted == pytest.approx(compute.steps_ms["lenet"][32], rel=0.15)
+    # which profile it is travels with it
+    back = pm.compute_from_json(json.loads(json.dumps(compute.to_json())))
+    assert back.method == pm.TRAINING_STEPS and back.steps_ms == compute.steps_ms
+    assert pm.profile_method({"device": "cpu"}) == pm.ISOLATED_LAYERS
+
+
+def test_isolated_profile_keeps_one_model_per_batch(monkeypatch):
+    # training never changes its batch, so its layers keep their buffers: the isolated
+    # profile times each batch size on its own model instance (sizes alternate pass by pass)
     seen = []
 
     def fake(model, x, iters):
         seen.append((len(x), id(model)))
         return [(name, 1.0, 1.0) for name, _ in model.layers]
     monkeypatch.setattr(pm, "layer_times", fake)
-    pm.measure_compute(("lenet",), batches=(2, 4), iters=3)
+    pm.isolated_compute(("lenet",), batches=(2, 4), iters=3)
     assert [b for b, _ in seen] == [2, 4] * 3
     models = {b: {m for bb, m in seen if bb == b} for b in (2, 4)}
     assert len(models[2]) == len(models[4]) == 1 and models[2] != models[4]
