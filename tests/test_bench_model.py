@@ -918,6 +918,39 @@ def test_a_record_is_predicted_as_the_code_it_measured_ran():
         assert pm.code_facts() == driven
 
 
+def test_delay1_boundary_passes_are_charged_on_the_training_thread():
+    # one pass of the in-step update per parameter = 1 ns: the look-ahead's boundary makes 4
+    # passes over the gradient region, the plain recurrence 2, delay 0 and single none
+    lenet = build_model("lenet")
+    system = _system(update=pm.SGD_PASSES * 1e-9)
+    pass_s = lenet.num_params * 1e-9
+
+    def at(compensation, mode="ring", delay=1, n=2):
+        with pm.facts(dict(pm.code_facts(), delay_compensation=compensation)):
+            return pm.predict(system, lenet, mode, delay, n, 64)
+    for n in (1, 2, 4):
+        plain, look = at("none", n=n), at("lookahead", n=n)
+        assert look.step_s - plain.step_s == pytest.approx(2 * pass_s, rel=1e-9)
+        assert look.update_s - plain.update_s == pytest.approx(2 * pass_s, rel=1e-9)
+        assert look.exposed_s == pytest.approx(plain.exposed_s, abs=1e-12)
+    no_passes = dict(pm.BOUNDARY_PASSES, none=0)
+    with pm.facts(dict(pm.code_facts(), delay_compensation="none")):
+        plain = pm.predict(system, lenet, "ring", 1, 2, 64)
+        original = pm.BOUNDARY_PASSES
+        pm.BOUNDARY_PASSES = no_passes
+        try:
+            bare = pm.predict(system, lenet, "ring", 1, 2, 64)
+        finally:
+            pm.BOUNDARY_PASSES = original
+    assert plain.step_s - bare.step_s == pytest.approx(2 * pass_s, rel=1e-9)
+    assert at("none", "ring", 0) == at("lookahead", "ring", 0)
+    assert at("none", "single", 0, 1) == at("lookahead", "single", 0, 1)
+    # the code's default compensation is what the model assumes for the code running now
+    from ringnet.config import TrainConfig
+    assert pm.code_facts()["delay_compensation"] == \
+        TrainConfig(model="lenet", mode="ring", delay=1).resolved(2).delay_compensation
+
+
 def test_markdown_tables_have_a_row_per_configuration():
     from ringnet.bench.tables import parse_markdown
     rows = [{"model": "lenet", "mode": mode, "delay": d, "np": n, "predicted_ms": 11.0,

@@ -785,8 +785,14 @@ def code_facts():
         size = bucket_bytes()
     except ImportError:
         size = 0
+    try:
+        from ringnet.config import TrainConfig
+        compensation = TrainConfig(model="lenet", mode="ring", delay=1).resolved(2).delay_compensation
+    except Exception:                   # noqa: BLE001 - a config that cannot say: the plain one
+        compensation = "none"
     return {"progress": progress, "bucket_bytes": size,
-            "rooted_concurrent": hasattr(RootedCommunicator, "_gather_sum")}
+            "rooted_concurrent": hasattr(RootedCommunicator, "_gather_sum"),
+            "delay_compensation": compensation}
 
 
 @contextlib.contextmanager
@@ -805,12 +811,30 @@ def facts(values):
 OLD_FACTS = {"progress": "poll", "bucket_bytes": 0, "rooted_concurrent": False}
 
 
+# Element-wise passes over the region at the delay-1 step boundary, on the training thread
+# (DelayedUpdate.gradients_ready): "none" puts the exchanged weights in front
+# (params[...] = back) and copies the gradient out (sent[...] = grads); "lookahead" computes
+# params = (1 + c) back - c base in three passes (multiply, base *= c, params -= base) and
+# copies the gradient out.
+BOUNDARY_PASSES = {"none": 2, "lookahead": 4}
+# Element-wise passes of one CPU SGD step with momentum and weight decay (optim.SGD.step):
+# the profile's update cost per parameter, over this, is one pass over cold arrays.
+SGD_PASSES = 6
+
+
+def boundary_s(compute, elems, compensation):
+    """Seconds of the delay-1 step boundary's element-wise work on ``elems`` parameters: its
+    passes (``BOUNDARY_PASSES``) at the cost of one pass of the in-step update."""
+    return BOUNDARY_PASSES.get(compensation, 2) * elems * compute.update_s_per_param / SGD_PASSES
+
+
 def _describe_facts(values):
     buckets_text = (f"delay-0 buckets of {values['bucket_bytes'] // 1024} KiB"
                     if values["bucket_bytes"] else "no delay-0 buckets")
     rooted = ("tree/master receive all senders at once, in pipeline pieces"
               if values["rooted_concurrent"] else "tree/master receive one sender at a time")
-    return f"CPU streams {values['progress']}, {buckets_text}, {rooted}"
+    return (f"CPU streams {values['progress']}, {buckets_text}, {rooted}, delay 1 with "
+            f"{values.get('delay_compensation', 'lookahead')} compensation")
 
 
 def _rooted_concurrent():
@@ -983,7 +1007,8 @@ def allreduce_rows(system, model, nps):
 
 @dataclasses.dataclass
 class Prediction:
-    """One predicted step: its parts in seconds and the bytes per rank."""
+    """One predicted step: its parts in seconds and the bytes per rank. ``update_s`` is the
+    weights' work: this rank's update and, at delay 1, the step boundary's passes."""
     step_s: float
     compute_s: float
     comm_s: float
@@ -1217,7 +1242,11 @@ def predict(system, model, mode, delay, n, batch):
     xmode = "ring" if mode in ("split-fc", "single") else mode
     whole = _exchange_items(system, model, xmode, n, region, (0, region), update_of(0, region))
     comm = sum(t for kind, t in whole if kind in ("msg", "copy", "peer"))
-    update = update_of(0, region) + fixed
+    # delay 1: the step boundary's element-wise passes over the region, on the training
+    # thread after it waited for the previous exchange and before it starts this one
+    boundary = (boundary_s(cp, region, code_facts().get("delay_compensation", "lookahead")) * slow
+                if delay and mode != "single" else 0.0)
+    update = update_of(0, region) + fixed + boundary
     ops = []
     if delay and n > 1:
         ops = [(0.0, whole)]
@@ -1230,6 +1259,7 @@ def predict(system, model, mode, delay, n, batch):
         compute += shift                # the stream's work the compute waited for on its core
     else:
         step = timeline.end + sum(t for _, t in whole)
+    step += boundary
     if n > 1:
         # ranks beyond the cores: the first wait for peers after the rank's own compute finds
         # some descheduled (measured once per step: the waits that follow in the same step
@@ -1390,7 +1420,7 @@ def _calibrate_worker(iters, models=(), batch=0):
             for _ in range(calls):
                 net.loss_and_grad(xb, yb)
         alone, all_ranks = [], []
-        for _ in range(iters):
+        for _ in range(DIRECT_SAMPLES * iters):
             idle_barrier()
             if rank == 0:
                 alone.append(_median_time(step, 1) / calls)
@@ -1465,7 +1495,7 @@ def _calibrate_worker(iters, models=(), batch=0):
             ring.reduce_scatter(small)
             ring.allgather(small)
     waits = {}
-    for _ in range(iters):
+    for _ in range(DIRECT_SAMPLES * iters):
         for count in LOADED_EXCHANGES:
             for kind in ("idle", "loaded"):
                 idle_barrier()
@@ -1488,6 +1518,9 @@ def _calibrate_worker(iters, models=(), batch=0):
 
 # exchanges in a row of the calibration's wait measurement (two counts: per wait, per message)
 LOADED_EXCHANGES = (1, 4)
+# the contention and the waits go into every step's prediction as measured (no fit smooths
+# them): they take this many times --iters samples, a median that one slow moment moves less
+DIRECT_SAMPLES = 2
 # a model's steps are timed back to back for at least this long (a few scheduler slices)
 STEPS_TIMED_S = 0.03
 
