@@ -345,29 +345,32 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
         if event.name in ("compute", "update", "step"):
             spans[event.name] = (event.start, event.duration)
     unsubscribe = stats.subscribe(listen)
+    # the training loop's errstate: overflow on random data is not warned about
     try:
-        for name in models:
-            runs = {batch: _training_steps(name, batch, dtype, seed) for batch in batches}
-            kept = {batch: [] for batch in batches}
-            for _ in range(rounds):
-                for batch, (model, step) in runs.items():
-                    for k in range(steps):
-                        spans.clear()
-                        marks = step()
-                        if k:
-                            kept[batch].append(_split_step(len(model.layers), marks, dict(spans))
-                                               + (spans["step"][1],))
-            model = runs[batches[0]][0]
-            med = {b: [float(np.median(col)) for col in
-                       zip(*[f + bw + [rest, upd, total] for f, bw, rest, upd, total in kept[b]])]
-                   for b in batches}
-            n = len(model.layers)
-            layers[name] = [(model.layers[i][0], _fit(batches, [med[b][i] for b in batches]),
-                             _fit(batches, [med[b][n + i] for b in batches]))
-                            for i in range(n)]
-            overhead[name] = _fit(batches, [med[b][2 * n] for b in batches])
-            updates.append((model.num_params, float(np.median([med[b][2 * n + 1] for b in batches]))))
-            steps_ms[name] = {b: 1e3 * med[b][2 * n + 2] for b in batches}
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            for name in models:
+                runs = {batch: _training_steps(name, batch, dtype, seed) for batch in batches}
+                kept = {batch: [] for batch in batches}
+                for _ in range(rounds):
+                    for batch, (model, step) in runs.items():
+                        for k in range(steps):
+                            spans.clear()
+                            marks = step()
+                            if k:
+                                kept[batch].append(_split_step(len(model.layers), marks,
+                                                               dict(spans)) + (spans["step"][1],))
+                model = runs[batches[0]][0]
+                med = {b: [float(np.median(col)) for col in
+                           zip(*[f + bw + [rest, upd, total] for f, bw, rest, upd, total in kept[b]])]
+                       for b in batches}
+                n = len(model.layers)
+                layers[name] = [(model.layers[i][0], _fit(batches, [med[b][i] for b in batches]),
+                                 _fit(batches, [med[b][n + i] for b in batches]))
+                                for i in range(n)]
+                overhead[name] = _fit(batches, [med[b][2 * n] for b in batches])
+                updates.append((model.num_params,
+                                float(np.median([med[b][2 * n + 1] for b in batches]))))
+                steps_ms[name] = {b: 1e3 * med[b][2 * n + 2] for b in batches}
     finally:
         unsubscribe()
     # update per call and the add: one large and one small call timed alone
