@@ -556,8 +556,9 @@ def test_step_split_telescopes_to_the_step():
 
 
 def test_compute_profile_is_the_training_step_s(tmp_path):
-    # the profile (layers timed inside single-mode training steps) against a training run
-    # timed on its own: python -m ringnet.train's median step, before and after the profile
+    # the profile (layers timed inside single-mode training steps, measured by the command
+    # as a user runs it: one BLAS thread) against a training run timed on its own:
+    # python -m ringnet.train's median step, before and after the profile
     def train_step_ms():
         proc = subprocess.run([sys.executable, "-m", "ringnet.train", "--model", "lenet",
                                "--dataset", "synthetic", "--mode", "single", "--batch-size", "32",
@@ -567,20 +568,21 @@ def test_compute_profile_is_the_training_step_s(tmp_path):
                               timeout=300, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout.strip().splitlines()[-1])["step_ms"]
+    path = tmp_path / "here.json"
     before = train_step_ms()
-    compute = pm.measure_compute(("lenet",), batches=(16, 32), rounds=3, steps=5)
+    proc = _cli("--compute", "here", "--models", "lenet", "--profile", "pcie3", "--np", "1",
+                "--paper-compute", "k40", "--save-compute", str(path), "--json")
     after = train_step_ms()
-    assert compute.method == pm.TRAINING_STEPS and set(compute.steps_ms["lenet"]) == {16, 32}
+    assert proc.returncode == 0, proc.stderr
+    compute = pm.load_compute(str(path))
+    assert compute.method == pm.TRAINING_STEPS and set(compute.steps_ms["lenet"]) == {16, 32, 64}
     system = pm.make_system("pcie3", compute, 1)
     predicted = pm.predict(system, build_model("lenet"), "single", 0, 1, 32).step_s * 1e3
     measured = sorted((before, after))
     # generous (a shared machine's load moves between the runs): 25% outside the two runs
     assert 0.75 * measured[0] < predicted < 1.25 * measured[1], (predicted, measured)
-    # the profile's total at a batch it timed is the steps it timed in (the marks telescope)
+    # the profile's total at a batch it timed is the median step it timed there
     assert predicted == pytest.approx(compute.steps_ms["lenet"][32], rel=0.15)
-    # which profile it is travels with it
-    back = pm.compute_from_json(json.loads(json.dumps(compute.to_json())))
-    assert back.method == pm.TRAINING_STEPS and back.steps_ms == compute.steps_ms
     assert pm.profile_method({"device": "cpu"}) == pm.ISOLATED_LAYERS
 
 
@@ -653,8 +655,11 @@ def test_predictions_are_consistent(name):
     for (profile, mode, delay, n), r in rows.items():
         if profile == "nvlink4/ib-hdr":      # faster links never predict a slower step
             assert r["step_ms"] <= rows[("pcie3/eth-10g", mode, delay, n)]["step_ms"] * (1 + 1e-12)
-        if mode == "ring" and delay == 1:    # overlap never loses on a GPU
-            assert r["step_ms"] <= rows[(profile, "ring", 0, n)]["step_ms"] * (1 + 1e-12)
+        if mode == "ring" and delay == 1:    # overlap never loses on a GPU (but for the
+            # step boundary's element-wise passes over the weights, which delay 0 does not make)
+            boundary_ms = 1e3 * pm.boundary_s(compute, model.num_params,
+                                              pm.code_facts()["delay_compensation"])
+            assert r["step_ms"] <= (rows[(profile, "ring", 0, n)]["step_ms"] + boundary_ms) * (1 + 1e-12)
     for profile in ("pcie3/eth-10g", "nvlink4/ib-hdr"):
         master = [rows[(profile, "master", 0, n)]["step_ms"] for n in nps if n > 1]
         assert master == sorted(master) and len(set(master)) == len(master)

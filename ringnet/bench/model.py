@@ -332,7 +332,8 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
     another model's block, is not kept), the batch sizes taking turns ``rounds`` times so
     that a change of the machine's load hits them alike. A layer's time is the interval
     between the model's ``layer_hook`` calls, so the layers, the rest of the step (loss,
-    the strategy's glue) and the update add up to the step. The update's cost per
+    the strategy's glue) and the update add up to the step; their medians over the steps
+    are scaled to add up to the median step. The update's cost per
     parameter comes from these steps' updates (every parameter, after the backward),
     its cost per call and the reduction's add from small and large calls timed alone.
     """
@@ -360,10 +361,16 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
                                 kept[batch].append(_split_step(len(model.layers), marks,
                                                                dict(spans)) + (spans["step"][1],))
                 model = runs[batches[0]][0]
-                med = {b: [float(np.median(col)) for col in
-                           zip(*[f + bw + [rest, upd, total] for f, bw, rest, upd, total in kept[b]])]
-                       for b in batches}
                 n = len(model.layers)
+                med = {}
+                for b in batches:
+                    # per part the median over the steps; scaled so that the parts add up to
+                    # the median step (on a loaded machine each step loses its core in a few
+                    # layers, and medians part by part would leave that out of the total)
+                    cols = [float(np.median(col)) for col in
+                            zip(*[f + bw + [rest, upd] for f, bw, rest, upd, _ in kept[b]])]
+                    total = float(np.median([t for *_, t in kept[b]]))
+                    med[b] = [c * total / max(sum(cols), 1e-12) for c in cols] + [total]
                 layers[name] = [(model.layers[i][0], _fit(batches, [med[b][i] for b in batches]),
                                  _fit(batches, [med[b][n + i] for b in batches]))
                                 for i in range(n)]
