@@ -323,6 +323,17 @@ def _split_step(n_layers, marks, spans):
     return forward, backward, rest, ud
 
 
+def _step_medians(rows):
+    """[(forward list, backward list, rest, update, step)] of several steps -> the parts'
+    medians (forward..., backward..., rest, update) scaled to add up to the median step,
+    then the median step. On a loaded machine each step loses its core in a few of its
+    parts; medians part by part would leave that out of the total."""
+    cols = [float(np.median(col))
+            for col in zip(*[f + bw + [rest, upd] for f, bw, rest, upd, _ in rows])]
+    total = float(np.median([row[-1] for row in rows]))
+    return [c * total / max(sum(cols), 1e-12) for c in cols] + [total]
+
+
 def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="float32", seed=0):
     """Time every layer inside real training steps here; fit the profile ``a + b * batch``.
 
@@ -362,15 +373,7 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
                                                                dict(spans)) + (spans["step"][1],))
                 model = runs[batches[0]][0]
                 n = len(model.layers)
-                med = {}
-                for b in batches:
-                    # per part the median over the steps; scaled so that the parts add up to
-                    # the median step (on a loaded machine each step loses its core in a few
-                    # layers, and medians part by part would leave that out of the total)
-                    cols = [float(np.median(col)) for col in
-                            zip(*[f + bw + [rest, upd] for f, bw, rest, upd, _ in kept[b]])]
-                    total = float(np.median([t for *_, t in kept[b]]))
-                    med[b] = [c * total / max(sum(cols), 1e-12) for c in cols] + [total]
+                med = {b: _step_medians(kept[b]) for b in batches}
                 layers[name] = [(model.layers[i][0], _fit(batches, [med[b][i] for b in batches]),
                                  _fit(batches, [med[b][n + i] for b in batches]))
                                 for i in range(n)]
