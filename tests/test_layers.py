@@ -584,3 +584,77 @@ def test_results_survive_later_calls(make):
     fresh = make()
     np.testing.assert_array_equal(fresh.forward(x2), y2)
     np.testing.assert_array_equal(fresh.backward(2 * dy), dx2)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(64, 3, 5, 4), (13, 2, 3, 3), (8, 1, 2, 2), (1, 4, 2, 3),
+                                   (20, 16)])
+def test_copy_samples_equals_a_plain_copy(shape, dtype):
+    # sample-chunked copies between batch-first and batch-last memory (and every other
+    # pairing of orders) write exactly what one whole copy writes
+    from ringnet.layers.base import TRANSPOSE_SAMPLES, copy_samples, empty_like_layout
+    assert 1 < TRANSPOSE_SAMPLES < 64
+    x = np.random.default_rng(40).normal(size=shape).astype(dtype)
+    flat = x.reshape(-1)
+    flat[:3] = [np.nan, -0.0, np.inf]
+    order = (1, 2, 3, 0) if len(shape) == 4 else (1, 0)
+    last = np.ascontiguousarray(x.transpose(order)).transpose(np.argsort(order))
+    for src in (x, last):
+        for like in (x, last):
+            dst = empty_like_layout(np, like, shape)
+            out = copy_samples(np, dst, src)
+            assert out is dst
+            assert np.ascontiguousarray(dst).tobytes() == x.tobytes()
+
+
+def test_batch_last_and_flatten_backward_keep_values_and_layouts():
+    from ringnet.layers.base import batch_last as to_batch_last
+    rng = np.random.default_rng(41)
+    x = rng.normal(size=(24, 4, 4, 4)).astype(np.float32)       # 256-byte samples
+    got = to_batch_last(np, x)
+    assert got.flags.c_contiguous and got.shape == (4, 4, 4, 24)
+    np.testing.assert_array_equal(got, x.transpose(1, 2, 3, 0))
+    assert to_batch_last(np, batch_last(x)).base is not None    # already batch-last: a view
+    for xin in (x, batch_last(x)):
+        layer = Flatten()
+        layer.forward(xin)
+        dy = rng.normal(size=(24, 64)).astype(np.float32)
+        dx = layer.backward(dy)
+        assert dx.strides == xin.strides
+        np.testing.assert_array_equal(dx, dy.reshape(x.shape))
+
+
+def test_conv_reused_layer_follows_a_changed_block_size(monkeypatch):
+    # The im2col views are kept per (buffer, blocks); a new block budget must rebuild them.
+    from ringnet.layers import conv
+    rng = np.random.default_rng(42)
+    x = rng.normal(size=(5, 3, 7, 6))
+    layer = Conv2d(3, 4, 3, stride=1, padding=1)
+    bound(layer, (3, 7, 6), seed=43)
+    runs = []
+    for block_bytes in (5000, 1 << 30, 700, 1 << 30):
+        monkeypatch.setattr(conv, "CPU_BLOCK_BYTES", block_bytes)
+        fresh = Conv2d(3, 4, 3, stride=1, padding=1)
+        params, _ = bound(fresh, (3, 7, 6), seed=43)
+        for lay in (layer, fresh):
+            y = lay.forward(x)
+            dy = np.cos(np.arange(y.size)).reshape(y.shape)
+            runs.append((y, lay.backward(dy), lay.grads["weight"].copy()))
+        for a, b in zip(runs[-2], runs[-1]):
+            np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
+    np.testing.assert_array_equal(runs[2][0], runs[-1][0])   # same budget, same y
+
+
+def test_pool_reused_layer_follows_input_sizes():
+    # tap plans are kept per input size: alternating sizes give a fresh layer's results
+    rng = np.random.default_rng(44)
+    for make in (lambda: MaxPool2d(3, 2, 1), lambda: AvgPool2d(3, 2)):
+        layer = make()
+        for h, w in [(9, 9), (6, 7), (9, 9), (11, 4)]:
+            x = batch_last(rng.normal(size=(3, 2, h, w)))
+            y = layer.forward(x)
+            dy = rng.normal(size=y.shape)
+            dx = layer.backward(dy)
+            fresh = make()
+            np.testing.assert_array_equal(fresh.forward(x), y)
+            np.testing.assert_array_equal(fresh.backward(dy), dx)
