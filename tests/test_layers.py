@@ -587,11 +587,12 @@ def test_results_survive_later_calls(make):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("shape", [(64, 3, 5, 4), (13, 2, 3, 3), (8, 1, 2, 2), (1, 4, 2, 3),
-                                   (20, 16)])
+@pytest.mark.parametrize("shape", [(64, 3, 5, 4), (64, 1, 32, 32), (13, 4, 16, 16), (8, 1, 2, 2),
+                                   (1, 4, 2, 3), (20, 16), (40, 1024)])
 def test_copy_samples_equals_a_plain_copy(shape, dtype):
-    # sample-chunked copies between batch-first and batch-last memory (and every other
-    # pairing of orders) write exactly what one whole copy writes
+    # sample-chunked copies between batch-first and batch-last memory (samples 4 KiB or more
+    # apart: (64, 1, 32, 32), (13, 4, 16, 16), (40, 1024)), and every other pairing of orders
+    # and sizes, write exactly what one whole copy writes
     from ringnet.layers.base import TRANSPOSE_SAMPLES, copy_samples, empty_like_layout
     assert 1 < TRANSPOSE_SAMPLES < 64
     x = np.random.default_rng(40).normal(size=shape).astype(dtype)
