@@ -659,3 +659,35 @@ def test_pool_reused_layer_follows_input_sizes():
             fresh = make()
             np.testing.assert_array_equal(fresh.forward(x), y)
             np.testing.assert_array_equal(fresh.backward(dy), dx)
+
+
+@pytest.mark.parametrize("block_bytes", [8, 2000, 1 << 30])
+@pytest.mark.parametrize("case", [(3, 2, 12, 12, 5, 5, 1, 0), (2, 3, 9, 9, 4, 3, 2, 1),
+                                  (2, 2, 11, 11, 3, 2, 2, 0), (3, 2, 8, 8, 3, 3, 1, 3)])
+def test_col2im_adds_in_block_row_tap_column_tap_order(monkeypatch, block_bytes, case):
+    # dx of the col2im path is bit-for-bit a sum, per block of output positions, over row
+    # taps i then column taps j (the order the GPU kernel's emulation is checked against
+    # with one block); a faster grouping of the adds must not reorder any element's terms.
+    from ringnet.layers import conv
+    monkeypatch.setattr(conv, "CPU_BLOCK_BYTES", block_bytes)
+    b, c, h, w, o, k, s, p = case
+    layer = Conv2d(c, o, k, stride=s, padding=p)
+    params, _ = bound(layer, (c, h, w), seed=45)
+    x = np.random.default_rng(46).normal(size=(b, c, h, w))
+    y = layer.forward(x)
+    dy = batch_last(np.random.default_rng(47).normal(size=y.shape))
+    dx = layer.backward(dy)
+    assert "cols-dx" not in layer._buffers                      # the col2im branch ran
+    _, _, ho, wo = y.shape
+    dy2 = np.ascontiguousarray(dy.transpose(1, 2, 3, 0)).reshape(o, -1)
+    weight_t = params["weight"].reshape(o, -1).T
+    want = np.zeros((c, h + 2 * p, w + 2 * p, b))
+    for r0, r1, w0, w1 in conv.column_blocks(np, ho, wo, b, c * k * k, 8):
+        cols = conv._block_columns((r0, r1, w0, w1), wo, b)
+        dcols = (weight_t @ dy2[:, cols]).reshape(c, k, k, r1 - r0, w1 - w0, b)
+        for i in range(k):
+            for j in range(k):
+                want[:, r0 * s + i:(r1 - 1) * s + i + 1:s,
+                     w0 * s + j:(w1 - 1) * s + j + 1:s] += dcols[:, i, j]
+    want = want[:, p:p + h, p:p + w].transpose(3, 0, 1, 2)
+    assert np.ascontiguousarray(dx).tobytes() == np.ascontiguousarray(want).tobytes()
