@@ -126,6 +126,88 @@ def test_the_lean_path_sums_as_the_transport_path(transport, algorithm, chunk_by
     assert identical
 
 
+# 8 B to 240 KB in float64: one element, odd counts, the band where auto cuts a message in
+# two around MPI's eager limit (1001 and 1500 elements: 8008 and 12000 B), its edges.
+SHORT_LENGTHS = [1, 3, N + 1, 991, 992, 1001, 1500, 2047, 2048, 30011]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("algorithm", ["rd", "direct", None])
+def test_the_short_path_sums_as_the_transport_path(transport, algorithm, dtype):
+    """auto's short path (a plan per size, looked up before anything else) against the
+    stream's generic path: same bits, same byte counts, exact integer sums, a plan used
+    wherever it applies (direct everywhere, rd on the ranks of its power-of-two core)."""
+    comm = AutoCommunicator(transport, algorithm=algorithm)
+    results = []
+    for length in SHORT_LENGTHS:
+        first, second = randoms(length, RANK, dtype), randoms(length, RANK + 7, dtype)
+        generic = [first.copy(), second.copy()]
+        exact = integers(length, RANK, dtype)
+        before = transport.bytes_sent, transport.bytes_recv
+        comm.allreduce(first)          # builds the plan
+        comm.allreduce(second)         # runs it from the front lookup
+        short_bytes = transport.bytes_sent - before[0], transport.bytes_recv - before[1]
+        planned = (first.nbytes in comm._lean.plans) if comm._lean is not None else None
+        comm.allreduce(exact)
+        stream = comm.new_stream()
+        before = transport.bytes_sent, transport.bytes_recv
+        for buf in generic:
+            comm.allreduce(buf, stream=stream).wait(timeout=120)
+        generic_bytes = transport.bytes_sent - before[0], transport.bytes_recv - before[1]
+        stream.close()
+        results.append((length, comm.last_algorithm, planned, first, second, generic, exact,
+                        short_bytes, generic_bytes, same_on_every_rank(second)))
+    for length, used, planned, first, second, generic, exact, short, slow, same in results:
+        where = f"{algorithm} {np.dtype(dtype)} length {length} rank {RANK}/{N}"
+        np.testing.assert_array_equal(exact, exact_sum(length, dtype), err_msg=where)
+        np.testing.assert_array_equal(first, generic[0], err_msg=where)
+        np.testing.assert_array_equal(second, generic[1], err_msg=where)
+        assert short == slow, where
+        assert same, where
+        if N > 1:
+            core = RANK >= 2 * (N - (1 << (N.bit_length() - 1)))
+            assert planned == (used == "direct" or (used == "rd" and core)), (where, used)
+
+
+@pytest.mark.skipif(N < 2, reason="needs a peer that does not answer")
+@pytest.mark.parametrize("length", [1, 2500])
+def test_the_short_path_keeps_the_transfer_deadline(length):
+    """A planned size (first call on every rank), then rank 0 alone: CommTimeoutError."""
+    transport = MpiTransport(WORLD, timeout_s=0.5)
+    error, comm = None, AutoCommunicator(transport)
+    try:
+        comm.allreduce(np.ones(length, np.float32))
+        planned = comm._lean.plans.get(4 * length) is not None
+        WORLD.Barrier()
+        if RANK == 0:
+            try:
+                comm.allreduce(np.ones(length, np.float32))
+            except CommTimeoutError as caught:
+                error = str(caught)
+        WORLD.Barrier()
+    finally:
+        transport.close()
+    if RANK == 0:
+        assert planned or comm.last_algorithm not in ("rd", "direct")
+        assert error is not None, f"{comm.last_algorithm}: no CommTimeoutError"
+        assert re.fullmatch(r"all-reduce (to|from) rank \d.* of [1-9]\d* bytes did not complete "
+                            r"within 0.5 s", error), error
+
+
+@pytest.mark.parametrize("length", [1, N + 1, 1001, 1500, 30011])
+def test_bench_floor_row_sums_exactly(length):
+    """bench comm's floor row (bare mpi4py): exact sums, same bits on every rank."""
+    from ringnet.bench.comm import Floor
+    floor = Floor(WORLD)
+    buf = integers(length, RANK)
+    floor.allreduce(buf)
+    again = randoms(length, RANK)
+    floor.allreduce(again)
+    identical = same_on_every_rank(again)
+    np.testing.assert_array_equal(buf, exact_sum(length))
+    assert identical
+
+
 @pytest.mark.skipif(N < 2, reason="needs a peer that does not answer")
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_the_lean_path_keeps_the_transfer_deadline(algorithm):

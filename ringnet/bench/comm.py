@@ -4,7 +4,12 @@ Each row's ``x native`` is the native MPI_Allreduce time over the algorithm's ti
 bus-bandwidth ratio: both move the same buffer). The ``auto`` row also names the algorithm
 it picked and says PASS or FAIL against its targets: at least TARGET_SMALL x native
 below TARGET_SWITCH bytes and TARGET_LARGE x from there up. ``direct``, ``rd`` and ``rhd``
-rows force one of auto's algorithms (to measure its cost model).
+rows force one of auto's algorithms (to measure its cost model). The ``floor`` row (not in
+the default set) times the least a Python all-reduce from point-to-point messages can cost:
+bare mpi4py, the algorithm auto uses for small messages (recursive doubling where N is a
+power of two, direct otherwise) with nothing else: no deadline, no byte counting, no
+checks; it waits as auto does (MPI_Testall polls, then yielding the core between polls). Where ``floor`` itself is below a target, that target is
+out of reach of any all-reduce built from Python point-to-point calls on this MPI.
 """
 import json
 import os
@@ -16,7 +21,8 @@ from mpi4py import MPI
 
 from ringnet.backend import cupy, to_numpy
 from ringnet.comm import COMMUNICATORS, create, make_transport
-from ringnet.comm.auto import ALGORITHMS as AUTO_ALGORITHMS, fit, thresholds
+from ringnet.comm.auto import ALGORITHMS as AUTO_ALGORITHMS, LEAN_SPINS, _eager_cuts, fit, \
+    thresholds
 from ringnet.config import transport_usage_error
 from ringnet.errors import ArgumentParser, TransportUnavailable, UsageError
 
@@ -24,6 +30,7 @@ __all__ = ["main", "parse_sizes", "bus_bandwidth", "repetitions", "target"]
 
 ALGOS = ("ring", "native", "tree", "master", "auto")
 FORCED = tuple(a for a in AUTO_ALGORITHMS if a != "ring")   # auto with its choice forced
+EXTRA = FORCED + ("floor",)                                 # rows only on request
 TARGET_SMALL, TARGET_LARGE, TARGET_SWITCH = 0.8, 1.0, 1 << 20
 # Small all-reduces are timed REPS_BYTES // size times back to back per sample (at most
 # MAX_REPS), as nccl-tests loops: one barrier per call would dominate a 10 us operation.
@@ -73,8 +80,9 @@ def _parser():
         description="Time all-reduce of ring/tree/master/auto communicators and the library's "
                     "own all-reduce, interleaved per iteration; run under mpirun.")
     parser.add_argument("--algos", default=",".join(ALGOS),
-                        help=f"comma list of {','.join(ALGOS)} (default: all), or "
-                             f"{','.join(FORCED)} (auto forced to that algorithm)")
+                        help=f"comma list of {','.join(ALGOS)} (default: all), "
+                             f"{','.join(FORCED)} (auto forced to that algorithm), or floor "
+                             "(bare mpi4py exchange: the least a Python all-reduce costs)")
     parser.add_argument("--sizes", default="8,1K,64K,1M,4M,16M,64M",
                         help="comma list of byte sizes (K/M/G suffixes) or MIN:MAX doubling "
                              "(default 8,1K,64K,1M,4M,16M,64M)")
@@ -98,6 +106,66 @@ def _parser():
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="rank 0 also draws bus bandwidth against size (.png; needs matplotlib)")
     return parser
+
+
+def _wait(requests):
+    testall = MPI.Request.Testall
+    for _ in range(LEAN_SPINS):
+        if testall(requests):
+            return
+    while not testall(requests):
+        os.sched_yield()
+
+
+class Floor:
+    """Bare mpi4py all-reduce of NumPy buffers: the lower bound of auto's small-message path.
+
+    Recursive doubling where N is a power of two, else every rank sends to every other and
+    sums in rank order (auto's ``direct``); messages cut as auto cuts them around MPI's
+    eager limit; waits by LEAN_SPINS MPI_Testall polls, then sched_yield between polls (a
+    busy loop starves ranks that share a core); no deadline, counters or checks.
+    """
+
+    def __init__(self, mpi_comm):
+        self.mpi = mpi_comm.Dup()
+        self.n, self.rank = self.mpi.Get_size(), self.mpi.Get_rank()
+        self.algorithm = "rd" if self.n & (self.n - 1) == 0 else "direct"
+        self.scratch = {}
+
+    def allreduce(self, buf):
+        n, r, mpi = self.n, self.rank, self.mpi
+        if n == 1:
+            return
+        key = (buf.dtype.char, buf.size)
+        if key not in self.scratch:
+            self.scratch[key] = np.empty((n - 1, buf.size), buf.dtype)
+        inbox = self.scratch[key]
+        cuts = _eager_cuts(buf.size, buf.itemsize)
+        if self.algorithm == "rd":
+            inc = inbox[0]
+            mask = 1
+            while mask < n:
+                peer = r ^ mask
+                requests = [mpi.Irecv([inc[a:b], MPI.BYTE], peer, 0) for a, b in cuts]
+                requests += [mpi.Isend([buf[a:b], MPI.BYTE], peer, 0) for a, b in cuts]
+                _wait(requests)
+                np.add(buf, inc, buf)
+                mask <<= 1
+            return
+        requests = []
+        for k in range(1, n):
+            requests += [mpi.Irecv([inbox[k - 1, a:b], MPI.BYTE], (r - k) % n, 0) for a, b in cuts]
+            requests += [mpi.Isend([buf[a:b], MPI.BYTE], (r + k) % n, 0) for a, b in cuts]
+        _wait(requests)
+
+        def part(rank):
+            return buf if rank == r else inbox[(r - rank) % n - 1]
+        total = buf if r <= 1 else self.scratch.setdefault(key + (1,), np.empty_like(buf))
+        np.add(part(0), part(1), total)
+        for rank in range(2, n):
+            np.add(total, part(rank), total)
+        if total is not buf:
+            buf[...] = total
 
 
 def _call(comms, transport, algo, buf):
@@ -150,10 +218,10 @@ def _run_size(comms, transport, algos, xp, dtype, count, iters, warmup):
 def main(argv=None):
     args = _parser().parse_args(argv)
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    unknown = [a for a in algos if a not in ALGOS + FORCED]
+    unknown = [a for a in algos if a not in ALGOS + EXTRA]
     if unknown or not algos:
         raise UsageError(f"unknown algo(s) {unknown or args.algos!r}: choose from "
-                         f"{', '.join(ALGOS + FORCED)}")
+                         f"{', '.join(ALGOS + EXTRA)}")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
     sizes = parse_sizes(args.sizes)
@@ -176,6 +244,10 @@ def main(argv=None):
     comms = {a: create(a, transport=transport, **chunks) for a in algos if a in COMMUNICATORS}
     comms.update({a: create("auto", transport=transport, algorithm=a, **chunks)
                   for a in algos if a in FORCED})
+    if "floor" in algos:
+        if xp is not np:
+            raise UsageError("the floor row times NumPy buffers over MPI: use --transport mpi")
+        comms["floor"] = Floor(transport.mpi_comm)
     n, rows = transport.size, []
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
@@ -190,6 +262,8 @@ def main(argv=None):
                    "vs_native": None, "target": None, "passed": None}
             if algo == "auto":
                 row["picked"] = comms[algo].choose(count * dtype.itemsize)
+            if algo == "floor":
+                row["picked"] = comms[algo].algorithm
             if native is not None and algo != "native":
                 row["vs_native"] = native / seconds
                 if algo == "auto":

@@ -43,6 +43,16 @@ communicators. Both paths add in the same order and count the same bytes (tested
 lean ``rhd`` and ``ring`` fuse their last reduce step with the first gather step, and
 ``chunk_bytes`` cuts their steps into pipelined pieces (none by default: see :func:`_cut`).
 
+**The short path.** ``rd`` (on the ranks of its power-of-two core) and ``direct`` in whole
+steps keep a plan per byte count: scratch views and their MPI buffer specs, made once.
+``allreduce`` looks the plan up before any other check, so a small all-reduce costs about
+the bare mpi4py calls (Irecv, Isend, a first MPI_Testall, ``numpy.add``) plus ~0.5 us; a
+wait that the first test does not finish goes through the same spin and deadline wait.
+Messages of 8-16 KB go as two halves (:data:`EAGER_SPLIT`: under MPICH's shared-memory
+eager limit); the generic ``rd`` step cuts them alike, so ranks on either path pair up.
+``python -m ringnet.bench comm --algos native,auto,floor`` times a bare mpi4py exchange
+beside auto: the least a Python all-reduce from point-to-point calls can cost.
+
 Every algorithm leaves bit-identical results on all ranks: ``direct`` sums in rank order
 everywhere; in ``rd`` and ``rhd`` both partners of an exchange compute ``x + y`` (float
 addition is commutative) or one rank sums an element and the others copy it.
@@ -52,9 +62,11 @@ from typing import Any, Optional
 import numpy as np
 from mpi4py import MPI
 
+from ringnet import trace
+from ringnet.comm import stream as _stream
 from ringnet.comm.base import Array, CommunicatorBase, _DTYPES
 from ringnet.comm.ring import RingCommunicator
-from ringnet.comm.stream import CpuStream, Handle, current_tag
+from ringnet.comm.stream import CpuStream, Handle
 from ringnet.shards import shard_bounds
 
 __all__ = ["AutoCommunicator", "ALGORITHMS", "terms", "cost", "fit", "choose", "thresholds"]
@@ -180,11 +192,25 @@ class AutoCommunicator(CommunicatorBase):
         Returns None, or a Handle when queued on ``stream``.
         """
         lean = self._lean
-        if lean is not None and stream is None and type(buf) is np.ndarray and not current_tag() \
-                and buf.ndim == 1 and buf.flags.c_contiguous and buf.dtype.type in _DTYPES \
-                and (op == "sum" or (op == "mean" and buf.dtype.kind == "f")):
-            algorithm = self.last_algorithm = self.choose(buf.nbytes)
-            if buf.size:
+        if lean is not None and stream is None and type(buf) is np.ndarray:
+            plan = lean.plans.get(buf.nbytes)     # the short path: a plan for this size
+            if plan is not None and plan[0] is buf.dtype and op == "sum" and buf.ndim == 1 \
+                    and buf.flags.c_contiguous and not trace._active \
+                    and not _stream._local.__dict__.get("tag"):
+                self.last_algorithm = plan[1]
+                plan[2](buf, plan)
+                return None
+        # The checks of the lean path, cheapest first; a stream thread's tag lives in the
+        # stream module's thread-local (a plain dict lookup: getattr with a default costs
+        # ~0.4 us when the attribute is missing, a fifth of a whole small all-reduce).
+        if lean is not None and stream is None and type(buf) is np.ndarray and buf.ndim == 1 \
+                and buf.flags.c_contiguous and not _stream._local.__dict__.get("tag") \
+                and (op == "sum" or (op == "mean" and buf.dtype.kind == "f")) \
+                and buf.dtype.type in _DTYPES:
+            nbytes = buf.nbytes
+            algorithm = self.algorithm or self._choices.get(nbytes) or self.choose(nbytes)
+            self.last_algorithm = algorithm
+            if nbytes:
                 lean.run(buf, algorithm)
                 if op == "mean":
                     np.divide(buf, buf.dtype.type(self.size), out=buf)
@@ -307,6 +333,21 @@ def _cut(length, itemsize, piece_bytes=None):
     return [(a, min(a + step, length)) for a in range(0, length, step)] or [(0, 0)]
 
 
+# MPICH's shared-memory eager limit is near 8 KB: one message of 8-16 KB is measured slower
+# than two of half its size (0.6-0.8x against 1.0-1.2x native at N = 2, MPICH 5.0), while
+# below it one message wins and from 16 KB a single large transfer does.
+EAGER_SPLIT = (7936, 16384)
+
+
+def _eager_cuts(length, itemsize):
+    """Element ranges a short-path message is sent in: two halves for byte counts in
+    the band ``EAGER_SPLIT`` (above the eager limit, below large transfers), else whole."""
+    if EAGER_SPLIT[0] < length * itemsize < EAGER_SPLIT[1] and length > 1:
+        half = length // 2
+        return [(0, half), (half, length)]
+    return [(0, length)]
+
+
 class _Lean:
     """auto's algorithms straight on mpi4py: Irecv/Isend on the caller's buffer views,
     numpy ufuncs with ``out=``, one preallocated scratch per dtype.
@@ -336,6 +377,10 @@ class _Lean:
             mask <<= 1
         self.right, self.left = (r + 1) % self.n, (r - 1) % self.n
         self.scratch = {}
+        self.plans = {}
+        self.irecv, self.isend = self.mpi.Irecv, self.mpi.Isend
+        # The short path needs no lock around MPI calls and whole (unpieced) steps.
+        self.quick = self.lock is None and self.piece_bytes is None
         self.sent = self.received = 0
         self.tag = 0            # off a stream only (see AutoCommunicator.allreduce)
         self.last = (None, None, None, None)
@@ -348,11 +393,14 @@ class _Lean:
         return space[:length]
 
     def run(self, buf, algorithm):
-        from ringnet import trace  # noqa: WPS433
-        self.sent = self.received = 0
-        if trace.active():      # tracing: the generic path, which records every transfer
+        if trace._active:       # tracing: the generic path, which records every transfer
             self.transport_path(buf, algorithm)
             return
+        plan = self.plan(buf, algorithm)
+        if plan is not None:    # whole steps, no MPI lock: rd and direct, planned per size
+            plan[2](buf, plan)
+            return
+        self.sent = self.received = 0
         try:
             if algorithm == "direct":
                 self.direct(buf)
@@ -365,6 +413,96 @@ class _Lean:
 
     def transport_path(self, buf, algorithm):
         self.auto._allreduce(buf, "sum", algorithm)
+
+    # -- the short path: rd (power-of-two N) and direct in whole steps --------------------
+    def plan(self, buf, algorithm):
+        """Return the short path's plan for ``buf``'s byte count, or None where it does not
+        apply: (dtype, algorithm, function, pieces, scratch views with their MPI specs).
+
+        Plans are cached per byte count (AutoCommunicator.allreduce looks them up before
+        any other check), at most 64 of them."""
+        if not self.quick:
+            return None
+        if algorithm == "rd" and self.role == "core":
+            function, slots = self.quick_doubling, 1
+        elif algorithm == "direct":
+            function, slots = self.quick_direct, self.n - 1
+        else:
+            return None
+        cuts = _eager_cuts(buf.size, buf.itemsize)
+        space = np.empty(slots * buf.size, buf.dtype)
+        views = [(part, [[part[a:b], MPI.BYTE] for a, b in cuts]) for part in np.split(space, slots)]
+        if len(self.plans) >= 64:               # many sizes seen: start over
+            self.plans.clear()
+        plan = self.plans[buf.nbytes] = (buf.dtype, algorithm, function, cuts, views)
+        return plan
+
+    def finish(self, requests, to, source, nbytes):
+        """Wait for ``requests`` after a first Testall failed: a short spin, then the
+        transport's wait (yields the core, progresses streams, keeps the deadline)."""
+        testall = MPI.Request.Testall
+        for _ in range(LEAN_SPINS):
+            if testall(requests):
+                return
+        self.transport._wait(requests, ("all-reduce", to, source, nbytes))
+
+    def quick_doubling(self, buf, plan):
+        """``doubling`` for a rank of the power-of-two core: per step one Irecv + Isend
+        (two of each in the band where MPI's eager limit cuts, see :func:`_eager_cuts`),
+        ``x + y`` added in place (the generic path's order)."""
+        _, _, _, cuts, ((inc, specs),) = plan
+        irecv, isend, testall, add = self.irecv, self.isend, MPI.Request.Testall, np.add
+        if len(cuts) == 1:
+            send, spec = [buf, MPI.BYTE], specs[0]
+            for partner in self.partners:
+                requests = [irecv(spec, partner, 0), isend(send, partner, 0)]
+                if not testall(requests):
+                    self.finish(requests, partner, partner, buf.nbytes)
+                add(buf, inc, buf)
+        else:
+            sends = [[buf[a:b], MPI.BYTE] for a, b in cuts]
+            for partner in self.partners:
+                requests = [irecv(spec, partner, 0) for spec in specs]
+                requests += [isend(send, partner, 0) for send in sends]
+                if not testall(requests):
+                    self.finish(requests, partner, partner, buf.nbytes)
+                add(buf, inc, buf)
+        moved = buf.nbytes * len(self.partners)
+        transport = self.transport
+        lock = transport._count_lock
+        lock.acquire()
+        transport.bytes_sent += moved
+        transport.bytes_recv += moved
+        lock.release()
+
+    def quick_direct(self, buf, plan):
+        """``direct`` on the plan's inbox: all N-1 pairs posted at once, one wait, the
+        sum in rank order as :meth:`direct`."""
+        _, _, _, cuts, inbox = plan
+        n, r, irecv, isend = self.n, self.rank, self.irecv, self.isend
+        sends = [[buf, MPI.BYTE]] if len(cuts) == 1 else [[buf[a:b], MPI.BYTE] for a, b in cuts]
+        requests = []
+        for k in range(1, n):       # from rank r - k into slot k - 1
+            source, to = (r - k) % n, (r + k) % n
+            requests += [irecv(spec, source, 0) for spec in inbox[k - 1][1]]
+            requests += [isend(send, to, 0) for send in sends]
+        if not MPI.Request.Testall(requests):
+            self.finish(requests, self.right, self.left, buf.nbytes)
+        moved = (n - 1) * buf.nbytes
+        self.transport._count(moved, moved)
+
+        def part(rank):
+            return buf if rank == r else inbox[(r - rank) % n - 1][0]
+        if r <= 1:                  # buf is one of the first two terms: sum straight into it
+            np.add(part(0), part(1), out=buf)
+            total = buf
+        else:
+            total = self._space(buf, buf.size, slot=1)
+            np.add(part(0), part(1), out=total)
+        for rank in range(2, n):
+            np.add(total, part(rank), out=total)
+        if total is not buf:
+            buf[...] = total
 
     # -- messages --------------------------------------------------------------------------
     def post(self, send, to, recv, source, requests):
@@ -401,13 +539,14 @@ class _Lean:
     def exchange(self, send, to, recv, source):
         self.wait(self.post(send, to, recv, source, []), to)
 
-    def exchange_add(self, send, peer, target, inc, to=None):
+    def exchange_add(self, send, peer, target, inc, to=None, pieces=None):
         """Send ``send`` to ``to`` (default ``peer``), receive as much as ``target`` from
         ``peer`` and add it into ``target`` (``x + y``: the same bits on both sides of a
         pair). Large steps go in pieces: piece j+1 is on the wire while piece j is added."""
         to = peer if to is None else to
         length = target.size
-        pieces = _cut(max(send.size, length), target.itemsize, self.piece_bytes)
+        if pieces is None:
+            pieces = _cut(max(send.size, length), target.itemsize, self.piece_bytes)
         pending = self.post(send[:pieces[0][1]], to, inc[:min(pieces[0][1], length)], peer, [])
         for j, (a, b) in enumerate(pieces):
             arriving = pending
@@ -437,8 +576,10 @@ class _Lean:
 
     def doubling(self, buf):
         inc = self._space(buf, buf.size)
+        # the partner may be on the short path (quick_doubling): cut the same messages
+        pieces = _eager_cuts(buf.size, buf.itemsize) if self.quick else None
         for partner in self.partners:
-            self.exchange_add(buf, partner, buf, inc)
+            self.exchange_add(buf, partner, buf, inc, pieces=pieces)
 
     def halving_doubling(self, buf):
         p, me = self.p, self.me
