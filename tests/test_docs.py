@@ -611,9 +611,9 @@ COMMANDS = {
     "python -m ringnet.bench model": "tests/test_bench_model.py::test_cli_json_has_the_documented_shape",
     "python -m ringnet.bench model --compute h100 --profile pcie5/ib-hdr --profile nvlink4/ib-hdr "
     "--plot docs/bench-model.png": "tests/test_bench_model.py::test_cli_plot_writes_a_png",
-    "python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 2 "
+    "python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 4 "
     "--validate-steps 20 --validation docs/bench-model-validation.json":
-        "about 3 minutes on a quiet machine; its model parts are tests/test_bench_model.py's",
+        "about 5 minutes on a quiet machine; its model parts are tests/test_bench_model.py's",
     "python -m ringnet.datasets convert mnist /usr/share/datasets/fashion-mnist --name fashion-mnist":
         FASHION,
     "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3":

@@ -584,3 +584,110 @@ def test_results_survive_later_calls(make):
     fresh = make()
     np.testing.assert_array_equal(fresh.forward(x2), y2)
     np.testing.assert_array_equal(fresh.backward(2 * dy), dx2)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(64, 3, 5, 4), (64, 1, 32, 32), (13, 4, 16, 16), (8, 1, 2, 2),
+                                   (1, 4, 2, 3), (20, 16), (40, 1024)])
+def test_copy_samples_equals_a_plain_copy(shape, dtype):
+    # sample-chunked copies between batch-first and batch-last memory (samples 4 KiB or more
+    # apart: (64, 1, 32, 32), (13, 4, 16, 16), (40, 1024)), and every other pairing of orders
+    # and sizes, write exactly what one whole copy writes
+    from ringnet.layers.base import TRANSPOSE_SAMPLES, copy_samples, empty_like_layout
+    assert 1 < TRANSPOSE_SAMPLES < 64
+    x = np.random.default_rng(40).normal(size=shape).astype(dtype)
+    flat = x.reshape(-1)
+    flat[:3] = [np.nan, -0.0, np.inf]
+    order = (1, 2, 3, 0) if len(shape) == 4 else (1, 0)
+    last = np.ascontiguousarray(x.transpose(order)).transpose(np.argsort(order))
+    for src in (x, last):
+        for like in (x, last):
+            dst = empty_like_layout(np, like, shape)
+            out = copy_samples(np, dst, src)
+            assert out is dst
+            assert np.ascontiguousarray(dst).tobytes() == x.tobytes()
+
+
+def test_batch_last_and_flatten_backward_keep_values_and_layouts():
+    from ringnet.layers.base import batch_last as to_batch_last
+    rng = np.random.default_rng(41)
+    x = rng.normal(size=(24, 4, 4, 4)).astype(np.float32)       # 256-byte samples
+    got = to_batch_last(np, x)
+    assert got.flags.c_contiguous and got.shape == (4, 4, 4, 24)
+    np.testing.assert_array_equal(got, x.transpose(1, 2, 3, 0))
+    assert to_batch_last(np, batch_last(x)).base is not None    # already batch-last: a view
+    for xin in (x, batch_last(x)):
+        layer = Flatten()
+        layer.forward(xin)
+        dy = rng.normal(size=(24, 64)).astype(np.float32)
+        dx = layer.backward(dy)
+        assert dx.strides == xin.strides
+        np.testing.assert_array_equal(dx, dy.reshape(x.shape))
+
+
+def test_conv_reused_layer_follows_a_changed_block_size(monkeypatch):
+    # The im2col views are kept per (buffer, blocks); a new block budget must rebuild them.
+    from ringnet.layers import conv
+    rng = np.random.default_rng(42)
+    x = rng.normal(size=(5, 3, 7, 6))
+    layer = Conv2d(3, 4, 3, stride=1, padding=1)
+    bound(layer, (3, 7, 6), seed=43)
+    runs = []
+    for block_bytes in (5000, 1 << 30, 700, 1 << 30):
+        monkeypatch.setattr(conv, "CPU_BLOCK_BYTES", block_bytes)
+        fresh = Conv2d(3, 4, 3, stride=1, padding=1)
+        params, _ = bound(fresh, (3, 7, 6), seed=43)
+        for lay in (layer, fresh):
+            y = lay.forward(x)
+            dy = np.cos(np.arange(y.size)).reshape(y.shape)
+            runs.append((y, lay.backward(dy), lay.grads["weight"].copy()))
+        for a, b in zip(runs[-2], runs[-1]):
+            np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
+    np.testing.assert_array_equal(runs[2][0], runs[-1][0])   # same budget, same y
+
+
+def test_pool_reused_layer_follows_input_sizes():
+    # tap plans are kept per input size: alternating sizes give a fresh layer's results
+    rng = np.random.default_rng(44)
+    for make in (lambda: MaxPool2d(3, 2, 1), lambda: AvgPool2d(3, 2)):
+        layer = make()
+        for h, w in [(9, 9), (6, 7), (9, 9), (11, 4)]:
+            x = batch_last(rng.normal(size=(3, 2, h, w)))
+            y = layer.forward(x)
+            dy = rng.normal(size=y.shape)
+            dx = layer.backward(dy)
+            fresh = make()
+            np.testing.assert_array_equal(fresh.forward(x), y)
+            np.testing.assert_array_equal(fresh.backward(dy), dx)
+
+
+@pytest.mark.parametrize("block_bytes", [8, 2000, 1 << 30])
+@pytest.mark.parametrize("case", [(3, 2, 12, 12, 5, 5, 1, 0), (2, 3, 9, 9, 4, 3, 2, 1),
+                                  (2, 2, 11, 11, 3, 2, 2, 0), (3, 2, 8, 8, 3, 3, 1, 3)])
+def test_col2im_adds_in_block_row_tap_column_tap_order(monkeypatch, block_bytes, case):
+    # dx of the col2im path is bit-for-bit a sum, per block of output positions, over row
+    # taps i then column taps j (the order the GPU kernel's emulation is checked against
+    # with one block); a faster grouping of the adds must not reorder any element's terms.
+    from ringnet.layers import conv
+    monkeypatch.setattr(conv, "CPU_BLOCK_BYTES", block_bytes)
+    b, c, h, w, o, k, s, p = case
+    layer = Conv2d(c, o, k, stride=s, padding=p)
+    params, _ = bound(layer, (c, h, w), seed=45)
+    x = np.random.default_rng(46).normal(size=(b, c, h, w))
+    y = layer.forward(x)
+    dy = batch_last(np.random.default_rng(47).normal(size=y.shape))
+    dx = layer.backward(dy)
+    assert "cols-dx" not in layer._buffers                      # the col2im branch ran
+    _, _, ho, wo = y.shape
+    dy2 = np.ascontiguousarray(dy.transpose(1, 2, 3, 0)).reshape(o, -1)
+    weight_t = params["weight"].reshape(o, -1).T
+    want = np.zeros((c, h + 2 * p, w + 2 * p, b))
+    for r0, r1, w0, w1 in conv.column_blocks(np, ho, wo, b, c * k * k, 8):
+        cols = conv._block_columns((r0, r1, w0, w1), wo, b)
+        dcols = (weight_t @ dy2[:, cols]).reshape(c, k, k, r1 - r0, w1 - w0, b)
+        for i in range(k):
+            for j in range(k):
+                want[:, r0 * s + i:(r1 - 1) * s + i + 1:s,
+                     w0 * s + j:(w1 - 1) * s + j + 1:s] += dcols[:, i, j]
+    want = want[:, p:p + h, p:p + w].transpose(3, 0, 1, 2)
+    assert np.ascontiguousarray(dx).tobytes() == np.ascontiguousarray(want).tobytes()

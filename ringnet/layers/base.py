@@ -4,7 +4,7 @@ import math
 import numpy as np
 
 __all__ = ["Layer", "init_array", "check_init", "empty_like_layout", "zeros_like_layout",
-           "as_channel_rows", "batch_last", "tap_ranges", "tap_slice", "as_pair", "window_geometry", "window_out_size", "window_repr"]
+           "as_channel_rows", "batch_last", "copy_samples", "tap_ranges", "tap_slice", "as_pair", "window_geometry", "window_out_size", "window_repr"]
 
 
 class Layer:
@@ -151,8 +151,39 @@ def zeros_like_layout(xp, x, shape, dtype=None):
     return out
 
 
+# Samples per copy when copying between batch-first and batch-last memory on the CPU.
+TRANSPOSE_SAMPLES = 8
+_PAGE, _WAYS = 4096, 8           # sets of a 4 KiB span, associativity: an L1 data cache's
+
+
+def copy_samples(xp, dst, src):
+    """Copy logical (B, ...) ``src`` into ``dst`` (same logical shape, any memory orders).
+
+    A copy between batch-first and batch-last memory reads (or writes) one element per
+    sample per innermost run. When samples lie a multiple of a large power of two bytes
+    apart (cifar10_quick: 12 KiB images, 4 KiB flatten rows), those elements all fall in
+    the same few cache sets and evict each other: there, on NumPy, the copy goes a few
+    samples at a time (4-5x faster, measured; with other sample sizes one copy is faster).
+    The copied values are the same either way.
+    """
+    b = src.shape[0]
+    if xp is np and b > TRANSPOSE_SAMPLES:
+        first = [abs(a.strides[0]) for a in (src, dst) if abs(a.strides[0]) != a.itemsize]
+        if len(first) == 1 and b * math.gcd(first[0], _PAGE) > _WAYS * _PAGE:
+            for i in range(0, b, TRANSPOSE_SAMPLES):
+                dst[i:i + TRANSPOSE_SAMPLES] = src[i:i + TRANSPOSE_SAMPLES]
+            return dst
+    dst[...] = src
+    return dst
+
+
 def batch_last(xp, x):
     """Return logical (B, C, H, W) ``x`` as a C-contiguous (C, H, W, B) array (a view if it is one)."""
+    if xp is np and not x.transpose(1, 2, 3, 0).flags.c_contiguous:
+        b, c, h, w = x.shape
+        out = np.empty((c, h, w, b), dtype=x.dtype)
+        copy_samples(np, out.transpose(3, 0, 1, 2), x)
+        return out
     return xp.ascontiguousarray(x.transpose(1, 2, 3, 0))
 
 

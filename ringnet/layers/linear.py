@@ -1,6 +1,6 @@
 """Linear (fully connected) and Flatten."""
 from ringnet.backend import get_array_module, is_gpu_array
-from ringnet.layers.base import Layer, check_init, empty_like_layout
+from ringnet.layers.base import Layer, check_init, copy_samples, empty_like_layout
 
 __all__ = ["Linear", "Flatten"]
 
@@ -75,5 +75,4 @@ class Flatten(Layer):
             return dy.reshape(self._x.shape)
         xp = get_array_module(dy)
         dx = empty_like_layout(xp, self._x, self._x.shape)       # (B, C, H, W)
-        dx[...] = dy.reshape(self._x.shape)
-        return dx
+        return copy_samples(xp, dx, dy.reshape(self._x.shape))

@@ -138,7 +138,15 @@ class _Pool2d(Layer):
     def _taps(self, h, w):
         """Return (Ho, Wo, taps, covered): taps are (t, out, plane) for in-bounds taps in
         row-major order, ``out`` indexing a column-major (Wo, Ho, C, B) array and ``plane``
-        the phase planes; ``covered`` says the first tap of every plane writes all of it."""
+        the phase planes; ``covered`` says the first tap of every plane writes all of it.
+        Made once per input size and geometry."""
+        key = (h, w, self.kernel_size, self.stride, self.padding)
+        cached = self.__dict__.setdefault("_tap_plans", {}).get(key)
+        if cached is None:
+            cached = self._tap_plans[key] = self._make_taps(h, w)
+        return cached
+
+    def _make_taps(self, h, w):
         _, ho, wo = self.output_shape((1, h, w))
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         rows, cols = tap_ranges(h, ho, kh, sh, ph), tap_ranges(w, wo, kw, sw, pw)
