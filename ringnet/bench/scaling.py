@@ -3,7 +3,9 @@
 Launches ``mpirun -np N python -m ringnet.train ... --json`` for every (mode, delay, N),
 one BLAS thread per rank, the same global batch at every N, repeated in interleaved
 rounds (every configuration once per round) so machine noise hits all of them alike;
-each row is the median over rounds. Speedup is over ``single`` at N=1.
+each row is the median over rounds, beside the spread of its rounds (slowest minus
+fastest over the median: a difference between rows smaller than that is noise).
+Speedup is over ``single`` at N=1.
 """
 import argparse
 import csv
@@ -193,12 +195,15 @@ def main(argv=None):
     base_ms = statistics.median(r["step_ms"] for r in runs[configs[0]])
     for (mode, delay, n), results in runs.items():
         step_ms = statistics.median(r["step_ms"] for r in results)
+        times = [r["step_ms"] for r in results]
         med = lambda key: statistics.median(r.get(key, 0) or 0 for r in results)  # noqa: E731
         speedup = base_ms / step_ms
         rows.append({
             "mode": mode, "delay": delay, "np": n, "step_ms": round(step_ms, 3),
             "images_per_sec": round(args.batch_size / step_ms * 1000, 1),
             "speedup": round(speedup, 3), "efficiency": round(speedup / n, 3),
+            # how far apart the rounds' step times are: a speedup gap smaller than this is noise
+            "spread": round((max(times) - min(times)) / step_ms, 3) if step_ms else None,
             "exposed_comm_ms": round(1000 * med("comm_wait_s") / max(1, results[0]["steps"]), 3),
             "overlap": round(med("overlap"), 3),
             "bytes_per_step": int(med("bytes_per_step")),
@@ -233,13 +238,15 @@ def main(argv=None):
         _print_to_accuracy(args, rows)
         return 0
     print(f"# model {args.model}, data {args.dataset}, global batch {args.batch_size}, "
-          f"{args.steps} steps, median of {args.repeats} interleaved rounds, 1 BLAS thread/rank")
-    header = (f"{'mode':>8} {'delay':>5} {'N':>3} {'step ms':>9} {'img/s':>8} {'speedup':>8} "
+          f"{args.steps} steps, median of {args.repeats} interleaved rounds, 1 BLAS thread/rank; "
+          f"spread = (slowest - fastest round) / median step")
+    header = (f"{'mode':>8} {'delay':>5} {'N':>3} {'step ms':>9} {'spread':>7} {'img/s':>8} {'speedup':>8} "
               f"{'effic.':>7} {'exposed comm ms':>16} {'overlap':>8} {'bytes/step':>12} "
               f"{'FC params/rank':>15}")
     print(header)
     for r in rows:
-        print(f"{r['mode']:>8} {r['delay']:>5} {r['np']:>3} {r['step_ms']:>9.2f} "
+        spread = f"{100 * r['spread']:.0f}%" if r["spread"] is not None else "-"
+        print(f"{r['mode']:>8} {r['delay']:>5} {r['np']:>3} {r['step_ms']:>9.2f} {spread:>7} "
               f"{r['images_per_sec']:>8.0f} {r['speedup']:>8.2f} {r['efficiency']:>7.2f} "
               f"{r['exposed_comm_ms']:>16.2f} {r['overlap']:>8.2f} {r['bytes_per_step']:>12,} "
               f"{r['fc_params_per_rank'] if r['fc_params_per_rank'] is not None else '-':>15}")
