@@ -169,6 +169,21 @@ def test_the_short_path_sums_as_the_transport_path(transport, algorithm, dtype):
             assert planned == (used == "direct" or (used == "rd" and core)), (where, used)
 
 
+def _timeout_message(comm, length):
+    """All-reduce ``length`` ones with ``comm`` (its peers absent): the CommTimeoutError's text, or None."""
+    try:
+        comm.allreduce(np.ones(length, np.float32))
+    except CommTimeoutError as caught:
+        return str(caught)
+    return None
+
+
+def _assert_deadline_message(error, algorithm):
+    assert error is not None, f"{algorithm}: no CommTimeoutError"
+    assert re.fullmatch(r"all-reduce (to|from) rank \d.* of [1-9]\d* bytes did not complete "
+                        r"within 0.5 s", error), error
+
+
 @pytest.mark.skipif(N < 2, reason="needs a peer that does not answer")
 @pytest.mark.parametrize("length", [1, 2500])
 def test_the_short_path_keeps_the_transfer_deadline(length):
@@ -180,18 +195,13 @@ def test_the_short_path_keeps_the_transfer_deadline(length):
         planned = comm._lean.plans.get(4 * length) is not None
         WORLD.Barrier()
         if RANK == 0:
-            try:
-                comm.allreduce(np.ones(length, np.float32))
-            except CommTimeoutError as caught:
-                error = str(caught)
+            error = _timeout_message(comm, length)
         WORLD.Barrier()
     finally:
         transport.close()
     if RANK == 0:
         assert planned or comm.last_algorithm not in ("rd", "direct")
-        assert error is not None, f"{comm.last_algorithm}: no CommTimeoutError"
-        assert re.fullmatch(r"all-reduce (to|from) rank \d.* of [1-9]\d* bytes did not complete "
-                            r"within 0.5 s", error), error
+        _assert_deadline_message(error, comm.last_algorithm)
 
 
 @pytest.mark.parametrize("length", [1, N + 1, 1001, 1500, 30011])
@@ -216,18 +226,12 @@ def test_the_lean_path_keeps_the_transfer_deadline(algorithm):
     error = None
     try:
         if RANK == 0:
-            comm = AutoCommunicator(transport, algorithm=algorithm)
-            try:
-                comm.allreduce(np.ones(1000, np.float32))
-            except CommTimeoutError as caught:
-                error = str(caught)
+            error = _timeout_message(AutoCommunicator(transport, algorithm=algorithm), 1000)
         WORLD.Barrier()
     finally:
         transport.close()
     if RANK == 0:
-        assert error is not None, f"{algorithm}: no CommTimeoutError"
-        assert re.fullmatch(r"all-reduce (to|from) rank \d.* of [1-9]\d* bytes did not complete "
-                            r"within 0.5 s", error), error
+        _assert_deadline_message(error, algorithm)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
