@@ -321,3 +321,23 @@ def test_rooted_pieces_of_one_element(transport, name, length):
     buf = integers(length, RANK)
     comm.allreduce(buf)
     np.testing.assert_array_equal(buf, exact_sum(length))
+
+
+@pytest.mark.skipif(N < 2, reason="one rank all-reduces without messages (no short path)")
+@pytest.mark.parametrize("algorithm", ["rd", "direct"])
+def test_a_planned_size_keeps_its_plan_when_the_short_path_is_passed_by(algorithm):
+    """op "mean" takes the checked path to a size that has a plan: the plan is reused (its
+    scratch is not made again) and the mean is exact."""
+    transport = MpiTransport(WORLD)
+    try:
+        comm = AutoCommunicator(transport, algorithm=algorithm)
+        buf = np.full(6, float(RANK), np.float32)
+        comm.allreduce(buf, op="mean")
+        first = comm._lean.plans.get(buf.nbytes)
+        buf = np.full(6, float(RANK), np.float32)
+        comm.allreduce(buf, op="mean")
+        again = comm._lean.plans.get(buf.nbytes)
+    finally:
+        transport.close()
+    np.testing.assert_array_equal(buf, np.float32(sum(range(N)) / N))
+    assert first is again
