@@ -8,8 +8,9 @@ rows force one of auto's algorithms (to measure its cost model). The ``floor`` r
 the default set) times the least a Python all-reduce from point-to-point messages can cost:
 bare mpi4py, the algorithm auto uses for small messages (recursive doubling where N is a
 power of two, direct otherwise) with nothing else: no deadline, no byte counting, no
-checks; it waits as auto does (MPI_Testall polls, then yielding the core between polls). Where ``floor`` itself is below a target, that target is
-out of reach of any all-reduce built from Python point-to-point calls on this MPI.
+checks; it waits as auto does (MPI_Testall polls, then yielding the core between polls).
+Where ``floor`` itself is below a target, that target is out of reach of any all-reduce
+built from Python point-to-point calls on this MPI.
 """
 import json
 import os
