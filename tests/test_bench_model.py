@@ -402,6 +402,17 @@ def test_ranks_beyond_the_cores_share_them():
     assert record["cores"] == pytest.approx(2.0) and record["slowdown"] == pytest.approx(2.0)
     system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record})
     assert [system.at(n).contention(n) for n in (1, 2, 4)] == pytest.approx([1.0, 1.0, 2.0])
+    # 4 ranks on 2 cores timed at 1.6x one alone (a mean over ranks that started and ended
+    # apart): they still had only 2 cores, for the work unit and for a model's own step
+    raw_fast = dict(raw, together_s=0.032,
+                    models={"lenet": {"batch": 16, "solo_s": 0.004, "together_s": 0.0064}})
+    fast = pm._calibration_record(4, raw_fast, 0.0)
+    assert fast["cores"] == 2 and fast["model_cores"] == {"lenet": 2}
+    fast_system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: fast})
+    assert fast_system.at(4).contention(4, "lenet") == pytest.approx(2.0)
+    # on a machine of 16 cores the same 1.6x means 2.5 cores' worth: kept as measured
+    roomy = pm._calibration_record(4, dict(raw_fast, cores=16), 0.0)
+    assert roomy["cores"] == pytest.approx(2.5) and roomy["model_cores"]["lenet"] == pytest.approx(2.5)
     # a record of the older worker (its waits spun: 3.3x) names no cores: this machine's
     raw.pop("cores")
     raw["together_s"] = 0.066

@@ -49,7 +49,7 @@ blocking speed and steals a measured fraction κ of the core. Where the code has
 code (``code_facts``). Ranks beyond the cores share them: compute takes
 ``s(N) = max(1, N / cores)`` times as long (``cores``: measured with each model's own step
 at its per-rank batch on every rank at once against one alone, waits that sleep; on a quiet
-machine the job's CPU affinity), and a rank that blocks on a peer finds it descheduled: a
+machine the job's CPU affinity, and never more), and a rank that blocks on a peer finds it descheduled: a
 wait of ``scheduling_wait`` once per step and on each blocking message, from slices the
 calibration measures (zero while every rank has a core). On the CPU
 a message is a wait (latency α) and a copy (bytes / β) that the rank's own core makes
@@ -1622,12 +1622,16 @@ def _calibration_record(n, raw, add_s_per_elem):
                                          add_s_per_elem)))
               for mode, sizes in raw.get("rooted", {}).items() if n > 1}
     slowdown = together / raw["solo_s"]
+    # N busy ranks share at most the cores they may run on: ranks timed as a mean over
+    # ranks that start and end apart (one finishing early frees a core for the rest) can
+    # look as if they had more; a training step waits for its slowest rank
+    physical = raw.get("cores") or math.inf
     if "cores" in raw:      # all ranks busy against one alone, waits that sleep: what N share
-        cores = n / max(slowdown, 1e-9)
+        cores = min(n / max(slowdown, 1e-9), physical)
     else:                   # older workers waited spinning (overstated), and named no cores
         cores = usable_cores()
     # each model's own step at its per-rank batch, every rank at once against one alone
-    model_cores = {name: n / max(v["together_s"] / v["solo_s"], 1e-9)
+    model_cores = {name: min(n / max(v["together_s"] / v["solo_s"], 1e-9), physical)
                    for name, v in raw.get("models", {}).items() if v.get("solo_s")}
     slice_s, msg_slice_s = _wait_slices(n, raw.get("cores"), raw.get("waits"))
     return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted, "cores": cores,
