@@ -206,7 +206,8 @@ def test_the_short_path_keeps_the_transfer_deadline(length):
 
 @pytest.mark.parametrize("length", [1, N + 1, 1001, 1500, 30011])
 def test_bench_floor_row_sums_exactly(length):
-    """bench comm's floor row (bare mpi4py): exact sums, same bits on every rank."""
+    """bench comm's floor row (bare mpi4py, persistent requests per buffer): exact sums,
+    same bits on every rank, a new array summed as itself."""
     from ringnet.bench.comm import Floor
     floor = Floor(WORLD)
     buf = integers(length, RANK)
@@ -214,7 +215,14 @@ def test_bench_floor_row_sums_exactly(length):
     again = randoms(length, RANK)
     floor.allreduce(again)
     identical = same_on_every_rank(again)
-    np.testing.assert_array_equal(buf, exact_sum(length))
+    # its requests were made for `again`: started again on new contents, then on `buf`
+    again[...] = integers(length, RANK + 1)
+    floor.allreduce(again)
+    buf[...] = integers(length, RANK + 2)
+    floor.allreduce(buf)
+    floor.close()
+    np.testing.assert_array_equal(again, sum(integers(length, r + 1) for r in range(N)))
+    np.testing.assert_array_equal(buf, sum(integers(length, r + 2) for r in range(N)))
     assert identical
 
 
@@ -341,3 +349,96 @@ def test_a_planned_size_keeps_its_plan_when_the_short_path_is_passed_by(algorith
         transport.close()
     np.testing.assert_array_equal(buf, np.float32(sum(range(N)) / N))
     assert first is again
+
+
+@pytest.mark.skipif(N < 2, reason="one rank all-reduces without messages (no short path)")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("algorithm", ["rd", "direct", None])
+def test_persistent_requests_follow_the_buffer_they_were_bound_to(algorithm, dtype):
+    """The short path binds persistent requests to an array used twice in a row: later calls
+    with it start them, a call with another array (same size) must sum that array, not
+    the bound one, and the bound one must still sum its new contents. Exact integer sums
+    and the same byte counts as the plain path, at every size of the eager-limit band."""
+    transport = MpiTransport(WORLD)
+    results = []
+    try:
+        comm = AutoCommunicator(transport, algorithm=algorithm)
+        for length in SHORT_LENGTHS:
+            a, b = np.empty(length, dtype), np.empty(length, dtype)
+            got, bound, counts = [], [], []
+            for k, buf in enumerate([a, a, a, b, a, b, b, a]):
+                buf[...] = integers(length, RANK + k, dtype)
+                before = transport.bytes_sent
+                comm.allreduce(buf)
+                counts.append(transport.bytes_sent - before)
+                got.append(buf.copy())
+                plan = comm._lean.plans.get(buf.nbytes)
+                bound.append(None if plan is None else plan[5].buf is buf)
+            results.append((length, comm.last_algorithm, got, bound, counts))
+    finally:
+        transport.close()
+    core = RANK >= 2 * (N - (1 << (N.bit_length() - 1)))
+    for length, used, got, bound, counts in results:
+        where = f"{algorithm} {np.dtype(dtype)} length {length} rank {RANK}/{N}"
+        for k, value in enumerate(got):
+            expected = sum(integers(length, r + k, np.float64) for r in range(N)).astype(dtype)
+            np.testing.assert_array_equal(value, expected, err_msg=f"{where} call {k}")
+        assert len(set(counts)) == 1, (where, counts)
+        if used == "direct" or (used == "rd" and core):
+            # bound from the second call with a; b binds on its second call in a row
+            assert bound == [False, True, True, False, True, False, True, False], (where, bound)
+
+
+@pytest.mark.skipif(N < 2, reason="needs a peer that does not answer")
+@pytest.mark.parametrize("algorithm", ["rd", "direct"])
+def test_bound_requests_keep_the_transfer_deadline_and_unbind(algorithm):
+    """A buffer bound on every rank, then rank 0 alone: CommTimeoutError, and the plan no
+    longer holds the requests whose transfer never ended."""
+    transport = MpiTransport(WORLD, timeout_s=0.5)
+    error, comm = None, AutoCommunicator(transport, algorithm=algorithm)
+    buf = np.ones(5, np.float32)
+    try:
+        comm.allreduce(buf)
+        comm.allreduce(buf)
+        plan = comm._lean.plans.get(buf.nbytes)
+        was_bound = plan is not None and plan[5].buf is buf
+        WORLD.Barrier()
+        if RANK == 0:
+            try:
+                comm.allreduce(buf)
+            except CommTimeoutError as caught:
+                error = str(caught)
+        WORLD.Barrier()
+    finally:
+        transport.close()
+    core = RANK >= 2 * (N - (1 << (N.bit_length() - 1)))
+    if algorithm == "direct" or core:
+        assert was_bound
+    if RANK == 0:
+        _assert_deadline_message(error, algorithm)
+        if algorithm == "direct" or core:
+            assert plan[5].buf is None and plan[5].requests is None
+
+
+@pytest.mark.skipif(N < 2, reason="one rank all-reduces without messages (no short path)")
+def test_persistent_requests_are_freed_before_mpi_finalizes_and_bind_again():
+    """The exit hook frees every bound request; the plan binds again on later calls."""
+    from ringnet.comm import auto
+    transport = MpiTransport(WORLD)
+    try:
+        comm = AutoCommunicator(transport, algorithm="direct")
+        buf = np.ones(3, np.float64)
+        comm.allreduce(buf)
+        comm.allreduce(buf)
+        state = comm._lean.plans[buf.nbytes][5]
+        bound = state.buf is buf
+        auto._free_persistent()
+        freed = state.buf is None and state.requests is None
+        buf[...] = RANK
+        comm.allreduce(buf)
+        comm.allreduce(buf)
+        again = state.buf is buf
+    finally:
+        transport.close()
+    assert bound and freed and again
+    np.testing.assert_array_equal(buf, 2 * N * sum(range(N)) / 2)

@@ -65,8 +65,8 @@ class Transport:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.timeout_s = default_timeout() if timeout_s is None else float(timeout_s)
-        self.bytes_sent = 0
-        self.bytes_recv = 0
+        self._sent = self._received = 0
+        self.short_moved = 0    # auto's short path: bytes sent and received, one thread only
         self._count_lock = threading.Lock()
         self._next_tag = 1
 
@@ -146,10 +146,20 @@ class Transport:
         """Block until every rank arrived."""
         self.mpi_comm.Barrier()
 
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent."""
+        return self._sent + self.short_moved
+
+    @property
+    def bytes_recv(self) -> int:
+        """Bytes this rank received."""
+        return self._received + self.short_moved
+
     def _count(self, sent, received):
         with self._count_lock:
-            self.bytes_sent += sent
-            self.bytes_recv += received
+            self._sent += sent
+            self._received += received
 
     def _check_peer(self, peer, role):
         if not (isinstance(peer, (int, np.integer)) and 0 <= peer < self.size):
