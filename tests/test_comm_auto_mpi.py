@@ -442,3 +442,29 @@ def test_persistent_requests_are_freed_before_mpi_finalizes_and_bind_again():
         transport.close()
     assert bound and freed and again
     np.testing.assert_array_equal(buf, 2 * N * sum(range(N)) / 2)
+
+
+def test_bench_comm_checks_every_row_after_its_timed_calls_too():
+    """bench comm's ok flag covers the calls after the first: a row whose first call is
+    right and later ones wrong (as a stale bound request would be) is reported not ok."""
+    from ringnet.bench.comm import Floor, _run_size
+    transport = MpiTransport(WORLD)
+    auto, floor = AutoCommunicator(transport), Floor(WORLD)
+
+    class RightOnce:
+        calls = 0
+
+        def allreduce(self, buf):
+            auto.allreduce(buf)
+            self.calls += 1
+            if self.calls > 1:
+                buf += 1
+    comms = {"auto": auto, "floor": floor, "stale": RightOnce()}
+    try:
+        results = _run_size(comms, transport, ["native", "auto", "floor", "stale"], np,
+                            np.dtype(np.float32), 3, 2, 1)
+    finally:
+        floor.close()
+        transport.close()
+    assert {algo: ok for algo, (_, ok) in results.items()} == \
+        {"native": True, "auto": True, "floor": True, "stale": False}

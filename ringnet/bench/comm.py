@@ -221,8 +221,9 @@ def _call(comms, transport, algo, buf):
 def _run_size(comms, transport, algos, xp, dtype, count, iters, warmup):
     """Time every algo on one buffer size; return {algo: (median_s, ok)}.
 
-    Each algo first runs once on (rank + 1) and is checked against N(N+1)/2; timed samples
-    run ``repetitions`` calls back to back (the values then grow, which costs nothing).
+    Each algo runs once on (rank + 1) and is checked against N(N+1)/2, before the timed
+    samples and again after them (by then auto starts the persistent requests it bound to
+    the buffer); timed samples run ``repetitions`` calls back to back on a zeroed buffer.
     """
     world = transport.mpi_comm
     n, rank = transport.size, transport.rank
@@ -247,6 +248,10 @@ def _run_size(comms, transport, algos, xp, dtype, count, iters, warmup):
             elapsed = (time.perf_counter() - start) / reps
             if it >= warmup:
                 times[algo].append(elapsed)
+    for algo in algos:      # checked again after the timed calls (auto's bound requests)
+        buf.fill(rank + 1)
+        _call(comms, transport, algo, buf)
+        ok[algo] = ok[algo] and bool((to_numpy(buf) == dtype.type(expected)).all())
     names = list(algos)
     # The slowest rank defines an iteration's time.
     local = np.array([times[a] for a in names], np.float64)
