@@ -167,3 +167,23 @@ def test_bench_comm_fit_command_of_docs_comm():
 def create_choice(nbytes):
     from ringnet.comm.auto import choose
     return choose(nbytes, 2)
+
+
+def test_lean_spins_yield_early_where_ranks_outnumber_cores(monkeypatch):
+    """auto polls LEAN_SPINS times while each rank on the node has a core of this
+    process's affinity, OVERSUBSCRIBED_SPINS times where the launcher put more."""
+    from ringnet.comm import auto
+    assert auto.lean_spins(ranks_here=2, cores=2) == auto.LEAN_SPINS
+    assert auto.lean_spins(ranks_here=1, cores=16) == auto.LEAN_SPINS
+    assert auto.lean_spins(ranks_here=3, cores=2) == auto.OVERSUBSCRIBED_SPINS
+    assert auto.OVERSUBSCRIBED_SPINS < auto.LEAN_SPINS
+    # the ranks from the launcher's environment, the cores from the affinity
+    import os
+    cores = len(os.sched_getaffinity(0))
+    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
+                "PMI_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MPI_LOCALNRANKS", str(cores + 1))
+    assert auto.lean_spins() == auto.OVERSUBSCRIBED_SPINS
+    monkeypatch.setenv("MPI_LOCALNRANKS", str(cores))
+    assert auto.lean_spins() == auto.LEAN_SPINS

@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from ringnet.backend import cupy, to_numpy
 from ringnet.comm import COMMUNICATORS, create, make_transport
-from ringnet.comm.auto import ALGORITHMS as AUTO_ALGORITHMS, LEAN_SPINS, _eager_cuts, fit, \
+from ringnet.comm.auto import ALGORITHMS as AUTO_ALGORITHMS, _eager_cuts, fit, lean_spins, \
     thresholds
 from ringnet.config import transport_usage_error
 from ringnet.errors import ArgumentParser, TransportUnavailable, UsageError
@@ -110,9 +110,15 @@ def _parser():
     return parser
 
 
+_SPINS = None
+
+
 def _wait(requests):
+    global _SPINS
+    if _SPINS is None:
+        _SPINS = range(lean_spins())
     testall = MPI.Request.Testall
-    for _ in range(LEAN_SPINS):
+    for _ in _SPINS:
         if testall(requests):
             return
     while not testall(requests):
@@ -126,9 +132,9 @@ class Floor:
     sums in rank order (auto's ``direct``); messages cut as auto cuts them around MPI's
     eager limit; persistent requests (MPI_Recv_init / MPI_Send_init) made for the buffer
     it is called with and started on every call with that array, as auto's short path
-    does once an array comes back; waits by LEAN_SPINS MPI_Testall polls, then sched_yield
-    between polls (a busy loop starves ranks that share a core); no deadline, counters or
-    checks.
+    does once an array comes back; waits by as many MPI_Testall polls as auto
+    (``lean_spins``), then sched_yield between polls (a busy loop starves ranks that share
+    a core); no deadline, counters or checks.
     """
 
     def __init__(self, mpi_comm):
