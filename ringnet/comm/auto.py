@@ -604,10 +604,8 @@ class _Lean:
     def quick_direct(self, buf, plan):
         """``direct`` on the plan's inbox: all N-1 pairs posted at once, one wait, the
         sum in rank order as :meth:`direct`."""
-        _, _, _, cuts, inbox, _ = plan
+        _, _, _, cuts, inbox, state = plan
         n, r = self.n, self.rank
-
-        state = plan[5]
         if buf is state.buf:            # bound: start the requests made for this array
             state.last = buf
             requests = state.requests[0][1]
