@@ -170,8 +170,9 @@ def create_choice(nbytes):
 
 
 def test_lean_spins_yield_early_where_ranks_outnumber_cores(monkeypatch):
-    """auto polls LEAN_SPINS times while each rank on the node has a core of this
-    process's affinity, OVERSUBSCRIBED_SPINS times where the launcher put more."""
+    """auto polls LEAN_SPINS times while each rank on the node has a core (the affinity,
+    or the machine's cores for a rank bound to one), OVERSUBSCRIBED_SPINS times where the
+    launcher put more."""
     from ringnet.comm import auto
     assert auto.lean_spins(ranks_here=2, cores=2) == auto.LEAN_SPINS
     assert auto.lean_spins(ranks_here=1, cores=16) == auto.LEAN_SPINS
@@ -187,3 +188,14 @@ def test_lean_spins_yield_early_where_ranks_outnumber_cores(monkeypatch):
     assert auto.lean_spins() == auto.OVERSUBSCRIBED_SPINS
     monkeypatch.setenv("MPI_LOCALNRANKS", str(cores))
     assert auto.lean_spins() == auto.LEAN_SPINS
+    # a rank bound to one core (each rank to its own): the machine's cores count
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("MPI_LOCALNRANKS", "4")
+    assert auto.node_cores() == 16 and auto.lean_spins() == auto.LEAN_SPINS
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert auto.lean_spins() == auto.OVERSUBSCRIBED_SPINS
+    # unbound ranks in a 2-core cpuset of a 16-core machine share those 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert auto.node_cores() == 2 and auto.lean_spins() == auto.OVERSUBSCRIBED_SPINS

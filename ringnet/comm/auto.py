@@ -336,25 +336,31 @@ class AutoCommunicator(CommunicatorBase):
 # Polls of MPI_Testall before a wait is handed to the transport (which yields the core,
 # then sleeps, and raises CommTimeoutError at its deadline). A small message completes
 # within a few polls while every rank has a core. Where the launcher put more ranks on
-# the node than this rank may run on, the peer a poll waits for is usually descheduled,
+# the node than they have cores (:func:`node_cores`), the awaited peer is usually descheduled,
 # and polling only delays it: yield after OVERSUBSCRIBED_SPINS (measured with 3 and 4
 # ranks on 2 cores: 64 polls 0.30-0.46x native at 8 B, 2 polls 0.57-0.95x).
 LEAN_SPINS = 64
 OVERSUBSCRIBED_SPINS = 2
 
 
+def node_cores():
+    """The cores the node's ranks share: this process's CPU affinity, or, where the launcher
+    bound it to a single core (each rank to its own), the machine's."""
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = 0
+    return affinity if affinity > 1 else (os.cpu_count() or 1)
+
+
 def lean_spins(ranks_here=None, cores=None):
     """Testall polls before yielding: LEAN_SPINS while each of the node's ranks
-    (``local_ranks_on_node``) has a core of this process's affinity, else
-    OVERSUBSCRIBED_SPINS."""
+    (``local_ranks_on_node``) has a core (:func:`node_cores`), else OVERSUBSCRIBED_SPINS."""
     from ringnet._threads import local_ranks_on_node
     if ranks_here is None:
         ranks_here = local_ranks_on_node()
     if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
+        cores = node_cores()
     return LEAN_SPINS if ranks_here <= cores else OVERSUBSCRIBED_SPINS
 
 
