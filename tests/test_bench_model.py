@@ -393,7 +393,7 @@ def test_driven_copy_delays_the_compute_and_moves_at_the_calibrated_rate():
     assert pm._simulate(system, layers, ops, "gpu") == pytest.approx((4.0, 0.0))
 
 
-def test_ranks_beyond_the_cores_share_them():
+def test_ranks_beyond_the_cores_share_them(monkeypatch):
     # 4 ranks busy at once took 2x one alone (waits that sleep): 2 effective cores, each
     # rank's compute 2x slower at N = 4, none at N = 1, 2
     raw = {"cores": 2, "solo_s": 0.02, "together_s": 0.04,
@@ -413,6 +413,12 @@ def test_ranks_beyond_the_cores_share_them():
     # on a machine of 16 cores the same 1.6x means 2.5 cores' worth: kept as measured
     roomy = pm._calibration_record(4, dict(raw_fast, cores=16), 0.0)
     assert roomy["cores"] == pytest.approx(2.5) and roomy["model_cores"]["lenet"] == pytest.approx(2.5)
+    # ranks bound one to a core of 16 (affinity 1): the calibration counts the machine's
+    # cores, so the cap does not pin 4 ranks to the one core a rank's affinity names
+    import os
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert pm.usable_cores() == 16
     # a record of the older worker (its waits spun: 3.3x) names no cores: this machine's
     raw.pop("cores")
     raw["together_s"] = 0.066

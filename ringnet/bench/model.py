@@ -49,9 +49,10 @@ blocking speed and steals a measured fraction κ of the core. Where the code has
 code (``code_facts``). Ranks beyond the cores share them: compute takes
 ``s(N) = max(1, N / cores)`` times as long (``cores``: measured with each model's own step
 at its per-rank batch on every rank at once against one alone, waits that sleep; on a quiet
-machine the job's CPU affinity, and never more), and a rank that blocks on a peer finds it descheduled: a
-wait of ``scheduling_wait`` once per step and on each blocking message, from slices the
-calibration measures (zero while every rank has a core). On the CPU
+machine the cores the ranks share, :func:`usable_cores`, and never more), and a rank that
+blocks on a peer finds it descheduled: a wait of ``scheduling_wait`` once per step and on
+each blocking message, from slices the calibration measures (zero while every rank has a
+core). On the CPU
 a message is a wait (latency α) and a copy (bytes / β) that the rank's own core makes
 inside an MPI call: with driven progress that call is the training thread's test at a
 layer boundary, so the copy delays the compute (on a GPU the copy engine moves it).
@@ -590,11 +591,11 @@ def scheduling_wait(n, cores, slice_s):
 
 
 def usable_cores():
-    """The cores this process may run on (its CPU affinity), as ``ringnet._threads`` counts them."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """The cores the job's ranks on this node share: this process's CPU affinity, or the
+    machine's cores where the launcher bound each rank to one of its own
+    (:func:`ringnet.comm.auto.node_cores`)."""
+    from ringnet.comm.auto import node_cores
+    return node_cores()
 
 
 def make_system(spec, compute, ranks_per_node, calibration=None):
