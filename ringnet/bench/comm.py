@@ -110,21 +110,6 @@ def _parser():
     return parser
 
 
-_SPINS = None
-
-
-def _wait(requests):
-    global _SPINS
-    if _SPINS is None:
-        _SPINS = range(lean_spins())
-    testall = MPI.Request.Testall
-    for _ in _SPINS:
-        if testall(requests):
-            return
-    while not testall(requests):
-        os.sched_yield()
-
-
 class Floor:
     """Bare mpi4py all-reduce of NumPy buffers: the lower bound of auto's small-message path.
 
@@ -141,8 +126,9 @@ class Floor:
         self.mpi = mpi_comm.Dup()
         self.n, self.rank = self.mpi.Get_size(), self.mpi.Get_rank()
         self.algorithm = "rd" if self.n & (self.n - 1) == 0 else "direct"
+        self.spins = range(lean_spins())
         self.scratch = {}
-        self.hot = self.hot_inc = self.hot_steps = None
+        self.hot = None         # the plan of the array called with last
 
     def _requests(self, buf, cuts, inbox, specs):
         """The persistent requests of one call on ``buf``: per rd step, or all at once."""
@@ -162,40 +148,52 @@ class Floor:
             requests += [mpi.Send_init(x, (r + k) % n, 0) for x in sends]
         return [requests]
 
-    def allreduce(self, buf):
-        n, r = self.n, self.rank
-        if n == 1:
-            return
-        if buf is self.hot and self.algorithm == "rd":     # the array called with last
-            inc, start = self.hot_inc, MPI.Prequest.Startall
-            for requests in self.hot_steps:
-                start(requests)
-                _wait(requests)
-                np.add(buf, inc, buf)
-            return
+    @staticmethod
+    def _free(plan):
+        for requests in plan[3]:
+            for request in requests:
+                request.Free()
+
+    def _plan(self, buf):
+        """(dtype, cuts, inbox, persistent requests, buf) for ``buf``: made on its first call."""
         plan = self.scratch.get(buf.nbytes)
         if plan is None or plan[0] is not buf.dtype or plan[4] is not buf:
+            n = self.n
             cuts = _eager_cuts(buf.size, buf.itemsize)
             inbox = np.empty((n, buf.size), buf.dtype)     # n - 1 slots and a total
             specs = [[[inbox[k, a:b], MPI.BYTE] for a, b in cuts] for k in range(n - 1)]
             if plan is not None:
-                for requests in plan[3]:
-                    for request in requests:
-                        request.Free()
+                self._free(plan)
             plan = self.scratch[buf.nbytes] = (buf.dtype, cuts, inbox,
                                                self._requests(buf, cuts, inbox, specs), buf)
-        _, cuts, inbox, steps, _ = plan
-        self.hot, self.hot_inc, self.hot_steps = buf, inbox[0], steps
+        return plan
+
+    def _wait(self, requests):
+        testall = MPI.Request.Testall
+        for _ in self.spins:
+            if testall(requests):
+                return
+        while not testall(requests):
+            os.sched_yield()
+
+    def allreduce(self, buf):
+        n, r = self.n, self.rank
+        if n == 1:
+            return
+        plan = self.hot
+        if plan is None or plan[4] is not buf:
+            plan = self.hot = self._plan(buf)
+        _, _, inbox, steps, _ = plan
         start = MPI.Prequest.Startall
         if self.algorithm == "rd":
             inc = inbox[0]
             for requests in steps:
                 start(requests)
-                _wait(requests)
+                self._wait(requests)
                 np.add(buf, inc, buf)
             return
         start(steps[0])
-        _wait(steps[0])
+        self._wait(steps[0])
 
         def part(rank):
             return buf if rank == r else inbox[(r - rank) % n - 1]
@@ -209,11 +207,9 @@ class Floor:
     def close(self):
         """Free the persistent requests and the duplicated communicator."""
         for plan in self.scratch.values():
-            for requests in plan[3]:
-                for request in requests:
-                    request.Free()
+            self._free(plan)
         self.scratch.clear()
-        self.hot = self.hot_inc = self.hot_steps = None
+        self.hot = None
         self.mpi.Free()
 
 
