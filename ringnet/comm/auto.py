@@ -472,9 +472,8 @@ class _Lean:
 
     def free(self):
         """Free the plans' persistent requests (the plans stay, and bind again on use)."""
-        self.hot = self.hot_plan = None
         for plan in self.plans.values():
-            plan[5].free()
+            self.unbind(plan)
 
     def _space(self, buf, length, slot=0):
         key = (buf.dtype.str, slot)
@@ -531,9 +530,7 @@ class _Lean:
             self.plans.clear()
         old = self.plans.get(buf.nbytes)
         if old is not None:                     # same size, another dtype or algorithm
-            if old is self.hot_plan:
-                self.hot = self.hot_plan = None
-            old[5].free()
+            self.unbind(old)
         plan = self.plans[buf.nbytes] = (buf.dtype, algorithm, function, cuts, views, _Bound())
         return plan
 
@@ -545,15 +542,20 @@ class _Lean:
         state.requests, state.buf, state.last = requests, buf, buf
         self.hot, self.hot_plan = buf, plan
 
+    def unbind(self, plan):
+        """Free ``plan``'s persistent requests; it is no longer the plan ``allreduce``
+        checks first."""
+        if plan is self.hot_plan:
+            self.hot = self.hot_plan = None
+        plan[5].free()
+
     def finish_bound(self, requests, plan, to, source, nbytes):
         """``finish`` for started persistent requests: an error (the deadline) unbinds them,
         so no later call starts requests whose transfer never ended."""
         try:
             self.finish(requests, to, source, nbytes)
         except BaseException:
-            if plan is self.hot_plan:
-                self.hot = self.hot_plan = None
-            plan[5].free()
+            self.unbind(plan)
             raise
 
     def finish(self, requests, to, source, nbytes):
