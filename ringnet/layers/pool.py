@@ -113,6 +113,7 @@ class _Pool2d(Layer):
                              f"kernel {self.kernel_size}")
         self._cache = None
         self._buffers = {}
+        self._tap_plans = {}        # (H, W) -> _taps' result
 
     def __repr__(self):
         return window_repr(self)
@@ -139,11 +140,10 @@ class _Pool2d(Layer):
         """Return (Ho, Wo, taps, covered): taps are (t, out, plane) for in-bounds taps in
         row-major order, ``out`` indexing a column-major (Wo, Ho, C, B) array and ``plane``
         the phase planes; ``covered`` says the first tap of every plane writes all of it.
-        Made once per input size and geometry."""
-        key = (h, w, self.kernel_size, self.stride, self.padding)
-        cached = self.__dict__.setdefault("_tap_plans", {}).get(key)
+        Made once per input size (the geometry is the layer's own)."""
+        cached = self._tap_plans.get((h, w))
         if cached is None:
-            cached = self._tap_plans[key] = self._make_taps(h, w)
+            cached = self._tap_plans[(h, w)] = self._make_taps(h, w)
         return cached
 
     def _make_taps(self, h, w):
