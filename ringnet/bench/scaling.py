@@ -194,8 +194,8 @@ def main(argv=None):
     rows = []
     base_ms = statistics.median(r["step_ms"] for r in runs[configs[0]])
     for (mode, delay, n), results in runs.items():
-        step_ms = statistics.median(r["step_ms"] for r in results)
         times = [r["step_ms"] for r in results]
+        step_ms = statistics.median(times)
         med = lambda key: statistics.median(r.get(key, 0) or 0 for r in results)  # noqa: E731
         speedup = base_ms / step_ms
         rows.append({
