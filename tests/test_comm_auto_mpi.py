@@ -19,6 +19,8 @@ pytestmark = pytest.mark.mpi
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.Get_size(), WORLD.Get_rank()
 LENGTHS = sorted({0, 1, max(N - 1, 1), N + 1, 7, 1001, 100003, (1 << 20) + 3})
+# this rank is in recursive doubling's power-of-two core (the first 2(N - p) ranks fold)
+RD_CORE = RANK >= 2 * (N - (1 << (N.bit_length() - 1)))
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +167,7 @@ def test_the_short_path_sums_as_the_transport_path(transport, algorithm, dtype):
         assert short == slow, where
         assert same, where
         if N > 1:
-            core = RANK >= 2 * (N - (1 << (N.bit_length() - 1)))
-            assert planned == (used == "direct" or (used == "rd" and core)), (where, used)
+            assert planned == (used == "direct" or (used == "rd" and RD_CORE)), (where, used)
 
 
 def _timeout_message(comm, length):
@@ -380,14 +381,13 @@ def test_persistent_requests_follow_the_buffer_they_were_bound_to(algorithm, dty
             results.append((length, comm.last_algorithm, got, bound, counts))
     finally:
         transport.close()
-    core = RANK >= 2 * (N - (1 << (N.bit_length() - 1)))
     for length, used, got, bound, counts in results:
         where = f"{algorithm} {np.dtype(dtype)} length {length} rank {RANK}/{N}"
         for k, value in enumerate(got):
             expected = sum(integers(length, r + k, np.float64) for r in range(N)).astype(dtype)
             np.testing.assert_array_equal(value, expected, err_msg=f"{where} call {k}")
         assert len(set(counts)) == 1, (where, counts)
-        if used == "direct" or (used == "rd" and core):
+        if used == "direct" or (used == "rd" and RD_CORE):
             # bound from the second call with a; b binds on its second call in a row
             assert bound == [False, True, True, False, True, False, True, False], (where, bound)
 
@@ -415,12 +415,11 @@ def test_bound_requests_keep_the_transfer_deadline_and_unbind(algorithm):
         WORLD.Barrier()
     finally:
         transport.close()
-    core = RANK >= 2 * (N - (1 << (N.bit_length() - 1)))
-    if algorithm == "direct" or core:
+    if algorithm == "direct" or RD_CORE:
         assert was_bound
     if RANK == 0:
         _assert_deadline_message(error, algorithm)
-        if algorithm == "direct" or core:
+        if algorithm == "direct" or RD_CORE:
             assert plan[5].buf is None and plan[5].requests is None
 
 
