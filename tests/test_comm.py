@@ -159,14 +159,16 @@ def test_bench_comm_fit_command_of_docs_comm():
     assert all(row["ok"] for row in result["rows"])
     assert {row["algo"] for row in result["rows"]} == {"auto", "native", "direct", "rd", "rhd", "ring"}
     assert [row["picked"] for row in result["rows"] if row["algo"] == "auto"] == \
-        [create_choice(nbytes) for nbytes in (8, 64 << 10, 1 << 20)]
+        [create_choice(nbytes, result["alpha"]) for nbytes in (8, 64 << 10, 1 << 20)]
+    from ringnet.comm.auto import ALPHA, ALPHA_OVERSUBSCRIBED
+    assert result["alpha"] == (ALPHA_OVERSUBSCRIBED if result["oversubscribed"] else ALPHA)
     fit = result["fit"]
     assert fit["alpha"] >= 0 and fit["beta"] >= 0 and fit["gamma"] >= 0 and fit["switches"]
 
 
-def create_choice(nbytes):
+def create_choice(nbytes, alpha):
     from ringnet.comm.auto import choose
-    return choose(nbytes, 2)
+    return choose(nbytes, 2, alpha=alpha)
 
 
 def test_lean_spins_yield_early_where_ranks_outnumber_cores(monkeypatch):

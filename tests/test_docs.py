@@ -225,6 +225,23 @@ def bench_comm_floor(command, tmp_path):
     assert {r[4] for r in rows if r[3] == "floor"} == {"rd"}, proc.stdout
 
 
+def bench_comm_forced(command, tmp_path):
+    """Shortened (two iterations, JSON): a row per algorithm and size asked for, each ok,
+    and the switch points of the rule the ranks agreed on."""
+    from ringnet.comm.auto import ALPHA, ALPHA_OVERSUBSCRIBED
+    from ringnet.bench.comm import parse_sizes
+    args = shlex.split(command)
+    proc = run(command + " --iters 2 --json")
+    result = json.loads(proc.stdout.splitlines()[-1])
+    algos = args[args.index("--algos") + 1].split(",")
+    sizes = parse_sizes(args[args.index("--sizes") + 1])
+    assert [(r["algo"], r["bytes"]) for r in result["rows"]] == \
+        [(a, b) for b in sizes for a in algos]
+    assert all(r["ok"] for r in result["rows"])
+    assert result["ranks"] == int(args[args.index("-np") + 1])
+    assert result["alpha"] == (ALPHA_OVERSUBSCRIBED if result["oversubscribed"] else ALPHA)
+
+
 def bench_scaling(command, tmp_path):
     """Shortened (2 steps, 1 round): a row per mode, delay and N; ring bytes in closed form."""
     proc = run(command + " --steps 2 --repeats 1 --json", cwd=tmp_path, timeout=900,
@@ -580,6 +597,8 @@ COMMANDS = {
         "tests/test_overlap.py::test_bench_overlap_prints_a_row_per_variant",
     "mpirun -np 4 python -m ringnet.bench comm": bench_comm,
     "mpirun -np 2 python -m ringnet.bench comm --algos native,auto,floor --sizes 8,1K,8K,64K --iters 200": bench_comm_floor,
+    "mpirun -np 4 python -m ringnet.bench comm --algos native,rd,rhd --sizes 128K,256K,512K,1M --iters 100": bench_comm_forced,
+    "mpirun -np 3 python -m ringnet.bench comm --algos native,direct,ring,rd --sizes 128K,256K,512K,1M --iters 100": bench_comm_forced,
     "python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc --model cifar10_quick":
         bench_scaling,
     "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master,split-fc --model cifar10_quick "

@@ -294,6 +294,8 @@ def main(argv=None):
     comms = {a: create(a, transport=transport, **chunks) for a in algos if a in COMMUNICATORS}
     comms.update({a: create("auto", transport=transport, algorithm=a, **chunks)
                   for a in algos if a in FORCED})
+    # the switch points printed below are those of an unforced auto (collective to make)
+    chooser = comms.get("auto") or create("auto", transport=transport, **chunks)
     if "floor" in algos:
         if xp is not np:
             raise UsageError("the floor row times NumPy buffers over MPI: use --transport mpi")
@@ -326,6 +328,8 @@ def main(argv=None):
     if transport.rank == 0:
         if args.json:
             print(json.dumps({"rows": rows, "ranks": n, "transport": transport.name,
+                              "oversubscribed": chooser.oversubscribed,
+                              "alpha": chooser.alpha,
                               **({"fit": model} if model else {})}))
         else:
             _print_table(rows, n, transport.name, args)
@@ -333,8 +337,10 @@ def main(argv=None):
                 print(f"# fit: alpha {model['alpha'] * 1e6:.2f} us, beta {model['beta'] * 1e9:.4f} "
                       f"ns/B, gamma {model['gamma'] * 1e9:.4f} ns/B -> switch points "
                       + ", ".join(f"{_size(b)}: {a}" for b, a in model["switches"]))
-            print("# auto's switch points at N = %d: " % n
-                  + ", ".join(f"{_size(b)}: {a}" for b, a in thresholds(n)))
+            crowded = " (a node holds more ranks than cores: alpha %g us)" % (
+                chooser.alpha * 1e6) if chooser.oversubscribed else ""
+            print("# auto's switch points at N = %d%s: " % (n, crowded)
+                  + ", ".join(f"{_size(b)}: {a}" for b, a in chooser.thresholds()))
             if args.markdown:
                 from ringnet.bench.tables import comm_table
                 print(comm_table(rows))

@@ -28,8 +28,11 @@ the constants below: rd up to 160 KB then rhd (= the ring's cost) at N = 2; dire
 processes (load average ~27) every extra message costs a meeting of two ranks that the
 scheduler delays: at 64 KiB rd and direct, even through the slower transport path, measured
 1.6-4x faster there than the lean rhd and ring that a small alpha (4 us, the lean path's
-own Python cost) picked. Every rank computes the same
-choice from (n, N) alone; ties go to the earlier of :data:`ALGORITHMS`.
+own Python cost) picked. Where the launcher put more ranks on a node than it has cores
+(:func:`node_cores`), on any node, the communicator chooses with
+:data:`ALPHA_OVERSUBSCRIBED` instead (``alpha``, ``oversubscribed``): the ranks agree on
+that once, when the communicator is made, so every rank computes the same choice from
+(n, N) and that flag; ties go to the earlier of :data:`ALGORITHMS`.
 
 **Two paths.** Called without a stream on a NumPy buffer over the MPI transport, auto runs
 its algorithm straight on mpi4py (the lean path, :class:`_Lean`): Irecv/Isend on views of
@@ -88,6 +91,13 @@ ALPHA = 20e-6           # s per message (the lean path's Python is ~2 us; the re
                         # for the peer to be scheduled on a shared, loaded host)
 BETA = 0.25e-9          # s per byte sent (4 GB/s)
 GAMMA = 0.25e-9         # s per byte added (4 GB/s: two reads and a write, one core)
+# Where a node holds more ranks than cores, every message is a meeting of two ranks that
+# the scheduler must both run. Measured with 4 and 3 ranks on 2 cores (median x native
+# of 6-8 runs of 100 calls per size, interleaved): N = 4, rd 0.76/0.82/0.81/0.78 at
+# 128K/256K/512K/1M against rhd 0.46/0.56/0.65/0.79; N = 3, direct 0.88/0.81/0.71/0.77
+# against the ring 0.51/0.65/0.83/1.10. This alpha puts the switches between those sizes
+# (N = 4: rhd from 548 KB; N = 3: the ring from 480 KB).
+ALPHA_OVERSUBSCRIBED = 120e-6
 
 
 def _pow2_below(n):
@@ -166,7 +176,11 @@ class AutoCommunicator(CommunicatorBase):
     """All-reduce with the algorithm :func:`choose` picks for the buffer's size and N.
 
     ``algorithm`` forces one of :data:`ALGORITHMS` (for measurement); ``chunk_bytes`` goes
-    to the ring. ``last_algorithm`` names the algorithm of the latest call.
+    to the ring. ``last_algorithm`` names the algorithm of the latest call. ``alpha`` is
+    the per-message cost it chooses with: :data:`ALPHA_OVERSUBSCRIBED` where
+    ``oversubscribed`` (some rank's node holds more ranks than cores, agreed by all ranks
+    when the communicator is made, which is collective unless ``algorithm`` is forced),
+    else :data:`ALPHA`.
     """
 
     name = "auto"
@@ -181,11 +195,28 @@ class AutoCommunicator(CommunicatorBase):
         self.ring = RingCommunicator(self.transport, chunk_bytes=chunk_bytes)
         self.last_algorithm = None
         self._choices = {}
+        self.oversubscribed = algorithm is None and self._agreed_oversubscribed()
+        self.alpha = ALPHA_OVERSUBSCRIBED if self.oversubscribed else ALPHA
         self._p = _pow2_below(self.size)
         self._extra = self.size - self._p
         # NumPy buffers over MPI, called off a stream: the lean path (see _Lean).
         self._lean = _Lean(self) if getattr(self.transport, "name", None) == "mpi" \
             and hasattr(self.transport, "mpi_comm") and self.size > 1 else None
+
+    def _agreed_oversubscribed(self):
+        """Whether any rank's node holds more ranks than cores, the same on every rank (one
+        MPI all-reduce of the flag; over a transport other than MPI's, never)."""
+        transport = self.transport
+        if self.size < 2 or getattr(transport, "name", None) != "mpi" \
+                or not hasattr(transport, "mpi_comm"):
+            return False
+        from ringnet._threads import local_ranks_on_node
+        mine = local_ranks_on_node() > node_cores()
+        lock = getattr(transport, "_lock", None)
+        if lock is None:
+            return bool(transport.mpi_comm.allreduce(mine, op=MPI.LOR))
+        with lock:
+            return bool(transport.mpi_comm.allreduce(mine, op=MPI.LOR))
 
     def choose(self, nbytes: int) -> str:
         """Return the algorithm an all-reduce of ``nbytes`` uses on this communicator."""
@@ -193,8 +224,12 @@ class AutoCommunicator(CommunicatorBase):
             return self.algorithm
         algorithm = self._choices.get(nbytes)
         if algorithm is None:
-            algorithm = self._choices[nbytes] = choose(nbytes, self.size)
+            algorithm = self._choices[nbytes] = choose(nbytes, self.size, alpha=self.alpha)
         return algorithm
+
+    def thresholds(self, max_bytes=1 << 30):
+        """:func:`thresholds` at this communicator's N and ``alpha``."""
+        return thresholds(self.size, max_bytes=max_bytes, alpha=self.alpha)
 
     def allreduce(self, buf: Array, op: str = "sum",
                   stream: Optional[CpuStream] = None) -> Optional[Handle]:
