@@ -61,6 +61,22 @@ def test_transfer_timeout_names_operation_peer_and_size(transport):
         transport.recv(out, 0)
 
 
+def test_a_wait_counts_its_deadline_from_the_start_it_is_given():
+    """auto's lean wait polls on its own first and hands the transport the moment it began:
+    the deadline runs from then, not from the hand-over."""
+    import time
+    t = MpiTransport(MPI.COMM_SELF, timeout_s=30)
+    request = t.mpi_comm.Irecv(np.empty(4, np.float64), 0, 7)     # nothing is ever sent
+    begun = time.perf_counter()
+    try:
+        with pytest.raises(CommTimeoutError,
+                           match="^all-reduce from rank 0 of 32 bytes did not complete within 30 s$"):
+            t._wait([request], ("all-reduce", None, 0, 32), start=begun - 31)
+        assert time.perf_counter() - begun < 15      # at once, not after 30 s
+    finally:
+        t.close()
+
+
 def test_transfer_timeout_on_stream_surfaces_at_wait(transport):
     stream = transport.new_stream()
     try:

@@ -190,7 +190,10 @@ class MpiTransport(Transport):
         with self._lock:
             return MPI.Request.Testall(requests)
 
-    def _wait(self, requests, what):
+    def _wait(self, requests, what, start=None):
+        """Wait for ``requests``: yielding polls for SPIN_S, then sleeps between polls;
+        CommTimeoutError (``what`` describes the transfer) ``timeout_s`` after ``start``
+        (a ``time.perf_counter()`` value; default: now)."""
         if not requests or self._test(requests):
             return
         stream = current_stream()
@@ -201,7 +204,7 @@ class MpiTransport(Transport):
                                         lambda: MPI.Request.Waitall(requests), self.timeout_s):
                 self._expire(requests, what)
             return
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
         pause = 0.0
         on_stream = current_tag() != 0
         spin_s = STREAM_SPIN_S if on_stream else SPIN_S
