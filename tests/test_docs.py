@@ -599,6 +599,7 @@ COMMANDS = {
     "mpirun -np 2 python -m ringnet.bench comm --algos native,auto,floor --sizes 8,1K,8K,64K --iters 200": bench_comm_floor,
     "mpirun -np 4 python -m ringnet.bench comm --algos native,rd,rhd --sizes 128K,256K,512K,1M --iters 100": bench_comm_forced,
     "mpirun -np 3 python -m ringnet.bench comm --algos native,auto --sizes 8,1K,8K,64K --iters 300": bench_comm_forced,
+    "mpirun -np 3 python -m ringnet.bench comm --algos native,ring,tree,master --sizes 8,1K,64K,1M --iters 100": bench_comm_forced,
     "mpirun -np 3 python -m ringnet.bench comm --algos native,direct,ring,rd --sizes 128K,256K,512K,1M --iters 100": bench_comm_forced,
     "python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc --model cifar10_quick":
         bench_scaling,

@@ -80,6 +80,7 @@ from mpi4py import MPI
 
 from ringnet import trace
 from ringnet.comm import mpi_transport as _mpi_transport, stream as _stream
+from ringnet.comm.mpi_transport import YIELD_ROUNDS
 from ringnet.comm.base import Array, CommunicatorBase, _DTYPES
 from ringnet.comm.ring import RingCommunicator
 from ringnet.comm.stream import CpuStream, Handle
@@ -379,11 +380,12 @@ class AutoCommunicator(CommunicatorBase):
 LEAN_SPINS = 64
 OVERSUBSCRIBED_SPINS = 2
 # After the spin, polls that yield the core (sched_yield, then Testall) in rounds of this
-# many between looks at the clock and the driven streams. The transport's own wait looks
-# at both on every poll; with 3 ranks on 2 cores that cost a third of a small all-reduce
-# (interleaved, 3 rounds: auto 0.74-0.79x native at 8 B through it, 0.95-1.01x now; 1 KiB
-# 0.90-1.07x -> 1.32-1.35x).
-_YIELD_ROUNDS = range(32)
+# many between looks at the clock and the driven streams, in a loop of its own: with 3
+# ranks on 2 cores nearly every small all-reduce waits, and the transport's wait looked at
+# both on every poll (interleaved, 3 rounds: auto 0.74-0.79x native at 8 B through it,
+# 0.95-1.01x here; 1 KiB 0.90-1.07x -> 1.32-1.35x). Even entering that wait (its stream
+# and tag look-ups) measured 0.66-0.82x at 8 B in rounds of 32.
+_YIELD_ROUNDS = range(YIELD_ROUNDS)
 _perf_counter, _sched_yield = time.perf_counter, os.sched_yield
 
 

@@ -26,6 +26,10 @@ MAX_PAUSE_S = 0.001
 # for a slower peer), so it spins briefly and then sleeps.
 STREAM_SPIN_S = 0.0005
 STREAM_MAX_PAUSE_S = 0.0005
+# Yielding polls between looks at the clock and the driven streams (auto's lean path has
+# its own such loop, without even this function's entry: see ringnet.comm.auto).
+YIELD_ROUNDS = 32
+_YIELDS = range(YIELD_ROUNDS)
 
 _MPI_OPS = {"sum": MPI.SUM}
 _MPIX_GPU_SUPPORT_CUDA = 0      # MPICH's mpi.h
@@ -191,10 +195,12 @@ class MpiTransport(Transport):
             return MPI.Request.Testall(requests)
 
     def _wait(self, requests, what, start=None):
-        """Wait for ``requests``: yielding polls for SPIN_S, then sleeps between polls;
-        CommTimeoutError (``what`` describes the transfer) ``timeout_s`` after ``start``
-        (a ``time.perf_counter()`` value; default: now)."""
-        if not requests or self._test(requests):
+        """Wait for ``requests``: polls that yield the core for SPIN_S, then sleeps between
+        polls; CommTimeoutError (``what`` describes the transfer) ``timeout_s`` after
+        ``start`` (a ``time.perf_counter()`` value; default: now). The clock and the
+        driven streams are looked at every :data:`YIELD_ROUNDS` polls."""
+        test = self._test if self._lock is not None else MPI.Request.Testall
+        if not requests or test(requests):
             return
         stream = current_stream()
         if stream is not None and stream.mode != "poll" and not (
@@ -205,21 +211,29 @@ class MpiTransport(Transport):
                 self._expire(requests, what)
             return
         start = time.perf_counter() if start is None else start
-        pause = 0.0
         on_stream = current_tag() != 0
         spin_s = STREAM_SPIN_S if on_stream else SPIN_S
         max_pause_s = STREAM_MAX_PAUSE_S if on_stream else MAX_PAUSE_S
-        while not self._test(requests):
-            now = time.perf_counter()
-            if now - start > self.timeout_s:
+        while True:
+            for _ in _YIELDS:
+                os.sched_yield()
+                if test(requests):
+                    return
+            elapsed = time.perf_counter() - start
+            if elapsed > self.timeout_s:
                 self._expire(requests, what)
             if not on_stream:
                 progress_all()      # streams sleeping on transfers while this thread waits here
-            if now - start > spin_s:
-                pause = min(max_pause_s, pause + 1e-5)
-                time.sleep(pause)
-            else:
-                os.sched_yield()
+            if elapsed > spin_s:
+                break
+        pause = 0.0
+        while not test(requests):
+            if time.perf_counter() - start > self.timeout_s:
+                self._expire(requests, what)
+            if not on_stream:
+                progress_all()
+            pause = min(max_pause_s, pause + 1e-5)
+            time.sleep(pause)
 
     def _expire(self, requests, what):
         for request in requests:
