@@ -9,24 +9,31 @@ span. Every span ringnet times (see :mod:`ringnet.stats`) becomes a complete eve
 
 ``cat`` is the span's kind (``step``, ``data``, ``compute``, ``forward``, ``backward``,
 ``loss``, ``update``, ``wait``, ``comm``, ``transfer``, ...); ``args`` hold what the span
-was given (a transfer's ``peer`` and ``bytes``, a step's number). ``ts`` counts from a
-barrier all ranks pass when tracing starts, so lanes of different ranks line up (to the
-barrier's skew, microseconds on one node). Spans are host time: over NCCL on a GPU a
+was given (a transfer's ``peer`` and ``bytes``, a step's number). ``ts`` counts on rank 0's
+clock from a barrier all ranks pass when tracing starts. Each rank's clock is tied to rank
+0's by ping-pong when tracing starts and again when it ends (:func:`align_clocks`; a drift
+between the two, as between nodes, is interpolated), so lanes of different ranks line up to
+within half the shortest round trip, microseconds on one node; ``otherData.clock_alignment``
+gives each rank's offset and that bound. Spans are host time: over NCCL on a GPU a
 ``transfer`` span covers the enqueueing of the send and receive (``"enqueued": true``),
 the transfer itself runs later on the CUDA stream; the statistics time GPU compute and
 update with CUDA events instead (see :mod:`ringnet.stats`). Each rank collects its events in memory; at
 the end rank 0 gathers them and writes the file atomically.
 """
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import threading
 import time
 
-from ringnet import stats
-from ringnet.errors import exchange
+import numpy as np
 
-__all__ = ["Tracer", "load", "check_trace_path", "active", "span", "timed"]
+from ringnet import stats
+from ringnet.errors import StallError, UsageError, comm_timeout, exchange
+
+__all__ = ["Tracer", "load", "check_trace_path", "active", "span", "timed", "align_clocks"]
 
 _active = 0                         # Tracers recording now
 _NULL = contextlib.nullcontext()
@@ -93,6 +100,91 @@ def _display_name(name, args):
     return name
 
 
+# Ping-pongs per rank when the clocks are tied together, and their tag (not exchange()'s).
+CLOCK_SAMPLES = 16
+_CLOCK_TAG = 0x5243
+_CLOCK_SPIN_S = 0.001
+
+
+@dataclasses.dataclass(frozen=True)
+class ClockSync:
+    """One rank's clock against rank 0's: ``offset`` (this clock minus rank 0's, seconds) as
+    read at ``at`` (this clock), good to ``error`` (half the round trip it was read in);
+    ``origin``: the value rank 0 passed to :func:`align_clocks`."""
+    at: float
+    offset: float
+    error: float
+    origin: float = None
+
+
+def _await(request, peer, start, timeout):
+    """Wait for ``request``: yielding polls for a moment (a round trip is being timed), then
+    sleeps; StallError naming ``peer`` ``timeout`` s after ``start``."""
+    spin_until = time.perf_counter() + _CLOCK_SPIN_S
+    pause = 1e-5
+    while not request.Test():
+        now = time.perf_counter()
+        if now - start > timeout:
+            raise StallError([peer], "trace clock alignment", timeout)
+        if now < spin_until:
+            os.sched_yield()
+        else:
+            time.sleep(pause)
+            pause = min(1e-3, 2 * pause)
+
+
+def align_clocks(world, origin=None, samples=CLOCK_SAMPLES, clock=time.perf_counter,
+                 timeout=None):
+    """Return this rank's :class:`ClockSync` against rank 0 (collective over ``world``).
+
+    Every other rank sends rank 0 ``samples`` pings in turn; rank 0 answers each with its
+    ``clock``'s reading (and ``origin``, which every rank gets back). A rank keeps the
+    answer with the shortest round trip and takes it as read at that trip's midpoint
+    (Cristian's method), so its offset is off by at most half that round trip. Raises
+    StallError when rank 0 or a peer does not answer within ``timeout`` (default: the
+    communication deadline, ``RINGNET_COMM_TIMEOUT``).
+    """
+    now = clock()
+    if world is None or world.Get_size() == 1:
+        return ClockSync(now, 0.0, 0.0, origin)
+    if timeout is None:
+        try:
+            timeout = comm_timeout()
+        except UsageError:      # reported where the deadline is read for training
+            timeout = 300.0
+    rank, size = world.Get_rank(), world.Get_size()
+    start = time.perf_counter()
+    if rank == 0:
+        ping, pong = np.empty(1), np.empty(2)
+        for peer in range(1, size):
+            for _ in range(samples):
+                _await(world.Irecv(ping, source=peer, tag=_CLOCK_TAG), peer, start, timeout)
+                pong[:] = clock(), (math.nan if origin is None else origin)
+                _await(world.Isend(pong, dest=peer, tag=_CLOCK_TAG), peer, start, timeout)
+        return ClockSync(clock(), 0.0, 0.0, origin)
+    ping, pong = np.zeros(1), np.empty(2)
+    best = None
+    for _ in range(samples):
+        recv = world.Irecv(pong, source=0, tag=_CLOCK_TAG)
+        t1 = clock()
+        send = world.Isend(ping, dest=0, tag=_CLOCK_TAG)
+        _await(recv, 0, start, timeout)
+        t2 = clock()
+        _await(send, 0, start, timeout)
+        if best is None or t2 - t1 < 2 * best.error:
+            best = ClockSync((t1 + t2) / 2, (t1 + t2) / 2 - float(pong[0]), (t2 - t1) / 2,
+                             None if math.isnan(pong[1]) else float(pong[1]))
+    return best
+
+
+def on_reference_clock(t, first, last):
+    """Return local time ``t`` on rank 0's clock, the offset interpolated linearly between
+    two :class:`ClockSync` readings (``first`` alone where both are the same)."""
+    if last.at == first.at:
+        return t - first.offset
+    return t - (first.offset + (last.offset - first.offset) * (t - first.at) / (last.at - first.at))
+
+
 class Tracer:
     """Collect this rank's spans from :func:`ringnet.stats.subscribe` until :meth:`close`.
 
@@ -106,7 +198,9 @@ class Tracer:
         self._lock = threading.Lock()
         self._lanes = {}                      # thread id -> (lane number, thread name)
         exchange(world, None)                 # a barrier under the deadline
-        self.t0 = time.perf_counter()
+        # every rank's spans are placed on rank 0's clock, counted from rank 0's t0
+        self._syncs = [align_clocks(world, origin=time.perf_counter())]
+        self.t0 = self._syncs[0].origin
         self._unsubscribe = stats.subscribe(self._record)
         global _active
         _active += 1
@@ -135,9 +229,22 @@ class Tracer:
         for name, lane, start, duration, args in recorded:
             out.append({"name": _display_name(name, args), "cat": name, "ph": "X",
                         "pid": self.rank, "tid": lane,
-                        "ts": round((start - self.t0) * 1e6, 3), "dur": round(duration * 1e6, 3),
+                        "ts": round((self._on_rank0(start) - self.t0) * 1e6, 3),
+                        "dur": round(duration * 1e6, 3),
                         "args": {k: _plain(v) for k, v in args.items()}})
         return out
+
+    def _on_rank0(self, t):
+        return on_reference_clock(t, self._syncs[0], self._syncs[-1])
+
+    def clock_alignment(self):
+        """This rank's offset from rank 0 (us), the bound on its error (us), and the drift
+        between the two alignments (parts per million)."""
+        a, b = self._syncs[0], self._syncs[-1]
+        drift = (b.offset - a.offset) / (b.at - a.at) if b.at != a.at else 0.0
+        return {"rank": self.rank, "offset_us": round(a.offset * 1e6, 3),
+                "error_us": round(max(a.error, b.error) * 1e6, 3),
+                "drift_ppm": round(drift * 1e6, 3)}
 
     def stop(self):
         """Stop collecting (idempotent; not collective)."""
@@ -150,12 +257,16 @@ class Tracer:
     def close(self, metadata=None):
         """Stop collecting; rank 0 gathers every rank's events and writes the file (collective)."""
         self.stop()
-        gathered = exchange(self.world, self.events(), root=0)    # under the deadline
+        if len(self._syncs) == 1:
+            self._syncs.append(align_clocks(self.world))
+        gathered = exchange(self.world, (self.events(), self.clock_alignment()),
+                            root=0)                            # under the deadline
         if self.rank != 0:
             return None
-        events = [e for rank_events in gathered for e in rank_events]
-        document = {"traceEvents": events, "displayTimeUnit": "ms",
-                    "otherData": {k: _plain(v) for k, v in (metadata or {}).items()}}
+        events = [e for rank_events, _ in gathered for e in rank_events]
+        other = {k: _plain(v) for k, v in (metadata or {}).items()}
+        other["clock_alignment"] = [alignment for _, alignment in gathered]
+        document = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
         tmp = f"{self.path}.tmp{os.getpid()}"
         try:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)

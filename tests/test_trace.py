@@ -141,6 +141,31 @@ def test_delay_zero_exchange_is_on_the_training_thread(tmp_path):
     assert not [e for e in events if e["cat"] == "comm"]
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_the_ranks_timelines_line_up(tmp_path, np_):
+    # A ring's blocking send-receive with a peer cannot end on one rank before the peer
+    # started its side: on rank 0's clock each such pair overlaps, to the alignment's bound.
+    summary, trace = traced_run(tmp_path, "--mode", "ring", "--delay", "0", np_=np_, steps=6)
+    alignment = trace["otherData"]["clock_alignment"]
+    assert [a["rank"] for a in alignment] == list(range(np_)) and alignment[0]["offset_us"] == 0
+    bound = {a["rank"]: a["error_us"] for a in alignment}
+    assert max(bound.values()) < 5000, alignment
+    events = spans(trace)
+    pairs = 0
+    for r in range(np_):
+        right = (r + 1) % np_
+        mine = sorted((e for e in events if e["pid"] == r and e["cat"] == "transfer"
+                       and e["args"].get("to") == right), key=lambda e: e["ts"])
+        theirs = sorted((e for e in events if e["pid"] == right and e["cat"] == "transfer"
+                         and e["args"].get("from") == r), key=lambda e: e["ts"])
+        assert len(mine) == len(theirs) > 0
+        slack = bound[r] + bound[right] + 1.0                   # us: ts/dur are rounded
+        for a, b in zip(mine, theirs):                          # the k-th send meets the k-th receive
+            assert b["ts"] + b["dur"] + slack >= a["ts"], (r, right, a, b)
+            pairs += 1
+    assert pairs >= np_ * 6                                     # every rank, every step
+
+
 def test_single_process_trace(tmp_path):
     path = tmp_path / "new" / "folder" / "trace.json"          # missing folders are made
     summary, trace = traced_run(tmp_path, np_=1, steps=3, path=path)
