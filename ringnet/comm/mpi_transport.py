@@ -127,6 +127,8 @@ class MpiTransport(Transport):
         # With only MPI_THREAD_SERIALIZED, the stream thread and the caller must not
         # be inside MPI at the same time: every MPI call then takes this lock.
         self._lock = threading.Lock() if MPI.Query_thread() < MPI.THREAD_MULTIPLE else None
+        if self._lock is None:      # nothing to take around a test: MPI's own, no frame per poll
+            self._test = MPI.Request.Testall
         # device None: GPU streams when a GPU is usable; "cpu" never touches CUDA.
         self.device = device
         self.cuda_aware, self.cuda_aware_how = (False, "device cpu") if device == "cpu" \
@@ -199,7 +201,7 @@ class MpiTransport(Transport):
         polls; CommTimeoutError (``what`` describes the transfer) ``timeout_s`` after
         ``start`` (a ``time.perf_counter()`` value; default: now). The clock and the
         driven streams are looked at every :data:`YIELD_ROUNDS` polls."""
-        test = self._test if self._lock is not None else MPI.Request.Testall
+        test = self._test
         if not requests or test(requests):
             return
         stream = current_stream()
