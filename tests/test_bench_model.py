@@ -534,6 +534,41 @@ def test_wait_for_peers_is_paid_once_per_step():
         pytest.approx(pm.predict(_system(), lenet, "ring", 0, 1, 64).step_s)
 
 
+def test_a_delay0_step_waits_for_its_slowest_rank():
+    # 2 ranks on 2 cores, lenet's slowest rank 6% behind the mean step by step: a delay-0
+    # step is 6% of its compute longer; delay 1 (a step of slack) and single are not
+    raw = _waits_raw(2, 0.0, 0.0)
+    raw["models"] = {"lenet": {"batch": 32, "solo_s": 0.004, "together_s": 0.004, "imbalance": 1.06},
+                     "cifar10_quick": {"batch": 32, "solo_s": 0.02, "together_s": 0.02,
+                                       "imbalance": 0.99}}
+    record = pm._calibration_record(2, raw, 0.0)
+    assert record["imbalance"] == {"lenet": pytest.approx(1.06), "cifar10_quick": 1.0}
+    assert "lenet step (batch 32) with all ranks busy 1.00x alone, slowest rank 1.06x the mean" \
+        in pm._describe_contention(2, record)
+    lenet = build_model("lenet")
+
+    def local(n, **change):
+        return pm.System("local", None, None, 1 << 30, _system().compute,
+                         calibrated={n: dict(record, **change)})
+    for mode, delay in (("ring", 0), ("tree", 0), ("master", 0), ("split-fc", 0), ("ring", 1)):
+        got = pm.predict(local(2), lenet, mode, delay, 2, 64)
+        even = pm.predict(local(2, imbalance={}), lenet, mode, delay, 2, 64)
+        extra = 0.06 * got.compute_s if not delay else 0.0
+        assert got.step_s - even.step_s == pytest.approx(extra, rel=1e-9, abs=1e-12), (mode, delay)
+        assert got.compute_s == even.compute_s
+    # records of the older worker carry none
+    old = {k: v for k, v in raw["models"]["lenet"].items() if k != "imbalance"}
+    assert pm._calibration_record(2, dict(raw, models={"lenet": old}), 0.0)["imbalance"] == {}
+    # 4 ranks on 2 cores: the waits for descheduled peers stand for it
+    raw4 = dict(_waits_raw(4, 0.0, 0.0), models=raw["models"])
+    record4 = pm._calibration_record(4, raw4, 0.0)
+    crowded = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record4})
+    assert crowded.at(4).imbalance is None and crowded.at(2).imbalance == record4["imbalance"]
+    assert pm.predict(crowded, lenet, "ring", 0, 4, 64) == pm.predict(
+        pm.System("local", None, None, 1 << 30, _system().compute,
+                  calibrated={4: dict(record4, imbalance={})}), lenet, "ring", 0, 4, 64)
+
+
 def test_contention_is_measured_with_the_model_s_own_step():
     # the work unit: 4 ranks 2x one alone (2 cores); lenet's own step at its per-rank batch:
     # 2.5x (1.6 effective cores); a model the calibration did not time keeps the work unit's
@@ -915,6 +950,7 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
     assert raw["np"] == n and raw["cores"] == pm.usable_cores()
     assert raw["models"]["lenet"]["batch"] == 3 and raw["models"]["lenet"]["calls"] >= 1
     assert raw["models"]["lenet"]["solo_s"] > 0 and raw["models"]["lenet"]["together_s"] > 0
+    assert raw["models"]["lenet"]["imbalance"] >= 1.0 - 1e-12        # a maximum over a mean
     assert sorted(raw["waits"]) == sorted(f"{kind}{c}" for kind in ("idle", "loaded")
                                           for c in pm.LOADED_EXCHANGES)
     assert all(v > 0 for v in raw["waits"].values())
@@ -1066,3 +1102,37 @@ def test_code_facts_are_the_code_s():
         assert facts["bucket_bytes"] == 0
     else:
         assert facts["bucket_bytes"] == bucket_bytes()
+
+
+def test_the_readme_s_validation_figures_are_the_record_s():
+    # docs/bench-model-validation.json reprinted with and without the slowest-rank term:
+    # the figures the README gives in words beside its table
+    import copy
+    import re
+    import statistics
+    with open(os.path.join(ROOT, "docs", "bench-model-validation.json")) as f:
+        record = json.load(f)
+    even = copy.deepcopy(record)
+    for rnd in even["rounds"]:
+        for c in rnd["calibration"]["by_np"].values():
+            for m in c["raw"].get("models", {}).values():
+                m.pop("imbalance", None)
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = re.sub(r"\s+", " ", f.read())
+
+    def summary(rows):
+        errors = [abs(r["error"]) for r in rows]
+        return statistics.median(errors), sum(e <= 0.15 for e in errors)
+    with_term, without = pm.validation_rows(record), pm.validation_rows(even)
+    (m1, k1), (m0, k0) = summary(with_term), summary(without)
+    assert f"Median |error| {100 * m1:.0f}%, {k1} of 32 rows within 15%" in text
+    assert f"goes from median {100 * m0:.1f}% and {k0} of 32 to {100 * m1:.1f}% and {k1} of 32" in text
+
+    def delay0_at_2(rows):
+        errors = [r["error"] for r in rows if r["np"] == 2 and not r["delay"]]
+        return 100 * statistics.mean(errors), 100 * min(errors), 100 * max(errors)
+    mean0, lo0, hi0 = delay0_at_2(without)
+    mean1, lo1, hi1 = delay0_at_2(with_term)
+    assert mean0 < 0 and abs(mean1) < abs(mean0)
+    assert (f"{-mean0:.1f}% too fast on average (−{-lo0:.0f}% to +{hi0:.0f}%), with it "
+            f"{abs(mean1):.1f}% (−{-lo1:.0f}% to +{hi1:.0f}%)") in text

@@ -52,7 +52,9 @@ at its per-rank batch on every rank at once against one alone, waits that sleep;
 machine the cores the ranks share, :func:`usable_cores`, and never more), and a rank that
 blocks on a peer finds it descheduled: a wait of ``scheduling_wait`` once per step and on
 each blocking message, from slices the calibration measures (zero while every rank has a
-core). On the CPU
+core). While every rank has a core, a delay-0 step also waits for its slowest rank: its
+compute is lengthened by the calibration's ``imbalance``, the mean over steps of the
+slowest rank's step against the ranks' mean (delay 1 has a step of slack for it). On the CPU
 a message is a wait (latency α) and a copy (bytes / β) that the rank's own core makes
 inside an MPI call: with driven progress that call is the training thread's test at a
 layer boundary, so the copy delays the compute (on a GPU the copy engine moves it).
@@ -526,7 +528,9 @@ class System:
     sleeps, as with driven progress, keeps one busy thread);
     ``steal`` is the fraction of its rank's core a polling delay-1 exchange takes while it
     runs, and ``rate`` the fraction of its blocking speed that exchange makes meanwhile
-    (measured; ``calibrated`` holds them per calibrated N).
+    (measured; ``calibrated`` holds them per calibrated N). ``imbalance`` (per model, only
+    where every rank has a core): the slowest rank's step against the ranks' mean, step by
+    step with all ranks busy; a delay-0 step ends with its slowest rank.
     """
     name: str
     intra: Link
@@ -541,6 +545,7 @@ class System:
     ranks_here: int = 1              # ranks of this job on one node (set per prediction)
     model_cores: dict = None         # local: model -> cores measured with its own step
     wait_s: float = 0.0              # a step's first wait for peers descheduled (N > cores)
+    imbalance: dict = None           # local, a core per rank: model -> slowest rank's step / mean
     msg_wait_s: float = 0.0          # each blocking message's wait for them
 
     def hop(self, a, b):
@@ -565,6 +570,8 @@ class System:
         return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
                                    cores=c.get("cores") or usable_cores(), steal=c["steal"],
                                    model_cores=c.get("model_cores") or None, wait_s=wait,
+                                   imbalance=(c.get("imbalance") or None) if n <= cores_here
+                                   else None,
                                    msg_wait_s=per_msg)
 
     def contention(self, n, model=None):
@@ -1279,6 +1286,11 @@ def predict(system, model, mode, delay, n, batch):
         # some descheduled (measured once per step: the waits that follow in the same step
         # meet peers already in step, and pay the per-message part in the link's latency)
         step += system.wait_s
+        # a core per rank: at delay 0 every step ends when its slowest rank's compute does
+        # (delay 1 has a step of slack for it); where ranks share cores the wait for
+        # descheduled peers above stands for it (System.at keeps no imbalance there)
+        if not delay:
+            step += compute * ((system.imbalance or {}).get(name, 1.0) - 1.0)
     return Prediction(step, compute, comm + act, update,
                       max(0.0, step - compute - update), bytes_mean, bytes_max)
 
@@ -1401,6 +1413,14 @@ def _calibrate_worker(iters, models=(), batch=0):
             time.sleep(2e-4)
         return float(out[0])
 
+    def slowest_each(seconds):
+        # element-wise maximum over the ranks (waits that sleep, as slowest)
+        out = np.zeros_like(seconds)
+        request = world.Iallreduce(seconds, out, op=MPI.MAX)
+        while not request.Test():
+            time.sleep(2e-4)
+        return out
+
     def mean_over_ranks(seconds):
         out = np.zeros(1)
         request = world.Iallreduce(np.array([seconds]), out, op=MPI.SUM)
@@ -1433,16 +1453,30 @@ def _calibrate_worker(iters, models=(), batch=0):
         def step():
             for _ in range(calls):
                 net.loss_and_grad(xb, yb)
-        alone, all_ranks = [], []
+
+        def each_step():
+            times = np.empty(calls)
+            for i in range(calls):
+                t0 = time.perf_counter()
+                net.loss_and_grad(xb, yb)
+                times[i] = time.perf_counter() - t0
+            return times
+        alone, all_ranks, imbalance = [], [], []
         for _ in range(DIRECT_SAMPLES * iters):
             idle_barrier()
             if rank == 0:
                 alone.append(_median_time(step, 1) / calls)
             idle_barrier()
-            all_ranks.append(mean_over_ranks(_median_time(step, 1) / calls))
+            times = each_step()
+            mean = mean_over_ranks(float(times.mean()))
+            all_ranks.append(mean)
+            # a synchronous step waits for its slowest rank: the k-th steps' maximum over
+            # the ranks against their mean
+            imbalance.append(float(slowest_each(times).mean()) / mean)
         steps[name] = {"batch": batch, "calls": calls,
                        "solo_s": float(np.median(alone)) if rank == 0 else 0.0,
-                       "together_s": float(np.median(all_ranks))}
+                       "together_s": float(np.median(all_ranks)),
+                       "imbalance": float(np.median(imbalance))}
     def sizes_timed(exchange):
         """Median (over iters) of the slowest rank's time of ``exchange(buf)``, per size."""
         times = {}
@@ -1637,6 +1671,9 @@ def _calibration_record(n, raw, add_s_per_elem):
     slice_s, msg_slice_s = _wait_slices(n, raw.get("cores"), raw.get("waits"))
     return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted, "cores": cores,
             "slowdown": slowdown, "model_cores": model_cores,
+            # each model's slowest rank per step against the mean (older records: none)
+            "imbalance": {name: max(1.0, float(v["imbalance"]))
+                          for name, v in raw.get("models", {}).items() if "imbalance" in v},
             "slice_s": slice_s, "msg_slice_s": msg_slice_s,
             "rate": float(np.mean(rates)) if rates else 1.0,
             "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
@@ -1646,7 +1683,8 @@ def _describe_contention(n, record):
     """One line: each model's own step slowed with every rank busy, the waits for peers."""
     steps = record.get("raw", {}).get("models", {})
     words = [f"{name} step (batch {v['batch']}) with all ranks busy {v['together_s'] / v['solo_s']:.2f}x "
-             "alone" for name, v in steps.items() if v.get("solo_s")]
+             "alone" + (f", slowest rank {v['imbalance']:.2f}x the mean" if "imbalance" in v else "")
+             for name, v in steps.items() if v.get("solo_s")]
     cores = record.get("raw", {}).get("cores")
     if record.get("slice_s") or record.get("msg_slice_s"):
         words.append(f"wait for descheduled peers {1e3 * scheduling_wait(n, cores, record['slice_s']):.2f} "
