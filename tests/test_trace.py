@@ -1,5 +1,6 @@
 """--trace: the Chrome trace file parses, spans nest, and its totals equal the --json summary."""
 import collections
+import statistics
 import json
 import os
 import subprocess
@@ -143,27 +144,28 @@ def test_delay_zero_exchange_is_on_the_training_thread(tmp_path):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_the_ranks_timelines_line_up(tmp_path, np_):
-    # A ring's blocking send-receive with a peer cannot end on one rank before the peer
-    # started its side: on rank 0's clock each such pair overlaps, to the alignment's bound.
+    # The ring's k-th receive from a peer ends after that peer posted its k-th send to it.
+    # A transfer span covers the wait, which follows the posting at once unless the thread
+    # is descheduled in between, so on rank 0's clock the receive ends after the send's span
+    # begins in the typical pair (the median); lined up by the barrier alone the ranks were
+    # milliseconds apart.
     summary, trace = traced_run(tmp_path, "--mode", "ring", "--delay", "0", np_=np_, steps=6)
     alignment = trace["otherData"]["clock_alignment"]
     assert [a["rank"] for a in alignment] == list(range(np_)) and alignment[0]["offset_us"] == 0
     bound = {a["rank"]: a["error_us"] for a in alignment}
     assert max(bound.values()) < 5000, alignment
     events = spans(trace)
-    pairs = 0
     for r in range(np_):
         right = (r + 1) % np_
         mine = sorted((e for e in events if e["pid"] == r and e["cat"] == "transfer"
                        and e["args"].get("to") == right), key=lambda e: e["ts"])
         theirs = sorted((e for e in events if e["pid"] == right and e["cat"] == "transfer"
                          and e["args"].get("from") == r), key=lambda e: e["ts"])
-        assert len(mine) == len(theirs) > 0
-        slack = bound[r] + bound[right] + 1.0                   # us: ts/dur are rounded
-        for a, b in zip(mine, theirs):                          # the k-th send meets the k-th receive
-            assert b["ts"] + b["dur"] + slack >= a["ts"], (r, right, a, b)
-            pairs += 1
-    assert pairs >= np_ * 6                                     # every rank, every step
+        assert len(mine) == len(theirs) >= 6                    # at least one a step
+        # us: the alignment's bounds, the rounding of ts/dur, a posting's few Python lines
+        slack = bound[r] + bound[right] + 50.0
+        lead = statistics.median(b["ts"] + b["dur"] - a["ts"] for a, b in zip(mine, theirs))
+        assert lead >= -slack, (r, right, lead, slack)
 
 
 def test_single_process_trace(tmp_path):
