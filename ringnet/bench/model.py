@@ -1403,30 +1403,23 @@ def _calibrate_worker(iters, models=(), batch=0):
         while not request.Test():
             time.sleep(2e-4)
 
-    def slowest(seconds):
-        # sleeps while waiting (as idle_barrier), so a rank done early does not spin on a
-        # core its slower peers need (a spinning MAX reduce made 4 ranks on 2 cores look 3.3x
-        # slower than one, where training, whose waits sleep, runs them 2x slower)
-        out = np.zeros(1)
-        request = world.Iallreduce(np.array([seconds]), out, op=MPI.MAX)
-        while not request.Test():
-            time.sleep(2e-4)
-        return float(out[0])
-
-    def slowest_each(seconds):
-        # element-wise maximum over the ranks (waits that sleep, as slowest)
+    def reduced(seconds, op):
+        # element-wise over the ranks; sleeps while waiting (as idle_barrier), so a rank done
+        # early does not spin on a core its slower peers need (a spinning MAX reduce made 4
+        # ranks on 2 cores look 3.3x slower than one, where training, whose waits sleep,
+        # runs them 2x slower)
+        seconds = np.atleast_1d(np.asarray(seconds, dtype=np.float64))
         out = np.zeros_like(seconds)
-        request = world.Iallreduce(seconds, out, op=MPI.MAX)
+        request = world.Iallreduce(seconds, out, op=op)
         while not request.Test():
             time.sleep(2e-4)
         return out
 
+    def slowest(seconds):
+        return float(reduced(seconds, MPI.MAX)[0])
+
     def mean_over_ranks(seconds):
-        out = np.zeros(1)
-        request = world.Iallreduce(np.array([seconds]), out, op=MPI.SUM)
-        while not request.Test():
-            time.sleep(2e-4)
-        return float(out[0]) / n
+        return float(reduced(seconds, MPI.SUM)[0]) / n
 
     work()
     solo, together = [], []
@@ -1450,10 +1443,6 @@ def _calibrate_worker(iters, models=(), batch=0):
         calls = world.bcast(max(1, math.ceil(STEPS_TIMED_S / _median_time(
             lambda: net.loss_and_grad(xb, yb), 1))) if rank == 0 else None, root=0)
 
-        def step():
-            for _ in range(calls):
-                net.loss_and_grad(xb, yb)
-
         def each_step():
             times = np.empty(calls)
             for i in range(calls):
@@ -1465,14 +1454,14 @@ def _calibrate_worker(iters, models=(), batch=0):
         for _ in range(DIRECT_SAMPLES * iters):
             idle_barrier()
             if rank == 0:
-                alone.append(_median_time(step, 1) / calls)
+                alone.append(float(each_step().mean()))
             idle_barrier()
             times = each_step()
             mean = mean_over_ranks(float(times.mean()))
             all_ranks.append(mean)
             # a synchronous step waits for its slowest rank: the k-th steps' maximum over
             # the ranks against their mean
-            imbalance.append(float(slowest_each(times).mean()) / mean)
+            imbalance.append(float(reduced(times, MPI.MAX).mean()) / mean)
         steps[name] = {"batch": batch, "calls": calls,
                        "solo_s": float(np.median(alone)) if rank == 0 else 0.0,
                        "together_s": float(np.median(all_ranks)),
