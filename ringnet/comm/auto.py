@@ -70,6 +70,7 @@ everywhere; in ``rd`` and ``rhd`` both partners of an exchange compute ``x + y``
 addition is commutative) or one rank sums an element and the others copy it.
 """
 import atexit
+import contextlib
 import os
 import time
 import weakref
@@ -213,13 +214,8 @@ class AutoCommunicator(CommunicatorBase):
         if self.size < 2 or getattr(transport, "name", None) != "mpi" \
                 or not hasattr(transport, "mpi_comm"):
             return False
-        from ringnet._threads import local_ranks_on_node
-        mine = local_ranks_on_node() > node_cores()
-        lock = getattr(transport, "_lock", None)
-        if lock is None:
-            return bool(transport.mpi_comm.allreduce(mine, op=MPI.LOR))
-        with lock:
-            return bool(transport.mpi_comm.allreduce(mine, op=MPI.LOR))
+        with getattr(transport, "_lock", None) or contextlib.nullcontext():
+            return bool(transport.mpi_comm.allreduce(crowded(), op=MPI.LOR))
 
     def choose(self, nbytes: int) -> str:
         """Return the algorithm an all-reduce of ``nbytes`` uses on this communicator."""
@@ -399,15 +395,21 @@ def node_cores():
     return affinity if affinity > 1 else (os.cpu_count() or 1)
 
 
-def lean_spins(ranks_here=None, cores=None):
-    """Testall polls before yielding: LEAN_SPINS while each of the node's ranks
-    (``local_ranks_on_node``) has a core (:func:`node_cores`), else OVERSUBSCRIBED_SPINS."""
+def crowded(ranks_here=None, cores=None):
+    """Whether this node holds more ranks (``local_ranks_on_node``) than cores
+    (:func:`node_cores`)."""
     from ringnet._threads import local_ranks_on_node
     if ranks_here is None:
         ranks_here = local_ranks_on_node()
     if cores is None:
         cores = node_cores()
-    return LEAN_SPINS if ranks_here <= cores else OVERSUBSCRIBED_SPINS
+    return ranks_here > cores
+
+
+def lean_spins(ranks_here=None, cores=None):
+    """Testall polls before yielding: LEAN_SPINS while each of the node's ranks has a core,
+    else OVERSUBSCRIBED_SPINS (:func:`crowded`)."""
+    return OVERSUBSCRIBED_SPINS if crowded(ranks_here, cores) else LEAN_SPINS
 
 
 def _cut(length, itemsize, piece_bytes=None):
