@@ -144,9 +144,8 @@ def align_clocks(world, origin=None, samples=CLOCK_SAMPLES, clock=time.perf_coun
     StallError when rank 0 or a peer does not answer within ``timeout`` (default: the
     communication deadline, ``RINGNET_COMM_TIMEOUT``).
     """
-    now = clock()
     if world is None or world.Get_size() == 1:
-        return ClockSync(now, 0.0, 0.0, origin)
+        return ClockSync(clock(), 0.0, 0.0, origin)
     if timeout is None:
         try:
             timeout = comm_timeout()
