@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU acceptance run, for a machine with at least one CUDA GPU (about 1-2 minutes on one
-# H200; every stage has its own limit, 480 s in all).
+# The GPU acceptance run, for a machine with at least one CUDA GPU (about 2-4 minutes on one
+# H200; every stage has its own limit, 590 s in all).
 # Usage: bash tests/gpu/run.sh   (repository root or anywhere; ringnet, mpi4py and CuPy installed)
 #
 # Stages (none may fail silently):
@@ -17,6 +17,12 @@
 #               picks the GPU by itself, learns (test accuracy >= 95%), times compute
 #   step-times  each model's GPU step time beside PyTorch's CUDA step (when torch has CUDA),
 #               and per layer the host time of its calls beside its device time
+#   cpu-cores   the CPU path where every rank has a core of its own (a GPU host has many):
+#               `bench comm` (auto against MPI's all-reduce, 8 B-64 MiB, N = 2, 3, 4) and
+#               `bench scaling` (ring delay 1 and 0 at N = 2, LeNet and cifar10_quick). The
+#               report keeps their numbers and targets; a missed target does not fail the
+#               run (a shared host moves timings), a benchmark that does not run does.
+#               Skipped on fewer than 4 cores.
 # The last line is one JSON report. Exit 0: every stage passed; 1: a stage failed;
 # 77 (the "skipped" code of automake and meson): no usable GPU here, one line, nothing run.
 # GPU_RUN_LOGS=DIR keeps each stage's full log there as DIR/gpu-logs.tar.gz.
@@ -100,7 +106,41 @@ assert s["compute_s"] > 0 and s["update_s"] > 0, "GPU spans were not timed"
 EOF
 }
 
-export -f nccl_shared auto_shared quickstart
+# The CPU path with a core per rank: all-reduce against MPI's own, the ring's speedup at N = 2.
+cpu_cores() {
+  local cores
+  cores=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
+  if [ "$cores" -lt 4 ]; then echo "skipped: $cores cores, fewer than 4 ranks"; return 0; fi
+  for n in 2 3 4; do
+    "$MPIRUN" -np "$n" python -m ringnet.bench comm --algos native,auto --transport mpi \
+        --iters 20 --json > "$WORK/comm-$n.json" || return 1
+    tail -n 1 "$WORK/comm-$n.json"
+  done
+  for model in lenet cifar10_quick; do
+    python -m ringnet.bench scaling --np 1 2 --modes ring --model "$model" --steps 20 \
+        --repeats 3 --json > "$WORK/scaling-$model.json" || return 1
+    tail -n 1 "$WORK/scaling-$model.json"
+  done
+  python - "$WORK" "$cores" <<'EOF'
+import json, os, sys
+work, cores = sys.argv[1], int(sys.argv[2])
+out = {"cores": cores, "allreduce": [], "scaling": []}
+for n in (2, 3, 4):
+    doc = json.loads(open(os.path.join(work, f"comm-{n}.json")).read().strip().splitlines()[-1])
+    out["allreduce"] += [{"np": n, "bytes": r["bytes"], "picked": r["picked"],
+                          "vs_native": round(r["vs_native"], 3), "target": r["target"],
+                          "passed": r["passed"]} for r in doc["rows"] if r["algo"] == "auto"]
+for model in ("lenet", "cifar10_quick"):
+    doc = json.loads(open(os.path.join(work, f"scaling-{model}.json")).read()
+                     .strip().splitlines()[-1])
+    out["scaling"] += [{"model": model, "mode": r["mode"], "delay": r["delay"], "np": r["np"],
+                        "step_ms": r["step_ms"], "speedup": r["speedup"]} for r in doc["rows"]]
+json.dump(out, open(os.path.join(work, "cpu-cores.json"), "w"))
+print(json.dumps(out))
+EOF
+}
+
+export -f nccl_shared auto_shared quickstart cpu_cores
 export WORK GPUS MPIRUN
 PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi"
 stage gpu-n1 120 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
@@ -111,6 +151,7 @@ stage nccl-shared 35 bash -c nccl_shared
 stage auto-shared 35 bash -c auto_shared
 stage quickstart 60 bash -c quickstart
 stage step-times 60 python tests/gpu/step_vs_torch.py --layers --out "$WORK/steps.json"
+stage cpu-cores 110 bash -c cpu_cores
 
 python - "$WORK" <<'EOF'
 import json, os, re, sys
@@ -141,6 +182,9 @@ except Exception as exc:  # noqa: BLE001 - the report still comes out
 steps = os.path.join(work, "steps.json")
 if os.path.exists(steps):
     report["step_times"] = json.load(open(steps))
+cpu = os.path.join(work, "cpu-cores.json")
+if os.path.exists(cpu):
+    report["cpu_cores"] = json.load(open(cpu))
 print(json.dumps(report))
 sys.exit(0 if ok else 1)
 EOF
