@@ -50,3 +50,79 @@ def test_plain_table_prints_the_spread(monkeypatch):
     assert lines[("single", "0", "1")][column] == "30%"      # (120 - 90) / 100
     assert lines[("ring", "1", "2")][column] == "55%"        # (80 - 50) / 55
     assert lines[("ring", "0", "2")][column] == "0%"
+
+
+# single at the global batch and at each N's per-rank batch, by round; and a parallel row
+CEILING_TIMES = {("single", 64): [100.0, 120.0, 90.0], ("single", 32): [60.0, 55.0, 50.0],
+                 ("single", 16): [40.0, 30.0, 35.0], ("ring", 2): [70.0, 70.0, 65.0],
+                 ("ring", 4): [50.0, 45.0, 40.0]}
+
+
+def _ceiling_runs(launched):
+    """Stand in for run_config, keyed by (mode, global batch) or (mode, N); records each launch."""
+    calls = {}
+
+    def run_config(args, mode, delay, n, batch=None, **kw):
+        key = (mode, batch or args.batch_size) if mode == "single" else (mode, n)
+        launched.append((mode, delay, n, batch or args.batch_size))
+        i = calls.get(key, 0)
+        calls[key] = i + 1
+        return {"step_ms": CEILING_TIMES[key][i], "comm_wait_s": 0.0, "steps": 30,
+                "overlap": 0.0, "bytes_per_step": 0, "fc_params_per_rank": None}
+    return run_config
+
+
+def test_the_ceiling_is_single_at_the_per_rank_batch(monkeypatch, tmp_path):
+    """--ceiling: t(B) / t(B/N) from single runs at batch B/N taken in every round, and each
+    row's share of it; the CSV carries the new columns."""
+    launched = []
+    monkeypatch.setattr(scaling, "run_config", _ceiling_runs(launched))
+    csv_path = tmp_path / "s.csv"
+    out = _main_output(scaling.main, ["--np", "1", "2", "4", "--modes", "ring", "--delays", "1",
+                                      "--repeats", "3", "--ceiling", "--json",
+                                      "--csv", str(csv_path)])
+    doc = json.loads(out.strip().splitlines()[-1])
+    base = statistics.median(CEILING_TIMES[("single", 64)])
+    for n, batch in ((2, 32), (4, 16)):
+        expected = base / statistics.median(CEILING_TIMES[("single", batch)])
+        row = next(r for r in doc["rows"] if r["mode"] == "ring" and r["np"] == n)
+        assert row["ceiling"] == pytest.approx(expected, abs=1e-3)
+        speedup = base / statistics.median(CEILING_TIMES[("ring", n)])
+        assert row["of_ceiling"] == pytest.approx(speedup / expected, abs=1e-3)
+        entry = next(c for c in doc["ceiling"] if c["np"] == n)
+        assert entry["batch_per_rank"] == batch and entry["ceiling"] == pytest.approx(expected, abs=1e-3)
+    single = next(r for r in doc["rows"] if r["mode"] == "single")
+    assert "ceiling" not in single and len(doc["rows"]) == 3      # the ceiling runs are no rows
+    # every round runs each configuration once, the ceiling runs as single ranks at B/N
+    rounds = [launched[i:i + 5] for i in range(0, 15, 5)]
+    assert all(r == rounds[0] for r in rounds)
+    assert sorted(rounds[0]) == sorted([("single", 0, 1, 64), ("ring", 1, 2, 64), ("ring", 1, 4, 64),
+                                        ("single", 0, 1, 32), ("single", 0, 1, 16)])
+    header = csv_path.read_text().splitlines()[0].split(",")
+    assert header[-2:] == ["ceiling", "of_ceiling"]
+
+
+def test_the_ceiling_table_names_shared_cores(monkeypatch):
+    """The plain table prints the ceiling columns, and says when N ranks outnumber the cores."""
+    monkeypatch.setattr(scaling, "run_config", _ceiling_runs([]))
+    monkeypatch.setattr(scaling.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    out = _main_output(scaling.main, ["--np", "1", "2", "4", "--modes", "ring", "--delays", "1",
+                                      "--repeats", "3", "--ceiling"])
+    base = statistics.median(CEILING_TIMES[("single", 64)])
+    lines = {line.split(":")[0]: line for line in out.splitlines() if line.startswith("# ceiling")}
+    assert f"= {base / 55.0:.2f}x" in lines["# ceiling at N=2"]
+    assert "share" not in lines["# ceiling at N=2"]
+    assert "4 ranks share this machine's 2 cores" in lines["# ceiling at N=4"]
+    row = next(line.split() for line in out.splitlines() if line.split()[:3] == ["ring", "1", "2"])
+    speedup = base / 70.0
+    assert row[-2:] == [f"{base / 55.0:.2f}", f"{100 * speedup / (base / 55.0):.0f}%"]
+
+
+def test_a_ceiling_run_is_launched_at_the_per_rank_batch(monkeypatch):
+    """run_config's batch reaches train's command line."""
+    seen = []
+    monkeypatch.setattr(scaling, "run_json", lambda cmd, *a, **kw: seen.append(cmd) or {})
+    args = scaling._parser().parse_args(["--batch-size", "64"])
+    scaling.run_config(args, "single", 0, 1, batch=16)
+    scaling.run_config(args, "ring", 1, 2)
+    assert [cmd[cmd.index("--batch-size") + 1] for cmd in seen] == ["16", "64"]

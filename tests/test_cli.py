@@ -273,6 +273,7 @@ def test_bench_vs_torch_without_torch_says_how_to_get_it(tmp_path):
     (["--delays", "x"], "--delays"), (["--delays", "0,2"], "--delays"),
     (["--repeats", "0"], "--repeats"), (["--steps", "0"], "--steps"),
     (["--np", "x"], "--np"), (["--lr", "nan"], "--lr"),
+    (["--ceiling", "--to-accuracy", "0.9"], "--ceiling"),
 ])
 def test_bench_scaling_bad_arguments(args, needle):
     proc = run([sys.executable, "-m", "ringnet.bench", "scaling", *args], timeout=60)

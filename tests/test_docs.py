@@ -603,6 +603,8 @@ COMMANDS = {
     "mpirun -np 3 python -m ringnet.bench comm --algos native,direct,ring,rd --sizes 128K,256K,512K,1M --iters 100": bench_comm_forced,
     "python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc --model cifar10_quick":
         bench_scaling,
+    "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --ceiling":
+        "tests/test_bench_scaling.py::test_the_ceiling_is_single_at_the_per_rank_batch",
     "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master,split-fc --model cifar10_quick "
     "--markdown": readme_table,
     "python -m ringnet.bench layers --vs torch --markdown": readme_table,

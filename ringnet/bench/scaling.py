@@ -6,6 +6,12 @@ rounds (every configuration once per round) so machine noise hits all of them al
 each row is the median over rounds, beside the spread of its rounds (slowest minus
 fastest over the median: a difference between rows smaller than that is noise).
 Speedup is over ``single`` at N=1.
+
+``--ceiling`` also times ``single`` at each N's per-rank batch (B/N) in the same rounds:
+t(B) / t(B/N) is the speedup N ranks would reach if splitting the batch cost nothing but
+the per-sample efficiency small batches lose (fixed costs per step, GEMMs too thin to run
+at full rate) -- the most a strong-scaling run can show on this machine, with a core per
+rank. Each row then says what share of its N's ceiling it reaches.
 """
 import argparse
 import csv
@@ -67,6 +73,11 @@ def _parser():
                    help="print the table as Markdown, as the README shows it")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds per run before it is killed (default 600)")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also time single at each N's per-rank batch (B/N) in the same rounds "
+                        "and print each N's ceiling, t(B) / t(B/N): the speedup a split of the "
+                        "batch could reach with nothing but small-batch efficiency lost, and "
+                        "each row's share of it")
     g = p.add_argument_group("time to accuracy")
     g.add_argument("--to-accuracy", type=float, default=None, metavar="A",
                    help="train each configuration for up to --epochs, evaluating the test set every "
@@ -91,20 +102,21 @@ def first_reaching(evals, accuracy):
     return None
 
 
-def run_config(args, mode, delay, nranks, length=None, extra=()):
+def run_config(args, mode, delay, nranks, length=None, extra=(), batch=None):
     """Run one training job under mpirun; return its --json summary dict.
 
     ``length``: the train arguments that say how long to run (default ``--steps S``: a
     timing run, where delay 1 runs without the lookahead compensation's synchronous
     warm-up, ``--warmup-steps 0``, so that its steps are the delayed ones; the warm-up is a
-    one-off, timed by ``bench delay --speed``); ``extra``: further train arguments.
+    one-off, timed by ``bench delay --speed``); ``extra``: further train arguments;
+    ``batch``: the global batch, if not ``--batch-size``.
     """
     timing = length is None
     if length is None:
         length = ["--steps", str(args.steps)]
     cmd = [args.mpirun, "-np", str(nranks), sys.executable, "-m", "ringnet.train",
            "--model", args.model, "--dataset", args.dataset, "--mode", mode,
-           "--batch-size", str(args.batch_size), *length,
+           "--batch-size", str(batch or args.batch_size), *length,
            "--transport", args.transport, "--device", args.device,
            "--json", "--quiet", "--no-progress", "--no-eval"]
     if args.lr is not None:         # None: the model's default of python -m ringnet.train
@@ -169,6 +181,8 @@ def main(argv=None):
         raise UsageError(f"--to-accuracy is a fraction in (0, 1], got {args.to_accuracy}")
     if args.epochs < 1 or args.eval_every < 1:
         raise UsageError("--epochs and --eval-every must be >= 1")
+    if args.ceiling and args.to_accuracy is not None:
+        raise UsageError("--ceiling times steps; it does not combine with --to-accuracy")
     if args.lr is None and args.to_accuracy is None:
         args.lr = 0.001                 # a timing run: small enough that no mode diverges
     length = None
@@ -181,19 +195,32 @@ def main(argv=None):
         for m in modes:
             for d in (delays if delays is not None else per_mode[m]):
                 configs.append((m, d, n))
+    # single at the per-rank batch of each N, keyed by N (mode "ceiling")
+    ceilings = [("ceiling", 0, n) for n in sorted(set(args.np)) if n > 1] if args.ceiling else []
+    configs += ceilings
     runs = {c: [] for c in configs}
     total = len(configs) * args.repeats
     done = 0
     for _ in range(args.repeats):
         for config in configs:
-            runs[config].append(run_config(args, *config, length=length))
+            mode, delay, n = config
+            if mode == "ceiling":
+                runs[config].append(run_config(args, "single", 0, 1, length=length,
+                                               batch=args.batch_size // n))
+                what = f"single batch {args.batch_size // n}"
+            else:
+                runs[config].append(run_config(args, *config, length=length))
+                what = f"{mode} delay {delay} N={n}"
             done += 1
-            print(f"\r[{done}/{total}] {config[0]} delay {config[1]} N={config[2]}   ",
-                  end="", file=sys.stderr, flush=True)
+            print(f"\r[{done}/{total}] {what}   ", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     rows = []
     base_ms = statistics.median(r["step_ms"] for r in runs[configs[0]])
+    # t(B) / t(B/N): the speedup of a free split of the batch, per N
+    ceiling = {c[2]: base_ms / statistics.median(r["step_ms"] for r in runs[c]) for c in ceilings}
     for (mode, delay, n), results in runs.items():
+        if mode == "ceiling":
+            continue
         times = [r["step_ms"] for r in results]
         step_ms = statistics.median(times)
         med = lambda key: statistics.median(r.get(key, 0) or 0 for r in results)  # noqa: E731
@@ -209,6 +236,9 @@ def main(argv=None):
             "bytes_per_step": int(med("bytes_per_step")),
             "fc_params_per_rank": results[0].get("fc_params_per_rank"),
         })
+        if n in ceiling:
+            rows[-1]["ceiling"] = round(ceiling[n], 3)
+            rows[-1]["of_ceiling"] = round(speedup / ceiling[n], 3)
         if args.to_accuracy is not None:
             reached = [first_reaching(r["evals"], args.to_accuracy) for r in results]
             hits = [x for x in reached if x is not None]
@@ -224,12 +254,17 @@ def main(argv=None):
                                             f"{args.device}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             writer.writeheader()
             writer.writerows(rows)
     if args.json:
-        print(json.dumps({"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
-                          "repeats": args.repeats, "to_accuracy": args.to_accuracy, "rows": rows}))
+        doc = {"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
+               "repeats": args.repeats, "to_accuracy": args.to_accuracy, "rows": rows}
+        if ceilings:
+            doc["ceiling"] = [{"np": n, "batch_per_rank": args.batch_size // n,
+                               "single_step_ms": round(base_ms / c, 3), "ceiling": round(c, 3)}
+                              for n, c in sorted(ceiling.items())]
+        print(json.dumps(doc))
         return 0
     if args.markdown:
         print(markdown_table(args, rows))
@@ -243,13 +278,27 @@ def main(argv=None):
     header = (f"{'mode':>8} {'delay':>5} {'N':>3} {'step ms':>9} {'spread':>7} {'img/s':>8} {'speedup':>8} "
               f"{'effic.':>7} {'exposed comm ms':>16} {'overlap':>8} {'bytes/step':>12} "
               f"{'FC params/rank':>15}")
+    if ceiling:
+        header += f" {'ceiling':>8} {'of ceil.':>8}"
     print(header)
     for r in rows:
         spread = f"{100 * r['spread']:.0f}%" if r["spread"] is not None else "-"
-        print(f"{r['mode']:>8} {r['delay']:>5} {r['np']:>3} {r['step_ms']:>9.2f} {spread:>7} "
-              f"{r['images_per_sec']:>8.0f} {r['speedup']:>8.2f} {r['efficiency']:>7.2f} "
-              f"{r['exposed_comm_ms']:>16.2f} {r['overlap']:>8.2f} {r['bytes_per_step']:>12,} "
-              f"{r['fc_params_per_rank'] if r['fc_params_per_rank'] is not None else '-':>15}")
+        line = (f"{r['mode']:>8} {r['delay']:>5} {r['np']:>3} {r['step_ms']:>9.2f} {spread:>7} "
+                f"{r['images_per_sec']:>8.0f} {r['speedup']:>8.2f} {r['efficiency']:>7.2f} "
+                f"{r['exposed_comm_ms']:>16.2f} {r['overlap']:>8.2f} {r['bytes_per_step']:>12,} "
+                f"{r['fc_params_per_rank'] if r['fc_params_per_rank'] is not None else '-':>15}")
+        if ceiling:
+            line += (f" {r['ceiling']:>8.2f} {100 * r['of_ceiling']:>7.0f}%" if "ceiling" in r
+                     else f" {'-':>8} {'-':>8}")
+        print(line)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for n, c in sorted(ceiling.items()):
+        shared = (f"; {n} ranks share this machine's {cores} cores, so the ranks' compute "
+                  f"alone takes {n / cores:.1f}x as long as the ceiling assumes"
+                  if cores and n > cores else "")
+        print(f"# ceiling at N={n}: single at batch {args.batch_size // n} takes "
+              f"{base_ms / c:.2f} ms a step against {base_ms:.2f} ms at {args.batch_size}: "
+              f"t(B) / t(B/N) = {c:.2f}x{shared}")
     return 0
 
 
