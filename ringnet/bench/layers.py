@@ -30,6 +30,16 @@ def _median_ms(samples):
     return float(np.median(samples)) * 1e3
 
 
+def paired_quartiles(ours, theirs):
+    """Return the lower and upper quartile of the step-by-step ratios ours[i] / theirs[i].
+
+    The two steps of a pair ran back to back, so a slow moment of the machine slows both
+    and leaves their ratio: the quartiles say how far the ratio itself moves, which the
+    two medians' spreads would overstate."""
+    ratios = np.asarray(ours, dtype=float) / np.asarray(theirs, dtype=float)
+    return [float(q) for q in np.percentile(ratios, [25, 75])]
+
+
 def _batch(model, batch_size, seed):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(batch_size,) + model.input_shape).astype(model.dtype)
@@ -175,6 +185,7 @@ def step_times(model, x, y, iters, vs_torch):
     if net is not None:
         result["torch_step_ms"] = _median_ms(theirs)
         result["ratio_vs_torch"] = result["step_ms"] / result["torch_step_ms"]
+        result["ratio_quartiles"] = paired_quartiles(ours, theirs)
         result["torch_cpu_step_ms"] = _median_ms(theirs_cpu)
         result["cpu_ratio_vs_torch"] = result["cpu_step_ms"] / result["torch_cpu_step_ms"]
     return result
@@ -255,7 +266,9 @@ def main(argv=None):
             line = f"  step (fwd+loss+bwd+SGD): {result['step_ms']:.2f} ms"
             if "torch_step_ms" in result:
                 line += (f"   PyTorch: {result['torch_step_ms']:.2f} ms   "
-                         f"ratio {result['ratio_vs_torch']:.2f}   "
+                         f"ratio {result['ratio_vs_torch']:.2f} (steps paired: "
+                         f"{result['ratio_quartiles'][0]:.2f}-{result['ratio_quartiles'][1]:.2f}, "
+                         f"quartiles)   "
                          f"(loss {result['loss']:.6f} vs {result['torch_loss']:.6f})")
             print(line)
             line = f"  CPU time per step: {result['cpu_step_ms']:.2f} ms"
@@ -270,7 +283,7 @@ def main(argv=None):
                 line += f", torch's {result['torch_cpu_step_ms'] / result['floor_ms']:.2f}x"
             print(line, flush=True)
     if args.json:
-        keys = ("model", "step_ms", "torch_step_ms", "ratio_vs_torch", "cpu_step_ms",
+        keys = ("model", "step_ms", "torch_step_ms", "ratio_vs_torch", "ratio_quartiles", "cpu_step_ms",
                 "torch_cpu_step_ms", "cpu_ratio_vs_torch", "gflops_per_step", "floor_ms",
                 "cpu_step_vs_floor")
         print(json.dumps({"load_average": list(load), "sgemm_gflops": rate / 1e9,
