@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU acceptance run, for a machine with at least one CUDA GPU (about 2-4 minutes on one
+# The GPU acceptance run, for a machine with at least one CUDA GPU (about 3-5 minutes on one
 # H200; every stage has its own limit, 600 s in all).
 # Usage: bash tests/gpu/run.sh   (repository root or anywhere; ringnet, mpi4py and CuPy installed)
 #
@@ -24,6 +24,10 @@
 #               report keeps their numbers and targets; a missed target does not fail the
 #               run (a shared host moves timings), a benchmark that does not run does.
 #               Skipped on fewer than 4 cores.
+#   model-valid the performance model's validation (`bench model --validate`, one round: every
+#               mode at N = 1, 2, 4, LeNet and cifar10_quick, predicted beside measured) with a
+#               core per rank; the report counts the rows within 15%, the record is kept in
+#               the logs (bench-model-validation.json). Skipped on fewer than 4 cores.
 # The last line is one JSON report. Exit 0: every stage passed; 1: a stage failed;
 # 77 (the "skipped" code of automake and meson): no usable GPU here, one line, nothing run.
 # GPU_RUN_LOGS=DIR keeps each stage's full log there as DIR/gpu-logs.tar.gz.
@@ -142,18 +146,42 @@ print(json.dumps(out))
 EOF
 }
 
-export -f nccl_shared auto_shared quickstart cpu_cores
+# The performance model against measured steps where every rank has a core.
+model_validation() {
+  local cores
+  cores=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
+  if [ "$cores" -lt 4 ]; then echo "skipped: $cores cores, fewer than 4 ranks"; return 0; fi
+  python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 1 \
+      --validate-steps 20 --validation "$WORK/bench-model-validation.json" --json \
+      > "$WORK/model.json" || return 1
+  python - "$WORK" "$cores" <<'EOF'
+import json, os, statistics, sys
+work, cores = sys.argv[1], int(sys.argv[2])
+doc = json.loads(open(os.path.join(work, "model.json")).read().strip().splitlines()[-1])
+rows = doc["validation"]
+errors = [(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows]
+out = {"cores": cores, "rows": len(rows), "within_15": sum(abs(e) <= 0.15 for e in errors),
+       "median_abs_error": round(statistics.median(abs(e) for e in errors), 3),
+       "outside": [{k: r[k] for k in ("model", "mode", "delay", "np")} | {"error": round(e, 3)}
+                   for r, e in zip(rows, errors) if abs(e) > 0.15]}
+json.dump(out, open(os.path.join(work, "model-validation.json"), "w"))
+print(json.dumps(out))
+EOF
+}
+
+export -f nccl_shared auto_shared quickstart cpu_cores model_validation
 export WORK GPUS MPIRUN
 PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi"
-stage gpu-n1 120 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
+stage gpu-n1 90 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
     tests/test_cuda_kernels.py
-stage gpu-n2 80 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu tests/test_gpu_train.py
-stage gpu-n4 90 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
-stage nccl-shared 35 bash -c nccl_shared
-stage auto-shared 35 bash -c auto_shared
-stage quickstart 60 bash -c quickstart
-stage step-times 60 python tests/gpu/step_vs_torch.py --layers --out "$WORK/steps.json"
-stage cpu-cores 120 bash -c cpu_cores
+stage gpu-n2 60 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu tests/test_gpu_train.py
+stage gpu-n4 60 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
+stage nccl-shared 25 bash -c nccl_shared
+stage auto-shared 25 bash -c auto_shared
+stage quickstart 45 bash -c quickstart
+stage step-times 45 python tests/gpu/step_vs_torch.py --layers --out "$WORK/steps.json"
+stage cpu-cores 100 bash -c cpu_cores
+stage model-valid 150 bash -c model_validation
 
 python - "$WORK" <<'EOF'
 import json, os, re, sys
@@ -184,9 +212,10 @@ except Exception as exc:  # noqa: BLE001 - the report still comes out
 steps = os.path.join(work, "steps.json")
 if os.path.exists(steps):
     report["step_times"] = json.load(open(steps))
-cpu = os.path.join(work, "cpu-cores.json")
-if os.path.exists(cpu):
-    report["cpu_cores"] = json.load(open(cpu))
+for key in ("cpu-cores", "model-validation"):
+    path = os.path.join(work, key + ".json")
+    if os.path.exists(path):
+        report[key.replace("-", "_")] = json.load(open(path))
 print(json.dumps(report))
 sys.exit(0 if ok else 1)
 EOF
