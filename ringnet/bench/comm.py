@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ringnet.backend import cupy, to_numpy
+from ringnet.bench import paired_quartiles
 from ringnet.comm import COMMUNICATORS, create, make_transport
 from ringnet.comm.auto import ALGORITHMS as AUTO_ALGORITHMS, _eager_cuts, fit, lean_spins, \
     thresholds
@@ -221,7 +222,9 @@ def _call(comms, transport, algo, buf):
 
 
 def _run_size(comms, transport, algos, xp, dtype, count, iters, warmup):
-    """Time every algo on one buffer size; return {algo: (median_s, ok)}.
+    """Time every algo on one buffer size; return {algo: (median_s, ok, samples_s)}, the
+    samples being each timed iteration's slowest rank, in order (iteration i of every algo
+    ran back to back, so they pair up).
 
     Each algo runs once on (rank + 1) and is checked against N(N+1)/2, before the timed
     samples and again after them (by then auto starts the persistent requests it bound to
@@ -262,7 +265,8 @@ def _run_size(comms, transport, algos, xp, dtype, count, iters, warmup):
     flags = np.array([ok[a] for a in names], np.int32)
     all_ok = np.empty_like(flags)
     world.Allreduce(flags, all_ok, op=MPI.MIN)
-    return {a: (float(np.median(slowest[i])), bool(all_ok[i])) for i, a in enumerate(names)}
+    return {a: (float(np.median(slowest[i])), bool(all_ok[i]), slowest[i].tolist())
+            for i, a in enumerate(names)}
 
 
 def main(argv=None):
@@ -304,20 +308,23 @@ def main(argv=None):
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
         results = _run_size(comms, transport, algos, xp, dtype, count, args.iters, args.warmup)
-        native = results["native"][0] if "native" in results else None
+        native = results["native"] if "native" in results else None
         for algo in algos:
-            seconds, ok = results[algo]
+            seconds, ok, samples = results[algo]
             algbw = count * dtype.itemsize / seconds / 1e9
             row = {"algo": algo, "bytes": count * dtype.itemsize, "count": count,
                    "dtype": args.dtype, "time_us": seconds * 1e6, "algbw": algbw,
                    "busbw": bus_bandwidth(algbw, n), "ok": ok, "picked": None,
-                   "vs_native": None, "target": None, "passed": None}
+                   "vs_native": None, "vs_native_quartiles": None, "target": None,
+                   "passed": None}
             if algo == "auto":
                 row["picked"] = comms[algo].choose(count * dtype.itemsize)
             if algo == "floor":
                 row["picked"] = comms[algo].algorithm
             if native is not None and algo != "native":
-                row["vs_native"] = native / seconds
+                row["vs_native"] = native[0] / seconds
+                # iteration by iteration: native's time over this algo's right beside it
+                row["vs_native_quartiles"] = paired_quartiles(native[2], samples)
                 if algo == "auto":
                     row["target"] = target(row["bytes"])
                     row["passed"] = row["vs_native"] >= row["target"]
@@ -366,11 +373,11 @@ def _print_table(rows, n, transport_name, args):
               f"{row['picked'] or '-':>6} {row['time_us']:>11.1f} {row['algbw']:>10.3f} "
               f"{row['busbw']:>10.3f} {ratio:>8} {goal:>11} {'yes' if row['ok'] else 'NO':>3}")
     for algo in dict.fromkeys(r["algo"] for r in rows):
-        ratios = [(r["bytes"], r["vs_native"]) for r in rows
+        ratios = [(r["bytes"], r["vs_native"], r["vs_native_quartiles"]) for r in rows
                   if r["algo"] == algo and r["vs_native"] is not None]
         if ratios:
-            print(f"# {algo} busbw / native busbw: "
-                  + ", ".join(f"{_size(b)} {x:.2f}" for b, x in ratios))
+            print(f"# {algo} busbw / native busbw (iterations paired, quartiles): "
+                  + ", ".join(f"{_size(b)} {x:.2f} ({q[0]:.2f}-{q[1]:.2f})" for b, x, q in ratios))
     judged = [r for r in rows if r["passed"] is not None]
     if judged:
         failed = [_size(r["bytes"]) for r in judged if not r["passed"]]

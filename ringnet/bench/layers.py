@@ -15,6 +15,7 @@ if _PINNED:
 
 import numpy as np  # noqa: E402
 
+from ringnet.bench import paired_quartiles  # noqa: E402
 from ringnet.errors import ArgumentParser, UsageError  # noqa: E402
 from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d,  # noqa: E402
                             ReLU)
@@ -28,16 +29,6 @@ DEFAULT_MODELS = ("lenet", "cifar10_quick")
 
 def _median_ms(samples):
     return float(np.median(samples)) * 1e3
-
-
-def paired_quartiles(ours, theirs):
-    """Return the lower and upper quartile of the step-by-step ratios ours[i] / theirs[i].
-
-    The two steps of a pair ran back to back, so a slow moment of the machine slows both
-    and leaves their ratio: the quartiles say how far the ratio itself moves, which the
-    two medians' spreads would overstate."""
-    ratios = np.asarray(ours, dtype=float) / np.asarray(theirs, dtype=float)
-    return [float(q) for q in np.percentile(ratios, [25, 75])]
 
 
 def _batch(model, batch_size, seed):
