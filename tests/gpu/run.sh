@@ -133,7 +133,9 @@ out = {"cores": cores, "allreduce": [], "scaling": []}
 for n in (2, 3, 4):
     doc = json.loads(open(os.path.join(work, f"comm-{n}.json")).read().strip().splitlines()[-1])
     out["allreduce"] += [{"np": n, "bytes": r["bytes"], "picked": r["picked"],
-                          "vs_native": round(r["vs_native"], 3), "target": r["target"],
+                          "vs_native": round(r["vs_native"], 3),
+                          "quartiles": [round(q, 3) for q in r["vs_native_quartiles"]],
+                          "target": r["target"],
                           "passed": r["passed"]} for r in doc["rows"] if r["algo"] == "auto"]
 for model in ("lenet", "cifar10_quick"):
     doc = json.loads(open(os.path.join(work, f"scaling-{model}.json")).read()
