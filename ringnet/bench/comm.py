@@ -308,7 +308,7 @@ def main(argv=None):
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
         results = _run_size(comms, transport, algos, xp, dtype, count, args.iters, args.warmup)
-        native = results["native"] if "native" in results else None
+        native = results.get("native")
         for algo in algos:
             seconds, ok, samples = results[algo]
             algbw = count * dtype.itemsize / seconds / 1e9

@@ -291,11 +291,12 @@ def main(argv=None):
             line += (f" {r['ceiling']:>8.2f} {100 * r['of_ceiling']:>7.0f}%" if "ceiling" in r
                      else f" {'-':>8} {'-':>8}")
         print(line)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from ringnet.comm.auto import node_cores
+    cores = node_cores()
     for n, c in sorted(ceiling.items()):
         shared = (f"; {n} ranks share this machine's {cores} cores, so the ranks' compute "
                   f"alone takes {n / cores:.1f}x as long as the ceiling assumes"
-                  if cores and n > cores else "")
+                  if n > cores else "")
         print(f"# ceiling at N={n}: single at batch {args.batch_size // n} takes "
               f"{base_ms / c:.2f} ms a step against {base_ms:.2f} ms at {args.batch_size}: "
               f"t(B) / t(B/N) = {c:.2f}x{shared}")

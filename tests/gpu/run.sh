@@ -62,6 +62,8 @@ EOF
 fi
 
 GPUS=$(python -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
+# the cores this job may use (the CPU stages need one per rank, 4 ranks)
+CORES=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
 
 # stage NAME LIMIT_S CMD...: run CMD under a time limit, keep its output, record rc and time.
 stage() {
@@ -113,9 +115,7 @@ EOF
 
 # The CPU path with a core per rank: all-reduce against MPI's own, the ring's speedup at N = 2.
 cpu_cores() {
-  local cores
-  cores=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
-  if [ "$cores" -lt 4 ]; then echo "skipped: $cores cores, fewer than 4 ranks"; return 0; fi
+  if [ "$CORES" -lt 4 ]; then echo "skipped: $CORES cores, fewer than 4 ranks"; return 0; fi
   for n in 2 3 4; do
     "$MPIRUN" -np "$n" python -m ringnet.bench comm --algos native,auto --transport mpi \
         --iters 20 --json > "$WORK/comm-$n.json" || return 1
@@ -126,20 +126,25 @@ cpu_cores() {
         --repeats 3 --ceiling --json > "$WORK/scaling-$model.json" || return 1
     tail -n 1 "$WORK/scaling-$model.json"
   done
-  python - "$WORK" "$cores" <<'EOF'
+  python - "$WORK" "$CORES" <<'EOF'
 import json, os, sys
 work, cores = sys.argv[1], int(sys.argv[2])
 out = {"cores": cores, "allreduce": [], "scaling": []}
+
+
+def last_json(name):
+    return json.loads(open(os.path.join(work, name)).read().strip().splitlines()[-1])
+
+
 for n in (2, 3, 4):
-    doc = json.loads(open(os.path.join(work, f"comm-{n}.json")).read().strip().splitlines()[-1])
+    doc = last_json(f"comm-{n}.json")
     out["allreduce"] += [{"np": n, "bytes": r["bytes"], "picked": r["picked"],
                           "vs_native": round(r["vs_native"], 3),
                           "quartiles": [round(q, 3) for q in r["vs_native_quartiles"]],
                           "target": r["target"],
                           "passed": r["passed"]} for r in doc["rows"] if r["algo"] == "auto"]
 for model in ("lenet", "cifar10_quick"):
-    doc = json.loads(open(os.path.join(work, f"scaling-{model}.json")).read()
-                     .strip().splitlines()[-1])
+    doc = last_json(f"scaling-{model}.json")
     out["scaling"] += [{"model": model, "mode": r["mode"], "delay": r["delay"], "np": r["np"],
                         "step_ms": r["step_ms"], "speedup": r["speedup"],
                         "ceiling": r.get("ceiling")} for r in doc["rows"]]
@@ -150,13 +155,11 @@ EOF
 
 # The performance model against measured steps where every rank has a core.
 model_validation() {
-  local cores
-  cores=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
-  if [ "$cores" -lt 4 ]; then echo "skipped: $cores cores, fewer than 4 ranks"; return 0; fi
+  if [ "$CORES" -lt 4 ]; then echo "skipped: $CORES cores, fewer than 4 ranks"; return 0; fi
   python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 1 \
       --validate-steps 20 --validation "$WORK/bench-model-validation.json" --json \
       > "$WORK/model.json" || return 1
-  python - "$WORK" "$cores" <<'EOF'
+  python - "$WORK" "$CORES" <<'EOF'
 import json, os, statistics, sys
 work, cores = sys.argv[1], int(sys.argv[2])
 doc = json.loads(open(os.path.join(work, "model.json")).read().strip().splitlines()[-1])
@@ -172,7 +175,7 @@ EOF
 }
 
 export -f nccl_shared auto_shared quickstart cpu_cores model_validation
-export WORK GPUS MPIRUN
+export WORK GPUS CORES MPIRUN
 PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi"
 stage gpu-n1 90 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
     tests/test_cuda_kernels.py
