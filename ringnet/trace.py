@@ -176,12 +176,16 @@ def align_clocks(world, origin=None, samples=CLOCK_SAMPLES, clock=time.perf_coun
     return best
 
 
+def drift(first, last):
+    """Return how fast this clock's offset from rank 0's changes between two
+    :class:`ClockSync` readings (seconds per second; 0 where both are the same)."""
+    return (last.offset - first.offset) / (last.at - first.at) if last.at != first.at else 0.0
+
+
 def on_reference_clock(t, first, last):
     """Return local time ``t`` on rank 0's clock, the offset interpolated linearly between
     two :class:`ClockSync` readings (``first`` alone where both are the same)."""
-    if last.at == first.at:
-        return t - first.offset
-    return t - (first.offset + (last.offset - first.offset) * (t - first.at) / (last.at - first.at))
+    return t - (first.offset + drift(first, last) * (t - first.at))
 
 
 class Tracer:
@@ -240,10 +244,9 @@ class Tracer:
         """This rank's offset from rank 0 (us), the bound on its error (us), and the drift
         between the two alignments (parts per million)."""
         a, b = self._syncs[0], self._syncs[-1]
-        drift = (b.offset - a.offset) / (b.at - a.at) if b.at != a.at else 0.0
         return {"rank": self.rank, "offset_us": round(a.offset * 1e6, 3),
                 "error_us": round(max(a.error, b.error) * 1e6, 3),
-                "drift_ppm": round(drift * 1e6, 3)}
+                "drift_ppm": round(drift(a, b) * 1e6, 3)}
 
     def stop(self):
         """Stop collecting (idempotent; not collective)."""
