@@ -2,6 +2,7 @@
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 from ringnet.errors import ArgumentParser, TransportUnavailable, UsageError
@@ -50,7 +51,7 @@ def default_batch_size(world_size):
 @dataclass
 class TrainConfig:
     """Everything a training run needs; see ``python -m ringnet.train --help``."""
-    model: str = "digits"
+    model: str = None             # None: "digits", or the checkpoint's under --resume
     dataset: str = None
     mode: str = None
     delay: int = None
@@ -89,6 +90,8 @@ class TrainConfig:
         """Return a copy with defaults filled in for ``world_size`` ranks; raise UsageError on bad values."""
         from ringnet.models import MODELS  # late: keeps --help fast
         cfg = dataclasses.replace(self)
+        if cfg.model is None:
+            cfg.model = "digits"
         if cfg.model not in MODELS:
             raise UsageError(f"unknown model {cfg.model!r}; choose one of {', '.join(sorted(MODELS))}")
         defaults = MODEL_DEFAULTS.get(cfg.model, {"lr": 0.01, "epochs": 10, "dataset": "synthetic"})
@@ -166,6 +169,14 @@ class TrainConfig:
             raise UsageError(f"--check-every must be >= 0, got {cfg.check_every}")
         if cfg.seed < 0:
             raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
+        data_dir = None if cfg.data_dir is None else os.path.expanduser(cfg.data_dir)
+        if data_dir is not None and not os.path.isdir(data_dir):
+            what = "is not a folder" if os.path.exists(data_dir) else "does not exist"
+            from ringnet.data.datasets import DOWNLOADABLE     # late: an error path only
+            if cfg.dataset in DOWNLOADABLE and what == "does not exist":
+                what += (f"; get {cfg.dataset} into it with: python -m ringnet.datasets "
+                         f"download {cfg.dataset} --dir {cfg.data_dir}")
+            raise UsageError(f"--data-dir {cfg.data_dir} {what}")
         if cfg.batch_size % world_size:
             raise UsageError(f"--batch-size {cfg.batch_size} (the global batch) is not divisible "
                              f"by the {world_size} ranks; choose a multiple of {world_size}")
@@ -229,10 +240,10 @@ def build_parser():
                "Examples:\n" + "".join(f"  {e}\n" for e in EXAMPLES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="digits", metavar="|".join(MODEL_DEFAULTS),
+    g.add_argument("--model", default=None, metavar="|".join(MODEL_DEFAULTS),
                    help="digits (1x8x8), lenet (1x28x28), cifar10_quick (3x32x32), carnet "
                         "(3x64x64); the last layer has one output per class of the data set "
-                        "(default digits)")
+                        "(default digits; under --resume the checkpoint's)")
     g.add_argument("--dataset", default=None, metavar="NAME|PATH.h5",
                    help="digits (embedded), mnist, cifar10, synthetic, a name with <name>.h5 in "
                         "--data-dir, or a path to a ringnet .h5 file (default: per model, below)")

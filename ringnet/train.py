@@ -7,8 +7,10 @@ if __name__ == "__main__":     # the program, not a library import: pin BLAS thr
     configure_blas_threads()
 
 import collections
+import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -53,6 +55,10 @@ def _place(cfg, world, device):
             transport = ringcomm.make_transport(cfg.transport, world, device=device)
             return transport.placement, transport
         if device == "cpu":
+            if cfg.transport == "nccl" and os.environ.get("RINGNET_NCCL", "") != "standin":
+                # the check a parallel mode's transport makes, so one process is told the same
+                raise TransportUnavailable("transport nccl moves GPU memory, but the device is "
+                                           "the CPU", "cpu-device", transport="nccl")
             return ringcomm.Placement("cpu"), None
         device_id, bus_id, _ = ringcomm.bind_gpu(world)
         return ringcomm.Placement("gpu", f"GPU {device_id} ({bus_id})"), None
@@ -147,7 +153,6 @@ _PER_RANK = ("dataset", "data_dir", "save", "resume", "json", "progress", "quiet
 
 def config_fingerprint(cfg):
     """Return {field: value} of the resolved settings every rank must share."""
-    import dataclasses
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _PER_RANK}
     fields["save"] = cfg.save is not None        # the paths may differ, whether they are set not
     fields["resume"] = cfg.resume is not None
@@ -290,43 +295,105 @@ def _print_summary(summary):
     print(json.dumps(summary), flush=True)
 
 
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _compensation_after(cfg, size):
+    """The delay compensation ``cfg`` resolves to at ``size`` ranks, or None where its settings
+    are refused (:meth:`TrainConfig.resolved` says why, later)."""
+    try:
+        return dataclasses.replace(cfg, warmup_steps=None).resolved(size).delay_compensation
+    except UsageError:
+        return None
+
+
+def _mode_text(mode, delay, compensation):
+    text = f"{mode}" if mode in (None, "single") else f"{mode} delay {delay}"
+    return text + (f" {compensation}" if delay and compensation not in (None, "none") else "")
+
+
 def _resume_settings(cfg, world):
     """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint,
     (note, record)).
 
     Hyperparameters not given explicitly continue with the checkpoint's values; a flag that
-    is given overrides (giving it is the explicit request to leave the trajectory). The log
-    note and the --json record say which were taken and which a flag overrode.
+    is given overrides (giving it is the explicit request to leave the trajectory). Without
+    ``--model`` the run takes the checkpoint's model. Settings that belong to a mode follow
+    the mode resumed into: ``--warmup-steps`` continues from the checkpoint only where both
+    runs use the look-ahead compensation; into a look-ahead run from one without it the
+    default warm-up applies (its synchronous steps are the synchronous run's, counted from
+    step 0), and into a run without it the warm-up is dropped. The log note and the --json
+    record say which were taken, which a flag overrode, and what followed the mode.
     """
-    import dataclasses
     from ringnet.checkpoint import HYPERPARAMETERS, load_checkpoint, resume_settings
     checkpoint = collective(world, load_checkpoint, cfg.resume)
     attrs = checkpoint[3]
+    size = world.Get_size()
+    done = int(attrs.get("step", 0))
+    model_note = None
+    if cfg.model is None and _text(attrs.get("model")):
+        cfg = dataclasses.replace(cfg, model=_text(attrs["model"]))
+        model_note = f"--model {cfg.model}"
     given = {n: getattr(cfg, n) for n in HYPERPARAMETERS}
-    if given["warmup_steps"] is None and "warmup_steps" not in attrs and \
-            attrs.get("delay_compensation") in ("lookahead", b"lookahead"):
-        given["warmup_steps"] = 0       # written before the warm-up existed: none was run
+    was = _mode_text(_text(attrs.get("mode")), attrs.get("delay"),
+                     _text(attrs.get("delay_compensation")))
+    stored_lookahead = _text(attrs.get("delay_compensation")) == "lookahead"
+    target_lookahead = _compensation_after(cfg, size) == "lookahead"
+    followed = None     # (what the warm-up became, why), for the note
+    if given["warmup_steps"] is None:
+        if stored_lookahead and target_lookahead and "warmup_steps" not in attrs:
+            given["warmup_steps"] = 0       # written before the warm-up existed: none was run
+        elif stored_lookahead and not target_lookahead:
+            stored = int(attrs.get("warmup_steps", 0) or 0)
+            attrs = {k: v for k, v in attrs.items() if k != "warmup_steps"}
+            if stored:
+                followed = (0, f"dropped the checkpoint's --warmup-steps {stored} of {was}: "
+                               f"the warm-up belongs to the look-ahead compensation of delay 1")
+        elif not stored_lookahead:
+            # The checkpoint's warm-up (0 or absent) belonged to a run without the look-ahead:
+            # this run's own default follows its mode (resolved below).
+            given["warmup_steps"] = None
+            attrs = {k: v for k, v in attrs.items() if k != "warmup_steps"}
+            followed = (None, f"--warmup-steps follows the mode resumed into (the checkpoint "
+                              f"is {was})")
     settings, overridden = resume_settings(attrs, given)
-    if "warmup_steps" in given and given["warmup_steps"] is not None:
+    if given["warmup_steps"] is not None:
         cfg = dataclasses.replace(cfg, warmup_steps=given["warmup_steps"])
     cfg = dataclasses.replace(cfg, **settings)
-    size = world.Get_size()
     if "batch_size" in settings and cfg.batch_size % size:
         raise UsageError(f"checkpoint {cfg.resume} was trained with global batch {cfg.batch_size}, "
                          f"which {size} ranks cannot split; pass --batch-size with a multiple "
                          f"of {size} to change it")
+    if followed is not None and followed[0] is None:
+        resolved = cfg.resolved(size) if target_lookahead else None
+        warmup = resolved.warmup_steps if resolved is not None else 0
+        if not warmup:
+            followed = None         # nothing to say: no warm-up before, none now
+        else:
+            cfg = dataclasses.replace(cfg, warmup_steps=warmup)
+            after = (f"steps {done} to {warmup} synchronous, then delayed" if warmup > done
+                     else f"already past at step {done}: delayed from the start")
+            followed = (warmup, f"--warmup-steps {warmup}, the default of "
+                                f"{_mode_text(resolved.mode, resolved.delay, 'lookahead')}, "
+                                f"as the checkpoint's {was} had none ({after})")
     flag = {n: "--" + n.replace("_", "-") for n in HYPERPARAMETERS}
-    note = f"resuming from {cfg.resume} at step {int(attrs.get('step', 0))}"
-    if settings:
-        note += "; from the checkpoint: " + ", ".join(f"{flag[n]} {v}" for n, v in settings.items())
+    note = f"resuming from {cfg.resume} at step {done}"
+    taken = ([model_note] if model_note else []) + [f"{flag[n]} {v}" for n, v in settings.items()]
+    if taken:
+        note += "; from the checkpoint: " + ", ".join(taken)
     if overridden:
         note += "; overridden: " + ", ".join(f"{flag[n]} {asked} (checkpoint: {stored})"
                                              for n, stored, asked in overridden)
+    if followed is not None:
+        note += "; " + followed[1]
     # The same for --json: a changed trajectory is on record even under --quiet.
-    record = {"checkpoint": str(cfg.resume), "step": int(attrs.get("step", 0)),
-              "from_checkpoint": dict(settings),
+    record = {"checkpoint": str(cfg.resume), "step": done,
+              "from_checkpoint": dict(settings, **({"model": cfg.model} if model_note else {})),
               "overridden": {n: {"checkpoint": stored, "given": asked}
                              for n, stored, asked in overridden}}
+    if followed is not None:
+        record["followed_mode"] = {"warmup_steps": followed[0], "why": followed[1]}
     return cfg, checkpoint, (note, record)
 
 
@@ -356,7 +423,6 @@ def _checkpoint_saver(cfg, world, strategy, spe):
 
 def train(cfg=None, world=None, **overrides):
     """Run one training job on ``world`` (default MPI.COMM_WORLD); return a TrainResult."""
-    import dataclasses
     cfg = dataclasses.replace(cfg or TrainConfig(), **overrides)
     if world is None:
         from ringnet.slurm import check_world_size

@@ -365,3 +365,44 @@ def test_train_bad_values_are_one_line(args, needle):
     """A negative seed and a checkpoint path that is a folder: one line (h5py's message spans
     lines; the error line joins them), exit 2."""
     one_line_error(train_cli("--steps", "1", *args, timeout=120), needle)
+
+
+# --- inputs that were silently accepted or misnamed ----------------------------------------
+
+def test_a_data_dir_that_is_not_a_folder_is_refused(tmp_path):
+    one_line_error(train_cli("--steps", "1", "--data-dir", str(tmp_path / "nowhere")),
+                   f"--data-dir {tmp_path / 'nowhere'} does not exist")
+    (tmp_path / "file").write_text("x")
+    one_line_error(train_cli("--steps", "1", "--data-dir", str(tmp_path / "file")),
+                   "is not a folder")
+
+
+def test_a_folder_given_as_the_data_set_is_named_a_folder(tmp_path):
+    one_line_error(train_cli("--steps", "1", "--dataset", str(tmp_path)),
+                   f"data set {tmp_path} is a folder", "convert imagefolder")
+
+
+def test_transport_nccl_on_the_cpu_is_refused_alone_as_under_mpirun():
+    env = {k: v for k, v in ENV.items() if k != "RINGNET_NCCL"}
+    alone = train_cli("--steps", "1", "--device", "cpu", "--transport", "nccl", env=env)
+    under = train_cli("--steps", "1", "--device", "cpu", "--transport", "nccl", np_=2, env=env)
+    one_line_error(alone, "transport nccl moves GPU memory, but the device is the CPU")
+    one_line_error(under, "transport nccl moves GPU memory, but the device is the CPU")
+    assert alone.stderr == under.stderr
+
+
+def test_a_resume_into_another_mode_says_what_followed_the_mode(tmp_path):
+    ck = str(tmp_path / "ck.h5")
+    assert train_cli("--steps", "4", "--save", ck, "--quiet").returncode == 0
+    proc = train_cli("--steps", "6", "--resume", ck, "--no-progress", np_=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith(f"resuming from {ck} at step 4; from the checkpoint: --model digits"), first
+    assert "--warmup-steps 100, the default of ring delay 1 lookahead, as the checkpoint's " \
+           "single had none (steps 4 to 100 synchronous, then delayed)" in first, first
+    ring = str(tmp_path / "ring.h5")
+    assert train_cli("--steps", "4", "--save", ring, "--quiet", np_=2).returncode == 0
+    proc = train_cli("--steps", "6", "--resume", ring, "--mode", "single", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "dropped the checkpoint's --warmup-steps 100 of ring delay 1 lookahead" in \
+        proc.stdout.splitlines()[0]

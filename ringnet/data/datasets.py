@@ -169,6 +169,10 @@ def find_dataset(name, data_dir=None):
     """Return the path of data set ``name`` (a known name or an .h5 path) or raise InputError."""
     path = Path(os.path.expanduser(str(name)))
     if _looks_like_path(name) or (name not in NAMED and path.is_file()):
+        if path.is_dir():
+            raise InputError(f"data set {path} is a folder, not a ringnet .h5 file (an image "
+                             f"folder converts with: python -m ringnet.datasets convert "
+                             f"imagefolder {path} --out NAME.h5)")
         if not path.is_file():
             raise InputError(f"data set file {path} does not exist")
         return path
