@@ -1,62 +1,125 @@
 """Pin BLAS/OpenMP threads per MPI rank (and OpenBLAS's kernels) before NumPy is imported."""
 import os
 
-__all__ = ["local_ranks_on_node", "blas_threads_for_rank", "configure_blas_threads",
+__all__ = ["local_ranks_on_node", "slurm_tasks_per_node", "blas_threads_for_rank",
+           "configure_blas_threads", "blas_threads_in_use",
            "openblas_coretype", "configure_blas_kernels"]
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
-# Environment variables launchers set to the number of ranks on this node.
+# Environment variables MPI launchers set to the number of ranks on this node.
 _LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS",              # MPICH / Hydra
                     "OMPI_COMM_WORLD_LOCAL_SIZE",   # Open MPI
                     "MV2_COMM_WORLD_LOCAL_SIZE",    # MVAPICH2
-                    "PMI_LOCAL_SIZE",
-                    "SLURM_NTASKS_PER_NODE")        # srun
+                    "PMI_LOCAL_SIZE")
+# What srun says of the tasks per node, most specific first: the step's own layout, the
+# allocation's, and --ntasks-per-node (which SLURM sets only when it was given). The first
+# two are lists, one entry per node, "2(x3),1" for 2, 2, 2, 1; SLURM_NODEID picks this node's.
+_SLURM_TASK_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+# srun's --cpu-bind kinds that give each task cores of its own (its affinity is then the
+# task's, not the node's to share).
+_SLURM_BINDINGS = ("mask_cpu", "map_cpu", "mask_ldom", "map_ldom", "cores", "threads",
+                   "sockets", "ldoms", "rank")
 
 
-def local_ranks_on_node():
+def _positive(text):
+    """``text`` as a positive int, or None (unset, empty, not a number, 0 or less)."""
+    text = (text or "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def slurm_tasks_per_node(text, node=0):
+    """Return node ``node``'s entry of a SLURM tasks-per-node list ("2(x3),1"), or None."""
+    counts = []
+    for item in (text or "").split(","):
+        count, _, repeat = item.strip().partition("(x")
+        count, repeat = _positive(count), _positive(repeat.rstrip(")")) if repeat else 1
+        if count is None or repeat is None:
+            return None
+        counts += [count] * repeat
+    return counts[node] if 0 <= node < len(counts) else None
+
+
+def local_ranks_on_node(environ=None):
     """Return the number of ranks the launcher put on this node (1 when unknown)."""
+    env = os.environ if environ is None else environ
     for var in _LOCAL_SIZE_VARS:
-        value = os.environ.get(var, "")
-        # SLURM_NTASKS_PER_NODE may read "4" or "4(x2)"
-        digits = value.split("(")[0].split(",")[0]
-        if digits.isdigit() and int(digits) > 0:
-            return int(digits)
+        if _positive(env.get(var)):
+            return _positive(env.get(var))
+    node_id = env.get("SLURM_NODEID", "").strip()
+    node = int(node_id) if node_id.isdigit() else 0
+    for var in _SLURM_TASK_VARS:
+        count = slurm_tasks_per_node(env.get(var), node)
+        if count:
+            return count
     return 1
 
 
-def blas_threads_for_rank():
-    """Return the BLAS thread count for this rank.
-
-    ``RINGNET_BLAS_THREADS`` wins; otherwise the usable cores of this node divided
-    evenly among its ranks (at least 1).
-    """
-    forced = os.environ.get("RINGNET_BLAS_THREADS", "")
-    if forced.isdigit() and int(forced) > 0:
-        return int(forced)
+def _affinity():
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores // local_ranks_on_node())
+        return os.cpu_count() or 1
+
+
+def blas_threads_for_rank(environ=None, cores=None):
+    """Return the BLAS thread count for this rank, and why.
+
+    ``RINGNET_BLAS_THREADS`` wins. Under srun, ``SLURM_CPUS_PER_TASK`` (the cores the
+    allocation gave each task), or the task's own affinity where srun bound each task to
+    cores of its own. Otherwise the usable cores of this node (the CPU affinity) divided
+    evenly among its ranks (:func:`local_ranks_on_node`), at least 1. ``cores``: the
+    affinity's size (read when None).
+    """
+    env = os.environ if environ is None else environ
+    forced = _positive(env.get("RINGNET_BLAS_THREADS"))
+    if forced:
+        return forced
+    cores = _affinity() if cores is None else cores
+    per_task = _positive(env.get("SLURM_CPUS_PER_TASK"))
+    if per_task and env.get("SLURM_STEP_ID") is not None:
+        return max(1, min(per_task, cores))
+    bind = env.get("SLURM_CPU_BIND_TYPE", "")
+    if env.get("SLURM_STEP_ID") is not None and any(kind in bind for kind in _SLURM_BINDINGS):
+        return cores
+    return max(1, cores // local_ranks_on_node(env))
 
 
 def configure_blas_threads():
-    """Set the thread variables unless the user already set ``OMP_NUM_THREADS``, and
-    OpenBLAS's kernels (:func:`configure_blas_kernels`).
+    """Set the thread variables unless the user already set ``OMP_NUM_THREADS`` (to a
+    positive number: an empty or other value counts as unset), and OpenBLAS's kernels
+    (:func:`configure_blas_kernels`).
 
     Only effective before NumPy (or CuPy) is first imported in this process.
     """
-    if "OMP_NUM_THREADS" in os.environ and "RINGNET_BLAS_THREADS" not in os.environ:
-        n = os.environ["OMP_NUM_THREADS"]
+    asked = _positive(os.environ.get("OMP_NUM_THREADS"))
+    if asked and "RINGNET_BLAS_THREADS" not in os.environ:
+        n = str(asked)
     else:
         n = str(blas_threads_for_rank())
+    forced = _positive(os.environ.get("RINGNET_BLAS_THREADS")) is not None
     for var in _THREAD_VARS:
-        if var == "OMP_NUM_THREADS" or var not in os.environ or "RINGNET_BLAS_THREADS" in os.environ:
+        if var == "OMP_NUM_THREADS" or not _positive(os.environ.get(var)) or forced:
             os.environ[var] = n
     configure_blas_kernels()
     return int(n)
+
+
+def blas_threads_in_use():
+    """Return the threads the loaded BLAS library uses (threadpoolctl), else what the
+    thread variables ask for, else None."""
+    try:
+        from threadpoolctl import threadpool_info
+        counts = [i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"]
+        if counts:
+            return max(counts)
+    except Exception:       # noqa: BLE001 - a report, never a reason to fail
+        pass
+    for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        if _positive(os.environ.get(var)):
+            return _positive(os.environ.get(var))
+    return None
 
 
 def _cpuinfo():

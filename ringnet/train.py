@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from ringnet import backend
+from ringnet._threads import blas_threads_in_use
 from ringnet.checkpoint import HYPERPARAMETERS
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
 from ringnet.errors import (USER_ERRORS, Deadline, DivergedError, InputError, RunInputError,
@@ -472,8 +473,14 @@ def _train(cfg, world, deadline, rank, size, t_start):
     delay_text = f"delay {cfg.delay}" + (f", {cfg.delay_compensation}" if cfg.delay else "")
     if cfg.warmup_steps:
         delay_text += f" after {cfg.warmup_steps} synchronous warm-up steps"
+    threads = exchange(world, blas_threads_in_use(), phase="setup", timeout=deadline.seconds)
+    known = sorted({t for t in threads if t})
+    threads_text = ""
+    if xp is np and known:
+        threads_text = (f", {known[0]}" if len(known) == 1 else f", {known[0]}-{known[-1]}") + \
+            f" BLAS thread{'s' if known[-1] > 1 else ''} per rank"
     _log(cfg, world, f"ringnet: {cfg.mode} ({delay_text}) on {size} rank(s), "
-                     f"{strategy.placement.describe()}, model {cfg.model} "
+                     f"{strategy.placement.describe()}{threads_text}, model {cfg.model} "
                      f"({model.num_params:,} parameters, {model.num_classes} outputs: one per class "
                      f"of the data), data {dataset.name} ({len(dataset.train)} train / "
                      f"{len(dataset.test)} test), {batch_text}, lr {cfg.lr:g}, {steps_text}")
@@ -594,7 +601,10 @@ def _train(cfg, world, deadline, rank, size, t_start):
         "bytes_per_step": int(mean[7] / steps_run) if steps_run else 0,
         "bytes_sent_max": int(busiest),
         "num_params": model.num_params,
+        "blas_threads": known[-1] if known else None,
     }
+    if len(known) > 1:
+        summary["blas_threads_by_rank"] = threads
     if cfg.eval_every:
         summary["evals"] = evals
     if resumed is not None:
