@@ -88,6 +88,7 @@ def test_scaling_plot_from_a_csv_file(tmp_path):
                            f"{root}/docs/img/scaling-cifar10_quick-2core.csv", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"wrote {out}\n"
     assert has_colour(str(out), "C4") > 100               # five series: split-fc is the fifth
     (tmp_path / "bad.csv").write_text("mode,np\nring,x\n")
     proc = subprocess.run([sys.executable, "-m", "ringnet.bench.plot", "scaling",

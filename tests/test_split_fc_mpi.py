@@ -15,7 +15,6 @@
 * an FC layer with fewer outputs than ranks is refused in the constructor.
 """
 import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -185,8 +184,8 @@ def test_train_delay0_equals_single_and_reports_fc_memory():
 
 
 @pytest.mark.mpi
-def test_checkpoints_cross_between_split_fc_and_single():
-    folder = WORLD.bcast(tempfile.mkdtemp(prefix="ringnet-splitfc-") if RANK == 0 else None)
+def test_checkpoints_cross_between_split_fc_and_single(mpi_tmp_path):
+    folder = str(mpi_tmp_path)      # rank 0's pytest tmp_path, on every rank: pytest removes it
     split_ckpt, single_ckpt = os.path.join(folder, "split.h5"), os.path.join(folder, "single.h5")
     _train_params(WORLD, mode="split-fc", steps=3, save=split_ckpt)
     resumed_single = None

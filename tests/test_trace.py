@@ -125,13 +125,19 @@ def test_delay_one_exchange_runs_under_the_next_step(tmp_path):
         assert comm and all(lanes[(r, e["tid"])] != "training" for e in comm)
         # some exchange of step t-1 is in flight while step t computes
         assert any(overlaps(c, w) for c in comm for w in compute)
-    # and the picture of it (the README's command)
+
+
+def test_the_picture_of_a_trace(tmp_path):
+    """The docs' command draws a trace (needs matplotlib, the plot extra)."""
+    pytest.importorskip("matplotlib")
+    traced_run(tmp_path, "--mode", "ring", "--delay", "1", "--warmup-steps", "0", steps=4)
     png = tmp_path / "trace.png"
     proc = subprocess.run([sys.executable, "-m", "ringnet.bench.plot", "trace",
                            str(tmp_path / "trace.json"), str(png), "--steps", "2"],
                           capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert proc.stdout.strip() == f"wrote {png}", proc.stdout
 
 
 def test_delay_zero_exchange_is_on_the_training_thread(tmp_path):

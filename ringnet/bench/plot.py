@@ -191,6 +191,7 @@ def main(argv=None):
         except (OSError, KeyError, ValueError) as exc:
             raise UsageError(f"cannot read scaling table {args.csv}: {exc}") from None
         plot_scaling(rows, args.out, title=args.title)
+        print(f"wrote {args.out}", flush=True)
         return 0
     try:
         with open(args.trace) as f:
@@ -203,6 +204,7 @@ def main(argv=None):
         title = (f"{run['mode']} delay {run['delay']}, {run['ranks']} ranks, {run['model']}, "
                  f"global batch {run['batch_size']}, {run['device']}")
     plot_trace(trace, args.out, steps=args.steps, title=title)
+    print(f"wrote {args.out}", flush=True)
     return 0
 
 
