@@ -239,16 +239,41 @@ def check_replicas(strategy, world, step, deadline=None):
                             f"{', '.join(map(str, differ))} differ from rank 0")
 
 
+# Launchers whose ranks' stderr is a pipe to them: a person watches when theirs is a terminal.
+_LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun", "prte")
+
+
+def _launcher_on_a_terminal(pid=None, depth=4):
+    """Whether the MPI launcher that started this process (an ancestor on this node, at
+    most ``depth`` generations up: mpiexec, then its proxy) writes its stderr to a terminal."""
+    pid = os.getppid() if pid is None else pid
+    for _ in range(depth):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            if name.startswith(_LAUNCHERS):
+                return os.readlink(f"/proc/{pid}/fd/2").startswith(("/dev/pts/", "/dev/tty"))
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid <= 1:
+            return False
+    return False
+
+
 def _interactive():
     """Return True when a person watches: stderr is a terminal, or (under mpirun, where
-    stderr is a pipe to the launcher) the process still has a controlling terminal."""
+    stderr is a pipe to the launcher, which Hydra starts in a session without a terminal)
+    the process still has a controlling terminal or its launcher writes to one."""
     if sys.stderr.isatty():
         return True
     try:
         with open("/dev/tty", "rb"):
             return True
     except OSError:
-        return False
+        pass
+    return _launcher_on_a_terminal()
 
 
 def _log(cfg, world, text):
@@ -398,9 +423,20 @@ def _resume_settings(cfg, world):
     return cfg, checkpoint, (note, record)
 
 
-def _epoch_line(epoch, recent, test_acc, test_loss):
-    return (f"epoch {epoch:3d}  train loss {np.mean(recent):.4f}  test loss {test_loss:.4f}  "
+def _epoch_line(world, epoch, spe, losses, test_acc, test_loss, deadline):
+    """The log line of ``epoch`` (1-based): its train loss is the mean over every rank of the
+    losses of the epoch's steps this run made (collective). ``losses``: (first step, [loss])
+    of this rank; after a resume inside the epoch the line says which steps it averages."""
+    first, mine = losses
+    every = exchange(world, (float(np.sum(list(mine))), len(mine)), phase="epoch statistics",
+                     timeout=deadline.seconds)
+    mean = sum(total for total, _ in every) / max(1, sum(n for _, n in every))
+    line = (f"epoch {epoch:3d}  train loss {mean:.4f}  test loss {test_loss:.4f}  "
             f"test acc {100 * test_acc:6.2f}%")
+    start = (epoch - 1) * spe
+    if first > start:
+        line += f"  (train loss of steps {first}-{start + spe - 1} of {start}-{start + spe - 1}: resumed)"
+    return line
 
 
 def _checkpoint_saver(cfg, world, strategy, spe):
@@ -492,6 +528,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
 
     tracer = Tracer(world, cfg.trace) if cfg.trace else None
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
+    epoch_losses = (step, [])                 # (first step, local losses) of the epoch running
     saver = _checkpoint_saver(cfg, world, strategy, spe)   # --save-every, launcher heartbeat
     saver.start(step)
     first_step = step
@@ -516,6 +553,9 @@ def _train(cfg, world, deadline, rank, size, t_start):
                         raise DivergedError(f"loss is {loss} at step {step} (epoch {epoch + 1}): "
                                             f"training diverged; try a lower --lr (now {cfg.lr:g})")
                     recent.append(loss)
+                    if step % spe == 0 and step > epoch_losses[0]:
+                        epoch_losses = (step, [])
+                    epoch_losses[1].append(loss)
                     step += 1
                     now = time.perf_counter()
                     deadline.record(now - t_step)     # data wait included: it delays peers too
@@ -543,7 +583,8 @@ def _train(cfg, world, deadline, rank, size, t_start):
                     test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp,
                                                    deadline=deadline)
                     eval_s += time.perf_counter() - t_eval
-                    _log(cfg, world, _epoch_line(step // spe, recent, test_acc, test_loss))
+                    _log(cfg, world, _epoch_line(world, step // spe, spe, epoch_losses, test_acc,
+                                                 test_loss, deadline))
                     t_step = time.perf_counter()
             set_phase(f"step {step}")
             strategy.drain()
@@ -560,7 +601,8 @@ def _train(cfg, world, deadline, rank, size, t_start):
     if cfg.eval_every:
         evals.append([step, round(step / spe, 4), train_s - eval_s, test_acc])
     if step % spe == 0 and cfg.eval_every_epoch and step > first_step and test_acc is not None:
-        _log(cfg, world, _epoch_line(step // spe, recent, test_acc, test_loss))
+        _log(cfg, world, _epoch_line(world, step // spe, spe, epoch_losses, test_acc, test_loss,
+                                     deadline))
 
     if cfg.save:
         set_phase("save")
@@ -572,13 +614,17 @@ def _train(cfg, world, deadline, rank, size, t_start):
     stats.resolve()             # device time of the last GPU spans
     steps_run = step - first_step
     sent, received = strategy.bytes_moved()
-    local_loss = float(np.mean(recent)) if recent else float("nan")
+    # The train loss: every rank's losses of the last epoch's worth of steps, summed as the
+    # epoch line sums them, so a run that ends on a whole epoch prints the same value twice.
     per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, fetched["data"],
-                         stats.comm_total_s, sent, received, step_bytes, local_loss],
-                        dtype=np.float64)
+                         stats.comm_total_s, sent, received, step_bytes,
+                         float(np.sum(list(recent))), len(recent)], dtype=np.float64)
     every = np.array(exchange(world, per_rank, phase="statistics", timeout=deadline.seconds))
     mean = every.mean(axis=0)
-    train_loss = float(mean[8])
+    train_loss = float(sum(every[:, 8]) / sum(every[:, 9])) if len(recent) else float("nan")
+    loss_span = ""
+    if recent and not (step % spe == 0 and len(recent) == spe and cfg.eval_every_epoch):
+        loss_span = f" (mean of steps {step - len(recent)}-{step - 1})"
     busiest = every[:, 5].max()     # the root of tree/master carries most
     times = stats.step_times[2:] or stats.step_times
     step_ms = 1000 * statistics.median(times) if times else float("nan")
@@ -612,8 +658,8 @@ def _train(cfg, world, deadline, rank, size, t_start):
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
     tested = ("no test split" if test_acc is None else
               f"test loss {test_loss:.4f}, test accuracy {100 * test_acc:.2f}%")
-    _log(cfg, world, f"done: {step} steps ({step / spe:.2f} epochs), train loss {train_loss:.4f}, "
-                     f"{tested}, "
+    _log(cfg, world, f"done: {step} steps ({step / spe:.2f} epochs), train loss {train_loss:.4f}"
+                     f"{loss_span}, {tested}, "
                      f"{summary['images_per_sec']:.0f} images/s, {summary['time_s']:.1f} s")
     if tracer is not None:
         collective(world, tracer.close, summary)

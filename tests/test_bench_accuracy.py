@@ -254,6 +254,18 @@ def test_curves_summary_table_from_rows():
     assert body[1] == ["ring d1", "70.00%", "90.00%", "–", "–", "90.00% (2)", "20"]
 
 
+def test_a_short_curves_run_reads_in_round_epochs_and_real_seconds():
+    # 22 steps an epoch, evaluated every 5 steps, 0.4 s of training in all
+    rows = [{"label": "single", "mode": "single", "delay": 0, "np": 1, "step": s,
+             "epoch": round(s / 22, 4), "train_s": 0.02 * s, "test_accuracy": 0.5 + s / 100}
+            for s in (5, 10, 15, 20)]
+    from ringnet.bench.tables import parse_markdown
+    header, body = parse_markdown(curves.summary_table(rows))
+    # first, second, middle (the second again) and last
+    assert header == ["run", "epoch 0.23", "epoch 0.45", "epoch 0.91", "best (epoch)", "training s"]
+    assert body[0][-2:] == ["70.00% (0.91)", "0.40"]
+
+
 def test_curves_from_csv_joins_and_refuses_bad_files(tmp_path):
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
     curves._write_csv(str(a), _curve("single", [0.8, 0.9]))

@@ -406,3 +406,39 @@ def test_a_resume_into_another_mode_says_what_followed_the_mode(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "dropped the checkpoint's --warmup-steps 100 of ring delay 1 lookahead" in \
         proc.stdout.splitlines()[0]
+
+
+# --- what the log lines say ------------------------------------------------------------------
+
+def _loss(line):
+    return float(re.search(r"train loss (\d+\.\d+)", line).group(1))
+
+
+def test_the_done_line_and_the_last_epoch_line_give_one_train_loss(tmp_path):
+    proc = train_cli("--epochs", "2", "--no-progress", np_=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    epoch2 = next(l for l in lines if l.startswith("epoch   2"))
+    done = next(l for l in lines if l.startswith("done:"))
+    assert _loss(epoch2) == _loss(done) and "mean of steps" not in done, (epoch2, done)
+    # ending inside an epoch: the done line says which steps it averages (one epoch's worth)
+    proc = train_cli("--steps", "30", "--no-progress", "--save", str(tmp_path / "a.h5"))
+    done = proc.stdout.splitlines()[-1]
+    assert "train loss" in done and "(mean of steps 8-29)" in done, done
+    # resumed inside epoch 2 (steps 22-43): its line averages the steps this run made, and says so
+    proc = train_cli("--epochs", "3", "--no-progress", "--resume", str(tmp_path / "a.h5"))
+    epoch2 = next(l for l in proc.stdout.splitlines() if l.startswith("epoch   2"))
+    assert epoch2.endswith("(train loss of steps 30-43 of 22-43: resumed)"), epoch2
+
+
+@pytest.mark.skipif(not __import__("shutil").which("script"), reason="needs script (util-linux)")
+def test_a_progress_bar_under_mpirun_in_a_terminal():
+    """Hydra starts the ranks in a session of their own, without the terminal: the bar is
+    drawn where the launcher writes to a terminal (script(1) gives it one), not elsewhere."""
+    cmd = "mpirun -np 2 python -m ringnet.train --epochs 2"
+    shown = run(["script", "-qec", cmd, "/dev/null"], stdin=subprocess.DEVNULL)
+    assert shown.returncode == 0, shown.stdout[-2000:]
+    assert re.search(r"\d+/44 \[.*step/s", shown.stdout), shown.stdout[-2000:]
+    piped = run(cmd.split())
+    assert piped.returncode == 0 and "step/s" not in piped.stderr + piped.stdout
+    assert re.search(r"^step 44/44  epoch 2\.00", piped.stderr, re.M), piped.stderr

@@ -116,6 +116,16 @@ def read_csv(paths):
     return rows
 
 
+def _epoch(e):
+    """An epoch as a label: whole epochs as integers, fractions to two places (0.23, not 0.227273)."""
+    return f"{e:.0f}" if abs(e - round(e)) < 1e-9 else f"{e:.2f}"
+
+
+def _seconds(t):
+    """Training seconds: whole seconds from 10 s, else to two places (a short run is not 0 s)."""
+    return f"{t:.0f}" if t >= 10 else f"{t:.2f}"
+
+
 def summary_table(rows):
     """Return the ``--markdown`` summary: a row per run, accuracy after chosen epochs."""
     from ringnet.bench.tables import markdown
@@ -124,7 +134,7 @@ def summary_table(rows):
     last = epochs[-1]
     middle = min(epochs, key=lambda e: (abs(e - last / 2), e))
     shown = list(dict.fromkeys(e for e in (epochs[0], epochs[min(1, len(epochs) - 1)], middle, last)))
-    header = ["run"] + [f"epoch {e:g}" for e in shown] + ["best (epoch)", "training s"]
+    header = ["run"] + [f"epoch {_epoch(e)}" for e in shown] + ["best (epoch)", "training s"]
     out = []
     for label in labels:
         mine = {r["epoch"]: r for r in rows if r["label"] == label}
@@ -132,8 +142,8 @@ def summary_table(rows):
         final = mine[max(mine)]
         out.append([label] + [f"{100 * mine[e]['test_accuracy']:.2f}%" if e in mine else "–"
                               for e in shown]
-                   + [f"{100 * best['test_accuracy']:.2f}% ({best['epoch']:g})",
-                      f"{final['train_s']:.0f}"])
+                   + [f"{100 * best['test_accuracy']:.2f}% ({_epoch(best['epoch'])})",
+                      _seconds(final["train_s"])])
     return markdown(header, out)
 
 
@@ -189,7 +199,7 @@ def _report(rows, failed, args):
         for label in dict.fromkeys(r["label"] for r in rows):
             mine = [r for r in rows if r["label"] == label]
             print(f"{label:>18} {mine[-1]['test_accuracy']:>10.2%} "
-                  f"{max(r['test_accuracy'] for r in mine):>9.2%} {mine[-1]['train_s']:>9.1f}")
+                  f"{max(r['test_accuracy'] for r in mine):>9.2%} {_seconds(mine[-1]['train_s']):>9}")
     for label, reason in failed.items():
         print(f"{label:>18} failed: {reason}")
     written = [p for p in (args.csv, args.plot) if p]
