@@ -54,8 +54,9 @@ FOREIGN_STALE_S = 24 * 3600
 _HOST = socket.gethostname().replace(".", "_")
 
 
-def checkpoint_bytes(num_params, itemsize, tensors=3):
-    """Return an upper estimate of a checkpoint's size (params, momentum, prev_params)."""
+def checkpoint_bytes(num_params, itemsize, tensors=4):
+    """Return an upper estimate of a checkpoint's size: ``tensors`` groups of every parameter
+    (params, momentum, and at delay 1 prev_params and the look-ahead's lookahead_base)."""
     return int(num_params) * int(itemsize) * int(tensors) + (1 << 20)
 
 
@@ -68,7 +69,8 @@ def check_writable(path, nbytes=0):
     """
     if os.path.isdir(path):
         raise InputError(f"cannot write checkpoint {path}: it is a folder")
-    directory = os.path.dirname(os.path.abspath(path))
+    target = os.path.realpath(path) if os.path.islink(path) else path     # a link's target
+    directory = os.path.dirname(os.path.abspath(target))
     existing = directory
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -211,6 +213,8 @@ def save_checkpoint(path, params, momentum=None, prev_params=None, /, lookahead_
     """
     _check_finite(path, (("params", params), ("momentum", momentum), ("prev_params", prev_params),
                          ("lookahead_base", lookahead_base)))
+    # Through a symbolic link: write its target (next to it) and leave the link in place.
+    path = os.path.realpath(path) if os.path.islink(path) else path
     for stale in stale_temporaries(path):
         try:
             os.remove(stale)
@@ -292,9 +296,11 @@ def load_lookahead_base(path):
         with h5py.File(path, "r") as f:
             if "lookahead_base" not in f:
                 return None
-            return {name: ds[()] for name, ds in f["lookahead_base"].items()}
+            base = {name: ds[()] for name, ds in f["lookahead_base"].items()}
     except (OSError, KeyError, ValueError) as exc:
         raise InputError(f"checkpoint {path} is corrupt ({exc})") from None
+    _check_finite(path, (("lookahead_base", base),))
+    return base
 
 
 def resume_settings(attrs, given):

@@ -150,3 +150,52 @@ def test_resume_overrides_only_what_is_given_and_reports_it(tmp_path):
     assert untouched.summary["resumed"]["overridden"] == {}
     assert not np.array_equal(np.asarray(untouched.strategy.eval_model().params),
                               np.asarray(resumed.strategy.eval_model().params))
+
+
+def test_a_nan_in_the_lookahead_base_is_a_corrupt_checkpoint_not_divergence(tmp_path):
+    import h5py
+    from ringnet.checkpoint import load_lookahead_base
+    path = tmp_path / "ck.h5"
+    save_checkpoint(path, PARAMS, PARAMS, PARAMS, lookahead_base=PARAMS)
+    assert np.array_equal(load_lookahead_base(path)["w"], PARAMS["w"])
+    with h5py.File(path, "r+") as f:
+        f["lookahead_base/b"][0] = np.nan
+    with pytest.raises(InputError, match="lookahead_base/b holds 1 NaN or infinite"):
+        load_lookahead_base(path)
+    # and on the command line: one line, not "training diverged; try a lower --lr"
+    ck = str(tmp_path / "run.h5")
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+    train = [sys.executable, "-m", "ringnet.train", "--quiet", "--mode", "ring"]
+    subprocess.run(train + ["--steps", "3", "--warmup-steps", "1", "--save", ck], check=True,
+                   env=env, cwd=REPO, timeout=120)
+    with h5py.File(ck, "r+") as f:
+        name = sorted(f["lookahead_base"])[0]
+        f[f"lookahead_base/{name}"][(0,) * f[f"lookahead_base/{name}"].ndim] = np.nan
+    proc = subprocess.run(train + ["--steps", "5", "--resume", ck], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"ringnet: error: checkpoint {ck}: lookahead_base/{name} holds 1 NaN or infinite "
+        "value(s); it cannot be trained from"]
+
+
+def test_a_save_through_a_symlink_writes_its_target(tmp_path):
+    (tmp_path / "runs").mkdir()
+    target = tmp_path / "runs" / "ck-0001.h5"
+    link = tmp_path / "latest.h5"
+    link.symlink_to(target)                     # dangling until the first save
+    check_writable(str(link), 1 << 10)
+    save_checkpoint(str(link), PARAMS)
+    save_checkpoint(str(link), {k: v + 1 for k, v in PARAMS.items()})
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert np.array_equal(load_checkpoint(target)[0]["w"], PARAMS["w"] + 1)
+    assert _tmp_files(tmp_path) == [] and _tmp_files(tmp_path / "runs") == []
+
+
+def test_the_free_space_check_counts_every_group_of_a_delay1_checkpoint(tmp_path):
+    from ringnet.checkpoint import checkpoint_bytes
+    n = 1_000_000          # 4 MB a group: the estimate's 1 MiB of slack does not hide a group
+    path = tmp_path / "ck.h5"
+    group = {"w": np.zeros(n, np.float32)}
+    save_checkpoint(path, group, group, group, lookahead_base=group)     # the delay-1 default
+    assert os.path.getsize(path) <= checkpoint_bytes(n, 4)
