@@ -40,7 +40,8 @@ from ringnet.data.hdf5 import file_mode
 from ringnet.errors import InputError, SetupError, fault_point
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_lookahead_base", "check_writable",
-           "checkpoint_bytes", "stale_temporaries", "resume_settings", "HYPERPARAMETERS", "FORMAT"]
+           "checkpoint_bytes", "stale_temporaries", "temporaries_guard", "resume_settings",
+           "HYPERPARAMETERS", "FORMAT"]
 
 FORMAT = "ringnet-checkpoint"
 VERSION = 2          # 2: no rng attribute (stateless dropout masks)
@@ -146,20 +147,32 @@ def stale_temporaries(path):
     return sorted(stale)
 
 
+# Checkpoint temporaries being written, on any thread (set operations are atomic under the
+# GIL, so a signal handler can read it without a lock the interrupted thread might hold).
+_LIVE = set()
+
+
 class _RemoveOnSignal:
-    """While active, SIGTERM and SIGINT remove ``tmp`` before the process ends."""
+    """While active, SIGTERM and SIGINT remove ``tmp`` and every other checkpoint temporary
+    still being written before the process ends.
+
+    Handlers can only be installed from the main thread: a write on another thread (the
+    periodic saver's) registers its temporary, and the thread that started it holds a
+    :func:`temporaries_guard` on the main thread until it is done.
+    """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, tmp):
+    def __init__(self, tmp=None):
         self.tmp = tmp
         self.previous = {}
 
     def _handler(self, signum, frame):
-        try:
-            os.remove(self.tmp)
-        except OSError:
-            pass
+        for tmp in list(_LIVE):
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
         previous = self.previous.get(signum)
         signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         if callable(previous):
@@ -168,6 +181,8 @@ class _RemoveOnSignal:
             os.kill(os.getpid(), signum)
 
     def __enter__(self):
+        if self.tmp is not None:
+            _LIVE.add(self.tmp)
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 self.previous[signum] = signal.signal(signum, self._handler)
@@ -176,7 +191,16 @@ class _RemoveOnSignal:
     def __exit__(self, *exc):
         for signum, previous in self.previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self.previous = {}
+        if self.tmp is not None:
+            _LIVE.discard(self.tmp)
         return False
+
+
+def temporaries_guard():
+    """A context manager for the main thread while a checkpoint is written on another: SIGTERM
+    and SIGINT then remove that write's temporary before the process ends."""
+    return _RemoveOnSignal(None)
 
 
 def _fsync_dir(directory):

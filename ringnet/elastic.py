@@ -87,6 +87,7 @@ class PeriodicSaver:
         self.heartbeat = Heartbeat(self.rank)
         self.saves = 0          # periodic saves started
         self._thread = None
+        self._guard = None
         self._error = None
 
     def start(self, step):
@@ -108,6 +109,8 @@ class PeriodicSaver:
             if wait:
                 self._run_write(state, step)
             else:
+                from ringnet.checkpoint import temporaries_guard
+                self._guard = temporaries_guard().__enter__()   # a signal removes its temporary
                 self._thread = threading.Thread(target=self._run_write, args=(state, step),
                                                 name="ringnet-checkpoint", daemon=False)
                 self._thread.start()
@@ -117,9 +120,7 @@ class PeriodicSaver:
     def wait(self):
         """Finish rank 0's write in flight; every rank learns whether it worked (collective)."""
         def outcome():
-            if self._thread is not None:
-                self._thread.join()
-                self._thread = None
+            self._join()
             error, self._error = self._error, None
             if error is not None:
                 raise error
@@ -132,10 +133,16 @@ class PeriodicSaver:
 
     def close(self):
         """Wait for a write in flight without agreeing (the run is ending anyway)."""
+        self._join()
+        self.heartbeat.close()
+
+    def _join(self):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.heartbeat.close()
+        if self._guard is not None:
+            self._guard.__exit__(None, None, None)
+            self._guard = None
 
     def _run_write(self, state, step):
         try:

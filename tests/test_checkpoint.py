@@ -199,3 +199,34 @@ def test_the_free_space_check_counts_every_group_of_a_delay1_checkpoint(tmp_path
     group = {"w": np.zeros(n, np.float32)}
     save_checkpoint(path, group, group, group, lookahead_base=group)     # the delay-1 default
     assert os.path.getsize(path) <= checkpoint_bytes(n, 4)
+
+
+def test_sigterm_during_a_background_periodic_save_leaves_no_temporary(tmp_path):
+    """The periodic saver writes on a thread of its own, where no signal handler can be
+    installed: the main thread's guard removes that write's temporary, and the previous
+    checkpoint stays whole."""
+    path = tmp_path / "ck.h5"
+    code = textwrap.dedent(f"""
+        import os, signal, time
+        import numpy as np
+        from mpi4py import MPI
+        from ringnet import checkpoint
+        from ringnet.elastic import PeriodicSaver
+        params = {{"w": np.full((256, 256), 1.0, np.float32)}}
+        write = lambda state, step: checkpoint.save_checkpoint({str(path)!r}, state, step=step)
+        saver = PeriodicSaver(MPI.COMM_SELF, 1, lambda: params, write, background=True)
+        saver.save(1, wait=True)
+        params = {{"w": np.full((256, 256), 2.0, np.float32)}}
+        # the second write is signalled from its own thread, inside the write
+        checkpoint.fault_point = lambda name: os.kill(os.getpid(), signal.SIGTERM)
+        saver.save(2, wait=False)
+        for _ in range(500):
+            time.sleep(0.01)
+        print("not ended by the signal")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
+    assert _tmp_files(tmp_path) == []
+    params, _, _, attrs = load_checkpoint(path)
+    assert attrs["step"] == 1 and np.all(params["w"] == 1.0)
