@@ -48,7 +48,7 @@ VERSION = 2          # 2: no rng attribute (stateless dropout masks)
 
 # Settings stored as attributes that a resumed run continues with unless told otherwise.
 HYPERPARAMETERS = ("batch_size", "lr", "lr_policy", "gamma", "stepsize", "power", "momentum",
-                   "weight_decay", "seed", "warmup_steps")
+                   "weight_decay", "seed", "warmup_steps", "dtype", "shuffle", "augment", "dataset")
 TMP_SUFFIX = ".h5.tmp"
 # A temporary of another host (shared file system) counts as stale after this long.
 FOREIGN_STALE_S = 24 * 3600

@@ -69,10 +69,10 @@ class TrainConfig:
     weight_decay: float = None
     seed: int = None
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str = None             # None: float32, or the checkpoint's under --resume
     transport: str = "auto"
-    shuffle: bool = True
-    augment: bool = False
+    shuffle: bool = None          # None: True, or the checkpoint's under --resume
+    augment: bool = None          # None: False, or the checkpoint's under --resume
     save: str = None
     save_every: int = 0
     resume: str = None
@@ -97,6 +97,9 @@ class TrainConfig:
         defaults = MODEL_DEFAULTS.get(cfg.model, {"lr": 0.01, "epochs": 10, "dataset": "synthetic"})
         if cfg.dataset is None:
             cfg.dataset = defaults["dataset"]
+        for name, value in (("dtype", "float32"), ("shuffle", True), ("augment", False)):
+            if getattr(cfg, name) is None:
+                setattr(cfg, name, value)
         if cfg.mode is None:
             cfg.mode = "ring" if world_size > 1 else "single"
         if cfg.mode not in MODES:
@@ -234,9 +237,11 @@ def build_parser():
         epilog=_model_defaults_text() + "\n\n"
                "mnist and cifar10 are downloaded once with "
                "`python -m ringnet.datasets download NAME`.\n"
-               "A --resume continues with the checkpoint's batch size, lr, lr policy, momentum, "
-               "weight decay\nand seed; a flag given on the command line overrides the "
-               "checkpoint's value (the run says so).\n\n"
+               "A --resume continues with the checkpoint's model, data set, batch size, lr, lr "
+               "policy, momentum,\nweight decay, seed, dtype, shuffling and augmentation; a flag "
+               "given on the command line\noverrides the checkpoint's value (the run says so). "
+               "A data set whose content changed\nsince the checkpoint is refused unless "
+               "--dataset is given.\n\n"
                "Examples:\n" + "".join(f"  {e}\n" for e in EXAMPLES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model and data")
@@ -251,11 +256,13 @@ def build_parser():
                    help="folder holding <name>.h5 data sets (default $RINGNET_DATA, then datasets/)")
     g.add_argument("--synthetic-size", type=_positive_int, nargs=2, metavar=("TRAIN", "TEST"),
                    default=(2048, 512), help="image counts of --dataset synthetic (default 2048 512)")
-    g.add_argument("--no-shuffle", dest="shuffle", action="store_false",
-                   help="visit training samples in file order (default: seeded shuffle per epoch)")
-    g.add_argument("--augment", action="store_true",
+    g.add_argument("--no-shuffle", dest="shuffle", action="store_const", const=False,
+                   default=None,
+                   help="visit training samples in file order (default: seeded shuffle per epoch; "
+                        "a --resume keeps the checkpoint's)")
+    g.add_argument("--augment", action="store_const", const=True, default=None,
                    help="random crop (pad 4) and horizontal flip, seeded, for CIFAR-like data "
-                        "(default off)")
+                        "(default off; a --resume keeps the checkpoint's)")
     g = p.add_argument_group("parallel structure")
     g.add_argument("--mode", choices=list(MODES), default=None,
                    help="; ".join(f"{m.name}: {m.per_step.replace('`', '')} (default delay "
@@ -304,8 +311,9 @@ def build_parser():
     for flag, kind, metavar, text in _TUNED:
         g.add_argument(flag, type=kind, default=None, metavar=metavar,
                        help=f"{text} (default {d[flag[2:].replace('-', '_')]:g})")
-    g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
-                   help="floating-point type of weights and activations (default float32)")
+    g.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                   help="floating-point type of weights and activations (default float32; a "
+                        "--resume keeps the checkpoint's)")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--save", default=None, metavar="PATH.h5",
                    help="write an HDF5 checkpoint at the end, atomically; missing folders are "

@@ -114,7 +114,9 @@ def _setup(cfg, world):
         ds.mean     # the statistics pass reads every training image: read errors show here
         return ds
     dataset = collective(world, open_data)
-    check_same_run(world, collective(world, dataset.fingerprint))
+    prints = collective(world, dataset.fingerprint)
+    check_same_run(world, prints)
+    dataset.content = prints["data set content"]     # recorded in checkpoints
     if cfg.trace:
         from ringnet.trace import check_trace_path
         def check_trace():
@@ -339,6 +341,18 @@ def _mode_text(mode, delay, compensation):
     return text + (f" {compensation}" if delay and compensation not in (None, "none") else "")
 
 
+def _setting_text(name, value, bare=False):
+    """A resumed setting as the flag that asks for it: --lr 0.01, --no-shuffle, --augment."""
+    if name in ("shuffle", "augment"):
+        on = bool(value)
+        if bare:
+            return "on" if on else "off"
+        if name == "shuffle":
+            return "shuffle on" if on else "--no-shuffle"
+        return "--augment" if on else "augment off"
+    return str(value) if bare else f"--{name.replace('_', '-')} {value}"
+
+
 def _resume_settings(cfg, world):
     """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint,
     (note, record)).
@@ -403,14 +417,14 @@ def _resume_settings(cfg, world):
             followed = (warmup, f"--warmup-steps {warmup}, the default of "
                                 f"{_mode_text(resolved.mode, resolved.delay, 'lookahead')}, "
                                 f"as the checkpoint's {was} had none ({after})")
-    flag = {n: "--" + n.replace("_", "-") for n in HYPERPARAMETERS}
     note = f"resuming from {cfg.resume} at step {done}"
-    taken = ([model_note] if model_note else []) + [f"{flag[n]} {v}" for n, v in settings.items()]
+    taken = ([model_note] if model_note else []) + [_setting_text(n, v) for n, v in settings.items()]
     if taken:
         note += "; from the checkpoint: " + ", ".join(taken)
     if overridden:
-        note += "; overridden: " + ", ".join(f"{flag[n]} {asked} (checkpoint: {stored})"
-                                             for n, stored, asked in overridden)
+        note += "; overridden: " + ", ".join(
+            f"{_setting_text(n, asked)} (checkpoint: {_setting_text(n, stored, bare=True)})"
+            for n, stored, asked in overridden)
     if followed is not None:
         note += "; " + followed[1]
     # The same for --json: a changed trajectory is on record even under --quiet.
@@ -421,6 +435,23 @@ def _resume_settings(cfg, world):
     if followed is not None:
         record["followed_mode"] = {"warmup_steps": followed[0], "why": followed[1]}
     return cfg, checkpoint, (note, record)
+
+
+def _check_data_file(dataset, cfg, world, epoch, started):
+    """At each epoch start: a data file replaced, rewritten or removed under the running job
+    stops a run that reads from it (it would train on a mix of old and new samples); a run
+    holding the whole set in memory goes on, and says so once."""
+    what = dataset.changed_on_disk()
+    if what is None or getattr(dataset, "_change_noted", False):
+        return
+    if dataset.file_backed:
+        raise RunInputError(f"data set file {dataset.path} was {what} under the running job "
+                            f"(seen at the start of epoch {epoch + 1}); restart, or --resume, "
+                            f"once it is final")
+    dataset._change_noted = True
+    _log(cfg, world, f"note: data set file {dataset.path} was {what} on disk"
+                     f"{' during the run' if started else ''}; this run trains on the copy it "
+                     f"read at the start")
 
 
 def _epoch_line(world, epoch, spe, losses, test_acc, test_loss, deadline):
@@ -439,7 +470,7 @@ def _epoch_line(world, epoch, spe, losses, test_acc, test_loss, deadline):
     return line
 
 
-def _checkpoint_saver(cfg, world, strategy, spe):
+def _checkpoint_saver(cfg, world, strategy, spe, dataset):
     """Return the PeriodicSaver that writes cfg.save (every --save-every K steps and at the end)."""
     from ringnet.elastic import PeriodicSaver
     size = world.Get_size()
@@ -453,7 +484,7 @@ def _checkpoint_saver(cfg, world, strategy, spe):
         save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
                         lookahead_base=base, model=cfg.model, mode=cfg.mode,
                         delay=cfg.delay, delay_compensation=cfg.delay_compensation,
-                        ranks=size, step=step, epoch=step // spe, dtype=cfg.dtype,
+                        ranks=size, step=step, epoch=step // spe, data_content=dataset.content,
                         **{n: getattr(cfg, n) for n in HYPERPARAMETERS})
     return PeriodicSaver(world, cfg.save_every, collect, write)
 
@@ -495,9 +526,14 @@ def _train(cfg, world, deadline, rank, size, t_start):
         cfg, xp, dataset, model, strategy, loader = _setup(cfg, world)
         spe = loader.steps_per_epoch
         total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
-        step = _restore(cfg, world, strategy, checkpoint, total_steps) if checkpoint else 0
+        step = (_restore(cfg, world, strategy, checkpoint, total_steps, dataset, resumed)
+                if checkpoint else 0)
     _transport_deadline(strategy, deadline.seconds)
     if checkpoint is not None:
+        changed = resumed["overridden"].get("data_content")
+        if changed:
+            resume_note += (f"; overridden: data set content {changed['given']} (checkpoint: "
+                            f"{changed['checkpoint']})")
         _log(cfg, world, resume_note)
 
     batch_text = f"global batch {cfg.batch_size}"
@@ -529,7 +565,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
     tracer = Tracer(world, cfg.trace) if cfg.trace else None
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
     epoch_losses = (step, [])                 # (first step, local losses) of the epoch running
-    saver = _checkpoint_saver(cfg, world, strategy, spe)   # --save-every, launcher heartbeat
+    saver = _checkpoint_saver(cfg, world, strategy, spe, dataset)   # --save-every, heartbeat
     saver.start(step)
     first_step = step
     sent_before, _ = strategy.bytes_moved()   # bytes_per_step counts the training steps only
@@ -543,6 +579,7 @@ def _train(cfg, world, deadline, rank, size, t_start):
             t_step = time.perf_counter()
             while step < total_steps:
                 epoch, offset = divmod(step, spe)
+                _check_data_file(dataset, cfg, world, epoch, step > first_step)
                 batches = loader.epoch(epoch, start_step=offset)
                 for x, labels in timed(batches, totals=fetched):
                     set_phase(f"step {step}")
@@ -668,8 +705,11 @@ def _train(cfg, world, deadline, rank, size, t_start):
     return TrainResult(summary, strategy, cfg)
 
 
-def _restore(cfg, world, strategy, checkpoint, total_steps):
-    """Load ``checkpoint`` into ``strategy`` on every rank; return the checkpoint's step."""
+def _restore(cfg, world, strategy, checkpoint, total_steps, dataset, resumed):
+    """Load ``checkpoint`` into ``strategy`` on every rank; return the checkpoint's step.
+
+    A data set whose content differs from the checkpoint's is refused unless ``--dataset``
+    was given (then it is listed as overridden in ``resumed``, the --json record)."""
     from ringnet.checkpoint import load_lookahead_base
     params, momentum, prev, attrs = checkpoint
     base = collective(world, load_lookahead_base, cfg.resume)
@@ -679,6 +719,15 @@ def _restore(cfg, world, strategy, checkpoint, total_steps):
             raise UsageError(f"checkpoint {cfg.resume} holds model {attrs.get('model')!r}, "
                              f"not {cfg.model!r}")
         done = int(attrs.get("step", 0))
+        stored = _text(attrs.get("data_content")) or None
+        if stored and stored != dataset.content:
+            if "dataset" in resumed["from_checkpoint"]:
+                raise UsageError(f"checkpoint {cfg.resume} was trained on data set {cfg.dataset} "
+                                 f"with content {stored}, which now reads {dataset.content}: "
+                                 f"the data changed; pass --dataset {cfg.dataset} to continue "
+                                 f"on it anyway")
+            resumed["overridden"]["data_content"] = {"checkpoint": stored,
+                                                     "given": dataset.content}
         if done >= total_steps:
             asked = (f"--steps {cfg.steps}" if cfg.steps is not None else
                      f"--epochs {cfg.epochs} ({total_steps} steps)")

@@ -230,3 +230,46 @@ def test_sigterm_during_a_background_periodic_save_leaves_no_temporary(tmp_path)
     assert _tmp_files(tmp_path) == []
     params, _, _, attrs = load_checkpoint(path)
     assert attrs["step"] == 1 and np.all(params["w"] == 1.0)
+
+
+def test_a_resume_continues_with_the_checkpoints_data_and_flags(tmp_path, capsys):
+    """--no-shuffle, --augment, --dtype and the data set shape the trajectory: the checkpoint
+    keeps them, a resume without the flags continues the same run, and flags given anyway
+    are listed as overridden."""
+    import shutil
+    from mpi4py import MPI
+    from ringnet.config import TrainConfig
+    from ringnet.train import train
+    data = tmp_path / "d.h5"
+    shutil.copy(os.path.join(REPO, "datasets", "digits.h5"), data)
+    quiet = dict(progress=False, quiet=True, eval_every_epoch=False, batch_size=16)
+    run = dict(dataset=str(data), shuffle=False, augment=True, dtype="float64", **quiet)
+
+    def weights(result):
+        w = np.array(result.strategy.eval_model().params)
+        result.strategy.close()
+        return w
+
+    expected = weights(train(TrainConfig(**run), world=MPI.COMM_SELF, steps=6))
+    ck = str(tmp_path / "ck.h5")
+    weights(train(TrainConfig(**run), world=MPI.COMM_SELF, steps=3, save=ck))
+    resumed = train(TrainConfig(**quiet), world=MPI.COMM_SELF, steps=6, resume=ck)
+    taken = resumed.summary["resumed"]["from_checkpoint"]
+    assert (taken["dataset"], taken["shuffle"], taken["augment"], taken["dtype"]) == \
+        (str(data), False, True, "float64")
+    assert np.array_equal(weights(resumed), expected)
+    other = train(TrainConfig(shuffle=True, **dict(quiet)), world=MPI.COMM_SELF, steps=6, resume=ck)
+    assert other.summary["resumed"]["overridden"]["shuffle"] == {"checkpoint": False, "given": True}
+    weights(other)
+    # the file rewritten in place (one label): refused unless --dataset is given
+    import h5py
+    with h5py.File(data, "r+") as f:
+        f["train/labels"][0] = (f["train/labels"][0] + 1) % 10
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        train(TrainConfig(**quiet), world=MPI.COMM_SELF, steps=6, resume=ck)
+    assert stopped.value.code == 2
+    assert "the data changed; pass --dataset" in capsys.readouterr().err
+    given = train(TrainConfig(dataset=str(data), **quiet), world=MPI.COMM_SELF, steps=6, resume=ck)
+    assert set(given.summary["resumed"]["overridden"]) == {"data_content"}
+    weights(given)

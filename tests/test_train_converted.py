@@ -13,6 +13,7 @@ import sys
 
 import h5py
 import numpy as np
+import pytest
 
 from conftest import ENV
 
@@ -55,3 +56,33 @@ def test_lenet_on_converted_mnist_format_reaches_high_accuracy(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["dataset"] == "mnist" and summary["model"] == "lenet"
     assert summary["test_accuracy"] >= 0.93, summary
+
+
+@pytest.mark.parametrize("in_memory_mb, ends", [("0", True), ("1024", False)])
+def test_a_data_file_rewritten_under_a_running_job(tmp_path, in_memory_mb, ends):
+    """Read from the file (RINGNET_DATA_IN_MEMORY_MB=0), a rewrite stops the run at the next
+    epoch with one line; held in memory, the run goes on and says once what it trains on."""
+    import shutil
+    import h5py
+    data = tmp_path / "d.h5"
+    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "datasets", "digits.h5"), data)
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1",
+               RINGNET_DATA_IN_MEMORY_MB=in_memory_mb)
+    proc = subprocess.Popen([sys.executable, "-m", "ringnet.train", "--dataset", str(data),
+                             "--epochs", "60", "--no-progress", "--no-eval", "--batch-size", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        proc.stdout.readline()          # the header: training has started
+        with h5py.File(data, "r+", locking=False) as f:     # the run holds a read lock
+            f["train/labels"][0] = (f["train/labels"][0] + 1) % 10
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    if ends:
+        assert proc.returncode == 2, err[-2000:]
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert len(lines) == 1 and lines[0].startswith(
+            f"ringnet: error: data set file {data} was rewritten under the running job"), err
+    else:
+        assert proc.returncode == 0, err[-2000:]
+        assert out.count(f"note: data set file {data} was rewritten on disk") == 1, out

@@ -142,6 +142,26 @@ class Dataset:
         """Return the per-channel standard deviation of the training images (pixel units)."""
         return self._channel_stats()[1]
 
+    @property
+    def file_backed(self):
+        """Whether images are read from the file during the run (not held in memory)."""
+        return self._file is not None
+
+    def changed_on_disk(self):
+        """Return what changed in this data set's file since it was opened ("replaced",
+        "rewritten"), or None (unchanged, or no file: synthetic)."""
+        if self.path is None or getattr(self, "_stat", None) is None:
+            return None
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return "removed"
+        if now.st_ino != self._stat.st_ino or now.st_dev != self._stat.st_dev:
+            return "replaced"
+        if (now.st_size, now.st_mtime_ns) != (self._stat.st_size, self._stat.st_mtime_ns):
+            return "rewritten"
+        return None
+
     def close(self):
         """Close the underlying file, if any."""
         if self._file is not None:
@@ -195,6 +215,7 @@ def find_dataset(name, data_dir=None):
 
 
 def _open_file(path, label, in_memory):
+    stat = os.stat(path)            # before reading: a change while it is read shows later
     f = validate_file(path)
     try:
         splits = {}
@@ -215,8 +236,10 @@ def _open_file(path, label, in_memory):
     file_backed = not (splits["train"].in_memory and splits["test"].in_memory)
     if not file_backed:
         f.close()
-    return Dataset(label, splits["train"], splits["test"], classes, path=Path(path),
-                   attrs=attrs, file=f if file_backed else None)
+    dataset = Dataset(label, splits["train"], splits["test"], classes, path=Path(path),
+                      attrs=attrs, file=f if file_backed else None)
+    dataset._stat = stat
+    return dataset
 
 
 def open_dataset(name, seed=0, data_dir=None, input_shape=None, num_classes=None,
