@@ -1,6 +1,6 @@
 """Every command the documentation shows is run here (or named where another test runs it).
 
-The docs are README.md, DESIGN.md, datasets/README.md, the examples of
+The docs are README.md, the pages of docs/, DESIGN.md, datasets/README.md, the examples of
 ``python -m ringnet.train --help``, hpc/*.sbatch and launch/local.sh. ``doc_commands()``
 finds each shell command they show; ``COMMANDS`` says for each how it is checked: run as
 written and its output checked against what the docs promise, run with flags appended that
@@ -26,11 +26,18 @@ from ringnet.data import write_dataset
 from ringnet.models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ("README.md", "DESIGN.md", "datasets/README.md", "hpc/train.sbatch",
-        "hpc/scaling.sbatch", "launch/local.sh")
+# README.md and the pages of docs/: every table in them is checked (see doc_tables)
+PAGES = ("README.md",) + tuple(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))
+DOCS = PAGES + ("DESIGN.md", "datasets/README.md", "hpc/train.sbatch",
+                "hpc/scaling.sbatch", "launch/local.sh")
 PREFIXES = ("python ", "python3 ", "mpirun ", "pip ", "bash ", "launch/local.sh", "srun ")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1",
            PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+
+
+def page(name):
+    """The text of a documentation file, by its path from the repository root."""
+    return (ROOT / name).read_text()
 
 
 def _clean(line):
@@ -67,7 +74,7 @@ def doc_commands():
     """Return {command: [where it is shown]}."""
     found = {}
     for name in DOCS:
-        text = (ROOT / name).read_text()
+        text = page(name)
         commands = _markdown_commands(text) if name.endswith(".md") else _shell_commands(text)
         for command in commands:
             found.setdefault(command, []).append(name)
@@ -264,9 +271,9 @@ def bench_scaling(command, tmp_path):
             assert row["bytes_per_step"] == 2 * (n - 1) * params * 4 // n, row
 
 
-def readme_bytes(command, tmp_path):
-    """The split-fc / ring byte counts the README states, measured."""
-    text = " ".join((ROOT / "README.md").read_text().split())
+def doc_bytes(command, tmp_path):
+    """The split-fc / ring byte counts docs/benchmarks.md states, measured."""
+    text = " ".join(page("docs/benchmarks.md").split())
     figures = re.search(r"is ([\d,]+) B for split-fc against the ring's ([\d,]+) B for LeNet, "
                         r"and ([\d,]+) B against ([\d,]+) B for carnet", text).groups()
     figures = [int(f.replace(",", "")) for f in figures]
@@ -279,9 +286,9 @@ def readme_bytes(command, tmp_path):
 
 
 def comm_example(command, tmp_path):
-    """README's communicator snippet under mpirun -np 2: sum, then mean, of rank+1."""
-    text = (ROOT / "README.md").read_text()
-    code = re.search(r"## Communicators on their own\n\n```python\n(.*?)```", text, re.S).group(1)
+    """docs/comm.md's first example under mpirun -np 2: sum, then mean, of rank+1."""
+    text = page("docs/comm.md")
+    code = re.search(r"## A first example\n[^#]*?```python\n(.*?)```", text, re.S).group(1)
     code += "\nassert np.all(buf == 3.0), buf[:4]\nprint('ok', MPI.COMM_WORLD.rank)\n"
     script = tmp_path / "example.py"
     script.write_text(code)
@@ -298,18 +305,19 @@ def local_launcher(command, tmp_path):
         done_line(reference)[0].split("images/s")[0].rsplit(",", 1)[0]
 
 
-# --- README tables: each measured table is the --markdown output of the command above it -----
+# --- tables of README.md and docs/: each measured one is what the command above it prints -----
 
-def readme_tables(text=None):
-    """Return [(header, rows, the paragraph just above)] for every table of README.md."""
-    return [t[:3] for t in _readme_tables_placed(text)]
+def doc_tables():
+    """Return [(page, header, rows, the paragraph just above, whether that paragraph directly
+    follows another table)] for every table of README.md and of the pages of docs/."""
+    return [(name,) + table for name in PAGES for table in _tables_placed(page(name))]
 
 
-def _readme_tables_placed(text=None):
+def _tables_placed(text):
     """Return [(header, rows, the paragraph just above, whether that paragraph directly
-    follows another table)] for every table of README.md."""
+    follows another table)] for every table of one Markdown text."""
     from ringnet.bench.tables import parse_markdown
-    lines = (text if text is not None else (ROOT / "README.md").read_text()).splitlines()
+    lines = text.splitlines()
     tables, i = [], 0
     while i < len(lines):
         if not (lines[i].lstrip().startswith("|") and i + 1 < len(lines)
@@ -342,6 +350,11 @@ STATIC = {
     ("mode", "per step", "update work", "default delay"): "tests/test_modes.py (parallel.mode_table)",
     ("model", "input", "layers"): "the model definitions (ringnet/models.py)",
     ("transport", "moves", "needs"): "the transport rules of DESIGN.md",
+    ("call", "who must call it"): "the communicators' contracts (tests/test_comm*.py)",
+    ("call", "on the root / every rank", "on the other ranks"):
+        "the communicators' results (tests/test_comm*.py)",
+    ("variable", "default", "read by", "what it does"):
+        "tests/test_docs_pages.py (every variable the code reads)",
 }
 # Measured tables whose benchmark prints them as text, assembled into Markdown by hand:
 # none (every benchmark table comes from its command's --markdown).
@@ -354,16 +367,25 @@ def _shape(cell):
     return re.sub(r"-?\d[\d,]*(\.\d+)?", "9", cell)     # a noisy difference may be negative
 
 
-def _readme_table_of(command, text=None):
-    return _readme_tables_of(command, text)[0][1:]
+def _doc_table_of(command, text=None):
+    return _doc_tables_of(command, text)[0][1:]
 
 
-def _readme_tables_of(command, text=None):
-    """Return [(paragraph above, header, rows)] of the README table under ``command`` and of
-    the tables that continue it (each right after the one before, with only a paragraph
-    between and no command of its own): what one command that prints several tables shows."""
+def _doc_tables_of(command, text=None):
+    """Return [(paragraph above, header, rows)] of the table under ``command`` and of the
+    tables that continue it (each right after the one before, with only a paragraph between
+    and no command of its own): what one command that prints several tables shows. The table
+    is looked for in ``text``, or else in README.md and every page of docs/."""
+    if text is None:
+        def under(above):
+            found = TABLE_COMMAND.search(above)
+            return found is not None and found.group(1) == command
+        names = [name for name in PAGES
+                 if any(under(above) for _, _, above, _ in _tables_placed(page(name)))]
+        assert len(names) == 1, f"`{command}` has a table under it in {names or 'no page'}"
+        return _doc_tables_of(command, page(names[0]))
     found = []
-    for header, rows, above, follows in _readme_tables_placed(text):
+    for header, rows, above, follows in _tables_placed(text):
         command_above = TABLE_COMMAND.search(above)
         if found and follows and not command_above:
             found.append((above, header, rows))
@@ -371,7 +393,7 @@ def _readme_tables_of(command, text=None):
             break
         elif command_above and command_above.group(1) == command:
             found.append((above, header, rows))
-    assert found, f"no README table under `{command}`"
+    assert found, f"no table under `{command}`"
     return found
 
 
@@ -443,11 +465,11 @@ def _delay_outputs(command):
     return outputs
 
 
-def readme_delay_table(command, tmp_path, text=None):
-    """The README table under a ``bench delay ... --markdown`` command has the columns and the
+def doc_delay_table(command, tmp_path, text=None):
+    """The table under a ``bench delay ... --markdown`` command has the columns and the
     row labels it prints, and every cell (each part of a " / " cell) a form it prints for a
     run that ended ok, diverged or did not learn."""
-    header, rows = _readme_table_of(command, text)
+    header, rows = _doc_table_of(command, text)
     outputs = _delay_outputs(command)
     for out_header, out_rows in outputs:
         assert header == out_header, (header, out_header)
@@ -460,16 +482,16 @@ def readme_delay_table(command, tmp_path, text=None):
             assert len(cell.split(" / ")) == len(outputs[0][1][i][j].split(" / ")), (row, cell)
 
 
-def readme_curves_table(command, tmp_path):
-    """The README table under ``bench curves --from-csv F --markdown`` is exactly what that
+def doc_curves_table(command, tmp_path):
+    """The table under ``bench curves --from-csv F --markdown`` is exactly what that
     command prints from the CSV kept in the repository (no training: it runs here as written)."""
     from ringnet.bench.tables import parse_markdown
-    assert parse_markdown(run(command).stdout) == _readme_table_of(command)
+    assert parse_markdown(run(command).stdout) == _doc_table_of(command)
 
 
 def curves_replot(command, tmp_path):
-    """``bench curves --from-csv F --plot P`` redraws the README figure from the kept CSV
-    (drawn into a temporary file here, the figure in docs/ stays)."""
+    """``bench curves --from-csv F --plot P`` redraws the figure of docs/delayed-update.md from
+    the kept CSV (drawn into a temporary file here, the figure in docs/ stays)."""
     pytest.importorskip("matplotlib")
     args = shlex.split(command)
     out = tmp_path / "curves.png"
@@ -491,22 +513,22 @@ def test_delay_table_check_fails_on_a_changed_cell():
     for name, lines in tables.items():
         text = f"`{command}`\n\n" + "\n".join(lines) + "\n"
         try:
-            readme_delay_table(command, None, text)
+            doc_delay_table(command, None, text)
             outcomes[name] = "passed"
         except AssertionError:
             outcomes[name] = "failed"
     assert outcomes == {"good": "passed", "form": "failed", "parts": "failed", "label": "failed"}
 
 
-def readme_table(command, tmp_path, text=None):
-    """The README tables under ``command`` are those it prints: the same number, each with
+def doc_table(command, tmp_path, text=None):
+    """The tables under ``command`` are those it prints: the same number, each with
     the columns the command prints, each of its rows the form of a row the command prints
     (labels equal, numbers anywhere), and the text between them the command's."""
     from ringnet.bench.tables import parse_markdown_tables
-    readme = _readme_tables_of(command, text)
+    shown = _doc_tables_of(command, text)
     printed = parse_markdown_tables(_table_output(command, tmp_path))
-    assert len(readme) == len(printed), (command, [t[1] for t in readme], [t[1] for t in printed])
-    for j, ((above, header, rows), (caption, out_header, out_rows)) in enumerate(zip(readme, printed)):
+    assert len(shown) == len(printed), (command, [t[1] for t in shown], [t[1] for t in printed])
+    for j, ((above, header, rows), (caption, out_header, out_rows)) in enumerate(zip(shown, printed)):
         assert header == out_header, (header, out_header)
         if j:
             assert _shape(above) == _shape(caption), (above, caption)
@@ -515,9 +537,9 @@ def readme_table(command, tmp_path, text=None):
             assert tuple(map(_shape, row)) in shapes, (row, out_rows)
 
 
-def test_every_readme_table_is_printed_by_the_command_above_it():
+def test_every_doc_table_is_printed_by_the_command_above_it():
     seen, generated = set(), False
-    for header, rows, above, follows in _readme_tables_placed():
+    for name, header, rows, above, follows in doc_tables():
         key = tuple(header)
         if key in STATIC or key in NOT_GENERATED:
             seen.add(key)
@@ -526,35 +548,35 @@ def test_every_readme_table_is_printed_by_the_command_above_it():
         found = TABLE_COMMAND.search(above)
         if not found and follows and generated:
             continue            # printed by the command above the table before it
-        assert found, (f"README table {header} has no `python -m ringnet.bench ... --markdown` "
+        assert found, (f"{name}: table {header} has no `python -m ringnet.bench ... --markdown` "
                        "command in the line just above it (or belongs in STATIC)")
-        assert COMMANDS.get(found.group(1)) in (readme_table, readme_delay_table,
-                                                readme_curves_table), found.group(1)
+        assert COMMANDS.get(found.group(1)) in (doc_table, doc_delay_table,
+                                                doc_curves_table), (name, found.group(1))
         generated = True
     assert seen == set(STATIC) | set(NOT_GENERATED), "stale STATIC / NOT_GENERATED entries"
 
 
 def test_table_check_covers_every_table_a_command_prints(monkeypatch):
-    """A command that prints two tables: the README must show both, with the command's line
+    """A command that prints two tables: the page must show both, with the command's line
     between them; a missing table, another line or another column fails."""
     printed = "| a | b |\n|---|---|\n| x | 1 |\n\nThen 2 more:\n\n| c |\n|---|\n| 3 |\n"
     monkeypatch.setitem(globals(), "_table_output", lambda command, tmp_path: printed)
     command = "python -m ringnet.bench fake --markdown"
     good = (f"Intro.\n\n`{command}` printed:\n\n| a | b |\n|---|---|\n| x | 5 |\n\n"
             "Then 7 more:\n\n| c |\n|---|\n| 4 |\n\nAfter.\n")
-    readme_table(command, None, text=good)
+    doc_table(command, None, text=good)
     for bad in (good.split("\n\nThen")[0] + "\n",
                 good.replace("Then 7 more", "Then more"),
                 good.replace("| c |", "| d |")):
         with pytest.raises(AssertionError):
-            readme_table(command, None, text=bad)
+            doc_table(command, None, text=bad)
 
 
 def test_table_check_fails_on_a_changed_column():
-    """The format check can fail: a README header or a row label that the command does not
+    """The format check can fail: a shown header or a row label that the command does not
     print is caught."""
     command = "python -m ringnet.bench faults --markdown"
-    header, rows = _readme_table_of(command)
+    header, rows = _doc_table_of(command)
     from ringnet.bench.tables import parse_markdown
     out_header, out_rows = parse_markdown(_table_output(command, None))
     assert header == out_header
@@ -570,7 +592,7 @@ CLUSTER = "trace and plot commands; run by their own tests (tests/test_trace*.py
 FASHION = ("needs Fashion-MNIST (Debian's dataset-fashion-mnist), which CI does not install; "
            "the bench commands have their own tests on small data")
 COMMANDS = {
-    # README.md
+    # README.md and docs/
     'pip install -e ".[mpich]" && mpirun -np 4 python -m ringnet.train': quick_start,
     "mpirun -np 4 python -m ringnet.train": quick_start,
     'pip install -e ".[test,mpich]" && bash tests/run.sh': SUITE,
@@ -606,21 +628,21 @@ COMMANDS = {
     "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --ceiling":
         "tests/test_bench_scaling.py::test_the_ceiling_is_single_at_the_per_rank_batch",
     "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master,split-fc --model cifar10_quick "
-    "--markdown": readme_table,
-    "python -m ringnet.bench layers --vs torch --markdown": readme_table,
-    "mpirun -np 4 python -m ringnet.bench comm --markdown": readme_table,
-    "python -m ringnet.bench faults --markdown": readme_table,
+    "--markdown": doc_table,
+    "python -m ringnet.bench layers --vs torch --markdown": doc_table,
+    "mpirun -np 4 python -m ringnet.bench comm --markdown": doc_table,
+    "python -m ringnet.bench faults --markdown": doc_table,
     "python -m ringnet.bench model --compute h100 --profile nvlink4/ib-hdr --np 1 8 64 1024 "
-    "--table predictions --markdown": readme_table,
-    "python -m ringnet.bench model --compute k40 --np 4 --table paper --markdown": readme_table,
+    "--table predictions --markdown": doc_table,
+    "python -m ringnet.bench model --compute k40 --np 4 --table paper --markdown": doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
-    "docs/bench-model-validation.json --table validation --markdown": readme_table,
+    "docs/bench-model-validation.json --table validation --markdown": doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
-    "docs/bench-model-validation-quiet.json --table validation --markdown": readme_table,
+    "docs/bench-model-validation-quiet.json --table validation --markdown": doc_table,
     "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
-    "--to-accuracy 0.84 --epochs 1 --eval-every 117 --repeats 1 --markdown": readme_table,
+    "--to-accuracy 0.84 --epochs 1 --eval-every 117 --repeats 1 --markdown": doc_table,
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset synthetic --mode split-fc --steps 3 --json":
-        readme_bytes,
+        doc_bytes,
     "python -m pytest --with-mpi tests": SUITE,
     "mpirun … 2>&1": "a template (any mpirun command line); tests/test_cli.py runs one",
     "pip install scikit-learn": INSTALL,
@@ -628,6 +650,7 @@ COMMANDS = {
     "bash tests/gpu/run.sh": "tests/test_cli.py::test_gpu_script_without_a_gpu_exits_77",
     "python -m ringnet.train": "tests/test_train.py::test_default_run_reaches_95_percent_and_reports_json",
     "python -m ringnet.bench …": "a template; the bench commands run above",
+    "python -m ringnet.bench": "a template; the bench commands run above",
     "python -m ringnet.datasets …": "a template; the datasets commands run above",
     'pip install -e ".[gpu-cuda12]"': INSTALL,
     'pip install -e ".[gpu-cuda13]"': INSTALL,
@@ -644,6 +667,7 @@ COMMANDS = {
     "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
     "--to-accuracy 0.84 --epochs 1 --eval-every 117": FASHION,
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2": FASHION,
+    "mpirun -np 2 python -m ringnet.train --model lenet --dataset fashion-mnist": FASHION,
     "python -m ringnet.bench delay --model digits --dataset digits --epochs 20 --seeds 1 2 3 4 5 "
     "6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 --variants single,lookahead/warm=0,lookahead/warm=10,"
     "lookahead/warm=30,lookahead/warm=60,lookahead,lookahead/warm=150,lookahead/k=5/warm=0,own:2":
@@ -652,17 +676,17 @@ COMMANDS = {
         "and tests/test_bench_accuracy.py own:N against its own",
     "python -m ringnet.bench delay --model digits --dataset digits --epochs 10 --lr 0.01 0.03 0.1 "
     "0.3 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5/warm=0,lookahead/warm=0,lookahead --markdown":
-        readme_delay_table,
+        doc_delay_table,
     "python -m ringnet.bench delay --model lenet --dataset synthetic --epochs 2 --lr 0.003 0.01 "
     "0.03 0.1 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5/warm=0,lookahead/warm=0 --markdown":
-        readme_delay_table,
+        doc_delay_table,
     "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3 "
-    "--variants single,none,lookahead/k=5/warm=0,lookahead/warm=0 --markdown": readme_delay_table,
+    "--variants single,none,lookahead/k=5/warm=0,lookahead/warm=0 --markdown": doc_delay_table,
     "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3 "
-    "--variants lookahead --markdown": readme_delay_table,
+    "--variants lookahead --markdown": doc_delay_table,
     "python -m ringnet.bench delay --model cifar10_quick --dataset synthetic --batch-size 16 "
     "--epochs 2 --lr 0.005 0.01 0.02 0.03 --momentum 0.9 --seeds 0 1 2 --variants "
-    "single,none,lookahead/warm=0 --metric loss --markdown": readme_delay_table,
+    "single,none,lookahead/warm=0 --metric loss --markdown": doc_delay_table,
     "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8":
         "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
     "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8 --np 2":
@@ -670,7 +694,7 @@ COMMANDS = {
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2 "
     "--eval-every 937": FASHION,
     "python -m ringnet.bench curves --from-csv docs/curves-lenet-fashion-mnist.csv --markdown":
-        readme_curves_table,
+        doc_curves_table,
     "python -m ringnet.bench curves --from-csv docs/curves-lenet-fashion-mnist.csv --plot "
     "docs/curves-lenet-fashion-mnist.png": curves_replot,
     # datasets/README.md
@@ -682,7 +706,14 @@ COMMANDS = {
     "python -m ringnet.datasets convert imagefolder SRC_DIR --size 64 --out cars.h5":
         "tests/test_datasets_cli.py::test_convert_imagefolder_split_and_pixels",
     "python -m ringnet.datasets info F.h5": "tests/test_datasets_cli.py::test_info_text_and_json",
-    # README.md, reliability
+    # docs/comm.md, docs/pytorch.md (tests/test_docs_pages.py runs every block of the PyTorch page)
+    "mpirun -np N": "a template; tests/test_docs_pages.py runs docs/comm.md's example at N = 1 and 4",
+    "python -m ringnet.train --epochs 5 --save digits-run.h5":
+        "tests/test_docs_pages.py::test_pytorch_page_runs",
+    "mpirun -np 2 python -m ringnet.train --resume from-torch.h5 --epochs 2":
+        "tests/test_docs_pages.py::test_pytorch_page_runs",
+    "python -m ringnet.train --resume": "a template; --resume runs in tests/test_checkpoint*.py",
+    # docs/reliability.md
     "mpirun -np 1 A : -np 1 B": "a template; tests/test_faults.py runs its MPMD cases",
     "python -m ringnet.datasets info --verify F.h5":
         "tests/test_faults.py runs it on a file with a corrupt image chunk",
@@ -714,17 +745,17 @@ COMMANDS = {
     "launch/local.sh -n 4 --shrink -- --save ck.h5 --save-every 100":
         "the same launcher flags as the ringnet.launch example, which the elastic tests run",
     "python -m ringnet.bench elastic --np 4 --model cifar10_quick --dataset synthetic --steps 40 "
-    "--every 10 --markdown": readme_table,
+    "--every 10 --markdown": doc_table,
     "python -m ringnet.launch -n 4": "the relauncher bench elastic ran, named in the line it prints "
                                      "between its tables (checked with them)",
     'python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc '
     '--model cifar10_quick --dataset synthetic --device auto --csv "scaling-${SLURM_JOB_ID}.csv" '
     '"$@"': bench_scaling,
     "launch/local.sh -n 4 --mode ring --delay 1": local_launcher,
-    # the README's python example is not a shell command; it runs here too
-    "README: Communicators on their own": comm_example,
+    # docs/comm.md's first python example is not a shell command; it runs here too
+    "docs/comm.md: A first example": comm_example,
 }
-NOT_SHOWN = {"README: Communicators on their own"}
+NOT_SHOWN = {"docs/comm.md: A first example"}
 
 
 def test_every_documented_command_has_a_check():
@@ -775,3 +806,120 @@ def test_bench_scaling_takes_its_modes_and_delays_from_the_registry(monkeypatch)
     changed = dict(parallel.MODES, tree=dataclasses.replace(parallel.MODES["tree"], default_delay=1))
     monkeypatch.setattr(scaling, "MODES", changed)
     assert scaling.default_delays()["tree"] == (1, 0)
+
+
+# --- README.md is the front door; the pages of docs/ hold the rest -------------------------------
+
+QUICK_START = ('pip install -e ".[mpich]" && mpirun -np 4 python -m ringnet.train\n'
+               'pip install -e ".[test,mpich]" && bash tests/run.sh\n')
+
+
+def test_readme_is_a_front_door():
+    """At most 320 lines, the Quick start first with its two commands, and a link to every
+    page of docs/."""
+    text = page("README.md")
+    assert len(text.splitlines()) <= 320, len(text.splitlines())
+    assert re.search(r"^## .*$", text, re.M).group(0) == "## Quick start"
+    section = text.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"```bash\n(.*?)```", section, re.S) == [QUICK_START]
+    linked = set(re.findall(r"\]\((docs/[^)#\s]+\.md)(?:#[^)\s]*)?\)", text))
+    pages = {name for name in PAGES if name.startswith("docs/")}
+    assert pages - linked == set(), f"README.md does not link {sorted(pages - linked)}"
+
+
+LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
+
+
+def _prose(text):
+    """A Markdown text without its code blocks and code spans."""
+    return re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+
+
+def _anchors(text):
+    """The anchors GitHub gives a Markdown text's headings."""
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#{1,6} (.*)$", re.sub(r"```.*?```", "", text, flags=re.S),
+                                      re.M)}
+
+
+def test_relative_links_resolve():
+    """Every relative link (and image) of README.md and docs/ names a file of the repository,
+    and its #anchor, if any, a heading of that file."""
+    checked = 0
+    for name in PAGES:
+        for target in LINK.findall(_prose(page(name))):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):           # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = ((ROOT / name).parent / path).resolve() if path else ROOT / name
+            assert not path.startswith("/") and file.is_relative_to(ROOT), (name, target)
+            assert file.is_file(), f"{name}: link to {target}: no such file"
+            if anchor:
+                assert file.suffix == ".md" and anchor in _anchors(file.read_text()), \
+                    f"{name}: link to {target}: no such heading"
+            checked += 1
+    assert checked >= 20, checked
+
+
+def test_link_check_fails_on_a_missing_file_or_heading(tmp_path, monkeypatch):
+    """The link check can fail: a link to a file that is not there, or to a heading that is not."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A\n\n## Some heading: `x`\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PAGES", ("README.md", "docs/a.md"))
+    outcomes = {}
+    for name, link in (("good", "docs/a.md#some-heading-x"), ("file", "docs/b.md"),
+                       ("heading", "docs/a.md#other")):
+        (tmp_path / "README.md").write_text(
+            "".join(f"[{i}](docs/a.md)\n" for i in range(20)) + f"[x]({link})\n")
+        try:
+            test_relative_links_resolve()
+            outcomes[name] = "passed"
+        except AssertionError:
+            outcomes[name] = "failed"
+    assert outcomes == {"good": "passed", "file": "failed", "heading": "failed"}
+
+
+def test_every_synopsis_shown_is_the_parsers():
+    """The usage block of README.md and of docs/training.md is the one built from the parser
+    (tests/test_cli.py checks the README's)."""
+    from ringnet.config import synopsis
+    shown = {name: re.findall(r"```\n(python -m ringnet\.train \[.*?)\n```", page(name), re.S)
+             for name in PAGES}
+    assert shown["README.md"] and shown["docs/training.md"]
+    for name, blocks in shown.items():
+        for block in blocks:
+            assert block == synopsis(), f"{name}: the synopsis differs from the parser's"
+
+
+def test_the_scaling_page_s_validation_figures_are_the_record_s():
+    """The figures docs/scaling.md gives in words beside its validation table are those of
+    docs/bench-model-validation.json, reprinted with and without the slowest-rank term
+    (tests/test_bench_model.py checks the README's summary of them)."""
+    import copy
+    import statistics
+    from ringnet.bench import model as pm
+    record = json.loads(page("docs/bench-model-validation.json"))
+    even = copy.deepcopy(record)
+    for rnd in even["rounds"]:
+        for c in rnd["calibration"]["by_np"].values():
+            for m in c["raw"].get("models", {}).values():
+                m.pop("imbalance", None)
+    text = " ".join(page("docs/scaling.md").split())
+
+    def summary(rows):
+        errors = [abs(r["error"]) for r in rows]
+        return statistics.median(errors), sum(e <= 0.15 for e in errors)
+    with_term, without = pm.validation_rows(record), pm.validation_rows(even)
+    (m1, k1), (m0, k0) = summary(with_term), summary(without)
+    assert f"Median |error| {100 * m1:.0f}%, {k1} of 32 rows within 15%" in text
+    assert (f"goes from median {100 * m0:.1f}% and {k0} of 32 to {100 * m1:.1f}% and {k1} of 32"
+            in text)
+
+    def delay0_at_2(rows):
+        errors = [r["error"] for r in rows if r["np"] == 2 and not r["delay"]]
+        return 100 * statistics.mean(errors), 100 * min(errors), 100 * max(errors)
+    mean0, lo0, hi0 = delay0_at_2(without)
+    mean1, lo1, hi1 = delay0_at_2(with_term)
+    assert (f"{-mean0:.1f}% too fast on average (−{-lo0:.0f}% to +{hi0:.0f}%), with it "
+            f"{abs(mean1):.1f}% (−{-lo1:.0f}% to +{hi1:.0f}%)") in text
