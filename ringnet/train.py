@@ -19,6 +19,7 @@ import numpy as np
 
 from ringnet import backend
 from ringnet._threads import blas_threads_in_use
+from ringnet.environment import check_environment, run_knobs
 from ringnet.checkpoint import HYPERPARAMETERS
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
 from ringnet.errors import (USER_ERRORS, Deadline, DivergedError, InputError, RunInputError,
@@ -79,6 +80,7 @@ def _setup(cfg, world):
 
     rank, size = world.Get_rank(), world.Get_size()
     cfg = collective(world, cfg.resolved, size)
+    collective(world, check_environment)      # a bad RINGNET_* value: one line, before any work
     # Before anything whose control flow depends on the settings: every rank runs the same.
     check_same_run(world, config_fingerprint(cfg))
 
@@ -159,7 +161,11 @@ def config_fingerprint(cfg):
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _PER_RANK}
     fields["save"] = cfg.save is not None        # the paths may differ, whether they are set not
     fields["resume"] = cfg.resume is not None
-    return {"--" + k.replace("_", "-"): repr(v) for k, v in fields.items()}
+    prints = {"--" + k.replace("_", "-"): repr(v) for k, v in fields.items()}
+    # environment knobs that change what is computed or exchanged, named as they are set
+    prints.update({name: "unset" if value is None else repr(value)
+                   for name, value in run_knobs().items()})
+    return prints
 
 
 def check_same_run(world, fingerprint):

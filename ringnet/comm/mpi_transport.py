@@ -74,6 +74,16 @@ def _query_library():
     return None, f"{os.path.basename(path)} has no CUDA query"
 
 
+def mpi_cuda_aware_setting():
+    """Return ``RINGNET_CUDA_AWARE_MPI`` as True/False, or None when unset (ask the library)."""
+    forced = os.environ.get("RINGNET_CUDA_AWARE_MPI", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"RINGNET_CUDA_AWARE_MPI={forced!r}: use 0 or 1")
+    return None
+
+
 def mpi_cuda_aware():
     """Return (True when the MPI library accepts CUDA device pointers, how that was decided).
 
@@ -81,11 +91,9 @@ def mpi_cuda_aware():
     ``MPIX_Query_cuda_support``, MPICH's ``MPIX_GPU_query_support``. An MPI that cannot
     say counts as not CUDA-aware (GPU buffers are then staged through pinned host memory).
     """
-    forced = os.environ.get("RINGNET_CUDA_AWARE_MPI", "")
-    if forced in ("0", "1"):
-        return forced == "1", f"RINGNET_CUDA_AWARE_MPI={forced}"
-    if forced:
-        raise ValueError(f"RINGNET_CUDA_AWARE_MPI={forced!r}: use 0 or 1")
+    forced = mpi_cuda_aware_setting()
+    if forced is not None:
+        return forced, f"RINGNET_CUDA_AWARE_MPI={int(forced)}"
     answer, how = _query_library()
     return bool(answer), how
 

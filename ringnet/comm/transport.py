@@ -15,6 +15,11 @@ class CommTimeoutError(RuntimeError):
     """A transfer did not complete within the transport's timeout."""
 
 
+# The longest deadline: the set-up watchdog waits 2 x this + 10 s, within what a timer
+# takes (threading.TIMEOUT_MAX is about 9.2e9 s on Linux); 1e8 s is over three years.
+MAX_TIMEOUT_S = 1e8
+
+
 def default_timeout() -> float:
     """Return the transfer timeout in seconds: ``RINGNET_COMM_TIMEOUT`` or 300.
 
@@ -27,6 +32,9 @@ def default_timeout() -> float:
         seconds = float("nan")
     if not 0 < seconds < float("inf"):     # 0, negative, NaN or inf: no usable deadline
         raise ValueError(f"RINGNET_COMM_TIMEOUT={value!r} is not a positive number of seconds")
+    if seconds > MAX_TIMEOUT_S:     # the set-up watchdog's timer would overflow
+        raise ValueError(f"RINGNET_COMM_TIMEOUT={value!r} is too large: at most "
+                         f"{MAX_TIMEOUT_S:.0f} seconds")
     return seconds
 
 

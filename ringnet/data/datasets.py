@@ -11,7 +11,7 @@ from ringnet.data.hdf5 import FileImages, validate_file
 from ringnet.data.synthetic import make_synthetic
 from ringnet.errors import InputError
 
-__all__ = ["NAMED", "DOWNLOADABLE", "IN_MEMORY_BYTES", "Split", "Dataset",
+__all__ = ["NAMED", "DOWNLOADABLE", "IN_MEMORY_BYTES", "in_memory_bytes", "Split", "Dataset",
            "default_data_dir", "data_dirs", "find_dataset", "open_dataset",
            "check_compatible", "channel_stats"]
 
@@ -19,9 +19,19 @@ NAMED = ("digits", "mnist", "cifar10", "synthetic")
 DOWNLOADABLE = ("mnist", "cifar10")
 # Image arrays up to this size are read into memory once; larger ones stay in the
 # file and each rank reads only the samples it needs.
-IN_MEMORY_BYTES = int(os.environ.get("RINGNET_DATA_IN_MEMORY_MB", "1024")) << 20
+IN_MEMORY_BYTES = 1024 << 20      # the default of RINGNET_DATA_IN_MEMORY_MB, in bytes
 _STATS_CHUNK = 4096
 FINGERPRINT_SAMPLES = 64
+
+
+def in_memory_bytes():
+    """Return ``RINGNET_DATA_IN_MEMORY_MB`` in bytes (default :data:`IN_MEMORY_BYTES`)."""
+    value = os.environ.get("RINGNET_DATA_IN_MEMORY_MB", "").strip()
+    if not value:
+        return IN_MEMORY_BYTES
+    if not value.isdigit():
+        raise InputError(f"RINGNET_DATA_IN_MEMORY_MB={value!r} is not a whole number of MiB")
+    return int(value) << 20
 
 
 def default_data_dir():
@@ -222,7 +232,7 @@ def _open_file(path, label, in_memory):
         for split in ("train", "test"):
             images = f[split]["images"]
             labels = f[split]["labels"][()]
-            keep = in_memory if in_memory is not None else images.nbytes <= IN_MEMORY_BYTES
+            keep = in_memory if in_memory is not None else images.nbytes <= in_memory_bytes()
             splits[split] = Split(images[()] if keep else FileImages(images, path, f"/{split}/images"),
                                   labels)
         classes = [c.decode() if isinstance(c, bytes) else str(c) for c in f.attrs["classes"]]
