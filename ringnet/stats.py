@@ -9,7 +9,7 @@ adds to, so no caller does ``perf_counter`` arithmetic itself::
 =================  ==============================================================
 span name          adds its duration to
 =================  ==============================================================
-``step``           ``step_times`` (one entry) and ``steps`` (+1)
+``step``           ``step_times`` (one entry, bounded: see below) and ``steps`` (+1)
 ``compute``        ``compute_s``: forward, backward, loss on the training thread
 ``update``         ``update_s``: the optimizer step (any thread)
 ``comm``           ``comm_total_s``: communication that may run hidden on a stream
@@ -18,6 +18,11 @@ span name          adds its duration to
 ``exposed_comm``   ``comm_total_s`` and ``comm_wait_s``: a blocking collective on
                    the training thread (all of its time is exposed)
 =================  ==============================================================
+
+``step_times`` holds every step's time up to ``STEP_SAMPLES`` steps; past that, the first
+``STEP_WARMUP`` steps and a uniform sample (reservoir sampling, seeded) of the rest, so a
+run of millions of steps keeps the same few hundred KB and its median step time stays
+an estimate within a percent or so.
 
 Spans of one kind must not nest (their time would count twice); spans of different
 kinds may. Totals are updated under a lock: the training thread and the stream
@@ -47,6 +52,7 @@ an exception in a listener propagates to the code that ran the span.
 times code that has no statistics of its own (a communicator's transfers): its
 events reach the listeners only.
 """
+import random
 import threading
 import time
 from contextlib import contextmanager
@@ -113,6 +119,21 @@ def span(name: str, **args):
         _publish(name, start, time.perf_counter() - start, args)
 
 
+STEP_SAMPLES = 8192     # step times kept in full; beyond, a uniform sample of this size
+STEP_WARMUP = 2         # the first steps (compilation, first touches) are always kept
+
+
+def keep_sample(samples, value, seen, rng, limit=STEP_SAMPLES, fixed=STEP_WARMUP):
+    """Add the ``seen``-th value (0-based) to ``samples``, a list bounded by ``limit``: the
+    first ``fixed`` values stay, the others are a uniform reservoir sample of the rest."""
+    if len(samples) < limit:
+        samples.append(value)
+        return
+    j = rng.randrange(seen - fixed + 1)
+    if j < limit - fixed:
+        samples[fixed + j] = value
+
+
 @dataclass
 class StepStats:
     """Per-rank time totals of a training run, filled by :meth:`span`.
@@ -129,6 +150,8 @@ class StepStats:
     gpu: object = field(default=None, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _pending: list = field(default_factory=list, repr=False, compare=False)
+    _rng: random.Random = field(default_factory=lambda: random.Random(0), repr=False,
+                                compare=False)
 
     @contextmanager
     def span(self, name: str, **args):
@@ -154,8 +177,8 @@ class StepStats:
                     for name_ in fields:
                         setattr(self, name_, getattr(self, name_) + duration)
                 if name == "step":
+                    keep_sample(self.step_times, duration, self.steps, self._rng)
                     self.steps += 1
-                    self.step_times.append(duration)
             if name == "step" and self._pending:
                 self.resolve(wait=False)
             _publish(name, start, duration, args)

@@ -218,3 +218,27 @@ def test_cpu_spans_record_no_events(clock):
     with st.span("compute"):
         pass
     assert st.compute_s == 1 and not st._pending
+
+
+def test_step_times_stay_bounded_and_keep_the_median():
+    """A long run keeps at most STEP_SAMPLES step times: the warm-up steps and a uniform
+    sample of the rest, whose median is within a percent of the true one."""
+    import random
+    import statistics
+    from ringnet import stats
+    st = StepStats()
+    rng = random.Random(7)
+    every = [rng.lognormvariate(-5, 0.3) for _ in range(200_000)]
+    every[:2] = [3.0, 2.0]                      # slow first steps
+    for value in every:
+        stats.keep_sample(st.step_times, value, st.steps, st._rng)
+        st.steps += 1
+    assert len(st.step_times) == stats.STEP_SAMPLES and st.steps == len(every)
+    assert st.step_times[:2] == [3.0, 2.0]
+    true = statistics.median(every[2:])
+    assert abs(statistics.median(st.step_times[2:]) / true - 1) < 0.01
+    # below the bound every time is kept, in order
+    short = StepStats()
+    for i, value in enumerate(every[:100]):
+        stats.keep_sample(short.step_times, value, i, short._rng)
+    assert short.step_times == every[:100]

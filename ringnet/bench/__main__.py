@@ -1,4 +1,4 @@
-"""python -m ringnet.bench {layers,comm,scaling,overlap,model,curves,delay,elastic,faults} ... — benchmarks that print tables."""
+"""python -m ringnet.bench {layers,comm,scaling,overlap,model,curves,delay,elastic,soak,faults} ... — benchmarks that print tables."""
 import importlib
 import sys
 
@@ -17,6 +17,8 @@ COMMANDS = {
     "delay": ("ringnet.bench.delay", "delay-1 compensations side by side in one process (accuracy, stability)"),
     "curves": ("ringnet.bench.curves", "test accuracy vs epoch and wall time for every mode: CSV + plot"),
     "elastic": ("ringnet.bench.elastic", "cost of --save-every, and of a rank killed under ringnet.launch"),
+    "soak": ("ringnet.bench.soak", "a long run's memory, threads and open files per rank against "
+                                   "the step count: growth per 1,000 steps"),
     "faults": ("ringnet.bench.faults", "stops/kills a rank in every phase, MPMD mismatches, bad files: "
                                        "exit code and time to exit per case"),
 }
@@ -25,7 +27,7 @@ COMMANDS = {
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m ringnet.bench {layers,comm,scaling,overlap,model,curves,delay,elastic,faults} [options]\n")
+        print("usage: python -m ringnet.bench {layers,comm,scaling,overlap,model,curves,delay,elastic,soak,faults} [options]\n")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:8s} {text}")
         print("\n`python -m ringnet.bench NAME --help` lists each benchmark's options.")
