@@ -19,10 +19,8 @@ from ringnet.slurm import check_world_size
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = os.path.join(ROOT, "hpc", "cluster.sh")
 TRAIN = ["python", "-m", "ringnet.train", "--steps", "4", "--no-eval", "--json", "--seed", "3"]
-# The scripts ask for GPUs and a `gpu` partition; these flags fit them to the test node,
-# as a user would on their own cluster.
-FIT = ["--partition=debug", "--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1",
-       "--time=10"]
+# The hpc scripts' rank count (their --ntasks-per-node on one node).
+SCRIPT_RANKS = 4
 
 
 def _slurm_env():
@@ -61,29 +59,48 @@ def summary_of(text):
     return json.loads(lines[-1])
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """The same 2-rank run under plain mpirun, outside SLURM."""
+def _mpirun_reference(ranks):
     env = {k: v for k, v in (SLURM_ENV or os.environ).items() if not k.startswith("SLURM_")}
-    proc = subprocess.run(["mpirun", "-np", "2", sys.executable, *TRAIN[1:]], capture_output=True,
-                          text=True, env=env, timeout=300)
+    proc = subprocess.run(["mpirun", "-np", str(ranks), sys.executable, *TRAIN[1:]],
+                          capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return summary_of(proc.stdout)
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """The same 2-rank run under plain mpirun, outside SLURM."""
+    return _mpirun_reference(2)
+
+
+@pytest.fixture(scope="module")
+def script_reference():
+    """The same run on the sbatch scripts' rank count under plain mpirun, outside SLURM."""
+    return _mpirun_reference(SCRIPT_RANKS)
+
+
+def _directive(script, option):
+    """Return the value of ``#SBATCH --OPTION=VALUE`` in hpc/SCRIPT."""
+    with open(os.path.join(ROOT, "hpc", script)) as f:
+        return re.search(rf"^#SBATCH --{option}=(\S+)", f.read(), re.M).group(1)
+
+
 def sbatch(script, tmp_path, *args):
-    """Submit ``script`` with ``sbatch --wait``; return (exit code, job output, job id)."""
-    cmd = ["sbatch", "--wait", f"--chdir={tmp_path}", f"--output={tmp_path}/job-%j.out", *FIT,
-           os.path.join(ROOT, "hpc", script), *args]
+    """Submit ``script`` as its header documents it, ``sbatch hpc/SCRIPT [flags]`` from
+    ``tmp_path``, plus ``--wait`` only (it changes nothing in the job, it makes sbatch
+    return when the job ends); return (exit code, job output, job id)."""
+    cmd = ["sbatch", "--wait", os.path.join("hpc", script), *args]
+    os.symlink(os.path.join(ROOT, "hpc"), tmp_path / "hpc")
     try:
-        proc = run(cmd, timeout=400)
+        proc = run(cmd, timeout=400, cwd=tmp_path)
     except subprocess.TimeoutExpired:
-        subprocess.run(["scancel", "--name", script.split(".")[0]], env=SLURM_ENV)
+        subprocess.run(["scancel", "--name", _directive(script, "job-name")], env=SLURM_ENV)
         raise
     match = re.search(r"Submitted batch job (\d+)", proc.stdout)
     assert match, (proc.stdout, proc.stderr)
     job = match.group(1)
-    with open(tmp_path / f"job-{job}.out") as f:
+    # The log is where the script's --output line puts it: the submit folder.
+    with open(tmp_path / _directive(script, "output").replace("%j", job)) as f:
         return proc.returncode, f.read(), job
 
 
@@ -95,14 +112,14 @@ def test_cluster_start_is_idempotent():
 
 
 @needs_slurm
-def test_train_sbatch(tmp_path, reference):
+def test_train_sbatch(tmp_path, script_reference):
     rc, out, _ = sbatch("train.sbatch", tmp_path, *TRAIN[3:])
     assert rc == 0, out[-3000:]
-    assert re.search(r"ring \(delay 1[^)]*\) on 2 rank\(s\)", out), out
+    assert re.search(rf"ring \(delay 1[^)]*\) on {SCRIPT_RANKS} rank\(s\)", out), out
     assert re.search(r"^step 4/4  epoch 0\.18  loss \d", out, re.M), out  # progress without a tty
     summary = summary_of(out)
-    assert summary["ranks"] == 2 and summary["steps"] == 4
-    assert summary["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)
+    assert summary["ranks"] == SCRIPT_RANKS and summary["steps"] == 4
+    assert summary["train_loss"] == pytest.approx(script_reference["train_loss"], rel=1e-6)
 
 
 @needs_slurm
@@ -125,6 +142,31 @@ def test_scaling_sbatch(tmp_path):
     with open(tmp_path / f"scaling-{job}.csv") as f:
         lines = f.read().splitlines()
     assert lines[0].startswith("mode,delay,np,") and len(lines) == 3
+
+
+@needs_slurm
+@pytest.mark.parametrize("script", ["train.sbatch", "scaling.sbatch"])
+def test_gpu_lines_take_effect_once_uncommented(script, tmp_path):
+    """The two lines marked "change this" are what a GPU partition needs: as written SLURM
+    skips them ("##SBATCH"); with one "#" removed it reads them, and this node, which has
+    no GPUs and no `gpu` partition, refuses each as it would refuse the same sbatch option."""
+    with open(os.path.join(ROOT, "hpc", script)) as f:
+        text = f.read()
+    marked = [l for l in text.splitlines() if l.startswith("##SBATCH")]
+    assert [l.split()[1].split("=")[0] for l in marked] == ["--gpus-per-node", "--partition"]
+    assert all("# change this:" in l for l in marked), marked
+
+    def test_only(body):
+        path = tmp_path / script
+        path.write_text(body)
+        return run(["sbatch", "--test-only", str(path)], cwd=tmp_path, timeout=60)
+
+    proc = test_only(text)
+    assert proc.returncode == 0, proc.stderr
+    proc = test_only(text.replace("##SBATCH --partition", "#SBATCH --partition"))
+    assert proc.returncode != 0 and "invalid partition specified: gpu" in proc.stderr, proc.stderr
+    proc = test_only(text.replace("##SBATCH --gpus-per-node", "#SBATCH --gpus-per-node"))
+    assert proc.returncode != 0 and "Invalid generic resource" in proc.stderr, proc.stderr
 
 
 @needs_slurm
