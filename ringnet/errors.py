@@ -11,6 +11,8 @@
   rank that stopped answering, a data chunk that cannot be read mid-training:
   :class:`RunInputError`, exit code 2). The rank that saw it prints one line naming the
   step or phase and the rank(s) at fault, then the whole MPI job is aborted.
+* Ctrl-C (SIGINT) — rank 0 prints ``ringnet: error: interrupted`` and every rank
+  exits 130, without MPI_Abort, so that mpirun adds nothing (see ``_interrupted``).
 * any other exception — a bug. The failing rank prints its traceback once, prefixed
   with its rank, and the whole MPI job is aborted (``MPI_Abort``).
 
@@ -32,6 +34,7 @@ fault-injection tests and of ``python -m ringnet.bench faults``.
 """
 import argparse
 import collections
+import ctypes
 import fcntl
 import os
 import signal
@@ -48,13 +51,15 @@ __all__ = ["UsageError", "InputError", "SetupError", "TransportUnavailable", "US
            "TrainingError", "RunInputError", "StallError", "Deadline", "collective", "exchange",
            "watchdog", "set_phase", "current_phase", "fault_point", "comm_timeout",
            "DivergedError", "run_main", "abort", "import_mpi", "EXIT_USAGE", "EXIT_FAILURE",
-           "EXIT_DIVERGED"]
+           "EXIT_DIVERGED", "EXIT_INTERRUPTED"]
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 EXIT_DIVERGED = 3     # non-finite loss: a rerun from the same weights diverges again
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what shells report for a program ended by Ctrl-C
 ABORT_GRACE_S = 0.25  # seconds between the error line leaving the pipe and MPI_Abort (see abort)
 DRAIN_LIMIT_S = 10.0  # at most this long for the launcher to read the error line (see abort)
+FINALIZE_LIMIT_S = 10.0  # an interrupted rank waits this long for the others (see _interrupted)
 SPEAKER_WAIT_S = 20.0  # a stall's other ranks wait this long for its speaker's abort (run_main)
 _TAG = 0x5249       # control messages of exchange() on the caller's communicator
 
@@ -393,6 +398,86 @@ def abort(message=None, code=EXIT_FAILURE):
     os._exit(code)
 
 
+def _interrupted():
+    """End this rank after Ctrl-C (SIGINT) with one line for the whole job and exit 130.
+
+    Ctrl-C reaches every rank: mpirun passes SIGINT on to each of them (srun does on a
+    second Ctrl-C within a second). So each rank ends itself, and rank 0 alone says so.
+    Not through MPI_Abort, whose launcher adds its own lines (MPICH: ``Abort(130) on
+    node ...`` per rank). Not by exiting at once either: MPICH's mpirun kills the other
+    ranks the moment one ends without MPI_Finalize, and a rank it kills shows up as its
+    ``BAD TERMINATION`` banner and exit code 9. So the ranks meet, each finalizes MPI
+    and exits 130, and mpirun exits 130 without a word. A rank interrupted on its own
+    waits FINALIZE_LIMIT_S for the others, then aborts the job with its rank named.
+    """
+    # The exit must not be interrupted in turn: a second Ctrl-C would print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mpi = _started_mpi()
+    if mpi is None or mpi.COMM_WORLD.Get_rank() == 0:
+        _flush()
+        os.write(2, b"ringnet: error: interrupted\n")     # one write: never split by another
+    _flush()
+    if mpi is None:
+        os._exit(EXIT_INTERRUPTED)
+    # As in abort: a line still in the pipe to the launcher's forwarder dies with the job.
+    _wait_until_read((1, 2), DRAIN_LIMIT_S)
+    world = mpi.COMM_WORLD
+    try:
+        # MPI_Finalize fails on a world communicator that still holds messages nobody
+        # received (the agreement messages of exchange() from a rank interrupted later
+        # than this one), and a rank whose finalize failed counts for mpirun as one that
+        # died. Once every rank passed this barrier, no rank sends any more: receive what
+        # arrived, then finalize.
+        barrier = world.Ibarrier()
+        end = time.monotonic() + FINALIZE_LIMIT_S
+        pause = 1e-4
+        while not barrier.Test():
+            if time.monotonic() > end:
+                # Interrupted on its own (kill -INT on one rank): the others never came.
+                # End the job as a failure does, saying which rank it was.
+                abort(None if world.Get_rank() == 0 else "interrupted", code=EXIT_INTERRUPTED)
+            pause = _sleep_backoff(pause)
+        _discard_messages(mpi, world)
+        timer = threading.Timer(FINALIZE_LIMIT_S, os._exit, (EXIT_INTERRUPTED,))
+        timer.daemon = True
+        timer.start()
+        mpi.Finalize()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        os._exit(EXIT_INTERRUPTED)
+    # The C library's exit(), not _exit(): MPICH 5 tells mpirun that this process is done
+    # only in its exit handlers, and mpirun kills the other ranks when one ends without
+    # that, finalized or not. Python's own shutdown is skipped: it would wait for threads.
+    ctypes.CDLL(None).exit(EXIT_INTERRUPTED)
+
+
+def _discard_messages(mpi, comm):
+    """Receive and drop every message that has arrived on ``comm``."""
+    status = mpi.Status()
+    while comm.iprobe(source=mpi.ANY_SOURCE, tag=mpi.ANY_TAG, status=status):
+        comm.Recv(bytearray(status.Get_count(mpi.BYTE)), source=status.Get_source(),
+                  tag=status.Get_tag())
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()          # os._exit drops what Python still buffers
+        except (OSError, ValueError):
+            pass
+
+
+def _started_mpi():
+    """Return mpi4py's MPI module when this process started MPI and has not finalized it
+    (None otherwise, without starting it)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            return mpi
+    except Exception:  # noqa: BLE001 - a broken MPI: treat as none
+        pass
+    return None
+
+
 def _unread_bytes(fd):
     """Return how many bytes written to pipe ``fd`` its reader has not read (None: not a pipe)."""
     try:
@@ -441,7 +526,7 @@ def run_main(main, argv=None):
     except BrokenPipeError:
         _quiet_broken_pipe()
     except KeyboardInterrupt:
-        abort("interrupted", code=130)
+        _interrupted()
     except TrainingError as exc:
         # Often seen by several ranks at once (a stall, NaN loss): one rank speaks and its
         # abort ends the others before they print. A stall names its speaker (the lowest

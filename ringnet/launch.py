@@ -20,6 +20,11 @@ recurs at the step where the previous launch failed (a bad sample): those stop a
 with the job's own message and exit code. At each relaunch it says what was lost
 (the steps since the last checkpoint) and why.
 
+Ctrl-C stops the job without a relaunch: the launcher passes it on to the job once
+(the job runs in a process group of its own), the job's rank 0 prints
+``ringnet: error: interrupted`` and the launcher exits 130. SIGTERM (scancel, kill) and
+SIGHUP stop the job with SIGTERM, also without a relaunch.
+
 The job reports its progress through ``$RINGNET_HEARTBEAT`` (see ``ringnet.elastic``);
 with ``--stall-timeout S`` a job whose step count has not moved for S seconds is
 stopped and relaunched like one that lost a rank.
@@ -39,7 +44,7 @@ import threading
 import time
 
 from ringnet.elastic import HEARTBEAT_ENV, read_heartbeat
-from ringnet.errors import EXIT_DIVERGED, EXIT_USAGE, ArgumentParser, UsageError
+from ringnet.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USAGE, ArgumentParser, UsageError
 
 __all__ = ["main", "relaunch_size", "Attempt", "Launcher", "slurm_tasks_alive"]
 
@@ -48,10 +53,17 @@ PROG = "python -m ringnet.launch"
 # (the other ranks run on until the abort reaches them), so two failures whose counts
 # differ by at most this are taken for the same failure.
 SAME_STEP = 2
+INTERRUPTED_LINE = "ringnet: error: interrupted"    # what the job prints after Ctrl-C
+# After passing Ctrl-C on, wait this long for the job to end by itself before stopping it.
+INTERRUPT_GRACE_S = 30.0
 
 
 def _say(text):
     print(f"ringnet.launch: {text}", file=sys.stderr, flush=True)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (scancel, kill) or SIGHUP (the terminal closed) reached the launcher."""
 
 
 # -- which rank count a relaunch uses --------------------------------------------------
@@ -219,8 +231,10 @@ class Launcher:
                         self._summary()
                     return 0
                 if attempt.interrupted:
-                    _say("interrupted: the job was stopped, not relaunching")
-                    return code or 130
+                    # After Ctrl-C the job's rank 0 said "interrupted" itself; one line is enough.
+                    if not any(line.strip() == INTERRUPTED_LINE for line in attempt.errors):
+                        _say("interrupted: the job was stopped, not relaunching")
+                    return EXIT_INTERRUPTED if attempt.interrupted == "SIGINT" else code or 130
                 if code == EXIT_USAGE:
                     _say("the job stopped on bad input (exit 2): not relaunching")
                     return code
@@ -276,8 +290,13 @@ class Launcher:
         env = dict(self.env, **{HEARTBEAT_ENV: heartbeat})
         attempt.started = time.monotonic()
         try:
-            proc = subprocess.Popen(attempt.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    bufsize=0, env=env)
+            # The job runs in a process group of its own, so that a terminal's Ctrl-C
+            # reaches it once, passed on by this launcher, and not also directly: MPICH's
+            # mpirun takes a second Ctrl-C for "kill everything now". No stdin: a process
+            # group that is not the terminal's foreground would be stopped reading it.
+            proc = subprocess.Popen(attempt.command, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    bufsize=0, env=env, **_OWN_PROCESS_GROUP)
         except OSError as exc:
             raise UsageError(f"cannot start {attempt.command[0]}: {exc.strerror}") from None
         pumps = [threading.Thread(target=_pump, args=(proc.stdout, _binary(sys.stdout), attempt.errors), daemon=True),
@@ -304,14 +323,40 @@ class Launcher:
                     attempt.stalled = self.stall_timeout
                     _stop(proc)
                     break
-        except KeyboardInterrupt:
-            attempt.interrupted = True
+        except Terminated:
+            attempt.interrupted = "SIGTERM"
             _stop(proc)
+        except KeyboardInterrupt:
+            attempt.interrupted = "SIGINT"
+            self._interrupt(proc)
         for pump in pumps:
             pump.join(timeout=10)
         attempt.returncode = proc.returncode
         attempt.reached = read_heartbeat(heartbeat)
         attempt.ended = time.monotonic()
+
+    @staticmethod
+    def _interrupt(proc):
+        """Pass Ctrl-C on to the job and wait for it to end: mpirun gives each rank SIGINT,
+        the ranks end themselves and rank 0 says so. srun takes one SIGINT for a status
+        report, so it is stopped as on SIGTERM. Another Ctrl-C is passed on too (mpirun
+        then kills the ranks at once); a job still running after INTERRUPT_GRACE_S is stopped."""
+        if os.path.basename(proc.args[0]) == "srun":
+            _stop(proc)
+            return
+        end = time.monotonic() + INTERRUPT_GRACE_S
+        while True:
+            try:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+                while proc.poll() is None and time.monotonic() < end:
+                    time.sleep(0.05)
+                break
+            except Terminated:
+                break
+            except KeyboardInterrupt:
+                continue
+        _stop(proc)
 
     def _report_relaunch_time(self, attempt):
         previous = self.attempts[-2]
@@ -330,6 +375,11 @@ class Launcher:
         if times:
             text += f", {sum(times) / len(times):.1f} s from a failure to training again (mean)"
         _say(text)
+
+
+# Popen arguments that start the job in a new process group (process_group: Python >= 3.11).
+_OWN_PROCESS_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
+                      else {"preexec_fn": os.setpgrp})
 
 
 def _binary(stream):
@@ -471,9 +521,10 @@ def main(argv=None):
         per_node = _slurm_tasks_per_node(env)
         if per_node:
             available = lambda: slurm_tasks_alive(env["SLURM_JOB_ID"], per_node)  # noqa: E731
-    def interrupted(signum, frame):     # SIGTERM (scancel, kill): stop the job, do not relaunch
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, interrupted)
+    def terminated(signum, frame):  # SIGTERM (scancel, kill), SIGHUP: stop the job, no relaunch
+        raise Terminated
+    signal.signal(signal.SIGTERM, terminated)
+    signal.signal(signal.SIGHUP, terminated)
     launcher = Launcher(args.ranks, [*train_args, *pins], launch_cmd=launch_cmd, batch_size=batch,
                         checkpoint=cfg.save, resume=cfg.resume, min_ranks=args.min_ranks,
                         max_restarts=args.max_restarts, shrink=args.shrink,
@@ -488,5 +539,5 @@ if __name__ == "__main__":
         print(f"ringnet: error: {exc}", file=sys.stderr, flush=True)
         code = EXIT_USAGE
     except KeyboardInterrupt:
-        code = 130
+        code = EXIT_INTERRUPTED
     sys.exit(code)
