@@ -41,6 +41,7 @@ from ringnet.errors import InputError, SetupError, fault_point
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_lookahead_base", "check_writable",
            "checkpoint_bytes", "stale_temporaries", "temporaries_guard", "resume_settings",
+           "stored_step",
            "HYPERPARAMETERS", "FORMAT"]
 
 FORMAT = "ringnet-checkpoint"
@@ -168,6 +169,11 @@ class _RemoveOnSignal:
         self.previous = {}
 
     def _handler(self, signum, frame):
+        previous = self.previous.get(signum)
+        if getattr(previous, "graceful", False):
+            # a graceful stop only notes the signal (ringnet.stopping): the save goes on
+            previous(signum, frame)
+            return
         for tmp in list(_LIVE):
             try:
                 os.remove(tmp)
@@ -312,6 +318,19 @@ def load_checkpoint(path):
             raise InputError(f"checkpoint {path} is corrupt ({exc})") from None
     _check_finite(path, groups.items())
     return groups["params"], groups["momentum"], groups["prev_params"], attrs
+
+
+def stored_step(path):
+    """Return the step of the ringnet checkpoint at ``path`` (attributes only), or None when
+    there is no file or it is not a readable checkpoint."""
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                return None
+            step = f.attrs.get("step")
+            return int(step) if step is not None else 0
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def load_lookahead_base(path):

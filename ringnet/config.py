@@ -164,6 +164,9 @@ class TrainConfig:
             raise UsageError(f"--transport must be auto, mpi or nccl, got {cfg.transport!r}")
         if cfg.save_every < 0:
             raise UsageError(f"--save-every must be >= 0, got {cfg.save_every}")
+        if cfg.resume == "auto" and not cfg.save:
+            raise UsageError("--resume auto needs --save PATH.h5: it resumes from that checkpoint "
+                             "when it exists, and starts fresh when it does not")
         if cfg.save_every and not cfg.save:
             raise UsageError("--save-every needs --save PATH.h5 (the checkpoint it rewrites)")
         if cfg.eval_every < 0:
@@ -209,6 +212,7 @@ EXAMPLES = (
     "python -m ringnet.train --model lenet --dataset synthetic --steps 50",
     "python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 150 --lr 0.01",
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset mnist --json",
+    "mpirun -np 4 python -m ringnet.train --save ck.h5 --save-every 100 --resume auto",
 )
 
 
@@ -242,6 +246,10 @@ def build_parser():
                "given on the command line\noverrides the checkpoint's value (the run says so). "
                "A data set whose content changed\nsince the checkpoint is refused unless "
                "--dataset is given.\n\n"
+               "SIGTERM or SIGUSR1 (a time limit, scancel, preemption) stops every rank at the "
+               "next step boundary;\nthe run writes its --save checkpoint and exits 75, so "
+               "the same command with --resume auto\ncontinues it. Exit codes: 0 done, 1 "
+               "failure, 2 bad input, 3 diverged, 75 stopped, 130 Ctrl-C.\n\n"
                "Examples:\n" + "".join(f"  {e}\n" for e in EXAMPLES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model and data")
@@ -322,9 +330,11 @@ def build_parser():
                    help="also write the --save checkpoint every K steps, so a run that dies "
                         "loses at most K steps (see python -m ringnet.launch; default: only at "
                         "the end)")
-    g.add_argument("--resume", default=None, metavar="PATH.h5",
-                   help="continue from a checkpoint, in any mode and at any rank count (default: "
-                        "none)")
+    g.add_argument("--resume", default=None, metavar="PATH.h5|auto",
+                   help="continue from a checkpoint, in any mode and at any rank count; auto: "
+                        "from --save when it holds one, else start fresh (what a requeued job "
+                        "repeats). Without --resume a run refuses to overwrite a --save "
+                        "checkpoint that is further along (default: none)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON summary line on stdout at the end (rank 0); the log then "
                         "goes to stderr")

@@ -51,12 +51,14 @@ __all__ = ["UsageError", "InputError", "SetupError", "TransportUnavailable", "US
            "TrainingError", "RunInputError", "StallError", "Deadline", "collective", "exchange",
            "watchdog", "set_phase", "current_phase", "fault_point", "comm_timeout",
            "DivergedError", "run_main", "abort", "import_mpi", "EXIT_USAGE", "EXIT_FAILURE",
-           "EXIT_DIVERGED", "EXIT_INTERRUPTED"]
+           "EXIT_DIVERGED", "EXIT_INTERRUPTED", "EXIT_STOPPED"]
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 EXIT_DIVERGED = 3     # non-finite loss: a rerun from the same weights diverges again
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what shells report for a program ended by Ctrl-C
+EXIT_STOPPED = 75     # SIGTERM/SIGUSR1: stopped at a step boundary, checkpoint saved (EX_TEMPFAIL:
+                      # try again later, i.e. requeue and --resume)
 ABORT_GRACE_S = 0.25  # seconds between the error line leaving the pipe and MPI_Abort (see abort)
 DRAIN_LIMIT_S = 10.0  # at most this long for the launcher to read the error line (see abort)
 FINALIZE_LIMIT_S = 10.0  # an interrupted rank waits this long for the others (see _interrupted)

@@ -20,10 +20,13 @@ recurs at the step where the previous launch failed (a bad sample): those stop a
 with the job's own message and exit code. At each relaunch it says what was lost
 (the steps since the last checkpoint) and why.
 
+SIGTERM or SIGUSR1 (a time limit, scancel, SLURM's ``--signal``) is passed on to the job:
+its ranks stop at the next step boundary, write the checkpoint and exit 75, and the
+launcher exits 75 without a relaunch (a requeued job's ``--resume auto`` continues).
 Ctrl-C stops the job without a relaunch: the launcher passes it on to the job once
 (the job runs in a process group of its own), the job's rank 0 prints
-``ringnet: error: interrupted`` and the launcher exits 130. SIGTERM (scancel, kill) and
-SIGHUP stop the job with SIGTERM, also without a relaunch.
+``ringnet: error: interrupted`` and the launcher exits 130. SIGHUP stops the job with
+SIGTERM, also without a relaunch.
 
 The job reports its progress through ``$RINGNET_HEARTBEAT`` (see ``ringnet.elastic``);
 with ``--stall-timeout S`` a job whose step count has not moved for S seconds is
@@ -44,7 +47,8 @@ import threading
 import time
 
 from ringnet.elastic import HEARTBEAT_ENV, read_heartbeat
-from ringnet.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USAGE, ArgumentParser, UsageError
+from ringnet.errors import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USAGE,
+                            ArgumentParser, UsageError)
 
 __all__ = ["main", "relaunch_size", "Attempt", "Launcher", "slurm_tasks_alive"]
 
@@ -56,6 +60,8 @@ SAME_STEP = 2
 INTERRUPTED_LINE = "ringnet: error: interrupted"    # what the job prints after Ctrl-C
 # After passing Ctrl-C on, wait this long for the job to end by itself before stopping it.
 INTERRUPT_GRACE_S = 30.0
+# After passing SIGTERM/SIGUSR1 on, the job may take its deadline plus this to save and end.
+STOP_GRACE_S = 60.0
 
 
 def _say(text):
@@ -63,7 +69,12 @@ def _say(text):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (scancel, kill) or SIGHUP (the terminal closed) reached the launcher."""
+    """SIGTERM (scancel, kill, a time limit), SIGUSR1 (SLURM's --signal) or SIGHUP (the
+    terminal closed) reached the launcher."""
+
+    def __init__(self, signum=signal.SIGTERM):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 # -- which rank count a relaunch uses --------------------------------------------------
@@ -230,6 +241,11 @@ class Launcher:
                     if len(self.attempts) > 1:
                         self._summary()
                     return 0
+                if code == EXIT_STOPPED:
+                    where = f" at step {attempt.reached}" if attempt.reached is not None else ""
+                    _say(f"the job stopped on {attempt.interrupted or 'a signal'}{where} with its "
+                         f"checkpoint written (exit {EXIT_STOPPED}): not relaunching")
+                    return code
                 if attempt.interrupted:
                     # After Ctrl-C the job's rank 0 said "interrupted" itself; one line is enough.
                     if not any(line.strip() == INTERRUPTED_LINE for line in attempt.errors):
@@ -323,9 +339,12 @@ class Launcher:
                     attempt.stalled = self.stall_timeout
                     _stop(proc)
                     break
-        except Terminated:
-            attempt.interrupted = "SIGTERM"
-            _stop(proc)
+        except Terminated as exc:
+            attempt.interrupted = signal.Signals(exc.signum).name
+            if exc.signum == signal.SIGHUP:
+                _stop(proc)
+            else:
+                self._stop_gracefully(proc, exc.signum)
         except KeyboardInterrupt:
             attempt.interrupted = "SIGINT"
             self._interrupt(proc)
@@ -334,6 +353,26 @@ class Launcher:
         attempt.returncode = proc.returncode
         attempt.reached = read_heartbeat(heartbeat)
         attempt.ended = time.monotonic()
+
+    @staticmethod
+    def _stop_gracefully(proc, signum):
+        """Pass SIGTERM or SIGUSR1 on to the job (mpirun and srun send it to every rank):
+        the ranks stop at the next step boundary, write their checkpoint and exit 75. Wait
+        for that up to the job's deadline plus STOP_GRACE_S, then stop it."""
+        from ringnet.comm.transport import default_timeout
+        try:
+            limit = default_timeout() + STOP_GRACE_S
+        except ValueError:
+            limit = 300.0 + STOP_GRACE_S
+        end = time.monotonic() + limit
+        if proc.poll() is None:
+            proc.send_signal(signum)
+        while proc.poll() is None and time.monotonic() < end:
+            try:
+                time.sleep(0.05)
+            except Terminated:      # a second signal: the ranks note it and go on saving
+                continue
+        _stop(proc)
 
     @staticmethod
     def _interrupt(proc):
@@ -500,6 +539,9 @@ def main(argv=None):
     if not args.stall_timeout >= 0:
         raise UsageError(f"--stall-timeout must be >= 0 seconds, got {args.stall_timeout}")
     cfg = config_from_args(train_args)      # the job's own message for a bad training flag
+    if cfg.resume == "auto":                # the job decides the same way at its start
+        cfg = dataclasses.replace(cfg, resume=cfg.save if cfg.save and os.path.exists(cfg.save)
+                                  else None)
     pins, batch, resolved = _pins(cfg, args.ranks)
 
     pinned = dataclasses.replace(cfg, mode=resolved.mode, delay=resolved.delay, batch_size=batch)
@@ -521,10 +563,10 @@ def main(argv=None):
         per_node = _slurm_tasks_per_node(env)
         if per_node:
             available = lambda: slurm_tasks_alive(env["SLURM_JOB_ID"], per_node)  # noqa: E731
-    def terminated(signum, frame):  # SIGTERM (scancel, kill), SIGHUP: stop the job, no relaunch
-        raise Terminated
-    signal.signal(signal.SIGTERM, terminated)
-    signal.signal(signal.SIGHUP, terminated)
+    def terminated(signum, frame):  # SIGTERM, SIGUSR1: a graceful stop; SIGHUP: stop; no relaunch
+        raise Terminated(signum)
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(signum, terminated)
     launcher = Launcher(args.ranks, [*train_args, *pins], launch_cmd=launch_cmd, batch_size=batch,
                         checkpoint=cfg.save, resume=cfg.resume, min_ranks=args.min_ranks,
                         max_restarts=args.max_restarts, shrink=args.shrink,

@@ -22,12 +22,13 @@ from ringnet._threads import blas_threads_in_use
 from ringnet.environment import check_environment, run_knobs
 from ringnet.checkpoint import HYPERPARAMETERS
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
-from ringnet.errors import (USER_ERRORS, Deadline, DivergedError, InputError, RunInputError,
-                            SetupError, StallError, TrainingError, TransportUnavailable,
-                            UsageError, collective, current_phase, exchange, import_mpi,
-                            run_main, set_phase, watchdog)
+from ringnet.errors import (EXIT_STOPPED, USER_ERRORS, Deadline, DivergedError, InputError,
+                            RunInputError, SetupError, StallError, TrainingError,
+                            TransportUnavailable, UsageError, collective, current_phase, exchange,
+                            import_mpi, run_main, set_phase, watchdog)
 from ringnet.layers import Dropout
 from ringnet.progress import Progress, progress_interval
+from ringnet.stopping import StopSignals
 from ringnet.trace import Tracer, timed
 
 __all__ = ["train", "main", "TrainResult"]
@@ -359,6 +360,27 @@ def _setting_text(name, value, bare=False):
     return str(value) if bare else f"--{name.replace('_', '-')} {value}"
 
 
+def _resume_auto(cfg, world):
+    """``--resume auto``: resume from ``--save`` when it exists (rank 0 looks), else start
+    fresh. Return (cfg, the line that says which)."""
+    exists = exchange(world, os.path.exists(cfg.save) if world.Get_rank() == 0 else None,
+                      phase="setup")[0]
+    if exists:
+        return dataclasses.replace(cfg, resume=cfg.save), None
+    return (dataclasses.replace(cfg, resume=None),
+            f"--resume auto: no checkpoint at {cfg.save} yet, starting at step 0")
+
+
+def _check_not_behind(cfg, saved, step):
+    """Refuse a run that would overwrite a ``--save`` checkpoint (at step ``saved``, None: no
+    checkpoint there) further along than its start."""
+    if saved is not None and saved > step:
+        raise UsageError(f"--save {cfg.save} holds a checkpoint at step {saved}, further along "
+                         f"than this run's start (step {step}), and would be overwritten; "
+                         f"continue it with --resume auto (or --resume {cfg.save}), or start over "
+                         f"with another --save path or after removing it")
+
+
 def _resume_settings(cfg, world):
     """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint,
     (note, record)).
@@ -508,7 +530,8 @@ def train(cfg=None, world=None, **overrides):
     set_phase("setup")
     deadline = collective(world, Deadline)
     try:
-        return _train(cfg, world, deadline, rank, size, t_start)
+        with StopSignals(world, lambda: deadline.seconds) as stopper:
+            return _train(cfg, world, deadline, rank, size, t_start, stopper)
     except CommTimeoutError as exc:
         raise _stalled(world, exc, deadline) from None
     except USER_ERRORS as exc:
@@ -521,12 +544,17 @@ def train(cfg=None, world=None, **overrides):
         raise RunInputError(f"{phase}: {exc}") from None
 
 
-def _train(cfg, world, deadline, rank, size, t_start):
+def _train(cfg, world, deadline, rank, size, t_start, stopper):
     """The run once the deadline is known (see :func:`train`)."""
     asked_batch = cfg.batch_size
     checkpoint = resume_note = resumed = None
+    auto_note = None
     # Communicator creation blocks inside MPI: a watchdog bounds the whole setup.
     with watchdog("setup", 2 * deadline.ceiling + 10):
+        if cfg.resume == "auto":
+            if not cfg.save:
+                collective(world, cfg.resolved, size)       # says what --resume auto needs
+            cfg, auto_note = _resume_auto(cfg, world)
         if cfg.resume:
             cfg, checkpoint, (resume_note, resumed) = _resume_settings(cfg, world)
         cfg, xp, dataset, model, strategy, loader = _setup(cfg, world)
@@ -534,7 +562,14 @@ def _train(cfg, world, deadline, rank, size, t_start):
         total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
         step = (_restore(cfg, world, strategy, checkpoint, total_steps, dataset, resumed)
                 if checkpoint else 0)
+        if cfg.save:
+            from ringnet.checkpoint import stored_step
+            saved = exchange(world, stored_step(cfg.save) if rank == 0 else None,
+                             phase="setup")[0]
+            collective(world, _check_not_behind, cfg, saved, step)
     _transport_deadline(strategy, deadline.seconds)
+    if auto_note:
+        _log(cfg, world, auto_note)
     if checkpoint is not None:
         changed = resumed["overridden"].get("data_content")
         if changed:
@@ -616,10 +651,14 @@ def _train(cfg, world, deadline, rank, size, t_start):
                     if cfg.check_every and step % cfg.check_every == 0:
                         strategy.drain()
                         check_replicas(strategy, world, step, deadline)
+                    if stopper.agreed():
+                        break
                     if step >= total_steps:
                         break
                 if hasattr(batches, "close"):
                     batches.close()
+                if stopper.stopped_by:
+                    break
                 if step % spe == 0 and cfg.eval_every_epoch and step < total_steps:
                     t_eval = time.perf_counter()
                     strategy.drain()
@@ -640,17 +679,28 @@ def _train(cfg, world, deadline, rank, size, t_start):
     step_bytes = strategy.bytes_moved()[0] - sent_before
 
     check_replicas(strategy, world, step, deadline)
-    test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp, deadline=deadline)
-    if cfg.eval_every:
-        evals.append([step, round(step / spe, 4), train_s - eval_s, test_acc])
-    if step % spe == 0 and cfg.eval_every_epoch and step > first_step and test_acc is not None:
-        _log(cfg, world, _epoch_line(world, step // spe, spe, epoch_losses, test_acc, test_loss,
-                                     deadline))
+    stopped = stopper.stopped_by
+    if stopped:
+        # Stopped by a signal: the time left (a preemption's grace) goes to the checkpoint,
+        # not to an evaluation.
+        test_acc = test_loss = None
+    else:
+        test_acc, test_loss = evaluate(strategy, dataset, cfg, world, xp, deadline=deadline)
+        if cfg.eval_every:
+            evals.append([step, round(step / spe, 4), train_s - eval_s, test_acc])
+        if step % spe == 0 and cfg.eval_every_epoch and step > first_step and test_acc is not None:
+            _log(cfg, world, _epoch_line(world, step // spe, spe, epoch_losses, test_acc,
+                                         test_loss, deadline))
 
     if cfg.save:
         set_phase("save")
         saver.finish(step)   # rank 0 writes; every rank learns whether it worked
     saver.close()
+    if stopped:
+        kept = (f"checkpoint {cfg.save} holds it; the same command with --resume auto (or "
+                f"--resume {cfg.save}) continues" if cfg.save else
+                "no --save, so nothing was written")
+        _log(cfg, world, f"stopped by {stopped} at step {step} of {total_steps}: {kept}")
 
     set_phase("statistics")
     stats = strategy.stats
@@ -699,9 +749,13 @@ def _train(cfg, world, deadline, rank, size, t_start):
     if resumed is not None:
         summary["resumed"] = resumed
     summary.update(getattr(strategy, "extra_summary", lambda: {})())
-    tested = ("no test split" if test_acc is None else
+    if stopped:
+        summary["stopped"] = {"signal": stopped, "step": step,
+                              "checkpoint": str(cfg.save) if cfg.save else None}
+    tested = ("not evaluated (stopped)" if stopped else "no test split" if test_acc is None else
               f"test loss {test_loss:.4f}, test accuracy {100 * test_acc:.2f}%")
-    _log(cfg, world, f"done: {step} steps ({step / spe:.2f} epochs), train loss {train_loss:.4f}"
+    _log(cfg, world, f"{'stopped' if stopped else 'done'}: {step} steps ({step / spe:.2f} epochs), "
+                     f"train loss {train_loss:.4f}"
                      f"{loss_span}, {tested}, "
                      f"{summary['images_per_sec']:.0f} images/s, {summary['time_s']:.1f} s")
     if tracer is not None:
@@ -766,7 +820,7 @@ def main(argv=None):
     # Drains the last exchange (under the transport deadline); then every rank arrives.
     result.strategy.close()
     exchange(import_mpi().COMM_WORLD, None, phase="shutdown")
-    return 0
+    return EXIT_STOPPED if result.summary.get("stopped") else 0
 
 
 if __name__ == "__main__":

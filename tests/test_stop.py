@@ -1,0 +1,98 @@
+"""A graceful stop (ringnet.stopping): SIGTERM or SIGUSR1 on any rank or on the launcher stops
+every rank at a step boundary with the checkpoint written, exit 75; the same command with
+--resume auto continues to the weights of an uninterrupted run, bit for bit."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import launcher_free_env
+from ringnet.checkpoint import TMP_SUFFIX, load_checkpoint, stored_step
+
+TRAIN = [sys.executable, "-m", "ringnet.train"]
+ARGS = ["--steps", "120", "--no-progress", "--no-eval", "--save-every", "25", "--resume", "auto"]
+
+
+def _env(**extra):
+    env = launcher_free_env()
+    env.update(OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1", **extra)
+    return env
+
+
+def _run(cmd, **env):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(**env))
+
+
+def _weights(path):
+    params = load_checkpoint(path)[0]
+    return np.concatenate([params[k].ravel() for k in sorted(params)])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("straight") / "ck.h5")
+    proc = _run(["mpirun", "-np", "2", *TRAIN, *ARGS, "--save", path])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return _weights(path)
+
+
+@pytest.mark.parametrize("fault", ["TERM:step 40:1", "USR1:step 40:0", "TERM:save-write:0"])
+def test_a_signal_on_one_rank_stops_all_with_the_checkpoint_and_auto_resumes_exactly(
+        tmp_path, uninterrupted, fault):
+    path = str(tmp_path / "ck.h5")
+    cmd = ["mpirun", "-np", "2", *TRAIN, *ARGS, "--save", path]
+    proc = _run(cmd, RINGNET_FAULT=fault)
+    assert proc.returncode == 75, (proc.returncode, proc.stderr[-2000:])
+    stopped = [l for l in proc.stdout.splitlines() if l.startswith("stopped by ")]
+    assert len(stopped) == 1, proc.stdout
+    step = stored_step(path)
+    name = "SIGUSR1" if fault.startswith("USR1") else "SIGTERM"
+    assert stopped[0].startswith(f"stopped by {name} at step {step} of 120: checkpoint {path}")
+    # the step boundary after the signal (the agreement takes one more step), never later
+    first = 25 if "save-write" in fault else 40
+    assert first < step <= first + 3, stopped[0]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(TMP_SUFFIX)]
+    # what a requeued job does: the same command again
+    again = _run(cmd)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.splitlines()[0].startswith(f"resuming from {path} at step {step}")
+    assert np.array_equal(_weights(path), uninterrupted)
+
+
+def test_sigterm_to_the_launcher_is_passed_on_and_not_relaunched(tmp_path):
+    path = str(tmp_path / "ck.h5")
+    long = [a if a != "120" else "100000" for a in ARGS]
+    cmd = [sys.executable, "-m", "ringnet.launch", "-n", "2", "--", *long, "--save", path]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+    try:
+        out = proc.stdout.readline()    # the header: training starts
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        more, err = proc.communicate(timeout=240)
+        out += more
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err[-2000:]
+    assert "not relaunching" in err and "relaunch 1" not in err
+    assert f"stopped by SIGTERM at step {stored_step(path)} of 100000" in out
+
+
+def test_a_fresh_run_refuses_to_overwrite_a_checkpoint_further_along(tmp_path):
+    path = str(tmp_path / "ck.h5")
+    assert _run([*TRAIN, "--steps", "30", "--quiet", "--save", path]).returncode == 0
+    before = os.path.getmtime(path)
+    proc = _run([*TRAIN, "--steps", "60", "--quiet", "--save", path])
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert lines == [f"ringnet: error: --save {path} holds a checkpoint at step 30, further along "
+                     f"than this run's start (step 0), and would be overwritten; continue it with "
+                     f"--resume auto (or --resume {path}), or start over with another --save path "
+                     f"or after removing it"]
+    assert os.path.getmtime(path) == before and stored_step(path) == 30
+    proc = _run([*TRAIN, "--steps", "60", "--quiet", "--resume", "auto"])
+    assert proc.returncode == 2 and "--resume auto needs --save" in proc.stderr
