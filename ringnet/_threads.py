@@ -66,24 +66,27 @@ def _affinity():
 def blas_threads_for_rank(environ=None, cores=None):
     """Return the BLAS thread count for this rank, and why.
 
-    ``RINGNET_BLAS_THREADS`` wins. Under srun, ``SLURM_CPUS_PER_TASK`` (the cores the
-    allocation gave each task), or the task's own affinity where srun bound each task to
-    cores of its own. Otherwise the usable cores of this node (the CPU affinity) divided
-    evenly among its ranks (:func:`local_ranks_on_node`), at least 1. ``cores``: the
-    affinity's size (read when None).
+    ``RINGNET_BLAS_THREADS`` wins. Otherwise this rank's share of the cores: its own CPU
+    affinity where srun bound each task to cores of its own, else the node's usable cores
+    (the affinity) divided evenly among its ranks (:func:`local_ranks_on_node`), at least 1;
+    under srun at most ``SLURM_CPUS_PER_TASK``, the cores the allocation gave each task
+    (never more than the share: a node that claims more CPUs than it has must not be
+    oversubscribed). ``cores``: the affinity's size (read when None).
     """
     env = os.environ if environ is None else environ
     forced = _positive(env.get("RINGNET_BLAS_THREADS"))
     if forced:
         return forced
     cores = _affinity() if cores is None else cores
-    per_task = _positive(env.get("SLURM_CPUS_PER_TASK"))
-    if per_task and env.get("SLURM_STEP_ID") is not None:
-        return max(1, min(per_task, cores))
+    in_step = env.get("SLURM_STEP_ID") is not None
     bind = env.get("SLURM_CPU_BIND_TYPE", "")
-    if env.get("SLURM_STEP_ID") is not None and any(kind in bind for kind in _SLURM_BINDINGS):
-        return cores
-    return max(1, cores // local_ranks_on_node(env))
+    bound = in_step and any(kind in bind for kind in _SLURM_BINDINGS)
+    # this rank's share: its own cores when srun bound it, else the node's divided evenly
+    share = cores if bound else max(1, cores // local_ranks_on_node(env))
+    per_task = _positive(env.get("SLURM_CPUS_PER_TASK"))
+    if per_task and in_step:
+        return max(1, min(per_task, share))
+    return share
 
 
 def configure_blas_threads():

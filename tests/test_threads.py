@@ -41,6 +41,8 @@ def test_ranks_on_this_node(env, expected):
     ({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "4"}, 16, 4),
     ({"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "8"}, 4, 4),        # never more than the affinity
     ({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "4",
+      "SLURM_CPUS_PER_TASK": "4"}, 2, 1),           # a node claiming 16 CPUs on 2 cores
+    ({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "4",
       "SLURM_CPU_BIND_TYPE": "mask_cpu:"}, 3, 3),                       # srun bound each task
     ({"SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_CPU_BIND_TYPE": "none"}, 8, 2),
     ({"RINGNET_BLAS_THREADS": "5", "SLURM_CPUS_PER_TASK": "2", "SLURM_STEP_ID": "0"}, 2, 5),
