@@ -416,9 +416,21 @@ class Launcher:
         _say(text)
 
 
-# Popen arguments that start the job in a new process group (process_group: Python >= 3.11).
-_OWN_PROCESS_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
-                      else {"preexec_fn": os.setpgrp})
+def _own_group_tied_to_us():
+    """In the job's process, before it runs mpirun/srun: a process group of its own, and on
+    Linux SIGTERM when this launcher dies (even by SIGKILL), so the job stops gracefully
+    (checkpoint written, exit 75) instead of training on with nobody watching."""
+    os.setpgrp()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+# Popen arguments that start the job in a new process group tied to this launcher.
+_OWN_PROCESS_GROUP = {"preexec_fn": _own_group_tied_to_us}
 
 
 def _binary(stream):

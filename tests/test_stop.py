@@ -96,3 +96,36 @@ def test_a_fresh_run_refuses_to_overwrite_a_checkpoint_further_along(tmp_path):
     assert os.path.getmtime(path) == before and stored_step(path) == 30
     proc = _run([*TRAIN, "--steps", "60", "--quiet", "--resume", "auto"])
     assert proc.returncode == 2 and "--resume auto needs --save" in proc.stderr
+
+
+def test_a_launcher_killed_by_sigkill_leaves_no_rank_training(tmp_path):
+    """The job's mpirun gets SIGTERM when its launcher dies: the ranks stop at a step
+    boundary with the checkpoint written, instead of training on unwatched."""
+    path = str(tmp_path / "ck.h5")
+    long = [a if a != "120" else "100000" for a in ARGS]
+    cmd = [sys.executable, "-m", "ringnet.launch", "-n", "2", "--", *long, "--save", path]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=_env())
+    proc.stdout.readline()
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    end = time.monotonic() + 60
+    while time.monotonic() < end and _ranks_of(path):
+        time.sleep(0.2)
+    assert not _ranks_of(path), "ranks still train after their launcher was killed"
+    step = stored_step(path)
+    assert step is not None and 0 < step < 100000
+
+
+def _ranks_of(path):
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"ringnet.train" in argv and path.encode() in argv:
+            found.append(pid)
+    return found
