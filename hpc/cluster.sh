@@ -1,26 +1,50 @@
 #!/usr/bin/env bash
-# A single-node SLURM on this machine, for trying the hpc/*.sbatch scripts and for CI.
-# Usage: hpc/cluster.sh start|stop|status|env
-#   start   start munged, slurmctld and slurmd (no systemd needed) and wait for an idle node;
-#           does nothing when they already run
-#   stop    stop the daemons this script started (by the PIDs in their PID files)
-#   status  say which daemons run and show sinfo; exit 0 only when all three run
-#   env     print `export SLURM_CONF=...` for sbatch/srun/sinfo in your shell:
-#           eval "$(hpc/cluster.sh env)"
+# A SLURM on this machine, for trying the hpc/*.sbatch scripts and for CI: one node, or K
+# nodes made of network namespaces joined by shaped links.
+# Usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--prefix NAME] [--subnet A.B.C.0/24]
+#        hpc/cluster.sh stop|status|env
+#   start   no flags (or --nodes 1): start munged, slurmctld and slurmd (no systemd needed) and
+#           wait for an idle node; does nothing when they already run.
+#           --nodes K (K >= 2, needs root): K nodes NAME1..NAMEK (--prefix, default "node"),
+#           each a network namespace with its own host name (UTS namespace), address
+#           (A.B.C.2.. of --subnet, default 10.27.0.0/24) and link (a veth pair) to a bridge
+#           that holds A.B.C.1; one slurmd per node under one slurmctld in this machine's
+#           namespace. --link RATE shapes every link in both directions with
+#           `tc qdisc ... tbf rate RATE` (e.g. 1gbit, 10gbit; no --link: unshaped). Writes
+#           the hosts file and the launcher that mpirun needs to reach the nodes (see env).
+#           A bad value, a name or address already taken, or a step that fails: one line,
+#           exit 2, and whatever this start made is removed again.
+#   stop    stop the daemons this script started (by the PIDs in their PID files); with K
+#           nodes also remove every namespace, link, mount and file start made.
+#           Exit 3 when nothing runs.
+#   status  say which daemons run and show sinfo (with K nodes: each node's address, host
+#           name, link state and rate); exit 0 only when everything runs and every link is up
+#   env     print the lines that point sbatch/srun/sinfo (and, with K nodes, mpirun and MPI)
+#           at this cluster in your shell: eval "$(hpc/cluster.sh env)"
 # Needs Debian's packages: apt-get install slurmctld slurmd slurm-client munge.
 # Everything (config, keys, logs, spool) lives in $RINGNET_SLURM_DIR (default
-# /tmp/ringnet-slurm); the daemons and jobs run as the user who runs this script.
+# /tmp/ringnet-slurm); the daemons and jobs run as the user who runs this script. Two
+# clusters at once need their own RINGNET_SLURM_DIR and RINGNET_SLURM_PORT each.
 set -euo pipefail
 STATE=${RINGNET_SLURM_DIR:-/tmp/ringnet-slurm}
 CONF=$STATE/slurm.conf
 SOCKET=$STATE/munge/munge.socket
-CPUS=${RINGNET_SLURM_CPUS:-16}     # CPUs the node claims: more than the cores, so 4-rank jobs fit
+CPUS=${RINGNET_SLURM_CPUS:-16}     # CPUs each node claims: more than the cores, so 4-rank jobs fit
+PORT=${RINGNET_SLURM_PORT:-6817}   # slurmctld's; slurmd takes the next one
 DAEMONS="slurmd slurmctld munged"  # stop order
+MADE=$STATE/made                   # K nodes: what start made, one line each, in order
+NODES_FILE=$STATE/nodes            # K nodes: "NAME ADDRESS HOST-SIDE-LINK" per node
+HOSTS=$STATE/hosts                 # K nodes: mpirun's hosts file
+NODE_EXEC=$STATE/node-exec         # K nodes: mpirun's launcher (in place of ssh)
+# What makes MPICH go over the links between namespaces: its TCP path through libfabric,
+# and no shared memory between ranks of one node (the namespaces share one kernel, so a
+# shared-memory or UCX path would cross "nodes" without touching the links).
+MPI_ENV="MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp MPIR_CVAR_NOLOCAL=1"
 
 die() { echo "hpc/cluster.sh: $*" >&2; exit 2; }
 
-pid_of() {  # print the PID of daemon $1 when it runs
-  local file=$STATE/$1.pid pid
+pid_of() {  # print the PID of daemon $1 (PID file $STATE/$1.pid, or $2) when it runs
+  local file=${2:-$STATE/$1.pid} pid
   [ -s "$file" ] || return 1
   pid=$(cat "$file")
   kill -0 "$pid" 2>/dev/null || return 1
@@ -30,8 +54,10 @@ pid_of() {  # print the PID of daemon $1 when it runs
 }
 
 running() { pid_of munged >/dev/null && pid_of slurmctld >/dev/null && pid_of slurmd >/dev/null; }
+multi() { [ -e "$MADE" ]; }      # a K-node cluster was started here (and not stopped)
+node_count() { wc -l < "$NODES_FILE" 2>/dev/null || echo 0; }
 
-write_config() {
+write_config() {  # write_config HOST_LINES...: slurm.conf; one node when no lines are given
   local host user
   host=$(hostname -s)
   user=$(id -un)
@@ -41,23 +67,29 @@ write_config() {
     head -c 1024 /dev/urandom > "$STATE/munge/munge.key"
     chmod 400 "$STATE/munge/munge.key"
   fi
+  local ctld_addr=127.0.0.1 spool=$STATE/spool slurmd_pid=$STATE/slurmd.pid
+  local slurmd_log=$STATE/log/slurmd.log title="one node, no cgroups, no systemd."
+  if [ "$#" -gt 0 ]; then
+    ctld_addr=$BRIDGE_ADDR spool=$STATE/spool/%n slurmd_pid=$STATE/slurmd-%n.pid
+    slurmd_log=$STATE/log/slurmd-%n.log title="$# nodes (network namespaces), no cgroups, no systemd."
+  fi
   cat > "$CONF" <<EOF
-# Written by hpc/cluster.sh: one node, no cgroups, no systemd.
+# Written by hpc/cluster.sh: $title
 ClusterName=ringnet
-SlurmctldHost=$host(127.0.0.1)
+SlurmctldHost=$host($ctld_addr)
 SlurmUser=$user
 SlurmdUser=$user
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$SOCKET
-SlurmctldPort=${RINGNET_SLURM_PORT:-6817}
-SlurmdPort=$(( ${RINGNET_SLURM_PORT:-6817} + 1 ))
+SlurmctldPort=$PORT
+SlurmdPort=$(( PORT + 1 ))
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/spool
+SlurmdSpoolDir=$spool
 SlurmctldPidFile=$STATE/slurmctld.pid
-SlurmdPidFile=$STATE/slurmd.pid
+SlurmdPidFile=$slurmd_pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
-SlurmdLogFile=$STATE/log/slurmd.log
+SlurmdLogFile=$slurmd_log
 # pip's MPICH speaks PMI-2 under srun (PMIx does not work with it).
 MpiDefault=pmi2
 ProctrackType=proctrack/linuxproc
@@ -72,25 +104,46 @@ MinJobAge=4
 KillWait=5
 InactiveLimit=0
 SlurmdParameters=config_overrides
+EOF
+  if [ "$#" -eq 0 ]; then
+    cat >> "$CONF" <<EOF
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
+  else
+    local line names=()
+    for line in "$@"; do
+      set -- $line
+      echo "NodeName=$1 NodeAddr=$2 CPUs=$CPUS State=UNKNOWN" >> "$CONF"
+      names+=("$1")
+    done
+    local IFS=,
+    echo "PartitionName=debug Nodes=${names[*]} Default=YES MaxTime=INFINITE State=UP" >> "$CONF"
+  fi
 }
 
-start() {
+need_slurm() {
   for cmd in munged slurmctld slurmd sinfo sbatch srun; do
     command -v "$cmd" >/dev/null || die "$cmd not found: apt-get install slurmctld slurmd slurm-client munge"
   done
+}
+
+start_munged() {
+  munged --force --socket="$SOCKET" --key-file="$STATE/munge/munge.key" \
+    --pid-file="$STATE/munged.pid" --log-file="$STATE/log/munged.log" \
+    --seed-file="$STATE/munge/munged.seed"
+}
+
+start() {
+  need_slurm
+  if multi; then die "a $(node_count)-node cluster runs in $STATE: hpc/cluster.sh stop it first"; fi
   if running; then
     echo "SLURM already running (SLURM_CONF=$CONF)"
     return 0
   fi
-  stop >/dev/null          # half-started leftovers
+  stop_daemons >/dev/null          # half-started leftovers
   write_config
-  munged --force --socket="$SOCKET" --key-file="$STATE/munge/munge.key" \
-    --pid-file="$STATE/munged.pid" --log-file="$STATE/log/munged.log" \
-    --seed-file="$STATE/munge/munged.seed" \
-    || die "munged did not start; see $STATE/log/munged.log"
+  start_munged || die "munged did not start; see $STATE/log/munged.log"
   SLURM_CONF=$CONF slurmctld -f "$CONF" || die "slurmctld did not start; see $STATE/log/slurmctld.log"
   SLURM_CONF=$CONF slurmd -f "$CONF" || die "slurmd did not start; see $STATE/log/slurmd.log"
   local i state=""
@@ -105,7 +158,244 @@ start() {
   esac
 }
 
-stop() {
+# -- K nodes ------------------------------------------------------------------------------
+
+# A step of start_nodes failed: remove what this start made, then say why in one line.
+fail() {
+  teardown >/dev/null 2>&1 || true
+  die "$*"
+}
+
+# try WHAT COMMAND...: run it; on failure undo the start, naming WHAT and the command's error.
+try() {
+  local what=$1 out
+  shift
+  if ! out=$("$@" 2>&1); then
+    out=$(printf '%s' "$out" | grep -v '^\s*$' | head -1)
+    fail "$what${out:+: $out}"
+  fi
+}
+
+made() { echo "$*" >> "$MADE"; }
+
+# daemon WHAT LOG COMMAND...: start a daemon; when it does not start, undo the start,
+# quoting the last line it printed or logged (the log goes with the rest).
+daemon() {
+  local what=$1 log=$2 out last
+  shift 2
+  if ! out=$("$@" 2>&1); then
+    last=$( (printf '%s\n' "$out"; cat "$log" 2>/dev/null) | grep -v '^\s*$' | tail -1 || true)
+    fail "$what did not start${last:+ ($last)}"
+  fi
+}
+
+burst_of() {  # bytes a tbf of rate $1 may send at once: 1 ms of the rate, at least 64 KiB
+  awk -v rate="$1" 'BEGIN {
+    if (!match(rate, /^[0-9]+(\.[0-9]+)?/)) { print 65536; exit }
+    n = substr(rate, 1, RLENGTH); unit = tolower(substr(rate, RLENGTH + 1))
+    f["bit"] = f[""] = 1 / 8; f["kbit"] = 1e3 / 8; f["mbit"] = 1e6 / 8; f["gbit"] = 1e9 / 8
+    f["tbit"] = 1e12 / 8; f["bps"] = 1; f["kbps"] = 1e3; f["mbps"] = 1e6; f["gbps"] = 1e9
+    f["tbps"] = 1e12; f["kibit"] = 1024 / 8; f["mibit"] = 1048576 / 8; f["gibit"] = 2^30 / 8
+    f["tibit"] = 2^40 / 8; f["kibps"] = 1024; f["mibps"] = 1048576; f["gibps"] = 2^30
+    f["tibps"] = 2^40
+    b = (unit in f) ? n * f[unit] / 1000 : 65536
+    printf "%d\n", (b < 65536 ? 65536 : b) }'
+}
+
+shape() {  # shape NETNS-OR-"" DEVICE RATE: tbf on the device's egress
+  local ns=$1 dev=$2 rate=$3
+  local out
+  if ! out=$(tc ${ns:+-n "$ns"} qdisc add dev "$dev" root tbf rate "$rate" \
+        burst "$(burst_of "$rate")" latency 50ms 2>&1); then
+    fail "--link $rate: tc refuses it ($(printf '%s' "$out" | head -1))"
+  fi
+}
+
+start_nodes() {  # start_nodes K RATE PREFIX SUBNET
+  local k=$1 rate=$2 prefix=$3 subnet=$4
+  [[ $prefix =~ ^[a-z][a-z0-9-]{0,7}$ && ! $prefix =~ [0-9]$ ]] ||
+    die "--prefix $prefix: 1 to 8 lower-case letters, digits or '-', starting with a letter and not ending in a digit"
+  [[ $subnet =~ ^(10|172\.(1[6-9]|2[0-9]|3[01])|192\.168)\.[0-9]+(\.[0-9]+)?\.0/24$ ]] &&
+    [ "$(tr -cd . <<<"$subnet" | wc -c)" -eq 3 ] ||
+    die "--subnet $subnet: give a private /24 such as 10.27.0.0/24 (10/8, 172.16/12 or 192.168/16)"
+  local base=${subnet%.0/24} o
+  for o in ${base//./ }; do [ "$o" -le 255 ] || die "--subnet $subnet: not an IPv4 network"; done
+  local max=253   # A.B.C.2 .. A.B.C.254
+  [ "$k" -le "$max" ] || die "--nodes $k: at most $max nodes fit in $subnet (one address each)"
+  [ "$(id -u)" -eq 0 ] || die "--nodes $k needs root (network namespaces, links and tc); run it as root"
+  for cmd in ip tc nsenter unshare; do
+    command -v "$cmd" >/dev/null || die "$cmd not found: apt-get install iproute2 util-linux"
+  done
+  need_slurm
+
+  if multi; then die "a $(node_count)-node cluster already runs in $STATE: hpc/cluster.sh stop it first"; fi
+  if pid_of slurmctld >/dev/null || pid_of munged >/dev/null; then
+    die "a single-node SLURM runs in $STATE: stop it (hpc/cluster.sh stop), or give this cluster its own RINGNET_SLURM_DIR and RINGNET_SLURM_PORT"
+  fi
+  # Clashes: nothing is made before every name, address and port is known to be free.
+  local host i name bridge=$prefix-br names=()
+  host=$(hostname -s)
+  for i in $(seq 1 "$k"); do names+=("$prefix$i"); done
+  for name in "${names[@]}"; do
+    [ "$name" != "$host" ] || die "node name $name is this machine's host name: choose another --prefix"
+    [ ! -e "/run/netns/$name" ] || die "network namespace $name exists already: choose another --prefix"
+    ! ip link show "$name-h" >/dev/null 2>&1 || die "link $name-h exists already: choose another --prefix"
+  done
+  ! ip link show "$bridge" >/dev/null 2>&1 || die "link $bridge exists already: choose another --prefix"
+  local taken
+  taken=$(ip -4 -o addr show | awk -v b="$base." '{split($4, a, "/"); if (index(a[1], b) == 1) print $2}')
+  [ -z "$taken" ] || die "--subnet $subnet: $(head -1 <<<"$taken") has an address in it already: choose another --subnet"
+  taken=$(ip -4 route show | awk -v s="$subnet" '$1 == s')
+  [ -z "$taken" ] || die "--subnet $subnet: this machine routes it already: choose another --subnet"
+  taken=$(awk -v p="$(printf ':%04X' "$PORT")" 'FNR > 1 && $4 == "0A" && substr($2, length($2) - 4) == p' \
+          /proc/net/tcp /proc/net/tcp6 2>/dev/null)
+  [ -z "$taken" ] || die "port $PORT is taken (another SLURM?): set RINGNET_SLURM_PORT"
+
+  # From here on every step is recorded in $MADE and a failure undoes them all.
+  if [ ! -d "$STATE" ]; then
+    mkdir -p "$STATE"
+    echo "dir $STATE" > "$MADE"
+  else
+    : > "$MADE"
+  fi
+  rm -f "$NODES_FILE" "$HOSTS"
+  trap 'fail "interrupted"' INT TERM
+  BRIDGE_ADDR=$base.1
+  if [ ! -d /run/netns ]; then made "dir /run/netns"; fi
+  try "cannot make bridge $bridge" ip link add "$bridge" type bridge
+  made "link $bridge"
+  try "cannot address bridge $bridge" ip addr add "$BRIDGE_ADDR/24" dev "$bridge"
+  try "cannot bring up bridge $bridge" ip link set "$bridge" up
+  mkdir -p "$STATE/uts"
+  local lines=() addr
+  for i in $(seq 1 "$k"); do
+    name=$prefix$i
+    addr=$base.$((i + 1))
+    try "cannot make network namespace $name" ip netns add "$name"
+    made "netns $name"
+    try "cannot make link $name-h" ip link add "$name-h" type veth peer name eth0 netns "$name"
+    made "link $name-h"
+    try "cannot attach $name-h to $bridge" ip link set "$name-h" master "$bridge" up
+    try "cannot address $name" ip -n "$name" addr add "$addr/24" dev eth0
+    try "cannot bring up $name's eth0" ip -n "$name" link set eth0 up
+    try "cannot bring up $name's lo" ip -n "$name" link set lo up
+    if [ -n "$rate" ]; then
+      shape "" "$name-h" "$rate"       # towards the node
+      shape "$name" eth0 "$rate"       # from the node
+    fi
+    : > "$STATE/uts/$name"
+    made "file $STATE/uts/$name"
+    try "cannot give $name its host name" unshare --uts="$STATE/uts/$name" hostname "$name"
+    made "mount $STATE/uts/$name"
+    lines+=("$name $addr $name-h")
+  done
+  printf '%s\n' "${lines[@]}" > "$NODES_FILE"
+  printf '%s\n' "${names[@]}" > "$HOSTS"
+  write_node_exec
+  {
+    echo "rate=$rate"
+    echo "prefix=$prefix"
+    echo "subnet=$subnet"
+    echo "bridge=$bridge"
+    echo "bridge_addr=$BRIDGE_ADDR"
+  } > "$STATE/cluster"
+
+  write_config "${lines[@]}"
+  made "daemon munged $STATE/munged.pid"
+  daemon munged "$STATE/log/munged.log" start_munged
+  made "daemon slurmctld $STATE/slurmctld.pid"
+  daemon slurmctld "$STATE/log/slurmctld.log" env SLURM_CONF="$CONF" slurmctld -f "$CONF"
+  for name in "${names[@]}"; do
+    made "daemon slurmd $STATE/slurmd-$name.pid"
+    daemon "slurmd of $name" "$STATE/log/slurmd-$name.log" \
+      nsenter --net="/run/netns/$name" --uts="$STATE/uts/$name" -- \
+      env SLURM_CONF="$CONF" slurmd -f "$CONF" -N "$name"
+  done
+  local states="" up
+  for i in $(seq 1 120); do
+    states=$(SLURM_CONF=$CONF sinfo -h -N -o "%N %t" 2>/dev/null || true)
+    up=$(awk '$2 ~ /^(idle|mix|alloc)$/' <<<"$states" | wc -l)
+    [ "$up" -eq "$k" ] && break
+    sleep 0.5
+  done
+  if [ "$up" -ne "$k" ]; then
+    local last
+    last=$(grep -hv '^\s*$' "$STATE"/log/slurmd-*.log "$STATE/log/slurmctld.log" 2>/dev/null | tail -1 || true)
+    fail "$((k - up)) of $k nodes did not come up ($(tr '\n' ' ' <<<"$states" | sed 's/ $//'))${last:+; last log line: $last}"
+  fi
+  trap - INT TERM
+  local shaped="unshaped links"
+  [ -z "$rate" ] || shaped="links of $rate each way (tbf)"
+  echo "SLURM running: $k nodes ${names[0]}..${names[$((k - 1))]} ($base.2-$((k + 1))), $CPUS CPUs each, $shaped (SLURM_CONF=$CONF)"
+}
+
+write_node_exec() {
+  # mpirun's launcher in place of ssh: hydra calls it as `ssh [options] HOST COMMAND...`;
+  # it runs COMMAND in the node's network and UTS namespaces (hydra's proxy then changes to
+  # the job's folder itself).
+  cat > "$NODE_EXEC" <<EOF
+#!/usr/bin/env bash
+# Written by hpc/cluster.sh: runs a command on a node of the cluster in $STATE, as ssh would.
+while [ "\$#" -gt 0 ]; do
+  case "\$1" in
+    -[bcDEeFIiJLlmOoPpQRSWw]) shift 2 ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+host=\$1
+shift
+if [ ! -e "/run/netns/\$host" ] || [ ! -e "$STATE/uts/\$host" ]; then
+  echo "node-exec: \$host is not a node of the cluster in $STATE" >&2
+  exit 255
+fi
+exec nsenter --net="/run/netns/\$host" --uts="$STATE/uts/\$host" -- /bin/sh -c "\$*"
+EOF
+  chmod 755 "$NODE_EXEC"
+}
+
+teardown() {  # undo every line of $MADE, last first; then the record itself
+  [ -e "$MADE" ] || return 0
+  local kind what file pid i
+  while read -r kind what file; do
+    case "$kind" in
+      daemon)
+        pid=$(pid_of "$what" "$file") || { rm -f "$file"; continue; }
+        kill "$pid" 2>/dev/null || true
+        for i in $(seq 1 50); do
+          kill -0 "$pid" 2>/dev/null || break
+          sleep 0.1
+        done
+        if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid" 2>/dev/null || true; fi
+        rm -f "$file"
+        echo "stopped $what ($pid)" ;;
+      mount) umount "$what" 2>/dev/null || umount -l "$what" 2>/dev/null || true ;;
+      file) rm -f "$what" ;;
+      netns)
+        # Processes still inside (a job's ranks) would keep the namespace alive.
+        for pid in $(ip netns pids "$what" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
+        ip netns del "$what" 2>/dev/null || true ;;
+      link) ip link del "$what" 2>/dev/null || true ;;
+      dir)
+        if [ "$what" = /run/netns ] && [ -z "$(ls -A /run/netns 2>/dev/null)" ]; then
+          # ip netns made it a mount point (bound on itself): undo that too
+          while mountpoint -q /run/netns; do umount /run/netns 2>/dev/null || break; done
+        fi
+        [ "$what" = "$STATE" ] || rmdir "$what" 2>/dev/null || true ;;
+    esac
+  done < <(tac "$MADE")
+  local created=0
+  grep -qx "dir $STATE" "$MADE" && created=1
+  rm -rf "$STATE/uts" "$STATE/ctld" "$STATE/spool" "$STATE/log" "$STATE/munge" \
+    "$STATE/slurm.conf" "$STATE/cluster" "$NODES_FILE" "$HOSTS" "$NODE_EXEC" \
+    "$STATE"/slurmd-*.pid "$STATE/slurmctld.pid" "$STATE/munged.pid"
+  rm -f "$MADE"
+  if [ "$created" -eq 1 ]; then rmdir "$STATE" 2>/dev/null || true; fi
+}
+
+# -- stop, status, env --------------------------------------------------------------------
+
+stop_daemons() {
   local name pid i
   for name in $DAEMONS; do
     pid=$(pid_of "$name") || continue
@@ -120,19 +410,101 @@ stop() {
   rm -f "$STATE"/slurmd.pid "$STATE"/slurmctld.pid "$STATE"/munged.pid
 }
 
+stop() {
+  if multi; then
+    local k
+    k=$(node_count)
+    [ "$(id -u)" -eq 0 ] || die "stopping the $k-node cluster in $STATE needs root"
+    teardown
+    echo "removed the $k-node cluster (namespaces, links, mounts and files in $STATE)"
+    return 0
+  fi
+  if ! pid_of munged >/dev/null && ! pid_of slurmctld >/dev/null && ! pid_of slurmd >/dev/null; then
+    echo "hpc/cluster.sh: nothing to stop: no cluster runs in $STATE" >&2
+    exit 3
+  fi
+  stop_daemons
+}
+
+rate_of() {  # rate_of NETNS-OR-"" DEVICE: the rate of the device's tbf, if it has one
+  tc ${1:+-n "$1"} qdisc show dev "$2" 2>/dev/null |
+    awk '$2 == "tbf" {for (i = 1; i < NF; i++) if ($i == "rate") print $(i + 1)}'
+}
+
 status() {
   local name pid rc=0
-  for name in munged slurmctld slurmd; do
+  if ! multi; then
+    for name in munged slurmctld slurmd; do
+      if pid=$(pid_of "$name"); then echo "$name running ($pid)"; else echo "$name not running"; rc=3; fi
+    done
+    if [ "$rc" -eq 0 ]; then SLURM_CONF=$CONF sinfo; fi
+    return "$rc"
+  fi
+  local rate="" bridge="" bridge_addr="" subnet="" addr link state shaped uts_host
+  # shellcheck disable=SC1090
+  . "$STATE/cluster"
+  echo "cluster of $(node_count) nodes in $STATE: bridge $bridge ($bridge_addr, $subnet)," \
+       "links ${rate:-unshaped}"
+  for name in munged slurmctld; do
     if pid=$(pid_of "$name"); then echo "$name running ($pid)"; else echo "$name not running"; rc=3; fi
   done
-  if [ "$rc" -eq 0 ]; then SLURM_CONF=$CONF sinfo; fi
+  while read -r name addr link; do
+    state=$(cat "/sys/class/net/$link/operstate" 2>/dev/null || echo missing)
+    [ "$state" = up ] || rc=3
+    shaped=$(rate_of "" "$link")
+    [ -z "$shaped" ] || shaped=" (tbf $shaped to the node, $(rate_of "$name" eth0 || true) from it)"
+    uts_host=$(nsenter --uts="$STATE/uts/$name" hostname 2>/dev/null || echo "?")
+    if pid=$(pid_of slurmd "$STATE/slurmd-$name.pid"); then pid="slurmd running ($pid)"; else pid="slurmd not running"; rc=3; fi
+    echo "node $name: address $addr, host name $uts_host, link $link $state$shaped, $pid"
+  done < "$NODES_FILE"
+  if pid_of slurmctld >/dev/null; then SLURM_CONF=$CONF sinfo -N -l | tail -n +2; fi
   return "$rc"
 }
 
-case "${1:-}" in
-  start) start ;;
+env_lines() {
+  echo "export SLURM_CONF=$CONF"
+  if multi; then
+    local bridge=""
+    # shellcheck disable=SC1090
+    . "$STATE/cluster"
+    echo "export $MPI_ENV"
+    echo "export HYDRA_LAUNCHER=ssh HYDRA_LAUNCHER_EXEC=$NODE_EXEC HYDRA_HOST_FILE=$HOSTS HYDRA_IFACE=$bridge"
+  fi
+}
+
+cmd=${1:-}
+[ "$#" -gt 0 ] && shift
+case "$cmd" in
+  start)
+    nodes="" rate="" prefix=node subnet=10.27.0.0/24
+    while [ "$#" -gt 0 ]; do
+      case "$1" in
+        --nodes|--link|--prefix|--subnet)
+          [ "$#" -ge 2 ] || die "$1 needs a value"
+          case "$1" in
+            --nodes) nodes=$2 ;;
+            --link) rate=$2 ;;
+            --prefix) prefix=$2 ;;
+            --subnet) subnet=$2 ;;
+          esac
+          shift 2 ;;
+        *) die "start: unknown option $1 (start [--nodes K] [--link RATE] [--prefix NAME] [--subnet A.B.C.0/24])" ;;
+      esac
+    done
+    if [ -n "$nodes" ]; then
+      [[ $nodes =~ ^[0-9]+$ ]] || die "--nodes $nodes: give a whole number of nodes, 1 or more"
+      nodes=$((10#$nodes))
+      [ "$nodes" -ge 1 ] || die "--nodes 0: give 1 or more nodes"
+    fi
+    if [ -n "$rate" ] && [ "${nodes:-1}" -lt 2 ]; then
+      die "--link $rate shapes the links between nodes: give --nodes 2 or more"
+    fi
+    if [ "$prefix$subnet" != node10.27.0.0/24 ] && [ "${nodes:-1}" -lt 2 ]; then
+      die "--prefix and --subnet name the nodes and their addresses: give --nodes 2 or more"
+    fi
+    if [ "${nodes:-1}" -eq 1 ]; then start; else start_nodes "$nodes" "$rate" "$prefix" "$subnet"; fi ;;
   stop) stop ;;
   status) status ;;
-  env) echo "export SLURM_CONF=$CONF" ;;
-  *) echo "usage: hpc/cluster.sh start|stop|status|env" >&2; exit 2 ;;
+  env) env_lines ;;
+  *) echo "usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--prefix NAME] [--subnet A.B.C.0/24]|stop|status|env" >&2; exit 2 ;;
 esac

@@ -122,16 +122,23 @@ class StallError(TrainingError):
     ``speaker``: the world rank that reports it (the lowest rank that did arrive), or None.
     """
 
-    def __init__(self, missing, phase, seconds, detail=None, speaker=None):
+    def __init__(self, missing, phase, seconds, detail=None, speaker=None, comm=None):
         self.missing, self.phase, self.seconds = list(missing), phase, seconds
         self.speaker = speaker
-        who = _ranks(self.missing)
+        who = _ranks(self.missing, comm)
         text = (f"{who} did not arrive at {phase} within {seconds:.3g} s "
                 f"(stopped, hung or far slower than the others; deadline: RINGNET_COMM_TIMEOUT)")
         super().__init__(text + (f"; {detail}" if detail else ""))
 
 
-def _ranks(ranks):
+def _ranks(ranks, comm=None):
+    """'rank 3' / 'ranks 2, 3', with their node where the ranks span nodes ('ranks 2, 3
+    (node node2)': a cut link or a lost node shows as the ranks behind it)."""
+    try:
+        from ringnet.comm.nodes import ranks_text
+        return ranks_text(list(ranks), comm=comm)
+    except Exception:   # noqa: BLE001 - a message: the plain form will do
+        pass
     ranks = list(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
@@ -300,13 +307,13 @@ def exchange(comm, value, phase=None, timeout=None, root=None):
             continue
         if time.monotonic() - start > timeout:
             raise StallError([r for r in range(size) if r not in got], phase, timeout,
-                             speaker=_world_rank(comm, min(got)))
+                             speaker=_world_rank(comm, min(got)), comm=comm)
         pause = _sleep_backoff(pause)
     while sends:    # small messages leave at once; this waits on a large one or a full buffer
         sends = [(r, s) for r, s in sends if not s.Test()]
         if sends and time.monotonic() - start > timeout:
             raise StallError([r for r, _ in sends], phase, timeout,
-                             detail="its message from this rank was not taken")
+                             detail="its message from this rank was not taken", comm=comm)
         if sends:
             pause = _sleep_backoff(pause)
     return [got[r] for r in range(size)] if root in (None, rank) else None

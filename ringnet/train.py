@@ -57,14 +57,15 @@ def _place(cfg, world, device):
         if cfg.mode != "single":
             transport = ringcomm.make_transport(cfg.transport, world, device=device)
             return transport.placement, transport
+        from ringnet.comm.nodes import layout
         if device == "cpu":
             if cfg.transport == "nccl" and os.environ.get("RINGNET_NCCL", "") != "standin":
                 # the check a parallel mode's transport makes, so one process is told the same
                 raise TransportUnavailable("transport nccl moves GPU memory, but the device is "
                                            "the CPU", "cpu-device", transport="nccl")
-            return ringcomm.Placement("cpu"), None
+            return ringcomm.Placement("cpu").locate(layout(world)), None
         device_id, bus_id, _ = ringcomm.bind_gpu(world)
-        return ringcomm.Placement("gpu", f"GPU {device_id} ({bus_id})"), None
+        return ringcomm.Placement("gpu", f"GPU {device_id} ({bus_id})").locate(layout(world)), None
     except TransportUnavailable as exc:
         raise transport_usage_error(exc) from None
     except RuntimeError as exc:     # check_gpu: a CuPy that imports but cannot run
@@ -202,7 +203,7 @@ def _stalled(world, exc, deadline):
         exchange(world, phase, phase="stall check", timeout=0.5 * deadline.seconds + 2.0)
     except StallError as stall:
         return StallError(stall.missing, phase, deadline.seconds, detail=f"here: {exc}",
-                          speaker=stall.speaker)
+                          speaker=stall.speaker, comm=world)
     except TrainingError as other:
         return other
     return TrainingError(f"{phase}: {exc}")
@@ -728,6 +729,9 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
         "dataset": dataset.name, "device": "gpu" if xp is not np else "cpu",
         "transport": getattr(strategy.transport, "name", None) if strategy.transport else None,
         "gpu": strategy.placement.gpu, "transport_reason": strategy.placement.reason or None,
+        "nodes": strategy.placement.nodes, "rank_nodes": strategy.placement.rank_nodes,
+        "rank_local_ranks": strategy.placement.rank_local_ranks,
+        "mpi_path": strategy.placement.mpi_path, "progress": strategy.placement.progress,
         "dtype": cfg.dtype, "batch_size": cfg.batch_size, "steps": step,
         "epochs": round(step / spe, 3), "test_accuracy": test_acc, "test_loss": test_loss,
         "train_loss": train_loss,

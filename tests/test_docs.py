@@ -726,7 +726,15 @@ COMMANDS = {
     # hpc/ and launch/
     "srun --ntasks N": "a template; needs SLURM",
     'python -m ringnet.launch -n "$SLURM_NTASKS" ${LAUNCH[@]+"${LAUNCH[@]}"} --launcher '
-    '"srun --mpi=pmi2" -- "$@"': "needs SLURM; tests/test_slurm.py submits hpc/train.sbatch",
+    '"srun --mpi=pmi2" -- ${TRAIN[@]+"${TRAIN[@]}"} &':
+        "needs SLURM; tests/test_slurm.py submits hpc/train.sbatch, signals and requeues it",
+    "mpirun -np 4 python -m ringnet.train --save ck.h5 --save-every 100 --resume auto":
+        "tests/test_stop.py::test_a_signal_on_one_rank_stops_all_with_the_checkpoint_and_auto_"
+        "resumes_exactly",
+    "srun -N 2 --ntasks-per-node 2 --mpi=pmi2 python -m ringnet.train --model lenet --dataset "
+    "synthetic --steps 60": "tests/test_cluster_runs.py::test_synchronous_modes_across_nodes_equal_single",
+    "mpirun -np 4 -ppn 2 python -m ringnet.train --model lenet --dataset synthetic --steps 60":
+        "tests/test_cluster_runs.py::test_mpirun_across_nodes_runs_the_same_job",
     "srun --mpi=pmi2": "a template; needs SLURM",
     "srun -n 2": "a template; needs SLURM",
     "srun started 2 tasks but MPI sees a world of 1 rank in each ...": "a message, not a command",

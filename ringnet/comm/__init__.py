@@ -61,28 +61,64 @@ TRANSPORTS = {
 
 
 def local_rank(mpi_comm=None):
-    """Return (rank among the ranks on this node, number of ranks on this node)."""
-    comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        return node.Get_rank(), node.Get_size()
-    finally:
-        node.Free()
+    """Return (rank among the ranks on this node, number of ranks on this node); collective.
+
+    From :func:`ringnet.comm.nodes.layout`, not a shared-memory split alone: where shared
+    memory between ranks is turned off (``MPIR_CVAR_NOLOCAL=1``) every rank would be its
+    own group, local rank 0, and all ranks of a node would bind GPU 0."""
+    from ringnet.comm.nodes import layout
+    placed = layout(MPI.COMM_WORLD if mpi_comm is None else mpi_comm)
+    return placed.local_rank, placed.local_size
 
 
 @dataclass
 class Placement:
-    """Where a rank computes and how its bytes move: what the run header and --json report."""
+    """Where a rank computes and how its bytes move: what the run header and --json report.
+
+    The node fields come from :func:`ringnet.comm.nodes.layout` (:meth:`locate`; until
+    then one node is assumed): ``nodes``, this rank's ``node`` (its host name),
+    ``local_rank`` and ``local_size`` on it, and for every rank (index = rank)
+    ``rank_nodes`` and ``rank_local_ranks``. Across nodes ``mpi_path`` says which path MPI
+    takes between them and ``progress`` how CPU streams progress their transfers.
+    """
     device: str                 # "cpu" or "gpu"
     gpu: str = None             # "GPU 0 (0000:3b:00.0)" on a GPU
     transport: str = None       # "mpi" or "nccl"
     reason: str = ""            # why this transport
+    nodes: int = 1              # number of nodes the ranks are on
+    node: str = None            # this rank's node
+    local_rank: int = 0         # this rank's rank among its node's ranks
+    local_size: int = 1         # ranks on this rank's node
+    rank_nodes: list = None     # the node of every rank
+    rank_local_ranks: list = None   # the node-local rank of every rank
+    mpi_path: str = None        # the path MPI's messages take (MPICH ofi (tcp), ...)
+    progress: str = None        # CPU streams' progress: "poll (auto: the ranks span 2 nodes)"
+
+    def locate(self, layout, progress=None):
+        """Fill the node fields from a :class:`~ringnet.comm.nodes.NodeLayout`; return self."""
+        from ringnet.comm.nodes import mpi_path
+        self.nodes, self.node = layout.nodes, layout.node
+        self.local_rank, self.local_size = layout.local_rank, layout.local_size
+        self.rank_nodes, self.rank_local_ranks = list(layout.rank_nodes), list(layout.rank_local_ranks)
+        if layout.nodes > 1 and self.transport == "mpi":
+            self.mpi_path = mpi_path()
+        if progress is not None and self.device == "cpu" and self.transport == "mpi":
+            self.progress = progress
+        return self
 
     def describe(self):
         where = "CPU" if self.device == "cpu" else self.gpu
         if self.transport is None:
             return where
-        return f"{where}, transport {self.transport} ({self.reason})"
+        text = f"{where}, transport {self.transport} ({self.reason})"
+        if self.nodes > 1 and self.rank_nodes:
+            from ringnet.comm.nodes import group
+            text += f", {group(self.rank_nodes, list(range(len(self.rank_nodes)))).describe()}"
+            if self.mpi_path:
+                text += f", MPI over {self.mpi_path}"
+            if self.progress:
+                text += f", CPU streams {self.progress}"
+        return text
 
 
 def bind_gpu(mpi_comm=None):
@@ -122,6 +158,8 @@ def make_transport(name="auto", mpi_comm=None, timeout_s=None, device="auto"):
     if device not in ("auto", "cpu", "gpu"):
         raise ValueError(f"unknown device {device!r}: choose auto, cpu or gpu")
     comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    from ringnet.comm.nodes import layout as node_layout  # noqa: WPS433
+    layout = node_layout(comm)
     standin = os.environ.get("RINGNET_NCCL", "") == "standin"
     if device == "auto":
         device = "gpu" if comm.allreduce(int(gpu_available()), op=MPI.MIN) else "cpu"
@@ -131,9 +169,10 @@ def make_transport(name="auto", mpi_comm=None, timeout_s=None, device="auto"):
                                        "the CPU", "cpu-device", transport=name)
         if name == "nccl":
             return _placed(NcclTransport(comm, timeout_s=timeout_s),
-                           Placement("cpu", None, "nccl", "RINGNET_NCCL=standin: the host stand-in"))
-        return _placed(MpiTransport(comm, timeout_s=timeout_s, device="cpu"),
-                       Placement("cpu", None, "mpi", "device cpu"))
+                           Placement("cpu", None, "nccl", "RINGNET_NCCL=standin: the host stand-in"),
+                           layout)
+        return _placed(MpiTransport(comm, timeout_s=timeout_s, device="cpu", layout=layout),
+                       Placement("cpu", None, "mpi", "device cpu"), layout)
     if not gpu_available():
         raise TransportUnavailable("device gpu asked for, but no usable CUDA GPU on this rank",
                                    "no-gpu")
@@ -149,10 +188,10 @@ def make_transport(name="auto", mpi_comm=None, timeout_s=None, device="auto"):
                                        f"({NCCL_INSTALL})", "no-nccl",
                                        transport=name)
         return _placed(NcclTransport(comm, timeout_s=timeout_s),
-                       Placement("gpu", gpu, "nccl", "every rank owns a GPU"))
+                       Placement("gpu", gpu, "nccl", "every rank owns a GPU"), layout)
     if name == "auto" and not shared and nccl_everywhere:
         return _placed(NcclTransport(comm, timeout_s=timeout_s),
-                       Placement("gpu", gpu, "nccl", "every rank owns a GPU"))
+                       Placement("gpu", gpu, "nccl", "every rank owns a GPU"), layout)
     aware, how = mpi_cuda_aware()
     staging = f"CUDA-aware MPI ({how})" if aware else f"staged through pinned host memory ({how})"
     if name == "auto":
@@ -160,12 +199,12 @@ def make_transport(name="auto", mpi_comm=None, timeout_s=None, device="auto"):
         reason = f"{why}; {staging}"
     else:
         reason = staging
-    return _placed(MpiTransport(comm, timeout_s=timeout_s, device="gpu"),
-                   Placement("gpu", gpu, "mpi", reason))
+    return _placed(MpiTransport(comm, timeout_s=timeout_s, device="gpu", layout=layout),
+                   Placement("gpu", gpu, "mpi", reason), layout)
 
 
-def _placed(transport, placement):
-    transport.placement = placement
+def _placed(transport, placement, layout):
+    transport.placement = placement.locate(layout, getattr(transport, "progress_reason", None))
     return transport
 
 

@@ -9,7 +9,9 @@ from mpi4py import MPI
 
 from ringnet import trace
 from ringnet.backend import cupy, is_gpu_array
-from ringnet.comm.stream import current_stream, current_tag, progress_all
+from ringnet.comm import nodes as _nodes
+from ringnet.comm.stream import (CpuStream, current_stream, current_tag, progress_all, progress_mode,
+                                 progress_setting)
 from ringnet.comm.transport import CommTimeoutError, Transport, describe
 
 __all__ = ["MpiTransport", "mpi_cuda_aware"]
@@ -122,14 +124,22 @@ class _Pending:
 
 
 class MpiTransport(Transport):
-    """Transfers over MPI: NumPy buffers directly, CuPy buffers direct or host-staged."""
+    """Transfers over MPI: NumPy buffers directly, CuPy buffers direct or host-staged.
+
+    ``layout``: the :class:`~ringnet.comm.nodes.NodeLayout` of ``mpi_comm`` when the caller
+    has it (None: found here, collectively). ``nodes`` is its node count: CPU streams
+    progress by ``RINGNET_CPU_PROGRESS`` resolved for it (``auto``: they poll when the
+    ranks span nodes), and timeout messages name each peer's node.
+    """
 
     name = "mpi"
 
-    def __init__(self, mpi_comm=None, timeout_s=None, device=None):
+    def __init__(self, mpi_comm=None, timeout_s=None, device=None, layout=None):
         if device not in (None, "cpu", "gpu"):
             raise ValueError(f"unknown device {device!r}: choose cpu or gpu")
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.layout = _nodes.layout(parent) if layout is None else layout
+        self.nodes = self.layout.nodes
         # A private duplicate keeps ringnet's messages apart from the caller's own.
         super().__init__(parent.Dup(), timeout_s)
         # With only MPI_THREAD_SERIALIZED, the stream thread and the caller must not
@@ -142,6 +152,29 @@ class MpiTransport(Transport):
         self.cuda_aware, self.cuda_aware_how = (False, "device cpu") if device == "cpu" \
             else mpi_cuda_aware()
         self._host = {}
+
+    @property
+    def progress(self):
+        """How this transport's CPU streams progress: ``RINGNET_CPU_PROGRESS`` resolved for
+        :attr:`nodes` (driven, poll or block); ValueError for an unknown value."""
+        return progress_mode(self.nodes)
+
+    @property
+    def progress_reason(self):
+        """:attr:`progress` and why: 'poll (RINGNET_CPU_PROGRESS=auto: the ranks span 2 nodes)'."""
+        mode = self.progress
+        if progress_setting() != "auto":
+            return f"{mode} (RINGNET_CPU_PROGRESS={mode})"
+        where = f"the ranks span {self.nodes} nodes" if self.nodes > 1 else "the ranks share one node"
+        return f"{mode} (RINGNET_CPU_PROGRESS=auto: {where})"
+
+    def new_stream(self):
+        """A new stream (collective in order, as :meth:`Transport.new_stream`); a CPU
+        stream progresses as :attr:`progress` says when it is made."""
+        if self.uses_gpu():
+            return super().new_stream()
+        tag, self._next_tag = self._next_tag, self._next_tag + 1
+        return CpuStream(tag, nodes=self.nodes)
 
     def uses_gpu(self):
         if self.device is not None:
@@ -252,7 +285,18 @@ class MpiTransport(Transport):
                 request.Cancel()
             except MPI.Exception:
                 pass
-        raise CommTimeoutError(f"{describe(*what)} did not complete within {self.timeout_s:g} s")
+        raise CommTimeoutError(f"{self._describe(*what)} did not complete within {self.timeout_s:g} s")
+
+    def _describe(self, kind, send_peer, recv_peer, nbytes):
+        """:func:`describe` with each peer's node when the ranks span nodes."""
+        text = describe(kind, send_peer, recv_peer, nbytes)
+        if self.nodes < 2:
+            return text
+        for peer, role in ((send_peer, "to"), (recv_peer, "from")):
+            if peer is not None:
+                text = text.replace(f"{role} rank {peer}",
+                                    f"{role} {_nodes.where(peer, self.layout)}", 1)
+        return text
 
     def allreduce_native(self, buf, op="sum"):
         """MPI_Allreduce in place (the reference the ring is measured against)."""

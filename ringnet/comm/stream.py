@@ -3,14 +3,23 @@
 **Who progresses a CPU stream's transfers.** MPI moves a message only while some
 thread of the rank is inside an MPI call. A CPU stream's thread that polls its
 requests takes core time (and the GIL) from its own rank's computation, and a thread
-blocked inside MPI spins there. So by default (``RINGNET_CPU_PROGRESS=driven``) a CPU
-stream's thread *sleeps* on each transfer: the training thread tests the pending
-transfer at every layer boundary (:meth:`CpuStream.progress`; the strategies call it)
-and wakes the stream's thread when it completed; a thread that waits on the stream
-(:meth:`Handle.wait`) drives it meanwhile. ``poll``: the stream's thread polls its
-transfers itself (a short yielding spin, then short sleeps); ``block``: it blocks in
-MPI's own wait (no deadline: for comparisons only). GPU streams always poll: their
-host thread mostly waits on the device, not on the training thread's layers.
+blocked inside MPI spins there. ``RINGNET_CPU_PROGRESS`` chooses:
+
+* ``driven``: a CPU stream's thread *sleeps* on each transfer: the training thread tests
+  the pending transfer at every layer boundary (:meth:`CpuStream.progress`; the
+  strategies call it) and wakes the stream's thread when it completed; a thread that
+  waits on the stream (:meth:`Handle.wait`) drives it meanwhile. Meant for ranks of one
+  node, where a message is a copy.
+* ``poll``: the stream's thread polls its transfers itself (a short yielding spin, then
+  short sleeps). Meant for messages that cross a network: MPI over TCP moves a message
+  only while it is progressed, on both sides, and tests at layer boundaries only can
+  leave the link idle between them.
+* ``block``: the thread blocks in MPI's own wait (no deadline: for comparisons only).
+* ``auto`` (the default): ``poll`` when the transport's ranks span more than one node,
+  ``driven`` on one node (:func:`progress_mode` with the node count).
+
+GPU streams always poll: their host thread mostly waits on the device, not on the
+training thread's layers.
 """
 import os
 import threading
@@ -21,19 +30,37 @@ from typing import Any, Callable, Optional
 from ringnet.backend import cupy, gpu_available
 
 __all__ = ["Handle", "CpuStream", "GpuStream", "current_tag", "current_stream", "PROGRESS_MODES",
-           "progress_mode", "progress_all"]
+           "progress_mode", "progress_setting", "resolve_progress", "progress_all"]
 
 _local = threading.local()
 
-PROGRESS_MODES = ("driven", "poll", "block")
+# The ways a CPU stream's thread can wait on a transfer, then the setting that picks one.
+PROGRESS_MODES = ("driven", "poll", "block", "auto")
 
 
-def progress_mode() -> str:
-    """Return how CPU streams progress their transfers: ``RINGNET_CPU_PROGRESS`` or driven."""
-    mode = os.environ.get("RINGNET_CPU_PROGRESS", "") or "driven"
+def progress_setting() -> str:
+    """Return ``RINGNET_CPU_PROGRESS`` as given (one of :data:`PROGRESS_MODES`; unset: auto)."""
+    mode = os.environ.get("RINGNET_CPU_PROGRESS", "") or "auto"
     if mode not in PROGRESS_MODES:
         raise ValueError(f"RINGNET_CPU_PROGRESS={mode!r}: use one of {', '.join(PROGRESS_MODES)}")
     return mode
+
+
+def resolve_progress(mode: str, nodes: int = 1) -> str:
+    """Return the progress a stream uses for ``mode`` when its ranks are on ``nodes`` nodes:
+    ``auto`` is ``poll`` across nodes and ``driven`` on one; the others are themselves."""
+    if mode not in PROGRESS_MODES:
+        raise ValueError(f"unknown progress mode {mode!r}: use one of {', '.join(PROGRESS_MODES)}")
+    if mode == "auto":
+        return "poll" if nodes > 1 else "driven"
+    return mode
+
+
+def progress_mode(nodes: int = 1) -> str:
+    """Return how CPU streams progress their transfers when their ranks are on ``nodes``
+    nodes: ``RINGNET_CPU_PROGRESS`` resolved by :func:`resolve_progress` (driven, poll or
+    block). Raises ValueError for an unknown value."""
+    return resolve_progress(progress_setting(), nodes)
 
 
 def current_tag() -> int:
@@ -103,15 +130,16 @@ class CpuStream:
     ``tag`` separates this stream's messages from those of other streams (all ranks
     create their streams in the same order, so they agree on it). ``name`` prefixes the
     thread's name. ``progress``: how its transfers progress, one of
-    :data:`PROGRESS_MODES` (see the module docstring; default ``progress_mode()``);
-    raises ValueError for another. ``close()`` (or leaving a ``with`` block) ends it.
+    :data:`PROGRESS_MODES` (see the module docstring; default ``RINGNET_CPU_PROGRESS``);
+    ``auto`` resolves with ``nodes``, the number of nodes the stream's ranks are on.
+    Raises ValueError for another. ``mode`` is the progress it uses (never ``auto``).
+    ``close()`` (or leaving a ``with`` block) ends it.
     """
 
-    def __init__(self, tag: int = 0, name: str = "ringnet-comm", progress: Optional[str] = None):
+    def __init__(self, tag: int = 0, name: str = "ringnet-comm", progress: Optional[str] = None,
+                 nodes: int = 1):
         self.tag = tag
-        self.mode = progress_mode() if progress is None else progress
-        if self.mode not in PROGRESS_MODES:
-            raise ValueError(f"unknown progress mode {self.mode!r}: use one of {', '.join(PROGRESS_MODES)}")
+        self.mode = resolve_progress(progress_setting() if progress is None else progress, nodes)
         self.driven = self.mode == "driven"
         self._queue = queue.SimpleQueue()
         self._closed = False

@@ -1,0 +1,255 @@
+"""hpc/cluster.sh with --nodes K: the cluster it makes, what stop leaves, and bad input.
+
+A cluster is started here in a temporary folder with its own node names, addresses and
+port, so it runs beside any other (CI's single node included). Checked against the
+system's own view, not the script's: the namespaces (`ip netns`), the addresses and host
+names inside them, the tbf on both ends of each link (`tc`), SLURM's nodes (`srun
+hostname`), mpirun through the cluster's launcher, and, after stop, that no namespace,
+link, mount, daemon or file of it is left. Each bad input is one line, a non-zero exit,
+and nothing made. Starting a cluster needs root and SLURM; those tests skip saying why.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_cluster_runs import (CLUSTER, ROOT, free_settings, missing_for_a_cluster, parse_env,
+                               script)
+
+WHY_NOT = missing_for_a_cluster()
+needs_a_cluster = pytest.mark.skipif(WHY_NOT is not None, reason=f"no cluster here: {WHY_NOT}")
+
+
+def snapshot(state):
+    """What a start could leave behind: links, namespaces, mounts, processes, files."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    with open("/proc/mounts") as f:
+        mounts = sorted(l for l in f if str(state) in l)
+    procs = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if str(state).encode() in f.read():
+                        procs.append(pid)
+            except OSError:
+                pass
+    files = sorted(os.path.join(d, n) for d, dirs, names in os.walk(state) for n in dirs + names) \
+        if os.path.exists(state) else None
+    return {"links": sorted(l.split(":")[1].strip().split("@")[0] for l in links.splitlines()),
+            "netns": sorted(netns.split()), "mounts": mounts, "procs": sorted(procs),
+            "files": files, "run-netns": os.path.isdir("/run/netns")}
+
+
+@pytest.fixture
+def settings(tmp_path):
+    port, subnet, prefix = free_settings()
+    state = tmp_path / "state"
+    env = dict(os.environ, RINGNET_SLURM_DIR=str(state), RINGNET_SLURM_PORT=str(port))
+    return {"env": env, "state": state, "port": port, "subnet": subnet, "prefix": prefix,
+            "base": subnet.rsplit(".", 1)[0]}
+
+
+def one_line_error(proc, code=2):
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("hpc/cluster.sh: "), proc.stderr
+    assert proc.stdout == "", proc.stdout
+    return lines[0]
+
+
+def _start(s, *extra):
+    return script("start", "--prefix", s["prefix"], "--subnet", s["subnet"], *extra, env=s["env"])
+
+
+# -- bad input: one line, a non-zero exit, nothing made ------------------------------------
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nodes", "0"], "--nodes 0: give 1 or more nodes"),
+    (["--nodes", "two"], "--nodes two: give a whole number"),
+    (["--nodes", "254"], "--nodes 254: at most 253 nodes fit in"),
+    (["--link", "1gbit"], "--link 1gbit shapes the links between nodes: give --nodes 2 or more"),
+    (["--nodes", "2", "--prefix", "Node_"], "--prefix Node_: 1 to 8 lower-case letters"),
+    (["--nodes", "2", "--subnet", "8.8.8.0/24"], "--subnet 8.8.8.0/24: give a private /24"),
+    (["--nodes", "2", "--colour", "red"], "start: unknown option --colour"),
+])
+def test_bad_values_are_one_line_and_make_nothing(settings, args, needle):
+    before = snapshot(settings["state"])
+    proc = script("start", *args, env=settings["env"])
+    assert needle in one_line_error(proc)
+    assert snapshot(settings["state"]) == before
+
+
+@needs_a_cluster
+def test_a_rate_tc_refuses_is_undone(settings):
+    """tc refuses the rate only once the first link exists: start undoes what it made."""
+    before = snapshot(settings["state"])
+    line = one_line_error(_start(settings, "--nodes", "2", "--link", "fast"))
+    assert "--link fast: tc refuses it" in line and "fast" in line.split("(", 1)[1], line
+    assert snapshot(settings["state"]) == before
+
+
+@needs_a_cluster
+def test_a_daemon_that_does_not_start_is_undone(settings):
+    """slurmctld refuses the configuration (a node of "lots" CPUs) once the nodes exist."""
+    before = snapshot(settings["state"])
+    settings["env"]["RINGNET_SLURM_CPUS"] = "lots"
+    line = one_line_error(_start(settings, "--nodes", "2", "--link", "1gbit"))
+    assert line.startswith("hpc/cluster.sh: slurmctld did not start (slurmctld: fatal:"), line
+    assert snapshot(settings["state"]) == before
+
+
+@needs_a_cluster
+def test_a_node_named_as_this_machine_is_refused(settings):
+    before = snapshot(settings["state"])
+    clash = f"{settings['prefix']}2"
+    proc = subprocess.run(["unshare", "--uts", "sh", "-c", f'hostname {clash} && exec bash "$0" "$@"',
+                           CLUSTER, "start", "--nodes", "2", "--prefix", settings["prefix"],
+                           "--subnet", settings["subnet"]],
+                          capture_output=True, text=True, env=settings["env"], timeout=60)
+    assert f"node name {clash} is this machine's host name" in one_line_error(proc)
+    assert snapshot(settings["state"]) == before
+
+
+def test_without_root_it_says_so(settings):
+    args = ["start", "--nodes", "2", "--prefix", settings["prefix"], "--subnet", settings["subnet"]]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", CLUSTER, *args]
+    else:
+        cmd = ["bash", CLUSTER, *args]
+    before = snapshot(settings["state"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=settings["env"], timeout=60)
+    assert "--nodes 2 needs root" in one_line_error(proc)
+    assert snapshot(settings["state"]) == before
+
+
+def test_stop_with_nothing_started_says_so(settings):
+    before = snapshot(settings["state"])
+    line = one_line_error(script("stop", env=settings["env"]), code=3)
+    assert f"nothing to stop: no cluster runs in {settings['state']}" in line
+    assert snapshot(settings["state"]) == before
+
+
+# -- a cluster, checked from outside, and what stop leaves ---------------------------------
+
+def _sh(*cmd):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, (cmd, proc.stderr)
+    return proc.stdout
+
+
+@needs_a_cluster
+def test_start_makes_the_nodes_and_stop_removes_all_of_it(settings, tmp_path):
+    s, k = settings, 3
+    names = [f"{s['prefix']}{i}" for i in range(1, k + 1)]
+    before = snapshot(s["state"])
+    started = _start(s, "--nodes", str(k), "--link", "10gbit")
+    assert started.returncode == 0, started.stderr
+    try:
+        assert started.stdout.startswith(f"SLURM running: {k} nodes {names[0]}..{names[-1]}")
+        status = script("status", env=s["env"])
+        assert status.returncode == 0, status.stdout + status.stderr
+        state = s["state"]
+        for i, name in enumerate(names):
+            address = f"{s['base']}.{i + 2}"
+            assert f"node {name}: address {address}, host name {name}, link {name}-h up " \
+                "(tbf 10Gbit to the node, 10Gbit from it), slurmd running" in status.stdout, \
+                status.stdout
+            # the system's view of the node: its address, its host name, tbf on both ends
+            assert f"inet {address}/24" in _sh("ip", "-n", name, "addr", "show", "dev", "eth0")
+            assert _sh("nsenter", f"--uts={state}/uts/{name}", "hostname").strip() == name
+            for qdisc in (_sh("tc", "qdisc", "show", "dev", f"{name}-h"),
+                          _sh("tc", "-n", name, "qdisc", "show", "dev", "eth0")):
+                assert "tbf" in qdisc and "rate 10Gbit" in qdisc, qdisc
+            assert f"{name}-h" in _sh("ip", "link", "show", "master", f"{s['prefix']}-br")
+        env = dict(os.environ, **parse_env(script("env", env=s["env"]).stdout))
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
+        # SLURM runs a task on every node, each in its own namespace
+        hosts = subprocess.run(["srun", "-N", str(k), "hostname"], capture_output=True,
+                               text=True, env=env, timeout=120)
+        assert hosts.returncode == 0, hosts.stderr
+        assert sorted(hosts.stdout.split()) == names
+        # mpirun reaches every node through the hosts file and the launcher env names
+        hosts = subprocess.run(["mpirun", "-np", str(k), "hostname"], capture_output=True,
+                               text=True, env=env, timeout=120, cwd=str(tmp_path))
+        assert hosts.returncode == 0, hosts.stderr
+        assert sorted(hosts.stdout.split()) == names
+        assert env["MPIR_CVAR_CH4_NETMOD"] == "ofi" and env["MPIR_CVAR_NOLOCAL"] == "1"
+
+        # taken already: this cluster's node names, its subnet, its port; and start twice
+        running = snapshot(s["state"])
+        other = dict(s["env"], RINGNET_SLURM_DIR=str(tmp_path / "other"),
+                     RINGNET_SLURM_PORT=str(s["port"] + 2))
+        clash = script("start", "--nodes", "2", "--prefix", s["prefix"], "--subnet",
+                       "10.27.254.0/24", env=other)
+        assert f"network namespace {names[0]} exists already" in one_line_error(clash)
+        clash = script("start", "--nodes", "2", "--prefix", "rtzz", "--subnet", s["subnet"], env=other)
+        assert f"--subnet {s['subnet']}: {s['prefix']}-br has an address in it" in one_line_error(clash)
+        clash = script("start", "--nodes", "2", "--prefix", "rtzz", "--subnet", "10.27.254.0/24",
+                       env=dict(other, RINGNET_SLURM_PORT=str(s["port"])))
+        assert f"port {s['port']} is taken" in one_line_error(clash)
+        again = _start(s, "--nodes", str(k))
+        assert f"a {k}-node cluster already runs in {state}" in one_line_error(again)
+        again = script("start", env=s["env"])
+        assert f"a {k}-node cluster runs in {state}" in one_line_error(again)
+        assert snapshot(s["state"]) == running
+        assert not os.path.exists(tmp_path / "other")
+        assert script("status", env=s["env"]).returncode == 0
+    finally:
+        stopped = script("stop", env=s["env"])
+    assert stopped.returncode == 0, stopped.stderr
+    assert f"removed the {k}-node cluster" in stopped.stdout
+    assert snapshot(s["state"]) == before
+    assert script("status", env=s["env"]).returncode != 0
+    one_line_error(script("stop", env=s["env"]), code=3)
+
+
+@needs_a_cluster
+def test_a_link_taken_down_shows_in_status(settings):
+    s = settings
+    started = _start(s, "--nodes", "2")
+    assert started.returncode == 0, started.stderr
+    try:
+        link = f"{s['prefix']}2-h"
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+        status = script("status", env=s["env"])
+        assert status.returncode == 3
+        assert f"link {link} down" in status.stdout and f"link {s['prefix']}1-h up" in status.stdout
+        assert "tbf" not in status.stdout, "an unshaped cluster shows no rate"
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+        assert script("status", env=s["env"]).returncode == 0
+    finally:
+        assert script("stop", env=s["env"]).returncode == 0
+
+
+@needs_a_cluster
+def test_the_link_rate_bounds_a_transfer(settings, tmp_path):
+    """4 MiB from a rank on one node to a rank on the other cannot take less than the
+    bytes over the rate (less one burst of each of the two tbf it crosses)."""
+    s = settings
+    started = _start(s, "--nodes", "2", "--link", "200mbit")
+    assert started.returncode == 0, started.stderr
+    try:
+        env = dict(os.environ, **parse_env(script("env", env=s["env"]).stdout))
+        env = {k: v for k, v in env.items() if not k.startswith(("PMI_", "SLURM_JOB"))}
+        program = tmp_path / "send.py"
+        program.write_text(
+            "import time, numpy as np\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+            "b = np.ones(1 << 20, np.float32)\nbest = 1e9\n"
+            "for _ in range(3):\n    c.Barrier()\n    t = time.perf_counter()\n"
+            "    if c.rank == 0:\n        c.Send(b, 1); c.Recv(b[:1], 1)\n"
+            "    else:\n        c.Recv(b, 0); c.Send(b[:1], 0)\n"
+            "    best = min(best, time.perf_counter() - t)\n"
+            "if c.rank == 0:\n    print(best, MPI.Get_processor_name())\n")
+        proc = subprocess.run(["mpirun", "-np", "2", sys.executable, str(program)],
+                              capture_output=True, text=True, env=env, timeout=120,
+                              cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stderr
+        seconds, node = proc.stdout.split()
+        assert node == f"{s['prefix']}1"
+        burst = 256 * 1024         # each tbf lets a burst of 64 KiB pass at once; two of them
+        assert float(seconds) >= (4 * 2 ** 20 - burst) * 8 / 200e6, seconds
+    finally:
+        assert script("stop", env=s["env"]).returncode == 0
