@@ -440,3 +440,37 @@ def test_data_module_and_datasets_alias_are_one_command():
                for module in ("ringnet.data", "ringnet.datasets")]
     assert [o.returncode for o in outputs] == [0, 0], outputs[0].stderr + outputs[1].stderr
     assert json.loads(outputs[0].stdout)["sha256"] == json.loads(outputs[1].stdout)["sha256"]
+
+
+def _convert_cli(*args):
+    return subprocess.run([sys.executable, "-m", "ringnet.datasets", "convert", "imagefolder",
+                           *map(str, args)], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _one_error(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ringnet: error:"), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_imagefolder_bad_inputs_are_one_line_each(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    src = tmp_path / "src"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        Image.new("RGB", (4, 4), (1, 2, 3)).save(src / name / "x.png")
+    # an impossible --size: no traceback, no file
+    _one_error(_convert_cli(src, "--size", "10000000", "--out", tmp_path / "o.h5"), "--size 10000000")
+    assert not (tmp_path / "o.h5").exists()
+    # a decompression bomb, named
+    big = src / "b" / "bomb.png"
+    Image.new("1", (20000, 20000)).save(big)      # 400 Mpixel: over PIL's bomb limit
+    _one_error(_convert_cli(src, "--size", "8", "--out", tmp_path / "o.h5"), str(big), "too large")
+    big.unlink()
+    # a class folder whose name is not UTF-8
+    os.mkdir(os.fsencode(src) + b"/caf\xe9")
+    Image.new("RGB", (4, 4)).save(os.fsdecode(os.fsencode(src) + b"/caf\xe9/x.png"))
+    _one_error(_convert_cli(src, "--size", "8", "--out", tmp_path / "o.h5"), "not a UTF-8 name")

@@ -291,6 +291,12 @@ def read_imagefolder(src_dir, size):
     classes = sorted(p.name for p in src_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise InputError(f"{src_dir}: no class sub-folders")
+    for name in classes:
+        try:
+            name.encode("utf-8")        # class names are stored as text in the file
+        except UnicodeEncodeError:
+            raise InputError(f"{src_dir}: class folder {os.fsencode(name)!r} is not a UTF-8 "
+                             f"name; rename it") from None
     files, labels = [], []
     for label, name in enumerate(classes):
         found = sorted(p for p in (src_dir / name).iterdir()
@@ -299,7 +305,12 @@ def read_imagefolder(src_dir, size):
             raise InputError(f"{src_dir / name}: no .png/.jpg/.jpeg images")
         files += found
         labels += [label] * len(found)
-    images = np.empty((len(files), size, size, 3), dtype=np.uint8)
+    need = len(files) * size * size * 3
+    try:
+        images = np.empty((len(files), size, size, 3), dtype=np.uint8)
+    except (MemoryError, ValueError):
+        raise InputError(f"--size {size}: {len(files)} images of {size}x{size} RGB need "
+                         f"{need / 2**30:.1f} GiB, more than this machine can hold") from None
     for i, path in enumerate(files):
         try:
             with Image.open(path) as image:
@@ -307,6 +318,8 @@ def read_imagefolder(src_dir, size):
                 if image.size != (size, size):
                     image = image.resize((size, size), Image.BILINEAR)
                 images[i] = np.asarray(image)
+        except Image.DecompressionBombError as exc:
+            raise InputError(f"{path}: image too large to decode safely ({_one_line(exc)})") from None
         except (OSError, SyntaxError, ValueError) as exc:
             raise InputError(f"{path}: cannot read image ({_one_line(exc)})") from None
     return images.transpose(0, 3, 1, 2), np.asarray(labels, dtype=np.int64), classes
