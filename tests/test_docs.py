@@ -355,6 +355,7 @@ STATIC = {
         "the communicators' results (tests/test_comm*.py)",
     ("variable", "default", "read by", "what it does"):
         "tests/test_docs_pages.py (every variable the code reads)",
+    ("exit code", "meaning"): "tests/test_docs_pages.py (the codes of ringnet.errors)",
 }
 # Measured tables whose benchmark prints them as text, assembled into Markdown by hand:
 # none (every benchmark table comes from its command's --markdown).
@@ -728,6 +729,8 @@ COMMANDS = {
     'python -m ringnet.launch -n "$SLURM_NTASKS" ${LAUNCH[@]+"${LAUNCH[@]}"} --launcher '
     '"srun --mpi=pmi2" -- ${TRAIN[@]+"${TRAIN[@]}"} &':
         "needs SLURM; tests/test_slurm.py submits hpc/train.sbatch, signals and requeues it",
+    "python -m ringnet.bench soak --np 2 --model lenet --dataset synthetic --steps 12000":
+        "tests/test_bench_soak.py::test_a_short_soak_run_samples_every_rank",
     "mpirun -np 4 python -m ringnet.train --save ck.h5 --save-every 100 --resume auto":
         "tests/test_stop.py::test_a_signal_on_one_rank_stops_all_with_the_checkpoint_and_auto_"
         "resumes_exactly",

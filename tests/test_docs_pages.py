@@ -78,3 +78,19 @@ def test_comm_page_example_runs_under_mpirun(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         # mpirun forwards each rank's output; lines of different ranks may interleave
         assert sorted(map(int, re.findall(r"rank (\d+): ok", proc.stdout))) == list(range(n))
+
+
+def test_the_exit_codes_table_and_help_are_the_codes_of_ringnet_errors():
+    from ringnet import errors
+    from ringnet.config import build_parser
+    with open(os.path.join(ROOT, "docs", "reliability.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("| exit code | meaning |"):]
+    section = section[:section.index("\n\n")]
+    table = re.findall(r"^\| (\d+) \| (.+) \|$", section, re.M)
+    codes = {0, errors.EXIT_FAILURE, errors.EXIT_USAGE, errors.EXIT_DIVERGED, errors.EXIT_STOPPED,
+             errors.EXIT_INTERRUPTED}
+    assert sorted(int(c) for c, _ in table) == sorted(codes)
+    epilog = build_parser().epilog
+    listed = re.search(r"Exit codes: (.*?)\.", epilog.replace("\n", " ")).group(1)
+    assert sorted(int(c) for c in re.findall(r"(\d+) \w", listed)) == sorted(codes)

@@ -131,9 +131,14 @@ def save_cost(args, tmp):
                 "rank 0 writes, others train on": (every, None),
                 "rank 0 writes, others wait": (every, {"RINGNET_SAVE_SYNC": "1"})}
     times = {name: [] for name in variants}
+    size = 0
     for _ in range(args.repeats):
         for name, (flags, env) in variants.items():
             times[name].append(_run_train(args, flags, env)["train_s"])
+            if os.path.exists(path):
+                # each run starts fresh: a run refuses to overwrite a checkpoint further along
+                size = os.path.getsize(path)
+                os.remove(path)
     saves = (args.steps - 1) // args.every
     base = statistics.median(times["no periodic save"])
     rows = []
@@ -141,7 +146,7 @@ def save_cost(args, tmp):
         train_s = statistics.median(values)
         per_save = (train_s - base) / saves * 1000 if saves and name != "no periodic save" else None
         rows.append((name, train_s, per_save))
-    return rows, os.path.getsize(path)
+    return rows, size
 
 
 def lost_rank(args, tmp):
