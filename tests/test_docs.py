@@ -731,6 +731,8 @@ COMMANDS = {
         "needs SLURM; tests/test_slurm.py submits hpc/train.sbatch, signals and requeues it",
     "python -m ringnet.bench soak --np 2 --model lenet --dataset synthetic --steps 12000":
         "tests/test_bench_soak.py::test_a_short_soak_run_samples_every_rank",
+    "python -m ringnet.bench soak --np 2 --model digits --dataset digits --steps 60000 --every 3":
+        "tests/test_bench_soak.py::test_a_short_soak_run_samples_every_rank",
     "mpirun -np 4 python -m ringnet.train --save ck.h5 --save-every 100 --resume auto":
         "tests/test_stop.py::test_a_signal_on_one_rank_stops_all_with_the_checkpoint_and_auto_"
         "resumes_exactly",
