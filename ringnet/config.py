@@ -333,8 +333,8 @@ def build_parser():
     g.add_argument("--resume", default=None, metavar="PATH.h5|auto",
                    help="continue from a checkpoint, in any mode and at any rank count; auto: "
                         "from --save when it holds one, else start fresh (what a requeued job "
-                        "repeats). Without --resume a run refuses to overwrite a --save "
-                        "checkpoint that is further along (default: none)")
+                        "repeats). A run refuses to start when its first save would replace a "
+                        "--save checkpoint that is further along (default: none)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON summary line on stdout at the end (rank 0); the log then "
                         "goes to stderr")

@@ -372,12 +372,15 @@ def _resume_auto(cfg, world):
             f"--resume auto: no checkpoint at {cfg.save} yet, starting at step 0")
 
 
-def _check_not_behind(cfg, saved, step):
-    """Refuse a run that would overwrite a ``--save`` checkpoint (at step ``saved``, None: no
-    checkpoint there) further along than its start."""
-    if saved is not None and saved > step:
+def _check_not_behind(cfg, saved, step, total_steps):
+    """Refuse a run whose first save would overwrite a ``--save`` checkpoint (at step
+    ``saved``, None: no checkpoint there) with one that is not as far along: what a requeued
+    job started without --resume would do to its own newer checkpoint."""
+    first = total_steps if not cfg.save_every else min(total_steps,
+                                                       (step // cfg.save_every + 1) * cfg.save_every)
+    if saved is not None and saved > first:
         raise UsageError(f"--save {cfg.save} holds a checkpoint at step {saved}, further along "
-                         f"than this run's start (step {step}), and would be overwritten; "
+                         f"than this run's first save (step {first}), and would be overwritten; "
                          f"continue it with --resume auto (or --resume {cfg.save}), or start over "
                          f"with another --save path or after removing it")
 
@@ -567,7 +570,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
             from ringnet.checkpoint import stored_step
             saved = exchange(world, stored_step(cfg.save) if rank == 0 else None,
                              phase="setup")[0]
-            collective(world, _check_not_behind, cfg, saved, step)
+            collective(world, _check_not_behind, cfg, saved, step, total_steps)
     _transport_deadline(strategy, deadline.seconds)
     if auto_note:
         _log(cfg, world, auto_note)

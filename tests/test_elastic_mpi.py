@@ -80,7 +80,8 @@ def test_periodic_checkpoint_equals_a_run_that_ends_there(tmp_path, recorded, mo
     assert problem is None, problem
     at_8 = recorded.get(8)      # written in the background (the save at 4 is agreed at once)
 
-    short = train(cfg, world=WORLD, steps=8, save=path)
+    # another file: a run refuses to replace the step-10 checkpoint with its step 8
+    short = train(cfg, world=WORLD, steps=8, save=WORLD.bcast(str(tmp_path / "short.h5")))
     short.strategy.close()
     problem = None
     if WORLD.Get_rank() == 0:

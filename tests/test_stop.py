@@ -86,11 +86,12 @@ def test_a_fresh_run_refuses_to_overwrite_a_checkpoint_further_along(tmp_path):
     path = str(tmp_path / "ck.h5")
     assert _run([*TRAIN, "--steps", "30", "--quiet", "--save", path]).returncode == 0
     before = os.path.getmtime(path)
-    proc = _run([*TRAIN, "--steps", "60", "--quiet", "--save", path])
+    # a fresh run whose first periodic save (step 10) would replace step 30: refused
+    proc = _run([*TRAIN, "--steps", "60", "--quiet", "--save", path, "--save-every", "10"])
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert lines == [f"ringnet: error: --save {path} holds a checkpoint at step 30, further along "
-                     f"than this run's start (step 0), and would be overwritten; continue it with "
+                     f"than this run's first save (step 10), and would be overwritten; continue it with "
                      f"--resume auto (or --resume {path}), or start over with another --save path "
                      f"or after removing it"]
     assert os.path.getmtime(path) == before and stored_step(path) == 30
