@@ -105,8 +105,9 @@ def test_a_launcher_killed_by_sigkill_leaves_no_rank_training(tmp_path):
     path = str(tmp_path / "ck.h5")
     long = [a if a != "120" else "100000" for a in ARGS]
     cmd = [sys.executable, "-m", "ringnet.launch", "-n", "2", "--", *long, "--save", path]
+    # TMPDIR: the killed launcher cannot remove its own temporary folder; pytest's will go
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=_env())
+                            env=_env(TMPDIR=str(tmp_path)))
     proc.stdout.readline()
     time.sleep(0.5)
     proc.kill()
