@@ -1,11 +1,17 @@
-"""The strict NCCL stand-in: each NCCL rule it enforces, and ringnet's NCCL path run through it.
+"""The strict stand-in of CUDA and NCCL: each rule it enforces, and ringnet's NCCL path run through it.
 
 Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/test_nccl_standin.py`` (N = 1..4).
 
-* the rules: two threads inside one communicator, a second thread at all, operation
+* the NCCL rules: two threads inside one communicator, a second thread at all, operation
   order that differs between ranks, send/recv sizes that differ, unbalanced groups,
-  use after abort/destroy, a lone send and recv in opposite orders (a hang in NCCL)
-  each raise on a rank that sees them;
+  use after abort/destroy, destroy with operations in flight, a lone send and recv in
+  opposite orders (a hang in NCCL) each fail on a rank that sees them;
+* devices, streams and events: a call on a thread whose current device is not the rank's
+  (an event destroyed there included) fails and the rank stays failed; an operation runs
+  when its stream reaches it; what it writes reads as poison until an event orders the
+  reader after it, and an NCCL read of it from another stream before that raises; two
+  communicators launched in different orders by two ranks, and an operation while
+  another communicator is not warmed up, raise;
 * data: send/recv and allReduce against closed-form values;
 * ``NcclTransport`` over the stand-in: every communicator's collectives (blocking and on
   streams, several streams at once) against closed-form values, the README's stream
@@ -14,6 +20,7 @@ Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/test_nccl_standin.p
   ``MpiTransport``, which ``test_parallel_mpi.py`` and ``test_split_fc_mpi.py`` check
   against ``single`` and the delay-1 recurrence.
 """
+import gc
 import threading
 import time
 
@@ -29,6 +36,30 @@ pytestmark = pytest.mark.mpi
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.Get_size(), WORLD.Get_rank()
 F32 = nccl.NCCL_FLOAT32
+_made = []
+
+
+@pytest.fixture(autouse=True)
+def _rank_device():
+    """This rank's stand-in device on the main thread (as a transport selects it); every
+    communicator a test made is aborted after it, and no device rule may stay broken.
+
+    Streams and events caught in reference cycles (an error's traceback holds the frame
+    that holds them) are collected here, on a thread on the rank's device: collected by
+    chance on a thread just starting, before it selects its device, they would fail the
+    rank (as CuPy's would make a context on GPU 0).
+    """
+    gc.collect()
+    nccl.bind()
+    yield
+    while _made:
+        comm = _made.pop()
+        if comm._state == "ok":
+            comm.abort()
+    gc.collect()
+    broken = nccl.violations()
+    nccl.clear_violations()
+    assert not broken, broken
 
 
 def _communicator(mpi_comm=WORLD, timeout_s=10.0):
@@ -36,6 +67,7 @@ def _communicator(mpi_comm=WORLD, timeout_s=10.0):
     uid = mpi_comm.bcast(nccl.get_unique_id() if mpi_comm.Get_rank() == 0 else None, root=0)
     comm = nccl.NcclCommunicator(mpi_comm.Get_size(), uid, mpi_comm.Get_rank())
     comm.timeout_s = timeout_s
+    _made.append(comm)
     return comm
 
 
@@ -52,15 +84,39 @@ def _pair(short_on=()):
     return sub, _communicator(sub, timeout_s=1.5 if RANK in short_on else 60.0)
 
 
-def _outcome(fn):
+def _sync():
+    """Wait for the calling thread's current stream (the null stream here)."""
+    nccl.get_current_stream().synchronize()
+
+
+def _outcome(fn, comm):
+    """Run ``fn`` (it enqueues), wait for its stream; return (error kind, message) or (None, "")."""
     try:
         fn()
+        _sync()
+        comm.check_async_error()
     except nccl.NcclError as exc:
         return type(exc).__name__, str(exc)
     return None, ""
 
 
-# -- the rules ------------------------------------------------------------------------------
+def _sendrecv(comm, out, got, peer, stream=0):
+    nccl.groupStart()
+    comm.send(nccl.host_pointer(out), out.size, F32, peer, stream)
+    comm.recv(nccl.host_pointer(got), got.size, F32, peer, stream)
+    nccl.groupEnd()
+
+
+def _warm(comm, peers):
+    """Use ``comm`` once with every peer and in one allReduce, and wait (as the transport does)."""
+    one, got = np.ones(1, np.float32), np.zeros(1, np.float32)
+    for peer in peers:
+        _sendrecv(comm, one, got, peer)
+    comm.allReduce(nccl.host_pointer(one), nccl.host_pointer(one), 1, F32, nccl.NCCL_SUM, 0)
+    _sync()
+
+
+# -- the NCCL rules ---------------------------------------------------------------------------
 def test_group_end_without_start_raises():
     with pytest.raises(nccl.NcclRuleError, match="groupEnd without"):
         nccl.groupEnd()
@@ -78,23 +134,21 @@ def test_use_after_abort_and_destroy_raises():
         other.check_async_error()
 
 
-def test_abort_fails_an_operation_in_flight_on_another_thread():
+def test_abort_fails_an_operation_in_flight_and_its_stream_goes_on():
     comm = _communicator(MPI.COMM_SELF)
     buf = np.zeros(4, np.float32)
-    errors = []
-
-    def wait_forever():   # a receive from itself that nobody sends
-        try:
-            comm.recv(buf.ctypes.data, 4, F32, 0, 0)
-        except nccl.NcclError as exc:
-            errors.append(str(exc))
-    thread = threading.Thread(target=wait_forever)
-    thread.start()
-    while comm._inside is None:
-        time.sleep(1e-3)
+    comm.recv(buf.ctypes.data, 4, F32, 0, 0)    # a receive from itself that nobody sends
     comm.abort()
-    thread.join(10)
-    assert errors and "abort" in errors[0]
+    _sync()                                     # the null stream got past the failed receive
+    assert comm._error is not None and "abort" in str(comm._error)
+
+
+def test_destroy_with_an_operation_in_flight_raises():
+    comm = _communicator(MPI.COMM_SELF)
+    buf = np.zeros(4, np.float32)
+    comm.recv(buf.ctypes.data, 4, F32, 0, 0)    # waits on its stream: nobody sends
+    with pytest.raises(nccl.NcclRuleError, match="in flight"):
+        comm.destroy()
 
 
 def test_second_thread_raises():
@@ -106,10 +160,14 @@ def test_second_thread_raises():
         comm.send(a.ctypes.data, 4, F32, 0, 0)
         comm.recv(b.ctypes.data, 4, F32, 0, 0)
         nccl.groupEnd()
-    self_sendrecv()
+    assert _outcome(self_sendrecv, comm) == (None, "")
     np.testing.assert_array_equal(b, a)
     errors = []
-    thread = threading.Thread(target=lambda: errors.append(_outcome(self_sendrecv)))
+
+    def other_thread():
+        nccl.bind()
+        errors.append(_outcome(self_sendrecv, comm))
+    thread = threading.Thread(target=other_thread)
     thread.start()
     thread.join(10)
     assert errors[0][0] == "NcclRuleError" and "used from two threads" in errors[0][1]
@@ -117,16 +175,28 @@ def test_second_thread_raises():
 
 def test_two_threads_inside_at_once_raises():
     comm = _communicator(MPI.COMM_SELF)
-    buf = np.zeros(4, np.float32)
-    thread = threading.Thread(target=lambda: _outcome(
-        lambda: comm.recv(buf.ctypes.data, 4, F32, 0, 0)))   # waits: nobody sends
+    a, b = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    inside, leave = threading.Event(), threading.Event()
+
+    def first():            # inside the communicator from its first grouped call to groupEnd
+        nccl.bind()
+        nccl.groupStart()
+        comm.send(a.ctypes.data, 4, F32, 0, 0)
+        inside.set()
+        leave.wait(30)
+        comm.recv(b.ctypes.data, 4, F32, 0, 0)
+        nccl.groupEnd()
+        _sync()
+    thread = threading.Thread(target=first)
     thread.start()
-    while comm._inside is None:
-        time.sleep(1e-3)
-    with pytest.raises(nccl.NcclRuleError, match="two threads inside one communicator at once"):
-        comm.send(buf.ctypes.data, 4, F32, 0, 0)
-    comm.abort()
-    thread.join(10)
+    assert inside.wait(30)
+    try:
+        with pytest.raises(nccl.NcclRuleError, match="two threads inside one communicator at once"):
+            comm.send(a.ctypes.data, 4, F32, 0, 0)
+    finally:
+        leave.set()
+        thread.join(30)
+    np.testing.assert_array_equal(b, a)
 
 
 def test_sizes_that_differ_raise_on_the_receiver():
@@ -135,9 +205,9 @@ def test_sizes_that_differ_raise_on_the_receiver():
         pytest.skip("needs ranks 0 and 1")
     buf = np.zeros(12, np.float32)
     if RANK == 0:
-        kind, message = _outcome(lambda: comm.send(buf.ctypes.data, 10, F32, 1, 0))
+        kind, message = _outcome(lambda: comm.send(buf.ctypes.data, 10, F32, 1, 0), comm)
     else:
-        kind, message = _outcome(lambda: comm.recv(buf.ctypes.data, 12, F32, 0, 0))
+        kind, message = _outcome(lambda: comm.recv(buf.ctypes.data, 12, F32, 0, 0), comm)
     sub.Free()
     if RANK == 0:
         assert kind is None, message        # the receiver drained the message
@@ -152,9 +222,9 @@ def test_operation_order_that_differs_raises():
     buf = np.ones(4, np.float32)
     if RANK == 0:
         kind, message = _outcome(lambda: comm.allReduce(buf.ctypes.data, buf.ctypes.data, 4, F32,
-                                                        nccl.NCCL_SUM, 0))
+                                                        nccl.NCCL_SUM, 0), comm)
     else:
-        kind, message = _outcome(lambda: comm.recv(buf.ctypes.data, 4, F32, 0, 0))
+        kind, message = _outcome(lambda: comm.recv(buf.ctypes.data, 4, F32, 0, 0), comm)
     sub.Free()
     if RANK == 0:
         assert kind == "NcclError" and "would hang" in message, message
@@ -166,16 +236,204 @@ def test_lone_send_and_recv_in_opposite_orders_hang_and_raise():
     sub, comm = _pair()
     if comm is None:
         pytest.skip("needs ranks 0 and 1")
-    out, got = np.ones(4, np.float32), np.zeros(4, np.float32)
+    out = np.arange(4, dtype=np.float32) + RANK
     peer = 1 - RANK
     comm.timeout_s = 1.5
     # Both send first, outside a group: NCCL sends wait for their receive, so both hang.
-    kind, message = _outcome(lambda: comm.send(out.ctypes.data, 4, F32, peer, 0))
+    kind, message = _outcome(lambda: comm.send(out.ctypes.data, 4, F32, peer, 0), comm)
     sub.Barrier()       # both have given up before either takes the other's message
-    comm.timeout_s = 60.0
-    comm.recv(got.ctypes.data, 4, F32, peer, 0)     # the late match: both sends complete
+    # The sends are still posted, as in NCCL: take them, so nothing stays in flight.
+    header, got = np.empty(nccl._HEADER_LEN, np.int64), np.zeros(4, np.float32)
+    comm._comm.Recv(header, source=peer, tag=nccl._HEADER_TAG)
+    comm._comm.Recv(got, source=peer, tag=nccl._PAYLOAD_TAG)
+    sub.Barrier()
     sub.Free()
     assert kind == "NcclError" and "would hang" in message, message
+    np.testing.assert_array_equal(got, np.arange(4) + peer)
+
+
+# -- devices, streams and events -----------------------------------------------------------------
+def _on_a_new_thread(fn):
+    """Run ``fn`` on a new thread that selects no device; return what it raised (or None)."""
+    caught = []
+
+    def run():
+        try:
+            fn()
+        except nccl.NcclError as exc:
+            caught.append(exc)
+    thread = threading.Thread(target=run, name="no-device")
+    thread.start()
+    thread.join(30)
+    return caught[0] if caught else None
+
+
+def test_a_thread_on_another_device_fails_and_the_rank_stays_failed():
+    assert nccl.Device().id == nccl.device_for(RANK) != 0
+    error = _on_a_new_thread(nccl.get_current_stream)
+    assert isinstance(error, nccl.NcclRuleError), error
+    assert f"uses device 0, but this rank's device is {nccl.device_for(RANK)}" in str(error)
+    assert "'no-device'" in str(error)
+    # A context on GPU 0 stays made: every later call, on any thread, fails the same way.
+    with pytest.raises(nccl.NcclRuleError, match="'no-device' uses device 0"):
+        nccl.Event()
+    assert len(nccl.violations()) == 1
+    nccl.clear_violations()
+    nccl.Event()                                # this thread is on the rank's device
+    assert _on_a_new_thread(lambda: nccl.Device(nccl.device_for(RANK)).use()) is None
+
+
+def test_an_event_destroyed_off_the_ranks_device_fails_the_rank():
+    events = [nccl.get_current_stream().record()]
+    assert _on_a_new_thread(events.clear) is None   # the last reference goes on that thread
+    broken = nccl.violations()
+    assert len(broken) == 1 and "cudaEventDestroy on thread 'no-device' uses device 0" in broken[0]
+    with pytest.raises(nccl.NcclRuleError, match="cudaEventDestroy"):
+        nccl.get_current_stream()
+    nccl.clear_violations()
+
+
+def test_selecting_a_second_device_fails():
+    other = nccl.device_for(RANK) % (nccl.DEVICE_COUNT - 1) + 1
+    error = _on_a_new_thread(lambda: nccl.Device(other).use())
+    assert isinstance(error, nccl.NcclRuleError) and f"uses device {other}" in str(error)
+    nccl.clear_violations()
+
+
+def test_an_operation_runs_when_its_stream_reaches_it():
+    sub, pair = _pair()
+    if pair is None:
+        pytest.skip("needs ranks 0 and 1")
+    _warm(pair, [1 - RANK])
+    a = np.arange(5, dtype=np.float32)
+    if RANK == 1:
+        sub.Barrier()                               # rank 0 has looked at its stream
+        pair.send(nccl.host_pointer(a), 5, F32, 0, 0)
+        _sync()
+    else:
+        local = _communicator(MPI.COMM_SELF)
+        stream = nccl.Stream(non_blocking=True)
+        b, d = np.full(5, -1, np.float32), np.full(5, -1, np.float32)
+        pair.recv(nccl.host_pointer(b), 5, F32, 1, stream.ptr)     # rank 1 has not sent yet
+        _sendrecv(local, a, d, 0, stream.ptr)       # needs nobody, but comes after it
+        behind = stream.record()
+        assert not behind.done
+        assert np.array_equal(b, np.full(5, -1)) and np.array_equal(d, np.full(5, -1))
+        sub.Barrier()
+        behind.synchronize()
+        np.testing.assert_array_equal(b, a)
+        np.testing.assert_array_equal(d, a)
+    sub.Free()
+
+
+def test_a_write_is_poison_until_an_event_orders_the_reader():
+    comm = _communicator(MPI.COMM_SELF)
+    stream = nccl.Stream(non_blocking=True)
+    a, b = np.arange(1, 6, dtype=np.float32), np.zeros(5, np.float32)
+    _sendrecv(comm, a, b, 0, stream.ptr)
+    done = stream.record()
+    while not done.done:            # the GPU ran it; a query orders nothing
+        time.sleep(1e-3)
+    assert np.isnan(b).all()
+    nccl.get_current_stream().wait_event(done)      # now this thread is ordered after it
+    np.testing.assert_array_equal(b, a)
+    # The issuing thread's host code sees its stream's results; after a hand-off (another
+    # thread takes the work over) only a reader ordered after the next event does.
+    c = np.zeros(5, np.float32)
+    with stream:
+        _sendrecv(comm, a, c, 0, stream.ptr)
+        stream.record().host_work()
+        np.testing.assert_array_equal(c, a)
+        stream.hand_off()
+        handed = stream.record()
+    assert np.isnan(c).all()
+    handed.synchronize()
+    np.testing.assert_array_equal(c, a)
+
+
+def test_a_stream_sends_what_its_own_host_code_wrote_over_a_receive():
+    comm = _communicator(MPI.COMM_SELF)
+    stream = nccl.Stream(non_blocking=True)
+    a = np.arange(1, 4, dtype=np.float32)
+    b, c, d = np.zeros(3, np.float32), np.zeros(3, np.float32), np.zeros(3, np.float32)
+    with stream:
+        _sendrecv(comm, a, b, 0, stream.ptr)
+        stream.record().host_work()
+        b *= 10                                     # a kernel of this stream, after the receive
+        _sendrecv(comm, b, c, 0, stream.ptr)
+        stream.record().host_work()
+        np.testing.assert_array_equal(c, 10 * a)    # the host's bytes, not the receive's
+        stream.hand_off()                           # c's receive: poison for other threads
+        assert np.isnan(c).all()
+        _sendrecv(comm, c, d, 0, stream.ptr)        # the stream itself still sends its bytes
+        stream.record().host_work()
+    np.testing.assert_array_equal(d, 10 * a)
+
+
+def test_an_nccl_read_of_another_streams_write_before_an_event_raises():
+    first, second = _communicator(MPI.COMM_SELF), _communicator(MPI.COMM_SELF)
+    writer, reader = nccl.Stream(non_blocking=True), nccl.Stream(non_blocking=True)
+    a, b, c = np.arange(1, 4, dtype=np.float32), np.zeros(3, np.float32), np.zeros(3, np.float32)
+    _sendrecv(first, a, b, 0, writer.ptr)           # writes b on one stream
+    _sendrecv(second, b, c, 0, reader.ptr)          # reads b on another, unordered
+    reader.synchronize()
+    writer.synchronize()
+    with pytest.raises(nccl.NcclRuleError, match="reads bytes that recv from rank 0 of 3 x "
+                                                  "dtype 7 on stream .* (wrote|is going to write), "
+                                                  "before an event"):
+        second.check_async_error()
+    other = _communicator(MPI.COMM_SELF)            # the same, ordered by an event: no error
+    _sendrecv(first, a, b, 0, writer.ptr)
+    with reader:
+        reader.wait_event(writer.record())
+        _sendrecv(other, b, c, 0, reader.ptr)
+    reader.synchronize()
+    other.check_async_error()
+    np.testing.assert_array_equal(c, a)
+
+
+def test_two_communicators_launched_in_different_orders_raise():
+    sub, first = _pair()
+    if first is None:
+        pytest.skip("needs ranks 0 and 1")
+    peer = 1 - RANK
+    _warm(first, [peer])
+    second = _communicator(sub, timeout_s=60.0)
+    _warm(second, [peer])
+    streams = {first: nccl.Stream(non_blocking=True), second: nccl.Stream(non_blocking=True)}
+    bufs = {c: (np.ones(4, np.float32), np.zeros(4, np.float32)) for c in streams}
+    order = [first, second] if RANK == 0 else [second, first]
+    for comm in order:
+        _sendrecv(comm, *bufs[comm], peer, streams[comm].ptr)
+    for stream in streams.values():
+        stream.synchronize()
+    errors = []
+    for comm in order:
+        try:
+            comm.check_async_error()
+        except nccl.NcclRuleError as exc:
+            errors.append(str(exc))
+    sub.Free()
+    assert errors and "launched in different orders" in errors[0], errors
+
+
+def test_an_operation_while_another_communicator_is_cold_raises():
+    sub, first = _pair()
+    if first is None:
+        pytest.skip("needs ranks 0 and 1")
+    peer = 1 - RANK
+    _warm(first, [peer])
+    second = _communicator(sub, timeout_s=60.0)
+    out, got = np.ones(2, np.float32), np.zeros(2, np.float32)
+    with pytest.raises(nccl.NcclRuleError, match=r"while communicator #\d+ of device \d+ is not "
+                                                  r"warmed up \(it has yet to run a collective, "
+                                                  r"recv from rank \d, send to rank \d\)"):
+        _sendrecv(first, out, got, peer)
+    nccl.groupEnd()                                 # the group the refused send was in
+    _warm(second, [peer])
+    _sendrecv(first, out, got, peer)                # both warm: fine
+    _sync()
+    sub.Free()
     np.testing.assert_array_equal(got, out)
 
 
@@ -190,6 +448,7 @@ def test_grouped_ring_exchange_and_allreduce_match_closed_form():
     nccl.groupEnd()
     total = np.arange(7, dtype=np.float32) * (RANK + 1)
     comm.allReduce(total.ctypes.data, total.ctypes.data, 7, F32, nccl.NCCL_SUM, 0)
+    _sync()
     comm.destroy()
     np.testing.assert_array_equal(got, np.full(5, (RANK - 1) % N + 1))
     np.testing.assert_array_equal(total, np.arange(7) * N * (N + 1) / 2)

@@ -76,7 +76,10 @@ class SplitFCStrategy(Strategy):
         # dW/db; on the CPU the stream thread's polling competes with the BLAS for the
         # cores and was measured slower than blocking.
         # At delay 0 the conv prefix is exchanged in buckets that start during the conv
-        # backward (see ``exchange``).
+        # backward (see ``exchange``). Over NCCL the three communicators (this thread's and
+        # the two streams') launch their calls in the order this thread submits them, the
+        # same on every rank, as NCCL requires of communicators sharing a GPU
+        # (:class:`~ringnet.comm.NcclTransport`).
         self._exchange_engine(model.params[:self.conv_size], model.grads[:self.conv_size],
                               ShardedPlan(comm, self.conv_size, op="sum"), comm, self.fc_index,
                               bucket_size=bucket_size, lookahead=lookahead)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance run, for a machine with at least one CUDA GPU (about 3-5 minutes on one
-# H200; every stage has its own limit, 600 s in all).
+# H200; every stage has its own limit, 600 s in all, and 300 s more for multi-gpu on a host
+# with two or more GPUs).
 # Usage: bash tests/gpu/run.sh   (repository root or anywhere; ringnet, mpi4py and CuPy installed)
 #
 # Stages (none may fail silently):
@@ -11,6 +12,11 @@
 #               at delay 0 and 1, split-fc at delay 0 and 1 against single / the recurrence;
 #               NCCL refused when ranks share a GPU
 #   gpu-n4      the same modes at 4 ranks
+#   multi-gpu   a host with G >= 2 GPUs, one rank per GPU over NCCL (mpirun -np G): every mode
+#               (ring/tree/master delay 0 and 1, split-fc delay 0 and 1 with and without
+#               its activation stream) against single / the recurrence, each rank with a CUDA
+#               context on its own GPU only; then `bench comm --transport nccl`, every
+#               algorithm's all-reduce right at every size. One line and skipped on one GPU.
 #   nccl-shared the CLI with --transport nccl on ranks that share a GPU: exit 2, one line
 #   auto-shared the CLI with --transport auto on ranks that share a GPU: MPI, and it says why
 #   quickstart  the README's main job (mpirun -np 4 python -m ringnet.train) on the GPU: it
@@ -174,13 +180,32 @@ print(json.dumps(out))
 EOF
 }
 
-export -f nccl_shared auto_shared quickstart cpu_cores model_validation
+# Every mode over NCCL with one rank per GPU, and bench comm over NCCL: two or more GPUs.
+multi_gpu() {
+  if [ "$GPUS" -lt 2 ]; then echo "skipped: $GPUS GPU here, the NCCL stage needs two or more"; return 0; fi
+  "$MPIRUN" -np "$GPUS" python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi \
+      -m "gpu and mpi" tests/gpu/test_gpu_nccl_modes.py || return 1
+  "$MPIRUN" -np "$GPUS" python -m ringnet.bench comm --transport nccl \
+      --algos ring,tree,master,auto,native --iters 10 --json > "$WORK/comm-nccl.json" || return 1
+  tail -n 1 "$WORK/comm-nccl.json"
+  python - "$WORK/comm-nccl.json" "$GPUS" <<'EOF'
+import json, sys
+doc = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+assert doc["transport"] == "nccl" and doc["ranks"] == int(sys.argv[2]), (doc["transport"], doc["ranks"])
+wrong = [(r["algo"], r["bytes"]) for r in doc["rows"] if not r["ok"]]
+assert not wrong, f"all-reduce over NCCL gave wrong sums: {wrong}"
+EOF
+}
+
+export -f nccl_shared auto_shared quickstart cpu_cores model_validation multi_gpu
 export WORK GPUS CORES MPIRUN
 PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi"
 stage gpu-n1 90 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
     tests/test_cuda_kernels.py
-stage gpu-n2 60 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu tests/test_gpu_train.py
+stage gpu-n2 60 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_comm.py \
+    tests/gpu/test_gpu_comm_auto.py tests/gpu/test_gpu_modes.py tests/test_gpu_train.py
 stage gpu-n4 60 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
+stage multi-gpu 300 bash -c multi_gpu
 stage nccl-shared 25 bash -c nccl_shared
 stage auto-shared 25 bash -c auto_shared
 stage quickstart 45 bash -c quickstart
