@@ -413,6 +413,7 @@ def _resume_settings(cfg, world):
     stored_lookahead = _text(attrs.get("delay_compensation")) == "lookahead"
     target_lookahead = _compensation_after(cfg, size) == "lookahead"
     followed = None     # (what the warm-up became, why), for the note
+    own_default = False     # the warm-up is the mode resumed into's own default
     if given["warmup_steps"] is None:
         if stored_lookahead and target_lookahead and "warmup_steps" not in attrs:
             given["warmup_steps"] = 0       # written before the warm-up existed: none was run
@@ -425,10 +426,8 @@ def _resume_settings(cfg, world):
         elif not stored_lookahead:
             # The checkpoint's warm-up (0 or absent) belonged to a run without the look-ahead:
             # this run's own default follows its mode (resolved below).
-            given["warmup_steps"] = None
             attrs = {k: v for k, v in attrs.items() if k != "warmup_steps"}
-            followed = (None, f"--warmup-steps follows the mode resumed into (the checkpoint "
-                              f"is {was})")
+            own_default = True
     settings, overridden = resume_settings(attrs, given)
     if given["warmup_steps"] is not None:
         cfg = dataclasses.replace(cfg, warmup_steps=given["warmup_steps"])
@@ -437,12 +436,10 @@ def _resume_settings(cfg, world):
         raise UsageError(f"checkpoint {cfg.resume} was trained with global batch {cfg.batch_size}, "
                          f"which {size} ranks cannot split; pass --batch-size with a multiple "
                          f"of {size} to change it")
-    if followed is not None and followed[0] is None:
-        resolved = cfg.resolved(size) if target_lookahead else None
-        warmup = resolved.warmup_steps if resolved is not None else 0
-        if not warmup:
-            followed = None         # nothing to say: no warm-up before, none now
-        else:
+    if own_default and target_lookahead:        # else no warm-up before and none now
+        resolved = cfg.resolved(size)
+        warmup = resolved.warmup_steps
+        if warmup:
             cfg = dataclasses.replace(cfg, warmup_steps=warmup)
             after = (f"steps {done} to {warmup} synchronous, then delayed" if warmup > done
                      else f"already past at step {done}: delayed from the start")
