@@ -128,7 +128,7 @@ def test_bench_sizes_and_bus_bandwidth():
 def test_auto_switch_point_is_the_alpha_beta_crossover():
     """At N = 2 one exchange of the whole buffer (rd: alpha + n beta + n gamma) against two
     of half of it (ring: 2 alpha + n beta + n gamma / 2) cross at n = 2 alpha / gamma."""
-    from ringnet.comm.auto import choose, cost, thresholds
+    from ringnet.comm.cost import choose, cost, thresholds
     alpha, beta, gamma = 20e-6, 0.3e-9, 0.1e-9
     crossover = 2 * alpha / gamma
     switches = thresholds(2, alpha=alpha, beta=beta, gamma=gamma)
@@ -176,14 +176,14 @@ def test_bench_comm_fit_command_of_docs_comm():
     assert {row["algo"] for row in result["rows"]} == {"auto", "native", "direct", "rd", "rhd", "ring"}
     assert [row["picked"] for row in result["rows"] if row["algo"] == "auto"] == \
         [create_choice(nbytes, result["alpha"]) for nbytes in (8, 64 << 10, 1 << 20)]
-    from ringnet.comm.auto import ALPHA, ALPHA_OVERSUBSCRIBED
+    from ringnet.comm.cost import ALPHA, ALPHA_OVERSUBSCRIBED
     assert result["alpha"] == (ALPHA_OVERSUBSCRIBED if result["oversubscribed"] else ALPHA)
     fit = result["fit"]
     assert fit["alpha"] >= 0 and fit["beta"] >= 0 and fit["gamma"] >= 0 and fit["switches"]
 
 
 def create_choice(nbytes, alpha):
-    from ringnet.comm.auto import choose
+    from ringnet.comm.cost import choose
     return choose(nbytes, 2, alpha=alpha)
 
 
@@ -191,11 +191,11 @@ def test_lean_spins_yield_early_where_ranks_outnumber_cores(monkeypatch):
     """auto polls LEAN_SPINS times while each rank on the node has a core (the affinity,
     or the machine's cores for a rank bound to one), OVERSUBSCRIBED_SPINS times where the
     launcher put more."""
-    from ringnet.comm import auto
-    assert auto.lean_spins(ranks_here=2, cores=2) == auto.LEAN_SPINS
-    assert auto.lean_spins(ranks_here=1, cores=16) == auto.LEAN_SPINS
-    assert auto.lean_spins(ranks_here=3, cores=2) == auto.OVERSUBSCRIBED_SPINS
-    assert auto.OVERSUBSCRIBED_SPINS < auto.LEAN_SPINS
+    from ringnet.comm import topology
+    assert topology.lean_spins(ranks_here=2, cores=2) == topology.LEAN_SPINS
+    assert topology.lean_spins(ranks_here=1, cores=16) == topology.LEAN_SPINS
+    assert topology.lean_spins(ranks_here=3, cores=2) == topology.OVERSUBSCRIBED_SPINS
+    assert topology.OVERSUBSCRIBED_SPINS < topology.LEAN_SPINS
     # the ranks from the launcher's environment, the cores from the affinity
     import os
     cores = len(os.sched_getaffinity(0))
@@ -203,17 +203,17 @@ def test_lean_spins_yield_early_where_ranks_outnumber_cores(monkeypatch):
                 "PMI_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MPI_LOCALNRANKS", str(cores + 1))
-    assert auto.lean_spins() == auto.OVERSUBSCRIBED_SPINS
+    assert topology.lean_spins() == topology.OVERSUBSCRIBED_SPINS
     monkeypatch.setenv("MPI_LOCALNRANKS", str(cores))
-    assert auto.lean_spins() == auto.LEAN_SPINS
+    assert topology.lean_spins() == topology.LEAN_SPINS
     # a rank bound to one core (each rank to its own): the machine's cores count
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setenv("MPI_LOCALNRANKS", "4")
-    assert auto.node_cores() == 16 and auto.lean_spins() == auto.LEAN_SPINS
+    assert topology.node_cores() == 16 and topology.lean_spins() == topology.LEAN_SPINS
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert auto.lean_spins() == auto.OVERSUBSCRIBED_SPINS
+    assert topology.lean_spins() == topology.OVERSUBSCRIBED_SPINS
     # unbound ranks in a 2-core cpuset of a 16-core machine share those 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert auto.node_cores() == 2 and auto.lean_spins() == auto.OVERSUBSCRIBED_SPINS
+    assert topology.node_cores() == 2 and topology.lean_spins() == topology.OVERSUBSCRIBED_SPINS

@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from ringnet.comm import AutoCommunicator, CommTimeoutError, MpiTransport, NcclTransport, create
-from ringnet.comm.auto import ALGORITHMS, choose, thresholds
+from ringnet.comm.cost import ALGORITHMS, choose, thresholds
 
 pytestmark = pytest.mark.mpi
 
@@ -110,9 +110,9 @@ def test_ranks_agree_on_a_crowded_node_and_so_on_the_algorithm(monkeypatch, crow
     algorithm than its peers), and a size between the two rules' switch points then
     goes by the fewest messages on every rank."""
     from ringnet import _threads
-    from ringnet.comm import auto
+    from ringnet.comm import cost, topology
     monkeypatch.setattr(_threads, "local_ranks_on_node", lambda: 4)
-    monkeypatch.setattr(auto, "node_cores", lambda: 2 if RANK in crowded else 64)
+    monkeypatch.setattr(topology, "node_cores", lambda: 2 if RANK in crowded else 64)
     comm = AutoCommunicator(transport := MpiTransport(WORLD))
     agreed = WORLD.allgather((comm.oversubscribed, comm.alpha))
     nbytes, ok = 400_000, None      # N = 2, 3, 4: above ALPHA's switch, below the other's
@@ -122,7 +122,7 @@ def test_ranks_agree_on_a_crowded_node_and_so_on_the_algorithm(monkeypatch, crow
         ok = np.array_equal(buf, exact_sum(nbytes // 8))
     picked = WORLD.allgather(comm.last_algorithm)
     transport.close()
-    expected = (bool(crowded), auto.ALPHA_OVERSUBSCRIBED if crowded else auto.ALPHA)
+    expected = (bool(crowded), cost.ALPHA_OVERSUBSCRIBED if crowded else cost.ALPHA)
     assert agreed == [expected] * N
     assert ok and picked == [choose(nbytes, N, alpha=expected[1])] * N
     assert picked[0] in (("rd", "direct") if crowded else ("rhd", "ring")), picked

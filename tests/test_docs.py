@@ -235,7 +235,7 @@ def bench_comm_floor(command, tmp_path):
 def bench_comm_forced(command, tmp_path):
     """Shortened (two iterations, JSON): a row per algorithm and size asked for, each ok,
     and the switch points of the rule the ranks agreed on."""
-    from ringnet.comm.auto import ALPHA, ALPHA_OVERSUBSCRIBED
+    from ringnet.comm.cost import ALPHA, ALPHA_OVERSUBSCRIBED
     from ringnet.bench.comm import parse_sizes
     args = shlex.split(command)
     proc = run(command + " --iters 2 --json")

@@ -24,8 +24,9 @@ from mpi4py import MPI
 from ringnet.backend import cupy, to_numpy
 from ringnet.bench import paired_quartiles
 from ringnet.comm import COMMUNICATORS, create, make_transport
-from ringnet.comm.auto import ALGORITHMS as AUTO_ALGORITHMS, _eager_cuts, fit, lean_spins, \
-    thresholds
+from ringnet.comm.auto import _eager_cuts
+from ringnet.comm.cost import ALGORITHMS as AUTO_ALGORITHMS, fit, thresholds
+from ringnet.comm.topology import lean_spins
 from ringnet.config import transport_usage_error
 from ringnet.errors import ArgumentParser, TransportUnavailable, UsageError
 

@@ -291,7 +291,7 @@ def main(argv=None):
             line += (f" {r['ceiling']:>8.2f} {100 * r['of_ceiling']:>7.0f}%" if "ceiling" in r
                      else f" {'-':>8} {'-':>8}")
         print(line)
-    from ringnet.comm.auto import node_cores
+    from ringnet.comm.topology import node_cores
     cores = node_cores()
     for n, c in sorted(ceiling.items()):
         shared = (f"; {n} ranks share this machine's {cores} cores, so the ranks' compute "
