@@ -6,7 +6,7 @@ Layout::
     /momentum/<name>          SGD momentum buffer of that parameter (same shape)
     /prev_params/<name>       delay-1 runs only: the weights the next step computes on
     /lookahead_base/<name>    delay 1 with the lookahead compensation only: w[t-1] of the
-                              look-ahead point (see ringnet.parallel.exchange.Lookahead)
+                              look-ahead point (see ringnet.parallel.delayed_update.Lookahead)
     attrs: format ("ringnet-checkpoint"), version, model, mode, delay, ranks, step, epoch,
            dtype, the hyperparameters a resume continues with (HYPERPARAMETERS)
 

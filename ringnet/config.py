@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 
 from ringnet.errors import ArgumentParser, TransportUnavailable, UsageError
-from ringnet.optim import WARMUP_SPANS, lookahead_warmup
-from ringnet.parallel import COMPENSATIONS, MODES
+from ringnet.parallel import MODES, delayed_update
+from ringnet.parallel.delayed_update import COMPENSATIONS, WARMUP_SPANS, lookahead_warmup
 
 __all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "DEFAULTS", "build_parser", "config_from_args",
            "default_batch_size", "synopsis", "TRANSPORT_ADVICE", "transport_usage_error"]
@@ -108,20 +108,9 @@ class TrainConfig:
             parallel = "|".join(m.name for m in MODES.values() if m.communicator)
             raise UsageError(f"--mode {cfg.mode} runs on one process, but {world_size} ranks were "
                              f"started; use --mode {parallel} or run without mpirun")
-        if cfg.delay is None:
-            cfg.delay = MODES[cfg.mode].default_delay
-        if cfg.delay not in (0, 1):
-            raise UsageError(f"--delay must be 0 or 1, got {cfg.delay}")
-        if MODES[cfg.mode].communicator is None and cfg.delay != 0:
-            parallel = ", ".join(m.name for m in MODES.values() if m.communicator)
-            raise UsageError(f"--delay 1 needs a parallel mode ({parallel})")
-        if cfg.delay_compensation is None:
-            cfg.delay_compensation = "lookahead" if cfg.delay else "none"
-        if cfg.delay_compensation not in COMPENSATIONS:
-            raise UsageError(f"--delay-compensation must be one of {', '.join(COMPENSATIONS)}, "
-                             f"got {cfg.delay_compensation!r}")
-        if cfg.delay_compensation != "none" and not cfg.delay:
-            raise UsageError(f"--delay-compensation {cfg.delay_compensation} applies to --delay 1 only")
+        mode = MODES[cfg.mode]
+        delayed_update.settle(cfg, mode.default_delay, mode.communicator is not None,
+                              [m.name for m in MODES.values() if m.communicator])
         if cfg.lr is None:
             cfg.lr = defaults["lr"]
         for name, value in DEFAULTS.items():
@@ -144,14 +133,7 @@ class TrainConfig:
             raise UsageError(f"--lr must be positive, got {cfg.lr}")
         if not 0 <= cfg.momentum < 1:
             raise UsageError(f"--momentum must be in [0, 1), got {cfg.momentum}")
-        if cfg.warmup_steps is None:
-            cfg.warmup_steps = (lookahead_warmup(cfg.momentum)
-                                if cfg.delay_compensation == "lookahead" else 0)
-        elif cfg.warmup_steps < 0:
-            raise UsageError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
-        elif cfg.warmup_steps and cfg.delay_compensation != "lookahead":
-            raise UsageError(f"--warmup-steps {cfg.warmup_steps} applies to --delay 1 with "
-                             f"--delay-compensation lookahead only")
+        delayed_update.settle_warmup(cfg)
         if cfg.weight_decay < 0:
             raise UsageError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
         if cfg.lr_policy not in ("fixed", "step", "inv"):

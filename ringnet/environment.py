@@ -27,7 +27,7 @@ def _parsers():
     from ringnet.comm.stream import progress_mode
     from ringnet.comm.transport import default_timeout
     from ringnet.data.datasets import in_memory_bytes
-    from ringnet.parallel.exchange import bucket_bytes
+    from ringnet.parallel.plans import bucket_bytes
     from ringnet.progress import progress_interval
     return (default_timeout, progress_mode, bucket_bytes, mpi_cuda_aware_setting,
             in_memory_bytes, progress_interval, _nccl_kind, _save_sync)

@@ -1,26 +1,7 @@
-"""SGD with momentum and weight decay (Caffe's update), Caffe's learning-rate policies, and
-the stability bounds that size the delay-1 compensation.
+"""SGD with momentum and weight decay (Caffe's update) and Caffe's learning-rate policies.
 
-Stability on a quadratic ``f(w) = h w^2 / 2`` (the linear model of one Hessian
-direction), with ``a = lr * h``:
-
-* heavy-ball SGD, ``w+ = (1 + mu - a) w - mu w-``, converges iff ``0 < a < 2 (1 + mu)``;
-* the delay-1 recurrence with the lookahead compensation (``ringnet.parallel.exchange.
-  Lookahead``: momentum ``mu' = 1 - (1 - mu)/k``, lr ``lr/k``, gradient at
-  ``w[t-1] + c (w[t-1] - w[t-2])``) is, with ``b = a/k``::
-
-      w[t+1] = (1 + mu') w[t] - (mu' + b (1 + c)) w[t-1] + b c w[t-2]
-      z^3 - (1 + mu') z^2 + (mu' + b (1 + c)) z - b c = 0
-
-  and Jury's test of that cubic (P(1) = b > 0, -P(-1) > 0 always, ``|b c| < 1``,
-  ``1 - (b c)^2 > |b (c mu' - 1) - mu'|``) gives, for c > 1, convergence iff
-  ``0 < b < min(1/c, b*)``, ``b* = (c mu' - 1 + sqrt((c mu' - 1)^2 + 4 c^2 (1 - mu'))) / (2 c^2)``.
-  ``k = 1, c = 0`` (the plain recurrence) gives ``a < 1 - mu``.
-
-Solving ``k b*(mu') = A`` for k (``mu'`` depends on k) gives the smallest k whose
-delayed bound reaches ``A``: ``k = A (c^2 A + c (1 - mu)) / ((c - 1) A + (1 - mu))``.
-With ``A = 2 (1 + mu)``, heavy-ball's own bound, the compensated delay-1 update is
-stable on every quadratic where synchronous SGD is (k = 15.005 at mu 0.9, c 2).
+The delayed update's compensation and its stability bounds are in
+:mod:`ringnet.parallel.delayed_update`.
 """
 import math
 
@@ -28,60 +9,7 @@ import numpy as np
 
 from ringnet.backend import get_array_module, resolve_dtype, to_numpy
 
-__all__ = ["LRPolicy", "SGD", "heavy_ball_bound", "lookahead_bound", "lookahead_k",
-           "lookahead_warmup", "WARMUP_SPANS"]
-
-
-def heavy_ball_bound(momentum):
-    """Largest ``lr * h`` for which heavy-ball SGD converges on a quadratic: ``2 (1 + mu)``."""
-    return 2.0 * (1.0 + momentum)
-
-
-def lookahead_bound(momentum, k, c):
-    """Largest ``lr * h`` for which the compensated delay-1 recurrence converges (module doc)."""
-    mu = 1.0 - (1.0 - momentum) / k
-    if c == 0:
-        return k * (1.0 - mu)
-    if c <= 1:
-        raise ValueError(f"lookahead_bound takes c = 0 or c > 1, got {c}")
-    b = c * mu - 1.0
-    root = (b + math.sqrt(b * b + 4.0 * c * c * (1.0 - mu))) / (2.0 * c * c)
-    return k * min(root, 1.0 / c)
-
-
-def lookahead_k(momentum, c=2.0):
-    """Smallest k for which ``lookahead_bound(momentum, k, c)`` reaches heavy-ball's bound.
-
-    ``k = A (c^2 A + c (1 - mu)) / ((c - 1) A + (1 - mu))`` with ``A = 2 (1 + mu)``; the
-    ``1/c`` cap of the bound is then slack (``k > c A``), so the two bounds are equal.
-    """
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-    if c <= 1:
-        raise ValueError(f"lookahead_k takes c > 1, got {c}")
-    a, e = heavy_ball_bound(momentum), 1.0 - momentum
-    return a * (c * c * a + c * e) / ((c - 1.0) * a + e)
-
-
-# spans of 1/(1 - mu) in the default synchronous warm-up of the lookahead compensation
-WARMUP_SPANS = 10
-
-
-def lookahead_warmup(momentum, spans=WARMUP_SPANS):
-    """Synchronous steps before the compensated delay-1 recurrence: ``ceil(spans / (1 - mu))``
-    (the default of ``--warmup-steps``: 100 at mu 0.9).
-
-    Heavy-ball's momentum averages over about ``1/(1 - mu)`` steps; the compensated
-    momentum ``mu'`` over k times as many, so started from zero it lags the synchronous
-    run for hundreds of steps, and a net that learns most of what it learns in those
-    steps ends lower. Measured on digits (20 epochs, 440 steps, mean of 20 seeds, against
-    single): no warm-up -0.89 points, 10 / 30 steps -0.75 / -0.64, 60 / 100 / 150 steps
-    -0.03 / +0.24 / +0.01 (README). Ten spans (100 steps at mu 0.9) is past that edge
-    with a margin.
-    """
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-    return math.ceil(spans / (1.0 - momentum) - 1e-9)
+__all__ = ["LRPolicy", "SGD"]
 
 
 class LRPolicy:
@@ -139,7 +67,7 @@ class SGD:
 
     ``v`` (the momentum) is kept for these ``size`` entries only. ``lr_scale`` (default
     1) multiplies lr(it); the delayed update's compensation sets it (see
-    ``ringnet.parallel.exchange.Lookahead``).
+    ``ringnet.parallel.delayed_update.Lookahead``).
     """
 
     def __init__(self, size, lr_policy, momentum=0.9, weight_decay=0.0, xp=np, dtype=np.float32):

@@ -58,7 +58,7 @@ def test_delay_variants_are_checked():
         with pytest.raises(UsageError):
             delay.parse_variant(bad)
     from ringnet.parallel import COMPENSATIONS
-    from ringnet.parallel.exchange import Lookahead
+    from ringnet.parallel.delayed_update import Lookahead
     assert delay.engine_variant("lookahead") is COMPENSATIONS["lookahead"]
     assert delay.engine_variant("none") is COMPENSATIONS["none"]
     assert delay.engine_variant("single") is None

@@ -160,7 +160,7 @@ def test_communicator_code_sends_what_the_model_counts(n):
 
 def _layer_parts(model):
     """One part per layer with parameters, last layers first (the shape of the code's buckets)."""
-    from ringnet.parallel.exchange import layer_param_ranges
+    from ringnet.parallel.plans import layer_param_ranges
     per_layer = layer_param_ranges(model)
     return [(lo, hi, layer) for layer, (lo, hi) in sorted(per_layer.items(), reverse=True)]
 
@@ -1097,7 +1097,7 @@ def test_code_facts_are_the_code_s():
     else:
         assert facts["progress"] == progress_mode()
     try:
-        from ringnet.parallel.exchange import bucket_bytes
+        from ringnet.parallel.plans import bucket_bytes
     except ImportError:
         assert facts["bucket_bytes"] == 0
     else:

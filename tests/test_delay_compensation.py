@@ -12,10 +12,11 @@ import pytest
 from ringnet.config import TrainConfig
 from ringnet.errors import UsageError
 from ringnet.models import build_model
-from ringnet.optim import SGD, LRPolicy, heavy_ball_bound, lookahead_bound, lookahead_k
+from ringnet.optim import SGD, LRPolicy
+from ringnet.parallel.delayed_update import heavy_ball_bound, lookahead_bound, lookahead_k
 from ringnet.parallel import COMPENSATIONS
 from ringnet.parallel.base import DataParallelStrategy
-from ringnet.parallel.exchange import Lookahead
+from ringnet.parallel.delayed_update import Lookahead
 
 LR, MU, WD = 0.05, 0.9, 5e-4
 # the lookahead default at momentum 0.9, written here on purpose:

@@ -15,7 +15,7 @@ import pytest
 from ringnet.comm.stream import CpuStream, progress_all
 from ringnet.models import build_model
 from ringnet.optim import SGD, LRPolicy
-from ringnet.parallel.exchange import ShardedPlan, backward_buckets
+from ringnet.parallel.plans import ShardedPlan, backward_buckets
 from ringnet.parallel.ring import RingStrategy
 from ringnet.parallel.tree import TreeStrategy
 

@@ -6,7 +6,7 @@ same model, data, seed and batches with
 
 * ``single``     synchronous SGD (delay 0), the reference;
 * ``none``       the plain delay-1 recurrence, g_t = G_t(w[t-1]);
-* ``lookahead``  the default compensation (``ringnet.parallel.exchange.Lookahead``),
+* ``lookahead``  the default compensation (``ringnet.parallel.delayed_update.Lookahead``),
   with its fields changed by ``/warm=W`` (W synchronous steps first), ``/k=K``, ``/c=C``
   (``lookahead/warm=0`` has no warm-up; ``lookahead/k=5/warm=0`` is the earlier fixed k
   without it; an option not given keeps the default's value);
@@ -66,7 +66,8 @@ from ringnet.data.datasets import Split
 from ringnet.bench.tables import markdown
 from ringnet.errors import ArgumentParser, UsageError
 from ringnet.models import MODELS, build_model
-from ringnet.optim import SGD, LRPolicy, lookahead_warmup
+from ringnet.optim import SGD, LRPolicy
+from ringnet.parallel.delayed_update import lookahead_warmup
 
 __all__ = ["main", "run", "seeds_table", "sweep_table", "engine_variant"]
 
@@ -82,7 +83,7 @@ def engine_variant(text):
     single, or raise UsageError; None is returned for written-out variants too (check
     :func:`is_engine` first)."""
     from ringnet.parallel import COMPENSATIONS
-    from ringnet.parallel.exchange import Lookahead
+    from ringnet.parallel.delayed_update import Lookahead
     name, *options = text.split("/")
     if name == "single" and not options:
         return None

@@ -802,7 +802,7 @@ def code_facts():
     except ImportError:
         progress = "poll"               # a thread that polls its own transfers
     try:
-        from ringnet.parallel.exchange import bucket_bytes
+        from ringnet.parallel.plans import bucket_bytes
         size = bucket_bytes()
     except ImportError:
         size = 0
@@ -832,12 +832,8 @@ def facts(values):
 OLD_FACTS = {"progress": "poll", "bucket_bytes": 0, "rooted_concurrent": False}
 
 
-# Element-wise passes over the region at the delay-1 step boundary, on the training thread
-# (DelayedUpdate.gradients_ready): "none" puts the exchanged weights in front
-# (params[...] = back) and copies the gradient out (sent[...] = grads); "lookahead" computes
-# params = (1 + c) back - c base in three passes (multiply, base *= c, params -= base) and
-# copies the gradient out.
-BOUNDARY_PASSES = {"none": 2, "lookahead": 4}
+# Element-wise passes of the delay-1 step boundary (the delayed update's own count).
+from ringnet.parallel.delayed_update import BOUNDARY_PASSES  # noqa: E402
 # Element-wise passes of one CPU SGD step with momentum and weight decay (optim.SGD.step):
 # the profile's update cost per parameter, over this, is one pass over cold arrays.
 SGD_PASSES = 6
@@ -1085,7 +1081,7 @@ def buckets(model, stop_layer):
     size = code_facts()["bucket_bytes"]
     if not size:
         return []
-    from ringnet.parallel.exchange import backward_buckets
+    from ringnet.parallel.plans import backward_buckets
     return list(backward_buckets(model, stop_layer, size))
 
 

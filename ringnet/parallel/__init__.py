@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ringnet.parallel.base import Strategy
-from ringnet.parallel.exchange import COMPENSATIONS, Lookahead
-from ringnet.parallel.exchange import compensation as lookahead_of
+from ringnet.parallel.delayed_update import COMPENSATIONS, Lookahead
+from ringnet.parallel.delayed_update import compensation as lookahead_of
 from ringnet.parallel.master import MasterStrategy
 from ringnet.parallel.ring import RingStrategy
 from ringnet.parallel.single import SingleStrategy

@@ -2,9 +2,9 @@
 
 A strategy owns how one optimizer step uses the ranks. The data-parallel ones
 (single, ring, tree, master) keep the whole model on every rank and differ only in
-the exchange *plan* (``ringnet.parallel.exchange``): who combines the gradients, who
+the exchange *plan* (``ringnet.parallel.plans``): who combines the gradients, who
 updates which slice, how the weights come back. Their step is: forward and backward
-on this rank's samples, then :class:`~ringnet.parallel.exchange.DelayedUpdate` runs
+on this rank's samples, then :class:`~ringnet.parallel.delayed_update.DelayedUpdate` runs
 the exchange (delay 0: blocking; delay 1: on the communication stream, the delayed
 model update of DESIGN.md).
 """
@@ -17,7 +17,8 @@ import numpy as np
 from ringnet.backend import to_numpy
 from ringnet.comm.stream import progress_all
 from ringnet.layers import Dropout
-from ringnet.parallel.exchange import DelayedUpdate, LocalPlan, backward_buckets, bucket_bytes
+from ringnet.parallel.delayed_update import DelayedUpdate
+from ringnet.parallel.plans import LocalPlan, backward_buckets, bucket_bytes
 from ringnet.stats import StepStats
 
 __all__ = ["Strategy", "DataParallelStrategy", "StepStats"]

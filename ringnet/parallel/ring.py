@@ -7,7 +7,7 @@ of the updated shards (N-1 steps). With delay 1 this exchange runs on the
 communication stream while the next step computes (see ``exchange``).
 """
 from ringnet.parallel.base import DataParallelStrategy
-from ringnet.parallel.exchange import ShardedPlan
+from ringnet.parallel.plans import ShardedPlan
 
 __all__ = ["RingStrategy"]
 

@@ -29,7 +29,7 @@ while FC slices stay immediate (``f_{t+1} = upd(f_t, Gf_t(c_{t-1}, f_t))``).
 
 The pieces: :class:`~ringnet.parallel.conversion.DataConversion` (the conversion
 layer), :class:`~ringnet.parallel.fc_slices.FcBlock` (the FC slices), and for the conv
-prefix the same :class:`~ringnet.parallel.exchange.DelayedUpdate` as the ring mode.
+prefix the same :class:`~ringnet.parallel.delayed_update.DelayedUpdate` as the ring mode.
 """
 from contextlib import contextmanager
 
@@ -39,7 +39,7 @@ from ringnet.backend import to_numpy
 from ringnet.errors import InputError
 from ringnet.parallel.base import Strategy
 from ringnet.parallel.conversion import ActivationCollectives, DataConversion
-from ringnet.parallel.exchange import ShardedPlan
+from ringnet.parallel.plans import ShardedPlan
 from ringnet.parallel.fc_slices import FcBlock, FcSlice, check_split, fc_blocks
 
 __all__ = ["SplitFCStrategy", "FcSlice", "check_split", "fc_blocks"]

@@ -1,6 +1,6 @@
 """tree: gradients reduced over a binary tree to rank 0, which alone updates; weights broadcast down the tree."""
 from ringnet.parallel.base import DataParallelStrategy
-from ringnet.parallel.exchange import RootedPlan
+from ringnet.parallel.plans import RootedPlan
 
 __all__ = ["TreeStrategy"]
 
