@@ -72,8 +72,12 @@ def _place(cfg, world, device):
         raise UsageError(str(exc)) from None
 
 
-def _setup(cfg, world):
-    """Resolve the config, pick the device, open the data, build model and strategy."""
+def setup(cfg, world):
+    """Resolve the config, pick the device, open the data, build model and strategy.
+
+    Returns ``(cfg, xp, dataset, model, strategy, loader)``: what ``python -m ringnet.train``
+    trains with, for a program that runs its steps itself (the performance model's profile).
+    """
     dataset_given = cfg.dataset is not None
     from ringnet.data import ShardedLoader, check_compatible, open_dataset
     from ringnet.models import MODELS, build_model
@@ -558,7 +562,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
             cfg, auto_note = _resume_auto(cfg, world)
         if cfg.resume:
             cfg, checkpoint, (resume_note, resumed) = _resume_settings(cfg, world)
-        cfg, xp, dataset, model, strategy, loader = _setup(cfg, world)
+        cfg, xp, dataset, model, strategy, loader = setup(cfg, world)
         spe = loader.steps_per_epoch
         total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
         step = (_restore(cfg, world, strategy, checkpoint, total_steps, dataset, resumed)

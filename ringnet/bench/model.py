@@ -271,16 +271,16 @@ def _median_time(fn, iters):
 
 
 def _training_steps(name, batch, dtype, seed):
-    """Set up one single-mode run of ``python -m ringnet.train`` (its own ``_setup``: data
+    """Set up one single-mode run of ``python -m ringnet.train`` (its own ``setup``: data
     set, loader with its prefetch thread, model, optimizer, strategy) in this process and
     return ``step()``: run the next training step, return its marks and spans."""
     from mpi4py import MPI
     from ringnet.config import TrainConfig
-    from ringnet.train import _setup, set_dropout_step
+    from ringnet.train import set_dropout_step, setup
     cfg = TrainConfig(model=name, mode="single", dataset="synthetic", batch_size=batch,
                       steps=1 << 30, dtype=dtype, device="cpu", seed=seed, quiet=True,
                       progress=False)
-    cfg, _, _, model, strategy, loader = _setup(cfg, MPI.COMM_SELF)
+    cfg, _, _, model, strategy, loader = setup(cfg, MPI.COMM_SELF)
     marks = []
     layer_done, loss_backward = strategy._layer_done, model.loss_layer.backward
 
