@@ -463,7 +463,7 @@ def test_bound_requests_keep_the_transfer_deadline_and_unbind(algorithm):
 @pytest.mark.skipif(N < 2, reason="one rank all-reduces without messages (no short path)")
 def test_persistent_requests_are_freed_before_mpi_finalizes_and_bind_again():
     """The exit hook frees every bound request; the plan binds again on later calls."""
-    from ringnet.comm import auto
+    from ringnet.comm import _lean
     transport = MpiTransport(WORLD)
     try:
         comm = AutoCommunicator(transport, algorithm="direct")
@@ -472,7 +472,7 @@ def test_persistent_requests_are_freed_before_mpi_finalizes_and_bind_again():
         comm.allreduce(buf)
         state = comm._lean.plans[buf.nbytes][5]
         bound = state.buf is buf
-        auto._free_persistent()
+        _lean.free_persistent()
         freed = state.buf is None and state.requests is None
         buf[...] = RANK
         comm.allreduce(buf)

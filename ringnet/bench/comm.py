@@ -24,8 +24,8 @@ from mpi4py import MPI
 from ringnet.backend import cupy, to_numpy
 from ringnet.bench import paired_quartiles
 from ringnet.comm import COMMUNICATORS, create, make_transport
-from ringnet.comm.auto import _eager_cuts
 from ringnet.comm.cost import ALGORITHMS as AUTO_ALGORITHMS, fit, thresholds
+from ringnet.comm.schedules import eager_cuts
 from ringnet.comm.topology import lean_spins
 from ringnet.config import transport_usage_error
 from ringnet.errors import ArgumentParser, TransportUnavailable, UsageError
@@ -161,7 +161,7 @@ class Floor:
         plan = self.scratch.get(buf.nbytes)
         if plan is None or plan[0] is not buf.dtype or plan[4] is not buf:
             n = self.n
-            cuts = _eager_cuts(buf.size, buf.itemsize)
+            cuts = eager_cuts(buf.size, buf.itemsize)
             inbox = np.empty((n, buf.size), buf.dtype)     # n - 1 slots and a total
             specs = [[[inbox[k, a:b], MPI.BYTE] for a, b in cuts] for k in range(n - 1)]
             if plan is not None:

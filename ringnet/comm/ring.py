@@ -2,6 +2,7 @@
 from typing import Any, Optional
 
 from ringnet.comm.base import Array, Bounds, CommunicatorBase
+from ringnet.comm.schedules import ring_steps, step_pieces
 from ringnet.comm.stream import CpuStream, Handle
 
 __all__ = ["RingCommunicator"]
@@ -76,21 +77,17 @@ class RingCommunicator(CommunicatorBase):
 
     def _chunks(self, send_len, recv_len, itemsize):
         """Return element ranges cutting a step into pipeline chunks."""
-        longest = max(send_len, recv_len)
-        if self.chunk_bytes is None or longest == 0:
-            return [(0, longest)]
-        step = max(1, self.chunk_bytes // itemsize)
-        return [(a, min(a + step, longest)) for a in range(0, longest, step)]
+        return step_pieces(max(send_len, recv_len), itemsize, self.chunk_bytes)
 
     def _reduce_scatter(self, buf, op, bounds):
         n, r = self.size, self.rank
         if n > 1:
             scratch = self._scratch_for(buf, max(b - a for a, b in bounds))
             send = self.transport.isendrecv
-            for k in range(n - 1):
+            for out_shard, in_shard in ring_steps(r, n)[0]:
                 # Step k: pass on the shard summed at step k-1, receive the next one.
-                sa, sb = bounds[(r - k - 1) % n]
-                ra, rb = bounds[(r - k - 2) % n]
+                sa, sb = bounds[out_shard]
+                ra, rb = bounds[in_shard]
                 out, got = buf[sa:sb], scratch[:rb - ra]
                 mine = buf[ra:rb]
                 chunks = self._chunks(sb - sa, rb - ra, buf.itemsize)
@@ -112,11 +109,10 @@ class RingCommunicator(CommunicatorBase):
             self._divide(buf[a:b])
 
     def _allgather(self, buf, bounds):
-        n, r = self.size, self.rank
-        for k in range(n - 1):
+        for out_shard, in_shard in ring_steps(self.rank, self.size)[1]:
             # Step k: forward the shard that arrived at step k-1 (own shard first).
-            sa, sb = bounds[(r - k) % n]
-            ra, rb = bounds[(r - k - 1) % n]
+            sa, sb = bounds[out_shard]
+            ra, rb = bounds[in_shard]
             for a, b in self._chunks(sb - sa, rb - ra, buf.itemsize):
                 self.transport.isendrecv(buf[sa:sb][a:b], self.right,
                                          buf[ra:rb][a:b], self.left).wait()
