@@ -24,17 +24,16 @@ every rank, mpi otherwise, and says why in ``transport.placement``.
 Every collective blocks when ``stream`` is None; given a stream (``comm.new_stream()``)
 it is queued there and returns a :class:`Handle` whose ``wait()`` re-raises errors.
 """
-from mpi4py import MPI
+from mpi4py import MPI  # noqa: F401 - loaded (and MPI initialised) before the rest, as always
 
-import os
-from dataclasses import dataclass
-
-from ringnet.backend import bind_device, check_gpu, gpu_available, pci_bus_id
 from ringnet.comm.auto import AutoCommunicator
 from ringnet.comm.base import CommunicatorBase, shard_bounds
+from ringnet.comm.factory import (COMMUNICATORS, TRANSPORTS, Placement, bind_gpu, create, local_rank,
+                                  make_transport)
+from ringnet.comm.factory import _shared_gpu  # noqa: F401 - tests/test_placement.py reads it here
 from ringnet.comm.master_slave import MasterSlaveCommunicator
 from ringnet.comm.mpi_transport import MpiTransport
-from ringnet.comm.nccl_transport import NCCL_INSTALL, NcclTransport, nccl_module
+from ringnet.comm.nccl_transport import NcclTransport
 from ringnet.comm.ring import RingCommunicator
 from ringnet.comm.stream import CpuStream, GpuStream, Handle
 from ringnet.comm.transport import CommTimeoutError, Transport
@@ -46,178 +45,3 @@ __all__ = ["create", "make_transport", "local_rank", "bind_gpu", "Placement",
            "Transport", "MpiTransport", "NcclTransport", "CommTimeoutError", "TransportUnavailable",
            "CommunicatorBase", "RingCommunicator", "TreeCommunicator",
            "MasterSlaveCommunicator", "AutoCommunicator", "CpuStream", "GpuStream", "Handle", "shard_bounds"]
-
-COMMUNICATORS = {
-    "ring": RingCommunicator,
-    "tree": TreeCommunicator,
-    "master": MasterSlaveCommunicator,
-    "auto": AutoCommunicator,
-}
-
-TRANSPORTS = {
-    "mpi": MpiTransport,
-    "nccl": NcclTransport,
-}
-
-
-def local_rank(mpi_comm=None):
-    """Return (rank among the ranks on this node, number of ranks on this node); collective.
-
-    From :func:`ringnet.comm.nodes.layout`, not a shared-memory split alone: where shared
-    memory between ranks is turned off (``MPIR_CVAR_NOLOCAL=1``) every rank would be its
-    own group, local rank 0, and all ranks of a node would bind GPU 0."""
-    from ringnet.comm.nodes import layout
-    placed = layout(MPI.COMM_WORLD if mpi_comm is None else mpi_comm)
-    return placed.local_rank, placed.local_size
-
-
-@dataclass
-class Placement:
-    """Where a rank computes and how its bytes move: what the run header and --json report.
-
-    The node fields come from :func:`ringnet.comm.nodes.layout` (:meth:`locate`; until
-    then one node is assumed): ``nodes``, this rank's ``node`` (its host name),
-    ``local_rank`` and ``local_size`` on it, and for every rank (index = rank)
-    ``rank_nodes`` and ``rank_local_ranks``. Across nodes ``mpi_path`` says which path MPI
-    takes between them and ``progress`` how CPU streams progress their transfers.
-    """
-    device: str                 # "cpu" or "gpu"
-    gpu: str = None             # "GPU 0 (0000:3b:00.0)" on a GPU
-    transport: str = None       # "mpi" or "nccl"
-    reason: str = ""            # why this transport
-    nodes: int = 1              # number of nodes the ranks are on
-    node: str = None            # this rank's node
-    local_rank: int = 0         # this rank's rank among its node's ranks
-    local_size: int = 1         # ranks on this rank's node
-    rank_nodes: list = None     # the node of every rank
-    rank_local_ranks: list = None   # the node-local rank of every rank
-    mpi_path: str = None        # the path MPI's messages take (MPICH ofi (tcp), ...)
-    progress: str = None        # CPU streams' progress: "poll (auto: the ranks span 2 nodes)"
-
-    def locate(self, layout, progress=None):
-        """Fill the node fields from a :class:`~ringnet.comm.nodes.NodeLayout`; return self."""
-        from ringnet.comm.nodes import mpi_path
-        self.nodes, self.node = layout.nodes, layout.node
-        self.local_rank, self.local_size = layout.local_rank, layout.local_size
-        self.rank_nodes, self.rank_local_ranks = list(layout.rank_nodes), list(layout.rank_local_ranks)
-        if layout.nodes > 1 and self.transport == "mpi":
-            self.mpi_path = mpi_path()
-        if progress is not None and self.device == "cpu" and self.transport == "mpi":
-            self.progress = progress
-        return self
-
-    def describe(self):
-        where = "CPU" if self.device == "cpu" else self.gpu
-        if self.transport is None:
-            return where
-        text = f"{where}, transport {self.transport} ({self.reason})"
-        if self.nodes > 1 and self.rank_nodes:
-            from ringnet.comm.nodes import group
-            text += f", {group(self.rank_nodes, list(range(len(self.rank_nodes)))).describe()}"
-            if self.mpi_path:
-                text += f", MPI over {self.mpi_path}"
-            if self.progress:
-                text += f", CPU streams {self.progress}"
-        return text
-
-
-def bind_gpu(mpi_comm=None):
-    """Bind this rank's GPU (node-local rank modulo visible devices), check it runs; collective.
-
-    Returns (device id, PCI bus id, [(host, bus id) of every rank]).
-    """
-    comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    device_id = bind_device(local_rank(comm)[0])
-    check_gpu()
-    bus_id = pci_bus_id(device_id)
-    return device_id, bus_id, comm.allgather((MPI.Get_processor_name(), bus_id))
-
-
-def _shared_gpu(places):
-    """Return a sentence naming ranks that share a GPU, or None when every rank owns one."""
-    seen = {}
-    for rank, place in enumerate(places):
-        if place in seen:
-            sharing = [r for r, p in enumerate(places) if p == place]
-            return (f"ranks {', '.join(map(str, sharing))} share GPU {place[1]} on {place[0]}; "
-                    "NCCL needs one GPU per rank")
-        seen[place] = rank
-    return None
-
-
-def make_transport(name="auto", mpi_comm=None, timeout_s=None, device="auto"):
-    """Return a transport by name (auto, mpi, nccl) for ``device`` (auto, cpu, gpu); collective.
-
-    ``device="cpu"`` never touches CUDA. On a GPU this binds the rank's GPU. The choice and
-    its reason are in ``transport.placement``. ``RINGNET_NCCL=standin`` makes ``nccl`` the
-    host-memory stand-in (for tests; it moves NumPy arrays).
-    """
-    from ringnet.comm.mpi_transport import mpi_cuda_aware  # noqa: WPS433
-    if name not in ("auto", *TRANSPORTS):
-        raise ValueError(f"unknown transport {name!r}: choose auto, {', '.join(TRANSPORTS)}")
-    if device not in ("auto", "cpu", "gpu"):
-        raise ValueError(f"unknown device {device!r}: choose auto, cpu or gpu")
-    comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    from ringnet.comm.nodes import layout as node_layout  # noqa: WPS433
-    layout = node_layout(comm)
-    standin = os.environ.get("RINGNET_NCCL", "") == "standin"
-    if device == "auto":
-        device = "gpu" if comm.allreduce(int(gpu_available()), op=MPI.MIN) else "cpu"
-    if device == "cpu":
-        if name == "nccl" and not standin:
-            raise TransportUnavailable("transport nccl moves GPU memory, but the device is "
-                                       "the CPU", "cpu-device", transport=name)
-        if name == "nccl":
-            return _placed(NcclTransport(comm, timeout_s=timeout_s),
-                           Placement("cpu", None, "nccl", "RINGNET_NCCL=standin: the host stand-in"),
-                           layout)
-        return _placed(MpiTransport(comm, timeout_s=timeout_s, device="cpu", layout=layout),
-                       Placement("cpu", None, "mpi", "device cpu"), layout)
-    if not gpu_available():
-        raise TransportUnavailable("device gpu asked for, but no usable CUDA GPU on this rank",
-                                   "no-gpu")
-    device_id, bus_id, places = bind_gpu(comm)
-    gpu = f"GPU {device_id} ({bus_id})"
-    shared = _shared_gpu(places)
-    nccl_everywhere = comm.allreduce(int(nccl_module() is not None and not standin), op=MPI.MIN)
-    if name == "nccl":
-        if shared:
-            raise TransportUnavailable(shared, "shared-gpu", transport=name)
-        if not nccl_everywhere:
-            raise TransportUnavailable("transport nccl: NCCL cannot be loaded on every rank "
-                                       f"({NCCL_INSTALL})", "no-nccl",
-                                       transport=name)
-        return _placed(NcclTransport(comm, timeout_s=timeout_s),
-                       Placement("gpu", gpu, "nccl", "every rank owns a GPU"), layout)
-    if name == "auto" and not shared and nccl_everywhere:
-        return _placed(NcclTransport(comm, timeout_s=timeout_s),
-                       Placement("gpu", gpu, "nccl", "every rank owns a GPU"), layout)
-    aware, how = mpi_cuda_aware()
-    staging = f"CUDA-aware MPI ({how})" if aware else f"staged through pinned host memory ({how})"
-    if name == "auto":
-        why = shared or "NCCL cannot be loaded on every rank"
-        reason = f"{why}; {staging}"
-    else:
-        reason = staging
-    return _placed(MpiTransport(comm, timeout_s=timeout_s, device="gpu", layout=layout),
-                   Placement("gpu", gpu, "mpi", reason), layout)
-
-
-def _placed(transport, placement, layout):
-    transport.placement = placement.locate(layout, getattr(transport, "progress_reason", None))
-    return transport
-
-
-def create(name, transport="auto", mpi_comm=None, device="auto", **options):
-    """Return the communicator ``name`` (see the table above) over ``transport``.
-
-    ``transport`` is a name for :func:`make_transport` or a Transport instance; ``device``
-    says where the buffers live: ``cpu`` for NumPy (never touches CUDA), ``gpu`` for CuPy,
-    ``auto`` the GPU when every rank has one. ``options`` go to the communicator (e.g.
-    ``chunk_bytes`` for the ring and the rooted ones, ``algorithm`` to force one of auto's).
-    """
-    if name not in COMMUNICATORS:
-        raise ValueError(f"unknown communicator {name!r}: choose {', '.join(COMMUNICATORS)}")
-    if isinstance(transport, str):
-        transport = make_transport(transport, mpi_comm=mpi_comm, device=device)
-    return COMMUNICATORS[name](transport, mpi_comm=mpi_comm, **options)

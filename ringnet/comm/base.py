@@ -61,7 +61,7 @@ class CommunicatorBase:
         """``transport``: a :class:`~ringnet.comm.transport.Transport` or its name ("auto",
         "mpi", "nccl"); ``mpi_comm``: the mpi4py communicator a named transport spans
         (default ``MPI.COMM_WORLD``)."""
-        from ringnet.comm import make_transport  # noqa: WPS433 - avoids an import cycle
+        from ringnet.comm.factory import make_transport  # noqa: WPS433 - avoids an import cycle
         if isinstance(transport, str):
             transport = make_transport(transport, mpi_comm=mpi_comm)
         self.transport = transport
