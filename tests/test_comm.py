@@ -217,3 +217,49 @@ def test_lean_spins_yield_early_where_ranks_outnumber_cores(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert topology.node_cores() == 2 and topology.lean_spins() == topology.OVERSUBSCRIBED_SPINS
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_schedules_pair_every_send_with_its_receive(n):
+    """auto's two paths and the ring take their rounds from ringnet.comm.schedules: in every
+    round what a rank sends to a peer is what that peer receives from it, the fold's core
+    ends with disjoint blocks covering the buffer, and every rank sums in rank order."""
+    from ringnet.comm.schedules import (Fold, direct_peers, direct_slot, eager_cuts, ring_steps,
+                                        step_pieces, sum_in_rank_order)
+    length = 1001
+    for r in range(n):
+        for k, (to, source) in enumerate(direct_peers(r, n)):
+            assert direct_peers(to, n)[k][1] == r and direct_slot(r, source, n) == k
+        reduce, gather = ring_steps(r, n)
+        right = ring_steps((r + 1) % n, n)
+        assert [out for out, _ in reduce] == [into for _, into in right[0]]
+        assert [out for out, _ in gather] == [into for _, into in right[1]]
+    folds = [Fold(r, n) for r in range(n)]
+    core = [f for f in folds if f.role == "core" or f.role == "take"]
+    assert len(core) == folds[0].p and sorted(f.me for f in core) == list(range(folds[0].p))
+    for f in folds:
+        if f.role == "give":
+            assert folds[f.rank + 1].role == "take"
+            continue
+        for step, partner in enumerate(f.doubling_partners()):
+            assert folds[partner].doubling_partners()[step] == f.rank
+        for step, (partner, kept, given) in enumerate(f.halving_steps(length)):
+            theirs = folds[partner].halving_steps(length)[step]
+            assert theirs[0] == f.rank and theirs[1] == given and theirs[2] == kept
+    owned = sorted(f.halving_steps(length)[-1][1] for f in core) if n > 1 else [(0, length)]
+    assert owned[0][0] == 0 and owned[-1][1] == length
+    assert all(a[1] == b[0] for a, b in zip(owned, owned[1:]))
+    # the rank-order sum: the same bits whichever rank's buffer is summed into
+    parts = [np.random.default_rng(k).standard_normal(7).astype(np.float32) for k in range(n)]
+    sums = []
+    for r in range(n):
+        buf = parts[r].copy()
+        if n > 1:
+            sum_in_rank_order(np, buf, lambda q: buf if q == r else parts[q], n, r,
+                              lambda: np.empty(7, np.float32))
+        sums.append(buf)
+    assert all(np.array_equal(s.view(np.uint32), sums[0].view(np.uint32)) for s in sums)
+    # pieces cover a step in order; the eager band cuts a message in two halves
+    assert step_pieces(10, 4) == [(0, 10)] and step_pieces(0, 4, 8) == [(0, 0)]
+    assert step_pieces(10, 4, 12) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert eager_cuts(2500, 4) == [(0, 1250), (1250, 2500)] and eager_cuts(100, 4) == [(0, 100)]
