@@ -349,3 +349,49 @@ def test_resume_continues_the_exact_trajectory(tmp_path, mode, delay, warmup):
     got = flat_params(resumed.strategy)
     resumed.strategy.close()
     assert np.array_equal(got, expected), f"{mode} delay {delay}: resumed run differs"
+
+
+def count_sends(strategy, model, batch, steps):
+    """Run ``steps`` steps of ``strategy`` on random data; return every rank's (bytes sent,
+    non-empty sends posted), counted by its transport. Closes the strategy."""
+    transport = strategy.transport
+    posted = [0]
+    isendrecv = transport.isendrecv
+
+    def counting(send_array, *args):          # non-empty sends, as the transport posts them
+        posted[0] += send_array is not None and send_array.nbytes > 0
+        return isendrecv(send_array, *args)
+    transport.isendrecv = counting
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    rng = np.random.default_rng(rank)
+    local = batch // size
+    for it in range(steps):
+        x = rng.normal(size=(local,) + model.input_shape).astype(model.dtype)
+        strategy.step(x, rng.integers(0, model.num_classes, size=local), it)
+    strategy.drain()
+    sent = WORLD.allgather(int(transport.bytes_sent))
+    messages = WORLD.allgather(posted[0])
+    strategy.close()
+    return sent, messages
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["lenet", "digits"])
+@pytest.mark.parametrize("mode, delay", [("ring", 0), ("ring", 1), ("tree", 0), ("tree", 1),
+                                         ("master", 0), ("split-fc", 0), ("split-fc", 1)])
+def test_step_traffic_is_what_a_step_sends(name, mode, delay):
+    # the library's per-step account (a pure function of model, N, batch, dtype) against the
+    # transport's own counters of a real run: bytes and non-empty sends of every rank
+    from ringnet import parallel
+    size = WORLD.Get_size()
+    model = build_model(name, seed=1)
+    strategy = parallel.create(mode, model, lambda k: SGD(k, LRPolicy("fixed", 1e-3)), WORLD,
+                               delay=delay, transport="mpi")
+    steps = 2
+    sent, messages = count_sends(strategy, model, BATCH, steps)
+    traffic = parallel.step_traffic(mode, build_model(name), size, BATCH, delay)
+    assert sent == [steps * b for b in traffic.sent()], f"{mode} d{delay} N={size}: bytes per rank"
+    assert messages == [steps * m for m in traffic.messages()], f"{mode} d{delay}: messages"
+    phases = traffic.by_phase()
+    assert [sum(p) for p in zip(*phases.values())] == traffic.sent()
+    assert (sum(phases["activations"]) > 0) == (mode == "split-fc" and size > 1)

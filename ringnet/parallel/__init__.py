@@ -15,9 +15,11 @@ from ringnet.parallel.master import MasterStrategy
 from ringnet.parallel.ring import RingStrategy
 from ringnet.parallel.single import SingleStrategy
 from ringnet.parallel.split_fc import SplitFCStrategy
+from ringnet.parallel.traffic import StepTraffic
 from ringnet.parallel.tree import TreeStrategy
 
-__all__ = ["Mode", "MODES", "COMPENSATIONS", "Lookahead", "create", "mode_table"]
+__all__ = ["Mode", "MODES", "COMPENSATIONS", "Lookahead", "create", "mode_table", "step_traffic",
+           "StepTraffic"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,21 @@ def mode_table():
     return "\n".join(rows)
 
 
+def _spec(mode: str) -> Mode:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    return MODES[mode]
+
+
+def step_traffic(mode: str, model, n: int, batch: int, delay: int = 0, buckets=None) -> StepTraffic:
+    """Return what one step of ``mode`` sends over ``n`` ranks with global ``batch``: its
+    strategy's :meth:`~ringnet.parallel.base.Strategy.step_traffic` over the mode's
+    communicator (pure: no MPI run; ``buckets`` as there)."""
+    spec = _spec(mode)
+    return spec.strategy.step_traffic(model, n, batch, communicator=spec.communicator,
+                                      delay=delay, buckets=buckets)
+
+
 def create(mode: str, model, make_optimizer, world, delay: int = 0,
            transport: str = "auto", compensation: str = "none",
            warmup: Optional[int] = None) -> Strategy:
@@ -63,9 +80,7 @@ def create(mode: str, model, make_optimizer, world, delay: int = 0,
     ``compensation``: the delay-1 compensation, a key of :data:`COMPENSATIONS`;
     ``warmup``: its synchronous warm-up steps (None: the compensation's default).
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    spec = MODES[mode]
+    spec = _spec(mode)
     lookahead = lookahead_of(compensation)
     if warmup is not None and not lookahead.plain:
         lookahead = dataclasses.replace(lookahead, warmup=int(warmup))

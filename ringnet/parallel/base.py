@@ -18,10 +18,11 @@ from ringnet.backend import to_numpy
 from ringnet.comm.stream import progress_all
 from ringnet.layers import Dropout
 from ringnet.parallel.delayed_update import DelayedUpdate
-from ringnet.parallel.plans import LocalPlan, backward_buckets, bucket_bytes
+from ringnet.parallel.plans import LocalPlan, exchange_buckets
+from ringnet.parallel.traffic import StepTraffic
 from ringnet.stats import StepStats
 
-__all__ = ["Strategy", "DataParallelStrategy", "StepStats"]
+__all__ = ["Strategy", "DataParallelStrategy", "StepStats", "StepTraffic"]
 
 
 class Strategy:
@@ -91,6 +92,41 @@ class Strategy:
     def close(self) -> None:
         """Wait for the exchange in flight and release the streams."""
 
+    # -- what a step sends (pure: no communicator) ----------------------------
+    @classmethod
+    def fits(cls, model, n: int) -> bool:
+        """True when this strategy can run ``model`` on ``n`` ranks."""
+        return True
+
+    @classmethod
+    def exchange_region(cls, model) -> Tuple[int, int]:
+        """Return (elements, layers): the plan exchanges the parameters of ``model.layers[:layers]``,
+        the first ``elements`` of the flat buffer."""
+        return model.num_params, len(model.layers)
+
+    @classmethod
+    def step_traffic(cls, model, n: int, batch: int, communicator: Optional[str] = None,
+                     delay: int = 0, buckets=None) -> StepTraffic:
+        """Return what one step sends over ``n`` ranks with global ``batch`` (a
+        :class:`~ringnet.parallel.traffic.StepTraffic`), from the bounds the strategy runs with.
+
+        ``communicator``: the name of the communicator the mode uses (its route; None: no
+        communication); ``buckets``: the delay-0 buckets [(lo, hi, layer)] the exchange runs
+        in (None: the strategy's own, :func:`~ringnet.parallel.plans.exchange_buckets`).
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def _exchange_traffic(cls, plan_type, model, n, communicator, delay, buckets, what=""):
+        """The StepTraffic of ``plan_type``'s exchange of :meth:`exchange_region` over ``n`` ranks."""
+        size, stop = cls.exchange_region(model)
+        if buckets is None:
+            buckets = (exchange_buckets(model, stop, delay)
+                       if communicator is not None and n > 1 and size else [])
+        parts = [(lo, hi) for lo, hi, _ in buckets] or [(0, size)]
+        return StepTraffic(n, size, stop, plan_type.traffic(size, n, model.dtype.itemsize, parts,
+                                                            communicator, what))
+
     # -- the exchange engine of the strategies that use one ------------------
     def _exchange_engine(self, params, grads, plan, comm, upto: int, bucket_size=None,
                          lookahead=None) -> None:
@@ -103,11 +139,8 @@ class Strategy:
         when it runs anything in the background (delay 1 or buckets).
         """
         self.buckets = []
-        if comm is not None and not self.delay and len(params):
-            if bucket_size is None:
-                bucket_size = bucket_bytes()
-            if bucket_size:
-                self.buckets = backward_buckets(self.model, upto, bucket_size)
+        if comm is not None and len(params):
+            self.buckets = exchange_buckets(self.model, upto, self.delay, bucket_size)
         # layer index whose backward completes bucket k -> k
         self._bucket_at = {layer: k for k, (_, _, layer) in enumerate(self.buckets)}
         self._it = 0
@@ -183,7 +216,11 @@ class Strategy:
 
 
 class DataParallelStrategy(Strategy):
-    """Every rank holds the whole model; the plan combines gradients and redistributes weights."""
+    """Every rank holds the whole model; the plan combines gradients and redistributes weights.
+
+    ``plan_type``: the class of the plan (subclasses choose); :meth:`_plan` makes it.
+    """
+    plan_type = LocalPlan
 
     def __init__(self, model, make_optimizer, world, comm=None, delay=0, lookahead=None,
                  bucket_size=None):
@@ -193,12 +230,17 @@ class DataParallelStrategy(Strategy):
         for _, layer in model.layers:
             if isinstance(layer, Dropout):      # this rank's rows of the global-batch mask
                 layer.batch_part = (self.rank, self.size)
-        self._exchange_engine(model.params, model.grads, self._plan(model.num_params), comm,
-                              len(model.layers), bucket_size=bucket_size, lookahead=lookahead)
+        size, stop = self.exchange_region(model)
+        self._exchange_engine(model.params, model.grads, self._plan(size), comm,
+                              stop, bucket_size=bucket_size, lookahead=lookahead)
 
     def _plan(self, size):
-        """Return the exchange plan over a flat buffer of ``size`` (subclasses choose)."""
+        """Return the exchange plan over a flat buffer of ``size``."""
         return LocalPlan(size)
+
+    @classmethod
+    def step_traffic(cls, model, n, batch, communicator=None, delay=0, buckets=None):
+        return cls._exchange_traffic(cls.plan_type, model, n, communicator, delay, buckets)
 
     @property
     def owned(self):

@@ -12,7 +12,13 @@ from typing import Callable, Optional
 
 from ringnet.backend import get_array_module
 
-__all__ = ["ActivationCollectives", "DataConversion"]
+__all__ = ["ActivationCollectives", "DataConversion", "sample_bounds"]
+
+
+def sample_bounds(size: int, local: int, row: int):
+    """The ranks' (start, stop) of a sample-major buffer of ``size`` ranks' ``local`` rows of
+    ``row`` numbers each, in rank order: the conversion layer's collectives run over these."""
+    return [(r * local * row, (r + 1) * local * row) for r in range(size)]
 
 
 class ActivationCollectives:
@@ -66,9 +72,9 @@ class DataConversion:
         xp, row, f = get_array_module(like), self.features + 1, self.features
         batch = local * self.size
         self._gathered = xp.empty(batch * row, dtype=like.dtype)        # (B, F + 1)
-        self._bounds = [(r * local * row, (r + 1) * local * row) for r in range(self.size)]
+        self._bounds = sample_bounds(self.size, local, row)
         self._grad = xp.empty(batch * f, dtype=like.dtype)              # (B, F)
-        self._grad_bounds = [(r * local * f, (r + 1) * local * f) for r in range(self.size)]
+        self._grad_bounds = sample_bounds(self.size, local, f)
         self._local = local
 
     def forward(self, h, labels):

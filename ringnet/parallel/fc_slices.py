@@ -11,7 +11,7 @@ from ringnet.backend import get_array_module
 from ringnet.errors import InputError
 from ringnet.layers import Dropout, Linear, ReLU
 
-__all__ = ["FcSlice", "FcBlock", "check_split", "fc_blocks"]
+__all__ = ["FcSlice", "FcBlock", "check_split", "fc_blocks", "conv_params", "row_bounds"]
 
 
 def check_split(layer_name, out_features, ranks):
@@ -37,6 +37,17 @@ def fc_blocks(model):
             raise InputError(f"split-fc cannot split layer {name} ({layer!r}) after the first "
                              "fully-connected layer: only Linear, ReLU and Dropout may follow it")
     return blocks
+
+
+def conv_params(model, blocks=None):
+    """Return the number of parameters before the first FC layer (the conv prefix of the flat buffer)."""
+    blocks = fc_blocks(model) if blocks is None else blocks
+    return model.param_offsets()[f"{blocks[0][0]}.weight"][0]
+
+
+def row_bounds(bounds, batch):
+    """The (start, stop) of each rank's rows ``bounds`` in a flat (features, ``batch``) buffer."""
+    return [(a * batch, b * batch) for a, b in bounds]
 
 
 class FcSlice:
@@ -124,7 +135,7 @@ class FcBlock:
         xp = self.slice.xp
         self.out = xp.empty(self.out_features * batch, dtype=dtype)
         self.da = xp.empty(self.in_features * batch, dtype=dtype)
-        self.out_bounds = [(a * batch, b * batch) for a, b in self.bounds]
+        self.out_bounds = row_bounds(self.bounds, batch)
         self._batch = batch
 
     def rows(self, flat):

@@ -20,9 +20,11 @@ import numpy as np
 
 from ringnet.backend import get_array_module, to_numpy
 from ringnet.errors import InputError
+from ringnet.parallel.traffic import Part, Transfer, clip_bounds
+from ringnet.shards import shard_bounds
 
 __all__ = ["LocalPlan", "ShardedPlan", "RootedPlan", "BUCKET_BYTES", "bucket_bytes",
-           "backward_buckets", "layer_param_ranges"]
+           "backward_buckets", "exchange_buckets", "layer_param_ranges"]
 
 # Delay-0 bucket size: a part is closed once it holds this many bytes of gradient.
 BUCKET_BYTES = 256 * 1024
@@ -82,6 +84,17 @@ def backward_buckets(model, stop_layer, size_bytes):
     return buckets if len(buckets) > 1 else []
 
 
+def exchange_buckets(model, stop_layer, delay, bucket_size=None):
+    """Return the buckets a strategy's exchange of ``model.layers[:stop_layer]`` runs in:
+    :func:`backward_buckets` of ``bucket_size`` bytes (None: :func:`bucket_bytes`) at delay 0,
+    none at delay 1 (the whole exchange runs on the stream beside the next step)."""
+    if delay:
+        return []
+    if bucket_size is None:
+        bucket_size = bucket_bytes()
+    return backward_buckets(model, stop_layer, bucket_size) if bucket_size else []
+
+
 class LocalPlan:
     """One process: no exchange, the whole region updated here."""
 
@@ -102,6 +115,13 @@ class LocalPlan:
         """Return the plan of ``[lo, hi)`` of the region, with the same owner for every element."""
         return LocalPlan(hi - lo)
 
+    @classmethod
+    def traffic(cls, size, n, itemsize, parts, route=None, what=""):
+        """What this plan sends per step over ``n`` ranks, as a :class:`~ringnet.parallel.traffic.Part`
+        per ``(lo, hi)`` of ``parts`` of a region of ``size`` elements (pure: no communicator).
+        One process: nothing, each part updated here."""
+        return [Part(lo, hi, hi - lo, []) for lo, hi in parts]
+
 
 class ShardedPlan(LocalPlan):
     """Ring: reduce-scatter of the gradient, rank r updates shard r, all-gather of the weights.
@@ -118,9 +138,21 @@ class ShardedPlan(LocalPlan):
     def part(self, lo, hi):
         plan = object.__new__(ShardedPlan)
         plan.comm, plan.op = self.comm, self.op
-        plan.bounds = [(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo) for a, b in self.bounds]
+        plan.bounds = clip_bounds(self.bounds, lo, hi)
         plan.owned = slice(*plan.bounds[self.comm.rank])
         return plan
+
+    @classmethod
+    def traffic(cls, size, n, itemsize, parts, route="ring", what=""):
+        """Each part: a reduce-scatter and an all-gather over the region's shard bounds
+        clipped to it (as :meth:`part` clips them); rank r updates its shard."""
+        out = []
+        for lo, hi in parts:
+            clipped = clip_bounds(shard_bounds(size, n), lo, hi)
+            out.append(Part(lo, hi, max(b - a for a, b in clipped), [
+                Transfer("reduce", f"{what}gradients", "reduce_scatter", route, clipped, itemsize),
+                Transfer("distribute", f"{what}weights", "allgather", route, clipped, itemsize)]))
+        return out
 
     def reduce(self, grads):
         self.comm.reduce_scatter(grads, op=self.op, bounds=self.bounds)
@@ -146,6 +178,14 @@ class RootedPlan(LocalPlan):
 
     def part(self, lo, hi):
         return RootedPlan(self.comm, hi - lo, self.root)
+
+    @classmethod
+    def traffic(cls, size, n, itemsize, parts, route="tree", what=""):
+        """Each part: a reduce to the root, which updates all of it, and a broadcast."""
+        return [Part(lo, hi, hi - lo, [
+            Transfer("reduce", f"{what}gradients", "reduce", route, [(0, hi - lo)], itemsize),
+            Transfer("distribute", f"{what}weights", "bcast", route, [(0, hi - lo)], itemsize)])
+            for lo, hi in parts]
 
     def reduce(self, grads):
         self.comm.reduce(grads, root=self.root, op="mean")

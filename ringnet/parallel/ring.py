@@ -15,6 +15,7 @@ __all__ = ["RingStrategy"]
 class RingStrategy(DataParallelStrategy):
     """Reduce-scatter, update own shard, all-gather."""
     name = "ring"
+    plan_type = ShardedPlan
 
     def __init__(self, model, make_optimizer, world, comm, delay=1, lookahead=None,
                  bucket_size=None):

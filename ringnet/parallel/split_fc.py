@@ -38,9 +38,12 @@ import numpy as np
 from ringnet.backend import to_numpy
 from ringnet.errors import InputError
 from ringnet.parallel.base import Strategy
-from ringnet.parallel.conversion import ActivationCollectives, DataConversion
+from ringnet.parallel.conversion import ActivationCollectives, DataConversion, sample_bounds
 from ringnet.parallel.plans import ShardedPlan
-from ringnet.parallel.fc_slices import FcBlock, FcSlice, check_split, fc_blocks
+from ringnet.parallel.fc_slices import (FcBlock, FcSlice, check_split, conv_params, fc_blocks,
+                                        row_bounds)
+from ringnet.parallel.traffic import Transfer
+from ringnet.shards import shard_bounds
 
 __all__ = ["SplitFCStrategy", "FcSlice", "check_split", "fc_blocks"]
 
@@ -61,7 +64,7 @@ class SplitFCStrategy(Strategy):
         blocks = fc_blocks(model)
         for name, layer, _ in blocks:
             check_split(name, layer.out_features, self.size)
-        self.conv_size = model.param_offsets()[f"{blocks[0][0]}.weight"][0]
+        self.conv_size = conv_params(model, blocks)
         self.blocks = [FcBlock(name, layer, acts, model, comm.shard_bounds(layer.out_features),
                                self.rank)
                        for name, layer, acts in blocks]
@@ -89,6 +92,39 @@ class SplitFCStrategy(Strategy):
         self.conversion = DataConversion(self.collectives, self.rank, self.size,
                                          self.blocks[0].in_features)
         self._gathered = False          # the model's FC rows of other ranks are current
+
+    # -- what a step sends (pure: no communicator) ----------------------------------
+    @classmethod
+    def fits(cls, model, n):
+        return all(layer.out_features >= n for _, layer, _ in fc_blocks(model))
+
+    @classmethod
+    def exchange_region(cls, model):
+        return conv_params(model), model.fc_start()
+
+    @classmethod
+    def step_traffic(cls, model, n, batch, communicator="ring", delay=0, buckets=None):
+        """The activation collectives of :meth:`step` on the strategy's own buffers (the
+        conversion layer's (B, F+1) and (B, F) in sample blocks, each block's (out, B)
+        output in row blocks, each later block's (in, B) input gradient), then the conv
+        prefix's ring exchange."""
+        traffic = cls._exchange_traffic(ShardedPlan, model, n, communicator, delay, buckets, "conv ")
+        blocks = fc_blocks(model)
+        local, features = batch // n, blocks[0][1].in_features
+        itemsize = model.dtype.itemsize
+
+        def transfer(label, op, bounds, beside=None):
+            return Transfer("activations", label, op, communicator, bounds, itemsize, beside)
+        out_bounds = [row_bounds(shard_bounds(layer.out_features, n), batch) for _, layer, _ in blocks]
+        traffic.activations = (
+            [transfer("conversion: features+labels", "allgather", sample_bounds(n, local, features + 1))]
+            + [transfer(f"{name} output", "allgather", bounds)
+               for (name, _, _), bounds in zip(blocks, out_bounds)]
+            + [transfer(f"{blocks[k][0]} input gradient", "reduce_scatter", out_bounds[k - 1], blocks[k][0])
+               for k in range(len(blocks) - 1, 0, -1)]
+            + [transfer("conversion: feature gradient", "reduce_scatter",
+                        sample_bounds(n, local, features), blocks[0][0])])
+        return traffic
 
     @property
     def conv_owned(self):
