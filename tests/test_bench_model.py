@@ -25,7 +25,10 @@ import numpy as np
 import pytest
 
 from ringnet.bench import model as pm
+from ringnet.bench.model import (calibration, cli, codefacts, compute as compute_profiles,
+                                 exchange, profiling, roofline, sends, simulate, worker)
 from ringnet.models import build_model
+from ringnet.shards import shard_bounds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -44,7 +47,7 @@ def _system(alpha=ALPHA, beta=BETA, ranks_per_node=1 << 20, add=0.0, update=0.0)
 @pytest.mark.parametrize("length", [7, 1000, 431080])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_ring_bytes_closed_form(length, n):
-    bounds = pm._shard_bounds(length, n)
+    bounds = shard_bounds(length, n)
     rs, ag = pm.ring_phase_bytes(bounds, 4)
     # every shard but one goes out once in each phase: 2(N-1)/N * P * itemsize on average
     assert sum(rs) + sum(ag) == 2 * (n - 1) * length * 4
@@ -93,7 +96,7 @@ def test_split_fc_plan_matches_the_conversion_layer_buffers():
         assert bounds["conversion: features+labels"] == layer._bounds
         assert bounds["conversion: feature gradient"] == layer._grad_bounds
         for name, lin, acts in fc_blocks(model):
-            block = FcBlock(name, lin, acts, model, pm._shard_bounds(lin.out_features, n), 0)
+            block = FcBlock(name, lin, acts, model, shard_bounds(lin.out_features, n), 0)
             block.prepare(batch, model.dtype)
             assert bounds[f"{name} output"] == block.out_bounds
 
@@ -172,7 +175,7 @@ def test_bucketed_ring_sends_what_the_model_counts(n, monkeypatch):
     model = build_model("lenet")
     p = model.num_params
     parts = _layer_parts(model)
-    monkeypatch.setattr(pm, "buckets", lambda model, stop: parts)
+    monkeypatch.setattr(sends, "buckets", lambda model, stop: parts)
     sent, messages = [], []
     for rank in range(n):
         transport = _recording_transport(rank, n)
@@ -242,7 +245,7 @@ def test_rooted_pieces_are_the_communicators_cuts(n):
     for cls in (TreeCommunicator, MasterSlaveCommunicator):
         comm = cls(_recording_transport(0, n))
         assert comm._pieces(buf) == cls.pieces(length, 4, n)
-        assert pm._pieces(length, 4, cls.name, n) == cls.pieces(length, 4, n)
+        assert exchange._pieces(length, 4, cls.name, n) == cls.pieces(length, 4, n)
         # the root receives every sender's piece as one message: pieces x senders
         run = _record(cls.name, 0, n, length)
         senders = 2 if cls is TreeCommunicator and n > 2 else 1 if cls is TreeCommunicator else n - 1
@@ -256,28 +259,28 @@ def test_rooted_receives_are_posted_as_the_model_assumes():
     runs = _record("master", 0, 3, 1000)
     first_wait = next(i for i, (what, _) in enumerate(runs.log) if what == "wait")
     posts_before = sum(what == "post" for what, _ in runs.log[:first_wait])
-    assert (posts_before == 2) == pm._rooted_concurrent()
+    assert (posts_before == 2) == exchange._rooted_concurrent()
 
 
 # -- times -------------------------------------------------------------------------------
 def test_ring_time_hand_computed():
     system = _system()
-    bounds = pm._shard_bounds(1000, 4)             # 250 elements = 1000 bytes per step
+    bounds = shard_bounds(1000, 4)             # 250 elements = 1000 bytes per step
     step = ALPHA + 1000 / BETA
-    assert pm._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * step)
+    assert exchange._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * step)
     add = _system(add=1e-6)                       # + 250 adds of 1 us each per step
-    assert pm._ring_time(add, bounds, 4, "rs") == pytest.approx(3 * (step + 250e-6))
-    assert pm._ring_time(system, pm._shard_bounds(1000, 1), 4, "rs") == 0.0
+    assert exchange._ring_time(add, bounds, 4, "rs") == pytest.approx(3 * (step + 250e-6))
+    assert exchange._ring_time(system, shard_bounds(1000, 1), 4, "rs") == 0.0
 
 
 def test_inter_node_hop_sets_the_ring_pace():
     slow = pm.Link("slow", 2 * ALPHA, BETA / 10)
     system = _system(ranks_per_node=2)
     system.inter = slow
-    bounds = pm._shard_bounds(1000, 4)
-    assert pm._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * slow.time(1000))
+    bounds = shard_bounds(1000, 4)
+    assert exchange._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * slow.time(1000))
     system.ranks_per_node = 4
-    assert pm._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * (ALPHA + 1000 / BETA))
+    assert exchange._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * (ALPHA + 1000 / BETA))
 
 
 def test_tree_and_master_times_hand_computed(monkeypatch):
@@ -286,32 +289,32 @@ def test_tree_and_master_times_hand_computed(monkeypatch):
     h = ALPHA + nbytes / BETA
     # serial communicators, heap of 4: 0 <- {1, 2}, 1 <- {3}. Reduce: 1 gets 3 (h), 0 gets 1
     # (2h) then 2 (3h). Broadcast: 0 sends to 1 and 2 at once (alpha + 2 S/beta), 1 then to 3.
-    monkeypatch.setattr(pm, "_rooted_concurrent", lambda: False)
-    reduce, bcast = pm._tree_time(system, 4, nbytes, 1000)
+    monkeypatch.setattr(exchange, "_rooted_concurrent", lambda: False)
+    reduce, bcast = exchange._tree_time(system, 4, nbytes, 1000)
     assert reduce == pytest.approx(3 * h)
     assert bcast == pytest.approx(2 * ALPHA + 3 * nbytes / BETA)
-    reduce, bcast = pm._master_time(system, 4, nbytes, 1000)
+    reduce, bcast = exchange._master_time(system, 4, nbytes, 1000)
     assert reduce == pytest.approx(3 * h)                      # one after the other
     assert bcast == pytest.approx(ALPHA + 3 * nbytes / BETA)   # three copies share one link
     # concurrent receives, one piece: 1 gets 3 (h); 0 gets 1 and 2 at once on its link
-    monkeypatch.setattr(pm, "_rooted_concurrent", lambda: True)
-    monkeypatch.setattr(pm, "_pieces", lambda length, itemsize, mode, n: [(0, length)])
-    reduce, bcast = pm._tree_time(system, 4, nbytes, 1000)
+    monkeypatch.setattr(exchange, "_rooted_concurrent", lambda: True)
+    monkeypatch.setattr(exchange, "_pieces", lambda length, itemsize, mode, n: [(0, length)])
+    reduce, bcast = exchange._tree_time(system, 4, nbytes, 1000)
     assert reduce == pytest.approx(h + ALPHA + 2 * nbytes / BETA)
     assert bcast == pytest.approx(2 * ALPHA + 3 * nbytes / BETA)
-    reduce, bcast = pm._master_time(system, 4, nbytes, 1000)
+    reduce, bcast = exchange._master_time(system, 4, nbytes, 1000)
     assert reduce == pytest.approx(ALPHA + 3 * nbytes / BETA)  # three at once share one link
     # four pieces of 250 elements: a chain 0 <- 1 (N=2 heap is one edge) streams them
     quarter = ALPHA + nbytes / 4 / BETA
-    monkeypatch.setattr(pm, "_pieces", lambda length, itemsize, mode, n: [(a, a + length // 4)
+    monkeypatch.setattr(exchange, "_pieces", lambda length, itemsize, mode, n: [(a, a + length // 4)
                                                                  for a in range(0, length, length // 4)])
-    reduce, bcast = pm._tree_time(system, 2, nbytes, 1000)
+    reduce, bcast = exchange._tree_time(system, 2, nbytes, 1000)
     assert reduce == pytest.approx(4 * quarter) and bcast == pytest.approx(4 * quarter)
     # heap of 3 pipelined: the root's link takes both children's piece j at once
-    reduce, bcast = pm._tree_time(system, 3, nbytes, 1000)
+    reduce, bcast = exchange._tree_time(system, 3, nbytes, 1000)
     assert reduce == pytest.approx(4 * (ALPHA + 2 * nbytes / 4 / BETA))
     add = _system(add=1e-6)                                    # + two adds of 250 per piece
-    reduce, _ = pm._tree_time(add, 3, nbytes, 1000)
+    reduce, _ = exchange._tree_time(add, 3, nbytes, 1000)
     assert reduce == pytest.approx(4 * (ALPHA + 2 * nbytes / 4 / BETA) + 2 * 250e-6)
 
 
@@ -347,13 +350,13 @@ def test_polled_stream_overlap_hand_computed():
     ops = [(0.0, [("msg", 2.0), ("cpu", 0.25)])]
     # exchange of 2 s needs 4 s beside the compute, which it slows by 0.5 * 4 s
     long = pm.Timeline([], [], {}, 10.0)
-    assert pm._simulate(system, long, ops, "poll")[0] == pytest.approx(10.0 + 2.0 + 0.25)
+    assert simulate._simulate(system, long, ops, "poll")[0] == pytest.approx(10.0 + 2.0 + 0.25)
     # a 1 s compute stretches to 2 s; 1 s of exchange done, 1 s left at full speed
     short = pm.Timeline([], [], {}, 1.0)
-    assert pm._simulate(system, short, ops, "poll")[0] == pytest.approx(2.0 + 1.0 + 0.25)
+    assert simulate._simulate(system, short, ops, "poll")[0] == pytest.approx(2.0 + 1.0 + 0.25)
     # a spare core takes the update off the compute's core
     system.ranks_here = 1
-    assert pm._simulate(system, long, ops, "poll")[0] == pytest.approx(12.0)
+    assert simulate._simulate(system, long, ops, "poll")[0] == pytest.approx(12.0)
 
 
 def test_driven_stream_waits_for_layer_boundaries():
@@ -363,14 +366,14 @@ def test_driven_stream_waits_for_layer_boundaries():
     # the first transfer is noticed at the boundary at 1; the add delays the compute by
     # 0.1, so the next boundaries are 2.1, 3.1, 4.1; the second transfer is seen at 2.1
     layers = pm.Timeline([1.0, 2.0, 3.0, 4.0], [], {}, 4.0)
-    assert pm._simulate(system, layers, ops, "driven") == pytest.approx((4.1, 0.1))
+    assert simulate._simulate(system, layers, ops, "driven") == pytest.approx((4.1, 0.1))
     # after the compute the waiting thread drives: at blocking speed
     one = pm.Timeline([1.0], [], {}, 1.0)
-    assert pm._simulate(system, one, ops, "driven")[0] == pytest.approx(1.0 + 0.1 + 0.5)
+    assert simulate._simulate(system, one, ops, "driven")[0] == pytest.approx(1.0 + 0.1 + 0.5)
     # inside a blocking collective the thread progresses all along
     dense = pm.Timeline([], [(0.0, 4.0)], {}, 4.0)
-    assert pm._simulate(system, dense, [(0.0, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.0)
-    assert pm._simulate(system, dense, [(3.9, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.4)
+    assert simulate._simulate(system, dense, [(0.0, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.0)
+    assert simulate._simulate(system, dense, [(3.9, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.4)
 
 
 def test_driven_copy_delays_the_compute_and_moves_at_the_calibrated_rate():
@@ -379,18 +382,18 @@ def test_driven_copy_delays_the_compute_and_moves_at_the_calibrated_rate():
     layers = pm.Timeline([1.0, 2.0, 3.0, 4.0], [], {}, 4.0)
     # one message: a 0.1 wait (seen at the boundary at 1), then a 0.3 copy the training
     # thread makes inside its test: the compute ends 0.3 later (4.3)
-    ops = [(0.0, pm._message(pm.Link("x", 0.1, 1.0), 0.3))]
+    ops = [(0.0, exchange._message(pm.Link("x", 0.1, 1.0), 0.3))]
     assert ops[0][1] == [("msg", 0.1), ("copy", 0.3)]
-    step, shift = pm._simulate(system, layers, ops, "driven")
+    step, shift = simulate._simulate(system, layers, ops, "driven")
     assert shift == pytest.approx(0.3) and step == pytest.approx(4.3)
     # at a calibrated rate of 0.25 a message takes 4x as long beside compute: the wait is
     # seen at 1, the copy (1.2; +0.3 on the compute, boundaries now 1.3, 2.3, ...) at 2.3
     system.rate = 0.25
     late = [(0.0, [("msg", 0.1), ("copy", 0.3), ("msg", 0.1)])]
     # the second wait starts at 2.3 and takes 0.4 beside compute: seen at the boundary 3.3
-    assert pm._simulate(system, layers, late, "driven") == pytest.approx((4.3, 0.3))
+    assert simulate._simulate(system, layers, late, "driven") == pytest.approx((4.3, 0.3))
     # a GPU's copy engine moves it: nothing added to the compute
-    assert pm._simulate(system, layers, ops, "gpu") == pytest.approx((4.0, 0.0))
+    assert simulate._simulate(system, layers, ops, "gpu") == pytest.approx((4.0, 0.0))
 
 
 def test_ranks_beyond_the_cores_share_them(monkeypatch):
@@ -398,7 +401,7 @@ def test_ranks_beyond_the_cores_share_them(monkeypatch):
     # rank's compute 2x slower at N = 4, none at N = 1, 2
     raw = {"cores": 2, "solo_s": 0.02, "together_s": 0.04,
            "blocking": {"4096": 0.004, "1048576": 0.010}, "streamed": {}}
-    record = pm._calibration_record(4, raw, 0.0)
+    record = calibration.calibration_record(4, raw, 0.0)
     assert record["cores"] == pytest.approx(2.0) and record["slowdown"] == pytest.approx(2.0)
     system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record})
     assert [system.at(n).contention(n) for n in (1, 2, 4)] == pytest.approx([1.0, 1.0, 2.0])
@@ -406,12 +409,12 @@ def test_ranks_beyond_the_cores_share_them(monkeypatch):
     # apart): they still had only 2 cores, for the work unit and for a model's own step
     raw_fast = dict(raw, together_s=0.032,
                     models={"lenet": {"batch": 16, "solo_s": 0.004, "together_s": 0.0064}})
-    fast = pm._calibration_record(4, raw_fast, 0.0)
+    fast = calibration.calibration_record(4, raw_fast, 0.0)
     assert fast["cores"] == 2 and fast["model_cores"] == {"lenet": 2}
     fast_system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: fast})
     assert fast_system.at(4).contention(4, "lenet") == pytest.approx(2.0)
     # on a machine of 16 cores the same 1.6x means 2.5 cores' worth: kept as measured
-    roomy = pm._calibration_record(4, dict(raw_fast, cores=16), 0.0)
+    roomy = calibration.calibration_record(4, dict(raw_fast, cores=16), 0.0)
     assert roomy["cores"] == pytest.approx(2.5) and roomy["model_cores"]["lenet"] == pytest.approx(2.5)
     # ranks bound one to a core of 16 (affinity 1): the calibration counts the machine's
     # cores, so the cap does not pin 4 ranks to the one core a rank's affinity names
@@ -422,7 +425,7 @@ def test_ranks_beyond_the_cores_share_them(monkeypatch):
     # a record of the older worker (its waits spun: 3.3x) names no cores: this machine's
     raw.pop("cores")
     raw["together_s"] = 0.066
-    assert pm._calibration_record(4, raw, 0.0)["cores"] == pm.usable_cores()
+    assert calibration.calibration_record(4, raw, 0.0)["cores"] == pm.usable_cores()
 
 
 def _round_robin_wait(n, cores, slice_s, samples, rng):
@@ -469,7 +472,7 @@ def _waits_raw(n, first, per_msg, idle_alpha=1e-3):
 def test_calibrated_waits_set_the_step_s_wait_and_each_message_s():
     # at N = 4 on 2 cores the exchange entered after compute waited 6 ms more, plus 0.2 ms
     # per message: the slices are recovered, and at N = 4 the system waits exactly that
-    record = pm._calibration_record(4, _waits_raw(4, 6e-3, 2e-4), 0.0)
+    record = calibration.calibration_record(4, _waits_raw(4, 6e-3, 2e-4), 0.0)
     unit = pm.scheduling_wait(4, 2, 1.0)                # 1/4 of a slice at N = 4 on 2 cores
     assert unit == pytest.approx(0.25)
     assert record["slice_s"] == pytest.approx(6e-3 / unit)
@@ -481,26 +484,28 @@ def test_calibrated_waits_set_the_step_s_wait_and_each_message_s():
     lenet = build_model("lenet")
     plain = pm.System("local", None, None, 1 << 30, _system().compute,
                       calibrated={4: dict(record, slice_s=0.0, msg_slice_s=0.0)}).at(4)
-    bounds = pm._shard_bounds(lenet.num_params, 4)
-    both = [pm._ring_time(s, bounds, 4, "rs") + pm._ring_time(s, bounds, 4, "ag") for s in (at4, plain)]
+    bounds = shard_bounds(lenet.num_params, 4)
+    both = [exchange._ring_time(s, bounds, 4, "rs") + exchange._ring_time(s, bounds, 4, "ag") for s in (at4, plain)]
     assert both[0] - both[1] == pytest.approx(6 * 2e-4)
     # the tree's and the master's waits too, one per wait on their critical path
+    from ringnet.parallel.plans import RootedPlan
     for mode in ("tree", "master"):
-        items = [pm._exchange_items(s, lenet, mode, 4, 1000, (0, 1000), 0.0) for s in (at4, plain)]
+        part = RootedPlan.traffic(1000, 4, lenet.dtype.itemsize, [(0, 1000)], mode)[0]
+        items = [exchange._exchange_items(s, 4, part, 0.0) for s in (at4, plain)]
         peers = [sec for kind, sec in items[0] if kind == "peer"]
         assert peers and all(p == pytest.approx(2e-4) for p in peers)
         assert [i for i in items[0] if i[0] != "peer"] == items[1]
     # N = 8 from the N = 4 calibration: the closed form scales it, (1-2/8)(8/2-1)/2 / (1/4)
     assert system.at(8).wait_s == pytest.approx(6e-3 * 0.75 * 3 / 2 / 0.25)
     # N = 2 on 2 cores: every rank has a core, whatever the exchanges measured
-    two = pm._calibration_record(2, _waits_raw(2, 6e-3, 2e-4), 0.0)
+    two = calibration.calibration_record(2, _waits_raw(2, 6e-3, 2e-4), 0.0)
     assert two["slice_s"] == two["msg_slice_s"] == 0.0
     assert pm.System("local", None, None, 1 << 30, _system().compute,
                      calibrated={2: two}).at(2).wait_s == 0.0
     # a record without these timings (older worker): no wait
     raw = _waits_raw(4, 6e-3, 2e-4)
     raw.pop("waits")
-    assert pm._calibration_record(4, raw, 0.0)["slice_s"] == 0.0
+    assert calibration.calibration_record(4, raw, 0.0)["slice_s"] == 0.0
     # spec-sheet profiles: none
     assert pm.make_system("pcie3", _system().compute, 8).wait_s == 0.0
 
@@ -511,12 +516,12 @@ def test_peer_wait_beside_compute_is_in_the_calibrated_rate():
     system = _system()
     system.cores, system.ranks_here = 1.0, 1
     layers = pm.Timeline([1.0, 2.0, 3.0, 4.0], [], {}, 4.0)
-    assert pm._message(pm.Link("x", 0.1, 1.0), 0.3, 0.5) == [("msg", 0.1), ("copy", 0.3), ("peer", 0.5)]
+    assert exchange._message(pm.Link("x", 0.1, 1.0), 0.3, 0.5) == [("msg", 0.1), ("copy", 0.3), ("peer", 0.5)]
     beside = [(0.0, [("msg", 0.1), ("peer", 5.0)])]
-    assert pm._simulate(system, layers, beside, "driven") == pytest.approx((4.0, 0.0))
-    assert pm._simulate(system, layers, beside, "poll") == pytest.approx((4.0, 0.0))
+    assert simulate._simulate(system, layers, beside, "driven") == pytest.approx((4.0, 0.0))
+    assert simulate._simulate(system, layers, beside, "poll") == pytest.approx((4.0, 0.0))
     after = [(4.0, [("msg", 0.1), ("peer", 0.5)])]
-    assert pm._simulate(system, layers, after, "driven") == pytest.approx((4.6, 0.0))
+    assert simulate._simulate(system, layers, after, "driven") == pytest.approx((4.6, 0.0))
 
 
 def test_wait_for_peers_is_paid_once_per_step():
@@ -541,10 +546,10 @@ def test_a_delay0_step_waits_for_its_slowest_rank():
     raw["models"] = {"lenet": {"batch": 32, "solo_s": 0.004, "together_s": 0.004, "imbalance": 1.06},
                      "cifar10_quick": {"batch": 32, "solo_s": 0.02, "together_s": 0.02,
                                        "imbalance": 0.99}}
-    record = pm._calibration_record(2, raw, 0.0)
+    record = calibration.calibration_record(2, raw, 0.0)
     assert record["imbalance"] == {"lenet": pytest.approx(1.06), "cifar10_quick": 1.0}
     assert "lenet step (batch 32) with all ranks busy 1.00x alone, slowest rank 1.06x the mean" \
-        in pm._describe_contention(2, record)
+        in calibration.describe_contention(2, record)
     lenet = build_model("lenet")
 
     def local(n, **change):
@@ -558,10 +563,10 @@ def test_a_delay0_step_waits_for_its_slowest_rank():
         assert got.compute_s == even.compute_s
     # records of the older worker carry none
     old = {k: v for k, v in raw["models"]["lenet"].items() if k != "imbalance"}
-    assert pm._calibration_record(2, dict(raw, models={"lenet": old}), 0.0)["imbalance"] == {}
+    assert calibration.calibration_record(2, dict(raw, models={"lenet": old}), 0.0)["imbalance"] == {}
     # 4 ranks on 2 cores: the waits for descheduled peers stand for it
     raw4 = dict(_waits_raw(4, 0.0, 0.0), models=raw["models"])
-    record4 = pm._calibration_record(4, raw4, 0.0)
+    record4 = calibration.calibration_record(4, raw4, 0.0)
     crowded = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record4})
     assert crowded.at(4).imbalance is None and crowded.at(2).imbalance == record4["imbalance"]
     assert pm.predict(crowded, lenet, "ring", 0, 4, 64) == pm.predict(
@@ -574,7 +579,7 @@ def test_contention_is_measured_with_the_model_s_own_step():
     # 2.5x (1.6 effective cores); a model the calibration did not time keeps the work unit's
     raw = _waits_raw(4, 0.0, 0.0)
     raw["models"] = {"lenet": {"batch": 16, "solo_s": 0.004, "together_s": 0.010}}
-    record = pm._calibration_record(4, raw, 0.0)
+    record = calibration.calibration_record(4, raw, 0.0)
     assert record["model_cores"] == {"lenet": pytest.approx(1.6)}
     system = pm.System("local", None, None, 1 << 30, _system().compute, calibrated={4: record})
     at4 = system.at(4)
@@ -601,7 +606,7 @@ def test_step_split_telescopes_to_the_step():
     marks = [("forward", 0, 1.0), ("forward", 1, 1.5), ("forward", 2, 2.5), ("loss", -1, 2.75),
              ("backward", 2, 3.0), ("backward", 1, 4.0), ("backward", 0, 6.0)]
     spans = {"step": (0.5, 7.0), "compute": (0.75, 5.5), "update": (6.5, 0.5)}
-    forward, backward, rest, update = pm._split_step(3, marks, spans)
+    forward, backward, rest, update = profiling._split_step(3, marks, spans)
     assert forward == [0.25, 0.5, 1.0] and backward == [2.0, 1.0, 0.25]
     assert rest == pytest.approx(0.25 + 0.25 + 1.0) and update == 0.5
     assert sum(forward) + sum(backward) + rest + update == pytest.approx(spans["step"][1])
@@ -614,7 +619,7 @@ def test_profile_parts_add_up_to_the_median_step():
     rows = [([1.0, 2.0], [3.0, 4.0], 0.5, 0.5, 11.0),
             ([5.0, 2.0], [3.0, 4.0], 0.5, 0.5, 15.0),
             ([1.0, 2.0], [3.0, 6.0], 0.5, 0.5, 13.0)]
-    got = pm._step_medians(rows)
+    got = profiling._step_medians(rows)
     k = 13.0 / 11.0
     assert got == pytest.approx([1 * k, 2 * k, 3 * k, 4 * k, 0.5 * k, 0.5 * k, 13.0])
     assert sum(got[:-1]) == pytest.approx(got[-1])
@@ -666,7 +671,7 @@ def test_compute_profile_recovers_the_layer_costs_of_a_controlled_clock(monkeypa
             clock.now += cost
             return fn(*args, **kwargs)
         return run
-    training_steps = pm._training_steps
+    training_steps = profiling._training_steps
 
     def controlled(name, batch, dtype, seed):
         model, step = training_steps(name, batch, dtype, seed)
@@ -675,7 +680,7 @@ def test_compute_profile_recovers_the_layer_costs_of_a_controlled_clock(monkeypa
             layer.backward = timed(layer.backward, 2 * fwd_s(i, batch))
         model.loss_layer.forward = timed(model.loss_layer.forward, loss_s(batch))
         return model, step
-    monkeypatch.setattr(pm, "_training_steps", controlled)
+    monkeypatch.setattr(profiling, "_training_steps", controlled)
     sgd_step = optim.SGD.step
 
     def update(self, w, g, it):
@@ -708,7 +713,7 @@ def test_isolated_profile_keeps_one_model_per_batch(monkeypatch):
     def fake(model, x, iters):
         seen.append((len(x), id(model)))
         return [(name, 1.0, 1.0) for name, _ in model.layers]
-    monkeypatch.setattr(pm, "layer_times", fake)
+    monkeypatch.setattr(profiling, "layer_times", fake)
     pm.isolated_compute(("lenet",), batches=(2, 4), iters=3)
     assert [b for b, _ in seen] == [2, 4] * 3
     models = {b: {m for bb, m in seen if bb == b} for b in (2, 4)}
@@ -720,14 +725,14 @@ def test_buckets_start_during_the_backward(monkeypatch):
     system = _system(alpha=1e-6, beta=1e8)         # bandwidth-bound: 4.3 ms per shard step
     system.compute.layers["lenet"] = [(name, (fa * 1e3, fb * 1e3), (ba * 1e3, bb * 1e3))
                                       for name, (fa, fb), (ba, bb) in system.compute.layers["lenet"]]
-    monkeypatch.setattr(pm, "buckets", lambda model, stop: [])
+    monkeypatch.setattr(sends, "buckets", lambda model, stop: [])
     whole = pm.predict(system, lenet, "ring", 0, 4, 64)
     steps = 6 * (1e-6 + 107770 * 4 / 1e8)          # 2(N-1) steps of one 107770-element shard
     assert whole.step_s == pytest.approx(whole.compute_s + steps, rel=1e-9)
     # one bucket per layer with parameters, last layers first: the ip1 and ip2 buckets'
     # exchanges run while the conv layers' backward goes on
     parts = _layer_parts(lenet)
-    monkeypatch.setattr(pm, "buckets", lambda model, stop: parts)
+    monkeypatch.setattr(sends, "buckets", lambda model, stop: parts)
     bucketed = pm.predict(system, lenet, "ring", 0, 4, 64)
     assert bucketed.step_s < whole.step_s - 0.5 * steps
     # conv1's bucket (520 parameters) starts only when the backward ends: its steps stay exposed
@@ -736,7 +741,7 @@ def test_buckets_start_during_the_backward(monkeypatch):
     # latency-bound, four buckets cost four times the messages: buckets lose
     system.intra = system.inter = pm.Link("slow", 5e-2, 1e12)
     slow_bucketed = pm.predict(system, lenet, "ring", 0, 4, 64).step_s
-    monkeypatch.setattr(pm, "buckets", lambda model, stop: [])
+    monkeypatch.setattr(sends, "buckets", lambda model, stop: [])
     assert slow_bucketed > pm.predict(system, lenet, "ring", 0, 4, 64).step_s + 6 * 5e-2
 
 
@@ -746,12 +751,12 @@ def test_calibration_record_from_raw_timings():
     raw = {"solo_s": 0.020, "together_s": 0.030,
            "blocking": {"4096": 0.004, "1048576": 0.010},
            "streamed": {"1048576": [0.050, 0.040]}}
-    record = pm._calibration_record(2, raw, 0.0)
+    record = calibration.calibration_record(2, raw, 0.0)
     assert record["slowdown"] == pytest.approx(1.5)
     assert record["steal"] == pytest.approx(0.25)      # 10 ms lost over 40 ms of overlap
     assert record["rate"] == pytest.approx(1e-3)       # clamped: no progress beside compute
     raw["streamed"] = {"1048576": [0.020, 0.040]}      # done within the work
-    assert pm._calibration_record(2, raw, 0.0)["rate"] == pytest.approx(0.5)
+    assert calibration.calibration_record(2, raw, 0.0)["rate"] == pytest.approx(0.5)
 
 
 # -- consistency -------------------------------------------------------------------------
@@ -801,7 +806,7 @@ def test_crossover_is_where_the_order_flips():
 def test_link_fit_recovers_alpha_beta():
     n, alpha, beta = 4, 3e-4, 2e8
     times = [(s, 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / beta) for s in (4096, 65536, 1 << 20)]
-    fit_alpha, fit_beta = pm._fit_link(n, times, 0.0)
+    fit_alpha, fit_beta = calibration._fit_link(n, times, 0.0)
     assert fit_alpha == pytest.approx(alpha, rel=1e-6)
     assert fit_beta == pytest.approx(beta, rel=1e-6)
 
@@ -809,10 +814,10 @@ def test_link_fit_recovers_alpha_beta():
 @pytest.mark.parametrize("mode", ["tree", "master"])
 def test_rooted_link_fit_recovers_alpha_beta(mode):
     n, link = 4, pm.Link("true", 2e-3, 3e8)
-    system = pm.System("true", link, link, 1 << 30, pm._ZERO_COMPUTE)
-    timing = pm._tree_time if mode == "tree" else pm._master_time
+    system = pm.System("true", link, link, 1 << 30, compute_profiles._ZERO_COMPUTE)
+    timing = exchange._tree_time if mode == "tree" else exchange._master_time
     times = [(s, sum(timing(system, n, s, s // 4))) for s in (4096, 65536, 1 << 20)]
-    alpha, beta = pm._fit_rooted(mode, n, times, 0.0)
+    alpha, beta = calibration._fit_rooted(mode, n, times, 0.0)
     assert alpha == pytest.approx(2e-3, rel=1e-6)
     assert beta == pytest.approx(3e8, rel=1e-6)
 
@@ -820,7 +825,7 @@ def test_rooted_link_fit_recovers_alpha_beta(mode):
 def test_roofline_flops_of_lenet_conv1():
     lenet = build_model("lenet")
     (_, conv1), (_, in_shape, out_shape) = lenet.layers[0], lenet.shapes[0]
-    flops, _, _ = pm._layer_work(conv1, in_shape, out_shape)
+    flops, _, _ = roofline._layer_work(conv1, in_shape, out_shape)
     assert flops == 2 * 1 * 5 * 5 * 20 * 24 * 24
 
 
@@ -902,8 +907,9 @@ def test_strategies_send_what_the_model_counts(name, mode, delay):
 
     from ringnet import parallel
     from ringnet.optim import SGD, LRPolicy
+    from test_parallel_mpi import count_sends
     world = MPI.COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
+    size = world.Get_size()
     batch, steps = 12, 2                               # 12: divisible by N = 1..4
     model = build_model(name, seed=1)
     strategy = parallel.create(mode, model, lambda k: SGD(k, LRPolicy("fixed", 1e-3)),
@@ -912,23 +918,7 @@ def test_strategies_send_what_the_model_counts(name, mode, delay):
         stop = model.fc_start() if mode == "split-fc" else len(model.layers)
         expected = pm.buckets(model, stop) if delay == 0 else []
         assert [tuple(b) for b in strategy.buckets] == [tuple(b) for b in expected]
-    transport = strategy.transport
-    posted = [0]
-    isendrecv = transport.isendrecv
-
-    def counting(send_array, *args):          # non-empty sends, as the transport posts them
-        posted[0] += send_array is not None and send_array.nbytes > 0
-        return isendrecv(send_array, *args)
-    transport.isendrecv = counting
-    rng = np.random.default_rng(rank)
-    local = batch // size
-    for it in range(steps):
-        x = rng.normal(size=(local,) + model.input_shape).astype(model.dtype)
-        strategy.step(x, rng.integers(0, model.num_classes, size=local), it)
-    strategy.drain()
-    sent = world.allgather(int(transport.bytes_sent))
-    messages = world.allgather(posted[0])
-    strategy.close()
+    sent, messages = count_sends(strategy, model, batch, steps)
     expected = [steps * b for b in pm.traffic(model, mode, size, batch)]
     assert sent == expected, f"{mode} delay {delay} at N={size}: bytes sent per rank"
     expected = [steps * m for m in pm.messages(model, mode, size, batch, delay)]
@@ -940,7 +930,7 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
     # the worker's own output (one iteration, a tiny batch): what the record is made from
     from mpi4py import MPI
     world = MPI.COMM_WORLD
-    assert pm._calibrate_worker(1, ["lenet"], 3) == 0
+    assert worker.calibrate_worker(1, ["lenet"], 3) == 0
     out = capsys.readouterr().out.strip().splitlines()
     if world.Get_rank():
         assert out == []
@@ -954,7 +944,7 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
     assert sorted(raw["waits"]) == sorted(f"{kind}{c}" for kind in ("idle", "loaded")
                                           for c in pm.LOADED_EXCHANGES)
     assert all(v > 0 for v in raw["waits"].values())
-    record = pm._calibration_record(n, raw, 0.0)
+    record = calibration.calibration_record(n, raw, 0.0)
     assert record["model_cores"]["lenet"] > 0
     if n <= raw["cores"]:
         assert record["slice_s"] == record["msg_slice_s"] == 0.0
@@ -1009,7 +999,7 @@ def test_validate_writes_the_record_and_prints_its_readme_table(tmp_path, monkey
     def fake_validate(models, batch, steps, repeats, mpirun, iters, nps):
         seen.update(models=models, batch=batch, steps=steps, repeats=repeats, nps=nps)
         return record
-    monkeypatch.setattr(pm, "validate", fake_validate)
+    monkeypatch.setattr(cli, "validate", fake_validate)
     path = tmp_path / "docs-record.json"
     args = ["--compute", "k40", "--models", "lenet", "--profile", "pcie3", "--np", "1", "4",
             "--validate", "--validate-repeats", "2", "--validate-steps", "20", "--validation", str(path)]
@@ -1056,12 +1046,12 @@ def test_delay1_boundary_passes_are_charged_on_the_training_thread():
     no_passes = dict(pm.BOUNDARY_PASSES, none=0)
     with pm.facts(dict(pm.code_facts(), delay_compensation="none")):
         plain = pm.predict(system, lenet, "ring", 1, 2, 64)
-        original = pm.BOUNDARY_PASSES
-        pm.BOUNDARY_PASSES = no_passes
+        original = codefacts.BOUNDARY_PASSES
+        codefacts.BOUNDARY_PASSES = no_passes
         try:
             bare = pm.predict(system, lenet, "ring", 1, 2, 64)
         finally:
-            pm.BOUNDARY_PASSES = original
+            codefacts.BOUNDARY_PASSES = original
     assert plain.step_s - bare.step_s == pytest.approx(2 * pass_s, rel=1e-9)
     assert at("none", "ring", 0) == at("lookahead", "ring", 0)
     assert at("none", "single", 0, 1) == at("lookahead", "single", 0, 1)

@@ -1,0 +1,161 @@
+"""Profile ``local``: the calibration worker's timings under mpirun turned into links,
+contention, the stream's rate and steal, and the waits for descheduled peers."""
+import math
+import os
+import shutil
+import sys
+
+import numpy as np
+
+from ringnet.bench import run_json
+from ringnet.bench.model.compute import _ZERO_COMPUTE
+from ringnet.bench.model.exchange import _master_time, _tree_time
+from ringnet.bench.model.links import Link
+from ringnet.bench.model.system import System, scheduling_wait, usable_cores
+from ringnet.bench.model.worker import LOADED_EXCHANGES
+from ringnet.errors import UsageError
+
+__all__ = ["calibrate", "calibration_record", "describe_contention"]
+
+
+def _relative_lstsq(rows, rhs, seconds):
+    """Least squares of the *relative* error: each timing weighted by 1 / its measured time.
+
+    Timings on a shared machine scatter in proportion to their size, so plain least squares
+    lets the large messages' scatter set the latency; split-fc's activation messages and
+    the ring's steps at large N are small, and must count as much as the large ones.
+    """
+    weights = 1.0 / np.maximum(np.asarray(seconds, float), 1e-12)
+    solution, *_ = np.linalg.lstsq(np.array(rows) * weights[:, None], np.array(rhs) * weights,
+                                   rcond=None)
+    return solution
+
+
+def _fit_link(n, sizes_s, add_s_per_elem):
+    """Fit (alpha, beta) of ring RS+AG times: t = 2(N-1) alpha + 2(N-1)/N S / beta + adds."""
+    rows, rhs = [], []
+    for size, seconds in sizes_s:
+        adds = (n - 1) * add_s_per_elem * size / 4 / n
+        rows.append([2 * (n - 1), 2 * (n - 1) / n * size])
+        rhs.append(max(seconds - adds, 0.0))
+    alpha, inv_beta = _relative_lstsq(rows, rhs, [t for _, t in sizes_s])
+    if inv_beta <= 0:                      # latency-bound in the measured range
+        inv_beta = 1e-12
+    return max(float(alpha), 0.0), 1.0 / float(inv_beta)
+
+
+def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300, models=(), batch=64,
+              scaling="weak"):
+    """Run the calibration worker at each N under mpirun; return the ``local`` calibration.
+
+    ``models``' steps are timed at the per-rank batch (``batch``, or batch / N for strong
+    scaling) with every rank busy."""
+    if shutil.which(mpirun) is None:
+        raise UsageError(f"launcher {mpirun!r} not found; `pip install mpich` or pass --mpirun")
+    by_np = {}
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+    for n in nps:
+        per_rank = max(1, batch // n) if scaling == "strong" else batch
+        cmd = [mpirun, "-np", str(n), sys.executable, "-m", "ringnet.bench", "model",
+               "--calibrate-worker", "--iters", str(iters), "--batch-size", str(per_rank),
+               "--models", ",".join(models)]
+        raw = run_json(cmd, f"calibration at N={n}", env=env, timeout=timeout)
+        by_np[n] = calibration_record(n, raw, compute.add_s_per_elem)
+    return {"by_np": by_np}
+
+
+def _fit_rooted(mode, n, sizes_s, add_s_per_elem):
+    """Fit (alpha, beta) of tree or master reduce+broadcast times with the model's own formulas."""
+    timing = _tree_time if mode == "tree" else _master_time
+
+    def coefficient(alpha, beta, size):
+        link = Link("fit", alpha, beta)
+        system = System("fit", link, link, 1 << 30, _ZERO_COMPUTE)
+        return sum(timing(system, n, size, size // 4))
+    rows, rhs = [], []
+    for size, seconds in sizes_s:
+        a = coefficient(1.0, 1e30, size)                  # messages on the critical path
+        b = coefficient(0.0, 1.0, size)                   # bytes on the critical path
+        adds = (n - 1) * add_s_per_elem * size / 4
+        rows.append([a, b])
+        rhs.append(max(seconds - adds, 0.0))
+    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    return max(float(alpha), 0.0), 1.0 / max(float(inv_beta), 1e-12)
+
+
+def calibration_record(n, raw, add_s_per_elem):
+    """Turn one worker's timings into link, contention, and the stream's rate and steal."""
+    blocking = sorted((int(k), v) for k, v in raw["blocking"].items())
+    alpha, beta = _fit_link(n, blocking, add_s_per_elem) if n > 1 else (0.0, 1e30)
+    together = raw["together_s"]
+    rates, steals = [], []
+    for size, (span, work) in sorted((int(k), v) for k, v in raw["streamed"].items()):
+        alone = dict(blocking).get(size)
+        overlap = min(span, work)
+        if not alone or overlap <= 0:
+            continue
+        tail = max(0.0, span - work)            # ran after the compute, at blocking speed
+        rates.append(min(1.0, max(1e-3, (alone - min(tail, alone)) / overlap)))
+        steals.append(min(0.9, max(0.0, (work - together) / overlap)))
+    rooted = {mode: dict(zip(("alpha_s", "beta_Bps"),
+                             _fit_rooted(mode, n, sorted((int(k), v) for k, v in sizes.items()),
+                                         add_s_per_elem)))
+              for mode, sizes in raw.get("rooted", {}).items() if n > 1}
+    slowdown = together / raw["solo_s"]
+    # N busy ranks share at most the cores they may run on: ranks timed as a mean over
+    # ranks that start and end apart (one finishing early frees a core for the rest) can
+    # look as if they had more; a training step waits for its slowest rank
+    physical = raw.get("cores") or math.inf
+    if "cores" in raw:      # all ranks busy against one alone, waits that sleep: what N share
+        cores = min(n / max(slowdown, 1e-9), physical)
+    else:                   # older workers waited spinning (overstated), and named no cores
+        cores = usable_cores()
+    # each model's own step at its per-rank batch, every rank at once against one alone
+    model_cores = {name: min(n / max(v["together_s"] / v["solo_s"], 1e-9), physical)
+                   for name, v in raw.get("models", {}).items() if v.get("solo_s")}
+    slice_s, msg_slice_s = _wait_slices(n, raw.get("cores"), raw.get("waits"))
+    return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted, "cores": cores,
+            "slowdown": slowdown, "model_cores": model_cores,
+            # each model's slowest rank per step against the mean (older records: none)
+            "imbalance": {name: max(1.0, float(v["imbalance"]))
+                          for name, v in raw.get("models", {}).items() if "imbalance" in v},
+            "slice_s": slice_s, "msg_slice_s": msg_slice_s,
+            "rate": float(np.mean(rates)) if rates else 1.0,
+            "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
+
+
+def describe_contention(n, record):
+    """One line: each model's own step slowed with every rank busy, the waits for peers."""
+    steps = record.get("raw", {}).get("models", {})
+    words = [f"{name} step (batch {v['batch']}) with all ranks busy {v['together_s'] / v['solo_s']:.2f}x "
+             "alone" + (f", slowest rank {v['imbalance']:.2f}x the mean" if "imbalance" in v else "")
+             for name, v in steps.items() if v.get("solo_s")]
+    cores = record.get("raw", {}).get("cores")
+    if record.get("slice_s") or record.get("msg_slice_s"):
+        words.append(f"wait for descheduled peers {1e3 * scheduling_wait(n, cores, record['slice_s']):.2f} "
+                      f"ms per step, {1e6 * scheduling_wait(n, cores, record['msg_slice_s']):.0f} us per "
+                      f"message (slices {1e3 * record['slice_s']:.1f} / {1e3 * record['msg_slice_s']:.2f} ms)")
+    elif "waits" in record.get("raw", {}):
+        words.append("no wait for descheduled peers (a core per rank)")
+    return "; ".join(words) or "no per-model or wait timings (older calibration)"
+
+
+def _wait_slices(n, cores, waits):
+    """The scheduler slices (per blocking wait, per message) that the calibration's small
+    exchanges entered right after compute imply, or (0, 0) where every rank has a core.
+
+    The exchange of ``count`` ring all-reduces (2(N-1) messages each) entered after the
+    work unit takes ``W + count 2(N-1) w`` longer than entered idle: ``W`` the wait for
+    peers still descheduled when it starts, ``w`` each message's. Two counts give both;
+    each is :func:`scheduling_wait` of a slice at this N, which is inverted here.
+    """
+    if not waits or not cores or n <= cores or any(
+            f"{kind}{c}" not in waits for kind in ("idle", "loaded") for c in LOADED_EXCHANGES):
+        return 0.0, 0.0
+    lo, hi = LOADED_EXCHANGES[0], LOADED_EXCHANGES[-1]
+    extra = {c: max(0.0, waits[f"loaded{c}"] - waits[f"idle{c}"]) for c in (lo, hi)}
+    per_exchange = 2 * (n - 1)
+    per_msg = max(0.0, (extra[hi] - extra[lo]) / ((hi - lo) * per_exchange))
+    first = max(0.0, extra[lo] - lo * per_exchange * per_msg)
+    unit = scheduling_wait(n, cores, 1.0)
+    return first / unit, per_msg / unit

@@ -1,0 +1,229 @@
+"""Timing rules of the collectives, by route: the ring's lockstep steps, the tree's heap and
+the master's star (reduce, the root's adds, broadcast), each cut into the waits the code makes;
+and auto's all-reduce algorithms by the shared cost table (``ringnet.comm.cost.terms``)."""
+import dataclasses
+import math
+
+from ringnet.bench.model.codefacts import rooted_concurrent as _rooted_concurrent
+from ringnet.comm.cost import ALGORITHMS, choose, terms
+from ringnet.parallel.traffic import heap_children as _tree_children, rooted_pieces
+from ringnet.shards import shard_bounds as _shard_bounds
+
+__all__ = ["allreduce_time", "allreduce_rows", "auto_algorithms"]
+
+
+def _pieces(length, itemsize, route, n):
+    """Return the element ranges a rooted transfer of ``length`` elements is cut into, as
+    the communicator ``route`` at ``n`` ranks cuts them (its own ``pieces`` rule)."""
+    return rooted_pieces(route, length, itemsize, n)
+
+
+def _ring_time(system, bounds, itemsize, kind):
+    """Seconds of one ring reduce-scatter ("rs", with adds) or all-gather ("ag") over ``bounds``."""
+    return sum(seconds for _, seconds in _ring_items(system, bounds, itemsize, kind))
+
+
+def _ring_items(system, bounds, itemsize, kind):
+    """The ring collective as the stream runs it: [("msg", s) and ("cpu", s) for the adds]."""
+    n = len(bounds)
+    if n == 1:
+        return []
+    # lockstep: every step waits for the largest shard on the slowest hop of the ring; a
+    # step whose shards are all empty sends nothing (the transport skips zero-byte sides)
+    shard = max(b - a for a, b in bounds)
+    if shard == 0:
+        return []
+    hop = system.intra if n <= system.ranks_per_node else system.inter
+    items = []
+    for _ in range(n - 1):
+        items += _message(hop, shard * itemsize, system.msg_wait_s)
+        if kind == "rs":
+            items.append(("cpu", system.compute.add(shard)))
+    return items
+
+
+def _message(link, nbytes, peer_s=0.0):
+    """One message as the stream meets it: a wait for the peer ("msg", the latency), the
+    copy of its bytes ("copy", bytes / beta), and where ranks outnumber the cores the wait
+    for a descheduled peer ("peer"; beside compute the calibrated rate already holds it)."""
+    if not nbytes:
+        return []
+    return [("msg", link.alpha_s), ("copy", nbytes / link.beta_Bps)] + ([("peer", peer_s)] if peer_s else [])
+
+
+def _without_latency(system):
+    """The same system with every hop's latency zero (what remains: bytes and adds)."""
+    def flat(link):
+        return dataclasses.replace(link, alpha_s=0.0)
+    return dataclasses.replace(system, intra=flat(system.intra), inter=flat(system.inter))
+
+
+def _tree_time(system, n, nbytes, elems):
+    """Seconds of a tree reduce (to the root) plus broadcast (to the last leaf).
+
+    Heap of the code (children 2v+1, 2v+2). With the pipelined communicator every rank
+    receives both children's piece j at once (sharing its link), adds them and sends the
+    sum up while piece j+1 arrives; the broadcast relays piece by piece, a rank sending
+    each piece to both children at once. Without it (one piece, children one after the
+    other) the same recursion runs with serial receives.
+    """
+    if n <= 1:
+        return 0.0, 0.0
+    itemsize = max(1, nbytes // max(elems, 1))
+    concurrent = _rooted_concurrent()
+    pieces = [b - a for a, b in _pieces(elems, itemsize, "tree", n)] if concurrent else [elems]
+    ready = [[0.0] * len(pieces) for _ in range(n)]     # piece j's partial ready to go up
+    for v in range(n - 1, -1, -1):                      # children before parents
+        kids = _tree_children(v, n)
+        link = add = 0.0
+        for j, e in enumerate(pieces):
+            if not kids:
+                continue
+            size = e * itemsize
+            if concurrent:
+                link = max(link, max(ready[c][j] for c in kids)) \
+                    + max(system.hop(c, v).alpha_s for c in kids) \
+                    + sum(size / system.hop(c, v).beta_Bps for c in kids)
+                add = max(add, link) + len(kids) * system.compute.add(e)
+            else:
+                for c in kids:
+                    link = max(link, ready[c][j], add) + system.hop(c, v).time(size)
+                    add = link + system.compute.add(e)
+            ready[v][j] = add
+    reduce = ready[0][-1]
+    have = [[0.0] * len(pieces) for _ in range(n)]       # piece j arrived at v
+    for v in range(n):                                   # parents before children
+        kids = _tree_children(v, n)
+        out = 0.0
+        for j, e in enumerate(pieces):
+            if not kids:
+                continue
+            out = max(out, have[v][j]) + max(system.hop(v, c).alpha_s for c in kids) \
+                + sum(e * itemsize / system.hop(v, c).beta_Bps for c in kids)
+            for c in kids:
+                have[c][j] = out
+    return reduce, max(h[-1] for h in have)
+
+
+def _master_time(system, n, nbytes, elems):
+    """Seconds of the master's reduce (N-1 gradients into the root) and broadcast.
+
+    Pipelined communicator: the root posts every worker's piece j at once (they share its
+    link) and adds them in rank order while piece j+1 arrives; it sends each piece to all
+    workers at once. Without it: one worker after the other.
+    """
+    if n <= 1:
+        return 0.0, 0.0
+    itemsize = max(1, nbytes // max(elems, 1))
+    workers = range(1, n)
+    alpha = max(system.hop(w, 0).alpha_s for w in workers)
+    if not _rooted_concurrent():
+        reduce = sum(system.hop(w, 0).time(nbytes) + system.compute.add(elems) for w in workers)
+        return reduce, alpha + sum(nbytes / system.hop(0, w).beta_Bps for w in workers)
+    link = add = out = 0.0
+    for a, b in _pieces(elems, itemsize, "master", n):
+        size = (b - a) * itemsize
+        link += alpha + sum(size / system.hop(w, 0).beta_Bps for w in workers)
+        add = max(add, link) + (n - 1) * system.compute.add(b - a)
+        out += alpha + sum(size / system.hop(0, w).beta_Bps for w in workers)
+    return add, out
+
+
+def auto_algorithms():
+    """The all-reduce algorithms of the code's ``auto`` communicator (``ringnet.comm.cost``)."""
+    return tuple(ALGORITHMS)
+
+
+def allreduce_time(system, algorithm, nbytes, n, itemsize=4):
+    """Seconds of one all-reduce of ``nbytes`` over N ranks by ``algorithm`` (``auto``: the
+    algorithm the code's ``AutoCommunicator`` picks for this size and N, with its own rule).
+
+    The ring runs as the model's ring; auto's other algorithms by their rounds, the bytes
+    the busiest rank sends and the bytes it adds (``ringnet.comm.auto.terms``, the table
+    the code's choice is made from), each round one message time on this link.
+    """
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if algorithm == "auto":
+        algorithm = choose(nbytes, n)
+    elems = max(1, nbytes // itemsize)
+    if algorithm == "ring":
+        bounds = _shard_bounds(elems, n)
+        return _ring_time(system, bounds, itemsize, "rs") + _ring_time(system, bounds, itemsize, "ag")
+    rounds, sent, added = terms(algorithm, nbytes, n)
+    link = system.intra if n <= system.ranks_per_node else system.inter
+    cp = system.compute
+    return rounds * (link.alpha_s + cp.add_s_per_call) + sent / link.beta_Bps \
+        + added / itemsize * cp.add_s_per_elem
+
+
+def allreduce_rows(system, model, nps):
+    """Rows {model, profile, np, bytes, picked, auto_ms, ring_ms} for the whole gradient."""
+    if "ring" not in auto_algorithms():
+        return []
+    nbytes = model.num_params * model.dtype.itemsize
+    rows = []
+    for n in nps:
+        if n < 2:
+            continue
+        sys_n = system.at(n)
+        rows.append({"model": model.name, "profile": system.name, "np": n, "bytes": nbytes,
+                     "picked": choose(nbytes, n),
+                     "auto_ms": 1e3 * allreduce_time(sys_n, "auto", nbytes, n, model.dtype.itemsize),
+                     "ring_ms": 1e3 * allreduce_time(sys_n, "ring", nbytes, n, model.dtype.itemsize)})
+    return rows
+
+
+# route -> the timing of a rooted reduce and broadcast on it
+ROOTED_TIMES = {"tree": _tree_time, "master": _master_time}
+RING_KINDS = {"reduce_scatter": "rs", "allgather": "ag"}
+
+
+def _exchange_items(system, n, part, update_s):
+    """The exchange of one part of the plan at N ranks (a :class:`~ringnet.parallel.traffic.Part`),
+    as the stream runs it: [("msg", seconds) for each wait on a transfer, ("copy", seconds) for
+    its bytes, ("cpu", seconds) for adds and the update].
+
+    A ring collective runs over the part's shard bounds (:func:`_ring_items`); a rooted
+    reduce and broadcast as their route's timing (:data:`ROOTED_TIMES`) cuts them into the
+    waits the code makes; between the reduce and the distribution, the update of this
+    rank's share (``update_s``).
+    """
+    if n == 1 or not part.transfers:
+        return [("cpu", update_s)]
+    first = part.transfers[0]
+    if first.route in ROOTED_TIMES:
+        return _rooted_items(system, n, first, update_s)
+    items = []
+    for phase in ("reduce", "distribute"):
+        for t in part.transfers:
+            if t.phase == phase:
+                items += _ring_items(system, t.bounds, t.itemsize, RING_KINDS[t.op])
+        if phase == "reduce":
+            items.append(("cpu", update_s))
+    return items
+
+
+def _rooted_items(system, n, transfer, update_s):
+    """A rooted part: reduce, the root's update, broadcast, each cut into its waits."""
+    route, itemsize, elems = transfer.route, transfer.itemsize, transfer.length
+    if system.rooted and route in system.rooted:    # local: the link fitted on this communicator
+        link = system.rooted[route]
+        system = dataclasses.replace(system, intra=link, inter=link)
+    timing = ROOTED_TIMES[route]
+    reduce, bcast = timing(system, n, elems * itemsize, elems)
+    moved = timing(_without_latency(system), n, elems * itemsize, elems)
+    waits = _rooted_waits(route, n, elems, itemsize)
+
+    peer = [("peer", system.msg_wait_s)] if system.msg_wait_s else []
+
+    def cut(total, copied):
+        return ([("msg", max(0.0, total - copied) / waits), ("copy", copied / waits)] + peer) * waits
+    return cut(reduce, moved[0]) + [("cpu", update_s)] + cut(bcast, moved[1])
+
+
+def _rooted_waits(route, n, elems, itemsize):
+    """Waits on the critical path of a rooted reduce or broadcast (each may sleep until progressed)."""
+    pieces = len(_pieces(elems, itemsize, route, n)) if _rooted_concurrent() else 1
+    depth = max(1, math.ceil(math.log2(n + 1)) - 1) if route == "tree" else 1
+    return max(1, pieces * depth)

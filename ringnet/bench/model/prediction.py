@@ -1,0 +1,122 @@
+"""One step of a mode at N ranks, predicted: its compute laid out layer by layer, what the
+library says the step sends (``ringnet.parallel.step_traffic``), timed by each route's rule."""
+import dataclasses
+
+import numpy as np
+
+from ringnet.bench.model import sends
+from ringnet.bench.model.codefacts import boundary_s, code_facts
+from ringnet.bench.model.exchange import RING_KINDS, _exchange_items, _ring_time
+from ringnet.bench.model.simulate import _layer_timeline, _progress, _simulate
+from ringnet.parallel import MODES as REGISTRY
+from ringnet.parallel.fc_slices import fc_blocks
+from ringnet.shards import shard_bounds as _shard_bounds
+
+__all__ = ["Prediction", "predict"]
+
+
+@dataclasses.dataclass
+class Prediction:
+    """One predicted step: its parts in seconds and the bytes per rank. ``update_s`` is the
+    weights' work: this rank's update and, at delay 1, the step boundary's passes."""
+    step_s: float
+    compute_s: float
+    comm_s: float
+    update_s: float
+    exposed_s: float
+    bytes_mean: float
+    bytes_max: int
+
+
+def predict(system, model, mode, delay, n, batch):
+    """Predict one step of ``mode`` at N ranks; ``batch`` is the global batch (B/N per rank)."""
+    if mode not in REGISTRY:
+        raise ValueError(f"unknown mode {mode!r}")
+    if REGISTRY[mode].communicator is None:       # one process
+        n, delay = 1, 0
+    system = system.at(n)
+    system = dataclasses.replace(system, ranks_here=min(n, system.ranks_per_node))
+    cp = system.compute
+    name = model.name
+    slow = system.contention(n, name)
+    whole, bucketed, bucket_list = sends.step(model, mode, n, batch, delay)
+    region = whole.region
+    sent = whole.sent()
+    bytes_mean, bytes_max = float(np.mean(sent)), int(max(sent))
+    progress = _progress(system)
+    layers = range(len(model.layers))
+
+    if whole.activations:                       # split FC layers: activations collectives
+        blocks = fc_blocks(model)
+        fc_start = whole.stop_layer
+        fc_names = {lname for lname, _ in model.layers[fc_start:]}
+        share = max(max(b - a for a, b in _shard_bounds(layer.out_features, n)) / layer.out_features
+                    for _, layer, _ in blocks)
+        fc_compute = (cp.step_compute(name, batch, fc_names, share) + cp.overhead_s(name, batch)) * slow
+        fc_rows = sum(max(b - a for a, b in _shard_bounds(layer.out_features, n))
+                      * (layer.in_features + 1) for _, layer, _ in blocks)
+        fc_update = cp.update(fc_rows, 2 * len(blocks)) * slow
+        # The activation collectives block the training thread. On a GPU the strategy
+        # overlaps each backward reduce-scatter with the same block's dW/db (about half
+        # the layer's backward), the conversion layer's also with the FC update.
+        hidden = {}
+        if system.cores is None:
+            for bname, _, _ in blocks:
+                hidden[bname] = 0.5 * cp.layer(name, bname, batch, share)[1] * slow
+            hidden[blocks[0][0]] += fc_update
+        act = 0.0
+        for transfer in whole.activations:
+            t = _ring_time(system, transfer.bounds, transfer.itemsize, RING_KINDS[transfer.op])
+            block = transfer.beside
+            act += max(0.0, t - hidden.get(block, 0.0)) if block else t
+        local = batch / n
+        segments = ([("fwd", i, local, 1.0) for i in layers[:fc_start]]
+                    + [("dense", fc_compute + act + fc_update)]
+                    + [("bwd", i, local, 1.0) for i in reversed(layers[:fc_start])])
+        timeline = _layer_timeline(cp, model, segments, slow)
+        compute = timeline.end - act - fc_update
+        fixed = fc_update
+    else:
+        local = batch / n
+        segments = ([("fwd", i, local, 1.0) for i in layers]
+                    + [("dense", cp.overhead_s(name, local) * slow)]
+                    + [("bwd", i, local, 1.0) for i in reversed(layers)])
+        timeline = _layer_timeline(cp, model, segments, slow)
+        compute, act, fixed = timeline.end, 0.0, 0.0
+
+    def update_of(part):
+        """The update of the busiest rank's share of a part (the plan says whose it is)."""
+        return cp.update(part.updated) * slow
+
+    (everything,) = whole.parts
+    exchange = _exchange_items(system, n, everything, update_of(everything))
+    comm = sum(t for kind, t in exchange if kind in ("msg", "copy", "peer"))
+    # delay 1: the step boundary's element-wise passes over the region, on the training
+    # thread after it waited for the previous exchange and before it starts this one
+    boundary = (boundary_s(cp, region, code_facts().get("delay_compensation", "lookahead")) * slow
+                if delay else 0.0)
+    update = update_of(everything) + fixed + boundary
+    ops = []
+    if delay and n > 1:
+        ops = [(0.0, exchange)]
+    elif bucket_list:
+        ops = [(timeline.ready[layer], _exchange_items(system, n, part, update_of(part)))
+               for (_, _, layer), part in zip(bucket_list, bucketed.parts)]
+    if ops:
+        step, shift = _simulate(system, timeline, ops, progress)
+        compute += shift                # the stream's work the compute waited for on its core
+    else:
+        step = timeline.end + sum(t for _, t in exchange)
+    step += boundary
+    if n > 1:
+        # ranks beyond the cores: the first wait for peers after the rank's own compute finds
+        # some descheduled (measured once per step: the waits that follow in the same step
+        # meet peers already in step, and pay the per-message part in the link's latency)
+        step += system.wait_s
+        # a core per rank: at delay 0 every step ends when its slowest rank's compute does
+        # (delay 1 has a step of slack for it); where ranks share cores the wait for
+        # descheduled peers above stands for it (System.at keeps no imbalance there)
+        if not delay:
+            step += compute * ((system.imbalance or {}).get(name, 1.0) - 1.0)
+    return Prediction(step, compute, comm + act, update,
+                      max(0.0, step - compute - update), bytes_mean, bytes_max)

@@ -1,0 +1,142 @@
+"""The model's output: Markdown tables (the README's), the text tables, and the plot."""
+import math
+
+from ringnet.bench.model.sweeps import MODES, _label
+from ringnet.bench.model.validation import row_error
+from ringnet.errors import UsageError
+
+__all__ = ["MARKDOWN_TABLES", "PAPER_LABELS", "markdown_predictions", "markdown_paper",
+           "markdown_validation", "print_tables", "plot"]
+
+MARKDOWN_TABLES = ("predictions", "paper", "validation")
+PAPER_LABELS = {"lenet": "LeNet / MNIST", "cifar10_quick": "cifar10_quick / CIFAR-10"}
+
+
+def _minus(text):
+    return text.replace("-", "\u2212")
+
+
+def _ms(seconds_ms):
+    """Milliseconds to three significant digits, never in exponent form."""
+    return f"{seconds_ms:.3g}" if seconds_ms < 1000 else f"{seconds_ms:.0f}"
+
+
+def markdown_predictions(rows, nps):
+    """The predictions as one Markdown table: step ms and efficiency per mode, a row per
+    (model, profile, N)."""
+    from ringnet.bench.tables import markdown
+    cols = [md for md in MODES if any((r["mode"], r["delay"]) == md for r in rows)]
+    table = {}
+    for r in rows:
+        table.setdefault((r["model"], r["profile"]), {})[(r["mode"], r["delay"], r["np"])] = r
+    out = []
+    for (name, profile), got in table.items():
+        for n in nps:
+            cells = [got.get((md[0], md[1], n)) for md in cols]
+            if any(cells):
+                out.append([name, profile, n] + [f"{_ms(c['step_ms'])} ms, {c['efficiency']:.2f}"
+                                                 if c else "\u2013" for c in cells])
+    return markdown(["model", "profile", "N"] + [f"{_label(*md)} (step, efficiency)" for md in cols],
+                    out)
+
+
+def markdown_paper(rows):
+    """The research's setting: predicted speedup per mode beside the reported one."""
+    from ringnet.bench.tables import markdown
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], r["batch_per_gpu"]), {})[(r["mode"], r["delay"])] = r
+    out = []
+    for (name, batch), got in by.items():
+        cells = [f"**{got[('ring', 1)]['speedup']:.2f}**"]
+        cells += [f"{got[md]['speedup']:.2f}" if md in got else "\u2013"
+                  for md in (("ring", 0), ("tree", 0), ("master", 0), ("split-fc", 0))]
+        out.append([PAPER_LABELS.get(name, name), batch] + cells
+                   + [f"{got[('ring', 1)]['reported_speedup']:.2f}"])
+    return markdown(["model", "batch per GPU", "ring d1", "ring d0", "tree", "master", "split-fc",
+                     "reported (ring d1)"], out)
+
+
+def markdown_validation(rows):
+    """Predicted / measured ms (error) per model and mode, a column per N; the error is the
+    median of the rounds' paired errors."""
+    from ringnet.bench.tables import markdown
+    nps = sorted({r["np"] for r in rows})
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], _label(r["mode"], r["delay"])), {})[r["np"]] = r
+    out = []
+    for (name, label), got in by.items():
+        cells = []
+        for n in nps:
+            r = got.get(n)
+            if r is None:
+                cells.append("\u2013")
+                continue
+            err = 100 * row_error(r)
+            cells.append(_minus(f"{_ms(r['predicted_ms'])} / {_ms(r['measured_ms'])} ({err:+.0f}%)"))
+        out.append([name, label] + cells)
+    header = ["model", "mode"] + [f"N={n} predicted / measured ms" if i == 0 else f"N={n}"
+                                  for i, n in enumerate(nps)]
+    return markdown(header, out)
+
+
+def print_tables(rows, batch, scaling, nps):
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], r["profile"]), {})[(r["mode"], r["delay"], r["np"])] = r
+    for (name, profile), table in by.items():
+        cols = [md for md in MODES if any((md[0], md[1], n) in table for n in nps)]
+        per = "per rank" if scaling == "weak" else "global"
+        print(f"\n# {name}, profile {profile}, {scaling} scaling, batch {batch} {per}: "
+              "step ms / speedup / efficiency")
+        print(f"{'N':>5} " + " ".join(f"{_label(*md):>22}" for md in cols))
+        for n in nps:
+            cells = []
+            for md in cols:
+                r = table.get((md[0], md[1], n))
+                cells.append(f"{r['step_ms']:9.3g} {r['speedup']:6.3g} {r['efficiency']:5.2f}"
+                             if r else f"{'-':>22}")
+            if any(c.strip() != "-" for c in cells):
+                print(f"{n:>5} " + " ".join(f"{c:>22}" for c in cells))
+
+
+def plot(rows, path, title):
+    """Step time, speedup and efficiency against N: one row of panels per model."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install -e \".[plot]\"") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    profiles = list(dict.fromkeys(r["profile"] for r in rows))
+    styles = ["-", "--", ":", "-."]
+    colors = dict(zip([_label(*md) for md in MODES], plt.cm.tab10.colors))
+    fig, axes = plt.subplots(len(models), 3, figsize=(15, 4.2 * len(models)), squeeze=False)
+    for i, name in enumerate(models):
+        for j, (key, ylabel) in enumerate((("step_ms", "step time (ms)"), ("speedup", "speedup"),
+                                            ("efficiency", "efficiency"))):
+            ax = axes[i][j]
+            for k, profile in enumerate(profiles):
+                for md in MODES:
+                    pts = sorted((r["np"], r[key]) for r in rows if r["model"] == name
+                                 and r["profile"] == profile and (r["mode"], r["delay"]) == md)
+                    if len(pts) < 2:
+                        continue
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, styles[k % len(styles)], color=colors[_label(*md)],
+                            marker=".", label=f"{_label(*md)}, {profile}")
+            ax.set_xscale("log", base=2)
+            if key != "efficiency":
+                ax.set_yscale("log")
+            ax.set_xlabel("ranks N")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{name}: {ylabel}")
+            ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * math.ceil(len(labels) / 4), 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

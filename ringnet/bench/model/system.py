@@ -1,0 +1,118 @@
+"""Where the ranks run: links per hop, ranks per node, CPU contention (:class:`System`)."""
+import dataclasses
+import math
+
+from ringnet.bench.model.compute import ComputeProfile
+from ringnet.bench.model.links import LINKS, Link
+from ringnet.errors import UsageError
+
+__all__ = ["System", "scheduling_wait", "usable_cores", "make_system"]
+
+
+@dataclasses.dataclass
+class System:
+    """Where the ranks run: links per hop, ranks per node, and CPU contention.
+
+    ``cores`` is None for GPUs (compute and transfers do not share a core). On a CPU
+    machine (profile ``local``) it is the cores the job's ranks get: N / (the calibration's
+    compute with all N ranks busy against one alone, timed with waits that sleep), so on a
+    quiet machine the cores of its CPU affinity, and on a shared one what the load leaves
+    (records of the older worker, whose waits spun, use the affinity). Ranks beyond them
+    share them: each rank's compute takes N / cores times as long (a rank whose stream
+    sleeps, as with driven progress, keeps one busy thread);
+    ``steal`` is the fraction of its rank's core a polling delay-1 exchange takes while it
+    runs, and ``rate`` the fraction of its blocking speed that exchange makes meanwhile
+    (measured; ``calibrated`` holds them per calibrated N). ``imbalance`` (per model, only
+    where every rank has a core): the slowest rank's step against the ranks' mean, step by
+    step with all ranks busy; a delay-0 step ends with its slowest rank.
+    """
+    name: str
+    intra: Link
+    inter: Link
+    ranks_per_node: int
+    compute: ComputeProfile
+    cores: float = None
+    steal: float = 0.0
+    rate: float = 1.0
+    rooted: dict = None              # local: mode -> Link calibrated on that communicator
+    calibrated: dict = None
+    ranks_here: int = 1              # ranks of this job on one node (set per prediction)
+    model_cores: dict = None         # local: model -> cores measured with its own step
+    wait_s: float = 0.0              # a step's first wait for peers descheduled (N > cores)
+    imbalance: dict = None           # local, a core per rank: model -> slowest rank's step / mean
+    msg_wait_s: float = 0.0          # each blocking message's wait for them
+
+    def hop(self, a, b):
+        """Return the Link between ranks a and b (ranks fill nodes in order)."""
+        same = a // self.ranks_per_node == b // self.ranks_per_node
+        return self.intra if same else self.inter
+
+    def at(self, n):
+        """Return the system an N-rank job sees (local: the calibration nearest N)."""
+        if not self.calibrated:
+            return self
+        near = min(self.calibrated, key=lambda k: (abs(math.log2(k) - math.log2(max(n, 1))), k))
+        c = self.calibrated[near]
+        link = Link(f"local@{near}", c["alpha_s"], c["beta_Bps"], "calibrated here")
+        rooted = {mode: Link(f"local-{mode}@{near}", v["alpha_s"], v["beta_Bps"], "calibrated here")
+                  for mode, v in c.get("rooted", {}).items()}
+        # ranks beyond the cores: a blocking wait finds its peer descheduled (the slices the
+        # calibration measured, scaled to this N by the closed form); each message likewise
+        cores_here = c.get("raw", {}).get("cores") or usable_cores()
+        wait = scheduling_wait(n, cores_here, c.get("slice_s", 0.0))
+        per_msg = scheduling_wait(n, cores_here, c.get("msg_slice_s", 0.0))
+        return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
+                                   cores=c.get("cores") or usable_cores(), steal=c["steal"],
+                                   model_cores=c.get("model_cores") or None, wait_s=wait,
+                                   imbalance=(c.get("imbalance") or None) if n <= cores_here
+                                   else None,
+                                   msg_wait_s=per_msg)
+
+    def contention(self, n, model=None):
+        """Return the compute slowdown of N ranks busy at once on this node: max(1, N / cores),
+        ``cores`` measured with ``model``'s own step where the calibration timed it."""
+        if self.cores is None:
+            return 1.0
+        cores = (self.model_cores or {}).get(model) or self.cores
+        return max(1.0, min(n, self.ranks_per_node) / cores)
+
+
+def scheduling_wait(n, cores, slice_s):
+    """Mean wait of a rank that blocks on a peer when N busy ranks share ``cores`` cores.
+
+    Round robin with time slices ``slice_s``: a peer runs a share cores/N of the time and
+    is otherwise off for (N/cores - 1) slices; met at a random moment it is off with
+    probability 1 - cores/N, for half an off period on average:
+    (1 - cores/N) (N/cores - 1) slice / 2. Zero while every rank has a core (N <= cores;
+    GPUs, cluster nodes with a core per rank).
+    """
+    if not cores or n <= cores or not slice_s:
+        return 0.0
+    return (1 - cores / n) * (n / cores - 1) * slice_s / 2
+
+
+def usable_cores():
+    """The cores the job's ranks on this node share: this process's CPU affinity, or the
+    machine's cores where the launcher bound each rank to one of its own
+    (:func:`ringnet.comm.topology.node_cores`)."""
+    from ringnet.comm.topology import node_cores
+    return node_cores()
+
+
+def make_system(spec, compute, ranks_per_node, calibration=None):
+    """Return the System for a profile string ``INTRA[/INTER]`` or ``local``."""
+    if spec == "local":
+        from ringnet.bench.model.calibration import calibration_record  # late: it times with System
+        if calibration is None:
+            raise UsageError("profile 'local' needs a calibration (--calibrate or --calibration FILE)")
+        # from the raw timings when present, so a saved calibration follows this code
+        records = {int(k): (calibration_record(int(k), v["raw"], compute.add_s_per_elem)
+                            if "raw" in v and compute is not None else v)
+                   for k, v in calibration["by_np"].items()}
+        system = System("local", None, None, 1 << 30, compute, calibrated=records)
+        return system.at(min(records))
+    names = spec.split("/")
+    if len(names) > 2 or any(n not in LINKS for n in names):
+        raise UsageError(f"unknown profile {spec!r}: use INTRA[/INTER] with names from "
+                         f"{', '.join(LINKS)}, or local")
+    return System(spec, LINKS[names[0]], LINKS[names[-1]], ranks_per_node, compute)

@@ -1,0 +1,113 @@
+"""The model's text report: the inputs it used, the tables, crossovers, the research's
+setting and the validation, as ``python -m ringnet.bench model`` prints them."""
+import os
+import statistics
+
+from ringnet.bench.model.calibration import calibration_record, describe_contention
+from ringnet.bench.model.codefacts import OLD_FACTS, code_facts, describe_facts
+from ringnet.bench.model.compute import profile_method
+from ringnet.bench.model.links import LINKS
+from ringnet.bench.model.report import markdown_validation, print_tables
+from ringnet.bench.model.sweeps import PAPER_NP, _label
+from ringnet.bench.model.validation import diagnose, row_error
+
+__all__ = ["print_report", "print_validation"]
+
+
+def print_report(args, compute, profiles, calibration, nps, predictions, allreduces, crosses,
+                 paper, paper_compute):
+    """Print the inputs (compute, the code modelled, links, calibration) and every table but
+    the validation's."""
+    print(f"# compute: {compute.name} ({compute.source})")
+    print(f"# the code modelled: {describe_facts(code_facts())}")
+    for spec in profiles:
+        if spec in ("local",):
+            continue
+        for part in dict.fromkeys(spec.split("/")):
+            print(f"# link {part}: alpha {LINKS[part].alpha_s * 1e6:.1f} us, beta "
+                  f"{LINKS[part].beta_Bps / 1e9:.2f} GB/s ({LINKS[part].source})")
+    if calibration:
+        for n, c in sorted((int(k), v) for k, v in calibration["by_np"].items()):
+            c = calibration_record(n, c["raw"], compute.add_s_per_elem) if "raw" in c else c
+            print(f"# local at N={n}: alpha {c['alpha_s'] * 1e6:.1f} us, beta "
+                  f"{c['beta_Bps'] / 1e9:.2f} GB/s; beside compute the stream moves at "
+                  f"{c['rate']:.2f} of that speed; "
+                  f"compute slowdown {max(1.0, n / c['cores']):.2f} (effective cores "
+                  f"{c['cores']:.2f}; all ranks busy against one alone: {c['slowdown']:.2f}, "
+                  f"{c['raw'].get('cores', '?')} cores here); "
+                  f"stream steals {c['steal']:.2f} of a core; {describe_contention(n, c)}")
+    print_tables(predictions, args.batch_size, args.scaling, nps)
+    if allreduces:
+        print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "
+              "picks for the size and N) against the ring, on each profile")
+        print(f"  {'model':14s} {'profile':15s} {'N':>5s} {'bytes':>9s} {'auto picks':>10s} "
+              f"{'auto ms':>9s} {'ring ms':>9s}")
+        for r in allreduces:
+            print(f"  {r['model']:14s} {r['profile']:15s} {r['np']:>5d} {r['bytes']:>9d} "
+                  f"{r['picked']:>10s} {r['auto_ms']:9.3g} {r['ring_ms']:9.3g}")
+    if crosses:
+        print("\n# crossovers (time per image): from N on, the first mode is faster")
+        for c in crosses:
+            print(f"  {c['model']:14s} {c['profile']:15s} {c['faster']:>11s} beats "
+                  f"{c['than']:<11s} from N = {c['from_np']}")
+    print(f"\n# research setting: {PAPER_NP} GPUs, compute {paper_compute.name} "
+          f"({paper_compute.source}), link {args.paper_profile}, Caffe's per-GPU batch")
+    print(f"  {'model':14s} {'batch/GPU':>9s} {'mode':>11s} {'step ms':>8s} {'speedup':>8s} "
+          f"{'reported':>8s}")
+    for r in paper:
+        rep = f"{r['reported_speedup']:.2f}" if r["reported_speedup"] else "-"
+        print(f"  {r['model']:14s} {r['batch_per_gpu']:>9d} {_label(r['mode'], r['delay']):>11s} "
+              f"{r['step_ms']:8.3f} {r['speedup']:8.2f} {rep:>8s}")
+
+
+def print_validation(args, validation, record):
+    """Print the validation: predicted beside measured per configuration, where the model is
+    off and why, each round's contention and the README's table after a measuring run."""
+    print(f"\n# validation on this machine: global batch {args.validate_batch}, "
+          f"{args.validate_steps} steps, median of {args.validate_repeats} interleaved rounds; "
+          f"the code measured: {describe_facts(record.get('code', OLD_FACTS))}"
+          + (f"; load average then {', '.join(f'{x:.1f}' for x in record['load_average'])}"
+             if record.get("load_average") else ""))
+    methods = sorted({profile_method(rnd["compute"]) for rnd in record["rounds"]})
+    print(f"# compute profile of each round: {', '.join(methods)}")
+    print(f"  {'model':14s} {'mode':>11s} {'N':>3s} {'predicted ms':>12s} {'measured ms':>11s} "
+          f"{'error':>7s} {'each round':>17s} {'spread':>7s}")
+    errors = []
+    for r in validation:
+        err = row_error(r)
+        errors.append(abs(err))
+        each = r.get("errors") or [err]
+        span = (f"{100 * min(each):+.0f}..{100 * max(each):+.0f}%" if len(each) > 1
+                else "-")
+        print(f"  {r['model']:14s} {_label(r['mode'], r['delay']):>11s} {r['np']:>3d} "
+              f"{r['predicted_ms']:12.2f} {r['measured_ms']:11.2f} {100 * err:+6.1f}% "
+              f"{span:>17s} {100 * r['spread']:6.0f}%")
+    within = sum(e <= 0.15 for e in errors)
+    print(f"  median |error| {100 * statistics.median(errors):.0f}%, {within} of {len(errors)} "
+          f"within 15% (every configuration measured; error = median over rounds of each "
+          f"round's prediction against its measurement); spread = (max - min) / median of "
+          f"the measured rounds: {100 * statistics.median(r['spread'] for r in validation):.0f}% "
+          "(median)")
+    both = [r for r in validation
+            if min(map(abs, r.get("errors") or [1.0])) <= 0.15 < max(map(abs, r.get("errors") or [0.0]))]
+    if both:
+        print(f"  {len(both)} row(s) within 15% in one round and outside in another: noise "
+              "decides them, not the model")
+    off = [r for r, e in zip(validation, errors) if e > 0.15]
+    if off:
+        print("# where the model is off by more than 15%, and the part of the step that differs most")
+        for r in off:
+            print(f"  {r['model']:14s} {diagnose(r, validation)}")
+    for i, rnd in enumerate(record["rounds"]):
+        for n, c in sorted((int(k), v) for k, v in rnd["calibration"]["by_np"].items()):
+            if "raw" in c:
+                c = calibration_record(n, c["raw"], rnd["compute"]["add_ns_per_element"] * 1e-9)
+                print(f"# round {i + 1}, N={n}: {describe_contention(n, c)}")
+    print(f"# load average now: {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
+          "(timings on a loaded machine move by tens of percent)")
+    if args.validate:
+        where = args.validation or "FILE"
+        print(f"\n# the README's validation table (reprinted by `python -m ringnet.bench model "
+              f"--compute k40 --np {' '.join(map(str, sorted({r['np'] for r in validation})))} "
+              f"--validation {where} --table validation --markdown`):")
+        print(markdown_validation(validation))

@@ -1,0 +1,136 @@
+"""Validation: the model's prediction beside ``ringnet.train`` measured on this machine."""
+import os
+import statistics
+import sys
+
+from ringnet.bench.model.calibration import calibrate
+from ringnet.bench.model.codefacts import OLD_FACTS, code_facts, facts
+from ringnet.bench.model.compute import compute_from_json
+from ringnet.bench.model.prediction import predict
+from ringnet.bench.model.profiling import measure_compute
+from ringnet.bench.model.sweeps import MODES, REFERENCE, _label, communicates, fits
+from ringnet.bench.model.system import make_system
+from ringnet.models import build_model
+
+__all__ = ["VALIDATION_NP", "VALIDATION_MODES", "validate", "validation_rows", "row_error",
+           "diagnose"]
+
+VALIDATION_NP = (1, 2, 4)
+VALIDATION_MODES = tuple(md for md in MODES if communicates(md[0]))
+
+
+def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=600,
+             nps=VALIDATION_NP):
+    """Measure, in each of ``repeats`` rounds: the compute profile, the local calibration, and
+    ``python -m ringnet.train`` (through ``bench scaling``) for every mode at each N.
+
+    Returns a record that :func:`validation_rows` turns into predicted-beside-measured rows;
+    each round's prediction uses that round's inputs (a shared machine's speed drifts)."""
+    from ringnet.bench import scaling
+    args = scaling._parser().parse_args([])
+    args.batch_size, args.steps, args.mpirun, args.timeout = batch, steps, mpirun, timeout
+    configs = [(m, REFERENCE, 0, 1) for m in models]
+    configs += [(m, mode, delay, n) for m in models for n in nps for mode, delay in VALIDATION_MODES
+                if fits(mode, build_model(m), n)]
+    rounds = []
+    for round_ in range(repeats):
+        compute = measure_compute(models)
+        calibration = calibrate(tuple(n for n in nps if n > 1), compute, mpirun, iters,
+                                models=models, batch=batch, scaling="strong")
+        measured = []
+        for i, (name, mode, delay, n) in enumerate(configs):
+            args.model = name
+            result = scaling.run_config(args, mode, delay, n)
+            steps_run = max(int(result.get("steps") or steps), 1)
+            measured.append({"model": name, "mode": mode, "delay": delay, "np": n,
+                             "step_ms": result["step_ms"],
+                             # per step, mean over ranks: where the time went
+                             **{f"{part}_ms": 1e3 * result[f"{key}_s"] / steps_run
+                                for part, key in (("compute", "compute"), ("exposed", "comm_wait"),
+                                                  ("update", "update"), ("data", "data"))
+                                if f"{key}_s" in result}})
+            print(f"\r[round {round_ + 1}/{repeats}] {i + 1}/{len(configs)} ", end="",
+                  file=sys.stderr, flush=True)
+        rounds.append({"compute": compute.to_json(), "calibration": calibration,
+                       "measured": measured})
+    print(file=sys.stderr)
+    return {"batch_size": batch, "steps": steps, "rounds": rounds, "code": code_facts(),
+            "load_average": list(os.getloadavg())}
+
+
+def validation_rows(record):
+    """Return [{model, mode, delay, np, predicted_ms, measured_ms, error, errors, spread, parts}]:
+    every configuration measured, none left out. ``predicted_ms``/``measured_ms`` are medians
+    over the rounds; ``errors`` each round's own error (that round's prediction, from that
+    round's profile and calibration, against that round's measurement) and ``error`` their
+    median, so a drift of the machine between rounds is not mistaken for a model error;
+    ``spread`` = (max - min) / median of the measured step."""
+    with facts(record.get("code", OLD_FACTS)):       # as the code that was measured ran
+        return _validation_rows(record)
+
+
+def _validation_rows(record):
+    batch = record["batch_size"]
+    table = {}
+    for rnd in record["rounds"]:
+        compute = compute_from_json(rnd["compute"])
+        system = make_system("local", compute, 1, rnd["calibration"])
+        for m in rnd["measured"]:
+            key = (m["model"], m["mode"], m["delay"], m["np"])
+            pred = predict(system, build_model(m["model"]), m["mode"], m["delay"], m["np"], batch)
+            entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": []})
+            entry["predicted"].append(pred.step_s * 1e3)
+            entry["measured"].append(m["step_ms"])
+            parts = {"compute": (pred.compute_s * 1e3, m.get("compute_ms")),
+                     "exposed": (pred.exposed_s * 1e3, m.get("exposed_ms")),
+                     "update": (pred.update_s * 1e3, m.get("update_ms")),
+                     "data": (0.0, m.get("data_ms"))}
+            entry["parts"].append(parts)
+    rows = []
+    for k, v in table.items():
+        parts = {}
+        for part in ("compute", "exposed", "update", "data"):
+            pred = statistics.median(p[part][0] for p in v["parts"])
+            got = [p[part][1] for p in v["parts"] if p[part][1] is not None]
+            parts[part] = (pred, statistics.median(got) if got else None)
+        # paired: each round's prediction against that round's measurement, then the median
+        errors = [(p - m) / m for p, m in zip(v["predicted"], v["measured"])]
+        rows.append({"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
+                     "predicted_ms": statistics.median(v["predicted"]),
+                     "measured_ms": statistics.median(v["measured"]),
+                     "error": statistics.median(errors), "errors": errors,
+                     "spread": (max(v["measured"]) - min(v["measured"]))
+                     / statistics.median(v["measured"]), "parts": parts})
+    return rows
+
+
+def row_error(row):
+    """A validation row's error: the median of its rounds' paired errors (records reprinted
+    by older code: the error of the medians)."""
+    if "error" in row:
+        return row["error"]
+    return (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+
+
+def diagnose(row, rows):
+    """Say where a validation row's error comes from: the part of the step (compute, exposed
+    communication, update, data loading the model does not charge) that differs most, and
+    how far the machine itself moved (the spread of this row's rounds; the N=1 rows of the
+    same model, which all do the same work)."""
+    err = row_error(row)
+    measured = {k: v for k, v in row["parts"].items() if v[1] is not None}
+    words = []
+    if measured:
+        diffs = {k: p - m for k, (p, m) in measured.items()}
+        worst = max(diffs, key=lambda k: abs(diffs[k]))
+        what = {"compute": "compute (the profile or the contention at this N)",
+                "exposed": "exposed communication (the link or the overlap)",
+                "update": "the update", "data": "data loading (not modelled)"}[worst]
+        words.append(f"{what}: predicted {measured[worst][0]:.1f} ms, measured "
+                     f"{measured[worst][1]:.1f} ms")
+    ones = [r["measured_ms"] for r in rows if r["model"] == row["model"] and r["np"] == 1]
+    if len(ones) > 1:
+        floor = (max(ones) - min(ones)) / statistics.median(ones)
+        words.append(f"same-work N=1 rows of {row['model']} differ by {100 * floor:.0f}%")
+    words.append(f"rounds of this row differ by {100 * row['spread']:.0f}%")
+    return f"{_label(row['mode'], row['delay'])} N={row['np']} {100 * err:+.0f}%: " + "; ".join(words)

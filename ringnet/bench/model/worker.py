@@ -1,0 +1,209 @@
+"""The calibration worker, run under mpirun (``python -m ringnet.bench model --calibrate-worker``):
+time the ring communicator blocking and on its stream beside compute, one JSON line on rank 0."""
+import json
+import math
+import time
+
+import numpy as np
+
+from ringnet.bench.model.compute import _median_time
+from ringnet.bench.model.system import usable_cores
+from ringnet.models import build_model
+
+__all__ = ["calibrate_worker", "CALIBRATION_SIZES", "STREAM_SIZES", "LOADED_EXCHANGES",
+           "DIRECT_SAMPLES", "STEPS_TIMED_S"]
+
+CALIBRATION_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
+STREAM_SIZES = (512 << 10, 2 << 20)
+
+
+def calibrate_worker(iters, models=(), batch=0):
+    """Under mpirun: time the ring communicator blocking and on its stream beside compute.
+
+    Prints one JSON line on rank 0: the compute work unit alone and with every rank busy,
+    each of ``models``' training step (forward, loss, backward) at the per-rank ``batch``
+    alone and on every rank at once, blocking reduce-scatter+all-gather per size, per
+    stream size the exchange's own duration and the work unit's time while it ran, and a
+    small exchange (1 and 4 ring all-reduces of 4 KiB on the stream, waited for as
+    training waits) entered idle and entered right after the work unit.
+    """
+    from mpi4py import MPI
+    from ringnet.comm import (MasterSlaveCommunicator, MpiTransport, RingCommunicator,
+                              TreeCommunicator)
+    world = MPI.COMM_WORLD
+    rank, n = world.Get_rank(), world.Get_size()
+    transport = MpiTransport(world)
+    ring = RingCommunicator(transport)
+    rooted = {"tree": TreeCommunicator(transport), "master": MasterSlaveCommunicator(transport)}
+    model = build_model("lenet", seed=rank)
+    rng = np.random.default_rng(rank)
+    x = rng.normal(size=(16,) + model.input_shape).astype(model.dtype)
+    y = rng.integers(0, model.num_classes, size=16)
+
+    def work():
+        for _ in range(4):
+            model.loss_and_grad(x, y)
+
+    def idle_barrier():
+        # sleeps while waiting, so an idle rank leaves its core to the others
+        request = world.Ibarrier()
+        while not request.Test():
+            time.sleep(2e-4)
+
+    def reduced(seconds, op):
+        # element-wise over the ranks; sleeps while waiting (as idle_barrier), so a rank done
+        # early does not spin on a core its slower peers need (a spinning MAX reduce made 4
+        # ranks on 2 cores look 3.3x slower than one, where training, whose waits sleep,
+        # runs them 2x slower)
+        seconds = np.atleast_1d(np.asarray(seconds, dtype=np.float64))
+        out = np.zeros_like(seconds)
+        request = world.Iallreduce(seconds, out, op=op)
+        while not request.Test():
+            time.sleep(2e-4)
+        return out
+
+    def slowest(seconds):
+        return float(reduced(seconds, MPI.MAX)[0])
+
+    def mean_over_ranks(seconds):
+        return float(reduced(seconds, MPI.SUM)[0]) / n
+
+    work()
+    solo, together = [], []
+    for _ in range(iters):
+        idle_barrier()
+        if rank == 0:
+            solo.append(_median_time(work, 1))
+        idle_barrier()
+        together.append(slowest(_median_time(work, 1)))
+    # each model's own step at its per-rank batch: one rank alone (the others sleep), then
+    # every rank at once (training's compute time is the mean over ranks)
+    steps = {}
+    for name in models:
+        net = build_model(name, seed=rank)
+        xb = rng.normal(size=(batch,) + net.input_shape).astype(net.dtype)
+        yb = rng.integers(0, net.num_classes, size=batch)
+
+        net.loss_and_grad(xb, yb)
+        # steps back to back for at least STEPS_TIMED_S: several scheduler slices, so ranks
+        # that share a core share it as in training (one short step may run unshared)
+        calls = world.bcast(max(1, math.ceil(STEPS_TIMED_S / _median_time(
+            lambda: net.loss_and_grad(xb, yb), 1))) if rank == 0 else None, root=0)
+
+        def each_step():
+            times = np.empty(calls)
+            for i in range(calls):
+                t0 = time.perf_counter()
+                net.loss_and_grad(xb, yb)
+                times[i] = time.perf_counter() - t0
+            return times
+        alone, all_ranks, imbalance = [], [], []
+        for _ in range(DIRECT_SAMPLES * iters):
+            idle_barrier()
+            if rank == 0:
+                alone.append(float(each_step().mean()))
+            idle_barrier()
+            times = each_step()
+            mean = mean_over_ranks(float(times.mean()))
+            all_ranks.append(mean)
+            # a synchronous step waits for its slowest rank: the k-th steps' maximum over
+            # the ranks against their mean
+            imbalance.append(float(reduced(times, MPI.MAX).mean()) / mean)
+        steps[name] = {"batch": batch, "calls": calls,
+                       "solo_s": float(np.median(alone)) if rank == 0 else 0.0,
+                       "together_s": float(np.median(all_ranks)),
+                       "imbalance": float(np.median(imbalance))}
+    def sizes_timed(exchange):
+        """Median (over iters) of the slowest rank's time of ``exchange(buf)``, per size."""
+        times = {}
+        for size in CALIBRATION_SIZES:
+            buf = np.ones(size // 4, np.float32)
+            samples = []
+            for _ in range(iters):
+                idle_barrier()
+                t0 = time.perf_counter()
+                exchange(buf)
+                samples.append(slowest(time.perf_counter() - t0))
+            times[size] = float(np.median(samples))
+        return times
+
+    def ring_allreduce(buf):
+        ring.reduce_scatter(buf)
+        ring.allgather(buf)
+
+    def rooted_allreduce(comm):
+        def run(buf):
+            comm.reduce(buf, root=0)
+            comm.bcast(buf, root=0)
+        return run
+
+    blocking = sizes_timed(ring_allreduce)
+    # the tree's and master's reduce + broadcast: their messages are fewer and larger
+    by_mode = {mode: sizes_timed(rooted_allreduce(comm)) for mode, comm in rooted.items()}
+    stream = ring.new_stream()
+    streamed = {}
+    try:                                 # progress at layer boundaries, as the strategies do
+        from ringnet.comm.stream import progress_all
+    except ImportError:
+        progress_all = None
+    if progress_all is not None and hasattr(model, "layer_hook"):
+        model.layer_hook = lambda phase, index: progress_all()
+    for size in STREAM_SIZES:
+        buf = np.ones(size // 4, np.float32)
+        spans, works = [], []
+
+        def exchange(out):
+            t0 = time.perf_counter()
+            ring.reduce_scatter(buf)
+            ring.allgather(buf)
+            out.append(time.perf_counter() - t0)
+        for _ in range(iters):
+            idle_barrier()
+            got = []
+            t0 = time.perf_counter()
+            handle = stream.submit(exchange, got)
+            work()
+            t_work = time.perf_counter() - t0
+            handle.wait()
+            spans.append(slowest(got[0]))
+            works.append(slowest(t_work))
+        streamed[size] = (float(np.median(spans)), float(np.median(works)))
+    # waits for peers: a small exchange on the stream, waited for as training waits (the
+    # waiting thread drives it), entered idle or right after the work unit; from the end
+    # of the rank's own work to the exchange's end, mean over ranks
+    small = np.ones(1024, np.float32)
+
+    def exchanges(count):
+        for _ in range(count):
+            small.fill(1.0)
+            ring.reduce_scatter(small)
+            ring.allgather(small)
+    waits = {}
+    for _ in range(DIRECT_SAMPLES * iters):
+        for count in LOADED_EXCHANGES:
+            for kind in ("idle", "loaded"):
+                idle_barrier()
+                if kind == "loaded":
+                    work()
+                t0 = time.perf_counter()
+                stream.submit(exchanges, count).wait()
+                waits.setdefault(f"{kind}{count}", []).append(
+                    mean_over_ranks(time.perf_counter() - t0))
+    stream.close()
+    if rank == 0:
+        print(json.dumps({"np": n, "cores": usable_cores(), "solo_s": float(np.median(solo)),
+                          "together_s": float(np.median(together)),
+                          "blocking": blocking, "streamed": streamed,
+                          "rooted": by_mode, "models": steps,
+                          "waits": {k: float(np.median(v)) for k, v in waits.items()}}),
+              flush=True)
+    return 0
+
+
+# exchanges in a row of the calibration's wait measurement (two counts: per wait, per message)
+LOADED_EXCHANGES = (1, 4)
+# the contention and the waits go into every step's prediction as measured (no fit smooths
+# them): they take this many times --iters samples, a median that one slow moment moves less
+DIRECT_SAMPLES = 2
+# a model's steps are timed back to back for at least this long (a few scheduler slices)
+STEPS_TIMED_S = 0.03
