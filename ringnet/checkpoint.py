@@ -37,7 +37,8 @@ import h5py
 import numpy as np
 
 from ringnet.data.hdf5 import file_mode
-from ringnet.errors import InputError, SetupError, fault_point
+from ringnet.errors import InputError, SetupError
+from ringnet.control import fault_point
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_lookahead_base", "check_writable",
            "checkpoint_bytes", "stale_temporaries", "temporaries_guard", "resume_settings",
@@ -311,7 +312,8 @@ def load_checkpoint(path):
             for group_name in ("params", "momentum", "prev_params"):
                 groups[group_name] = ({name: ds[()] for name, ds in f[group_name].items()}
                                       if group_name in f else None)
-            attrs = {key: (value.item() if isinstance(value, np.generic) else value)
+            attrs = {key: (value.item() if isinstance(value, np.generic) else
+                           value.decode() if isinstance(value, bytes) else value)
                      for key, value in f.attrs.items()}
             attrs["rng"] = json.loads(attrs["rng"]) if attrs.get("rng") else None
         except (OSError, KeyError, ValueError, AttributeError) as exc:
@@ -357,8 +359,6 @@ def resume_settings(attrs, given):
     settings, overridden = {}, []
     for name in HYPERPARAMETERS:
         stored = attrs.get(name)
-        if isinstance(stored, bytes):
-            stored = stored.decode()
         if stored is None or (isinstance(stored, str) and not stored):
             continue
         asked = given.get(name)

@@ -5,7 +5,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from ringnet.errors import ArgumentParser, TransportUnavailable, UsageError
+from ringnet.errors import TransportUnavailable, UsageError
+from ringnet.cli import ArgumentParser
 from ringnet.parallel import MODES, delayed_update
 from ringnet.parallel.delayed_update import COMPENSATIONS, WARMUP_SPANS, lookahead_warmup
 
@@ -160,7 +161,7 @@ class TrainConfig:
         data_dir = None if cfg.data_dir is None else os.path.expanduser(cfg.data_dir)
         if data_dir is not None and not os.path.isdir(data_dir):
             what = "is not a folder" if os.path.exists(data_dir) else "does not exist"
-            from ringnet.data.datasets import DOWNLOADABLE     # late: an error path only
+            from ringnet.data.catalog import DOWNLOADABLE     # late: an error path only
             if cfg.dataset in DOWNLOADABLE and what == "does not exist":
                 what += (f"; get {cfg.dataset} into it with: python -m ringnet.datasets "
                          f"download {cfg.dataset} --dir {cfg.data_dir}")

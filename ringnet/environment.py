@@ -25,8 +25,8 @@ RUN_KNOBS = ("RINGNET_COMM_TIMEOUT", "RINGNET_CPU_PROGRESS", "RINGNET_BUCKET_BYT
 def _parsers():
     from ringnet.comm.mpi_transport import mpi_cuda_aware_setting
     from ringnet.comm.stream import progress_mode
-    from ringnet.comm.transport import default_timeout
-    from ringnet.data.datasets import in_memory_bytes
+    from ringnet.control import default_timeout
+    from ringnet.data.catalog import in_memory_bytes
     from ringnet.parallel.plans import bucket_bytes
     from ringnet.progress import progress_interval
     return (default_timeout, progress_mode, bucket_bytes, mpi_cuda_aware_setting,

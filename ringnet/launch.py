@@ -28,7 +28,7 @@ Ctrl-C stops the job without a relaunch: the launcher passes it on to the job on
 ``ringnet: error: interrupted`` and the launcher exits 130. SIGHUP stops the job with
 SIGTERM, also without a relaunch.
 
-The job reports its progress through ``$RINGNET_HEARTBEAT`` (see ``ringnet.elastic``);
+The job reports its progress through ``$RINGNET_HEARTBEAT`` (see ``ringnet.autosave``);
 with ``--stall-timeout S`` a job whose step count has not moved for S seconds is
 stopped and relaunched like one that lost a rank.
 """
@@ -46,9 +46,9 @@ import tempfile
 import threading
 import time
 
-from ringnet.elastic import HEARTBEAT_ENV, read_heartbeat
-from ringnet.errors import (EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USAGE,
-                            ArgumentParser, UsageError)
+from ringnet.autosave import HEARTBEAT_ENV, read_heartbeat
+from ringnet.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USAGE, UsageError
+from ringnet.cli import ArgumentParser
 
 __all__ = ["main", "relaunch_size", "Attempt", "Launcher", "slurm_tasks_alive"]
 
@@ -359,7 +359,7 @@ class Launcher:
         """Pass SIGTERM or SIGUSR1 on to the job (mpirun and srun send it to every rank):
         the ranks stop at the next step boundary, write their checkpoint and exit 75. Wait
         for that up to the job's deadline plus STOP_GRACE_S, then stop it."""
-        from ringnet.comm.transport import default_timeout
+        from ringnet.control import default_timeout
         try:
             limit = default_timeout() + STOP_GRACE_S
         except ValueError:

@@ -81,3 +81,40 @@ class Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+# Launchers whose ranks' stderr is a pipe to them: a person watches when theirs is a terminal.
+_LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun", "prte")
+
+
+def _launcher_on_a_terminal(pid=None, depth=4):
+    """Whether the MPI launcher that started this process (an ancestor on this node, at
+    most ``depth`` generations up: mpiexec, then its proxy) writes its stderr to a terminal."""
+    pid = os.getppid() if pid is None else pid
+    for _ in range(depth):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            if name.startswith(_LAUNCHERS):
+                return os.readlink(f"/proc/{pid}/fd/2").startswith(("/dev/pts/", "/dev/tty"))
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid <= 1:
+            return False
+    return False
+
+
+def interactive():
+    """Return True when a person watches: stderr is a terminal, or (under mpirun, where
+    stderr is a pipe to the launcher, which Hydra starts in a session without a terminal)
+    the process still has a controlling terminal or its launcher writes to one."""
+    if sys.stderr.isatty():
+        return True
+    try:
+        with open("/dev/tty", "rb"):
+            return True
+    except OSError:
+        pass
+    return _launcher_on_a_terminal()

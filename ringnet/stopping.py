@@ -92,7 +92,8 @@ class StopSignals:
         return None
 
     def _wait(self, request):
-        from ringnet.errors import TrainingError, current_phase
+        from ringnet.control import current_phase
+        from ringnet.errors import TrainingError
         limit = self.timeout()
         end = time.monotonic() + limit
         pause = 1e-5

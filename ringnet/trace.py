@@ -31,7 +31,8 @@ import time
 import numpy as np
 
 from ringnet import stats
-from ringnet.errors import StallError, UsageError, comm_timeout, exchange
+from ringnet.errors import UsageError
+from ringnet.control import agree, comm_timeout, stall_error
 
 __all__ = ["Tracer", "load", "check_trace_path", "active", "span", "timed", "align_clocks"]
 
@@ -100,7 +101,7 @@ def _display_name(name, args):
     return name
 
 
-# Ping-pongs per rank when the clocks are tied together, and their tag (not exchange()'s).
+# Ping-pongs per rank when the clocks are tied together, and their tag (not agree()'s).
 CLOCK_SAMPLES = 16
 _CLOCK_TAG = 0x5243
 _CLOCK_SPIN_S = 0.001
@@ -125,7 +126,7 @@ def _await(request, peer, start, timeout):
     while not request.Test():
         now = time.perf_counter()
         if now - start > timeout:
-            raise StallError([peer], "trace clock alignment", timeout)
+            raise stall_error([peer], "trace clock alignment", timeout)
         if now < spin_until:
             os.sched_yield()
         else:
@@ -200,7 +201,7 @@ class Tracer:
         self._events = []
         self._lock = threading.Lock()
         self._lanes = {}                      # thread id -> (lane number, thread name)
-        exchange(world, None)                 # a barrier under the deadline
+        agree(world, None)                 # a barrier under the deadline
         # every rank's spans are placed on rank 0's clock, counted from rank 0's t0
         self._syncs = [align_clocks(world, origin=time.perf_counter())]
         self.t0 = self._syncs[0].origin
@@ -261,8 +262,8 @@ class Tracer:
         self.stop()
         if len(self._syncs) == 1:
             self._syncs.append(align_clocks(self.world))
-        gathered = exchange(self.world, (self.events(), self.clock_alignment()),
-                            root=0)                            # under the deadline
+        gathered = agree(self.world, (self.events(), self.clock_alignment()),
+                         root=0)                            # under the deadline
         if self.rank != 0:
             return None
         events = [e for rank_events, _ in gathered for e in rank_events]

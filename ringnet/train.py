@@ -17,17 +17,18 @@ import time
 
 import numpy as np
 
-from ringnet import backend
+from ringnet import backend, resume
 from ringnet._threads import blas_threads_in_use
 from ringnet.environment import check_environment, run_knobs
-from ringnet.checkpoint import HYPERPARAMETERS
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
-from ringnet.errors import (EXIT_STOPPED, USER_ERRORS, Deadline, DivergedError, InputError,
-                            RunInputError, SetupError, StallError, TrainingError,
-                            TransportUnavailable, UsageError, collective, current_phase, exchange,
-                            import_mpi, run_main, set_phase, watchdog)
+from ringnet.errors import (EXIT_STOPPED, USER_ERRORS, DivergedError, InputError, RunInputError,
+                            SetupError, StallError, TrainingError, TransportUnavailable, UsageError)
+from ringnet.control import (Deadline, agree, collective, current_phase, import_mpi, set_phase,
+                             stall_error, watchdog)
+from ringnet.cli import run_main
+from ringnet.shutdown import wait_until_read
 from ringnet.layers import Dropout
-from ringnet.progress import Progress, progress_interval
+from ringnet.progress import Progress, interactive, progress_interval
 from ringnet.stopping import StopSignals
 from ringnet.trace import Tracer, timed
 
@@ -96,7 +97,7 @@ def setup(cfg, world):
         except RuntimeError as exc:
             raise UsageError(f"--device {cfg.device}: {exc}") from None
     xp = collective(world, pick_device)
-    if cfg.device == "auto" and size > 1 and any(exchange(world, xp is np)):
+    if cfg.device == "auto" and size > 1 and any(agree(world, xp is np)):
         xp = np     # some rank has no usable GPU: every rank computes on the CPU
     placement, transport = collective(world, _place, cfg, world, "cpu" if xp is np else "gpu")
     spec = MODELS[cfg.model]
@@ -176,7 +177,7 @@ def config_fingerprint(cfg):
 
 def check_same_run(world, fingerprint):
     """Exit 2 on every rank, naming the fields and the ranks, unless all ranks sent the same."""
-    prints = exchange(world, fingerprint, phase="setup")
+    prints = agree(world, fingerprint, phase="setup")
     problems = []
     for field in sorted(set().union(*prints)):
         values = [p.get(field) for p in prints]
@@ -204,10 +205,10 @@ def _stalled(world, exc, deadline):
     """
     phase = current_phase()
     try:
-        exchange(world, phase, phase="stall check", timeout=0.5 * deadline.seconds + 2.0)
+        agree(world, phase, phase="stall check", timeout=0.5 * deadline.seconds + 2.0)
     except StallError as stall:
-        return StallError(stall.missing, phase, deadline.seconds, detail=f"here: {exc}",
-                          speaker=stall.speaker, comm=world)
+        return stall_error(stall.missing, phase, deadline.seconds, detail=f"here: {exc}",
+                           speaker=stall.speaker, comm=world)
     except TrainingError as other:
         return other
     return TrainingError(f"{phase}: {exc}")
@@ -233,8 +234,8 @@ def evaluate(strategy, dataset, cfg, world, xp, batch_size=256, deadline=None):
         correct += int(c)
     # Peers evaluate as many samples as this rank: allow twice its own time beyond the deadline.
     local_s = time.perf_counter() - t0
-    parts = exchange(world, (loss_sum, correct), phase="evaluation",
-                     timeout=_timeout(deadline) + 2 * local_s)
+    parts = agree(world, (loss_sum, correct), phase="evaluation",
+                  timeout=_timeout(deadline) + 2 * local_s)
     n = len(dataset.test)
     return sum(c for _, c in parts) / n, sum(loss for loss, _ in parts) / n
 
@@ -245,49 +246,12 @@ def _timeout(deadline):
 
 def check_replicas(strategy, world, step, deadline=None):
     """Abort when the ranks' weights are not bit-identical (names the ranks that differ)."""
-    sums = exchange(world, strategy.checksum(), phase=f"replica check after step {step}",
-                    timeout=_timeout(deadline))
+    sums = agree(world, strategy.checksum(), phase=f"replica check after step {step}",
+                 timeout=_timeout(deadline))
     differ = [r for r, s in enumerate(sums) if s != sums[0]]
     if differ:
         raise TrainingError(f"replicas diverged at step {step}: weights on rank(s) "
                             f"{', '.join(map(str, differ))} differ from rank 0")
-
-
-# Launchers whose ranks' stderr is a pipe to them: a person watches when theirs is a terminal.
-_LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun", "prte")
-
-
-def _launcher_on_a_terminal(pid=None, depth=4):
-    """Whether the MPI launcher that started this process (an ancestor on this node, at
-    most ``depth`` generations up: mpiexec, then its proxy) writes its stderr to a terminal."""
-    pid = os.getppid() if pid is None else pid
-    for _ in range(depth):
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                name = f.read().strip()
-            if name.startswith(_LAUNCHERS):
-                return os.readlink(f"/proc/{pid}/fd/2").startswith(("/dev/pts/", "/dev/tty"))
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-        if pid <= 1:
-            return False
-    return False
-
-
-def _interactive():
-    """Return True when a person watches: stderr is a terminal, or (under mpirun, where
-    stderr is a pipe to the launcher, which Hydra starts in a session without a terminal)
-    the process still has a controlling terminal or its launcher writes to one."""
-    if sys.stderr.isatty():
-        return True
-    try:
-        with open("/dev/tty", "rb"):
-            return True
-    except OSError:
-        pass
-    return _launcher_on_a_terminal()
 
 
 def _log(cfg, world, text):
@@ -300,174 +264,11 @@ def _log(cfg, world, text):
             out.flush()
 
 
-def wait_until_read(stream, limit_s=2.0):
-    """Return once the reader of ``stream`` has taken every byte written to it (at most ``limit_s``).
-
-    Only for a pipe (mpirun's forwarder reads each rank's stdout and stderr through one);
-    a file or terminal has no reader to wait for. Under ``mpirun ... 2>&1`` the launcher
-    relays what it has read in order, so a line printed after this follows every line
-    written to ``stream`` before it.
-    """
-    import array
-    import fcntl
-    import os
-    import stat
-    import termios
-    try:
-        stream.flush()
-        fd = stream.fileno()
-        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-            return
-        unread = array.array("i", [0])
-        end = time.monotonic() + limit_s
-        while True:
-            fcntl.ioctl(fd, termios.FIONREAD, unread)
-            if unread[0] == 0 or time.monotonic() > end:
-                return
-            time.sleep(0.002)
-    except (OSError, ValueError, AttributeError):
-        return
-
-
 def _print_summary(summary):
     """Print the --json summary line on stdout after every other line of this run (rank 0)."""
-    wait_until_read(sys.stderr)
+    sys.stderr.flush()
+    wait_until_read((sys.stderr.fileno(),), 2.0)
     print(json.dumps(summary), flush=True)
-
-
-def _text(value):
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _compensation_after(cfg, size):
-    """The delay compensation ``cfg`` resolves to at ``size`` ranks, or None where its settings
-    are refused (:meth:`TrainConfig.resolved` says why, later)."""
-    try:
-        return dataclasses.replace(cfg, warmup_steps=None).resolved(size).delay_compensation
-    except UsageError:
-        return None
-
-
-def _mode_text(mode, delay, compensation):
-    text = f"{mode}" if mode in (None, "single") else f"{mode} delay {delay}"
-    return text + (f" {compensation}" if delay and compensation not in (None, "none") else "")
-
-
-def _setting_text(name, value, bare=False):
-    """A resumed setting as the flag that asks for it: --lr 0.01, --no-shuffle, --augment."""
-    if name in ("shuffle", "augment"):
-        on = bool(value)
-        if bare:
-            return "on" if on else "off"
-        if name == "shuffle":
-            return "shuffle on" if on else "--no-shuffle"
-        return "--augment" if on else "augment off"
-    return str(value) if bare else f"--{name.replace('_', '-')} {value}"
-
-
-def _resume_auto(cfg, world):
-    """``--resume auto``: resume from ``--save`` when it exists (rank 0 looks), else start
-    fresh. Return (cfg, the line that says which)."""
-    exists = exchange(world, os.path.exists(cfg.save) if world.Get_rank() == 0 else None,
-                      phase="setup")[0]
-    if exists:
-        return dataclasses.replace(cfg, resume=cfg.save), None
-    return (dataclasses.replace(cfg, resume=None),
-            f"--resume auto: no checkpoint at {cfg.save} yet, starting at step 0")
-
-
-def _check_not_behind(cfg, saved, step, total_steps):
-    """Refuse a run whose first save would overwrite a ``--save`` checkpoint (at step
-    ``saved``, None: no checkpoint there) with one that is not as far along: what a requeued
-    job started without --resume would do to its own newer checkpoint."""
-    first = total_steps if not cfg.save_every else min(total_steps,
-                                                       (step // cfg.save_every + 1) * cfg.save_every)
-    if saved is not None and saved > first:
-        raise UsageError(f"--save {cfg.save} holds a checkpoint at step {saved}, further along "
-                         f"than this run's first save (step {first}), and would be overwritten; "
-                         f"continue it with --resume auto (or --resume {cfg.save}), or start over "
-                         f"with another --save path or after removing it")
-
-
-def _resume_settings(cfg, world):
-    """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint,
-    (note, record)).
-
-    Hyperparameters not given explicitly continue with the checkpoint's values; a flag that
-    is given overrides (giving it is the explicit request to leave the trajectory). Without
-    ``--model`` the run takes the checkpoint's model. Settings that belong to a mode follow
-    the mode resumed into: ``--warmup-steps`` continues from the checkpoint only where both
-    runs use the look-ahead compensation; into a look-ahead run from one without it the
-    default warm-up applies (its synchronous steps are the synchronous run's, counted from
-    step 0), and into a run without it the warm-up is dropped. The log note and the --json
-    record say which were taken, which a flag overrode, and what followed the mode.
-    """
-    from ringnet.checkpoint import HYPERPARAMETERS, load_checkpoint, resume_settings
-    checkpoint = collective(world, load_checkpoint, cfg.resume)
-    attrs = checkpoint[3]
-    size = world.Get_size()
-    done = int(attrs.get("step", 0))
-    model_note = None
-    if cfg.model is None and _text(attrs.get("model")):
-        cfg = dataclasses.replace(cfg, model=_text(attrs["model"]))
-        model_note = f"--model {cfg.model}"
-    given = {n: getattr(cfg, n) for n in HYPERPARAMETERS}
-    was = _mode_text(_text(attrs.get("mode")), attrs.get("delay"),
-                     _text(attrs.get("delay_compensation")))
-    stored_lookahead = _text(attrs.get("delay_compensation")) == "lookahead"
-    target_lookahead = _compensation_after(cfg, size) == "lookahead"
-    followed = None     # (what the warm-up became, why), for the note
-    own_default = False     # the warm-up is the mode resumed into's own default
-    if given["warmup_steps"] is None:
-        if stored_lookahead and target_lookahead and "warmup_steps" not in attrs:
-            given["warmup_steps"] = 0       # written before the warm-up existed: none was run
-        elif stored_lookahead and not target_lookahead:
-            stored = int(attrs.get("warmup_steps", 0) or 0)
-            attrs = {k: v for k, v in attrs.items() if k != "warmup_steps"}
-            if stored:
-                followed = (0, f"dropped the checkpoint's --warmup-steps {stored} of {was}: "
-                               f"the warm-up belongs to the look-ahead compensation of delay 1")
-        elif not stored_lookahead:
-            # The checkpoint's warm-up (0 or absent) belonged to a run without the look-ahead:
-            # this run's own default follows its mode (resolved below).
-            attrs = {k: v for k, v in attrs.items() if k != "warmup_steps"}
-            own_default = True
-    settings, overridden = resume_settings(attrs, given)
-    if given["warmup_steps"] is not None:
-        cfg = dataclasses.replace(cfg, warmup_steps=given["warmup_steps"])
-    cfg = dataclasses.replace(cfg, **settings)
-    if "batch_size" in settings and cfg.batch_size % size:
-        raise UsageError(f"checkpoint {cfg.resume} was trained with global batch {cfg.batch_size}, "
-                         f"which {size} ranks cannot split; pass --batch-size with a multiple "
-                         f"of {size} to change it")
-    if own_default and target_lookahead:        # else no warm-up before and none now
-        resolved = cfg.resolved(size)
-        warmup = resolved.warmup_steps
-        if warmup:
-            cfg = dataclasses.replace(cfg, warmup_steps=warmup)
-            after = (f"steps {done} to {warmup} synchronous, then delayed" if warmup > done
-                     else f"already past at step {done}: delayed from the start")
-            followed = (warmup, f"--warmup-steps {warmup}, the default of "
-                                f"{_mode_text(resolved.mode, resolved.delay, 'lookahead')}, "
-                                f"as the checkpoint's {was} had none ({after})")
-    note = f"resuming from {cfg.resume} at step {done}"
-    taken = ([model_note] if model_note else []) + [_setting_text(n, v) for n, v in settings.items()]
-    if taken:
-        note += "; from the checkpoint: " + ", ".join(taken)
-    if overridden:
-        note += "; overridden: " + ", ".join(
-            f"{_setting_text(n, asked)} (checkpoint: {_setting_text(n, stored, bare=True)})"
-            for n, stored, asked in overridden)
-    if followed is not None:
-        note += "; " + followed[1]
-    # The same for --json: a changed trajectory is on record even under --quiet.
-    record = {"checkpoint": str(cfg.resume), "step": done,
-              "from_checkpoint": dict(settings, **({"model": cfg.model} if model_note else {})),
-              "overridden": {n: {"checkpoint": stored, "given": asked}
-                             for n, stored, asked in overridden}}
-    if followed is not None:
-        record["followed_mode"] = {"warmup_steps": followed[0], "why": followed[1]}
-    return cfg, checkpoint, (note, record)
 
 
 def _check_data_file(dataset, cfg, world, epoch, started):
@@ -492,8 +293,8 @@ def _epoch_line(world, epoch, spe, losses, test_acc, test_loss, deadline):
     losses of the epoch's steps this run made (collective). ``losses``: (first step, [loss])
     of this rank; after a resume inside the epoch the line says which steps it averages."""
     first, mine = losses
-    every = exchange(world, (float(np.sum(list(mine))), len(mine)), phase="epoch statistics",
-                     timeout=deadline.seconds)
+    every = agree(world, (float(np.sum(list(mine))), len(mine)), phase="epoch statistics",
+                  timeout=deadline.seconds)
     mean = sum(total for total, _ in every) / max(1, sum(n for _, n in every))
     line = (f"epoch {epoch:3d}  train loss {mean:.4f}  test loss {test_loss:.4f}  "
             f"test acc {100 * test_acc:6.2f}%")
@@ -501,25 +302,6 @@ def _epoch_line(world, epoch, spe, losses, test_acc, test_loss, deadline):
     if first > start:
         line += f"  (train loss of steps {first}-{start + spe - 1} of {start}-{start + spe - 1}: resumed)"
     return line
-
-
-def _checkpoint_saver(cfg, world, strategy, spe, dataset):
-    """Return the PeriodicSaver that writes cfg.save (every --save-every K steps and at the end)."""
-    from ringnet.elastic import PeriodicSaver
-    size = world.Get_size()
-
-    def collect():              # every rank
-        return strategy.full_state(), strategy.lookahead_state()
-
-    def write(state, step):     # rank 0 only
-        from ringnet.checkpoint import save_checkpoint
-        (params, momentum, prev), base = state
-        save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
-                        lookahead_base=base, model=cfg.model, mode=cfg.mode,
-                        delay=cfg.delay, delay_compensation=cfg.delay_compensation,
-                        ranks=size, step=step, epoch=step // spe, data_content=dataset.content,
-                        **{n: getattr(cfg, n) for n in HYPERPARAMETERS})
-    return PeriodicSaver(world, cfg.save_every, collect, write)
 
 
 def train(cfg=None, world=None, **overrides):
@@ -559,19 +341,19 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
         if cfg.resume == "auto":
             if not cfg.save:
                 collective(world, cfg.resolved, size)       # says what --resume auto needs
-            cfg, auto_note = _resume_auto(cfg, world)
+            cfg, auto_note = resume.auto(cfg, world)
         if cfg.resume:
-            cfg, checkpoint, (resume_note, resumed) = _resume_settings(cfg, world)
+            cfg, checkpoint, (resume_note, resumed) = resume.settings(cfg, world)
         cfg, xp, dataset, model, strategy, loader = setup(cfg, world)
         spe = loader.steps_per_epoch
         total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
-        step = (_restore(cfg, world, strategy, checkpoint, total_steps, dataset, resumed)
+        step = (resume.restore(cfg, world, strategy, checkpoint, total_steps, dataset, resumed)
                 if checkpoint else 0)
         if cfg.save:
             from ringnet.checkpoint import stored_step
-            saved = exchange(world, stored_step(cfg.save) if rank == 0 else None,
-                             phase="setup")[0]
-            collective(world, _check_not_behind, cfg, saved, step, total_steps)
+            saved = agree(world, stored_step(cfg.save) if rank == 0 else None,
+                          phase="setup")[0]
+            collective(world, resume.check_not_behind, cfg, saved, step, total_steps)
     _transport_deadline(strategy, deadline.seconds)
     if auto_note:
         _log(cfg, world, auto_note)
@@ -591,7 +373,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
     delay_text = f"delay {cfg.delay}" + (f", {cfg.delay_compensation}" if cfg.delay else "")
     if cfg.warmup_steps:
         delay_text += f" after {cfg.warmup_steps} synchronous warm-up steps"
-    threads = exchange(world, blas_threads_in_use(), phase="setup", timeout=deadline.seconds)
+    threads = agree(world, blas_threads_in_use(), phase="setup", timeout=deadline.seconds)
     known = sorted({t for t in threads if t})
     threads_text = ""
     if xp is np and known:
@@ -606,12 +388,12 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
     bar = None
     interval = collective(world, progress_interval)
     if rank == 0 and cfg.progress and not cfg.quiet:
-        bar = Progress(total_steps, step, cfg.batch_size, spe, _interactive(), interval)
+        bar = Progress(total_steps, step, cfg.batch_size, spe, interactive(), interval)
 
     tracer = Tracer(world, cfg.trace) if cfg.trace else None
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
     epoch_losses = (step, [])                 # (first step, local losses) of the epoch running
-    saver = _checkpoint_saver(cfg, world, strategy, spe, dataset)   # --save-every, heartbeat
+    saver = resume.saver(cfg, world, strategy, spe, dataset)   # --save-every, heartbeat
     saver.start(step)
     first_step = step
     sent_before, _ = strategy.bytes_moved()   # bytes_per_step counts the training steps only
@@ -717,7 +499,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
     per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, fetched["data"],
                          stats.comm_total_s, sent, received, step_bytes,
                          float(np.sum(list(recent))), len(recent)], dtype=np.float64)
-    every = np.array(exchange(world, per_rank, phase="statistics", timeout=deadline.seconds))
+    every = np.array(agree(world, per_rank, phase="statistics", timeout=deadline.seconds))
     mean = every.mean(axis=0)
     train_loss = float(sum(every[:, 8]) / sum(every[:, 9])) if len(recent) else float("nan")
     loss_span = ""
@@ -773,44 +555,6 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
     return TrainResult(summary, strategy, cfg)
 
 
-def _restore(cfg, world, strategy, checkpoint, total_steps, dataset, resumed):
-    """Load ``checkpoint`` into ``strategy`` on every rank; return the checkpoint's step.
-
-    A data set whose content differs from the checkpoint's is refused unless ``--dataset``
-    was given (then it is listed as overridden in ``resumed``, the --json record)."""
-    from ringnet.checkpoint import load_lookahead_base
-    params, momentum, prev, attrs = checkpoint
-    base = collective(world, load_lookahead_base, cfg.resume)
-
-    def restore():
-        if attrs.get("model") != cfg.model:
-            raise UsageError(f"checkpoint {cfg.resume} holds model {attrs.get('model')!r}, "
-                             f"not {cfg.model!r}")
-        done = int(attrs.get("step", 0))
-        stored = _text(attrs.get("data_content")) or None
-        if stored and stored != dataset.content:
-            if "dataset" in resumed["from_checkpoint"]:
-                raise UsageError(f"checkpoint {cfg.resume} was trained on data set {cfg.dataset} "
-                                 f"with content {stored}, which now reads {dataset.content}: "
-                                 f"the data changed; pass --dataset {cfg.dataset} to continue "
-                                 f"on it anyway")
-            resumed["overridden"]["data_content"] = {"checkpoint": stored,
-                                                     "given": dataset.content}
-        if done >= total_steps:
-            asked = (f"--steps {cfg.steps}" if cfg.steps is not None else
-                     f"--epochs {cfg.epochs} ({total_steps} steps)")
-            raise UsageError(f"checkpoint {cfg.resume} is already at step {done}; {asked} "
-                             f"leaves nothing to run (steps count from step 0: ask for more "
-                             f"than {done})")
-        try:
-            strategy.load_full_state(params, momentum, prev if cfg.delay else None,
-                                     base if cfg.delay else None)
-        except ValueError as exc:
-            raise UsageError(f"checkpoint {cfg.resume}: {exc}") from None
-    collective(world, restore)
-    return int(attrs.get("step", 0))
-
-
 def set_dropout_step(model, step):
     """Point every Dropout layer at global step ``step``: its masks are a function of the
     seed, the step and the sample (no stream state), so a resumed run or another rank
@@ -827,7 +571,7 @@ def main(argv=None):
     set_phase("shutdown")
     # Drains the last exchange (under the transport deadline); then every rank arrives.
     result.strategy.close()
-    exchange(import_mpi().COMM_WORLD, None, phase="shutdown")
+    agree(import_mpi().COMM_WORLD, None, phase="shutdown")
     return EXIT_STOPPED if result.summary.get("stopped") else 0
 
 

@@ -211,7 +211,7 @@ def test_sigterm_during_a_background_periodic_save_leaves_no_temporary(tmp_path)
         import numpy as np
         from mpi4py import MPI
         from ringnet import checkpoint
-        from ringnet.elastic import PeriodicSaver
+        from ringnet.autosave import PeriodicSaver
         params = {{"w": np.full((256, 256), 1.0, np.float32)}}
         write = lambda state, step: checkpoint.save_checkpoint({str(path)!r}, state, step=step)
         saver = PeriodicSaver(MPI.COMM_SELF, 1, lambda: params, write, background=True)

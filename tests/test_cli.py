@@ -128,23 +128,6 @@ def test_json_is_the_last_line_under_mpirun_with_stderr_merged():
         assert json.loads(last)["steps"] == 4, proc.stdout[-3000:]
 
 
-def test_wait_until_read_waits_for_the_reader_of_a_pipe():
-    import threading
-    import time
-    from ringnet.train import wait_until_read
-    read_fd, write_fd = os.pipe()
-    with os.fdopen(write_fd, "w") as stream, os.fdopen(read_fd, "rb", buffering=0) as reader:
-        stream.write("x" * 1000)
-        threading.Timer(0.5, reader.read, (1000,)).start()
-        t0 = time.monotonic()
-        wait_until_read(stream, limit_s=30)
-        assert 0.4 < time.monotonic() - t0 < 20          # returned once the reader took it
-        stream.write("y")
-        t0 = time.monotonic()
-        wait_until_read(stream, limit_s=0.3)              # nobody reads: gives up at the limit
-        assert 0.25 < time.monotonic() - t0 < 20
-
-
 def test_every_epoch_has_its_line_and_done_reports_the_losses():
     proc = train_cli("--epochs", "3", "--batch-size", "128", "--json", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]

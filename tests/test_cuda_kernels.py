@@ -14,7 +14,7 @@ import pytest
 
 from ringnet.backend import gpu_available
 from ringnet.layers.base import _memory_order
-from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, MaxPool2d, ReLU, _cuda,
+from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, MaxPool2d, ReLU, _cuda, _cuda_ops,
                             activation, conv, linear, pool)
 
 POOL_CASES = [  # (B, C, H, W, kernel, stride, padding)
@@ -66,12 +66,12 @@ def test_emulated_maxpool_kernels_equal_the_numpy_layer_bit_for_bit(case, kind, 
     dy = np.random.default_rng(1).normal(size=y.shape).astype(dtype)
     dx = layer.backward(dy)
     out_hw = layer.output_shape((c, h, w))[1:]
-    ye, argmax_e = _cuda.maxpool_forward(np, x, out_hw, layer.kernel_size, layer.stride,
+    ye, argmax_e = _cuda_ops.maxpool_forward(np, x, out_hw, layer.kernel_size, layer.stride,
                                          layer.padding)
     np.testing.assert_array_equal(ye, y)
     np.testing.assert_array_equal(argmax_e, argmax)
     assert argmax_e.shape == argmax.shape and argmax_e.dtype == np.uint8
-    dxe = _cuda.maxpool_backward(np, dy, argmax_e, x.shape, layer.kernel_size, layer.stride,
+    dxe = _cuda_ops.maxpool_backward(np, dy, argmax_e, x.shape, layer.kernel_size, layer.stride,
                                  layer.padding)
     np.testing.assert_array_equal(dxe, dx)
     assert dxe.dtype == dtype and dxe.shape == x.shape
@@ -84,7 +84,7 @@ def test_emulated_maxpool_propagates_nan_like_numpy(dtype):
     x[1, 1, 4, 4] = np.nan
     layer = MaxPool2d(3, 2, 1)
     y = layer.forward(x)
-    ye, argmax_e = _cuda.maxpool_forward(np, x, y.shape[2:], layer.kernel_size,
+    ye, argmax_e = _cuda_ops.maxpool_forward(np, x, y.shape[2:], layer.kernel_size,
                                          layer.stride, layer.padding)
     assert np.isnan(y).sum() >= 2
     np.testing.assert_array_equal(ye, y)
@@ -101,8 +101,8 @@ def test_emulated_avgpool_kernels_equal_the_numpy_layer(case, dtype):
     dy = np.random.default_rng(2).normal(size=y.shape).astype(dtype)
     dx = layer.backward(dy)
     inv = layer._gpu_inv(np, h, w, dtype)
-    ye = _cuda.avgpool_forward(np, x, inv, layer.kernel_size, layer.stride, layer.padding)
-    dxe = _cuda.avgpool_backward(np, dy, inv, x.shape, layer.kernel_size, layer.stride,
+    ye = _cuda_ops.avgpool_forward(np, x, inv, layer.kernel_size, layer.stride, layer.padding)
+    dxe = _cuda_ops.avgpool_backward(np, dy, inv, x.shape, layer.kernel_size, layer.stride,
                                  layer.padding)
     # The kernels add in the NumPy layer's order: equal to the last bit.
     np.testing.assert_array_equal(ye, y)
@@ -135,7 +135,7 @@ def test_emulated_col2im_equals_the_numpy_col2im(monkeypatch, case, dtype):
     kh, kw = layer.kernel_size
     # The column gradient the NumPy col2im read is still in the column buffer.
     dcols = layer._buffers["cols-train"][2][:c * kh * kw * ho * wo * b]
-    dxe = _cuda.col2im(np, dcols.reshape(c, kh, kw, ho, wo, b), (h, w), layer.stride,
+    dxe = _cuda_ops.col2im(np, dcols.reshape(c, kh, kw, ho, wo, b), (h, w), layer.stride,
                        layer.padding)
     np.testing.assert_array_equal(dxe.transpose(3, 0, 1, 2), dx)
 
@@ -187,7 +187,7 @@ def test_emulated_im2col_equals_the_numpy_columns(monkeypatch, case, dtype):
     want = layer._buffers["cols-train"][2][:c * kh * kw * ho * wo * b].copy()
     for name, xl in _layouts(x).items():
         cols = np.full((c, kh, kw, ho, wo, b), np.nan, dtype)
-        _cuda.im2col(np, xl, cols, layer.stride, layer.padding)
+        _cuda_ops.im2col(np, xl, cols, layer.stride, layer.padding)
         np.testing.assert_array_equal(cols.reshape(-1), want, err_msg=name)
     # the flipped branch's columns: dy padded by k - 1 - p, read with stride 1
     dy = np.random.default_rng(7).normal(size=y.shape).astype(dtype)
@@ -197,7 +197,7 @@ def test_emulated_im2col_equals_the_numpy_columns(monkeypatch, case, dtype):
         dcols = np.full((o, kh, kw, h, w, b), np.nan, dtype)
         ph, pw = layer.padding
         for name, dyl in _layouts(dy).items():
-            _cuda.im2col(np, dyl, dcols, (1, 1), (kh - 1 - ph, kw - 1 - pw))
+            _cuda_ops.im2col(np, dyl, dcols, (1, 1), (kh - 1 - ph, kw - 1 - pw))
             np.testing.assert_array_equal(dcols.reshape(-1), want, err_msg=name)
     else:
         assert case in IM2COL_CASES[:len(CONV_CASES)] or s > 1 or p >= k
@@ -229,7 +229,7 @@ def test_emulated_relu_kernels_equal_numpy_bit_for_bit(dtype):
     x = _relu_data((3, 2, 5, 4), dtype)
     dy = _relu_data((3, 2, 5, 4), dtype, seed=9)[::-1].copy()   # NaN/inf/-0 against all y
     for name, xl in _layouts(x).items():
-        y = _cuda.relu_forward(np, xl)
+        y = _cuda_ops.relu_forward(np, xl)
         want = np.maximum(xl, 0)
         assert y.tobytes() == want.tobytes() or \
             np.ascontiguousarray(y).tobytes() == np.ascontiguousarray(want).tobytes(), name
@@ -237,7 +237,7 @@ def test_emulated_relu_kernels_equal_numpy_bit_for_bit(dtype):
         if name != "strided":
             assert y.strides == xl.strides, name                           # x's memory order
         for dname, dyl in _layouts(dy).items():
-            dx = _cuda.relu_backward(np, dyl, y)
+            dx = _cuda_ops.relu_backward(np, dyl, y)
             with np.errstate(invalid="ignore"):
                 want_dx = np.multiply(dyl, y > 0)
             assert np.ascontiguousarray(dx).tobytes() == \
@@ -255,7 +255,7 @@ def test_emulated_relu_kernels_equal_numpy_bit_for_bit(dtype):
 def test_emulated_dropout_mask_equals_the_numpy_mask(shape, p, key, first, dtype):
     keep = activation.keep_mask(np, shape, p, key, first_sample=first)
     scale = 1.0 / (1.0 - p)
-    mask = _cuda.dropout_mask(np, shape, dtype, activation.stream_keys(key),
+    mask = _cuda_ops.dropout_mask(np, shape, dtype, activation.stream_keys(key),
                               activation.keep_threshold(p), scale, first_sample=first)
     np.testing.assert_array_equal(mask, keep.astype(dtype) * np.dtype(dtype).type(scale))
     assert mask.dtype == dtype and mask.shape == shape and 0 < keep.sum() < keep.size
@@ -328,9 +328,9 @@ def test_elementwise_bodies_and_emulations_compute_the_same_expressions(name):
 
 def test_argument_types_are_checked_against_the_c_signature():
     x = np.zeros((1, 1, 4, 4), np.float32)
-    _cuda.maxpool_forward(np, x, (2, 2), (2, 2), (2, 2), (0, 0))      # fine
+    _cuda_ops.maxpool_forward(np, x, (2, 2), (2, 2), (2, 2), (0, 0))      # fine
     args = (np.zeros(16, np.float32), np.zeros(4, np.float32), np.zeros(4, np.uint8),
-            np.int64(4), *_cuda._geometry(1, 4, 4, 1, 2, 2, (2, 2), (2, 2), (0, 0)),
+            np.int64(4), *_cuda_ops._geometry(1, 4, 4, 1, 2, 2, (2, 2), (2, 2), (0, 0)),
             np.float32(-np.inf))
     _cuda.launch(np, "maxpool_fwd", np.float32, 4, args)
     for i, bad in [(3, 4), (4, np.int64(1)), (1, np.zeros(4, np.float64)),
@@ -587,7 +587,7 @@ def test_gpu_im2col_equals_the_emulation_bit_for_bit(case, dtype):
     kh, kw = layer.kernel_size
     x0 = np.random.default_rng(6).normal(size=(b, c, h, w)).astype(dtype)
     want = np.empty((c, kh, kw, ho, wo, b), dtype)
-    _cuda.im2col(np, x0, want, layer.stride, layer.padding)
+    _cuda_ops.im2col(np, x0, want, layer.stride, layer.padding)
     for name, xl in _layouts(x0).items():
         xd = cupy.asarray(xl)                  # asarray keeps C order: rebuild each layout
         if name == "batch-last":
@@ -601,7 +601,7 @@ def test_gpu_im2col_equals_the_emulation_bit_for_bit(case, dtype):
             wide[:, :, ::2] = cupy.asarray(x0)
             xd = wide[:, :, ::2]
         cols = cupy.full((c, kh, kw, ho, wo, b), np.nan, dtype)
-        _cuda.im2col(cupy, xd, cols, layer.stride, layer.padding)
+        _cuda_ops.im2col(cupy, xd, cols, layer.stride, layer.padding)
         np.testing.assert_array_equal(cupy.asnumpy(cols), want, err_msg=name)
 
 

@@ -413,7 +413,7 @@ def test_augmentation_independent_of_world_size():
 
 def test_missing_mnist_names_the_download_command(tmp_path, monkeypatch):
     monkeypatch.setenv("RINGNET_DATA", str(tmp_path))
-    monkeypatch.setattr("ringnet.data.datasets.default_data_dir", lambda: tmp_path / "none")
+    monkeypatch.setattr("ringnet.data.catalog.default_data_dir", lambda: tmp_path / "none")
     with pytest.raises(InputError, match="python -m ringnet.datasets download mnist"):
         open_dataset("mnist")
     with pytest.raises(InputError, match="download cifar10 --dir"):

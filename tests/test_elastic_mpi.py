@@ -102,7 +102,7 @@ def test_unwritable_checkpoint_stops_at_the_first_periodic_save(tmp_path, monkey
         steps_done.append(attrs["step"])
         raise ringnet.errors.UsageError(f"cannot write checkpoint {path} (disk full)")
     import ringnet.errors
-    from ringnet.elastic import HEARTBEAT_ENV, read_heartbeat
+    from ringnet.autosave import HEARTBEAT_ENV, read_heartbeat
     monkeypatch.setattr(ringnet.checkpoint, "save_checkpoint", failing_save)
     heartbeat = WORLD.bcast(str(tmp_path / "heartbeat"))
     monkeypatch.setenv(HEARTBEAT_ENV, heartbeat)      # rank 0 counts the steps it finished

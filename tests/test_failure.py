@@ -21,7 +21,7 @@ def run_job(tmp_path, body, np_=2, env=None, limit=60):
         import time
         import numpy as np
         from ringnet.comm import create
-        from ringnet.errors import run_main
+        from ringnet.cli import run_main
 
         def main(argv):
         """) + textwrap.indent(textwrap.dedent(body), "    ") + "\nrun_main(main)\n")

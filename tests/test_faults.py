@@ -72,24 +72,24 @@ def test_abort_waits_until_the_launcher_read_the_error_line(tmp_path):
     import threading
     import time
 
-    from ringnet import errors
+    from ringnet import shutdown
     read_end, write_end = os.pipe()
     try:
         os.write(write_end, b"ringnet: error: something\n")
-        assert errors._unread_bytes(write_end) == 26
+        assert shutdown.unread_bytes(write_end) == 26
         start = time.monotonic()
-        errors._wait_until_read([write_end], 0.5)               # nobody reads: the limit
+        shutdown.wait_until_read([write_end], 0.5)               # nobody reads: the limit
         assert 0.5 <= time.monotonic() - start < 30
         threading.Timer(0.3, os.read, (read_end, 100)).start()   # the launcher reads later
         start = time.monotonic()
-        errors._wait_until_read([write_end], 60)
-        assert errors._unread_bytes(write_end) == 0 and time.monotonic() - start < 30
+        shutdown.wait_until_read([write_end], 60)
+        assert shutdown.unread_bytes(write_end) == 0 and time.monotonic() - start < 30
     finally:
         os.close(read_end)
         os.close(write_end)
     plain = tmp_path / "log"
     with open(plain, "w") as f:
-        assert errors._unread_bytes(f.fileno()) is None          # not a pipe: nothing to wait for
+        assert shutdown.unread_bytes(f.fileno()) is None          # not a pipe: nothing to wait for
 
 
 def test_a_stall_is_reported_once_by_the_lowest_rank_that_arrived(tmp_path):
@@ -104,13 +104,14 @@ def test_a_stall_is_reported_once_by_the_lowest_rank_that_arrived(tmp_path):
     script.write_text(
         "import time\n"
         "from mpi4py import MPI\n"
-        "from ringnet.errors import exchange, run_main\n"
+        "from ringnet.cli import run_main\n"
+        "from ringnet.control import agree\n"
         "def main(argv):\n"
         "    comm = MPI.COMM_WORLD\n"
         "    rank = comm.Get_rank()\n"
         "    if rank == 2:\n"
         "        time.sleep(120)\n"
-        "    exchange(comm, rank, phase='the test phase', timeout=4.0 if rank == 0 else 1.0)\n"
+        "    agree(comm, rank, phase='the test phase', timeout=4.0 if rank == 0 else 1.0)\n"
         "run_main(main)\n")
     env = launcher_free_env("RINGNET_")
     start = time.monotonic()

@@ -169,7 +169,7 @@ def test_ctrl_c_while_a_rank_holds_unread_messages(tmp_path):
             def stopped():
                 return [pid for pid in ranks if _status(pid)["State"].startswith("T")]
             rank1 = _wait_for(stopped, "rank 1 stopped")[0]
-            # The others have sent rank 1 their results once they sleep in exchange()'s
+            # The others have sent rank 1 their results once they sleep in agree()'s
             # wait loop (the evaluation itself does not sleep). On the correct code this
             # wait changes nothing; without it, the case under test would not always arise.
             sleeps = {pid: 0 for pid in ranks if pid != rank1}
@@ -224,7 +224,7 @@ def test_ctrl_c_on_one_process(tmp_path):
 
 def test_sigint_to_one_rank_alone_ends_the_job_naming_it(tmp_path):
     # Not Ctrl-C: rank 1 alone gets SIGINT (kill -INT on its PID). It waits for the others
-    # (errors.FINALIZE_LIMIT_S), which never come, and then aborts the job.
+    # (shutdown.FINALIZE_LIMIT_S), which never come, and then aborts the job.
     code, stdout, stderr = interrupt(["mpirun", "-np", "2", sys.executable, "-m",
                                       "ringnet.train", *LONG], tmp_path, group=False,
                                      RINGNET_FAULT="INT:step 3:1")

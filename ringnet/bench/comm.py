@@ -28,7 +28,8 @@ from ringnet.comm.cost import ALGORITHMS as AUTO_ALGORITHMS, fit, thresholds
 from ringnet.comm.schedules import eager_cuts
 from ringnet.comm.topology import lean_spins
 from ringnet.config import transport_usage_error
-from ringnet.errors import ArgumentParser, TransportUnavailable, UsageError
+from ringnet.errors import TransportUnavailable, UsageError
+from ringnet.cli import ArgumentParser
 
 __all__ = ["main", "parse_sizes", "bus_bandwidth", "repetitions", "target"]
 
@@ -286,7 +287,7 @@ def main(argv=None):
         raise UsageError(f"--chunk-bytes must be >= 1, got {args.chunk_bytes}")
     if args.plot:
         from ringnet.bench.plot import check_writable
-        from ringnet.errors import collective
+        from ringnet.control import collective
         collective(MPI.COMM_WORLD, lambda: check_writable(args.plot)
                    if MPI.COMM_WORLD.Get_rank() == 0 else None)
     dtype = np.dtype(args.dtype)
@@ -406,5 +407,5 @@ def _size(nbytes):
 
 
 if __name__ == "__main__":
-    from ringnet.errors import run_main
+    from ringnet.cli import run_main
     run_main(main)

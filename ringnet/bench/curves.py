@@ -21,7 +21,8 @@ import shutil
 import sys
 
 from ringnet.bench.scaling import run_config
-from ringnet.errors import USER_ERRORS, ArgumentParser, UsageError
+from ringnet.errors import USER_ERRORS, UsageError
+from ringnet.cli import ArgumentParser
 
 __all__ = ["main", "parse_runs", "read_csv", "summary_table", "DEFAULT_RUNS"]
 

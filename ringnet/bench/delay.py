@@ -62,9 +62,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from ringnet.data import ShardedLoader, iterate_eval, open_dataset
-from ringnet.data.datasets import Split
+from ringnet.data.catalog import Split
 from ringnet.bench.tables import markdown
-from ringnet.errors import ArgumentParser, UsageError
+from ringnet.errors import UsageError
+from ringnet.cli import ArgumentParser
 from ringnet.models import MODELS, build_model
 from ringnet.optim import SGD, LRPolicy
 from ringnet.parallel.delayed_update import lookahead_warmup
@@ -82,8 +83,7 @@ def engine_variant(text):
     """Return the Lookahead of an engine variant (``lookahead/warm=W/k=K/c=C``), None for
     single, or raise UsageError; None is returned for written-out variants too (check
     :func:`is_engine` first)."""
-    from ringnet.parallel import COMPENSATIONS
-    from ringnet.parallel.delayed_update import Lookahead
+    from ringnet.parallel.delayed_update import COMPENSATIONS
     name, *options = text.split("/")
     if name == "single" and not options:
         return None

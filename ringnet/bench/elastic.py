@@ -23,7 +23,8 @@ import time
 
 from ringnet.bench import run_json
 from ringnet.bench.tables import markdown
-from ringnet.errors import ArgumentParser, UsageError
+from ringnet.errors import UsageError
+from ringnet.cli import ArgumentParser
 
 __all__ = ["main", "rank_pids", "kill_rank_after_first_checkpoint", "markdown_tables"]
 

@@ -32,7 +32,8 @@ import time
 
 import numpy as np
 
-from ringnet.errors import ArgumentParser, InputError, UsageError
+from ringnet.errors import InputError, UsageError
+from ringnet.cli import ArgumentParser
 
 __all__ = ["Case", "Outcome", "all_cases", "quick_cases", "prepare", "run_case", "main"]
 
@@ -190,7 +191,7 @@ def _late_corruption(f, rows=4):
     """Rechunk /test/images by ``rows`` images and return the first row of the last chunk
     that the checks at open do not read (the data fingerprint samples a few images): the
     final evaluation is the first to read it, on the last rank."""
-    from ringnet.data.datasets import FINGERPRINT_SAMPLES
+    from ringnet.data.catalog import FINGERPRINT_SAMPLES
     images = f["test/images"][()]
     del f["test/images"]
     f.create_dataset("test/images", data=images, chunks=(rows,) + images.shape[1:], compression="gzip")
@@ -483,5 +484,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from ringnet.errors import run_main
+    from ringnet.cli import run_main
     run_main(main)

@@ -16,7 +16,8 @@ if _PINNED:
 import numpy as np  # noqa: E402
 
 from ringnet.bench import paired_quartiles  # noqa: E402
-from ringnet.errors import ArgumentParser, UsageError  # noqa: E402
+from ringnet.errors import UsageError  # noqa: E402
+from ringnet.cli import ArgumentParser
 from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d,  # noqa: E402
                             ReLU)
 from ringnet.models import MODELS, build_model  # noqa: E402

@@ -23,7 +23,8 @@ import shutil
 import statistics
 
 from ringnet.bench.scaling import run_config
-from ringnet.errors import ArgumentParser, UsageError
+from ringnet.errors import UsageError
+from ringnet.cli import ArgumentParser
 
 __all__ = ["main", "VARIANTS"]
 
@@ -160,5 +161,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from ringnet.errors import run_main
+    from ringnet.cli import run_main
     run_main(main)

@@ -209,5 +209,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from ringnet.errors import run_main
+    from ringnet.cli import run_main
     run_main(main)

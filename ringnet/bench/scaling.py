@@ -22,7 +22,8 @@ import statistics
 import sys
 
 from ringnet.bench import run_json
-from ringnet.errors import ArgumentParser, UsageError
+from ringnet.errors import UsageError
+from ringnet.cli import ArgumentParser
 from ringnet.parallel import MODES
 
 __all__ = ["main", "run_config", "default_delays"]

@@ -21,7 +21,8 @@ import sys
 import tempfile
 import time
 
-from ringnet.errors import ArgumentParser, UsageError
+from ringnet.errors import UsageError
+from ringnet.cli import ArgumentParser
 
 __all__ = ["main", "fit", "verdict", "rank_processes"]
 
@@ -133,7 +134,7 @@ def main(argv=None):
     load_start = os.getloadavg()[0]
     rows = {}
     with tempfile.TemporaryDirectory(prefix="ringnet-soak-") as folder:
-        from ringnet.elastic import HEARTBEAT_ENV, read_heartbeat
+        from ringnet.autosave import HEARTBEAT_ENV, read_heartbeat
         beat = os.path.join(folder, "heartbeat")
         # one BLAS thread a rank: this process's own pinning (bench's, for itself) must not
         # reach N ranks sharing the cores, which would oversubscribe them many times over
@@ -192,5 +193,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from ringnet.errors import run_main
+    from ringnet.cli import run_main
     run_main(main)

@@ -29,7 +29,7 @@ MAX_PAUSE_S = 0.001
 STREAM_SPIN_S = 0.0005
 STREAM_MAX_PAUSE_S = 0.0005
 # Yielding polls between looks at the clock and the driven streams (auto's lean path has
-# its own such loop, without even this function's entry: see ringnet.comm.auto).
+# its own such loop, without even this function's entry: see ringnet.comm._lean).
 YIELD_ROUNDS = 32
 _YIELDS = range(YIELD_ROUNDS)
 

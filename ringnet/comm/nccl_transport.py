@@ -346,7 +346,7 @@ class NcclTransport(Transport):
 
         def watch():
             if not done.wait(self.timeout_s):
-                from ringnet.errors import abort  # noqa: WPS433
+                from ringnet.shutdown import abort  # noqa: WPS433
                 abort(message)
         threading.Thread(target=watch, name="ringnet-nccl-init-watchdog", daemon=True).start()
         try:
@@ -532,7 +532,7 @@ class NcclTransport(Transport):
 
     def _expire(self, what):
         """Watchdog: an enqueued operation is past the deadline; abort NCCL, then the job."""
-        from ringnet.errors import abort  # noqa: WPS433
+        from ringnet.shutdown import abort  # noqa: WPS433
         # A thread waiting on the GPU wakes when the communicators are aborted: it raises
         # this instead of going on with what the operation never wrote.
         self._expired = what

@@ -1,5 +1,4 @@
 """Transport interface: how bytes move between two ranks, and the transfer timeout."""
-import os
 import threading
 from typing import Optional
 
@@ -7,35 +6,13 @@ import numpy as np
 
 from ringnet.backend import cupy, gpu_available, is_gpu_array
 from ringnet.comm.stream import CpuStream, GpuStream, Handle
+from ringnet.control import default_timeout  # noqa: F401 - the transports' timeout, re-exported
 
 __all__ = ["Transport", "CommTimeoutError", "default_timeout"]
 
 
 class CommTimeoutError(RuntimeError):
     """A transfer did not complete within the transport's timeout."""
-
-
-# The longest deadline: the set-up watchdog waits 2 x this + 10 s, within what a timer
-# takes (threading.TIMEOUT_MAX is about 9.2e9 s on Linux); 1e8 s is over three years.
-MAX_TIMEOUT_S = 1e8
-
-
-def default_timeout() -> float:
-    """Return the transfer timeout in seconds: ``RINGNET_COMM_TIMEOUT`` or 300.
-
-    Raises ValueError unless the variable is a positive finite number.
-    """
-    value = os.environ.get("RINGNET_COMM_TIMEOUT", "")
-    try:
-        seconds = float(value) if value else 300.0
-    except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds < float("inf"):     # 0, negative, NaN or inf: no usable deadline
-        raise ValueError(f"RINGNET_COMM_TIMEOUT={value!r} is not a positive number of seconds")
-    if seconds > MAX_TIMEOUT_S:     # the set-up watchdog's timer would overflow
-        raise ValueError(f"RINGNET_COMM_TIMEOUT={value!r} is too large: at most "
-                         f"{MAX_TIMEOUT_S:.0f} seconds")
-    return seconds
 
 
 def describe(what: str, send_peer: Optional[int], recv_peer: Optional[int], nbytes: int) -> str:

@@ -1,5 +1,5 @@
 """Data sets in the ringnet HDF5 layout and per-rank sharded mini-batch loading."""
-from ringnet.data.datasets import (DOWNLOADABLE, NAMED, Dataset, Split, channel_stats,
+from ringnet.data.catalog import (DOWNLOADABLE, NAMED, Dataset, Split, channel_stats,
                                    check_compatible, data_dirs, default_data_dir,
                                    find_dataset, open_dataset)
 from ringnet.data.hdf5 import SPLITS, atomic_output, validate_file, write_dataset

@@ -12,7 +12,8 @@ import numpy as np
 from ringnet.data import convert as _convert
 from ringnet.data import download as _download
 from ringnet.data.hdf5 import SPLITS, validate_file, verify_file
-from ringnet.errors import ArgumentParser, UsageError, run_main
+from ringnet.errors import UsageError
+from ringnet.cli import ArgumentParser, run_main
 
 __all__ = ["main", "info"]
 

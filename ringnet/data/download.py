@@ -63,11 +63,11 @@ class _Interrupted(Exception):
 
 def download_dir():
     """Return where downloads and conversions go: ``$RINGNET_DATA`` if set, else
-    :func:`~ringnet.data.datasets.default_data_dir` (the ``datasets/`` folder)."""
+    :func:`~ringnet.data.catalog.default_data_dir` (the ``datasets/`` folder)."""
     env = os.environ.get("RINGNET_DATA")
     if env:
         return Path(env)
-    from ringnet.data.datasets import default_data_dir
+    from ringnet.data.catalog import default_data_dir
     return default_data_dir()
 
 

@@ -12,7 +12,7 @@ argmax and dropout masks are bit-identical to the NumPy path, and the sums are t
 Each kernel is declared once: its parameter list (which also makes the CUDA signature),
 its CUDA body, and a NumPy *emulation* with the same parameters that performs the same
 index arithmetic for all threads at once, statement by statement (one NumPy lane per
-CUDA thread; ``continue`` becomes a lane mask). The host wrappers below call
+CUDA thread; ``continue`` becomes a lane mask). The host wrappers (:mod:`ringnet.layers._cuda_ops`) call
 :func:`launch`, which runs the CUDA kernel for CuPy arrays and the emulation for NumPy
 arrays (checking every argument against the declared C types), so the CPU tests run
 the wrappers and the kernels' index logic against the NumPy layers. The layers call
@@ -21,11 +21,8 @@ these wrappers only on CuPy arrays; their NumPy paths do not use this module.
 import numpy as np
 
 from ringnet.backend import cupy
-from ringnet.layers.base import _memory_order
 
-__all__ = ["KERNELS", "source", "launch", "maxpool_forward", "maxpool_backward",
-           "avgpool_forward", "avgpool_backward", "im2col", "col2im", "dropout_mask",
-           "relu_forward", "relu_backward"]
+__all__ = ["KERNELS", "source", "launch"]
 
 THREADS = 256                   # threads per block; blocks stride over larger sizes
 MAX_BLOCKS = 32768
@@ -486,141 +483,3 @@ def _relu_bwd(dy, y, dx, n):
     idx = _lanes(n)
     with np.errstate(invalid="ignore"):                      # inf * 0 is NaN, as in CUDA
         dx[:] = dy[idx] * (y[idx] > 0).astype(dx.dtype)
-
-
-# --- host wrappers: logical (B, C, H, W) arrays in, the NumPy layers' layouts out
-
-def _geometry(c, h, w, b, ho, wo, kernel, stride, padding):
-    return tuple(np.int32(v) for v in (c, h, w, b, ho, wo, *kernel, *stride, *padding))
-
-
-def maxpool_forward(xp, x, out_hw, kernel, stride, padding):
-    """Return (y, argmax): y logical (B, C, Ho, Wo) in (C, Ho, Wo, B) memory, argmax the
-    (C, Ho, Wo, B) uint8 row-major tap index of each window's first maximum."""
-    b, c, h, w = x.shape
-    ho, wo = out_hw
-    xc = xp.ascontiguousarray(x.transpose(1, 2, 3, 0))          # a no-op for batch-last x
-    y = xp.empty((c, ho, wo, b), dtype=x.dtype)
-    argmax = xp.empty((c, ho, wo, b), dtype=np.uint8)
-    n = c * ho * wo * b
-    launch(xp, "maxpool_fwd", x.dtype, n,
-           (xc, y, argmax, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding),
-            x.dtype.type(-np.inf)))
-    return y.transpose(3, 0, 1, 2), argmax
-
-
-def maxpool_backward(xp, dy, argmax, in_shape, kernel, stride, padding):
-    """Return dx logical (B, C, H, W) in (C, H, W, B) memory from dy and the forward's argmax."""
-    b, c, h, w = in_shape
-    _, _, ho, wo = dy.shape
-    dyc = xp.ascontiguousarray(dy.transpose(1, 2, 3, 0))
-    dx = xp.empty((c, h, w, b), dtype=dy.dtype)
-    n = c * h * w * b
-    launch(xp, "maxpool_bwd", dy.dtype, n,
-           (dyc, argmax, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
-    return dx.transpose(3, 0, 1, 2)
-
-
-def avgpool_forward(xp, x, inv, kernel, stride, padding):
-    """Return y logical (B, C, Ho, Wo) in (C, Ho, Wo, B) memory; ``inv`` is the (Ho, Wo)
-    reciprocal window size (C-contiguous, x's dtype)."""
-    b, c, h, w = x.shape
-    ho, wo = inv.shape[:2]
-    xc = xp.ascontiguousarray(x.transpose(1, 2, 3, 0))
-    y = xp.empty((c, ho, wo, b), dtype=x.dtype)
-    n = c * ho * wo * b
-    launch(xp, "avgpool_fwd", x.dtype, n,
-           (xc, inv, y, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
-    return y.transpose(3, 0, 1, 2)
-
-
-def avgpool_backward(xp, dy, inv, in_shape, kernel, stride, padding):
-    """Return dx logical (B, C, H, W) in (C, H, W, B) memory."""
-    b, c, h, w = in_shape
-    _, _, ho, wo = dy.shape
-    dyc = xp.ascontiguousarray(dy.transpose(1, 2, 3, 0))
-    dx = xp.empty((c, h, w, b), dtype=dy.dtype)
-    n = c * h * w * b
-    launch(xp, "avgpool_bwd", dy.dtype, n,
-           (dyc, inv, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
-    return dx.transpose(3, 0, 1, 2)
-
-
-def _dense(xp, x):
-    """Return (m, order): m a C-contiguous array over x's memory, x == m.transpose(inverse
-    of order); x is copied to C order first only if its memory is not dense."""
-    order = _memory_order(x)
-    m = x.transpose(order)
-    if not m.flags.c_contiguous:
-        order = list(range(x.ndim))
-        m = xp.ascontiguousarray(x)
-    return m, order
-
-
-def _inverse(order):
-    return [order.index(a) for a in range(len(order))]
-
-
-def im2col(xp, x, cols, stride, padding):
-    """Fill ``cols`` (C, kh, kw, Ho, Wo, B), C-contiguous, with the columns of the logical
-    (B, C, H, W) ``x`` in any memory order: entry (c, i, j, oy, ox, b) is
-    x[b, c, oy*sh + i - ph, ox*sw + j - pw], 0 where that falls in the padding. One kernel
-    instead of a padded copy and a strided copy."""
-    b, c, h, w = x.shape
-    _, kh, kw, ho, wo, _ = cols.shape
-    m, order = _dense(xp, x)
-    strides = [0] * 4
-    for axis, stride_m in zip(order, m.strides):
-        strides[axis] = np.int64(stride_m // m.itemsize)
-    xs_b, xs_c, xs_h, xs_w = strides
-    n = c * kh * kw * ho * wo * b
-    launch(xp, "im2col", x.dtype, n,
-           (m, cols, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding),
-            xs_c, xs_h, xs_w, xs_b))
-    return cols
-
-
-def relu_forward(xp, x):
-    """Return max(x, 0) (as NumPy's maximum: NaN kept, -0 -> +0) in x's memory order."""
-    m, order = _dense(xp, x)
-    y = xp.empty(m.shape, dtype=x.dtype)
-    launch(xp, "relu_fwd", x.dtype, m.size, (m, y, np.int64(m.size)))
-    return y.transpose(_inverse(order))
-
-
-def relu_backward(xp, dy, y):
-    """Return dy * (y > 0) in y's memory order (dy is copied into it only if it differs)."""
-    ym, order = _dense(xp, y)
-    dym = xp.ascontiguousarray(dy.transpose(order))           # a no-op when dy is laid out as y
-    dx = xp.empty(ym.shape, dtype=dy.dtype)
-    launch(xp, "relu_bwd", dy.dtype, ym.size, (dym, ym, dx, np.int64(ym.size)))
-    return dx.transpose(_inverse(order))
-
-
-def col2im(xp, cols, in_hw, stride, padding):
-    """Return dx (C, H, W, B), C-contiguous, from the (C, kh, kw, Ho, Wo, B) column
-    gradient: every column entry added back to the input pixel it was read from."""
-    c, kh, kw, ho, wo, b = cols.shape
-    h, w = in_hw
-    dx = xp.empty((c, h, w, b), dtype=cols.dtype)
-    n = c * h * w * b
-    launch(xp, "col2im", cols.dtype, n,
-           (cols, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding)))
-    return dx
-
-
-def dropout_mask(xp, shape, dtype, keys, threshold, scale, first_sample=0):
-    """Return the scaled dropout mask (C-contiguous ``shape``, ``dtype``): ``scale`` where
-    the top 53 bits of element j's hash are >= ``threshold``, else 0; the hash is
-    :func:`ringnet.layers.activation.hash_bits` with stream ``keys`` = (k1, k2)."""
-    dtype = np.dtype(dtype)
-    per_sample = 1
-    for size in shape[1:]:
-        per_sample *= int(size)
-    n = int(shape[0]) * per_sample
-    mask = xp.empty(shape, dtype=dtype)
-    k1, k2 = keys
-    launch(xp, "dropout_mask", dtype, n,
-           (mask, np.int64(n), np.uint64((int(first_sample) * per_sample) & ((1 << 64) - 1)),
-            np.uint64(k1), np.uint64(k2), np.uint64(threshold), dtype.type(scale)))
-    return mask

@@ -4,7 +4,7 @@ import math
 import numpy as np
 
 from ringnet.backend import get_array_module, is_gpu_array
-from ringnet.layers import _cuda
+from ringnet.layers import _cuda_ops
 from ringnet.layers.base import Layer, zeros_like_layout
 
 __all__ = ["ReLU", "Dropout", "keep_mask", "hash_bits"]
@@ -19,7 +19,7 @@ class ReLU(Layer):
 
     def forward(self, x, train=True):
         if is_gpu_array(x):                   # one kernel, in x's memory order
-            y = _cuda.relu_forward(get_array_module(x), x)
+            y = _cuda_ops.relu_forward(get_array_module(x), x)
             self._y = y if train else None
             return y
         xp = get_array_module(x)
@@ -41,7 +41,7 @@ class ReLU(Layer):
         if self._y is None:
             raise RuntimeError("ReLU.backward called without a forward(train=True)")
         if is_gpu_array(dy):                  # one kernel, in y's memory order
-            return _cuda.relu_backward(get_array_module(dy), dy, self._y)
+            return _cuda_ops.relu_backward(get_array_module(dy), dy, self._y)
         xp = get_array_module(dy)
         return xp.multiply(dy, self._y > 0)
 
@@ -82,7 +82,7 @@ class Dropout(Layer):
         xp = get_array_module(x)
         part, parts = self.batch_part
         if is_gpu_array(x):                   # the same mask, from one fused CUDA kernel
-            self._mask = _cuda.dropout_mask(
+            self._mask = _cuda_ops.dropout_mask(
                 xp, x.shape, x.dtype, stream_keys((self.seed, self.step, self.layer_index)),
                 keep_threshold(self.p), 1.0 / (1.0 - self.p), first_sample=part * x.shape[0])
             self.step += 1

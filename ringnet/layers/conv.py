@@ -5,7 +5,7 @@ import functools
 import numpy as np
 
 from ringnet.backend import get_array_module
-from ringnet.layers import _cuda
+from ringnet.layers import _cuda_ops
 from ringnet.layers.base import (Layer, as_channel_rows, batch_last, check_init, copy_samples,
                                  window_geometry, window_out_size, window_repr)
 
@@ -242,7 +242,7 @@ class Conv2d(Layer):
         k = c * kh * kw
         cols = self._buffer(xp, "gpu-cols-" + ("train" if train else "eval"),
                             (c, kh, kw, ho, wo, b), x.dtype)
-        _cuda.im2col(xp, x, cols, self.stride, self.padding)
+        _cuda_ops.im2col(xp, x, cols, self.stride, self.padding)
         y = xp.empty((o, ho * wo * b), dtype=x.dtype)            # (O, Ho*Wo*B)
         xp.matmul(self.params["weight"].reshape(o, k), cols.reshape(k, ho * wo * b), out=y)
         y += self.params["bias"][:, None]
@@ -266,7 +266,7 @@ class Conv2d(Layer):
             flipped = self.params["weight"].transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
             flipped = xp.ascontiguousarray(flipped).reshape(c, o * kh * kw)
             dcols = self._buffer(xp, "gpu-cols-dx", (o, kh, kw, h, w, b), dy.dtype)
-            _cuda.im2col(xp, dy2.reshape(o, ho, wo, b).transpose(3, 0, 1, 2), dcols, (1, 1),
+            _cuda_ops.im2col(xp, dy2.reshape(o, ho, wo, b).transpose(3, 0, 1, 2), dcols, (1, 1),
                          (kh - 1 - ph, kw - 1 - pw))
             dxc = xp.empty((c, h * w * b), dtype=dy.dtype)       # (C, H*W*B)
             xp.matmul(flipped, dcols.reshape(o * kh * kw, h * w * b), out=dxc)
@@ -274,5 +274,5 @@ class Conv2d(Layer):
         # col2im: the column gradient overwrites the columns (no longer needed), then one
         # gather kernel adds every column entry back to its input pixel.
         xp.matmul(self.params["weight"].reshape(o, k).T, dy2, out=cols.reshape(k, ho * wo * b))
-        dxc = _cuda.col2im(xp, cols, (h, w), self.stride, self.padding)
+        dxc = _cuda_ops.col2im(xp, cols, (h, w), self.stride, self.padding)
         return dxc.transpose(3, 0, 1, 2)                         # (B, C, H, W)

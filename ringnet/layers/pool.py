@@ -13,7 +13,7 @@ from its planes.
 import numpy as np
 
 from ringnet.backend import get_array_module
-from ringnet.layers import _cuda
+from ringnet.layers import _cuda_ops
 from ringnet.layers.base import Layer, tap_ranges, window_geometry, window_out_size, window_repr
 
 __all__ = ["MaxPool2d", "AvgPool2d", "pool_output_size"]
@@ -189,7 +189,7 @@ class MaxPool2d(_Pool2d):
     def forward(self, x, train=True):
         xp = get_array_module(x)
         if xp is not np:                                         # one fused CUDA kernel
-            y, argmax = _cuda.maxpool_forward(xp, x, self.output_shape(x.shape[1:])[1:],
+            y, argmax = _cuda_ops.maxpool_forward(xp, x, self.output_shape(x.shape[1:])[1:],
                                               self.kernel_size, self.stride, self.padding)
             self._cache = (x.shape, argmax, None, None) if train else None
             return y
@@ -230,7 +230,7 @@ class MaxPool2d(_Pool2d):
         shape, argmax, taps, covered = self._cached()
         xp = get_array_module(dy)
         if xp is not np:                                         # one fused CUDA kernel
-            return _cuda.maxpool_backward(xp, dy, argmax, shape, self.kernel_size,
+            return _cuda_ops.maxpool_backward(xp, dy, argmax, shape, self.kernel_size,
                                           self.stride, self.padding)
         argmax = argmax.transpose(2, 1, 0, 3)                    # (Wo, Ho, C, B) memory
         dyc = _to_columns(xp, dy, self._scratch(xp, "dy", argmax.shape, dy.dtype))
@@ -270,7 +270,7 @@ class AvgPool2d(_Pool2d):
         if xp is not np:                                         # one fused CUDA kernel
             inv = self._gpu_inv(xp, x.shape[2], x.shape[3], x.dtype)
             self._cache = (x.shape, inv, None, None) if train else None
-            return _cuda.avgpool_forward(xp, x, inv, self.kernel_size, self.stride,
+            return _cuda_ops.avgpool_forward(xp, x, inv, self.kernel_size, self.stride,
                                          self.padding)
         b, c, h, w = x.shape                                     # (B, C, H, W)
         ho, wo, taps, covered = self._taps(h, w)
@@ -296,7 +296,7 @@ class AvgPool2d(_Pool2d):
         shape, inv, taps, covered = self._cached()
         xp = get_array_module(dy)
         if xp is not np:                                         # one fused CUDA kernel
-            return _cuda.avgpool_backward(xp, dy, inv, shape, self.kernel_size, self.stride,
+            return _cuda_ops.avgpool_backward(xp, dy, inv, shape, self.kernel_size, self.stride,
                                           self.padding)
         b, c, ho, wo = dy.shape
         g = self._scratch(xp, "dy", (wo, ho, c, b), dy.dtype)     # (Wo, Ho, C, B)

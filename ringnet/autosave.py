@@ -1,4 +1,5 @@
-"""Periodic checkpoints (``--save-every K``) and the heartbeat ``python -m ringnet.launch`` reads.
+"""Periodic checkpoints (``--save-every K``) and the heartbeat ``python -m ringnet.launch`` reads
+(the step a run last reached, so a relaunch knows how far the saves got).
 
 A run with ``--save-every K`` rewrites its ``--save`` checkpoint after every K-th step,
 so a run that loses a rank loses at most K steps. The checkpoint of step k holds the
@@ -22,7 +23,7 @@ stalled job.
 import os
 import threading
 
-from ringnet.errors import collective
+from ringnet.control import collective
 
 __all__ = ["PeriodicSaver", "Heartbeat", "read_heartbeat", "HEARTBEAT_ENV"]
 

@@ -1,0 +1,201 @@
+"""A run and its checkpoint: what ``--resume`` takes from it, what ``--resume auto`` and
+``--save`` decide, how the state is put back, and the saver that writes it.
+
+Hyperparameters not given explicitly continue with the checkpoint's values; a flag that
+is given overrides it, and the first log line and the ``--json`` record say which. The
+settings of a mode follow the mode resumed into (the look-ahead's warm-up).
+"""
+import dataclasses
+import os
+
+from ringnet.autosave import PeriodicSaver
+from ringnet import checkpoint as checkpoints
+from ringnet.checkpoint import HYPERPARAMETERS, resume_settings
+from ringnet.control import agree, collective
+from ringnet.errors import UsageError
+
+__all__ = ["auto", "settings", "check_not_behind", "restore", "saver"]
+
+
+def _compensation_after(cfg, size):
+    """The delay compensation ``cfg`` resolves to at ``size`` ranks, or None where its settings
+    are refused (:meth:`TrainConfig.resolved` says why, later)."""
+    try:
+        return dataclasses.replace(cfg, warmup_steps=None).resolved(size).delay_compensation
+    except UsageError:
+        return None
+
+
+def _mode_text(mode, delay, compensation):
+    text = f"{mode}" if mode in (None, "single") else f"{mode} delay {delay}"
+    return text + (f" {compensation}" if delay and compensation not in (None, "none") else "")
+
+
+def _setting_text(name, value, bare=False):
+    """A resumed setting as the flag that asks for it: --lr 0.01, --no-shuffle, --augment."""
+    if name in ("shuffle", "augment"):
+        on = bool(value)
+        if bare:
+            return "on" if on else "off"
+        if name == "shuffle":
+            return "shuffle on" if on else "--no-shuffle"
+        return "--augment" if on else "augment off"
+    return str(value) if bare else f"--{name.replace('_', '-')} {value}"
+
+
+def auto(cfg, world):
+    """``--resume auto``: resume from ``--save`` when it exists (rank 0 looks), else start
+    fresh. Return (cfg, the line that says which)."""
+    exists = agree(world, os.path.exists(cfg.save) if world.Get_rank() == 0 else None,
+                   phase="setup")[0]
+    if exists:
+        return dataclasses.replace(cfg, resume=cfg.save), None
+    return (dataclasses.replace(cfg, resume=None),
+            f"--resume auto: no checkpoint at {cfg.save} yet, starting at step 0")
+
+
+def check_not_behind(cfg, saved, step, total_steps):
+    """Refuse a run whose first save would overwrite a ``--save`` checkpoint (at step
+    ``saved``, None: no checkpoint there) with one that is not as far along: what a requeued
+    job started without --resume would do to its own newer checkpoint."""
+    first = total_steps if not cfg.save_every else min(total_steps,
+                                                       (step // cfg.save_every + 1) * cfg.save_every)
+    if saved is not None and saved > first:
+        raise UsageError(f"--save {cfg.save} holds a checkpoint at step {saved}, further along "
+                         f"than this run's first save (step {first}), and would be overwritten; "
+                         f"continue it with --resume auto (or --resume {cfg.save}), or start over "
+                         f"with another --save path or after removing it")
+
+
+def settings(cfg, world):
+    """Load the checkpoint of ``cfg.resume``; return (cfg with its settings, checkpoint,
+    (note, record)).
+
+    Hyperparameters not given explicitly continue with the checkpoint's values; a flag that
+    is given overrides (giving it is the explicit request to leave the trajectory). Without
+    ``--model`` the run takes the checkpoint's model. Settings that belong to a mode follow
+    the mode resumed into: ``--warmup-steps`` continues from the checkpoint only where both
+    runs use the look-ahead compensation; into a look-ahead run from one without it the
+    default warm-up applies (its synchronous steps are the synchronous run's, counted from
+    step 0), and into a run without it the warm-up is dropped. The log note and the --json
+    record say which were taken, which a flag overrode, and what followed the mode.
+    """
+    checkpoint = collective(world, checkpoints.load_checkpoint, cfg.resume)
+    attrs = checkpoint[3]
+    size = world.Get_size()
+    done = int(attrs.get("step", 0))
+    model_note = None
+    if cfg.model is None and attrs.get("model"):
+        cfg = dataclasses.replace(cfg, model=attrs["model"])
+        model_note = f"--model {cfg.model}"
+    given = {n: getattr(cfg, n) for n in HYPERPARAMETERS}
+    was = _mode_text(attrs.get("mode"), attrs.get("delay"),
+                     attrs.get("delay_compensation"))
+    stored_lookahead = attrs.get("delay_compensation") == "lookahead"
+    target_lookahead = _compensation_after(cfg, size) == "lookahead"
+    followed = None     # (what the warm-up became, why), for the note
+    own_default = False     # the warm-up is the mode resumed into's own default
+    if given["warmup_steps"] is None:
+        if stored_lookahead and target_lookahead and "warmup_steps" not in attrs:
+            given["warmup_steps"] = 0       # written before the warm-up existed: none was run
+        elif stored_lookahead and not target_lookahead:
+            stored = int(attrs.get("warmup_steps", 0) or 0)
+            attrs = {k: v for k, v in attrs.items() if k != "warmup_steps"}
+            if stored:
+                followed = (0, f"dropped the checkpoint's --warmup-steps {stored} of {was}: "
+                               f"the warm-up belongs to the look-ahead compensation of delay 1")
+        elif not stored_lookahead:
+            # The checkpoint's warm-up (0 or absent) belonged to a run without the look-ahead:
+            # this run's own default follows its mode (resolved below).
+            attrs = {k: v for k, v in attrs.items() if k != "warmup_steps"}
+            own_default = True
+    settings, overridden = resume_settings(attrs, given)
+    if given["warmup_steps"] is not None:
+        cfg = dataclasses.replace(cfg, warmup_steps=given["warmup_steps"])
+    cfg = dataclasses.replace(cfg, **settings)
+    if "batch_size" in settings and cfg.batch_size % size:
+        raise UsageError(f"checkpoint {cfg.resume} was trained with global batch {cfg.batch_size}, "
+                         f"which {size} ranks cannot split; pass --batch-size with a multiple "
+                         f"of {size} to change it")
+    if own_default and target_lookahead:        # else no warm-up before and none now
+        resolved = cfg.resolved(size)
+        warmup = resolved.warmup_steps
+        if warmup:
+            cfg = dataclasses.replace(cfg, warmup_steps=warmup)
+            after = (f"steps {done} to {warmup} synchronous, then delayed" if warmup > done
+                     else f"already past at step {done}: delayed from the start")
+            followed = (warmup, f"--warmup-steps {warmup}, the default of "
+                                f"{_mode_text(resolved.mode, resolved.delay, 'lookahead')}, "
+                                f"as the checkpoint's {was} had none ({after})")
+    note = f"resuming from {cfg.resume} at step {done}"
+    taken = ([model_note] if model_note else []) + [_setting_text(n, v) for n, v in settings.items()]
+    if taken:
+        note += "; from the checkpoint: " + ", ".join(taken)
+    if overridden:
+        note += "; overridden: " + ", ".join(
+            f"{_setting_text(n, asked)} (checkpoint: {_setting_text(n, stored, bare=True)})"
+            for n, stored, asked in overridden)
+    if followed is not None:
+        note += "; " + followed[1]
+    # The same for --json: a changed trajectory is on record even under --quiet.
+    record = {"checkpoint": str(cfg.resume), "step": done,
+              "from_checkpoint": dict(settings, **({"model": cfg.model} if model_note else {})),
+              "overridden": {n: {"checkpoint": stored, "given": asked}
+                             for n, stored, asked in overridden}}
+    if followed is not None:
+        record["followed_mode"] = {"warmup_steps": followed[0], "why": followed[1]}
+    return cfg, checkpoint, (note, record)
+
+
+def saver(cfg, world, strategy, spe, dataset):
+    """Return the PeriodicSaver that writes cfg.save (every --save-every K steps and at the end)."""
+    size = world.Get_size()
+
+    def collect():              # every rank
+        return strategy.full_state(), strategy.lookahead_state()
+
+    def write(state, step):     # rank 0 only
+        (params, momentum, prev), base = state
+        checkpoints.save_checkpoint(cfg.save, params, momentum, prev if cfg.delay else None,
+                        lookahead_base=base, model=cfg.model, mode=cfg.mode,
+                        delay=cfg.delay, delay_compensation=cfg.delay_compensation,
+                        ranks=size, step=step, epoch=step // spe, data_content=dataset.content,
+                        **{n: getattr(cfg, n) for n in HYPERPARAMETERS})
+    return PeriodicSaver(world, cfg.save_every, collect, write)
+
+
+def restore(cfg, world, strategy, checkpoint, total_steps, dataset, resumed):
+    """Load ``checkpoint`` into ``strategy`` on every rank; return the checkpoint's step.
+
+    A data set whose content differs from the checkpoint's is refused unless ``--dataset``
+    was given (then it is listed as overridden in ``resumed``, the --json record)."""
+    params, momentum, prev, attrs = checkpoint
+    base = collective(world, checkpoints.load_lookahead_base, cfg.resume)
+
+    def restore():
+        if attrs.get("model") != cfg.model:
+            raise UsageError(f"checkpoint {cfg.resume} holds model {attrs.get('model')!r}, "
+                             f"not {cfg.model!r}")
+        done = int(attrs.get("step", 0))
+        stored = attrs.get("data_content") or None
+        if stored and stored != dataset.content:
+            if "dataset" in resumed["from_checkpoint"]:
+                raise UsageError(f"checkpoint {cfg.resume} was trained on data set {cfg.dataset} "
+                                 f"with content {stored}, which now reads {dataset.content}: "
+                                 f"the data changed; pass --dataset {cfg.dataset} to continue "
+                                 f"on it anyway")
+            resumed["overridden"]["data_content"] = {"checkpoint": stored,
+                                                     "given": dataset.content}
+        if done >= total_steps:
+            asked = (f"--steps {cfg.steps}" if cfg.steps is not None else
+                     f"--epochs {cfg.epochs} ({total_steps} steps)")
+            raise UsageError(f"checkpoint {cfg.resume} is already at step {done}; {asked} "
+                             f"leaves nothing to run (steps count from step 0: ask for more "
+                             f"than {done})")
+        try:
+            strategy.load_full_state(params, momentum, prev if cfg.delay else None,
+                                     base if cfg.delay else None)
+        except ValueError as exc:
+            raise UsageError(f"checkpoint {cfg.resume}: {exc}") from None
+    collective(world, restore)
+    return int(attrs.get("step", 0))
