@@ -27,9 +27,9 @@ from ringnet.shards import shard_bounds
 __all__ = ["LeanPath", "Bound", "free_persistent"]
 
 # After the spin (topology.lean_spins), polls that yield the core (sched_yield, then
-# Testall) in rounds of this many between looks at the clock and the driven streams, in a loop of its own: with 3
-# ranks on 2 cores nearly every small all-reduce waits, and the transport's wait looked at
-# both on every poll (interleaved, 3 rounds: auto 0.74-0.79x native at 8 B through it,
+# Testall) in rounds of this many between looks at the clock and the driven streams, in a
+# loop of its own: with 3 ranks on 2 cores nearly every small all-reduce waits, and the
+# transport's wait looked at both on every poll (interleaved, 3 rounds: auto 0.74-0.79x native at 8 B through it,
 # 0.95-1.01x here; 1 KiB 0.90-1.07x -> 1.32-1.35x). Even entering that wait (its stream
 # and tag look-ups) measured 0.66-0.82x at 8 B in rounds of 32.
 _YIELD_ROUNDS = range(YIELD_ROUNDS)

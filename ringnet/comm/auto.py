@@ -9,8 +9,8 @@ more ranks than cores (``oversubscribed``: it then chooses with
 
 **Two paths.** Called without a stream on a NumPy buffer over the MPI transport, auto runs
 its algorithm straight on mpi4py (the lean path, :class:`~ringnet.comm._lean.LeanPath`):
-Irecv/Isend on views of the caller's buffer, ``numpy.add(..., out=)`` into it, one preallocated scratch buffer per
-dtype, a short MPI_Testall spin, then polls that yield the core and look at the clock (the
+Irecv/Isend on views of the caller's buffer, ``numpy.add(..., out=)`` into it, one
+preallocated scratch buffer per dtype, a short MPI_Testall spin, then polls that yield the core and look at the clock (the
 transfer deadline) and the driven streams every 32 polls, and after 50 ms the transport's
 own sleeping wait. A message then costs ~1-2 us of Python instead of the ~20 us
 of the generic path (a transfer object, trace span and checks per message), against 3-5 us
@@ -58,8 +58,8 @@ from ringnet.comm._lean import LeanPath
 from ringnet.comm.base import Array, CommunicatorBase, _DTYPES
 # The cost model is imported whole, and node_cores with it: ``ringnet.comm.auto.terms`` and
 # the rest keep working for code that still imports them from here.
-from ringnet.comm.cost import (ALGORITHMS, ALPHA, ALPHA_OVERSUBSCRIBED, choose, cost, fit,  # noqa: F401
-                               terms, thresholds)
+from ringnet.comm.cost import (  # noqa: F401
+    ALGORITHMS, ALPHA, ALPHA_OVERSUBSCRIBED, choose, cost, fit, terms, thresholds)
 from ringnet.comm.ring import RingCommunicator
 from ringnet.comm.schedules import Fold, direct_peers, direct_slot, sum_in_rank_order
 from ringnet.comm.stream import CpuStream, Handle

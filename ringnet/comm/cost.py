@@ -12,8 +12,8 @@ ring       2 (N-1)                   2 (N-1)/N n                 (N-1)/N n
 =========  ========================  ==========================  =====================
 
 ``rd``: recursive doubling. ``direct``: every rank sends its buffer to every other rank
-at once and sums all N in rank order (one round, but N-1 messages to post and poll). ``rhd``: recursive halving
-(reduce-scatter) then recursive doubling (all-gather). ``p`` is the largest power of two
+at once and sums all N in rank order (one round, but N-1 messages to post and poll).
+``rhd``: recursive halving (reduce-scatter) then recursive doubling (all-gather). ``p`` is the largest power of two
 <= N; when N is not one (f = 1), the first 2(N-p) ranks fold in pairs before and unfold
 after. ``ring``: :class:`~ringnet.comm.ring.RingCommunicator`. The communicator that runs them is
 :class:`~ringnet.comm.auto.AutoCommunicator`.

@@ -9,9 +9,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ringnet.comm._nccl_standin.common import (_ALLREDUCE, _HEADER_LEN, _HEADER_TAG, _JOIN_TAG, _KINDS, _MEMBERS_TAG,
-                        _NUMPY, _ORDER_WINDOW, _PAYLOAD_TAG, _RECV, _REDUCE, _SEND,
-                        _UNIQUE_ID_BYTES, NcclError, NcclRuleError, _local, _lock, _timeout)
+from ringnet.comm._nccl_standin.common import (
+    _ALLREDUCE, _HEADER_LEN, _HEADER_TAG, _JOIN_TAG, _KINDS, _MEMBERS_TAG, _NUMPY, _ORDER_WINDOW,
+    _PAYLOAD_TAG, _RECV, _REDUCE, _SEND, _UNIQUE_ID_BYTES, NcclError, NcclRuleError, _local, _lock,
+    _timeout)
 from ringnet.comm._nccl_standin.devices import _check, _current, _queue_of
 from ringnet.comm._nccl_standin.memory import _land, _outgoing, _release, _Write, _writes
 

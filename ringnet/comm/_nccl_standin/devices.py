@@ -1,6 +1,7 @@
 """The stand-in's CUDA: devices (and the rule that a rank uses one), streams and events.
 
-Every stream runs what is enqueued on it on a thread of its own; see :mod:`ringnet.comm._nccl_standin`.
+Every stream runs what is enqueued on it on a thread of its own; see
+:mod:`ringnet.comm._nccl_standin`.
 """
 import collections
 import itertools
@@ -10,7 +11,8 @@ import types
 
 from mpi4py import MPI
 
-from ringnet.comm._nccl_standin.common import DEVICE_COUNT, NcclError, NcclRuleError, _local, _lock, _timeout
+from ringnet.comm._nccl_standin.common import (DEVICE_COUNT, NcclError, NcclRuleError, _local, _lock,
+                                               _timeout)
 from ringnet.comm._nccl_standin.memory import _hide, _publish, _show
 
 # -- devices ---------------------------------------------------------------------------

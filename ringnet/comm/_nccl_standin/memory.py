@@ -1,5 +1,6 @@
 """The stand-in's memory: what NCCL operations write, and which readers may see it yet
-(poison until an event or a wait orders them after the write; see :mod:`ringnet.comm._nccl_standin`)."""
+(poison until an event or a wait orders them after the write; see
+:mod:`ringnet.comm._nccl_standin`)."""
 import ctypes
 
 import numpy as np
