@@ -14,10 +14,12 @@ step times are known; then ``FACTOR`` times the median recent step time, never b
 ``min(FLOOR_S, RINGNET_COMM_TIMEOUT)`` nor above ``RINGNET_COMM_TIMEOUT``.
 
 ``RINGNET_FAULT=SIGNAL:PHASE:RANK`` (e.g. ``STOP:evaluation:1``) makes rank RANK send
-itself SIGNAL (STOP, KILL, TERM, INT) when it enters PHASE: the hook of the
-fault-injection tests and of ``python -m ringnet.bench faults``.
+itself SIGNAL (STOP, KILL, TERM, INT, USR1) when it enters PHASE; ``ENOSPC:save-write:0``
+makes rank 0's checkpoint write fail as on a full disk: the hook of the fault-injection
+tests and of ``python -m ringnet.bench faults``.
 """
 import collections
+import errno
 import os
 import signal
 import statistics
@@ -93,29 +95,40 @@ def set_phase(name):
     fault_point(name)
 
 
+# Faults that are not signals: the OS error a write meets there (a full disk).
+FAULT_ERRORS = {"ENOSPC": errno.ENOSPC}
+
+
 def _parse_fault():
     spec = os.environ.get("RINGNET_FAULT", "")
     if not spec:
         return ()
     try:
-        sig, phase, rank = spec.split(":")
-        return (getattr(signal, "SIG" + sig.upper()), phase, int(rank))
+        what, phase, rank = spec.split(":")
+        fault = (FAULT_ERRORS[what.upper()] if what.upper() in FAULT_ERRORS
+                 else getattr(signal, "SIG" + what.upper()))
+        if what.upper() in FAULT_ERRORS and phase != "save-write":
+            raise ValueError("an OS error is met where the checkpoint is written")
+        return (what.upper(), fault, phase, int(rank))
     except (ValueError, AttributeError):
-        raise UsageError(f"RINGNET_FAULT={spec!r}: expected SIGNAL:PHASE:RANK, "
+        raise UsageError(f"RINGNET_FAULT={spec!r}: expected SIGNAL:PHASE:RANK or ENOSPC:save-write:RANK, "
                          "e.g. STOP:evaluation:1") from None
 
 
 def fault_point(name):
-    """Send this rank the signal named by ``RINGNET_FAULT`` when ``name`` is its phase."""
+    """Make the fault ``RINGNET_FAULT`` names happen to this rank when ``name`` is its phase:
+    send it the signal, or raise the OS error (ENOSPC: a full disk, where a write is)."""
     global _fault
     if _fault is None:
         _fault = _parse_fault()
-    if _fault and _fault[1] == name:
+    if _fault and _fault[2] == name:
         comm = world()
-        if (comm.Get_rank() if comm is not None else 0) == _fault[2]:
+        if (comm.Get_rank() if comm is not None else 0) == _fault[3]:
+            if _fault[0] in FAULT_ERRORS:
+                raise OSError(_fault[1], os.strerror(_fault[1]))
             sys.stdout.flush()
             sys.stderr.flush()
-            os.kill(os.getpid(), _fault[0])
+            os.kill(os.getpid(), _fault[1])
 
 
 # -- deadlines -------------------------------------------------------------------------

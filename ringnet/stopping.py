@@ -21,6 +21,9 @@ import signal
 import threading
 import time
 
+from ringnet.control import current_phase
+from ringnet.errors import TrainingError
+
 __all__ = ["StopSignals", "STOP_SIGNALS"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -29,18 +32,27 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class StopSignals:
     """Note SIGTERM and SIGUSR1 while active (``with``); :meth:`agreed` says when to stop.
 
-    ``world``: the MPI communicator of the run (None or one rank: no agreement needed).
-    ``timeout``: a callable giving the seconds a round may take (the run's deadline).
+    The handlers are installed on ``with``, before the ranks can agree on anything, so a
+    signal in the set-up is noted too; :meth:`attach` then gives the ranks their own
+    communicator for the rounds (without one, or on one rank, no agreement is needed).
+    ``timeout``: a callable giving the seconds a round may take (the run's deadline). Nested,
+    the inner one hands the signals back to the outer one when it ends: a run that is
+    complete notes a late signal and ends as it would have.
     """
 
-    def __init__(self, world=None, timeout=lambda: 300.0):
-        self.world = world
+    def __init__(self, timeout=lambda: 300.0):
         self.timeout = timeout
         self.received = None        # name of the first signal noted on this rank
         self.stopped_by = None      # the agreed reason, once the ranks agreed to stop
         self._previous = {}
         self._comm = None
         self._pending = None        # (request, send buffer, receive buffer) of the round in flight
+
+    def attach(self, world, timeout=None):
+        """Agree over ``world`` (collective: every rank calls it once, after the set-up's first
+        agreement, so that no rank waits here for one that stalled)."""
+        if timeout is not None:
+            self.timeout = timeout
         if world is not None and world.Get_size() > 1:
             self._comm = world.Dup()
 
@@ -92,8 +104,6 @@ class StopSignals:
         return None
 
     def _wait(self, request):
-        from ringnet.control import current_phase
-        from ringnet.errors import TrainingError
         limit = self.timeout()
         end = time.monotonic() + limit
         pause = 1e-5

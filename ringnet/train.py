@@ -314,10 +314,11 @@ def train(cfg=None, world=None, **overrides):
     from ringnet.comm.transport import CommTimeoutError     # after import_mpi(): needs mpi4py
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
-    set_phase("setup")
-    deadline = collective(world, Deadline)
     try:
-        with StopSignals(world, lambda: deadline.seconds) as stopper:
+        with StopSignals() as stopper:      # a signal in the set-up stops at the first step
+            set_phase("setup")
+            deadline = collective(world, Deadline)
+            stopper.attach(world, lambda: deadline.seconds)
             return _train(cfg, world, deadline, rank, size, t_start, stopper)
     except CommTimeoutError as exc:
         raise _stalled(world, exc, deadline) from None
@@ -566,12 +567,12 @@ def set_dropout_step(model, step):
 
 def main(argv=None):
     """Entry point of ``python -m ringnet.train``."""
-    cfg = config_from_args(argv)
-    result = train(cfg)
-    set_phase("shutdown")
-    # Drains the last exchange (under the transport deadline); then every rank arrives.
-    result.strategy.close()
-    agree(import_mpi().COMM_WORLD, None, phase="shutdown")
+    with StopSignals():         # a signal after the last step: the run ends as it would have
+        result = train(config_from_args(argv))
+        set_phase("shutdown")
+        # Drains the last exchange (under the transport deadline); then every rank arrives.
+        result.strategy.close()
+        agree(import_mpi().COMM_WORLD, None, phase="shutdown")
     return EXIT_STOPPED if result.summary.get("stopped") else 0
 
 

@@ -7,9 +7,20 @@ Every case launches ``python -m ringnet.train`` (under mpirun for N > 1) with on
   (rank 0 halfway through writing the file), statistics, shutdown. The others must
   end the job within the deadline, one line naming the stopped rank and the phase.
 * ``kill``: the same with SIGKILL: the launcher ends the job at once.
-* ``mpmd``: ranks started with different settings or data (``mpirun -np 1 A : -np 1 B``):
-  exit 2 naming the field and the ranks.
+* ``term``: one rank sends itself SIGTERM (what a time limit, ``scancel`` or a preemption
+  sends) on entering a phase: every rank stops at a step boundary, the checkpoint is
+  written and the job exits 75 (after the last step: the run ends as it would have, exit 0,
+  the final checkpoint written); no error line.
+* ``mpmd``: ranks started with different settings, data or environment knobs
+  (``mpirun -np 1 A : -np 1 B``): exit 2 naming the field or variable and the ranks.
 * ``bad``: bad files, flags and environment: exit 2, one line, no traceback.
+* ``disk``: the disk fills while a periodic save writes (``RINGNET_FAULT=ENOSPC:...``):
+  exit 2, one line, the previous checkpoint kept.
+* ``replaced``: the data file is replaced under the running job (after its step 2): a run
+  that reads from the file exits 2 at the next epoch, one line naming the file; a run that
+  holds the data in memory trains on and says so once.
+* ``launcher``: the launcher (``python -m ringnet.launch``) is killed with SIGKILL after
+  step 2: no rank trains on unwatched; the ranks stop with the checkpoint written.
 
 Each case checks the exit code, the message (exactly one ``ringnet: error:`` line, no
 traceback), the time to exit against a bound, that no process of the run is left,
@@ -32,7 +43,7 @@ import time
 
 import numpy as np
 
-from ringnet.errors import InputError, UsageError
+from ringnet.errors import EXIT_STOPPED, InputError, UsageError
 from ringnet.cli import ArgumentParser
 
 __all__ = ["Case", "Outcome", "all_cases", "quick_cases", "prepare", "run_case", "main"]
@@ -61,6 +72,8 @@ class Case:
     launcher_message: str = None    # ... or the launcher's output (kill cases)
     bound: str = "deadline"     # "deadline": 3 x timeout + startup; "quick": startup only
     command: tuple = None       # another command than train (datasets info)
+    per_rank_env: tuple = None  # MPMD: one {variable: value} per rank
+    trigger: str = None         # what the harness does once step 2 is reached (see TRIGGERS)
 
 
 @dataclasses.dataclass
@@ -100,6 +113,50 @@ def kill_case(phase, ranks, mode):
     return Case(f"kill {phase} r{victim} {mode} N={ranks}", "kill", ranks, mode,
                 fault=f"KILL:{phase}:{victim}", launcher_message=r"Killed \(signal 9\)",
                 bound="quick")
+
+
+def term_case(phase, ranks, mode):
+    victim = _victim(phase, ranks)
+    during = phase in ("setup", "step 3")       # else after the last step: the run is complete
+    return Case(f"term {phase} r{victim} {mode} N={ranks}", "term", ranks, mode,
+                fault=f"TERM:{phase}:{victim}", code=EXIT_STOPPED if during else 0,
+                bound="quick")
+
+
+KNOBS = (("RINGNET_BUCKET_BYTES", "0", "65536"), ("RINGNET_CPU_PROGRESS", "driven", "poll"),
+         ("RINGNET_COMM_TIMEOUT", "8", "9"))
+
+
+def knob_cases():
+    return [Case(f"mpmd {name}", "mpmd", 2, "ring", per_rank=((), ()),
+                 per_rank_env=({name: a}, {name: b}), code=2,
+                 message=rf"^ringnet: error: ranks were started with different settings.*"
+                         rf"{name} is '{re.escape(a)}' on rank 0 but '{re.escape(b)}' on rank\(s\) 1",
+                 bound="quick") for name, a, b in KNOBS]
+
+
+def live_cases():
+    """Faults that come from outside the job while it runs: a full disk, the data file
+    replaced, the launcher killed."""
+    return [
+        Case("disk full in a periodic save N=2", "disk", 2, "ring", fault="ENOSPC:save-write:0",
+             args=("--save-every", "3"), code=2, bound="quick",
+             message=r"^ringnet: error: rank 0: cannot write checkpoint \S*ck\.h5 "
+                     r"\(\[Errno 28\] No space left on device\)"),
+        Case("data file replaced, read from the file N=2", "replaced", 2, "ring",
+             trigger="replace-data", env={"RINGNET_DATA_IN_MEMORY_MB": "0"},
+             args=("--dataset", "{run}/live.h5", "--steps", "1000000", "--batch-size", "128"),
+             code=2, bound="quick",
+             message=r"ringnet: error: .*live\.h5 was replaced under the running job"),
+        Case("data file replaced, held in memory N=2", "replaced", 2, "ring",
+             trigger="replace-data", args=("--dataset", "{run}/live.h5", "--steps", "40",
+                                           "--batch-size", "128"),
+             code=0, bound="quick",
+             launcher_message=r"note: data set file \S*live\.h5 was replaced on disk during the "
+                              r"run; this run trains on the copy it read at the start"),
+        Case("launcher killed N=2", "launcher", 2, "ring", trigger="kill-launcher",
+             args=("--steps", "1000000"), code=None, bound="quick"),
+    ]
 
 
 def mpmd_cases():
@@ -162,7 +219,8 @@ def all_cases():
         for mode in MODES:
             cases += [stop_case(p, ranks, mode) for p in STOP_PHASES]
             cases += [kill_case(p, ranks, mode) for p in KILL_PHASES]
-    return cases + mpmd_cases() + bad_cases()
+            cases += [term_case(p, ranks, mode) for p in STOP_PHASES]
+    return cases + mpmd_cases() + knob_cases() + bad_cases() + live_cases()
 
 
 def quick_cases():
@@ -171,8 +229,10 @@ def quick_cases():
              stop_case("step 3", 2, "split-fc"), stop_case("evaluation", 4, "tree"),
              stop_case("save-write", 2, "ring"), stop_case("statistics", 2, "tree"),
              kill_case("step 3", 4, "ring"), kill_case("save-write", 2, "master")]
+    picks += [term_case("setup", 2, "tree"), term_case("step 3", 4, "split-fc"),
+              term_case("shutdown", 2, "ring")]
     mpmd = [c for c in mpmd_cases() if c.name in ("mpmd --lr", "mpmd --mode", "mpmd scrambled labels")]
-    return picks + mpmd + bad_cases()
+    return picks + mpmd + knob_cases()[:1] + bad_cases() + live_cases()
 
 
 # -- the files the cases read ----------------------------------------------------------
@@ -296,20 +356,59 @@ def _processes_under(marker):
 
 
 def _command(case, files, save, python, mpirun):
+    run = os.path.dirname(save)
+
     def fill(args):
-        return [a.replace("{dir}", files) for a in args]
+        return [a.replace("{dir}", files).replace("{run}", run) for a in args]
     base = list(case.command) if case.command else list(TRAIN)
     train_extra = [] if case.command else ["--save", save]
     if case.per_rank:
         cmd = [mpirun]
         for i, extra in enumerate(case.per_rank):
             mode = ["--mode", case.mode] if case.mode else []
-            cmd += (([":"] if i else []) + ["-np", "1", python] + base + mode + train_extra
-                    + fill(case.args) + fill(extra))
+            env = [a for name, value in (case.per_rank_env or ({},) * len(case.per_rank))[i].items()
+                   for a in ("-env", name, value)]
+            cmd += (([":"] if i else []) + ["-np", "1"] + env + [python] + base + mode
+                    + train_extra + fill(case.args) + fill(extra))
         return cmd
     mode = ["--mode", case.mode] if case.mode else []
     argv = [python] + base + (mode if not case.command else []) + train_extra + fill(case.args)
+    if case.trigger == "kill-launcher":     # the launcher that watches the ranks
+        return [python, "-m", "ringnet.launch", "-n", str(case.ranks), "--"] + argv[3:]
     return argv if case.ranks == 1 else [mpirun, "-np", str(case.ranks)] + argv
+
+
+def _when_step(heartbeat, step, proc, limit_s, log):
+    """Wait until rank 0's heartbeat reaches ``step`` (or the run ended); return whether it did.
+    Under ``ringnet.launch``, which keeps the heartbeat of its own, until the run's first line
+    is out and a moment more."""
+    from ringnet.autosave import read_heartbeat
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end and proc.poll() is None:
+        if (read_heartbeat(heartbeat) or 0) >= step:
+            return True
+        with open(log.name) as seen:
+            if any(line.startswith("ringnet: ") for line in seen):
+                if "ringnet.launch" in proc.args:
+                    time.sleep(1.0)
+                    return True
+        time.sleep(0.05)
+    return False
+
+
+def _replace_data(case, proc, run_dir, files):
+    """Replace the run's data file by another one (other labels) at the same path."""
+    live = os.path.join(run_dir, "live.h5")
+    fresh = live + ".new"
+    shutil.copyfile(os.path.join(files, "scrambled.h5"), fresh)
+    os.replace(fresh, live)
+
+
+def _kill_launcher(case, proc, run_dir, files):
+    proc.kill()
+
+
+TRIGGERS = {"replace-data": _replace_data, "kill-launcher": _kill_launcher}
 
 
 def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun="mpirun"):
@@ -326,15 +425,34 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
     startup = 30.0 * max(1, case.ranks) / 2
     bound = startup + (2.5 * timeout if case.bound == "deadline" else 0.0)
     cmd = _command(case, files, save, python, mpirun)
+    if case.trigger:
+        env["RINGNET_HEARTBEAT"] = os.path.join(run_dir, "heartbeat")
+        shutil.copyfile(os.path.join(files, "digits.h5"), os.path.join(run_dir, "live.h5"))
     start = time.monotonic()
     problems = []
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=bound + 60)
-        code, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        code = None
-        output = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
-        problems.append(f"still running after {bound + 60:.0f} s (hang)")
+    with tempfile.NamedTemporaryFile("w+", dir=run_dir, suffix=".log") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        if case.trigger:
+            if _when_step(env["RINGNET_HEARTBEAT"], 2, proc, bound, log):
+                TRIGGERS[case.trigger](case, proc, run_dir, files)
+            else:
+                problems.append("the run never reached step 2")
+        try:
+            code = proc.wait(timeout=bound + 60)
+        except subprocess.TimeoutExpired:
+            code = None
+            problems.append(f"still running after {bound + 60:.0f} s (hang)")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.seek(0)
+        output = log.read()
+    if case.trigger == "kill-launcher":     # what ends the job is the ranks' own stop
+        left = _processes_under(run_dir)
+        end = time.monotonic() + bound
+        while left and time.monotonic() < end:
+            time.sleep(0.2)
+            left = _processes_under(run_dir)
     seconds = time.monotonic() - start
     if seconds > bound:
         problems.append(f"took {seconds:.1f} s, bound {bound:.0f} s")
@@ -352,6 +470,8 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
             problems.append("a traceback was printed")
     if case.launcher_message is not None and not re.search(case.launcher_message, output):
         problems.append(f"output does not match {case.launcher_message!r}")
+    if case.kind == "term" and (errors or "Traceback" in output):
+        problems.append(f"{len(errors)} 'ringnet: error:' lines, expected none")
     left = []
     for _ in range(50):
         left = _processes_under(run_dir)
@@ -366,10 +486,18 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
             except OSError:
                 pass
     try:
-        load_checkpoint(save)
+        step = int(load_checkpoint(save)[3].get("step", 0))
     except InputError as exc:
+        step = None
         problems.append(f"checkpoint damaged: {exc}")
-    if code != 0 and os.path.exists(save) and _digest(save) != before and case.kind != "stop":
+    if case.kind in ("term", "launcher") and step is not None:
+        steps = int(TRAIN[TRAIN.index("--steps") + 1])
+        stopped = code == EXIT_STOPPED or case.kind == "launcher"
+        if stopped and not 0 < step < (1000000 if case.kind == "launcher" else steps):
+            problems.append(f"checkpoint at step {step}: not where the run stopped")
+        if not stopped and step != steps:
+            problems.append(f"checkpoint at step {step}, expected the last step {steps}")
+    elif code != 0 and os.path.exists(save) and _digest(save) != before and case.kind != "stop":
         problems.append("checkpoint changed by a failed run")
     temporaries = sorted(os.path.join(run_dir, n) for n in os.listdir(run_dir) if n.endswith(TMP_SUFFIX))
     for _ in range(100):    # a killed writer may take a moment to be reaped by its launcher
@@ -396,7 +524,10 @@ GROUPS = (
     ("SIGSTOP in the save, before or while rank 0 writes",
      lambda c: c.kind == "stop" and _phase(c).startswith("save")),
     ("SIGKILL in any phase: the launcher ends the job", lambda c: c.kind == "kill"),
+    ("SIGTERM in any phase: stop at a step boundary, checkpoint saved", lambda c: c.kind == "term"),
     ("MPMD mismatch, bad file, flag or environment: exit 2", lambda c: c.kind in ("mpmd", "bad")),
+    ("Disk full, data file replaced, launcher killed",
+     lambda c: c.kind in ("disk", "replaced", "launcher")),
 )
 
 
