@@ -122,7 +122,7 @@ def test_a_ceiling_run_is_launched_at_the_per_rank_batch(monkeypatch):
     """run_config's batch reaches train's command line."""
     seen = []
     monkeypatch.setattr(scaling, "run_json", lambda cmd, *a, **kw: seen.append(cmd) or {})
-    args = scaling._parser().parse_args(["--batch-size", "64"])
+    args = scaling.build_parser().parse_args(["--batch-size", "64"])
     scaling.run_config(args, "single", 0, 1, batch=16)
     scaling.run_config(args, "ring", 1, 2)
     assert [cmd[cmd.index("--batch-size") + 1] for cmd in seen] == ["16", "64"]

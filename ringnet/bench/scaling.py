@@ -41,7 +41,7 @@ def _delays_text():
     return ", ".join(f"{m} {' and '.join(map(str, d))}" for m, d in default_delays().items())
 
 
-def _parser():
+def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, nargs="+", default=[1, 2], help="rank counts (default 1 2)")
@@ -161,7 +161,7 @@ def _check(args):
 
 
 def main(argv=None):
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     delays = _check(args)
     if args.plot:
         from ringnet.bench.plot import check_writable

@@ -24,21 +24,14 @@ def maxpool_forward(xp, x, out_hw, kernel, stride, padding):
     argmax = xp.empty((c, ho, wo, b), dtype=np.uint8)
     n = c * ho * wo * b
     _cuda.launch(xp, "maxpool_fwd", x.dtype, n,
-           (xc, y, argmax, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding),
-            x.dtype.type(-np.inf)))
+                 (xc, y, argmax, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding),
+                  x.dtype.type(-np.inf)))
     return y.transpose(3, 0, 1, 2), argmax
 
 
 def maxpool_backward(xp, dy, argmax, in_shape, kernel, stride, padding):
     """Return dx logical (B, C, H, W) in (C, H, W, B) memory from dy and the forward's argmax."""
-    b, c, h, w = in_shape
-    _, _, ho, wo = dy.shape
-    dyc = xp.ascontiguousarray(dy.transpose(1, 2, 3, 0))
-    dx = xp.empty((c, h, w, b), dtype=dy.dtype)
-    n = c * h * w * b
-    _cuda.launch(xp, "maxpool_bwd", dy.dtype, n,
-           (dyc, argmax, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
-    return dx.transpose(3, 0, 1, 2)
+    return _pool_backward(xp, "maxpool_bwd", dy, argmax, in_shape, kernel, stride, padding)
 
 
 def avgpool_forward(xp, x, inv, kernel, stride, padding):
@@ -50,19 +43,25 @@ def avgpool_forward(xp, x, inv, kernel, stride, padding):
     y = xp.empty((c, ho, wo, b), dtype=x.dtype)
     n = c * ho * wo * b
     _cuda.launch(xp, "avgpool_fwd", x.dtype, n,
-           (xc, inv, y, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
+                 (xc, inv, y, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
     return y.transpose(3, 0, 1, 2)
 
 
 def avgpool_backward(xp, dy, inv, in_shape, kernel, stride, padding):
     """Return dx logical (B, C, H, W) in (C, H, W, B) memory."""
+    return _pool_backward(xp, "avgpool_bwd", dy, inv, in_shape, kernel, stride, padding)
+
+
+def _pool_backward(xp, name, dy, aux, in_shape, kernel, stride, padding):
+    """The backward of a pooling kernel: ``aux`` is max pooling's argmax or average pooling's
+    reciprocal window sizes."""
     b, c, h, w = in_shape
     _, _, ho, wo = dy.shape
     dyc = xp.ascontiguousarray(dy.transpose(1, 2, 3, 0))
     dx = xp.empty((c, h, w, b), dtype=dy.dtype)
     n = c * h * w * b
-    _cuda.launch(xp, "avgpool_bwd", dy.dtype, n,
-           (dyc, inv, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
+    _cuda.launch(xp, name, dy.dtype, n,
+                 (dyc, aux, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
     return dx.transpose(3, 0, 1, 2)
 
 
@@ -95,8 +94,8 @@ def im2col(xp, x, cols, stride, padding):
     xs_b, xs_c, xs_h, xs_w = strides
     n = c * kh * kw * ho * wo * b
     _cuda.launch(xp, "im2col", x.dtype, n,
-           (m, cols, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding),
-            xs_c, xs_h, xs_w, xs_b))
+                 (m, cols, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding),
+                  xs_c, xs_h, xs_w, xs_b))
     return cols
 
 
@@ -125,7 +124,7 @@ def col2im(xp, cols, in_hw, stride, padding):
     dx = xp.empty((c, h, w, b), dtype=cols.dtype)
     n = c * h * w * b
     _cuda.launch(xp, "col2im", cols.dtype, n,
-           (cols, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding)))
+                 (cols, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding)))
     return dx
 
 
@@ -141,6 +140,6 @@ def dropout_mask(xp, shape, dtype, keys, threshold, scale, first_sample=0):
     mask = xp.empty(shape, dtype=dtype)
     k1, k2 = keys
     _cuda.launch(xp, "dropout_mask", dtype, n,
-           (mask, np.int64(n), np.uint64((int(first_sample) * per_sample) & ((1 << 64) - 1)),
-            np.uint64(k1), np.uint64(k2), np.uint64(threshold), dtype.type(scale)))
+                 (mask, np.int64(n), np.uint64((int(first_sample) * per_sample) & ((1 << 64) - 1)),
+                  np.uint64(k1), np.uint64(k2), np.uint64(threshold), dtype.type(scale)))
     return mask

@@ -135,7 +135,7 @@ class Strategy:
         ``comm``: the communicator (None for one process); ``upto``: the layers [0, upto)
         whose parameters ``params`` holds. At delay 0 with a communicator their gradient is
         cut into buckets of ``bucket_size`` bytes (None: :func:`bucket_bytes`; 0: none) that
-        :meth:`_layer_done` starts during the backward. The engine gets a stream of ``comm``
+        :meth:`layer_done` starts during the backward. The engine gets a stream of ``comm``
         when it runs anything in the background (delay 1 or buckets).
         """
         self.buckets = []
@@ -151,7 +151,7 @@ class Strategy:
                                     lookahead=lookahead,
                                     buckets=[(lo, hi) for lo, hi, _ in self.buckets] or None)
 
-    def _layer_done(self, phase: str, index: int) -> None:
+    def layer_done(self, phase: str, index: int) -> None:
         """After each layer: progress the streams; start a bucket whose gradient is complete."""
         if phase == "backward" and index in self._bucket_at:
             self.engine.part_ready(self._bucket_at[index], self._it)
@@ -164,7 +164,7 @@ class Strategy:
         with self.stats.span("step"):
             self.engine.show_front()
             self._it = it
-            self.model.layer_hook = self._layer_done
+            self.model.layer_hook = self.layer_done
             try:
                 yield
             finally:

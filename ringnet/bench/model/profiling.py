@@ -25,7 +25,7 @@ def _training_steps(name, batch, dtype, seed):
                       progress=False)
     cfg, _, _, model, strategy, loader = setup(cfg, MPI.COMM_SELF)
     marks = []
-    layer_done, loss_backward = strategy._layer_done, model.loss_layer.backward
+    layer_done, loss_backward = strategy.layer_done, model.loss_layer.backward
 
     def hook(phase, index):          # after each layer, before the strategy's own hook
         marks.append((phase, index, time.perf_counter()))
@@ -35,7 +35,7 @@ def _training_steps(name, batch, dtype, seed):
         out = loss_backward(*args, **kwargs)
         marks.append(("loss", -1, time.perf_counter()))
         return out
-    strategy._layer_done, model.loss_layer.backward = hook, loss_done
+    strategy.layer_done, model.loss_layer.backward = hook, loss_done
 
     def batches():
         epoch = 0

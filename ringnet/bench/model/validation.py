@@ -27,7 +27,7 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
     Returns a record that :func:`validation_rows` turns into predicted-beside-measured rows;
     each round's prediction uses that round's inputs (a shared machine's speed drifts)."""
     from ringnet.bench import scaling
-    args = scaling._parser().parse_args([])
+    args = scaling.build_parser().parse_args([])
     args.batch_size, args.steps, args.mpirun, args.timeout = batch, steps, mpirun, timeout
     configs = [(m, REFERENCE, 0, 1) for m in models]
     configs += [(m, mode, delay, n) for m in models for n in nps for mode, delay in VALIDATION_MODES
