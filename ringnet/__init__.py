@@ -3,7 +3,7 @@
 Importing ringnet changes nothing in the process (no environment variables). The
 programs (``python -m ringnet.train``, ``python -m ringnet.bench``) pin the BLAS thread
 count *before* NumPy loads, so that several MPI ranks on one node do not oversubscribe
-its cores: see :func:`ringnet._threads.configure_blas_threads` for the rule and how to
+its cores: see :func:`ringnet.blas.configure_blas_threads` for the rule and how to
 override it; a library user calls it before importing NumPy to get the same.
 """
 __version__ = "0.1.0"

@@ -28,6 +28,7 @@ import threading
 import time
 
 from ringnet.errors import EXIT_USAGE, USER_ERRORS, StallError, TrainingError, UsageError
+from ringnet.nodes import ranks_text
 from ringnet.shutdown import abort, print_error, sleep_backoff, world
 
 __all__ = ["agree", "collective", "Deadline", "watchdog", "stall_error", "comm_timeout",
@@ -42,7 +43,6 @@ def stall_error(missing, phase, seconds, detail=None, speaker=None, comm=None):
     the ranks span nodes ('ranks 2, 3 (node node2)': a cut link or a lost node shows as the
     ranks behind it)."""
     try:
-        from ringnet.comm.nodes import ranks_text
         who = ranks_text(list(missing), comm=comm)
     except Exception:   # noqa: BLE001 - a message: the plain form will do
         who = None

@@ -3,7 +3,7 @@
 ``train(cfg, world)`` is the same run as a function (tests and benchmarks call it).
 """
 if __name__ == "__main__":     # the program, not a library import: pin BLAS threads before NumPy loads
-    from ringnet._threads import configure_blas_threads
+    from ringnet.blas import configure_blas_threads
     configure_blas_threads()
 
 import collections
@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from ringnet import backend, resume
-from ringnet._threads import blas_threads_in_use
+from ringnet.blas import blas_threads_in_use
 from ringnet.environment import check_environment, run_knobs
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
 from ringnet.errors import (EXIT_STOPPED, USER_ERRORS, DivergedError, InputError, RunInputError,
@@ -58,7 +58,7 @@ def _place(cfg, world, device):
         if cfg.mode != "single":
             transport = ringcomm.make_transport(cfg.transport, world, device=device)
             return transport.placement, transport
-        from ringnet.comm.nodes import layout
+        from ringnet.nodes import layout
         if device == "cpu":
             if cfg.transport == "nccl" and os.environ.get("RINGNET_NCCL", "") != "standin":
                 # the check a parallel mode's transport makes, so one process is told the same

@@ -1,4 +1,4 @@
-"""OpenBLAS kernel choice made before NumPy loads (ringnet._threads.configure_blas_kernels)."""
+"""OpenBLAS kernel choice made before NumPy loads (ringnet.blas.configure_blas_kernels)."""
 import os
 import platform
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ringnet._threads import openblas_coretype
+from ringnet.blas import openblas_coretype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def _run(code, **env):
 # Pretend to be a Zen 4 (or an Intel CPU), run the programs' setup, then load NumPy and ask
 # OpenBLAS which kernels it chose.
 PROBE = (
-    "import os, ringnet._threads as t\n"
+    "import os, ringnet.blas as t\n"
     "t._cpuinfo = lambda: {info!r}\n"
     "t.configure_blas_threads()\n"
     "import numpy\n"

@@ -109,9 +109,9 @@ def test_ranks_agree_on_a_crowded_node_and_so_on_the_algorithm(monkeypatch, crow
     rank chooses with ALPHA_OVERSUBSCRIBED (a rank choosing alone would run another
     algorithm than its peers), and a size between the two rules' switch points then
     goes by the fewest messages on every rank."""
-    from ringnet import _threads
+    from ringnet import blas
     from ringnet.comm import cost, topology
-    monkeypatch.setattr(_threads, "local_ranks_on_node", lambda: 4)
+    monkeypatch.setattr(blas, "local_ranks_on_node", lambda: 4)
     monkeypatch.setattr(topology, "node_cores", lambda: 2 if RANK in crowded else 64)
     comm = AutoCommunicator(transport := MpiTransport(WORLD))
     agreed = WORLD.allgather((comm.oversubscribed, comm.alpha))

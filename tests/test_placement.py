@@ -18,6 +18,7 @@ import pytest
 from mpi4py import MPI
 
 from ringnet import comm as ringcomm
+from ringnet.comm import factory
 from ringnet.comm.mpi_transport import mpi_cuda_aware
 from ringnet.comm.nccl_transport import NcclTransport, _Watchdog
 from ringnet.config import TRANSPORT_ADVICE, transport_usage_error
@@ -165,9 +166,9 @@ def test_cli_header_and_json_name_the_transport():
 
 def test_shared_gpus_are_found_from_bus_ids():
     own = [("n1", "0000:3b:00.0"), ("n1", "0000:5e:00.0"), ("n2", "0000:3b:00.0")]
-    assert ringcomm._shared_gpu(own) is None        # same bus id on another node: not shared
+    assert factory._shared_gpu(own) is None        # same bus id on another node: not shared
     shared = [("n1", "0000:3b:00.0"), ("n1", "0000:5e:00.0"), ("n1", "0000:3b:00.0")]
-    assert ringcomm._shared_gpu(shared).startswith("ranks 0, 2 share GPU 0000:3b:00.0 on n1")
+    assert factory._shared_gpu(shared).startswith("ranks 0, 2 share GPU 0000:3b:00.0 on n1")
 
 
 def test_cuda_aware_mpi_override_and_library_query(monkeypatch):

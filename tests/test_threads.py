@@ -1,4 +1,4 @@
-"""BLAS threads per rank (ringnet._threads): the node's cores shared among its ranks, read from
+"""BLAS threads per rank (ringnet.blas): the node's cores shared among its ranks, read from
 what MPI launchers and srun set, and shown in the header and the --json summary."""
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ringnet._threads import blas_threads_for_rank, local_ranks_on_node, slurm_tasks_per_node
+from ringnet.blas import blas_threads_for_rank, local_ranks_on_node, slurm_tasks_per_node
 
 ROOT = Path(__file__).resolve().parents[1]
 

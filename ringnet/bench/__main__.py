@@ -2,7 +2,7 @@
 import importlib
 import sys
 
-from ringnet._threads import configure_blas_threads
+from ringnet.blas import configure_blas_threads
 
 if __name__ == "__main__":     # the program: pin BLAS threads before a benchmark loads NumPy
     configure_blas_threads()

@@ -9,7 +9,7 @@ import time
 _PINNED = "numpy" not in sys.modules
 if _PINNED:
     os.environ["RINGNET_BLAS_THREADS"] = "1"
-    from ringnet._threads import configure_blas_threads
+    from ringnet.blas import configure_blas_threads
 
     configure_blas_threads()
 

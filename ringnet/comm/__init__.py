@@ -30,7 +30,6 @@ from ringnet.comm.auto import AutoCommunicator
 from ringnet.comm.base import CommunicatorBase, shard_bounds
 from ringnet.comm.factory import (COMMUNICATORS, TRANSPORTS, Placement, bind_gpu, create, local_rank,
                                   make_transport)
-from ringnet.comm.factory import _shared_gpu  # noqa: F401 - tests/test_placement.py reads it here
 from ringnet.comm.master_slave import MasterSlaveCommunicator
 from ringnet.comm.mpi_transport import MpiTransport
 from ringnet.comm.nccl_transport import NcclTransport

@@ -56,16 +56,13 @@ from ringnet.backend import get_array_module
 from ringnet.comm import stream as _stream
 from ringnet.comm._lean import LeanPath
 from ringnet.comm.base import Array, CommunicatorBase, _DTYPES
-# The cost model is imported whole, and node_cores with it: ``ringnet.comm.auto.terms`` and
-# the rest keep working for code that still imports them from here.
-from ringnet.comm.cost import (  # noqa: F401
-    ALGORITHMS, ALPHA, ALPHA_OVERSUBSCRIBED, choose, cost, fit, terms, thresholds)
+from ringnet.comm.cost import ALGORITHMS, ALPHA, ALPHA_OVERSUBSCRIBED, choose, thresholds
 from ringnet.comm.ring import RingCommunicator
 from ringnet.comm.schedules import Fold, direct_peers, direct_slot, sum_in_rank_order
 from ringnet.comm.stream import CpuStream, Handle
-from ringnet.comm.topology import crowded, node_cores  # noqa: F401
+from ringnet.comm.topology import crowded
 
-__all__ = ["AutoCommunicator", "ALGORITHMS", "terms", "cost", "fit", "choose", "thresholds"]
+__all__ = ["AutoCommunicator"]
 
 
 class AutoCommunicator(CommunicatorBase):

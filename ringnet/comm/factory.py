@@ -38,10 +38,10 @@ TRANSPORTS = {
 def local_rank(mpi_comm=None):
     """Return (rank among the ranks on this node, number of ranks on this node); collective.
 
-    From :func:`ringnet.comm.nodes.layout`, not a shared-memory split alone: where shared
+    From :func:`ringnet.nodes.layout`, not a shared-memory split alone: where shared
     memory between ranks is turned off (``MPIR_CVAR_NOLOCAL=1``) every rank would be its
     own group, local rank 0, and all ranks of a node would bind GPU 0."""
-    from ringnet.comm.nodes import layout
+    from ringnet.nodes import layout
     placed = layout(MPI.COMM_WORLD if mpi_comm is None else mpi_comm)
     return placed.local_rank, placed.local_size
 
@@ -50,7 +50,7 @@ def local_rank(mpi_comm=None):
 class Placement:
     """Where a rank computes and how its bytes move: what the run header and --json report.
 
-    The node fields come from :func:`ringnet.comm.nodes.layout` (:meth:`locate`; until
+    The node fields come from :func:`ringnet.nodes.layout` (:meth:`locate`; until
     then one node is assumed): ``nodes``, this rank's ``node`` (its host name),
     ``local_rank`` and ``local_size`` on it, and for every rank (index = rank)
     ``rank_nodes`` and ``rank_local_ranks``. Across nodes ``mpi_path`` says which path MPI
@@ -70,8 +70,8 @@ class Placement:
     progress: str = None        # CPU streams' progress: "poll (auto: the ranks span 2 nodes)"
 
     def locate(self, layout, progress=None):
-        """Fill the node fields from a :class:`~ringnet.comm.nodes.NodeLayout`; return self."""
-        from ringnet.comm.nodes import mpi_path
+        """Fill the node fields from a :class:`~ringnet.nodes.NodeLayout`; return self."""
+        from ringnet.nodes import mpi_path
         self.nodes, self.node = layout.nodes, layout.node
         self.local_rank, self.local_size = layout.local_rank, layout.local_size
         self.rank_nodes, self.rank_local_ranks = list(layout.rank_nodes), list(layout.rank_local_ranks)
@@ -87,7 +87,7 @@ class Placement:
             return where
         text = f"{where}, transport {self.transport} ({self.reason})"
         if self.nodes > 1 and self.rank_nodes:
-            from ringnet.comm.nodes import group
+            from ringnet.nodes import group
             text += f", {group(self.rank_nodes, list(range(len(self.rank_nodes)))).describe()}"
             if self.mpi_path:
                 text += f", MPI over {self.mpi_path}"
@@ -133,7 +133,7 @@ def make_transport(name="auto", mpi_comm=None, timeout_s=None, device="auto"):
     if device not in ("auto", "cpu", "gpu"):
         raise ValueError(f"unknown device {device!r}: choose auto, cpu or gpu")
     comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    from ringnet.comm.nodes import layout as node_layout  # noqa: WPS433
+    from ringnet.nodes import layout as node_layout  # noqa: WPS433
     layout = node_layout(comm)
     standin = os.environ.get("RINGNET_NCCL", "") == "standin"
     if device == "auto":

@@ -27,7 +27,7 @@ def node_cores():
 def crowded(ranks_here=None, cores=None):
     """Whether this node holds more ranks (``local_ranks_on_node``) than cores
     (:func:`node_cores`)."""
-    from ringnet._threads import local_ranks_on_node
+    from ringnet.blas import local_ranks_on_node
     if ranks_here is None:
         ranks_here = local_ranks_on_node()
     if cores is None:

@@ -33,7 +33,7 @@ split-fc   conv part on B/N samples; conversion layer all-gathers (B, F+1)
            features+labels; each FC layer computes out/N rows on B samples and
            all-gathers them; backward reduce-scatters the input gradients;
            conv gradients go round the ring as above (conv parameters only).
-auto       (all-reduce table only) the algorithm ``ringnet.comm.auto`` picks,
+auto       (all-reduce table only) the algorithm ``ringnet.comm.cost`` picks,
            by its rounds and bytes.
 =========  ==================================================================
 

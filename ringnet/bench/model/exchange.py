@@ -139,7 +139,7 @@ def allreduce_time(system, algorithm, nbytes, n, itemsize=4):
     algorithm the code's ``AutoCommunicator`` picks for this size and N, with its own rule).
 
     The ring runs as the model's ring; auto's other algorithms by their rounds, the bytes
-    the busiest rank sends and the bytes it adds (``ringnet.comm.auto.terms``, the table
+    the busiest rank sends and the bytes it adds (``ringnet.comm.cost.terms``, the table
     the code's choice is made from), each round one message time on this link.
     """
     if n <= 1 or nbytes <= 0:
