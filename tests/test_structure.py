@@ -1,0 +1,101 @@
+"""The layout of the package: every import goes down the layers (lazy ones too), and no
+module outgrows one concept.
+
+The layers are DESIGN.md's, bottom up. A module may import from its own layer and from
+the layers under it, never from one above: a transport that imported the training loop,
+or an error type that imported a transport, would tie the lower layer to the upper one.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ringnet"
+
+# Bottom up. A module's layer is that of the longest prefix listed here.
+LAYERS = [
+    ("foundation", ["ringnet", "ringnet.errors", "ringnet.blas", "ringnet.backend",
+                    "ringnet.stats", "ringnet.progress", "ringnet.shutdown", "ringnet.nodes",
+                    "ringnet.slurm", "ringnet.shards"]),
+    ("control plane", ["ringnet.control", "ringnet.cli", "ringnet.trace"]),
+    ("compute", ["ringnet.layers", "ringnet.models", "ringnet.optim"]),
+    ("communication", ["ringnet.comm"]),
+    ("strategies", ["ringnet.parallel"]),
+    ("data and state", ["ringnet.data", "ringnet.checkpoint", "ringnet.autosave"]),
+    ("runs", ["ringnet.config", "ringnet.environment", "ringnet.stopping", "ringnet.resume"]),
+    ("programs", ["ringnet.train", "ringnet.launch", "ringnet.datasets", "ringnet.data.__main__"]),
+    ("benchmarks", ["ringnet.bench"]),
+]
+MAX_LINES = 600
+
+
+def _module(path):
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _layer(name):
+    best = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and \
+                    (best is None or len(prefix) > len(best[1])):
+                best = (index, prefix)
+    assert best is not None, f"{name} is in no layer of {__file__}"
+    return best[0]
+
+
+def _imports(path):
+    """Every ringnet module ``path`` imports, at module level or inside a function:
+    [(line, module)]; ``from ringnet.x import y`` counts as ringnet.x.y where that is a module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                (node.module == "ringnet" or node.module.startswith("ringnet.")):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                as_path = PACKAGE.parent / full.replace(".", "/")
+                is_module = as_path.with_suffix(".py").exists() or (as_path / "__init__.py").exists()
+                found.append((node.lineno, full if is_module else node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("ringnet")]
+    return found
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_layers_name_every_module():
+    assert SOURCES
+    for path in SOURCES:
+        _layer(_module(path))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_imports_go_down_the_layers(path):
+    name = _module(path)
+    mine = _layer(name)
+    upward = [f"line {line}: {target} ({LAYERS[_layer(target)][0]})"
+              for line, target in _imports(path) if _layer(target) > mine]
+    assert not upward, f"{name} ({LAYERS[mine][0]}) imports from above: " + "; ".join(upward)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_no_module_outgrows_one_concept(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE.parent)} has {lines} lines"
+
+
+def test_the_checks_catch_an_upward_import_and_a_long_module(tmp_path):
+    """The checks themselves: an error type importing a transport is upward, a transport
+    importing an error type is not."""
+    assert _layer("ringnet.errors") < _layer("ringnet.comm.transport") < _layer("ringnet.train")
+    assert _layer("ringnet.data.__main__") > _layer("ringnet.data.loader")
+    fake = PACKAGE / "errors.py"
+    imports = _imports(fake)
+    assert all(_layer(t) <= _layer("ringnet.errors") for _, t in imports)
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from ringnet import nodes\n    from ringnet.train import train\n")
+    assert [t for _, t in _imports(probe)] == ["ringnet.nodes", "ringnet.train"]
