@@ -347,7 +347,7 @@ TABLE_COMMAND = re.compile(r"`((?:mpirun -np \d+ )?python -m ringnet\.bench [^`]
 # Tables of facts, not measurements, and what keeps them true.
 STATIC = {
     ("model", "`--dataset`", "`--lr`", "`--epochs`"): "tests/test_cli.py (per-model defaults)",
-    ("mode", "per step", "update work", "default delay"): "tests/test_modes.py (parallel.mode_table)",
+    ("mode", "per step", "update work", "default delay"): "tests/parallel/test_modes.py (parallel.mode_table)",
     ("model", "input", "layers"): "the model definitions (ringnet/models.py)",
     ("transport", "moves", "needs"): "the transport rules of DESIGN.md",
     ("call", "who must call it"): "the communicators' contracts (tests/test_comm*.py)",
@@ -607,17 +607,17 @@ COMMANDS = {
     "python -m ringnet.train --model lenet --dataset synthetic --steps 50": learns_synthetic,
     "python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 150 --lr 0.01":
         learns_synthetic,
-    "python -m ringnet.datasets download mnist": "tests/test_download.py::test_download_mnist_converts",
+    "python -m ringnet.datasets download mnist": "tests/data/test_download.py::test_download_mnist_converts",
     "python -m ringnet.datasets download cifar10":
-        "tests/test_download.py::test_download_cifar10_converts",
+        "tests/data/test_download.py::test_download_cifar10_converts",
     "python -m ringnet.datasets convert imagefolder ./cars --size 64 --out datasets/car.h5":
         imagefolder,
     "python -m ringnet.datasets info datasets/mnist.h5": datasets_info,
     "python -m ringnet.bench layers --vs torch": bench_layers_vs_torch,
     "python -m ringnet.bench overlap --model lenet":
-        "tests/test_overlap.py::test_bench_overlap_prints_a_row_per_variant",
+        "tests/parallel/test_overlap.py::test_bench_overlap_prints_a_row_per_variant",
     "python -m ringnet.bench overlap --model cifar10_quick":
-        "tests/test_overlap.py::test_bench_overlap_prints_a_row_per_variant",
+        "tests/parallel/test_overlap.py::test_bench_overlap_prints_a_row_per_variant",
     "mpirun -np 4 python -m ringnet.bench comm": bench_comm,
     "mpirun -np 2 python -m ringnet.bench comm --algos native,auto,floor --sizes 8,1K,8K,64K --iters 200": bench_comm_floor,
     "mpirun -np 4 python -m ringnet.bench comm --algos native,rd,rhd --sizes 128K,256K,512K,1M --iters 100": bench_comm_forced,
@@ -627,7 +627,7 @@ COMMANDS = {
     "python -m ringnet.bench scaling --np 1 2 4 --modes ring,tree,master,split-fc --model cifar10_quick":
         bench_scaling,
     "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --ceiling":
-        "tests/test_bench_scaling.py::test_the_ceiling_is_single_at_the_per_rank_batch",
+        "tests/bench/test_bench_scaling.py::test_the_ceiling_is_single_at_the_per_rank_batch",
     "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master,split-fc --model cifar10_quick "
     "--markdown": doc_table,
     "python -m ringnet.bench layers --vs torch --markdown": doc_table,
@@ -655,12 +655,12 @@ COMMANDS = {
     "python -m ringnet.datasets …": "a template; the datasets commands run above",
     'pip install -e ".[gpu-cuda12]"': INSTALL,
     'pip install -e ".[gpu-cuda13]"': INSTALL,
-    "python -m ringnet.bench model": "tests/test_bench_model.py::test_cli_json_has_the_documented_shape",
+    "python -m ringnet.bench model": "tests/bench/test_bench_model.py::test_cli_json_has_the_documented_shape",
     "python -m ringnet.bench model --compute h100 --profile pcie5/ib-hdr --profile nvlink4/ib-hdr "
-    "--plot docs/bench-model.png": "tests/test_bench_model.py::test_cli_plot_writes_a_png",
+    "--plot docs/bench-model.png": "tests/bench/test_bench_model.py::test_cli_plot_writes_a_png",
     "python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 4 "
     "--validate-steps 20 --validation docs/bench-model-validation.json":
-        "about 5 minutes on a quiet machine; its model parts are tests/test_bench_model.py's",
+        "about 5 minutes on a quiet machine; its model parts are tests/bench/test_bench_model.py's",
     "python -m ringnet.datasets convert mnist /usr/share/datasets/fashion-mnist --name fashion-mnist":
         FASHION,
     "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3":
@@ -673,8 +673,8 @@ COMMANDS = {
     "6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 --variants single,lookahead/warm=0,lookahead/warm=10,"
     "lookahead/warm=30,lookahead/warm=60,lookahead,lookahead/warm=150,lookahead/k=5/warm=0,own:2":
         "200 runs of 440 steps (about 15 minutes on a quiet machine); "
-        "tests/test_delay_compensation.py checks the warm-up against the recurrence written out "
-        "and tests/test_bench_accuracy.py own:N against its own",
+        "tests/parallel/test_delay_compensation.py checks the warm-up against the recurrence written out "
+        "and tests/bench/test_bench_accuracy.py own:N against its own",
     "python -m ringnet.bench delay --model digits --dataset digits --epochs 10 --lr 0.01 0.03 0.1 "
     "0.3 --momentum 0 0.5 0.9 --variants single,none,lookahead/k=5/warm=0,lookahead/warm=0,lookahead --markdown":
         doc_delay_table,
@@ -689,9 +689,9 @@ COMMANDS = {
     "--epochs 2 --lr 0.005 0.01 0.02 0.03 --momentum 0.9 --seeds 0 1 2 --variants "
     "single,none,lookahead/warm=0 --metric loss --markdown": doc_delay_table,
     "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8":
-        "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
+        "tests/bench/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
     "python -m ringnet.bench delay --speed --model lenet --dataset synthetic --repeats 8 --np 2":
-        "tests/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
+        "tests/bench/test_bench_accuracy.py::test_delay_speed_prints_interleaved_ratio",
     "python -m ringnet.bench curves --model lenet --dataset fashion-mnist --epochs 10 --np 2 "
     "--eval-every 937": FASHION,
     "python -m ringnet.bench curves --from-csv docs/curves-lenet-fashion-mnist.csv --markdown":
@@ -699,14 +699,14 @@ COMMANDS = {
     "python -m ringnet.bench curves --from-csv docs/curves-lenet-fashion-mnist.csv --plot "
     "docs/curves-lenet-fashion-mnist.png": curves_replot,
     # datasets/README.md
-    "python datasets/make_digits.py": "tests/test_data.py::test_digits_equal_sklearn",
+    "python datasets/make_digits.py": "tests/data/test_data.py::test_digits_equal_sklearn",
     "python -m ringnet.datasets convert mnist SRC_DIR --out F.h5":
-        "tests/test_datasets_cli.py::test_convert_mnist_pixel_for_pixel",
+        "tests/data/test_datasets_cli.py::test_convert_mnist_pixel_for_pixel",
     "python -m ringnet.datasets convert cifar10 cifar-10-python.tar.gz --out F.h5":
-        "tests/test_datasets_cli.py::test_convert_cifar10_pixel_for_pixel",
+        "tests/data/test_datasets_cli.py::test_convert_cifar10_pixel_for_pixel",
     "python -m ringnet.datasets convert imagefolder SRC_DIR --size 64 --out cars.h5":
-        "tests/test_datasets_cli.py::test_convert_imagefolder_split_and_pixels",
-    "python -m ringnet.datasets info F.h5": "tests/test_datasets_cli.py::test_info_text_and_json",
+        "tests/data/test_datasets_cli.py::test_convert_imagefolder_split_and_pixels",
+    "python -m ringnet.datasets info F.h5": "tests/data/test_datasets_cli.py::test_info_text_and_json",
     # docs/comm.md, docs/pytorch.md (tests/test_docs_pages.py runs every block of the PyTorch page)
     "mpirun -np N": "a template; tests/test_docs_pages.py runs docs/comm.md's example at N = 1 and 4",
     "python -m ringnet.train --epochs 5 --save digits-run.h5":
@@ -728,18 +728,18 @@ COMMANDS = {
     "srun --ntasks N": "a template; needs SLURM",
     'python -m ringnet.launch -n "$SLURM_NTASKS" ${LAUNCH[@]+"${LAUNCH[@]}"} --launcher '
     '"srun --mpi=pmi2" -- ${TRAIN[@]+"${TRAIN[@]}"} &':
-        "needs SLURM; tests/test_slurm.py submits hpc/train.sbatch, signals and requeues it",
+        "needs SLURM; tests/hpc/test_slurm.py submits hpc/train.sbatch, signals and requeues it",
     "python -m ringnet.bench soak --np 2 --model lenet --dataset synthetic --steps 12000":
-        "tests/test_bench_soak.py::test_a_short_soak_run_samples_every_rank",
+        "tests/bench/test_bench_soak.py::test_a_short_soak_run_samples_every_rank",
     "python -m ringnet.bench soak --np 2 --model digits --dataset digits --steps 60000 --every 3":
-        "tests/test_bench_soak.py::test_a_short_soak_run_samples_every_rank",
+        "tests/bench/test_bench_soak.py::test_a_short_soak_run_samples_every_rank",
     "mpirun -np 4 python -m ringnet.train --save ck.h5 --save-every 100 --resume auto":
         "tests/test_stop.py::test_a_signal_on_one_rank_stops_all_with_the_checkpoint_and_auto_"
         "resumes_exactly",
     "srun -N 2 --ntasks-per-node 2 --mpi=pmi2 python -m ringnet.train --model lenet --dataset "
-    "synthetic --steps 60": "tests/test_cluster_runs.py::test_synchronous_modes_across_nodes_equal_single",
+    "synthetic --steps 60": "tests/hpc/test_cluster_runs.py::test_synchronous_modes_across_nodes_equal_single",
     "mpirun -np 4 -ppn 2 python -m ringnet.train --model lenet --dataset synthetic --steps 60":
-        "tests/test_cluster_runs.py::test_mpirun_across_nodes_runs_the_same_job",
+        "tests/hpc/test_cluster_runs.py::test_mpirun_across_nodes_runs_the_same_job",
     "srun --mpi=pmi2": "a template; needs SLURM",
     "srun -n 2": "a template; needs SLURM",
     "srun started 2 tasks but MPI sees a world of 1 rank in each ...": "a message, not a command",
@@ -908,7 +908,7 @@ def test_every_synopsis_shown_is_the_parsers():
 def test_the_scaling_page_s_validation_figures_are_the_record_s():
     """The figures docs/scaling.md gives in words beside its validation table are those of
     docs/bench-model-validation.json, reprinted with and without the slowest-rank term
-    (tests/test_bench_model.py checks the README's summary of them)."""
+    (tests/bench/test_bench_model.py checks the README's summary of them)."""
     import copy
     import statistics
     from ringnet.bench import model as pm

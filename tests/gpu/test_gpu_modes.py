@@ -5,9 +5,9 @@ Run by ``tests/gpu/run.sh`` under ``mpirun -np 2`` and ``-np 4``; skipped withou
 * delay 0 (ring, tree, master, split-fc): the same weights as ``single`` on the CPU over
   the same global batches, float64, relative difference <= 1e-9;
 * delay 1 (ring, tree, master): the one-process simulation of
-  ``w[t+1] = upd(w[t], G_t(w[t-1]))`` from ``tests/test_parallel_mpi.py``;
+  ``w[t+1] = upd(w[t], G_t(w[t-1]))`` from ``tests/parallel/test_parallel_mpi.py``;
 * split-fc delay 1, with and without the activation stream: the one-process simulation of
-  its recurrence (conv delayed, FC immediate) from ``tests/test_split_fc_mpi.py``.
+  its recurrence (conv delayed, FC immediate) from ``tests/parallel/test_split_fc_mpi.py``.
 """
 import os
 import sys
@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from ringnet.backend import cupy, gpu_available, to_numpy
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "parallel"))
 import test_parallel_mpi as dp  # noqa: E402  (the CPU references)
 import test_split_fc_mpi as sf  # noqa: E402
 from conftest import flat_params, rel_error  # noqa: E402

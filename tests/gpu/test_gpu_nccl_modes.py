@@ -6,9 +6,9 @@ G >= 2 GPUs; skipped with fewer GPUs than ranks, with one rank, or without CuPy'
 * delay 0 (ring, tree, master, split-fc): the same weights as ``single`` on the CPU over
   the same global batches, float64, relative difference <= 1e-9;
 * delay 1 (ring, tree, master): the one-process simulation of the recurrence from
-  ``tests/test_parallel_mpi.py``; split-fc delay 1, with and without the activation
+  ``tests/parallel/test_parallel_mpi.py``; split-fc delay 1, with and without the activation
   stream (three NCCL communicators busy on each GPU): its recurrence from
-  ``tests/test_split_fc_mpi.py``;
+  ``tests/parallel/test_split_fc_mpi.py``;
 * after each run this process has a CUDA context on its own GPU only: no thread of the
   transport (the caller's, a stream's, the watchdog's) touched another one.
 """
@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from ringnet.backend import cupy, gpu_available, to_numpy
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "parallel"))
 import test_parallel_mpi as dp  # noqa: E402  (the CPU references)
 import test_split_fc_mpi as sf  # noqa: E402
 from conftest import flat_params, rel_error  # noqa: E402

@@ -242,7 +242,7 @@ def test_gpu_extras_bring_cupy_and_its_nccl_per_cuda_major():
     """The README's install lines name extras that bring CuPy *and* the NCCL wheel it loads."""
     import configparser
     import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = configparser.ConfigParser()
     cfg.read(os.path.join(root, "setup.cfg"))
     extras = {name: value.split() for name, value in cfg["options.extras_require"].items()}

@@ -163,7 +163,7 @@ def test_bench_comm_fit_command_of_docs_comm():
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     command = "python -m ringnet.bench comm --algos auto,native,direct,rd,rhd,ring --fit"
     assert command in " ".join((root / "docs" / "comm.md").read_text().split())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))

@@ -1,6 +1,6 @@
 """The strict stand-in of CUDA and NCCL: each rule it enforces, and ringnet's NCCL path run through it.
 
-Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/test_nccl_standin.py`` (N = 1..4).
+Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/comm/test_nccl_standin.py`` (N = 1..4).
 
 * the NCCL rules: two threads inside one communicator, a second thread at all, operation
   order that differs between ranks, send/recv sizes that differ, unbalanced groups,

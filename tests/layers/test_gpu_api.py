@@ -11,7 +11,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy", reason="CuPy not installed (pip install -e \".[gpu-cuda12]\")")
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ringnet")
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ringnet")
 
 
 def _chains(tree, root="xp"):

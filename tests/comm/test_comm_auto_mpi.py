@@ -1,6 +1,6 @@
 """auto's algorithms and the pipelined rooted communicators against exact references.
 
-Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/test_comm_auto_mpi.py`` (N = 1..4).
+Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/comm/test_comm_auto_mpi.py`` (N = 1..4).
 Integers in float64 make every sum exact, so results are compared with ``==``; random
 floats are compared with MPI's own Allreduce within rounding, and across ranks bit for bit.
 All collective work comes before the first assertion.

@@ -1,6 +1,6 @@
 """Collectives of every communicator against closed-form values, at any world size.
 
-Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/test_comm_mpi.py`` (N = 1..4).
+Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/comm/test_comm_mpi.py`` (N = 1..4).
 Every test does all collective work first and asserts afterwards, so a failure on
 one rank cannot leave the others waiting.
 """

@@ -1,6 +1,6 @@
 """NcclTransport ready for a node with several GPUs, checked through the strict stand-in.
 
-Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/test_nccl_readiness.py`` (N = 1..4).
+Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/comm/test_nccl_readiness.py`` (N = 1..4).
 
 The stand-in (:mod:`ringnet.comm._nccl_standin`) puts world rank r on GPU ``1 + r % 7``,
 runs every stream on a thread of its own and reads a write as poison until an event

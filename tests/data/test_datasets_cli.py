@@ -22,7 +22,7 @@ from ringnet import datasets
 from ringnet.data import convert
 from ringnet.errors import InputError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 
@@ -434,7 +434,7 @@ def test_data_module_and_datasets_alias_are_one_command():
     """``python -m ringnet.data`` is the CLI; ``python -m ringnet.datasets`` runs the same main."""
     from ringnet.data import __main__ as data_main
     assert datasets.main is data_main.main
-    digits = Path(__file__).resolve().parents[1] / "datasets" / "digits.h5"
+    digits = Path(__file__).resolve().parents[2] / "datasets" / "digits.h5"
     outputs = [subprocess.run([sys.executable, "-m", module, "info", str(digits), "--json"],
                               capture_output=True, text=True, timeout=120)
                for module in ("ringnet.data", "ringnet.datasets")]
@@ -445,7 +445,7 @@ def test_data_module_and_datasets_alias_are_one_command():
 def _convert_cli(*args):
     return subprocess.run([sys.executable, "-m", "ringnet.datasets", "convert", "imagefolder",
                            *map(str, args)], capture_output=True, text=True, timeout=120,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _one_error(proc, *needles):

@@ -17,7 +17,7 @@ import pytest
 from ringnet.errors import EXIT_USAGE, UsageError
 from ringnet.slurm import check_world_size
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = os.path.join(ROOT, "hpc", "cluster.sh")
 TRAIN = ["python", "-m", "ringnet.train", "--steps", "4", "--no-eval", "--json", "--seed", "3"]
 # The hpc scripts' rank count (their --ntasks-per-node on one node).

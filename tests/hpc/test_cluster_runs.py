@@ -30,7 +30,7 @@ import pytest
 
 from conftest import launcher_free_env, rel_error
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = os.path.join(ROOT, "hpc", "cluster.sh")
 RANKS_PER_NODE = 2
 # float64 so that a different summation order shows only as rounding (1e-9 relative)

@@ -82,7 +82,7 @@ def test_trace_plot_draws_compute_and_transfer_lanes(tmp_path):
 
 
 def test_scaling_plot_from_a_csv_file(tmp_path):
-    root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.dirname(__file__)))
     out = tmp_path / "s.png"
     proc = subprocess.run([sys.executable, "-m", "ringnet.bench.plot", "scaling",
                            f"{root}/docs/img/scaling-cifar10_quick-2core.csv", str(out)],

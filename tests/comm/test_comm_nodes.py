@@ -6,7 +6,7 @@
   driven on one node; a value given wins;
 * a transfer that times out names each peer's node when the ranks span nodes;
 * the MPI path is read from the settings MPICH reads.
-The same across real namespaces is tests/test_cluster_runs.py.
+The same across real namespaces is tests/hpc/test_cluster_runs.py.
 """
 import pytest
 from mpi4py import MPI

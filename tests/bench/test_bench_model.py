@@ -30,7 +30,7 @@ from ringnet.bench.model import (calibration, cli, codefacts, compute as compute
 from ringnet.models import build_model
 from ringnet.shards import shard_bounds
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 ALPHA, BETA = 1e-3, 1e9          # 1 ms per message, 1 GB/s: hand sums stay readable
 

@@ -8,7 +8,7 @@ import pytest
 
 from ringnet.bench import soak
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_the_fit_recovers_a_line_and_its_noise():

@@ -92,7 +92,7 @@ def test_delay0_buckets_change_no_bit(mode, monkeypatch):
     assert none == 0 and n_buckets >= 2, f"{mode}: {n_buckets} buckets"
     assert np.array_equal(bucketed, whole), f"{mode}: buckets changed the weights"
     assert _replicas_identical(bucketed)
-    if mode != "split-fc":      # split-fc against single: tests/test_split_fc_mpi.py
+    if mode != "split-fc":      # split-fc against single: tests/parallel/test_split_fc_mpi.py
         reference, _ = _single_reference()
         assert rel_error(bucketed, reference) <= 1e-9
 

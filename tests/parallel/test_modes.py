@@ -8,7 +8,7 @@ from ringnet import parallel
 from ringnet.config import TrainConfig, build_parser
 from ringnet.errors import UsageError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_mode_table_is_the_registry():

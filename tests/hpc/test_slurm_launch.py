@@ -12,7 +12,7 @@ import pytest
 
 from test_slurm import SLURM_ENV, needs_slurm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOCAL = os.path.join(ROOT, "launch", "local.sh")
 TRAIN = ["--steps", "4", "--no-eval", "--json", "--seed", "5"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1",

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ENV
 
-DIGITS = os.path.join(os.path.dirname(__file__), "..", "datasets", "digits.h5")
+DIGITS = os.path.join(os.path.dirname(__file__), "..", "..", "datasets", "digits.h5")
 
 
 def _write_idx(path, array):
@@ -65,7 +65,7 @@ def test_a_data_file_rewritten_under_a_running_job(tmp_path, in_memory_mb, ends)
     import shutil
     import h5py
     data = tmp_path / "d.h5"
-    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "datasets", "digits.h5"), data)
+    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "datasets", "digits.h5"), data)
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1",
                RINGNET_DATA_IN_MEMORY_MB=in_memory_mb)
     proc = subprocess.Popen([sys.executable, "-m", "ringnet.train", "--dataset", str(data),

@@ -6,7 +6,7 @@ Reference: the checkpoint a separate run of k steps writes at its end (``--steps
 longer run must end on the same weights as a run without periodic saves: collecting
 the state mid-run (a drain, split-fc's FC gather) does not change the trajectory.
 Together with an exact --resume at any N this is what makes a relaunch exact; the
-end-to-end test with a killed rank is tests/test_elastic.py.
+end-to-end test with a killed rank is tests/test_autosave.py.
 """
 import numpy as np
 import pytest
