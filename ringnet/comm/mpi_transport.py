@@ -100,6 +100,10 @@ def mpi_cuda_aware():
     return bool(answer), how
 
 
+# Requests given up at their deadline, and their buffers (see MpiTransport._expire).
+_EXPIRED = []
+
+
 class _Pending:
     """Requests of one paired transfer; wait() polls them against the timeout."""
 
@@ -113,7 +117,9 @@ class _Pending:
         kind, send_peer, recv_peer, _ = self.what
         with trace.span("transfer", op=kind, to=send_peer, sent=self.sizes[0],
                         received=self.sizes[1], **{"from": recv_peer}):
-            self.transport._wait(self.requests, self.what)
+            # isendrecv posts the receive first
+            self.transport._wait(self.requests, self.what,
+                                 receives=self.requests[:1] if self.sizes[1] else ())
             if self.unstage is not None:
                 device_out, host, slot = self.unstage
                 # Host-staged receive: an asynchronous copy on the current stream; the pinned
@@ -237,11 +243,12 @@ class MpiTransport(Transport):
         with self._lock:
             return MPI.Request.Testall(requests)
 
-    def _wait(self, requests, what, start=None):
+    def _wait(self, requests, what, start=None, receives=()):
         """Wait for ``requests``: polls that yield the core for SPIN_S, then sleeps between
         polls; CommTimeoutError (``what`` describes the transfer) ``timeout_s`` after
         ``start`` (a ``time.perf_counter()`` value; default: now). The clock and the
-        driven streams are looked at every :data:`YIELD_ROUNDS` polls."""
+        driven streams are looked at every :data:`YIELD_ROUNDS` polls. ``receives``: those
+        of ``requests`` that are receives (cancelled at the deadline, see :meth:`_expire`)."""
         test = self._test
         if not requests or test(requests):
             return
@@ -251,7 +258,7 @@ class MpiTransport(Transport):
             # the stream sleeps until its rank's training thread sees the transfer done
             if not stream.wait_transfer(lambda: self._test(requests),
                                         lambda: MPI.Request.Waitall(requests), self.timeout_s):
-                self._expire(requests, what)
+                self._expire(requests, what, receives)
             return
         start = time.perf_counter() if start is None else start
         on_stream = current_tag() != 0
@@ -264,7 +271,7 @@ class MpiTransport(Transport):
                     return
             elapsed = time.perf_counter() - start
             if elapsed > self.timeout_s:
-                self._expire(requests, what)
+                self._expire(requests, what, receives)
             if not on_stream:
                 progress_all()      # streams sleeping on transfers while this thread waits here
             if elapsed > spin_s:
@@ -272,19 +279,25 @@ class MpiTransport(Transport):
         pause = 0.0
         while not test(requests):
             if time.perf_counter() - start > self.timeout_s:
-                self._expire(requests, what)
+                self._expire(requests, what, receives)
             if not on_stream:
                 progress_all()
             pause = min(max_pause_s, pause + 1e-5)
             time.sleep(pause)
 
-    def _expire(self, requests, what):
-        for request in requests:
-            # Cancel what can be cancelled so the buffers are not written later.
+    def _expire(self, requests, what, receives=()):
+        """Give up ``requests`` at their deadline: cancel the ``receives`` among them (MPI can
+        take back a receive that nothing matched yet; cancelling a send is deprecated and
+        crashed MPICH here), keep them all, and raise CommTimeoutError."""
+        for request in receives:
             try:
                 request.Cancel()
             except MPI.Exception:
                 pass
+        # A request not cancelled (a send, or a receive already under way) still owns its
+        # buffer: freeing the request, and with it the last reference to the buffer, would let
+        # MPI write into memory Python has reused. Expired requests live until the process ends.
+        _EXPIRED.extend(requests)
         raise CommTimeoutError(f"{self._describe(*what)} did not complete within {self.timeout_s:g} s")
 
     def _describe(self, kind, send_peer, recv_peer, nbytes):

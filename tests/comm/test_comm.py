@@ -263,3 +263,53 @@ def test_schedules_pair_every_send_with_its_receive(n):
     assert step_pieces(10, 4) == [(0, 10)] and step_pieces(0, 4, 8) == [(0, 0)]
     assert step_pieces(10, 4, 12) == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert eager_cuts(2500, 4) == [(0, 1250), (1250, 2500)] and eager_cuts(100, 4) == [(0, 100)]
+
+
+LATE_PEER = """
+import gc, sys, time
+import numpy as np
+from mpi4py import MPI
+from ringnet.comm.mpi_transport import MpiTransport
+from ringnet.comm.transport import CommTimeoutError
+n = int(sys.argv[1])
+transport = MpiTransport(MPI.COMM_WORLD, timeout_s=1.0)
+if MPI.COMM_WORLD.Get_rank() == 0:
+    for i in range(3):
+        send, recv = np.ones(n, np.float32), np.zeros(n, np.float32)
+        try:
+            transport.sendrecv(send, 1, recv, 1)
+        except CommTimeoutError:
+            print("timed out", flush=True)
+        except MPI.Exception:
+            print("late message refused", flush=True)
+        del send, recv
+        gc.collect()
+        reused = [np.full(n, 7, np.float32) for _ in range(4)]
+    time.sleep(2)
+    print("alive", flush=True)
+else:
+    time.sleep(1.5)                     # rank 0 has given up its transfer by now
+    late = [transport.mpi_comm.Isend(np.ones(2 * n, np.float32), dest=0, tag=0) for _ in range(3)]
+    time.sleep(3)
+"""
+
+
+@pytest.mark.parametrize("n", [1000, 1 << 20])
+def test_a_timed_out_transfer_never_crashes_the_process(tmp_path, n):
+    """A peer that answers after the deadline, with messages of another size: rank 0's
+    transfer times out and the late messages are refused, but the process lives on (MPICH
+    crashed when a timed-out send was cancelled, or when a receive whose buffer Python had
+    freed was written)."""
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun not on PATH")
+    script = tmp_path / "late.py"
+    script.write_text(LATE_PEER)
+    from conftest import launcher_free_env
+    proc = subprocess.run(["mpirun", "-np", "2", sys.executable, str(script), str(n)],
+                          capture_output=True, text=True, timeout=120, env=launcher_free_env())
+    output = proc.stdout + proc.stderr
+    assert "Segmentation fault" not in output and proc.returncode not in (-11, 11, 139), output
+    assert output.count("timed out") >= 1 and "alive" in output, output
