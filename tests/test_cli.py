@@ -329,7 +329,7 @@ def test_every_bench_flag_has_help_with_its_default():
     from ringnet.bench.__main__ import COMMANDS
     missing = []
     for bench, (module, _) in COMMANDS.items():
-        for a in importlib.import_module(module)._parser()._actions:
+        for a in importlib.import_module(module).build_parser()._actions:
             if not a.option_strings or a.help == argparse.SUPPRESS or \
                     isinstance(a, argparse._HelpAction):
                 continue

@@ -79,7 +79,7 @@ def target(nbytes):
     return TARGET_LARGE if nbytes >= TARGET_SWITCH else TARGET_SMALL
 
 
-def _parser():
+def build_parser():
     parser = ArgumentParser(
         prog="python -m ringnet.bench comm",
         description="Time all-reduce of ring/tree/master/auto communicators and the library's "
@@ -272,7 +272,7 @@ def _run_size(comms, transport, algos, xp, dtype, count, iters, warmup):
 
 
 def main(argv=None):
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     unknown = [a for a in algos if a not in ALGOS + EXTRA]
     if unknown or not algos:

@@ -60,7 +60,7 @@ def parse_runs(text, np_):
     return runs
 
 
-def _parser():
+def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench curves", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="lenet", help="model to train (default lenet)")
@@ -217,7 +217,7 @@ def _check_plot(path):
 
 
 def main(argv=None):
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.from_csv:
         _check_plot(args.plot)
         rows = read_csv(args.from_csv)

@@ -358,7 +358,7 @@ def _speed_report(title, times):
     return statistics.median(ratios)
 
 
-def _parser():
+def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench delay", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="digits", help="model to train (default digits)")
@@ -399,7 +399,7 @@ def _parser():
 
 
 def main(argv=None):
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.model not in MODELS:
         raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
     if args.speed:

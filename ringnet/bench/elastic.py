@@ -34,7 +34,7 @@ def _modes():
     return [m.name for m in MODES.values() if m.communicator is not None]
 
 
-def _parser():
+def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench elastic", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, default=4, help="ranks (default 4)")
@@ -185,7 +185,7 @@ def lost_rank(args, tmp):
 
 
 def main(argv=None):
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if shutil.which(args.mpirun) is None:
         raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
     if args.np < 2 or args.batch_size < args.np or args.batch_size % args.np:

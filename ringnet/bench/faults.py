@@ -365,7 +365,7 @@ def markdown_table(outcomes):
 
 
 # -- command line ----------------------------------------------------------------------
-def _parser():
+def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench faults", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="only the CI subset")
@@ -383,7 +383,7 @@ def _parser():
 
 
 def main(argv=None):
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout}")
     cases = quick_cases() if args.quick else all_cases()

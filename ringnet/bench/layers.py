@@ -183,7 +183,7 @@ def step_times(model, x, y, iters, vs_torch):
     return result
 
 
-def _parser():
+def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench layers",
                        description="Per-layer forward/backward times and full training "
                                    "steps (forward, loss, backward, SGD) on one BLAS thread.")
@@ -205,7 +205,7 @@ def _parser():
 
 def parse_args(argv):
     """Parse the benchmark's flags."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.batch_size < 1 or args.iters < 1:
         raise UsageError("--batch-size and --iters must be >= 1")
     if args.seed < 0:

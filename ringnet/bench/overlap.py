@@ -36,7 +36,7 @@ VARIANTS = (
 MODES = ("ring", "tree", "master", "split-fc")
 
 
-def _parser():
+def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench overlap", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, default=2, help="ranks of the parallel runs (default 2)")
@@ -89,7 +89,7 @@ def _load():
 
 
 def main(argv=None):
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     for name in ("steps", "repeats", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

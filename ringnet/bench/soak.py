@@ -101,7 +101,7 @@ def verdict(steps, rss_kb, threads, files):
             "flat": flat}
 
 
-def _parser():
+def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench soak", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, default=2, help="ranks (default 2; 1 runs without mpirun)")
@@ -119,7 +119,7 @@ def _parser():
 
 
 def main(argv=None):
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if not os.path.isdir("/proc/self/fd"):
         raise UsageError("bench soak reads /proc: Linux only")
     if args.np < 1 or args.steps < 10 or not args.every > 0 or not 0 <= args.warmup < 1:

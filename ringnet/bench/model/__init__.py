@@ -62,7 +62,7 @@ layer boundary, so the copy delays the compute (on a GPU the copy engine moves i
 import ringnet.bench.layers  # noqa: F401  first: pins BLAS threads before NumPy loads
 
 from ringnet.bench.model.calibration import calibrate  # noqa: E402
-from ringnet.bench.model.cli import main  # noqa: E402
+from ringnet.bench.model.cli import build_parser, main  # noqa: E402
 from ringnet.bench.model.codefacts import (BOUNDARY_PASSES, OLD_FACTS, SGD_PASSES,  # noqa: E402
                                            boundary_s, code_facts, facts)
 from ringnet.bench.model.compute import (ISOLATED_LAYERS, TRAINING_STEPS,  # noqa: E402

@@ -24,7 +24,7 @@ from ringnet.models import MODELS, build_model
 __all__ = ["main"]
 
 
-def _parser():
+def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench model",
                        description=sys.modules[__package__].__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,7 +171,7 @@ def _print_json(predictions, validation, paper):
 
 
 def main(argv=None):
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.calibrate_worker:
         return calibrate_worker(args.iters, [m for m in args.models.split(",") if m],
                                 args.batch_size)
