@@ -280,11 +280,13 @@ class Model:
     def _correct(self, logits, labels):
         return int(to_numpy((logits.argmax(axis=1) == labels).sum()))
 
-    def loss_and_grad(self, x, labels) -> Tuple[float, int]:
+    def loss_and_grad(self, x, labels):
         """Forward, mean softmax cross-entropy, backward into ``grads``; return (loss, correct).
 
         ``x``: (B, *input_shape) images; ``labels``: B class indices. ``correct``: how many
-        of the B the model classified right (before this step's update).
+        of the B the model classified right (before this step's update). On the CPU both
+        are Python numbers; on a GPU both are 0-d device arrays (``float()``/``int()``
+        read them), so the step does not wait for the device.
         """
         labels = self.xp.asarray(labels).reshape(-1)
         logits = self.forward(x, train=True)
@@ -292,6 +294,8 @@ class Model:
             loss = self.loss_layer.forward(logits, labels)
             dlogits = self.loss_layer.backward()
         self.backward(dlogits)
+        if self.loss_layer.correct is not None:       # the fused kernel's device values
+            return loss, self.loss_layer.correct
         return float(loss), self._correct(logits, labels)
 
     def evaluate(self, x, labels, batch_size: int = 128) -> Tuple[float, int]:

@@ -1,5 +1,5 @@
 """Fused CUDA kernels of the GPU path (max/average pooling, im2col, col2im, dropout
-masks, ReLU).
+masks, ReLU, softmax cross-entropy).
 
 On a GPU each of these layers' generic array code is a storm of small launches (a few
 ufuncs per kernel tap); here each is one kernel, compiled once per dtype and cached.
@@ -76,6 +76,7 @@ def _compiled_kernel(name, dtype):
 
 
 _SCALARS = {"int": np.int32, "long long": np.int64, "unsigned long long": np.uint64}
+_POINTERS = {"unsigned char": np.uint8, "long long": np.int64}
 
 
 def _check_args(name, dtype, args):
@@ -86,7 +87,7 @@ def _check_args(name, dtype, args):
     for (pname, ctype), arg in zip(params, args):
         base = ctype.replace("const ", "").rstrip("*").strip()
         if ctype.endswith("*"):
-            want = np.dtype(np.uint8) if base == "unsigned char" else np.dtype(dtype)
+            want = np.dtype(_POINTERS.get(base, dtype))
             ok = isinstance(arg, np.ndarray) and arg.dtype == want and arg.flags.c_contiguous \
                 and (ctype.startswith("const ") or arg.flags.writeable)
         else:
@@ -483,3 +484,97 @@ def _relu_bwd(dy, y, dx, n):
     idx = _lanes(n)
     with np.errstate(invalid="ignore"):                      # inf * 0 is NaN, as in CUDA
         dx[:] = dy[idx] * (y[idx] > 0).astype(dx.dtype)
+
+
+# Softmax cross-entropy, its gradient and the correct count in two launches and no host
+# read: one thread per sample row (its max and first argmax as NumPy's max and argmax: a
+# NaN wins, ties go to the first class; log-sum-exp; the loss of the row; the gradient
+# row (softmax - onehot) * scale, scale = 1/B), then one thread that adds the rows' losses
+# and hits in sample order (no atomics: the same sums every run) into two device scalars.
+@_kernel("xent_rows",
+         [("logits", "const T*"), ("labels", "const long long*"), ("grad", "T*"),
+          ("row_loss", "T*"), ("hit", "unsigned char*"), ("n", "long long"), ("K", "int"),
+          ("scale", "T"), ("invalid", "T")], r"""
+  FOR_EACH(b, n) {
+    long long row = b * K;
+    T m = logits[row];
+    int arg = 0;
+    for (int j = 1; j < K; ++j) {
+      T v = logits[row + j];
+      if (v > m || (v != v && m == m)) {
+        m = v;
+        arg = j;
+      }
+    }
+    T total = 0;
+    for (int j = 0; j < K; ++j) {
+      T e = exp(logits[row + j] - m);
+      grad[row + j] = e;
+      total += e;
+    }
+    long long y = labels[b];
+    T picked = invalid;
+    if (y >= 0 && y < K) {
+      picked = logits[row + y] - m;
+    }
+    row_loss[b] = log(total) - picked;
+    hit[b] = (unsigned char)(arg == y);
+    for (int j = 0; j < K; ++j) {
+      T g = grad[row + j] / total;
+      if (j == y) {
+        g -= (T)1;
+      }
+      grad[row + j] = g * scale;
+    }
+  }
+""")
+def _xent_rows(logits, labels, grad, row_loss, hit, n, K, scale, invalid):
+    logits, grad = logits.reshape(-1), grad.reshape(-1)
+    b = _lanes(n)
+    row = b * K
+    m = logits[row]
+    arg = np.zeros(n, dtype=np.int64)
+    for j in range(1, K):
+        v = logits[row + j]
+        win = (v > m) | ((v != v) & (m == m))
+        m = np.where(win, v, m)
+        arg = np.where(win, j, arg)
+    total = np.zeros(n, dtype=grad.dtype)
+    for j in range(K):
+        e = np.exp(logits[row + j] - m)
+        grad[row + j] = e
+        total += e
+    y = labels[b]
+    lane = (y >= 0) & (y < K)
+    picked = np.where(lane, logits[np.where(lane, row + y, 0)] - m, invalid)
+    row_loss[:] = np.log(total) - picked
+    hit[:] = (arg == y).astype(np.uint8)
+    for j in range(K):
+        g = grad[row + j] / total
+        g = np.where(j == y, g - grad.dtype.type(1), g)
+        grad[row + j] = g * scale
+
+
+@_kernel("xent_total",
+         [("row_loss", "const T*"), ("hit", "const unsigned char*"), ("loss", "T*"),
+          ("correct", "long long*"), ("n", "long long"), ("B", "int")], r"""
+  FOR_EACH(idx, n) {
+    T acc = 0;
+    long long count = 0;
+    for (int b = 0; b < B; ++b) {
+      acc += row_loss[b];
+      count += hit[b];
+    }
+    loss[idx] = acc / (T)B;
+    correct[idx] = count;
+  }
+""")
+def _xent_total(row_loss, hit, loss, correct, n, B):
+    loss, correct = loss.reshape(-1), correct.reshape(-1)
+    acc = np.zeros(n, dtype=loss.dtype)
+    count = np.zeros(n, dtype=np.int64)
+    for b in range(B):
+        acc += row_loss[b]
+        count += hit[b]
+    loss[:] = acc / B
+    correct[:] = count

@@ -7,7 +7,8 @@ from ringnet.layers import _cuda
 from ringnet.layers.base import _memory_order
 
 __all__ = ["maxpool_forward", "maxpool_backward", "avgpool_forward", "avgpool_backward",
-           "im2col", "col2im", "dropout_mask", "relu_forward", "relu_backward"]
+           "im2col", "col2im", "dropout_mask", "relu_forward", "relu_backward",
+           "softmax_cross_entropy"]
 
 
 def _geometry(c, h, w, b, ho, wo, kernel, stride, padding):
@@ -143,3 +144,24 @@ def dropout_mask(xp, shape, dtype, keys, threshold, scale, first_sample=0):
                  (mask, np.int64(n), np.uint64((int(first_sample) * per_sample) & ((1 << 64) - 1)),
                   np.uint64(k1), np.uint64(k2), np.uint64(threshold), dtype.type(scale)))
     return mask
+
+
+def softmax_cross_entropy(xp, logits, labels):
+    """Return (loss, correct, dlogits) of the (B, K) ``logits`` against the B int64
+    ``labels``: the mean cross-entropy (0-d, the logits' dtype), how many rows have their
+    first maximum at the label (0-d int64), (softmax - onehot) / B (B, K); all on the device,
+    in two launches. A label outside [0, K) makes the loss NaN."""
+    b, k = logits.shape
+    dtype = logits.dtype
+    z = xp.ascontiguousarray(logits)
+    grad = xp.empty((b, k), dtype=dtype)
+    row_loss = xp.empty(b, dtype=dtype)
+    hit = xp.empty(b, dtype=np.uint8)
+    loss = xp.empty((), dtype=dtype)
+    correct = xp.empty((), dtype=np.int64)
+    _cuda.launch(xp, "xent_rows", dtype, b,
+                 (z, xp.ascontiguousarray(labels), grad, row_loss, hit, np.int64(b), np.int32(k),
+                  dtype.type(1.0 / b), dtype.type(np.nan)))
+    _cuda.launch(xp, "xent_total", dtype, 1,
+                 (row_loss, hit, loss, correct, np.int64(1), np.int32(b)))
+    return loss, correct, grad

@@ -1,14 +1,21 @@
 """SoftmaxCrossEntropy: mean cross-entropy of softmax(logits), via log-sum-exp."""
-from ringnet.backend import get_array_module
+from ringnet.backend import get_array_module, is_gpu_array
+from ringnet.layers import _cuda_ops
 
 __all__ = ["SoftmaxCrossEntropy"]
 
 
 class SoftmaxCrossEntropy:
-    """loss = mean_b (logsumexp(z_b) - z_b[label_b])."""
+    """loss = mean_b (logsumexp(z_b) - z_b[label_b]).
+
+    On a GPU one fused kernel computes the loss, the gradient and the count of rows whose
+    first maximum is at the label (``correct``, a 0-d device int64, None on the CPU), all
+    left on the device: reading them is the caller's choice.
+    """
 
     def __init__(self):
         self._cache = None
+        self.correct = None
 
     def forward(self, logits, labels):
         """Return the mean loss over the batch as a 0-d array; cache softmax for backward."""
@@ -17,6 +24,10 @@ class SoftmaxCrossEntropy:
         labels = xp.asarray(labels).astype(xp.int64, copy=False).reshape(-1)
         if labels.shape[0] != b:
             raise ValueError(f"{labels.shape[0]} labels for a batch of {b}")
+        if is_gpu_array(logits):
+            loss, self.correct, grad = _cuda_ops.softmax_cross_entropy(xp, logits, labels)
+            self._cache = (grad, None)
+            return loss
         shifted = logits - logits.max(axis=1, keepdims=True)     # <= 0: exp cannot overflow
         exp = xp.exp(shifted)
         total = exp.sum(axis=1)                                  # (B,)
@@ -31,8 +42,10 @@ class SoftmaxCrossEntropy:
         # d/dz_j [logsumexp(z) - z_y] = softmax_j - [j == y]; the batch mean divides by B.
         if self._cache is None:
             raise RuntimeError("SoftmaxCrossEntropy.backward called before forward")
-        xp = get_array_module(self._cache[0])
         probs, labels = self._cache
+        if labels is None:                  # the fused kernel wrote it in the forward
+            return probs
+        xp = get_array_module(probs)
         b = probs.shape[0]
         grad = probs.copy()
         grad[xp.arange(b), labels] -= 1

@@ -298,6 +298,8 @@ def _cuda_statements(body):
 ELEMENTWISE = {  # kernel -> the expressions its CUDA body and its emulation both contain
     "relu_fwd": ["v = x[idx]", "v > (T)0 || v != v"],
     "relu_bwd": ["dy[idx] * (T)(y[idx] > (T)0)"],
+    "xent_total": ["acc += row_loss[b]", "count += hit[b]",
+                   "acc / (T)B"],
 }
 
 
