@@ -52,6 +52,7 @@ an exception in a listener propagates to the code that ran the span.
 times code that has no statistics of its own (a communicator's transfers): its
 events reach the listeners only.
 """
+import math
 import random
 import threading
 import time
@@ -59,7 +60,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-__all__ = ["StepStats", "SpanEvent", "span", "subscribe", "SPAN_FIELDS", "DEVICE_SPANS"]
+from ringnet.backend import get_array_module, is_gpu_array, to_numpy
+from ringnet.errors import DivergedError
+
+__all__ = ["StepStats", "SpanEvent", "span", "subscribe", "SPAN_FIELDS", "DEVICE_SPANS",
+           "LossReads", "GPU_LOSS_EVERY"]
+
+GPU_LOSS_EVERY = 50     # on a GPU the training losses are read every 50 steps (and at epoch ends)
 
 # span name -> the StepStats totals it adds its duration to
 SPAN_FIELDS = {
@@ -210,3 +217,43 @@ class StepStats:
             return 0.0
         # Waiting includes a stream's start-up, so it can exceed the transfer time by a hair.
         return float(min(1.0, max(0.0, (total - wait) / total)))
+
+
+class LossReads:
+    """The training losses of the steps not read on the host yet.
+
+    A GPU step leaves its loss on the device (reading it would make the host wait for the
+    GPU inside every step); :meth:`add` keeps it and, once ``every`` steps are pending,
+    :meth:`read` fetches all of them at once (one stack, one copy, one wait). On the CPU
+    the losses are Python numbers and ``every`` is 1: each is read in its own step. The
+    divergence check is made at the read: the first non-finite loss raises DivergedError
+    naming its step and, when several were read together, their range. ``spe``: steps per
+    epoch (for the message), ``lr``: the learning rate it suggests lowering.
+    """
+
+    def __init__(self, every, spe, lr):
+        self.every, self.spe, self.lr = max(1, int(every)), int(spe), float(lr)
+        self.pending = []       # [(step, loss)], in step order
+
+    def add(self, step, loss):
+        """Keep step ``step``'s ``loss``; return :meth:`read` when ``every`` are pending, else []."""
+        self.pending.append((step, loss))
+        return self.read() if len(self.pending) >= self.every else []
+
+    def read(self):
+        """Return [(step, loss as a float)] of every pending step, in order, and forget them."""
+        if not self.pending:
+            return []
+        steps = [s for s, _ in self.pending]
+        values = [v for _, v in self.pending]
+        self.pending = []
+        if is_gpu_array(values[0]):
+            values = to_numpy(get_array_module(values[0]).stack(values)).tolist()
+        values = [float(v) for v in values]
+        for step, value in zip(steps, values):
+            if not math.isfinite(value):
+                read = f"; losses of steps {steps[0]}-{steps[-1]} read together" \
+                    if len(steps) > 1 else ""
+                raise DivergedError(f"loss is {value} at step {step} (epoch {step // self.spe + 1}"
+                                    f"{read}): training diverged; try a lower --lr (now {self.lr:g})")
+        return list(zip(steps, values))

@@ -9,7 +9,6 @@ if __name__ == "__main__":     # the program, not a library import: pin BLAS thr
 import collections
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -21,7 +20,7 @@ from ringnet import backend, resume
 from ringnet.blas import blas_threads_in_use
 from ringnet.environment import check_environment, run_knobs
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
-from ringnet.errors import (EXIT_STOPPED, USER_ERRORS, DivergedError, InputError, RunInputError,
+from ringnet.errors import (EXIT_STOPPED, USER_ERRORS, InputError, RunInputError,
                             SetupError, StallError, TrainingError, TransportUnavailable, UsageError)
 from ringnet.control import (Deadline, agree, collective, current_phase, import_mpi, set_phase,
                              stall_error, watchdog)
@@ -29,6 +28,7 @@ from ringnet.cli import run_main
 from ringnet.shutdown import wait_until_read
 from ringnet.layers import Dropout
 from ringnet.progress import Progress, interactive, progress_interval
+from ringnet.stats import GPU_LOSS_EVERY, LossReads
 from ringnet.stopping import StopSignals
 from ringnet.trace import Tracer, timed
 
@@ -288,6 +288,18 @@ def _check_data_file(dataset, cfg, world, epoch, started):
                      f"read at the start")
 
 
+def _took(read, recent, epoch_losses, spe, bar):
+    """Record the losses ``read`` ([(step, loss)]); return the epoch's (first step, [loss])."""
+    for step, loss in read:
+        recent.append(loss)
+        if step % spe == 0 and step > epoch_losses[0]:
+            epoch_losses = (step, [])
+        epoch_losses[1].append(loss)
+        if bar is not None:
+            bar.update(step + 1, loss)
+    return epoch_losses
+
+
 def _epoch_line(world, epoch, spe, losses, test_acc, test_loss, deadline):
     """The log line of ``epoch`` (1-based): its train loss is the mean over every rank of the
     losses of the epoch's steps this run made (collective). ``losses``: (first step, [loss])
@@ -393,6 +405,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
 
     tracer = Tracer(world, cfg.trace) if cfg.trace else None
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps
+    losses = LossReads(1 if xp is np else GPU_LOSS_EVERY, spe, cfg.lr)   # read, checked
     epoch_losses = (step, [])                 # (first step, local losses) of the epoch running
     saver = resume.saver(cfg, world, strategy, spe, dataset)   # --save-every, heartbeat
     saver.start(step)
@@ -414,21 +427,12 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
                     set_phase(f"step {step}")
                     set_dropout_step(strategy.model, step)
                     loss, _ = strategy.step(x, labels, step)
-                    loss = float(loss)
-                    if not math.isfinite(loss):
-                        raise DivergedError(f"loss is {loss} at step {step} (epoch {epoch + 1}): "
-                                            f"training diverged; try a lower --lr (now {cfg.lr:g})")
-                    recent.append(loss)
-                    if step % spe == 0 and step > epoch_losses[0]:
-                        epoch_losses = (step, [])
-                    epoch_losses[1].append(loss)
+                    epoch_losses = _took(losses.add(step, loss), recent, epoch_losses, spe, bar)
                     step += 1
                     now = time.perf_counter()
                     deadline.record(now - t_step)     # data wait included: it delays peers too
                     t_step = now
                     _transport_deadline(strategy, deadline.seconds)
-                    if bar is not None:
-                        bar.update(step, loss)
                     saver.after_step(step, total_steps)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
                         t_eval = time.perf_counter()
@@ -443,6 +447,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
                         break
                     if step >= total_steps:
                         break
+                epoch_losses = _took(losses.read(), recent, epoch_losses, spe, bar)
                 if hasattr(batches, "close"):
                     batches.close()
                 if stopper.stopped_by:

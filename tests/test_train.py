@@ -182,3 +182,20 @@ def test_unwritable_save_path_is_refused_before_training(tmp_path, np_):
     assert_one_line_error(proc, "cannot write checkpoint", "is not a folder")
     assert "epoch" not in proc.stdout                    # refused before any training
     assert_one_line_error(run_cli("--steps", "1", "--save", str(tmp_path)), "it is a folder")
+
+
+def test_losses_are_read_every_k_steps_and_checked_at_the_read():
+    from ringnet.errors import DivergedError
+    from ringnet.stats import LossReads
+    reads = LossReads(1, 10, 0.01)                     # the CPU: every step, on its own
+    assert reads.add(0, 2.5) == [(0, 2.5)] and reads.pending == []
+    with pytest.raises(DivergedError, match=r"^loss is nan at step 12 \(epoch 2\): training "
+                                            r"diverged; try a lower --lr \(now 0.01\)$"):
+        reads.add(12, float("nan"))
+    reads = LossReads(3, 10, 0.1)                      # a GPU: three steps, one read
+    held = [np.asarray(v, dtype=np.float32) for v in (1.0, 0.5, np.inf, 0.25)]
+    assert reads.add(20, held[0]) == [] and reads.add(21, held[1]) == []
+    with pytest.raises(DivergedError, match=r"loss is inf at step 22 \(epoch 3; losses of "
+                                            r"steps 20-22 read together\)"):
+        reads.add(22, held[2])
+    assert reads.add(23, held[3]) == [] and reads.read() == [(23, 0.25)] and reads.read() == []
