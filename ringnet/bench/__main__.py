@@ -1,4 +1,4 @@
-"""python -m ringnet.bench {layers,comm,scaling,overlap,model,curves,delay,elastic,soak,faults} ... — benchmarks that print tables."""
+"""python -m ringnet.bench {layers,comm,scaling,overlap,model,curves,delay,elastic,soak,faults,budget} ... — benchmarks that print tables."""
 import importlib
 import sys
 
@@ -19,6 +19,8 @@ COMMANDS = {
     "elastic": ("ringnet.bench.elastic", "cost of --save-every, and of a rank killed under ringnet.launch"),
     "soak": ("ringnet.bench.soak", "a long run's memory, threads and open files per rank against "
                                    "the step count: growth per 1,000 steps"),
+    "budget": ("ringnet.bench.budget", "kernel launches, allocations and host waits per GPU training "
+                                       "step, counted without a GPU"),
     "faults": ("ringnet.bench.faults", "stops/kills a rank in every phase, MPMD mismatches, bad files: "
                                        "exit code and time to exit per case"),
 }
@@ -27,7 +29,7 @@ COMMANDS = {
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m ringnet.bench {layers,comm,scaling,overlap,model,curves,delay,elastic,soak,faults} [options]\n")
+        print("usage: python -m ringnet.bench {layers,comm,scaling,overlap,model,curves,delay,elastic,soak,faults,budget} [options]\n")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:8s} {text}")
         print("\n`python -m ringnet.bench NAME --help` lists each benchmark's options.")

@@ -1,0 +1,378 @@
+"""python -m ringnet.bench budget: kernel launches, allocations and host waits per training step.
+
+One training step of single mode (forward, loss, backward, the SGD update of the whole
+flat buffer) runs on a *recording stand-in* for CuPy: an array module that is NumPy
+underneath (so every value is computed, and checked, as on the CPU) but whose arrays are
+"device arrays", so the layers take their GPU branches. Each operation that would launch
+work on a GPU is counted where CuPy would launch it:
+
+=============  ==============================================================
+kind           counted for
+=============  ==============================================================
+``kernel``     a fused CUDA kernel (:func:`ringnet.layers._cuda.launch`, a CuPy
+               ElementwiseKernel)
+``ufunc``      an element-wise operation (``a + b``, ``xp.exp``, ``y += b``)
+``reduction``  ``sum``, ``max``, ``argmax``, ``mean`` ...
+``gemm``       ``matmul`` (one cuBLAS call)
+``copy``       a device-to-device copy: ``copy``, ``astype`` to another dtype,
+               ``ascontiguousarray`` of a non-contiguous array, ``copyto``, an
+               assignment into an array, a gather by an index array, a fill
+``transfer``   host to device (``xp.asarray`` of a host array): not a launch
+=============  ==============================================================
+
+*allocations* are the new device buffers (an output without ``out=``, ``empty``,
+``zeros``, a copy); views cost nothing. *host waits* are the reads of a device value on
+the host (``float``, ``int``, ``bool``, ``.item()``, ``.get()``, ``asnumpy``): each one
+stops the host until the GPU has caught up, and none fits in a CUDA graph. One array
+operation counts once; where CuPy itself makes several launches of one call (a fancy
+index, ``take_along_axis``) the count is a lower bound. The step is measured after one
+warm-up step, as in training (kernels compiled, layer buffers made).
+
+    python -m ringnet.bench budget                  # every model
+    python -m ringnet.bench budget --model lenet --json
+"""
+import collections
+import contextlib
+import json
+import sys
+
+import numpy as np
+
+from ringnet.cli import ArgumentParser
+from ringnet.layers import _cuda, activation, conv, linear, loss, pool
+from ringnet import models, optim
+
+__all__ = ["DeviceArray", "Recorder", "recording", "step_budget", "main"]
+
+LAUNCHES = ("kernel", "ufunc", "reduction", "gemm", "copy")
+_ACTIVE = []                   # the recorder counting now (innermost last)
+
+
+def _plain(value):
+    """``value`` with device arrays as plain NumPy views (one level into tuples and lists)."""
+    if isinstance(value, DeviceArray):
+        return value.view(np.ndarray)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _device(value):
+    if isinstance(value, np.ndarray) and not isinstance(value, DeviceArray):
+        return value.view(DeviceArray)
+    return value
+
+
+def _record(kind, name, alloc=0):
+    if _ACTIVE:
+        _ACTIVE[-1].record(kind, name, alloc)
+
+
+def _shares(result, inputs):
+    return any(isinstance(a, np.ndarray) and np.may_share_memory(result, a) for a in inputs)
+
+
+class DeviceArray(np.ndarray):
+    """A NumPy array that stands for a CuPy array: what a GPU would launch on it is recorded."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        if out is not None:
+            kwargs["out"] = _plain(out)
+        result = getattr(ufunc, method)(*_plain(inputs), **kwargs)
+        kind = "gemm" if ufunc is np.matmul else "ufunc" if method == "__call__" else \
+            "copy" if method == "at" else "reduction"
+        _record(kind, f"{ufunc.__name__}" + ("" if method == "__call__" else f".{method}"),
+                alloc=0 if out is not None else 1)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return _device(np.asarray(result)) if not isinstance(result, tuple) else \
+            tuple(_device(np.asarray(r)) for r in result)
+
+    # -- operations NumPy runs as methods (the reductions are added below the class)
+    def copy(self, order="C"):
+        _record("copy", "copy", alloc=1)
+        return _device(self.view(np.ndarray).copy(order))
+
+    def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        _record("copy", "astype", alloc=1)
+        return _device(self.view(np.ndarray).astype(dtype, order, casting))
+
+    def fill(self, value):
+        _record("copy", "fill")
+        self.view(np.ndarray).fill(value)
+
+    def _maybe_view(self, name, *args, **kwargs):
+        base = self.view(np.ndarray)
+        result = getattr(base, name)(*args, **kwargs)
+        if not np.may_share_memory(result, base):
+            _record("copy", name, alloc=1)
+        return _device(result)
+
+    def reshape(self, *a, **k):
+        return self._maybe_view("reshape", *a, **k)
+
+    def ravel(self, *a, **k):
+        return self._maybe_view("ravel", *a, **k)
+
+    def __getitem__(self, key):
+        base = self.view(np.ndarray)
+        result = base[_plain(key)]
+        if not isinstance(result, np.ndarray):           # one element: CuPy returns 0-d
+            result = np.asarray(result)
+            _record("copy", "getitem", alloc=1)
+        elif not np.may_share_memory(result, base):
+            _record("copy", "getitem (gather)", alloc=1)
+        return _device(result)
+
+    def __setitem__(self, key, value):
+        _record("copy", "setitem")
+        self.view(np.ndarray)[_plain(key)] = _plain(value)
+
+    # -- reads on the host: each one waits for the device
+    def _read(self, name):
+        _record("host_wait", name)
+        return self.view(np.ndarray)
+
+    def __float__(self):
+        return float(self._read("float"))
+
+    def __int__(self):
+        return int(self._read("int"))
+
+    def __index__(self):
+        return self._read("index").__index__()
+
+    def __bool__(self):
+        return bool(self._read("bool"))
+
+    def item(self, *args):
+        return self._read("item").item(*args)
+
+    def tolist(self):
+        return self._read("tolist").tolist()
+
+    def get(self, stream=None):
+        """CuPy's device-to-host copy."""
+        return self._read("get").copy()
+
+
+def _reduction(name):
+    def reduce(self, *args, out=None, **kwargs):
+        result = getattr(self.view(np.ndarray), name)(*args, out=_plain(out), **kwargs)
+        _record("reduction", name, alloc=0 if out is not None else 1)
+        return out if out is not None else _device(np.asarray(result))
+    reduce.__name__ = name
+    return reduce
+
+
+for _name in ("sum", "max", "min", "mean", "argmax", "argmin", "any", "all"):
+    setattr(DeviceArray, _name, _reduction(_name))
+
+_FILLS = {"zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "arange", "eye"}
+_EMPTY = {"empty", "empty_like"}
+_CONVERT = {"asarray", "array", "ascontiguousarray", "asanyarray"}
+_GEMM = {"matmul", "dot", "tensordot"}
+_REDUCE = {"sum", "max", "amax", "min", "amin", "mean", "argmax", "argmin", "any", "all"}
+
+
+class _ElementwiseKernel:
+    """CuPy's ElementwiseKernel for plain arithmetic statements (``a = expr; b = expr;``):
+    one launch; the statements run in order over whole arrays, as each thread runs them."""
+
+    def __init__(self, in_params, out_params, operation, name, **_):
+        self.names = [p.split()[-1] for p in (in_params + ", " + out_params).split(",")]
+        self.statements = [s.strip() for s in operation.split(";") if s.strip()]
+        self.name = name
+
+    def __call__(self, *args):
+        values = dict(zip(self.names, (_plain(a) for a in args)))
+        dtype = next(v.dtype for v in values.values() if isinstance(v, np.ndarray))
+        space = {k: v if isinstance(v, np.ndarray) else dtype.type(v) for k, v in values.items()}
+        for statement in self.statements:
+            target, expr = (s.strip() for s in statement.split("=", 1))
+            space[target][...] = eval(expr, {}, space)        # noqa: S307 - our own kernel text
+        _record("kernel", self.name)
+
+
+class Recorder:
+    """The stand-in array module: NumPy's names; arrays it makes are :class:`DeviceArray`."""
+
+    ndarray = DeviceArray
+    ElementwiseKernel = _ElementwiseKernel
+
+    def __init__(self):
+        self.events = []       # (kind, name, allocations, where)
+        self.where = "setup"
+
+    def record(self, kind, name, alloc=0):
+        self.events.append((kind, name, alloc, self.where))
+
+    def asnumpy(self, a):
+        if isinstance(a, DeviceArray):
+            return a._read("asnumpy").copy()
+        return np.asarray(a)
+
+    def __getattr__(self, name):
+        obj = getattr(np, name)
+        if isinstance(obj, (np.ufunc, type)) or not callable(obj):
+            return obj                # ufuncs dispatch to DeviceArray; dtypes; submodules
+        return self._wrapped(name, obj)
+
+    def _wrapped(self, name, fn):
+        def call(*args, **kwargs):
+            inputs = list(args) + list(kwargs.values())
+            device_in = [a for a in inputs if isinstance(a, DeviceArray)]
+            result = fn(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
+            if name == "copyto":
+                _record("copy" if isinstance(args[1], DeviceArray) or np.isscalar(args[1])
+                        else "transfer", name)
+            elif name in _EMPTY:
+                _record("alloc", name, alloc=1)
+            elif name in _FILLS:
+                _record("copy", name, alloc=1)
+            elif name in _CONVERT and not device_in:
+                _record("transfer", name, alloc=1)
+            elif kwargs.get("out") is not None:
+                _record("gemm" if name in _GEMM else "reduction" if name in _REDUCE else "copy",
+                        name)
+            elif isinstance(result, np.ndarray):
+                if not _shares(result, [a.view(np.ndarray) for a in device_in]):
+                    _record("gemm" if name in _GEMM else "reduction" if name in _REDUCE
+                            else "copy", name, alloc=1)
+            elif result is None:
+                _record("copy", name)
+            if kwargs.get("out") is not None:
+                return kwargs["out"]
+            return _device(result) if isinstance(result, np.ndarray) else result
+        return call
+
+    # -- totals
+    def totals(self, events=None):
+        events = self.events if events is None else events
+        kinds = collections.Counter(kind for kind, *_ in events)
+        out = {"launches": sum(kinds[k] for k in LAUNCHES),
+               "allocations": sum(a for _, _, a, _ in events),
+               "host_waits": kinds["host_wait"], "transfers": kinds["transfer"]}
+        out.update({k: kinds[k] for k in LAUNCHES})
+        return out
+
+
+@contextlib.contextmanager
+def recording(recorder):
+    """Route the layers, the model and the optimizer through ``recorder`` (their GPU
+    branches, on NumPy); everything is put back at the end."""
+    def get_array_module(*arrays):
+        return recorder if any(isinstance(a, DeviceArray) for a in arrays) else np
+
+    def is_gpu_array(a):
+        return isinstance(a, DeviceArray)
+
+    raw_launch = _cuda.launch
+
+    def launch(xp, name, dtype, n, args):
+        _record("kernel", name)
+        raw_launch(np, name, dtype, n, _plain(tuple(args)))
+
+    patches = [(_cuda, "launch", launch), (optim, "_FUSED", {})]
+    for module in (activation, conv, linear, loss, pool, models, optim):
+        for attr, value in (("get_array_module", get_array_module),
+                            ("is_gpu_array", is_gpu_array), ("to_numpy", recorder.asnumpy)):
+            if hasattr(module, attr):
+                patches.append((module, attr, value))
+    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
+    for module, attr, value in patches:
+        setattr(module, attr, value)
+    _ACTIVE.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE.remove(recorder)
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+
+
+def step_budget(name, batch_size=64, dtype="float32", seed=0):
+    """Return the counts of one single-mode training step of model ``name`` on the stand-in:
+    {"model", "batch_size", totals (see :meth:`Recorder.totals`), "phases": {phase: totals},
+    "events": [[kind, name, allocations, where]]}. ``where`` is the layer and pass
+    ("conv1 forward"), "loss", "update" or "input"."""
+    recorder = Recorder()
+    with recording(recorder):
+        model = models.build_model(name, dtype=dtype, xp=recorder, seed=seed)
+        opt = optim.SGD(model.num_params, 0.01, momentum=0.9, weight_decay=5e-4,
+                        xp=recorder, dtype=model.dtype)
+        rng = np.random.default_rng(seed)
+        x = rng.normal(size=(batch_size,) + model.input_shape).astype(model.dtype)
+        y = rng.integers(0, model.num_classes, size=batch_size)
+        names = [n for n, _ in model.layers]
+
+        def hook(phase, index):            # called after each layer: name what comes next
+            if phase == "forward":
+                recorder.where = f"{names[index + 1]} forward" if index + 1 < len(names) else "loss"
+            else:
+                recorder.where = f"{names[index - 1]} backward" if index else "loss: reads"
+        loss_backward = model.loss_layer.backward
+
+        def backward():
+            dlogits = loss_backward()
+            recorder.where = f"{names[-1]} backward"
+            return dlogits
+        model.loss_layer.backward = backward
+        model.layer_hook = hook
+        for it in range(2):                             # warm-up, then the measured step
+            recorder.events.clear()
+            recorder.where = f"input, {names[0]} forward"
+            _, _ = model.loss_and_grad(x, y)
+            recorder.where = "update"
+            opt.step(model.params, model.grads, it)
+        model.layer_hook = None
+    events = list(recorder.events)
+    phases = collections.OrderedDict()
+    for event in events:
+        phases.setdefault(event[3], []).append(event)
+    return {"model": name, "batch_size": batch_size, "dtype": dtype, **recorder.totals(events),
+            "phases": {w: recorder.totals(e) for w, e in phases.items()},
+            "events": [list(e) for e in events]}
+
+
+def build_parser():
+    p = ArgumentParser(prog="python -m ringnet.bench budget", description=__doc__.split("\n\n")[0],
+                       epilog="Counts come from a stand-in for CuPy, on NumPy: no GPU needed.")
+    p.add_argument("--model", action="append", choices=sorted(models.MODELS),
+                   help="model to count (repeatable; default: every model)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument("--phases", action="store_true", help="print the counts per layer and pass")
+    p.add_argument("--json", action="store_true", help="print one JSON line (with every event)")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    results = [step_budget(name, args.batch_size, args.dtype) for name in args.model or models.MODELS]
+    if args.json:
+        print(json.dumps({"batch_size": args.batch_size, "dtype": args.dtype, "models": results}))
+        return 0
+    head = f"{'':16s} {'launches':>8s} {'kernel':>6s} {'ufunc':>6s} {'reduce':>6s} " \
+           f"{'gemm':>5s} {'copy':>5s} {'allocs':>6s} {'host waits':>10s} {'transfers':>9s}"
+    print(f"per training step (single mode), batch {args.batch_size}, {args.dtype}, "
+          f"on the recording stand-in for CuPy")
+    print(head)
+
+    def row(label, t):
+        print(f"{label:16s} {t['launches']:8d} {t['kernel']:6d} {t['ufunc']:6d} "
+              f"{t['reduction']:6d} {t['gemm']:5d} {t['copy']:5d} {t['allocations']:6d} "
+              f"{t['host_waits']:10d} {t['transfers']:9d}")
+    for result in results:
+        row(result["model"], result)
+        if args.phases:
+            for where, totals in result["phases"].items():
+                row("  " + where, totals)
+    return 0
+
+
+if __name__ == "__main__":
+    from ringnet.cli import run_main
+    run_main(main)
