@@ -232,7 +232,8 @@ class Model:
 
     # --- compute
 
-    def _input(self, x):
+    def as_input(self, x):
+        """``x`` as the first layer takes it: an array of the model's module and dtype, its shape checked."""
         x = self.xp.asarray(x)
         if x.ndim != 4 or tuple(x.shape[1:]) != self.input_shape:
             raise ValueError(f"model {self.name} expects input (B, {', '.join(map(str, self.input_shape))}), "
@@ -245,7 +246,7 @@ class Model:
         ``train``: keep what ``backward`` needs (and apply dropout). Raises ValueError for
         an input of another shape.
         """
-        return self.forward_layers(self._input(x), 0, None, train)
+        return self.forward_layers(self.as_input(x), 0, None, train)
 
     def backward(self, dlogits) -> None:
         """Back-propagate ``dlogits`` (B, num_classes) after ``forward(train=True)``; every

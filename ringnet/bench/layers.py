@@ -45,7 +45,7 @@ def layer_times(model, x, iters, clock=time.perf_counter):
     fwd = {name: [] for name, _ in model.layers}
     bwd = {name: [] for name, _ in model.layers}
     for _ in range(iters):
-        a = model._input(x)
+        a = model.as_input(x)
         for name, layer in model.layers:
             t0 = clock()
             a = layer.forward(a, True)

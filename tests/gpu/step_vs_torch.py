@@ -111,7 +111,7 @@ def layer_profile(name, iters, batch_size=64):
 
     for it in range(iters + 3):
         keep = it >= 3
-        h = model._input(x)
+        h = model.as_input(x)
         for lname, layer in model.layers:
             r = rows[lname] if keep else {k: [] for k in rows[lname]}
             h = timed(lambda a, layer=layer: layer.forward(a, True), h, r["fwd_host"], r["fwd_gpu"])
