@@ -72,6 +72,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = None             # None: float32, or the checkpoint's under --resume
     transport: str = "auto"
+    topology: str = "auto"
     shuffle: bool = None          # None: True, or the checkpoint's under --resume
     augment: bool = None          # None: False, or the checkpoint's under --resume
     save: str = None
@@ -145,6 +146,11 @@ class TrainConfig:
             raise UsageError(f"--device must be auto, cpu or gpu, got {cfg.device!r}")
         if cfg.transport not in ("auto", "mpi", "nccl"):
             raise UsageError(f"--transport must be auto, mpi or nccl, got {cfg.transport!r}")
+        if cfg.topology not in ("auto", "flat", "hierarchical"):
+            raise UsageError(f"--topology must be auto, flat or hierarchical, got {cfg.topology!r}")
+        if cfg.topology == "hierarchical" and cfg.mode not in ("ring", "tree"):
+            raise UsageError(f"--topology hierarchical: mode {cfg.mode} has no hierarchical "
+                             "exchange; use --mode ring or tree, or --topology auto|flat")
         if cfg.save_every < 0:
             raise UsageError(f"--save-every must be >= 0, got {cfg.save_every}")
         if cfg.resume == "auto" and not cfg.save:
@@ -279,6 +285,12 @@ def build_parser():
     g.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
                    help="how bytes move (default auto: nccl when every rank has its own GPU, "
                         "else mpi)")
+    g.add_argument("--topology", choices=("auto", "flat", "hierarchical"), default="auto",
+                   help="how ring and tree exchanges cross nodes: flat (one ring or tree over "
+                        "all ranks, the ring ordered by node); hierarchical (reduce within each "
+                        "node to one leader, ring or tree between the leaders, back within the "
+                        "node); default auto: whichever the cost model says is faster for the "
+                        "model's bytes and the placement (flat on one node)")
     g.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="where layers run (default auto: gpu with CuPy when available, else cpu "
                         "with NumPy)")

@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-__all__ = ["NodeLayout", "layout", "mpi_path", "ranks_text", "world_layout", "where"]
+__all__ = ["NodeLayout", "layout", "mpi_path", "ranks_text", "world_layout", "where", "one_node",
+           "layout_of"]
 
 
 @dataclass
@@ -53,6 +54,17 @@ class NodeLayout:
     def ranks_of(self, index: int) -> List[int]:
         """Ranks on node number ``index``, in rank order."""
         return [r for r, i in enumerate(self.rank_node_index) if i == index]
+
+    def node_order(self) -> List[int]:
+        """The ranks ordered by (node number, node-local rank): each node's ranks together.
+        With one node, or ranks placed in blocks, this is rank order."""
+        return sorted(range(len(self.rank_nodes)),
+                      key=lambda r: (self.rank_node_index[r], self.rank_local_ranks[r]))
+
+    def leaders(self, root: int = 0) -> List[int]:
+        """One rank per node, by node number: its lowest rank, on ``root``'s node ``root``."""
+        mine = self.rank_node_index[root]
+        return [root if i == mine else self.ranks_of(i)[0] for i in range(self.nodes)]
 
     def describe(self) -> str:
         """'2 nodes x 2 ranks (rnd1: ranks 0-1; rnd2: ranks 2-3)'."""
@@ -105,6 +117,24 @@ def group(names, shared_groups, rank=0):
     # one name per node: ranks that share a processor name are on one node already
     node_names = [names[root] for root in order]
     return NodeLayout([node_names[i] for i in index], index, local, rank, node_names)
+
+
+def one_node(size: int, rank: int = 0) -> NodeLayout:
+    """The layout of ``size`` ranks on one node."""
+    return NodeLayout(["localhost"] * size, [0] * size, list(range(size)), rank, ["localhost"])
+
+
+def layout_of(transport) -> NodeLayout:
+    """The node layout a transport's ranks run with: its own ``layout`` (an MPI transport),
+    else the one its ``placement`` reports, else one node."""
+    found = getattr(transport, "layout", None)
+    if isinstance(found, NodeLayout) and len(found.rank_nodes) == transport.size:
+        return found
+    placement = getattr(transport, "placement", None)
+    names = getattr(placement, "rank_nodes", None)
+    if names and len(names) == transport.size:
+        return group(list(names), list(names), transport.rank)
+    return one_node(transport.size, transport.rank)
 
 
 _WORLD = None

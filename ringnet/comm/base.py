@@ -56,17 +56,23 @@ class CommunicatorBase:
     """A parallel structure over a transport: rank, size, streams and argument checks."""
 
     name = "base"
+    topology = "flat"           # "hierarchical": through one leader per node (comm.hierarchical)
 
-    def __init__(self, transport: Any = "auto", mpi_comm: Any = None):
+    def __init__(self, transport: Any = "auto", mpi_comm: Any = None, layout: Any = None):
         """``transport``: a :class:`~ringnet.comm.transport.Transport` or its name ("auto",
         "mpi", "nccl"); ``mpi_comm``: the mpi4py communicator a named transport spans
-        (default ``MPI.COMM_WORLD``)."""
+        (default ``MPI.COMM_WORLD``); ``layout``: the :class:`~ringnet.nodes.NodeLayout`
+        of the ranks (default: the transport's, :func:`ringnet.nodes.layout_of`)."""
         from ringnet.comm.factory import make_transport  # noqa: WPS433 - avoids an import cycle
+        from ringnet.nodes import layout_of
         if isinstance(transport, str):
             transport = make_transport(transport, mpi_comm=mpi_comm)
         self.transport = transport
         self.rank = transport.rank
         self.size = transport.size
+        self.layout = layout_of(transport) if layout is None else layout
+        if len(self.layout.rank_nodes) != self.size:
+            raise ValueError(f"layout has {len(self.layout.rank_nodes)} ranks, the transport {self.size}")
         self._scratch = {}
 
     def __repr__(self):
@@ -128,81 +134,11 @@ class CommunicatorBase:
         return is_gpu_array(buf) and transport.name == "mpi" \
             and not getattr(transport, "cuda_aware", False)
 
-
-class RootedCommunicator(CommunicatorBase):
-    """Collectives through one root: subclasses define ``_reduce`` and ``_bcast``.
-
-    Both are built from :meth:`_gather_sum` and :meth:`_relay`: a rank posts the receives
-    from all its senders at once (MPI then moves them concurrently) and adds them as they
-    complete in a fixed order (the float sum is the same on every run); buffers are cut
-    into pieces (``chunk_bytes``; by default :func:`pipeline_pieces` where a rank forwards)
-    so that a rank forwards piece k while piece k+1 still arrives.
-    """
-
-    def __init__(self, transport: Any = "auto", mpi_comm: Any = None,
-                 chunk_bytes: Optional[int] = None):
-        super().__init__(transport, mpi_comm)
-        if chunk_bytes is not None and int(chunk_bytes) <= 0:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
-        self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)
-
-    @classmethod
-    def forwards(cls, n: int) -> bool:
-        """True when, at ``n`` ranks, some rank passes on what it receives (only then do
-        pieces pay by default)."""
-        return False
-
-    @classmethod
-    def pieces(cls, length: int, itemsize: int, n: int,
-               chunk_bytes: Optional[int] = None) -> List[Tuple[int, int]]:
-        """Element ranges one transfer of ``length`` elements of ``itemsize`` bytes is cut into
-        at ``n`` ranks: ``chunk_bytes`` pieces, or by default :func:`pipeline_pieces` where a
-        rank forwards and the whole buffer otherwise (with nothing to forward, cutting only
-        adds messages: measured 0.85x -> 0.72x native at 4 MiB, N = 2). The communicator cuts
-        its buffers by this rule, and ``bench model`` counts and times the same pieces."""
-        if chunk_bytes is None and not cls.forwards(n):
-            return [(0, length)] if length else []
-        return pipeline_pieces(length, itemsize, chunk_bytes)
-
     def _pieces(self, buf):
-        return self.pieces(buf.size, buf.itemsize, self.size, self.chunk_bytes)
+        """The element ranges :meth:`_gather_sum` and :meth:`_relay` move ``buf`` in (whole here)."""
+        return [(0, buf.size)] if buf.size else []
 
-    def reduce(self, buf: Array, root: int = 0, op: str = "sum",
-               stream: Optional[CpuStream] = None) -> Optional[Handle]:
-        """Combine every rank's ``buf`` into ``root``'s ``buf``; every other rank's ``buf`` is
-        left unchanged (as MPI's reduce leaves a send buffer). Returns a Handle on a stream."""
-        self._check(buf, op, root)
-        return self._launch(self._reduce, (buf, root, op), stream)
-
-    def bcast(self, buf: Array, root: int = 0,
-              stream: Optional[CpuStream] = None) -> Optional[Handle]:
-        """Copy ``root``'s ``buf`` into every rank's ``buf`` (same length everywhere).
-
-        Returns None, or a Handle when queued on ``stream``.
-        """
-        self._check(buf, root=root)
-        return self._launch(self._bcast, (buf, root), stream)
-
-    def allreduce(self, buf: Array, op: str = "sum",
-                  stream: Optional[CpuStream] = None) -> Optional[Handle]:
-        """Reduce to rank 0, then broadcast from it: every rank's ``buf`` holds the result.
-
-        Returns None, or a Handle when queued on ``stream``.
-        """
-        self._check(buf, op)
-        return self._launch(self._allreduce, (buf, op), stream)
-
-    def _reduce(self, buf, root, op):
-        raise NotImplementedError
-
-    def _bcast(self, buf, root):
-        raise NotImplementedError
-
-    def _allreduce(self, buf, op):
-        self._reduce(buf, 0, op)
-        self._bcast(buf, 0)
-
-    # -- the two movements every rooted structure is made of -----------------------------
+    # -- the two movements of every rooted structure (and of a node's ranks and its leader) --
     def _gather_sum(self, buf, senders, parent):
         """Sum ``buf`` and the buffers of ``senders`` (in that order) and send it to ``parent``.
 
@@ -271,3 +207,77 @@ class RootedCommunicator(CommunicatorBase):
             sends += [transport.isendrecv(buf[a:b], receiver, None, None) for receiver in receivers]
         for pending in sends:
             pending.wait()
+
+
+class RootedCommunicator(CommunicatorBase):
+    """Collectives through one root: subclasses define ``_reduce`` and ``_bcast``.
+
+    Both are built from :meth:`_gather_sum` and :meth:`_relay`: a rank posts the receives
+    from all its senders at once (MPI then moves them concurrently) and adds them as they
+    complete in a fixed order (the float sum is the same on every run); buffers are cut
+    into pieces (``chunk_bytes``; by default :func:`pipeline_pieces` where a rank forwards)
+    so that a rank forwards piece k while piece k+1 still arrives.
+    """
+
+    def __init__(self, transport: Any = "auto", mpi_comm: Any = None,
+                 chunk_bytes: Optional[int] = None, layout: Any = None):
+        super().__init__(transport, mpi_comm, layout)
+        if chunk_bytes is not None and int(chunk_bytes) <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
+        self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)
+
+    @classmethod
+    def forwards(cls, n: int) -> bool:
+        """True when, at ``n`` ranks, some rank passes on what it receives (only then do
+        pieces pay by default)."""
+        return False
+
+    @classmethod
+    def pieces(cls, length: int, itemsize: int, n: int,
+               chunk_bytes: Optional[int] = None) -> List[Tuple[int, int]]:
+        """Element ranges one transfer of ``length`` elements of ``itemsize`` bytes is cut into
+        at ``n`` ranks: ``chunk_bytes`` pieces, or by default :func:`pipeline_pieces` where a
+        rank forwards and the whole buffer otherwise (with nothing to forward, cutting only
+        adds messages: measured 0.85x -> 0.72x native at 4 MiB, N = 2). The communicator cuts
+        its buffers by this rule, and ``bench model`` counts and times the same pieces."""
+        if chunk_bytes is None and not cls.forwards(n):
+            return [(0, length)] if length else []
+        return pipeline_pieces(length, itemsize, chunk_bytes)
+
+    def _pieces(self, buf):
+        return self.pieces(buf.size, buf.itemsize, self.size, self.chunk_bytes)
+
+    def reduce(self, buf: Array, root: int = 0, op: str = "sum",
+               stream: Optional[CpuStream] = None) -> Optional[Handle]:
+        """Combine every rank's ``buf`` into ``root``'s ``buf``; every other rank's ``buf`` is
+        left unchanged (as MPI's reduce leaves a send buffer). Returns a Handle on a stream."""
+        self._check(buf, op, root)
+        return self._launch(self._reduce, (buf, root, op), stream)
+
+    def bcast(self, buf: Array, root: int = 0,
+              stream: Optional[CpuStream] = None) -> Optional[Handle]:
+        """Copy ``root``'s ``buf`` into every rank's ``buf`` (same length everywhere).
+
+        Returns None, or a Handle when queued on ``stream``.
+        """
+        self._check(buf, root=root)
+        return self._launch(self._bcast, (buf, root), stream)
+
+    def allreduce(self, buf: Array, op: str = "sum",
+                  stream: Optional[CpuStream] = None) -> Optional[Handle]:
+        """Reduce to rank 0, then broadcast from it: every rank's ``buf`` holds the result.
+
+        Returns None, or a Handle when queued on ``stream``.
+        """
+        self._check(buf, op)
+        return self._launch(self._allreduce, (buf, op), stream)
+
+    def _reduce(self, buf, root, op):
+        raise NotImplementedError
+
+    def _bcast(self, buf, root):
+        raise NotImplementedError
+
+    def _allreduce(self, buf, op):
+        self._reduce(buf, 0, op)
+        self._bcast(buf, 0)

@@ -10,6 +10,8 @@ from mpi4py import MPI
 
 from ringnet import backend
 from ringnet.comm.auto import AutoCommunicator
+from ringnet.comm.hierarchical import (TOPOLOGIES, HierarchicalRingCommunicator,
+                                       HierarchicalTreeCommunicator)
 from ringnet.comm.master_slave import MasterSlaveCommunicator
 from ringnet.comm.mpi_transport import MpiTransport
 from ringnet.comm.nccl_transport import NCCL_INSTALL, NcclTransport, nccl_module
@@ -18,7 +20,7 @@ from ringnet.comm.tree import TreeCommunicator
 from ringnet.errors import TransportUnavailable
 
 __all__ = ["create", "make_transport", "local_rank", "bind_gpu", "Placement", "COMMUNICATORS",
-           "TRANSPORTS"]
+           "TRANSPORTS", "HIERARCHICAL"]
 
 # The registry: the names create() and make_transport() take (ringnet.comm re-exports it).
 # CUDA is reached through ringnet.backend's attributes, looked up at each call.
@@ -27,6 +29,12 @@ COMMUNICATORS = {
     "tree": TreeCommunicator,
     "master": MasterSlaveCommunicator,
     "auto": AutoCommunicator,
+}
+
+# The communicators with a hierarchical variant (``create(..., topology="hierarchical")``).
+HIERARCHICAL = {
+    "ring": HierarchicalRingCommunicator,
+    "tree": HierarchicalTreeCommunicator,
 }
 
 TRANSPORTS = {
@@ -54,7 +62,9 @@ class Placement:
     then one node is assumed): ``nodes``, this rank's ``node`` (its host name),
     ``local_rank`` and ``local_size`` on it, and for every rank (index = rank)
     ``rank_nodes`` and ``rank_local_ranks``. Across nodes ``mpi_path`` says which path MPI
-    takes between them and ``progress`` how CPU streams progress their transfers.
+    takes between them, ``progress`` how CPU streams progress their transfers, and
+    ``topology`` which exchange the mode runs and why ("hierarchical (auto: ...)", set when
+    the strategy is made).
     """
     device: str                 # "cpu" or "gpu"
     gpu: str = None             # "GPU 0 (0000:3b:00.0)" on a GPU
@@ -68,6 +78,7 @@ class Placement:
     rank_local_ranks: list = None   # the node-local rank of every rank
     mpi_path: str = None        # the path MPI's messages take (MPICH ofi (tcp), ...)
     progress: str = None        # CPU streams' progress: "poll (auto: the ranks span 2 nodes)"
+    topology: str = None        # "flat (auto: ...)", "hierarchical (asked for)"; None: no choice made
 
     def locate(self, layout, progress=None):
         """Fill the node fields from a :class:`~ringnet.nodes.NodeLayout`; return self."""
@@ -93,6 +104,8 @@ class Placement:
                 text += f", MPI over {self.mpi_path}"
             if self.progress:
                 text += f", CPU streams {self.progress}"
+            if self.topology:
+                text += f", topology {self.topology}"
         return text
 
 
@@ -183,16 +196,24 @@ def _placed(transport, placement, layout):
     return transport
 
 
-def create(name, transport="auto", mpi_comm=None, device="auto", **options):
+def create(name, transport="auto", mpi_comm=None, device="auto", topology="flat", **options):
     """Return the communicator ``name`` (see the table above) over ``transport``.
 
     ``transport`` is a name for :func:`make_transport` or a Transport instance; ``device``
     says where the buffers live: ``cpu`` for NumPy (never touches CUDA), ``gpu`` for CuPy,
-    ``auto`` the GPU when every rank has one. ``options`` go to the communicator (e.g.
-    ``chunk_bytes`` for the ring and the rooted ones, ``algorithm`` to force one of auto's).
+    ``auto`` the GPU when every rank has one; ``topology``: ``flat`` or ``hierarchical``
+    (ring and tree: through one leader per node, :data:`HIERARCHICAL`). ``options`` go to
+    the communicator (e.g. ``chunk_bytes`` for the ring and the rooted ones, ``algorithm``
+    to force one of auto's, ``layout`` to give the node layout).
     """
     if name not in COMMUNICATORS:
         raise ValueError(f"unknown communicator {name!r}: choose {', '.join(COMMUNICATORS)}")
+    if topology not in TOPOLOGIES[1:]:
+        raise ValueError(f"unknown topology {topology!r}: choose {', '.join(TOPOLOGIES[1:])}")
+    if topology == "hierarchical" and name not in HIERARCHICAL:
+        raise ValueError(f"communicator {name!r} has no hierarchical variant: "
+                         f"{', '.join(HIERARCHICAL)} have one")
     if isinstance(transport, str):
         transport = make_transport(transport, mpi_comm=mpi_comm, device=device)
-    return COMMUNICATORS[name](transport, mpi_comm=mpi_comm, **options)
+    table = HIERARCHICAL if topology == "hierarchical" else COMMUNICATORS
+    return table[name](transport, mpi_comm=mpi_comm, **options)

@@ -9,7 +9,10 @@ __all__ = ["RingCommunicator"]
 
 
 class RingCommunicator(CommunicatorBase):
-    """Ranks form a ring; rank r sends to r+1 and receives from r-1 at every step.
+    """Ranks form a ring ordered by node (``order``: by node, then node-local rank, so each
+    node's ranks are neighbours and the ring crosses between nodes once per node, however
+    the launcher placed the ranks; on one node, or with ranks placed in blocks, rank r sends
+    to r+1 and receives from r-1). Rank r owns shard r of the bounds whatever its place.
 
     Each rank moves 2(N-1)/N of the buffer per all-reduce, independent of N. With
     ``chunk_bytes`` every step is cut into chunks; with ``pipeline`` (default) the
@@ -19,14 +22,16 @@ class RingCommunicator(CommunicatorBase):
     name = "ring"
 
     def __init__(self, transport: Any = "auto", mpi_comm: Any = None,
-                 chunk_bytes: Optional[int] = None, pipeline: bool = True):
-        super().__init__(transport, mpi_comm)
+                 chunk_bytes: Optional[int] = None, pipeline: bool = True, layout: Any = None):
+        super().__init__(transport, mpi_comm, layout)
         if chunk_bytes is not None and int(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
         self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)
         self.pipeline = bool(pipeline)
-        self.right = (self.rank + 1) % self.size
-        self.left = (self.rank - 1) % self.size
+        self.order = self.layout.node_order()          # rank at each place of the ring
+        self.place = self.order.index(self.rank)
+        self.right = self.order[(self.place + 1) % self.size]
+        self.left = self.order[(self.place - 1) % self.size]
 
     # -- public collectives -------------------------------------------------------------
     def reduce_scatter(self, buf: Array, op: str = "sum", bounds: Optional[Bounds] = None,
@@ -84,10 +89,10 @@ class RingCommunicator(CommunicatorBase):
         if n > 1:
             scratch = self._scratch_for(buf, max(b - a for a, b in bounds))
             send = self.transport.isendrecv
-            for out_shard, in_shard in ring_steps(r, n)[0]:
+            for out_place, in_place in ring_steps(self.place, n)[0]:
                 # Step k: pass on the shard summed at step k-1, receive the next one.
-                sa, sb = bounds[out_shard]
-                ra, rb = bounds[in_shard]
+                sa, sb = bounds[self.order[out_place]]
+                ra, rb = bounds[self.order[in_place]]
                 out, got = buf[sa:sb], scratch[:rb - ra]
                 mine = buf[ra:rb]
                 chunks = self._chunks(sb - sa, rb - ra, buf.itemsize)
@@ -109,10 +114,10 @@ class RingCommunicator(CommunicatorBase):
             self._divide(buf[a:b])
 
     def _allgather(self, buf, bounds):
-        for out_shard, in_shard in ring_steps(self.rank, self.size)[1]:
+        for out_place, in_place in ring_steps(self.place, self.size)[1]:
             # Step k: forward the shard that arrived at step k-1 (own shard first).
-            sa, sb = bounds[out_shard]
-            ra, rb = bounds[in_shard]
+            sa, sb = bounds[self.order[out_place]]
+            ra, rb = bounds[self.order[in_place]]
             for a, b in self._chunks(sb - sa, rb - ra, buf.itemsize):
                 self.transport.isendrecv(buf[sa:sb][a:b], self.right,
                                          buf[ra:rb][a:b], self.left).wait()

@@ -19,7 +19,7 @@ from ringnet.parallel.traffic import StepTraffic
 from ringnet.parallel.tree import TreeStrategy
 
 __all__ = ["Mode", "MODES", "COMPENSATIONS", "Lookahead", "create", "mode_table", "step_traffic",
-           "StepTraffic"]
+           "StepTraffic", "topology_choice"]
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,32 @@ def step_traffic(mode: str, model, n: int, batch: int, delay: int = 0, buckets=N
                                       delay=delay, buckets=buckets)
 
 
+def topology_choice(mode: str, model, layout, asked: str = "auto"):
+    """Return (topology, why) that ``mode`` runs ``model``'s exchange with over the node
+    ``layout`` for ``--topology asked``: flat for modes without a hierarchical exchange,
+    else :func:`ringnet.comm.hierarchical.choose_topology` for the exchanged bytes."""
+    from ringnet.comm.factory import HIERARCHICAL
+    from ringnet.comm.hierarchical import choose_topology
+    spec = _spec(mode)
+    if spec.communicator not in HIERARCHICAL or mode not in ("ring", "tree"):
+        if asked == "hierarchical":
+            raise ValueError(f"--topology hierarchical: mode {mode} has no hierarchical exchange "
+                             "(ring and tree have one)")
+        return "flat", "the mode's only exchange"
+    size, _ = spec.strategy.exchange_region(model)
+    per_node = [layout.ranks_on(i) for i in range(layout.nodes)]
+    return choose_topology(spec.communicator, size * model.dtype.itemsize, per_node, asked)
+
+
 def create(mode: str, model, make_optimizer, world, delay: int = 0,
            transport: str = "auto", compensation: str = "none",
-           warmup: Optional[int] = None) -> Strategy:
+           warmup: Optional[int] = None, topology: str = "auto") -> Strategy:
     """Return the strategy of ``mode`` on ``world`` (an mpi4py communicator, or None for single).
 
     ``compensation``: the delay-1 compensation, a key of :data:`COMPENSATIONS`;
-    ``warmup``: its synchronous warm-up steps (None: the compensation's default).
+    ``warmup``: its synchronous warm-up steps (None: the compensation's default);
+    ``topology``: auto, flat or hierarchical (:func:`topology_choice`); the choice and why
+    are in the transport's ``placement.topology`` and the communicator's ``topology``.
     """
     spec = _spec(mode)
     lookahead = lookahead_of(compensation)
@@ -87,6 +106,14 @@ def create(mode: str, model, make_optimizer, world, delay: int = 0,
     if spec.communicator is None:
         return spec.strategy(model, make_optimizer, world, delay=delay)
     from ringnet import comm as ringcomm    # late: loading mpi4py initialises MPI
-    communicator = ringcomm.create(spec.communicator, transport=transport, mpi_comm=world)
+    if isinstance(transport, str):
+        transport = ringcomm.make_transport(transport, mpi_comm=world)
+    from ringnet.nodes import layout_of
+    chosen, why = topology_choice(mode, model, layout_of(transport), topology)
+    communicator = ringcomm.create(spec.communicator, transport=transport, mpi_comm=world,
+                                   topology=chosen)
+    communicator.topology = chosen
+    if getattr(transport, "placement", None) is not None:
+        transport.placement.topology = f"{chosen} ({why})"
     return spec.strategy(model, make_optimizer, world, communicator, delay=delay,
                          lookahead=lookahead)

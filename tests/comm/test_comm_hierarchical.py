@@ -1,0 +1,157 @@
+"""Across nodes without a cluster: node layouts given to the communicators (a fake 2-node
+placement of the real MPI world), against closed-form sums.
+
+* the ring is ordered by node: each node's ranks are neighbours whatever the placement,
+  and in rank order on one node and with block placement;
+* the hierarchical ring's reduce-scatter / all-gather / all-reduce and the hierarchical
+  tree's reduce / broadcast give the closed-form result (any bounds, odd lengths, any root);
+* ``--topology auto`` picks by the cost model, flat on one node and one rank per node.
+The same across real namespaces: tests/hpc/test_cluster_topology.py.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ringnet import comm as ringcomm
+from ringnet.comm.hierarchical import choose_topology, exchange_cost
+from ringnet.nodes import group
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+
+
+def fake(pattern, size=SIZE, rank=RANK):
+    """A node layout of ``size`` ranks: "cyclic" (rank r on node r mod 2), "block" (first half
+    on node a), "one" (one node), "uneven" (rank 0 alone on node a)."""
+    if pattern == "cyclic":
+        names = ["a" if r % 2 == 0 else "b" for r in range(size)]
+    elif pattern == "block":
+        names = ["a" if r < (size + 1) // 2 else "b" for r in range(size)]
+    elif pattern == "uneven":
+        names = ["a"] + ["b"] * (size - 1)
+    else:
+        names = ["a"] * size
+    return group(names, names, rank)
+
+
+def test_ring_order_puts_each_node_together():
+    cyclic = fake("cyclic", 4, 0)
+    assert cyclic.node_order() == [0, 2, 1, 3]
+    assert fake("block", 4, 0).node_order() == [0, 1, 2, 3]
+    assert fake("one", 3, 0).node_order() == [0, 1, 2]
+    assert fake("cyclic", 5, 0).node_order() == [0, 2, 4, 1, 3]
+    assert cyclic.leaders() == [0, 1] and cyclic.leaders(root=3) == [0, 3]
+
+
+def test_auto_topology_follows_the_cost_model():
+    assert choose_topology("ring", 1e6, [4]) == ("flat", "auto: one node")
+    assert choose_topology("tree", 1e6, [1, 1, 1]) == ("flat", "auto: one rank per node")
+    assert choose_topology("ring", 1e6, [2, 2], "hierarchical") == ("hierarchical", "asked for")
+    for route in ("ring", "tree"):
+        for nbytes in (1e3, 1e6, 1e8):
+            for per_node in ([2, 2], [8, 8], [4, 4, 4, 4]):
+                picked, why = choose_topology(route, nbytes, per_node)
+                costs = {t: exchange_cost(route, t, nbytes, per_node) for t in ("flat", "hierarchical")}
+                assert picked == min(costs, key=lambda t: (costs[t], t != "flat")), (route, nbytes)
+                assert why.startswith("auto: modelled")
+    # many ranks per node on a slow network: the tree's leaders move far fewer bytes
+    assert choose_topology("tree", 1e8, [8, 8])[0] == "hierarchical"
+    with pytest.raises(ValueError, match="unknown topology"):
+        choose_topology("ring", 1, [1], "star")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["cyclic", "block", "one"])
+def test_flat_ring_neighbours_follow_the_nodes(pattern):
+    ring = ringcomm.create("ring", transport="mpi", mpi_comm=WORLD, device="cpu",
+                           layout=fake(pattern))
+    order = fake(pattern).node_order()
+    place = order.index(RANK)
+    assert ring.right == order[(place + 1) % SIZE] and ring.left == order[(place - 1) % SIZE]
+    if pattern != "cyclic" or SIZE < 3:
+        assert (ring.right, ring.left) == ((RANK + 1) % SIZE, (RANK - 1) % SIZE)
+    else:       # each node's ranks are neighbours: one edge out of each node
+        nodes = fake(pattern).rank_node_index
+        crossing = sum(nodes[order[p]] != nodes[order[(p + 1) % SIZE]] for p in range(SIZE))
+        assert crossing == 2
+    _check_ring(ring)
+
+
+def _values(n, rank, dtype=np.float64):
+    return (np.arange(n, dtype=dtype) * (rank + 1) + rank).astype(dtype)
+
+
+def _check_ring(ring, length=23):
+    expected = sum(_values(length, r) for r in range(SIZE))
+    buf = _values(length, RANK)
+    ring.allreduce(buf)
+    assert np.allclose(buf, expected, rtol=1e-12), ring
+    # uneven bounds, rank order, an empty shard
+    cuts = sorted({0, length, *[(3 * k + 1) % length for k in range(SIZE - 1)]})
+    cuts += [length] * (SIZE + 1 - len(cuts))
+    bounds = [(cuts[i], cuts[i + 1]) for i in range(SIZE)]
+    buf = _values(length, RANK)
+    ring.reduce_scatter(buf, op="mean", bounds=bounds)
+    a, b = bounds[RANK]
+    assert np.allclose(buf[a:b], expected[a:b] / SIZE, rtol=1e-12)
+    gathered = np.full(length, -1.0)
+    gathered[a:b] = buf[a:b]
+    ring.allgather(gathered, bounds=bounds)
+    assert np.allclose(gathered, expected / SIZE, rtol=1e-12)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["cyclic", "block", "uneven", "one"])
+@pytest.mark.parametrize("length", [1, 23, 1000])
+def test_hierarchical_ring_equals_the_sum(pattern, length):
+    ring = ringcomm.create("ring", transport="mpi", mpi_comm=WORLD, device="cpu",
+                           topology="hierarchical", layout=fake(pattern))
+    assert ring.topology == "hierarchical"
+    _check_ring(ring, length)
+    stream = ring.new_stream()
+    try:
+        buf = _values(length, RANK, np.float32)
+        ring.allreduce(buf, op="mean", stream=stream).wait()
+        expected = sum(_values(length, r, np.float32) for r in range(SIZE)) / SIZE
+        assert np.allclose(buf, expected, rtol=1e-5)
+    finally:
+        stream.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["cyclic", "block", "uneven"])
+@pytest.mark.parametrize("length", [1, 23, 70000])
+def test_hierarchical_tree_equals_the_sum(pattern, length):
+    tree = ringcomm.create("tree", transport="mpi", mpi_comm=WORLD, device="cpu",
+                           topology="hierarchical", layout=fake(pattern), chunk_bytes=4096)
+    expected = sum(_values(length, r) for r in range(SIZE))
+    for root in sorted({0, SIZE - 1}):
+        buf = _values(length, RANK)
+        tree.reduce(buf, root=root, op="mean")
+        if RANK == root:
+            assert np.allclose(buf, expected / SIZE, rtol=1e-12)
+        else:       # the rooted contract: a non-root buffer is unchanged
+            assert np.array_equal(buf, _values(length, RANK))
+        out = buf if RANK == root else np.zeros(length)
+        tree.bcast(out, root=root)
+        assert np.allclose(out, expected / SIZE, rtol=1e-12)
+    buf = _values(length, RANK)
+    tree.allreduce(buf)
+    assert np.allclose(buf, expected, rtol=1e-12)
+
+
+@pytest.mark.mpi
+def test_hierarchical_tree_family_is_two_levels():
+    if SIZE != 4:
+        pytest.skip("written for 4 ranks")
+    tree = ringcomm.create("tree", transport="mpi", mpi_comm=WORLD, device="cpu",
+                           topology="hierarchical", layout=fake("cyclic"))
+    # nodes a: ranks 0, 2; b: ranks 1, 3; leaders 0 and 1
+    assert tree._family(0) == {0: (None, [2, 1]), 1: (0, [3]), 2: (0, []), 3: (1, [])}[RANK]
+    assert tree._family(3) == {0: (3, [2]), 1: (3, []), 2: (0, []), 3: (None, [1, 0])}[RANK]
+
+
+def test_create_refuses_a_hierarchical_master():
+    with pytest.raises(ValueError, match="no hierarchical variant"):
+        ringcomm.create("master", transport="mpi", mpi_comm=MPI.COMM_SELF, device="cpu",
+                        topology="hierarchical")

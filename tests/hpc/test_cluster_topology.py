@@ -1,0 +1,58 @@
+"""The ring and the tree across real nodes placed cyclically (``srun --distribution=cyclic``:
+ranks 0, 2 on the first node, 1, 3 on the second), on the 2-node cluster of
+tests/hpc/test_cluster_runs.py (skips without root or SLURM, as there).
+
+* the ring is ordered by node (0, 2, 1, 3): each rank's neighbours, from the real layout;
+* ring flat, ring hierarchical and tree hierarchical train to the weights of ``single``
+  (float64, 1e-9), and the header says which topology ran.
+"""
+import json
+import sys
+
+from conftest import rel_error
+from test_cluster_runs import BASE, RANKS_PER_NODE, cluster, single, weights  # noqa: F401
+
+TRAIN = """
+import functools, sys
+from ringnet import parallel
+from ringnet.train import main
+parallel.create = functools.partial(parallel.create, topology=sys.argv[1])
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _srun_cyclic(cluster, command, timeout=240):
+    return cluster.run(["srun", "-N", "2", "--ntasks-per-node", str(RANKS_PER_NODE), "--mpi=pmi2",
+                        "--distribution=cyclic", sys.executable, *command], timeout=timeout)
+
+
+def test_cyclic_placement_trains_as_single_with_each_topology(cluster, single, tmp_path):
+    reference, _ = single
+    for mode, topology in (("ring", "flat"), ("ring", "hierarchical"), ("tree", "hierarchical")):
+        path = tmp_path / f"{mode}-{topology}.h5"
+        proc = _srun_cyclic(cluster, ["-c", TRAIN, topology, *BASE, "--mode", mode, "--delay", "0",
+                                      "--save", str(path)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        text = proc.stdout + proc.stderr
+        assert f"topology {topology} (asked for)" in text, text[-2000:]
+        assert rel_error(weights(path), reference) <= 1e-9, f"{mode} {topology} differs from single"
+
+
+NEIGHBOURS = """
+import json
+from mpi4py import MPI
+from ringnet import comm
+ring = comm.create("ring", transport="mpi", device="cpu")
+print(json.dumps({"rank": ring.rank, "order": ring.order, "left": ring.left, "right": ring.right,
+                  "node": MPI.Get_processor_name()}))
+"""
+
+
+def test_cyclic_ring_is_ordered_by_node(cluster):
+    proc = _srun_cyclic(cluster, ["-c", NEIGHBOURS])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = sorted((json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")),
+                  key=lambda r: r["rank"])
+    assert [r["node"] for r in rows] == [cluster.names[0], cluster.names[1]] * 2
+    assert all(r["order"] == [0, 2, 1, 3] for r in rows)
+    assert [(r["left"], r["right"]) for r in rows] == [(3, 2), (2, 3), (0, 1), (1, 0)]
