@@ -8,11 +8,12 @@ from ringnet.bench.model.calibration import calibrate
 from ringnet.bench.model.exchange import allreduce_rows
 from ringnet.bench.model.links import LINKS
 from ringnet.bench.model.profiling import compute_profile
-from ringnet.bench.model.report import (MARKDOWN_TABLES, markdown_paper, markdown_predictions,
-                                        markdown_validation, plot)
+from ringnet.bench.model.report import (MARKDOWN_TABLES, markdown_hierarchical, markdown_paper,
+                                        markdown_predictions, markdown_validation, plot,
+                                        print_hierarchical)
 from ringnet.bench.model.roofline import GPUS
 from ringnet.bench.model.sweeps import (DEFAULT_MODELS, DEFAULT_NP, DEFAULT_PROFILES, PAPER_NP,
-                                        crossovers, paper_rows, sweep)
+                                        crossovers, hierarchical_rows, paper_rows, sweep)
 from ringnet.bench.model.system import make_system
 from ringnet.bench.model.text import print_report, print_validation
 from ringnet.bench.model.validation import VALIDATION_NP, validate, validation_rows
@@ -181,12 +182,13 @@ def main(argv=None):
         with open(args.save_compute, "w") as f:
             json.dump(compute.to_json(), f, indent=1)
     calibration = _calibration(args, compute, models, profiles)
-    predictions, crosses, allreduces = [], [], []
+    predictions, crosses, allreduces, hierarchical = [], [], [], []
     for spec in profiles:
         system = make_system(spec, compute, args.ranks_per_node, calibration)
         for name in models:
             model = build_model(name, dtype=args.dtype)
             predictions += sweep(system, model, nps, args.batch_size, args.scaling)
+            hierarchical += hierarchical_rows(system, model, nps, args.batch_size, args.scaling)
             allreduces += allreduce_rows(system, model, nps)
             crosses += crossovers(system, model, args.batch_size, args.scaling,
                                   min(args.max_crossover_np, max(nps)))
@@ -196,7 +198,8 @@ def main(argv=None):
         plot(predictions, args.plot, f"ringnet predicted scaling ({args.scaling}, batch "
                                      f"{args.batch_size}, compute {compute.name})")
     if args.markdown:
-        tables = {"predictions": lambda: markdown_predictions(predictions, nps),
+        tables = {"predictions": lambda: markdown_predictions(predictions, nps) + (
+                      "\n\n" + markdown_hierarchical(hierarchical, nps) if hierarchical else ""),
                   "paper": lambda: markdown_paper(paper),
                   "validation": lambda: markdown_validation(validation)}
         print(tables[args.table]())
@@ -206,6 +209,8 @@ def main(argv=None):
         return 0
     print_report(args, compute, profiles, calibration, nps, predictions, allreduces, crosses,
                  paper, paper_compute)
+    if hierarchical:
+        print_hierarchical(hierarchical, args.batch_size, args.scaling, nps)
     if validation:
         print_validation(args, validation, record)
     if args.plot:

@@ -8,6 +8,7 @@ from ringnet.bench.model import sends
 from ringnet.bench.model.codefacts import boundary_s, code_facts
 from ringnet.bench.model.exchange import RING_KINDS, _exchange_items, _ring_time
 from ringnet.bench.model.simulate import _layer_timeline, _progress, _simulate
+from ringnet.bench.model.topology import hierarchical_items, spans_nodes
 from ringnet.parallel import MODES as REGISTRY
 from ringnet.parallel.fc_slices import fc_blocks
 from ringnet.shards import shard_bounds as _shard_bounds
@@ -28,8 +29,11 @@ class Prediction:
     bytes_max: int
 
 
-def predict(system, model, mode, delay, n, batch):
-    """Predict one step of ``mode`` at N ranks; ``batch`` is the global batch (B/N per rank)."""
+def predict(system, model, mode, delay, n, batch, topology="flat"):
+    """Predict one step of ``mode`` at N ranks; ``batch`` is the global batch (B/N per rank).
+
+    ``topology`` "hierarchical": the exchange through one leader per node
+    (:mod:`~ringnet.bench.model.topology`) where the ranks span nodes; flat elsewhere."""
     if mode not in REGISTRY:
         raise ValueError(f"unknown mode {mode!r}")
     if REGISTRY[mode].communicator is None:       # one process
@@ -88,8 +92,11 @@ def predict(system, model, mode, delay, n, batch):
         """The update of the busiest rank's share of a part (the plan says whose it is)."""
         return cp.update(part.updated) * slow
 
+    exchange_items = _exchange_items
+    if topology == "hierarchical" and spans_nodes(system, n):
+        exchange_items = hierarchical_items
     (everything,) = whole.parts
-    exchange = _exchange_items(system, n, everything, update_of(everything))
+    exchange = exchange_items(system, n, everything, update_of(everything))
     comm = sum(t for kind, t in exchange if kind in ("msg", "copy", "peer"))
     # delay 1: the step boundary's element-wise passes over the region, on the training
     # thread after it waited for the previous exchange and before it starts this one
@@ -100,7 +107,7 @@ def predict(system, model, mode, delay, n, batch):
     if delay and n > 1:
         ops = [(0.0, exchange)]
     elif bucket_list:
-        ops = [(timeline.ready[layer], _exchange_items(system, n, part, update_of(part)))
+        ops = [(timeline.ready[layer], exchange_items(system, n, part, update_of(part)))
                for (_, _, layer), part in zip(bucket_list, bucketed.parts)]
     if ops:
         step, shift = _simulate(system, timeline, ops, progress)

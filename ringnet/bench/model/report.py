@@ -6,7 +6,8 @@ from ringnet.bench.model.validation import row_error
 from ringnet.errors import UsageError
 
 __all__ = ["MARKDOWN_TABLES", "PAPER_LABELS", "markdown_predictions", "markdown_paper",
-           "markdown_validation", "print_tables", "plot"]
+           "markdown_validation", "print_tables", "plot", "markdown_hierarchical",
+           "print_hierarchical"]
 
 MARKDOWN_TABLES = ("predictions", "paper", "validation")
 PAPER_LABELS = {"lenet": "LeNet / MNIST", "cifar10_quick": "cifar10_quick / CIFAR-10"}
@@ -90,15 +91,63 @@ def print_tables(rows, batch, scaling, nps):
         per = "per rank" if scaling == "weak" else "global"
         print(f"\n# {name}, profile {profile}, {scaling} scaling, batch {batch} {per}: "
               "step ms / speedup / efficiency")
-        print(f"{'N':>5} " + " ".join(f"{_label(*md):>22}" for md in cols))
+        _print_rows(table, cols, nps, "", lambda r: "")
+
+
+def _print_rows(table, cols, nps, tag, mark):
+    """A text table's column header and its rows: step ms, speedup, efficiency per column
+    (``tag`` after each column's label, ``mark(row)`` after each cell)."""
+    width = 22 + len(mark({"step_ms": 0, "flat_ms": 0})) if cols else 22
+    print(f"{'N':>5} " + " ".join(f"{_label(*md) + tag:>{width}}" for md in cols))
+    for n in nps:
+        cells = []
+        for md in cols:
+            r = table.get((md[0], md[1], n))
+            cells.append(f"{r['step_ms']:9.3g} {r['speedup']:6.3g} {r['efficiency']:5.2f}{mark(r)}"
+                         if r else f"{'-':>{width}}")
+        if any(c.strip() != "-" for c in cells):
+            print(f"{n:>5} " + " ".join(f"{c:>{width}}" for c in cells))
+
+
+def _by_table(rows):
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], r["profile"]), {})[(r["mode"], r["delay"], r["np"])] = r
+    return by
+
+
+def _hierarchical_columns(table):
+    from ringnet.bench.model.topology import HIERARCHICAL_MODES
+    return [md for md in HIERARCHICAL_MODES if any(k[:2] == md for k in table)]
+
+
+def print_hierarchical(rows, batch, scaling, nps):
+    """The hierarchical exchange's text tables, where the ranks span nodes (``*``: faster than
+    the flat exchange at that N)."""
+    for (name, profile), table in _by_table(rows).items():
+        cols = _hierarchical_columns(table)
+        per = "per rank" if scaling == "weak" else "global"
+        print(f"\n# {name}, profile {profile}, {scaling} scaling, batch {batch} {per}, hierarchical "
+              "topology (reduce within each node, leaders exchange, broadcast within the node) where "
+              "the ranks span nodes: step ms / speedup / efficiency, * faster than flat")
+        _print_rows(table, cols, nps, " hier", lambda r: "*" if r["step_ms"] < r["flat_ms"] else " ")
+
+
+def markdown_hierarchical(rows, nps):
+    """The hierarchical exchange as a Markdown table: step ms, efficiency and the step against
+    the flat exchange's, a row per (model, profile, N) where the ranks span nodes."""
+    from ringnet.bench.tables import markdown
+    out, cols = [], []
+    for (name, profile), table in _by_table(rows).items():
+        cols = cols or _hierarchical_columns(table)
         for n in nps:
-            cells = []
-            for md in cols:
-                r = table.get((md[0], md[1], n))
-                cells.append(f"{r['step_ms']:9.3g} {r['speedup']:6.3g} {r['efficiency']:5.2f}"
-                             if r else f"{'-':>22}")
-            if any(c.strip() != "-" for c in cells):
-                print(f"{n:>5} " + " ".join(f"{c:>22}" for c in cells))
+            cells = [table.get((md[0], md[1], n)) for md in cols]
+            if any(cells):
+                out.append([name, profile, n] + [
+                    f"{_ms(c['step_ms'])} ms, {c['efficiency']:.2f} ({c['step_ms'] / c['flat_ms']:.2f}x flat)"
+                    if c else "\u2013" for c in cells])
+    return markdown(["model", "profile", "N"] + [f"{_label(*md)} hierarchical (step, efficiency)"
+                                                 for md in cols], out)
 
 
 def plot(rows, path, title):

@@ -2,12 +2,13 @@
 from ringnet.bench.model.prediction import predict
 from ringnet.bench.model.profiling import compute_profile
 from ringnet.bench.model.system import make_system
+from ringnet.bench.model.topology import HIERARCHICAL_MODES, spans_nodes
 from ringnet.models import build_model
 from ringnet.parallel import MODES as REGISTRY
 
 __all__ = ["MODES", "DEFAULT_MODELS", "DEFAULT_NP", "DEFAULT_PROFILES", "PAPER", "PAPER_NP",
            "sweep", "crossovers", "paper_rows", "communicates", "fits",
-           "REFERENCE"]
+           "REFERENCE", "hierarchical_rows"]
 
 DEFAULT_MODELS = ("lenet", "cifar10_quick")
 DEFAULT_NP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -46,8 +47,9 @@ PAPER = {"lenet": (64, 3.77), "cifar10_quick": (100, 3.79)}
 PAPER_NP = 4
 
 
-def sweep(system, model, nps, batch, scaling, modes=MODES):
-    """Return prediction rows for every (mode, delay) and N; speedup over single at N=1."""
+def sweep(system, model, nps, batch, scaling, modes=MODES, topology="flat"):
+    """Return prediction rows for every (mode, delay) and N; speedup over single at N=1.
+    ``topology`` "hierarchical": only the N where the ranks span nodes (rows say "topology")."""
     base = predict(system, model, REFERENCE, 0, 1, batch).step_s
     rows = []
     for mode, delay in modes:
@@ -59,13 +61,29 @@ def sweep(system, model, nps, batch, scaling, modes=MODES):
                 continue
             if not fits(mode, model, n):
                 continue
-            pred = predict(system, model, mode, delay, n, global_batch)
+            if topology != "flat" and not spans_nodes(system.at(n), n):
+                continue
+            pred = predict(system, model, mode, delay, n, global_batch, topology)
             # weak scaling: N ranks do N times the work of one step at N=1
             speedup = base / pred.step_s * (n if scaling == "weak" else 1)
             rows.append({"model": model.name, "mode": mode, "delay": delay, "np": n,
                          "profile": system.name, "step_ms": pred.step_s * 1e3,
                          "speedup": speedup, "efficiency": speedup / n,
                          "comm_ms": pred.comm_s * 1e3, "bytes_per_rank": pred.bytes_mean})
+            if topology != "flat":
+                rows[-1]["topology"] = topology
+    return rows
+
+
+def hierarchical_rows(system, model, nps, batch, scaling):
+    """Prediction rows of the modes with a hierarchical exchange (:data:`HIERARCHICAL_MODES`),
+    hierarchical, at the N where the ranks span nodes; each says whether it beats the flat
+    exchange there ("flat_ms")."""
+    rows = sweep(system, model, nps, batch, scaling, HIERARCHICAL_MODES, "hierarchical")
+    flat = {(r["mode"], r["delay"], r["np"]): r for r in
+            sweep(system, model, sorted({r["np"] for r in rows}), batch, scaling, HIERARCHICAL_MODES)}
+    for r in rows:
+        r["flat_ms"] = flat[(r["mode"], r["delay"], r["np"])]["step_ms"]
     return rows
 
 

@@ -1,0 +1,86 @@
+"""Timing rule of the hierarchical exchanges (``--topology hierarchical``), where the ranks
+span nodes: the node-local phases on the intra-node link, the leaders' on the inter-node one.
+
+The model places ranks in blocks of ``ranks_per_node`` (L per node, M nodes); node j's
+leader is its first rank. As ``ringnet/comm/hierarchical.py`` runs them:
+
+* ring: the leader receives the L-1 other gradients at once (one wait, (L-1) P bytes on its
+  link) and adds them; M-1 lockstep steps of a node region (its L shards) between the
+  leaders, each with its add; each rank's shard back from its leader; the update of one
+  shard; the shards to the leader; M-1 steps of the leaders' all-gather; the whole weights
+  to the node's ranks at once.
+* tree: the node reduce as above, then the tree's heap over the M leaders (the flat tree's
+  rule with every hop between nodes); the root updates all P; the broadcast down the heap,
+  then to each node's ranks at once.
+"""
+import dataclasses
+import math
+
+from ringnet.bench.model.exchange import _message, _tree_time, _without_latency
+
+__all__ = ["HIERARCHICAL_MODES", "spans_nodes", "hierarchical_items"]
+
+# (mode, delay) rows the hierarchical tables print: the modes with a hierarchical exchange
+HIERARCHICAL_MODES = (("ring", 1), ("ring", 0), ("tree", 0))
+
+
+def spans_nodes(system, n):
+    """True when N ranks fill more than one node and some node holds more than one: only
+    there is the hierarchical exchange different from the flat one."""
+    return system.ranks_per_node > 1 and n > system.ranks_per_node
+
+
+def _node_of(system, n):
+    local = min(n, system.ranks_per_node)
+    return local, math.ceil(n / local)
+
+
+def _ring_items(system, n, transfers, update_s):
+    reduce = next(t for t in transfers if t.phase == "reduce")
+    bounds, itemsize = reduce.bounds, reduce.itemsize
+    local, nodes = _node_of(system, n)
+    sizes = [b - a for a, b in bounds]
+    elems, shard = sum(sizes), max(sizes)
+    region = max(sum(sizes[j * local:(j + 1) * local]) for j in range(nodes))
+    peer, cp = system.msg_wait_s, system.compute
+    items = _message(system.intra, (local - 1) * elems * itemsize, peer)
+    items.append(("cpu", (local - 1) * cp.add(elems)))
+    for _ in range(nodes - 1):
+        items += _message(system.inter, region * itemsize, peer)
+        items.append(("cpu", cp.add(region)))
+    items += _message(system.intra, (local - 1) * shard * itemsize, peer)
+    items.append(("cpu", update_s))
+    items += _message(system.intra, (local - 1) * shard * itemsize, peer)
+    for _ in range(nodes - 1):
+        items += _message(system.inter, region * itemsize, peer)
+    items += _message(system.intra, (local - 1) * elems * itemsize, peer)
+    return items
+
+
+def _tree_items(system, n, transfers, update_s):
+    reduce = transfers[0]
+    elems, itemsize = reduce.length, reduce.itemsize
+    nbytes = elems * itemsize
+    local, nodes = _node_of(system, n)
+    peer, cp = system.msg_wait_s, system.compute
+    leaders = dataclasses.replace(system, intra=system.inter, ranks_per_node=1)
+    up, down = _tree_time(leaders, nodes, nbytes, elems)
+    moved_up, moved_down = _tree_time(_without_latency(leaders), nodes, nbytes, elems)
+
+    def between(total, copied):
+        return [("msg", max(0.0, total - copied)), ("copy", copied)] + ([("peer", peer)] if peer else [])
+
+    items = _message(system.intra, (local - 1) * nbytes, peer)
+    items.append(("cpu", (local - 1) * cp.add(elems)))
+    items += between(up, moved_up) + [("cpu", update_s)] + between(down, moved_down)
+    return items + _message(system.intra, (local - 1) * nbytes, peer)
+
+
+def hierarchical_items(system, n, part, update_s):
+    """The hierarchical exchange of one part of the plan (a :class:`~ringnet.parallel.traffic.Part`)
+    as the stream runs it, in the kinds of :func:`~ringnet.bench.model.exchange._exchange_items`."""
+    if n == 1 or not part.transfers:
+        return [("cpu", update_s)]
+    if part.transfers[0].route == "tree":
+        return _tree_items(system, n, part.transfers, update_s)
+    return _ring_items(system, n, part.transfers, update_s)
