@@ -84,6 +84,8 @@ def test_tables_print_hierarchical_rows_only_where_ranks_span_nodes(capsys):
     assert "ring d1 hier" in hierarchical and "tree d0 hier" in hierarchical
     rows = [line.split()[0] for line in hierarchical.splitlines()[1:] if line.strip()[:1].isdigit()]
     assert rows == ["16"]
-    cli.main(args + ["--np", "1", "2", "4", "8", "16", "--markdown"])
+    cli.main(args + ["--np", "1", "2", "4", "8", "16", "--markdown", "--table", "hierarchical"])
     markdown = capsys.readouterr().out
     assert "ring d1 hierarchical (step, efficiency)" in markdown and "x flat)" in markdown
+    cli.main(args + ["--np", "1", "2", "4", "8", "16", "--markdown"])
+    assert "hierarchical" not in capsys.readouterr().out      # the predictions table as it was

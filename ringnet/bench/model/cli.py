@@ -78,8 +78,10 @@ def build_parser():
                    help="print one table as Markdown (the README's): the one --table names")
     p.add_argument("--table", choices=MARKDOWN_TABLES, default="predictions",
                    help="with --markdown: predictions (step ms and efficiency per mode and N), "
-                        "paper (the research's setting) or validation (predicted / measured; "
-                        "needs --validate or --validation FILE) (default predictions)")
+                        "paper (the research's setting), validation (predicted / measured; "
+                        "needs --validate or --validation FILE) or hierarchical (the ring's and "
+                        "the tree's hierarchical exchange where the ranks span nodes, against "
+                        "flat) (default predictions)")
     p.add_argument("--json", action="store_true",
                    help='print one line {"predictions": [...], "validation": [...], "paper": [...]}')
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
@@ -198,8 +200,8 @@ def main(argv=None):
         plot(predictions, args.plot, f"ringnet predicted scaling ({args.scaling}, batch "
                                      f"{args.batch_size}, compute {compute.name})")
     if args.markdown:
-        tables = {"predictions": lambda: markdown_predictions(predictions, nps) + (
-                      "\n\n" + markdown_hierarchical(hierarchical, nps) if hierarchical else ""),
+        tables = {"predictions": lambda: markdown_predictions(predictions, nps),
+                  "hierarchical": lambda: markdown_hierarchical(hierarchical, nps),
                   "paper": lambda: markdown_paper(paper),
                   "validation": lambda: markdown_validation(validation)}
         print(tables[args.table]())

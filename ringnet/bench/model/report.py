@@ -9,7 +9,7 @@ __all__ = ["MARKDOWN_TABLES", "PAPER_LABELS", "markdown_predictions", "markdown_
            "markdown_validation", "print_tables", "plot", "markdown_hierarchical",
            "print_hierarchical"]
 
-MARKDOWN_TABLES = ("predictions", "paper", "validation")
+MARKDOWN_TABLES = ("predictions", "paper", "validation", "hierarchical")
 PAPER_LABELS = {"lenet": "LeNet / MNIST", "cifar10_quick": "cifar10_quick / CIFAR-10"}
 
 
