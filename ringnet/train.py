@@ -151,7 +151,8 @@ def setup(cfg, world):
     strategy = collective(world, parallel.create, cfg.mode, model, make_optimizer,
                           world if cfg.mode != "single" else None,
                           delay=cfg.delay, transport=transport,
-                          compensation=cfg.delay_compensation, warmup=cfg.warmup_steps)
+                          compensation=cfg.delay_compensation, warmup=cfg.warmup_steps,
+                          topology=cfg.topology)
     strategy.placement = placement
     loader = ShardedLoader(dataset.train, cfg.batch_size, rank=rank, size=size, seed=cfg.seed,
                            shuffle=cfg.shuffle, xp=xp, dtype=cfg.dtype, mean=dataset.mean,
@@ -524,6 +525,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
         "nodes": strategy.placement.nodes, "rank_nodes": strategy.placement.rank_nodes,
         "rank_local_ranks": strategy.placement.rank_local_ranks,
         "mpi_path": strategy.placement.mpi_path, "progress": strategy.placement.progress,
+        "topology": strategy.placement.topology,
         "dtype": cfg.dtype, "batch_size": cfg.batch_size, "steps": step,
         "epochs": round(step / spe, 3), "test_accuracy": test_acc, "test_loss": test_loss,
         "train_loss": train_loss,

@@ -342,8 +342,9 @@ def build_parser():
                        epilog="Counts come from a stand-in for CuPy, on NumPy: no GPU needed.")
     p.add_argument("--model", action="append", choices=sorted(models.MODELS),
                    help="model to count (repeatable; default: every model)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument("--batch-size", type=int, default=64, help="global batch of the step (default 64)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64"),
+                   help="type of weights and activations (default float32)")
     p.add_argument("--phases", action="store_true", help="print the counts per layer and pass")
     p.add_argument("--json", action="store_true", help="print one JSON line (with every event)")
     return p
