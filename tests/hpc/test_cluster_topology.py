@@ -12,15 +12,6 @@ import sys
 from conftest import rel_error
 from test_cluster_runs import BASE, RANKS_PER_NODE, cluster, single, weights  # noqa: F401
 
-TRAIN = """
-import functools, sys
-from ringnet import parallel
-from ringnet.train import main
-parallel.create = functools.partial(parallel.create, topology=sys.argv[1])
-sys.exit(main(sys.argv[2:]))
-"""
-
-
 def _srun_cyclic(cluster, command, timeout=240):
     return cluster.run(["srun", "-N", "2", "--ntasks-per-node", str(RANKS_PER_NODE), "--mpi=pmi2",
                         "--distribution=cyclic", sys.executable, *command], timeout=timeout)
@@ -30,8 +21,8 @@ def test_cyclic_placement_trains_as_single_with_each_topology(cluster, single, t
     reference, _ = single
     for mode, topology in (("ring", "flat"), ("ring", "hierarchical"), ("tree", "hierarchical")):
         path = tmp_path / f"{mode}-{topology}.h5"
-        proc = _srun_cyclic(cluster, ["-c", TRAIN, topology, *BASE, "--mode", mode, "--delay", "0",
-                                      "--save", str(path)])
+        proc = _srun_cyclic(cluster, ["-m", "ringnet.train", *BASE, "--mode", mode, "--delay", "0",
+                                      "--topology", topology, "--save", str(path)])
         assert proc.returncode == 0, proc.stderr[-3000:]
         text = proc.stdout + proc.stderr
         assert f"topology {topology} (asked for)" in text, text[-2000:]

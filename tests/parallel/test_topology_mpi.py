@@ -7,14 +7,11 @@ sit on 2 nodes placed cyclically (rank r on node r mod 2, as ``srun --distributi
 * delay 1: the hierarchical ring runs the same recurrence (the one-process simulation);
 * the placement says which topology ran and why.
 """
-import functools
-
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import ringnet.nodes as nodes
-from ringnet import parallel
 from ringnet.config import TrainConfig
 from ringnet.train import train
 
@@ -36,16 +33,14 @@ def cyclic_nodes(monkeypatch):
 
 
 def _run(monkeypatch, mode, topology, delay=0, **extra):
-    monkeypatch.setattr(parallel, "create", functools.partial(_create, topology=topology))
-    result = train(TrainConfig(mode=mode, delay=delay, **BASE, **extra), world=WORLD)
+    result = train(TrainConfig(mode=mode, delay=delay, topology=topology, **BASE, **extra),
+                   world=WORLD)
     strategy = result.strategy
     params = flat_params(strategy)
     identical = _replicas_identical(params)
     strategy.close()
     return strategy, params, identical
 
-
-_create = parallel.create
 
 
 @pytest.mark.mpi
