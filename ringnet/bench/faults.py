@@ -241,6 +241,8 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
     startup = 30.0 * max(1, case.ranks) / 2
     bound = startup + (2.5 * timeout if case.bound == "deadline" else 0.0)
     cmd = _command(case, files, save, python, mpirun)
+    if case.trigger == "kill-launcher":     # a launcher killed cannot remove its own folder
+        env["TMPDIR"] = run_dir
     if case.trigger:
         env["RINGNET_HEARTBEAT"] = os.path.join(run_dir, "heartbeat")
         shutil.copyfile(os.path.join(files, "digits.h5"), os.path.join(run_dir, "live.h5"))
