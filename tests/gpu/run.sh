@@ -201,7 +201,7 @@ export -f nccl_shared auto_shared quickstart cpu_cores model_validation multi_gp
 export WORK GPUS CORES MPIRUN
 PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi"
 stage gpu-n1 90 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
-    tests/layers/test_cuda_kernels.py
+    tests/layers/test_cuda_kernels.py tests/layers/test_loss_kernel.py
 stage gpu-n2 60 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_comm.py \
     tests/gpu/test_gpu_comm_auto.py tests/gpu/test_gpu_modes.py tests/test_gpu_train.py
 stage gpu-n4 60 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
