@@ -6,6 +6,8 @@ and count the same bytes) with Irecv/Isend on views of the caller's buffer, ``nu
 out=)`` into it and one preallocated scratch buffer per dtype; ``rd`` and ``direct`` in whole
 steps keep a plan per byte count (the short path) and, for an array that comes back,
 persistent requests (:class:`Bound`), freed before MPI finalizes (:func:`free_persistent`).
+``native`` (MPI_Allreduce in place, under the transport's
+:class:`~ringnet.comm.mpi_transport.NativeWatch`) has a plan per byte count too.
 See :mod:`ringnet.comm.auto` for the measurements behind it.
 """
 import atexit
@@ -59,7 +61,7 @@ class Bound:
 
 
 _LEANS = weakref.WeakSet()
-_STARTALL, _TESTALL = MPI.Prequest.Startall, MPI.Request.Testall
+_STARTALL, _TESTALL, _IN_PLACE = MPI.Prequest.Startall, MPI.Request.Testall, MPI.IN_PLACE
 
 
 @atexit.register
@@ -99,6 +101,7 @@ class LeanPath:
         self.scratch = {}
         self.plans = {}
         self.irecv, self.isend = self.mpi.Irecv, self.mpi.Isend
+        self.mpi_allreduce, self.watch = self.mpi.Allreduce, getattr(transport, "native_watch", None)
         # The short path needs no lock around MPI calls and whole (unpieced) steps.
         self.quick = self.lock is None and self.piece_bytes is None
         self.sent = self.received = 0
@@ -125,8 +128,11 @@ class LeanPath:
             self.transport_path(buf, algorithm)
             return
         plan = self.plan(buf, algorithm)
-        if plan is not None:    # whole steps, no MPI lock: rd and direct, planned per size
+        if plan is not None:    # whole steps, no MPI lock: rd, direct and native, planned per size
             plan[2](buf, plan)
+            return
+        if algorithm == "native":
+            self.transport.allreduce_native(buf)
             return
         self.sent = self.received = 0
         try:
@@ -158,11 +164,15 @@ class LeanPath:
             function, slots = self.quick_doubling, 1
         elif algorithm == "direct":
             function, slots = self.quick_direct, self.n - 1
+        elif algorithm == "native" and self.watch is not None:
+            function, slots = self.quick_native, 0
+            self.watch.start()
         else:
             return None
         cuts = eager_cuts(buf.size, buf.itemsize)
         space = np.empty(slots * buf.size, buf.dtype)
-        views = [(part, [[part[a:b], MPI.BYTE] for a, b in cuts]) for part in np.split(space, slots)]
+        views = [(part, [[part[a:b], MPI.BYTE] for a, b in cuts])
+                 for part in (np.split(space, slots) if slots else ())]
         if len(self.plans) >= 64:               # many sizes seen: start over
             self.free()
             self.plans.clear()
@@ -216,6 +226,16 @@ class LeanPath:
             if _perf_counter() - start > spin_s:
                 break
         self.transport._wait(requests, ("all-reduce", to, source, nbytes), start=start)
+
+    def quick_native(self, buf, plan):
+        """``native``: one MPI_Allreduce in place, watched by the transport's deadline."""
+        watch = self.watch
+        watch.nbytes = buf.nbytes
+        watch.since = _perf_counter()
+        try:
+            self.mpi_allreduce(_IN_PLACE, buf)
+        finally:
+            watch.since = 0.0
 
     def quick_doubling(self, buf, plan):
         """``doubling`` for a rank of the power-of-two core: per step one Irecv + Isend

@@ -1,11 +1,21 @@
 """AutoCommunicator: all-reduce by the algorithm that is fastest for the message size and N.
 
-The algorithms (``rd``, ``direct``, ``rhd``, ``ring``), their cost table and the choice
-between them are in :mod:`ringnet.comm.cost`; the node's cores and how long a rank polls
+The algorithms (``rd``, ``direct``, ``rhd``, ``ring``, and ``native``: the MPI library's
+own MPI_Allreduce, where that is cheaper), their cost table and the choice between them
+are in :mod:`ringnet.comm.cost`; the node's cores and how long a rank polls
 before yielding in :mod:`ringnet.comm.topology`. Every rank computes the same choice from
 (n, N) and whether the ranks agreed, when the communicator was made, that some node holds
 more ranks than cores (``oversubscribed``: it then chooses with
 :data:`~ringnet.comm.cost.ALPHA_OVERSUBSCRIBED`).
+
+**Native.** ``native`` is a candidate for calls off a stream over the MPI transport with
+MPI_THREAD_MULTIPLE (a blocking collective holding the transport's lock would stall the
+streams' transfers; on a stream it would race them): every rank knows that of a call
+alike, so every rank picks the same. It is one blocking MPI_Allreduce in place, whose
+deadline is the transport's :class:`~ringnet.comm.mpi_transport.NativeWatch` (past
+``timeout_s`` the job ends instead of a CommTimeoutError: a collective cannot be taken
+back). The short path keeps a plan for it too, so delegating costs ~0.3 us over the bare
+call. The transport's byte counters count what ringnet moves itself, not MPI's own traffic.
 
 **Two paths.** Called without a stream on a NumPy buffer over the MPI transport, auto runs
 its algorithm straight on mpi4py (the lean path, :class:`~ringnet.comm._lean.LeanPath`):
@@ -56,7 +66,7 @@ from ringnet.backend import get_array_module
 from ringnet.comm import stream as _stream
 from ringnet.comm._lean import LeanPath
 from ringnet.comm.base import Array, CommunicatorBase, _DTYPES
-from ringnet.comm.cost import ALGORITHMS, ALPHA, ALPHA_OVERSUBSCRIBED, choose, thresholds
+from ringnet.comm.cost import ALGORITHMS, CHOICES, NATIVE, choose, constants, thresholds
 from ringnet.comm.ring import RingCommunicator
 from ringnet.comm.schedules import Fold, direct_peers, direct_slot, sum_in_rank_order
 from ringnet.comm.stream import CpuStream, Handle
@@ -68,12 +78,13 @@ __all__ = ["AutoCommunicator"]
 class AutoCommunicator(CommunicatorBase):
     """All-reduce with the algorithm :func:`choose` picks for the buffer's size and N.
 
-    ``algorithm`` forces one of :data:`ALGORITHMS` (for measurement); ``chunk_bytes`` goes
-    to the ring. ``last_algorithm`` names the algorithm of the latest call. ``alpha`` is
-    the per-message cost it chooses with: :data:`ALPHA_OVERSUBSCRIBED` where
-    ``oversubscribed`` (some rank's node holds more ranks than cores, agreed by all ranks
-    when the communicator is made, which is collective unless ``algorithm`` is forced),
-    else :data:`ALPHA`.
+    ``algorithm`` forces one of :data:`CHOICES` (for measurement; ``native`` off a stream
+    only); ``chunk_bytes`` goes to the ring. ``last_algorithm`` names the algorithm of the
+    latest call. ``constants`` are the cost model's it chooses with
+    (:func:`~ringnet.comm.cost.constants`; ``alpha`` is its per-message cost): those of a
+    crowded node where ``oversubscribed`` (some rank's node holds more ranks than cores,
+    agreed by all ranks when the communicator is made, which is collective unless
+    ``algorithm`` is forced). ``native_ok``: whether ``native`` is a candidate off a stream.
     """
 
     name = "auto"
@@ -81,15 +92,19 @@ class AutoCommunicator(CommunicatorBase):
     def __init__(self, transport: Any = "auto", mpi_comm: Any = None,
                  algorithm: Optional[str] = None, chunk_bytes: Optional[int] = None):
         super().__init__(transport, mpi_comm)
-        if algorithm is not None and algorithm not in ALGORITHMS:
+        if algorithm is not None and algorithm not in CHOICES:
             raise ValueError(f"unknown all-reduce algorithm {algorithm!r}: "
-                             f"choose {', '.join(ALGORITHMS)}")
+                             f"choose {', '.join(CHOICES)}")
         self.algorithm = algorithm
         self.ring = RingCommunicator(self.transport, chunk_bytes=chunk_bytes)
         self.last_algorithm = None
-        self._choices = {}
+        self._choices, self._stream_choices = {}, {}
         self.oversubscribed = algorithm is None and self._agreed_oversubscribed()
-        self.alpha = ALPHA_OVERSUBSCRIBED if self.oversubscribed else ALPHA
+        self.constants = constants(self.oversubscribed)
+        self.alpha = self.constants["alpha"]
+        transport = self.transport
+        self.native_ok = getattr(transport, "name", None) == "mpi" \
+            and hasattr(transport, "mpi_comm") and getattr(transport, "_lock", True) is None
         self._fold = Fold(self.rank, self.size)
         self._partners = self._fold.doubling_partners()
         # NumPy buffers over MPI, called off a stream: the lean path (see LeanPath).
@@ -106,18 +121,26 @@ class AutoCommunicator(CommunicatorBase):
         with getattr(transport, "_lock", None) or contextlib.nullcontext():
             return bool(transport.mpi_comm.allreduce(crowded(), op=MPI.LOR))
 
-    def choose(self, nbytes: int) -> str:
-        """Return the algorithm an all-reduce of ``nbytes`` uses on this communicator."""
+    def candidates(self, on_stream=False):
+        """The algorithms a call chooses from: :data:`CHOICES` off a stream where
+        ``native_ok``, else :data:`ALGORITHMS`."""
+        return CHOICES if self.native_ok and not on_stream else ALGORITHMS
+
+    def choose(self, nbytes: int, on_stream: bool = False) -> str:
+        """Return the algorithm an all-reduce of ``nbytes`` uses on this communicator (off a
+        stream, or ``on_stream``)."""
         if self.algorithm is not None:
             return self.algorithm
-        algorithm = self._choices.get(nbytes)
+        choices = self._stream_choices if on_stream else self._choices
+        algorithm = choices.get(nbytes)
         if algorithm is None:
-            algorithm = self._choices[nbytes] = choose(nbytes, self.size, alpha=self.alpha)
+            algorithm = choices[nbytes] = choose(nbytes, self.size, self.candidates(on_stream),
+                                                 **self.constants)
         return algorithm
 
-    def thresholds(self, max_bytes=1 << 30):
-        """:func:`thresholds` at this communicator's N and ``alpha``."""
-        return thresholds(self.size, max_bytes=max_bytes, alpha=self.alpha)
+    def thresholds(self, max_bytes=1 << 30, on_stream=False):
+        """:func:`thresholds` at this communicator's N, constants and candidates."""
+        return thresholds(self.size, max_bytes, self.candidates(on_stream), **self.constants)
 
     def allreduce(self, buf: Array, op: str = "sum",
                   stream: Optional[CpuStream] = None) -> Optional[Handle]:
@@ -159,13 +182,20 @@ class AutoCommunicator(CommunicatorBase):
                     np.divide(buf, buf.dtype.type(self.size), out=buf)
             return None
         self._check(buf, op)
-        algorithm = self.last_algorithm = self.choose(buf.nbytes)
+        on_stream = stream is not None or bool(_stream._local.__dict__.get("tag"))
+        algorithm = self.choose(buf.nbytes, on_stream=on_stream)
+        if algorithm == NATIVE and on_stream:
+            raise ValueError("the native all-reduce runs off a stream only (on one it would "
+                             "race the other streams' MPI calls)")
+        self.last_algorithm = algorithm
         return self._launch(self._allreduce, (buf, op, algorithm), stream)
 
     # -- implementation: the transport path -------------------------------------------------
     def _allreduce(self, buf, op, algorithm):
         if self.size > 1 and buf.size:
-            if algorithm == "ring":
+            if algorithm == NATIVE:
+                self.transport.allreduce_native(buf)
+            elif algorithm == "ring":
                 self.ring._allreduce(buf, "sum", self.ring.shard_bounds(buf.size))
             elif algorithm == "direct":
                 self._direct(buf)

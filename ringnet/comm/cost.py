@@ -9,6 +9,7 @@ rd         log2 p + 2f               (log2 p + 2f) n             (log2 p + f) n
 direct     N-1 (in one round)        (N-1) n                     (N-1) n
 rhd        2 log2 p + 2f             2 (p-1)/p n + 2f n          (p-1)/p n + f n
 ring       2 (N-1)                   2 (N-1)/N n                 (N-1)/N n
+native     as rhd (MPICH's own)      as rhd                      as rhd
 =========  ========================  ==========================  =====================
 
 ``rd``: recursive doubling. ``direct``: every rank sends its buffer to every other rank
@@ -18,13 +19,25 @@ at once and sums all N in rank order (one round, but N-1 messages to post and po
 after. ``ring``: :class:`~ringnet.comm.ring.RingCommunicator`. The communicator that runs them is
 :class:`~ringnet.comm.auto.AutoCommunicator`.
 
+``native`` is the MPI library's own all-reduce (one blocking MPI_Allreduce). It is priced
+as what MPICH runs for all but the smallest messages, recursive halving-doubling with the
+fold, but in C: :data:`NATIVE_ALPHA` per message (no Python between messages) and
+:data:`NATIVE_BETA` per byte sent or added (MPICH copies every byte through shared-memory
+cells, and its large messages measured 1.2-2.8x slower than the lean ``rhd`` and ``ring``).
+So the model delegates where its own messages cost more than MPI's whole call: at N = 2
+(2 cores, quiet) rd up to 12 KB, native up to 1.9 MB (MPI_Allreduce measured 1.5-2.2x the
+lean rd from 16 KB, where MPICH's rendezvous starts), rhd from there; crowded (3 and 4 ranks
+on 2 cores) native up to 570 KB at N = 3 and 5.1 MB at N = 4 (the lean algorithms measured
+0.4-0.8x MPI_Allreduce below those sizes, 1.1-2.9x above).
+
 The choice minimises the alpha-beta-gamma cost ``messages * ALPHA + sent * BETA +
 added * GAMMA`` of the table (:func:`cost`). ALPHA is the cost of one message (posting and
 polling it from Python, the peer being scheduled: it dwarfs the wire latency, so messages
 posted together still cost one ALPHA each), BETA of a byte moved, GAMMA of a byte added.
 ``python -m ringnet.bench comm --algos auto,native,direct,rd,rhd,ring --fit`` fits them
-to measured rows. Their switch points (:func:`thresholds`, printed by the benchmark) at
-the constants below: rd up to 160 KB then rhd (= the ring's cost) at N = 2; direct up to
+to measured rows (and native's two to its rows). Without native (:data:`ALGORITHMS` as the
+candidates: on a stream, over NCCL) their switch points (:func:`thresholds`) at
+the constants below are: rd up to 160 KB then rhd (= the ring's cost) at N = 2; direct up to
 80 KB then ring at N = 3; rd up to 91 KB then rhd at N = 4. On 2 cores shared by many
 processes (load average ~27) every extra message costs a meeting of two ranks that the
 scheduler delays: at 64 KiB rd and direct, even through the slower transport path, measured
@@ -33,13 +46,16 @@ own Python cost) picked. Where the launcher put more ranks on a node than it has
 (:func:`ringnet.comm.topology.node_cores`), on any node, the communicator chooses with
 :data:`ALPHA_OVERSUBSCRIBED` instead (``alpha``, ``oversubscribed``): the ranks agree on
 that once, when the communicator is made, so every rank computes the same choice from
-(n, N) and that flag; ties go to the earlier of :data:`ALGORITHMS`.
+(n, N) and that flag (:func:`constants`); ties go to the earlier of :data:`CHOICES`.
 """
 
-__all__ = ["ALGORITHMS", "ALPHA", "BETA", "GAMMA", "ALPHA_OVERSUBSCRIBED", "terms", "cost", "fit",
-           "choose", "thresholds", "pow2_below"]
+__all__ = ["ALGORITHMS", "NATIVE", "CHOICES", "ALPHA", "BETA", "GAMMA", "ALPHA_OVERSUBSCRIBED",
+           "NATIVE_ALPHA", "NATIVE_BETA", "NATIVE_ALPHA_OVERSUBSCRIBED", "NATIVE_BETA_OVERSUBSCRIBED",
+           "constants", "terms", "cost", "fit", "fit_native", "choose", "thresholds", "pow2_below"]
 
-ALGORITHMS = ("rd", "direct", "rhd", "ring")
+ALGORITHMS = ("rd", "direct", "rhd", "ring")     # built from point-to-point messages
+NATIVE = "native"                                # the MPI library's own all-reduce
+CHOICES = ALGORITHMS + (NATIVE,)
 
 ALPHA = 20e-6           # s per message (the lean path's Python is ~2 us; the rest is waiting
                         # for the peer to be scheduled on a shared, loaded host)
@@ -52,6 +68,21 @@ GAMMA = 0.25e-9         # s per byte added (4 GB/s: two reads and a write, one c
 # against the ring 0.51/0.65/0.83/1.10. This alpha puts the switches between those sizes
 # (N = 4: rhd from 548 KB; N = 3: the ring from 480 KB).
 ALPHA_OVERSUBSCRIBED = 120e-6
+# MPI_Allreduce (MPICH 5.0, 2 cores, quiet): per message and per byte sent or added, fitted
+# to its measured switch points against the lean algorithms (see the module's text).
+NATIVE_ALPHA = 10.7e-6
+NATIVE_BETA = 0.2567e-9
+NATIVE_ALPHA_OVERSUBSCRIBED = 5e-6
+NATIVE_BETA_OVERSUBSCRIBED = 0.29e-9
+
+
+def constants(oversubscribed=False):
+    """The model's constants for :func:`cost` and :func:`choose`: those of a node with a core
+    per rank, or, ``oversubscribed``, of one holding more ranks than cores."""
+    if oversubscribed:
+        return {"alpha": ALPHA_OVERSUBSCRIBED, "native_alpha": NATIVE_ALPHA_OVERSUBSCRIBED,
+                "native_beta": NATIVE_BETA_OVERSUBSCRIBED}
+    return {"alpha": ALPHA, "native_alpha": NATIVE_ALPHA, "native_beta": NATIVE_BETA}
 
 
 def pow2_below(n):
@@ -70,17 +101,21 @@ def terms(algorithm, nbytes, n):
         return n - 1, (n - 1) * nbytes, (n - 1) * nbytes
     if algorithm == "rd":
         return log_p + 2 * f, (log_p + 2 * f) * nbytes, (log_p + f) * nbytes
-    if algorithm == "rhd":
+    if algorithm in ("rhd", NATIVE):
         return (2 * log_p + 2 * f, 2 * (p - 1) / p * nbytes + 2 * f * nbytes,
                 (p - 1) / p * nbytes + f * nbytes)
     if algorithm == "ring":
         return 2 * (n - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes
-    raise ValueError(f"unknown all-reduce algorithm {algorithm!r}: choose {', '.join(ALGORITHMS)}")
+    raise ValueError(f"unknown all-reduce algorithm {algorithm!r}: choose {', '.join(CHOICES)}")
 
 
-def cost(algorithm, nbytes, n, alpha=ALPHA, beta=BETA, gamma=GAMMA):
-    """Return the modelled seconds of one all-reduce of ``nbytes`` over ``n`` ranks."""
+def cost(algorithm, nbytes, n, alpha=ALPHA, beta=BETA, gamma=GAMMA, native_alpha=NATIVE_ALPHA,
+         native_beta=NATIVE_BETA):
+    """Return the modelled seconds of one all-reduce of ``nbytes`` over ``n`` ranks
+    (``native``: with ``native_alpha`` per message and ``native_beta`` per byte sent or added)."""
     rounds, sent, added = terms(algorithm, nbytes, n)
+    if algorithm == NATIVE:
+        return rounds * native_alpha + (sent + added) * native_beta
     return rounds * alpha + sent * beta + added * gamma
 
 
@@ -94,33 +129,46 @@ def fit(samples):
     return tuple(float(max(x, 0.0)) for x in solution)
 
 
-def choose(nbytes, n, candidates=ALGORITHMS, **constants):
-    """Return the candidate with the least :func:`cost` (ties: the earlier in ``candidates``)."""
+def fit_native(samples):
+    """Least-squares (native_alpha, native_beta) from [(nbytes, n, seconds)] of MPI's own
+    all-reduce, relative error (the terms of ``native`` in the table above)."""
+    import numpy as np  # noqa: WPS433
+    rows = np.array([(r, s + a) for r, s, a in (terms(NATIVE, b, n) for b, n, _ in samples)],
+                    np.float64)
+    seconds = np.array([s for *_, s in samples], np.float64)
+    weights = 1.0 / seconds
+    solution = np.linalg.lstsq(rows * weights[:, None], seconds * weights, rcond=None)[0]
+    return tuple(float(max(x, 0.0)) for x in solution)
+
+
+def choose(nbytes, n, candidates=CHOICES, **constants):
+    """Return the candidate with the least :func:`cost` (ties: the earlier in ``candidates``,
+    so an algorithm of ours before ``native``)."""
     return min(candidates, key=lambda a: (cost(a, nbytes, n, **constants), candidates.index(a)))
 
 
-def thresholds(n, max_bytes=1 << 30, **constants):
+def thresholds(n, max_bytes=1 << 30, candidates=CHOICES, **constants):
     """Return [(first byte count, algorithm)] where the choice changes, from 1 byte up."""
     out, nbytes = [], 1
     while nbytes <= max_bytes:
-        algorithm = choose(nbytes, n, **constants)
+        algorithm = choose(nbytes, n, candidates, **constants)
         if not out or out[-1][1] != algorithm:
             out.append((nbytes, algorithm))
-        nbytes = _next_switch(nbytes, n, algorithm, max_bytes, constants)
+        nbytes = _next_switch(nbytes, n, algorithm, max_bytes, candidates, constants)
     return out
 
 
-def _next_switch(nbytes, n, algorithm, max_bytes, constants):
+def _next_switch(nbytes, n, algorithm, max_bytes, candidates, constants):
     """Smallest byte count above ``nbytes`` whose choice differs (bisection over doublings)."""
     high = nbytes * 2
-    while high <= max_bytes and choose(high, n, **constants) == algorithm:
+    while high <= max_bytes and choose(high, n, candidates, **constants) == algorithm:
         high *= 2
     if high > max_bytes:
         return high
     low = high // 2
     while high - low > 1:
         mid = (low + high) // 2
-        if choose(mid, n, **constants) == algorithm:
+        if choose(mid, n, candidates, **constants) == algorithm:
             low = mid
         else:
             high = mid

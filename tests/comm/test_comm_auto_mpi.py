@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from ringnet.comm import AutoCommunicator, CommTimeoutError, MpiTransport, NcclTransport, create
-from ringnet.comm.cost import ALGORITHMS, choose, thresholds
+from ringnet.comm.cost import ALGORITHMS, CHOICES, choose, constants, thresholds
 
 pytestmark = pytest.mark.mpi
 
@@ -52,7 +52,7 @@ def same_on_every_rank(buf):
 
 
 @pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("algorithm", ALGORITHMS + ("auto",))
+@pytest.mark.parametrize("algorithm", CHOICES + ("auto",))
 def test_every_algorithm_gives_the_exact_sum(transport, algorithm, length):
     comm = AutoCommunicator(transport, algorithm=None if algorithm == "auto" else algorithm)
     buf = integers(length, RANK)
@@ -67,7 +67,7 @@ def test_every_algorithm_gives_the_exact_sum(transport, algorithm, length):
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", CHOICES)
 def test_random_floats_match_mpi_and_agree_bitwise(transport, algorithm, dtype):
     length = 30011
     comm = AutoCommunicator(transport, algorithm=algorithm)
@@ -85,7 +85,8 @@ def test_auto_uses_the_algorithm_its_model_picks(transport):
     """Across every switch point of the model at this N (and both sides of it)."""
     comm = create("auto", transport=transport)
     sizes = {8, 8 << 20}
-    assert comm.thresholds(64 << 20) == thresholds(N, max_bytes=64 << 20, alpha=comm.alpha)
+    assert comm.native_ok
+    assert comm.thresholds(64 << 20) == thresholds(N, 64 << 20, CHOICES, **comm.constants)
     for start, _ in comm.thresholds(64 << 20):
         sizes |= {max(8, start - 8), start + 8}
     used, results = {}, {}
@@ -95,26 +96,26 @@ def test_auto_uses_the_algorithm_its_model_picks(transport):
         comm.allreduce(buf)
         used[nbytes] = comm.last_algorithm
         results[nbytes] = np.array_equal(buf, exact_sum(length))
-    expected = {nbytes: choose(nbytes // 8 * 8, N, alpha=comm.alpha) for nbytes in used}
+    expected = {nbytes: choose(nbytes // 8 * 8, N, **comm.constants) for nbytes in used}
     assert used == expected
     assert all(results.values()), results
-    if N > 1:   # small messages go by the fewest messages, large ones by the fewest bytes
-        assert used[8] in ("direct", "rd") and used[8 << 20] in ("ring", "rhd"), used
+    if N > 1:   # small messages go by the fewest messages (or MPI's), large ones by the fewest bytes
+        assert used[8] in ("direct", "rd", "native") and used[8 << 20] in ("ring", "rhd"), used
 
 
 @pytest.mark.skipif(N < 2, reason="one rank chooses nothing")
 @pytest.mark.parametrize("crowded", [(), (0,), tuple(range(N))])
 def test_ranks_agree_on_a_crowded_node_and_so_on_the_algorithm(monkeypatch, crowded):
     """Ranks in ``crowded`` see more ranks than cores on their node: if any does, every
-    rank chooses with ALPHA_OVERSUBSCRIBED (a rank choosing alone would run another
-    algorithm than its peers), and a size between the two rules' switch points then
-    goes by the fewest messages on every rank."""
+    rank chooses with the crowded node's constants (a rank choosing alone would run another
+    algorithm than its peers), and 400 KB then goes to MPI's own all-reduce on every rank
+    (without a crowded rank too, but for the ring at N = 3)."""
     from ringnet import blas
     from ringnet.comm import cost, topology
     monkeypatch.setattr(blas, "local_ranks_on_node", lambda: 4)
     monkeypatch.setattr(topology, "node_cores", lambda: 2 if RANK in crowded else 64)
     comm = AutoCommunicator(transport := MpiTransport(WORLD))
-    agreed = WORLD.allgather((comm.oversubscribed, comm.alpha))
+    agreed = WORLD.allgather((comm.oversubscribed, tuple(sorted(comm.constants.items()))))
     nbytes, ok = 400_000, None      # N = 2, 3, 4: above ALPHA's switch, below the other's
     if len(set(agreed)) == 1:
         buf = integers(nbytes // 8, RANK)
@@ -122,10 +123,11 @@ def test_ranks_agree_on_a_crowded_node_and_so_on_the_algorithm(monkeypatch, crow
         ok = np.array_equal(buf, exact_sum(nbytes // 8))
     picked = WORLD.allgather(comm.last_algorithm)
     transport.close()
-    expected = (bool(crowded), cost.ALPHA_OVERSUBSCRIBED if crowded else cost.ALPHA)
+    expected = (bool(crowded), tuple(sorted(constants(bool(crowded)).items())))
     assert agreed == [expected] * N
-    assert ok and picked == [choose(nbytes, N, alpha=expected[1])] * N
-    assert picked[0] in (("rd", "direct") if crowded else ("rhd", "ring")), picked
+    assert dict(expected[1])["alpha"] == (cost.ALPHA_OVERSUBSCRIBED if crowded else cost.ALPHA)
+    assert ok and picked == [choose(nbytes, N, **dict(expected[1]))] * N
+    assert picked[0] == ("ring" if N == 3 and not crowded else "native"), picked
 
 
 @pytest.mark.parametrize("chunk_bytes", [None, 4000, 8])
@@ -161,11 +163,12 @@ SHORT_LENGTHS = [1, 3, N + 1, 991, 992, 1001, 1500, 2047, 2048, 30011]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("algorithm", ["rd", "direct", None])
+@pytest.mark.parametrize("algorithm", ["rd", "direct", "native", None])
 def test_the_short_path_sums_as_the_transport_path(transport, algorithm, dtype):
     """auto's short path (a plan per size, looked up before anything else) against the
     stream's generic path: same bits, same byte counts, exact integer sums, a plan used
-    wherever it applies (direct everywhere, rd on the ranks of its power-of-two core)."""
+    wherever it applies (direct and native everywhere, rd on the ranks of its power-of-two
+    core); native's generic path is the transport's MPI_Allreduce."""
     comm = AutoCommunicator(transport, algorithm=algorithm)
     results = []
     for length in SHORT_LENGTHS:
@@ -178,13 +181,21 @@ def test_the_short_path_sums_as_the_transport_path(transport, algorithm, dtype):
         short_bytes = transport.bytes_sent - before[0], transport.bytes_recv - before[1]
         planned = (first.nbytes in comm._lean.plans) if comm._lean is not None else None
         comm.allreduce(exact)
-        stream = comm.new_stream()
+        used = comm.last_algorithm
+        # the same algorithm through the transport: on a stream (native: off one, its
+        # generic path being MPI's call itself)
+        forced = comm if algorithm else AutoCommunicator(transport, algorithm=used)
+        stream = forced.new_stream() if used != "native" else None
         before = transport.bytes_sent, transport.bytes_recv
         for buf in generic:
-            comm.allreduce(buf, stream=stream).wait(timeout=120)
+            if stream is None:
+                transport.allreduce_native(buf)
+            else:
+                forced.allreduce(buf, stream=stream).wait(timeout=120)
         generic_bytes = transport.bytes_sent - before[0], transport.bytes_recv - before[1]
-        stream.close()
-        results.append((length, comm.last_algorithm, planned, first, second, generic, exact,
+        if stream is not None:
+            stream.close()
+        results.append((length, used, planned, first, second, generic, exact,
                         short_bytes, generic_bytes, same_on_every_rank(second)))
     for length, used, planned, first, second, generic, exact, short, slow, same in results:
         where = f"{algorithm} {np.dtype(dtype)} length {length} rank {RANK}/{N}"
@@ -194,7 +205,8 @@ def test_the_short_path_sums_as_the_transport_path(transport, algorithm, dtype):
         assert short == slow, where
         assert same, where
         if N > 1:
-            assert planned == (used == "direct" or (used == "rd" and RD_CORE)), (where, used)
+            assert planned == (used in ("direct", "native") or (used == "rd" and RD_CORE)), \
+                (where, used)
 
 
 # After a call rank 0 made alone its peers still hold that call's messages, unreceived.
@@ -227,9 +239,11 @@ def _assert_deadline_message(error, algorithm):
 def test_the_short_path_keeps_the_transfer_deadline(length):
     """A planned size (first call on every rank), then rank 0 alone: CommTimeoutError.
     The calls every rank makes run under the default deadline (a loaded machine may
-    deschedule a rank for longer than the short one); only the lone call has 0.5 s."""
+    deschedule a rank for longer than the short one); only the lone call has 0.5 s.
+    The short path's own algorithm is forced (where auto would delegate to MPI's
+    all-reduce the deadline ends the job: tests/comm/test_comm.py)."""
     transport = MpiTransport(WORLD)
-    error, comm = None, AutoCommunicator(transport)
+    error, comm = None, AutoCommunicator(transport, algorithm="direct" if N & (N - 1) else "rd")
     try:
         comm.allreduce(np.ones(length, np.float32))
         planned = comm._lean.plans.get(4 * length) is not None
@@ -508,3 +522,90 @@ def test_bench_comm_checks_every_row_after_its_timed_calls_too():
         transport.close()
     assert {algo: ok for algo, (_, ok, _) in results.items()} == \
         {"native": True, "auto": True, "floor": True, "stale": False}
+
+
+# -- native: MPI's own all-reduce where the model prices it lower -------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_native_gives_the_other_algorithms_sums_and_numpys(transport, dtype):
+    """Forced native against every algorithm of ours and a NumPy sum: exact integers equal
+    everywhere, random floats within rounding of the float64 sum and of each algorithm,
+    bit-identical on every rank; the same bits again for the same inputs (a fixed order)."""
+    lengths = [1, N + 1, 1001, 30011, (1 << 18) + 3]
+    native = AutoCommunicator(transport, algorithm="native")
+    ours = {a: AutoCommunicator(transport, algorithm=a) for a in ALGORITHMS}
+    results = []
+    for length in lengths:
+        exact = integers(length, RANK, dtype)
+        native.allreduce(exact)
+        floats, again = randoms(length, RANK, dtype), randoms(length, RANK, dtype)
+        native.allreduce(floats)
+        native.allreduce(again)
+        others = {}
+        for name, comm in ours.items():
+            others[name] = randoms(length, RANK, dtype)
+            comm.allreduce(others[name])
+        results.append((length, exact, floats, again, others, same_on_every_rank(floats),
+                        native.last_algorithm))
+    reference = {length: sum(randoms(length, r, np.float64) for r in range(N)) for length in lengths}
+    tol = {np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    for length, exact, floats, again, others, identical, used in results:
+        where = f"{np.dtype(dtype)} length {length} rank {RANK}/{N}"
+        assert used == "native", where
+        np.testing.assert_array_equal(exact, exact_sum(length, dtype), err_msg=where)
+        np.testing.assert_allclose(floats, reference[length], rtol=tol, atol=tol * N, err_msg=where)
+        np.testing.assert_array_equal(floats.view(np.uint8), again.view(np.uint8), err_msg=where)
+        for name, other in others.items():
+            np.testing.assert_allclose(floats, other, rtol=tol, atol=tol * N, err_msg=f"{name} {where}")
+        assert identical, where
+
+
+@pytest.mark.skipif(N < 2, reason="one rank chooses nothing")
+def test_native_runs_where_the_model_picks_it_and_never_on_a_stream(transport):
+    """Off a stream auto runs (and names) native where the model prices it lowest, its own
+    algorithm elsewhere; on a stream it chooses among its own only, and a forced native
+    is refused there before anything is sent. Mean over native divides the sum."""
+    comm = create("auto", transport=transport)
+    sizes = [8, 1 << 10, 16 << 10, 64 << 10, 512 << 10, 1 << 20, 4 << 20, 16 << 20]
+    off, on, sums = {}, {}, {}
+    stream = comm.new_stream()
+    for nbytes in sizes:
+        buf = integers(nbytes // 8, RANK)
+        comm.allreduce(buf, op="mean")
+        off[nbytes] = comm.last_algorithm
+        sums[nbytes] = np.array_equal(buf, exact_sum(nbytes // 8) / N)
+        queued = integers(nbytes // 8, RANK)
+        comm.allreduce(queued, stream=stream).wait(timeout=120)
+        on[nbytes] = comm.last_algorithm
+        sums[nbytes] &= np.array_equal(queued, exact_sum(nbytes // 8))
+    forced = AutoCommunicator(transport, algorithm="native")
+    with pytest.raises(ValueError, match="off a stream"):
+        forced.allreduce(np.ones(4), stream=stream)
+    stream.close()
+    assert off == {b: choose(b, N, CHOICES, **comm.constants) for b in sizes}
+    assert on == {b: choose(b, N, ALGORITHMS, **comm.constants) for b in sizes}
+    assert "native" in off.values() and "native" not in on.values(), (off, on)
+    assert all(sums.values()), sums
+
+
+@pytest.mark.skipif(N < 2, reason="one rank all-reduces without messages (no short path)")
+def test_native_has_a_plan_and_counts_no_bytes_of_its_own(transport):
+    """A size auto delegates gets a short-path plan (looked up first, as rd's and direct's);
+    MPI's own traffic is not in the transport's byte counters; the sums stay exact on the
+    planned calls, through the checked path (op mean) too."""
+    comm = AutoCommunicator(transport, algorithm="native")
+    length = 777
+    before = transport.bytes_sent, transport.bytes_recv
+    got = []
+    for k in range(3):
+        buf = integers(length, RANK + k)
+        comm.allreduce(buf)
+        got.append(buf)
+    mean = integers(length, RANK)
+    comm.allreduce(mean, op="mean")
+    moved = transport.bytes_sent - before[0], transport.bytes_recv - before[1]
+    plan = comm._lean.plans.get(8 * length)
+    assert plan is not None and plan[1] == "native"
+    assert moved == (0, 0)
+    for k, buf in enumerate(got):
+        np.testing.assert_array_equal(buf, sum(integers(length, r + k) for r in range(N)))
+    np.testing.assert_array_equal(mean, exact_sum(length) / N)
