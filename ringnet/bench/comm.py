@@ -1,10 +1,12 @@
 """python -m ringnet.bench comm: nccl-tests style all-reduce table for ring/tree/master/auto/native.
 
 Each row's ``x native`` is the native MPI_Allreduce time over the algorithm's time (the
-bus-bandwidth ratio: both move the same buffer). The ``auto`` row also names the algorithm
-it picked and says PASS or FAIL against its targets: at least TARGET_SMALL x native
-below TARGET_SWITCH bytes and TARGET_LARGE x from there up. ``direct``, ``rd`` and ``rhd``
-rows force one of auto's algorithms (to measure its cost model). The ``floor`` row (not in
+bus-bandwidth ratio: both move the same buffer); the ``native`` row is the bare mpi4py call
+(the transport's allreduce_native for CuPy buffers or NCCL). The ``auto`` row also names
+the algorithm that ran (``native`` where auto delegated to MPI's own call) and says PASS
+or FAIL against its target: at least TARGET x native at every size; no verdict while the
+machine is busy (:mod:`ringnet.bench.machine`: the load average at start and end, and why).
+``direct``, ``rd`` and ``rhd`` rows force one of auto's algorithms (to measure its cost model). The ``floor`` row (not in
 the default set) times the least a Python all-reduce from point-to-point messages can cost:
 bare mpi4py, the algorithm auto uses for small messages (recursive doubling where N is a
 power of two, direct otherwise) on persistent requests made for the benchmark's buffer,
@@ -22,9 +24,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ringnet.backend import cupy, to_numpy
-from ringnet.bench import paired_quartiles
+from ringnet.bench import machine, paired_quartiles
 from ringnet.comm import COMMUNICATORS, create, make_transport
-from ringnet.comm.cost import ALGORITHMS as AUTO_ALGORITHMS, fit, thresholds
+from ringnet.comm.cost import ALGORITHMS as AUTO_ALGORITHMS, fit, fit_native, thresholds
 from ringnet.comm.schedules import eager_cuts
 from ringnet.comm.topology import lean_spins
 from ringnet.config import transport_usage_error
@@ -36,7 +38,7 @@ __all__ = ["main", "parse_sizes", "bus_bandwidth", "repetitions", "target"]
 ALGOS = ("ring", "native", "tree", "master", "auto")
 FORCED = tuple(a for a in AUTO_ALGORITHMS if a != "ring")   # auto with its choice forced
 EXTRA = FORCED + ("floor",)                                 # rows only on request
-TARGET_SMALL, TARGET_LARGE, TARGET_SWITCH = 0.8, 1.0, 1 << 20
+TARGET = 0.9          # auto's busbw over native's, at every size
 # Small all-reduces are timed REPS_BYTES // size times back to back per sample (at most
 # MAX_REPS), as nccl-tests loops: one barrier per call would dominate a 10 us operation.
 REPS_BYTES, MAX_REPS = 256 << 10, 64
@@ -76,7 +78,7 @@ def repetitions(nbytes):
 
 def target(nbytes):
     """The auto row's goal for ``nbytes``: its busbw over native's must reach this."""
-    return TARGET_LARGE if nbytes >= TARGET_SWITCH else TARGET_SMALL
+    return TARGET
 
 
 def build_parser():
@@ -218,7 +220,10 @@ class Floor:
 
 def _call(comms, transport, algo, buf):
     if algo == "native":
-        transport.allreduce_native(buf)
+        if type(buf) is np.ndarray and transport.name == "mpi":
+            transport.mpi_comm.Allreduce(MPI.IN_PLACE, buf)     # MPI's own, nothing of ours
+        else:
+            transport.allreduce_native(buf)
     else:
         comms[algo].allreduce(buf)
 
@@ -267,7 +272,8 @@ def _run_size(comms, transport, algos, xp, dtype, count, iters, warmup):
     flags = np.array([ok[a] for a in names], np.int32)
     all_ok = np.empty_like(flags)
     world.Allreduce(flags, all_ok, op=MPI.MIN)
-    return {a: (float(np.median(slowest[i])), bool(all_ok[i]), slowest[i].tolist())
+    return {a: (float(np.median(slowest[i])), bool(all_ok[i]), slowest[i].tolist(),
+                getattr(comms.get(a), "last_algorithm", None))
             for i, a in enumerate(names)}
 
 
@@ -307,20 +313,23 @@ def main(argv=None):
             raise UsageError("the floor row times NumPy buffers over MPI: use --transport mpi")
         comms["floor"] = Floor(transport.mpi_comm)
     n, rows = transport.size, []
+    run = machine.begin(out=False)
+    if transport.rank == 0 and not args.json:
+        print(f"# {run.header()}", flush=True)
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
         results = _run_size(comms, transport, algos, xp, dtype, count, args.iters, args.warmup)
         native = results.get("native")
         for algo in algos:
-            seconds, ok, samples = results[algo]
+            seconds, ok, samples, ran = results[algo]
             algbw = count * dtype.itemsize / seconds / 1e9
             row = {"algo": algo, "bytes": count * dtype.itemsize, "count": count,
                    "dtype": args.dtype, "time_us": seconds * 1e6, "algbw": algbw,
                    "busbw": bus_bandwidth(algbw, n), "ok": ok, "picked": None,
                    "vs_native": None, "vs_native_quartiles": None, "target": None,
                    "passed": None}
-            if algo == "auto":
-                row["picked"] = comms[algo].choose(count * dtype.itemsize)
+            if algo == "auto" or algo in FORCED:
+                row["picked"] = ran         # what ran (every call of a size runs the same)
             if algo == "floor":
                 row["picked"] = comms[algo].algorithm
             if native is not None and algo != "native":
@@ -331,21 +340,26 @@ def main(argv=None):
                     row["target"] = target(row["bytes"])
                     row["passed"] = row["vs_native"] >= row["target"]
             rows.append(row)
+    load_line = run.end(out=False)
     if "floor" in comms:
         comms["floor"].close()
     model = _fit(rows, n) if args.fit else None
     if transport.rank == 0:
         if args.json:
+            verdict = _verdict(rows, run)
             print(json.dumps({"rows": rows, "ranks": n, "transport": transport.name,
                               "oversubscribed": chooser.oversubscribed,
-                              "alpha": chooser.alpha,
+                              "alpha": chooser.alpha, "constants": chooser.constants,
+                              "verdict": verdict, **run.facts(),
                               **({"fit": model} if model else {})}))
         else:
-            _print_table(rows, n, transport.name, args)
+            _print_table(rows, n, transport.name, args, run, load_line)
             if model:
                 print(f"# fit: alpha {model['alpha'] * 1e6:.2f} us, beta {model['beta'] * 1e9:.4f} "
-                      f"ns/B, gamma {model['gamma'] * 1e9:.4f} ns/B -> switch points "
-                      + ", ".join(f"{_size(b)}: {a}" for b, a in model["switches"]))
+                      f"ns/B, gamma {model['gamma'] * 1e9:.4f} ns/B"
+                      + (f"; native: alpha {model['native_alpha'] * 1e6:.2f} us, beta "
+                         f"{model['native_beta'] * 1e9:.4f} ns/B" if "native_alpha" in model else "")
+                      + " -> switch points " + ", ".join(f"{_size(b)}: {a}" for b, a in model["switches"]))
             crowded = " (a node holds more ranks than cores: alpha %g us)" % (
                 chooser.alpha * 1e6) if chooser.oversubscribed else ""
             print("# auto's switch points at N = %d%s: " % (n, crowded)
@@ -360,7 +374,18 @@ def main(argv=None):
     return 0 if all(row["ok"] for row in rows) else 1
 
 
-def _print_table(rows, n, transport_name, args):
+def _verdict(rows, run):
+    """The auto rows' verdict against TARGET: PASS, FAIL at sizes, or why there is none
+    (no auto or native row; the machine busy at start or end). None without auto rows."""
+    judged = [r for r in rows if r["passed"] is not None]
+    if not judged:
+        return None
+    failed = [_size(r["bytes"]) for r in judged if not r["passed"]]
+    verdict = run.verdict(not failed)
+    return verdict + (f" at {', '.join(failed)}" if verdict == "FAIL" else "")
+
+
+def _print_table(rows, n, transport_name, args, run, load_line):
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"# all-reduce, {n} ranks, transport {transport_name}, dtype {args.dtype}, "
           f"median of {args.iters} (after {args.warmup} warm-up), slowest rank per iteration; "
@@ -370,7 +395,7 @@ def _print_table(rows, n, transport_name, args):
     for row in rows:
         ratio = "-" if row["vs_native"] is None else f"{row['vs_native']:.2f}"
         goal = "-" if row["target"] is None else \
-            f"{'PASS' if row['passed'] else 'FAIL'} >={row['target']:.1f}"
+            f"{'ok' if row['passed'] else 'below'} >={row['target']:.1f}"
         print(f"  {row['bytes']:>10} {row['count']:>10} {row['dtype']:>8} {row['algo']:>7} "
               f"{row['picked'] or '-':>6} {row['time_us']:>11.1f} {row['algbw']:>10.3f} "
               f"{row['busbw']:>10.3f} {ratio:>8} {goal:>11} {'yes' if row['ok'] else 'NO':>3}")
@@ -380,23 +405,33 @@ def _print_table(rows, n, transport_name, args):
         if ratios:
             print(f"# {algo} busbw / native busbw (iterations paired, quartiles): "
                   + ", ".join(f"{_size(b)} {x:.2f} ({q[0]:.2f}-{q[1]:.2f})" for b, x, q in ratios))
-    judged = [r for r in rows if r["passed"] is not None]
-    if judged:
-        failed = [_size(r["bytes"]) for r in judged if not r["passed"]]
-        print(f"# auto targets (>= {TARGET_SMALL} x native, >= {TARGET_LARGE} x from "
-              f"{_size(TARGET_SWITCH)}): " + ("PASS at every size" if not failed
-                                              else f"FAIL at {', '.join(failed)}"))
+    ran = [(r["bytes"], r["picked"]) for r in rows if r["algo"] == "auto"]
+    if ran:
+        print("# auto ran: " + ", ".join(f"{_size(b)} {a}" for b, a in ran))
+    print(f"# {load_line}")
+    verdict = _verdict(rows, run)
+    if verdict is not None:
+        print(f"# auto target (>= {TARGET} x native at every size): {verdict}")
 
 
 def _fit(rows, n):
-    """Fit auto's alpha, beta, gamma to the rows of the algorithms it chooses from."""
+    """Fit auto's alpha, beta, gamma to the rows of the algorithms it chooses from, and
+    native's two constants to the native rows (where there are two sizes)."""
     samples = [(r["algo"], r["bytes"], n, r["time_us"] * 1e-6) for r in rows
                if r["algo"] in AUTO_ALGORITHMS]
     if n < 2 or len({s[0] for s in samples}) < 2 or len(samples) < 3:
         return None
     alpha, beta, gamma = fit(samples)
-    return {"alpha": alpha, "beta": beta, "gamma": gamma,
-            "switches": thresholds(n, alpha=alpha, beta=beta, gamma=gamma)}
+    model = {"alpha": alpha, "beta": beta, "gamma": gamma}
+    natives = [(r["bytes"], n, r["time_us"] * 1e-6) for r in rows if r["algo"] == "native"]
+    candidates = AUTO_ALGORITHMS
+    if len({b for b, *_ in natives}) >= 2:
+        model["native_alpha"], model["native_beta"] = fit_native(natives)
+        candidates = None
+    model["switches"] = thresholds(n, **({} if candidates is None else {"candidates": candidates}),
+                                   **model)
+    return model
+
 
 
 def _size(nbytes):

@@ -127,19 +127,101 @@ def test_bench_sizes_and_bus_bandwidth():
 
 def test_auto_switch_point_is_the_alpha_beta_crossover():
     """At N = 2 one exchange of the whole buffer (rd: alpha + n beta + n gamma) against two
-    of half of it (ring: 2 alpha + n beta + n gamma / 2) cross at n = 2 alpha / gamma."""
-    from ringnet.comm.cost import choose, cost, thresholds
+    of half of it (ring: 2 alpha + n beta + n gamma / 2) cross at n = 2 alpha / gamma
+    (among auto's own algorithms, as on a stream)."""
+    from ringnet.comm.cost import ALGORITHMS, choose, cost, thresholds
     alpha, beta, gamma = 20e-6, 0.3e-9, 0.1e-9
     crossover = 2 * alpha / gamma
-    switches = thresholds(2, alpha=alpha, beta=beta, gamma=gamma)
+    switches = thresholds(2, candidates=ALGORITHMS, alpha=alpha, beta=beta, gamma=gamma)
     assert [a for _, a in switches] == ["rd", "rhd"]      # rhd = ring's cost at N = 2: first wins ties
     assert abs(switches[1][0] - crossover) <= 1
     # only messages count: the fewest messages win at every N; only bytes: the fewest bytes
     for n, fewest in ((2, "rd"), (3, "direct"), (4, "rd"), (5, "rd"), (8, "rd")):
-        assert choose(1 << 20, n, alpha=1, beta=0, gamma=0) == fewest
-        assert choose(1 << 20, n, alpha=0, beta=1, gamma=1) in ("ring", "rhd")
+        assert choose(1 << 20, n, ALGORITHMS, alpha=1, beta=0, gamma=0) == fewest
+        assert choose(1 << 20, n, ALGORITHMS, alpha=0, beta=1, gamma=1) in ("ring", "rhd")
     # at N = 3 halving-doubling pays the fold in full: the ring moves fewer bytes in as many rounds
     assert cost("ring", 1 << 20, 3) < cost("rhd", 1 << 20, 3)
+
+
+@pytest.mark.parametrize("oversubscribed", [False, True])
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_native_is_chosen_exactly_where_its_modelled_cost_is_lowest(n, oversubscribed):
+    """Over sizes from 1 B to 64 MiB: native where the model prices MPI's call below every
+    algorithm of ours, never where one of ours is cheaper (ties: ours); without it among
+    the candidates (on a stream) the choice is the cheapest of ours."""
+    from ringnet.comm.cost import ALGORITHMS, CHOICES, choose, constants, cost
+    c = constants(oversubscribed)
+    for nbytes in [1 << k for k in range(27)] + [3 * (1 << k) for k in range(25)]:
+        ours = min(cost(a, nbytes, n, **c) for a in ALGORITHMS)
+        native = cost("native", nbytes, n, **c)
+        picked = choose(nbytes, n, CHOICES, **c)
+        assert (picked == "native") == (native < ours), (nbytes, n, picked, native, ours)
+        assert cost(picked, nbytes, n, **c) == min(native, ours)
+        assert choose(nbytes, n, ALGORITHMS, **c) == choose(nbytes, n, ALGORITHMS, alpha=c["alpha"])
+
+
+def test_native_switch_points_where_they_were_measured():
+    """The measured picture on 2 cores: at N = 2 the lean rd below ~12 KB, MPI's call in the
+    middle, halving-doubling from ~1.9 MB; 3 and 4 ranks crowding 2 cores: MPI's call from
+    8 B, the ring from ~570 KB (N = 3), rhd from ~5 MB (N = 4)."""
+    from ringnet.comm.cost import constants, thresholds
+    quiet, crowded = constants(False), constants(True)
+    switches = thresholds(2, 64 << 20, **quiet)
+    assert [a for _, a in switches] == ["rd", "native", "rhd"]
+    assert 8 << 10 < switches[1][0] <= 16 << 10 and 1 << 20 < switches[2][0] <= 2 << 20
+    switches = thresholds(3, 64 << 20, **crowded)
+    assert [a for _, a in switches] == ["native", "ring"] and 512 << 10 < switches[1][0] <= 1 << 20
+    switches = thresholds(4, 64 << 20, **crowded)
+    assert [a for _, a in switches] == ["native", "rhd"] and 4 << 20 < switches[1][0] <= 8 << 20
+
+
+def test_fit_native_recovers_its_constants():
+    from ringnet.comm.cost import cost, fit_native
+    alpha, beta = 7e-6, 0.4e-9
+    samples = [(b, n, cost("native", b, n, native_alpha=alpha, native_beta=beta))
+               for n in (2, 3, 4) for b in (8, 4096, 1 << 20, 16 << 20)]
+    fitted = fit_native(samples)
+    assert fitted == pytest.approx((alpha, beta), rel=1e-6)
+
+
+NATIVE_ALONE = """
+import sys, time
+import numpy as np
+from mpi4py import MPI
+from ringnet.comm import AutoCommunicator, MpiTransport
+transport = MpiTransport(MPI.COMM_WORLD, timeout_s=0.5)
+comm = AutoCommunicator(transport, algorithm=sys.argv[1] if sys.argv[1] != "auto" else None)
+comm.allreduce(np.ones(3, np.float32))           # every rank: a planned size
+if MPI.COMM_WORLD.Get_rank() == 0:
+    comm.allreduce(np.ones(3, np.float32))       # alone: the others never come
+    print("returned", comm.last_algorithm, flush=True)
+else:
+    time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("algorithm", ["native", "auto"])
+def test_native_past_its_deadline_ends_the_job_naming_the_call(tmp_path, algorithm):
+    """MPI's blocking all-reduce cannot be taken back: rank 0 alone in it, past the
+    transport's 0.5 s deadline, ends the whole job (long before the peer's 30 s sleep) with
+    one line naming the call and its size. ``auto`` at 3 ranks on 2 cores picks native."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun not on PATH")
+    script = tmp_path / "alone.py"
+    script.write_text(NATIVE_ALONE)
+    from conftest import launcher_free_env
+    start = time.perf_counter()
+    proc = subprocess.run(["mpirun", "-np", "3", sys.executable, str(script), algorithm],
+                          capture_output=True, text=True, timeout=120, env=launcher_free_env())
+    elapsed = time.perf_counter() - start
+    assert proc.returncode != 0 and "returned" not in proc.stdout, (proc.stdout, proc.stderr)
+    assert "all-reduce (MPI_Allreduce) of 12 bytes did not complete within 0.5 s" in proc.stderr, \
+        proc.stderr
+    assert elapsed < 25, elapsed
 
 
 def test_auto_refuses_unknown_algorithms(transport):
@@ -153,7 +235,7 @@ def test_auto_refuses_unknown_algorithms(transport):
 def test_bench_comm_repetitions_and_targets():
     from ringnet.bench.comm import repetitions, target
     assert repetitions(8) == 64 and repetitions(64 << 10) == 4 and repetitions(64 << 20) == 1
-    assert target(512 << 10) == 0.8 and target(1 << 20) == 1.0
+    assert target(8) == target(512 << 10) == target(64 << 20) == 0.9
 
 
 def test_bench_comm_fit_command_of_docs_comm():
@@ -175,16 +257,16 @@ def test_bench_comm_fit_command_of_docs_comm():
     assert all(row["ok"] for row in result["rows"])
     assert {row["algo"] for row in result["rows"]} == {"auto", "native", "direct", "rd", "rhd", "ring"}
     assert [row["picked"] for row in result["rows"] if row["algo"] == "auto"] == \
-        [create_choice(nbytes, result["alpha"]) for nbytes in (8, 64 << 10, 1 << 20)]
-    from ringnet.comm.cost import ALPHA, ALPHA_OVERSUBSCRIBED
-    assert result["alpha"] == (ALPHA_OVERSUBSCRIBED if result["oversubscribed"] else ALPHA)
+        [create_choice(nbytes, result["constants"]) for nbytes in (8, 64 << 10, 1 << 20)]
+    from ringnet.comm.cost import constants
+    assert result["constants"] == constants(result["oversubscribed"])
     fit = result["fit"]
     assert fit["alpha"] >= 0 and fit["beta"] >= 0 and fit["gamma"] >= 0 and fit["switches"]
 
 
-def create_choice(nbytes, alpha):
+def create_choice(nbytes, constants):
     from ringnet.comm.cost import choose
-    return choose(nbytes, 2, alpha=alpha)
+    return choose(nbytes, 2, **constants)
 
 
 def test_lean_spins_yield_early_where_ranks_outnumber_cores(monkeypatch):
