@@ -1,9 +1,11 @@
-"""Pin BLAS/OpenMP threads per MPI rank (and OpenBLAS's kernels) before NumPy is imported."""
+"""Pin BLAS/OpenMP threads per MPI rank (and OpenBLAS's kernels) before NumPy is imported,
+and say which BLAS ran (:func:`describe`, :func:`describe_line`)."""
 import os
 
 __all__ = ["local_ranks_on_node", "slurm_tasks_per_node", "blas_threads_for_rank",
            "configure_blas_threads", "blas_threads_in_use",
-           "openblas_coretype", "configure_blas_kernels"]
+           "openblas_coretype", "configure_blas_kernels", "KERNEL_VARS", "describe",
+           "describe_line"]
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -171,3 +173,60 @@ def configure_blas_kernels():
         if choice is not None:
             os.environ["OPENBLAS_CORETYPE"] = choice
     return os.environ.get("OPENBLAS_CORETYPE") or None
+
+
+# What a reader of a benchmark needs to tell its BLAS apart: OpenBLAS reads these two
+# when it loads (the kernels it picks, the cache size it blocks for). They are reported,
+# never changed here.
+KERNEL_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def describe(load_numpy=True):
+    """Return what BLAS this process runs: ``{"libraries": [...], "threads": n, "env": {...}}``.
+
+    ``libraries``: one dict per BLAS library loaded (threadpoolctl's ``internal_api``,
+    ``version``, ``architecture`` -- the kernels it chose --, ``num_threads``,
+    ``threading_layer``); ``threads``: the most threads any of them runs (None when none
+    was found); ``env``: the value of each of :data:`KERNEL_VARS`, None where unset.
+    ``load_numpy``: import NumPy first, so that the BLAS it links is loaded and seen.
+    Never raises, never sets or unsets a variable.
+    """
+    libraries = []
+    try:
+        if load_numpy:
+            import importlib
+            importlib.import_module("numpy")        # loads the BLAS it links
+        from threadpoolctl import threadpool_info
+        for info in threadpool_info():
+            if info.get("user_api") == "blas":
+                libraries.append({key: info.get(key) for key in
+                                  ("internal_api", "version", "architecture", "num_threads",
+                                   "threading_layer")})
+    except Exception:       # noqa: BLE001 - a report, never a reason to fail
+        pass
+    threads = max((lib["num_threads"] for lib in libraries if lib["num_threads"]), default=None)
+    return {"libraries": libraries, "threads": threads,
+            "env": {var: os.environ.get(var) for var in KERNEL_VARS}}
+
+
+def describe_line(info=None, threads=None, per_rank=False):
+    """Return :func:`describe`'s facts as one line, e.g. ``BLAS: openblas 0.3.27 (SkylakeX
+    kernels, pthreads), 1 thread; OPENBLAS_CORETYPE unset, OPENBLAS_L2_SIZE=512``.
+
+    ``threads``: the thread count that ran, where it is not this process's (the ranks a
+    benchmark launches, pinned to one each); ``per_rank``: say "per rank" after it.
+    """
+    info = describe() if info is None else info
+    parts = []
+    for lib in info["libraries"]:
+        detail = ", ".join(x for x in (f"{lib['architecture']} kernels" if lib["architecture"]
+                                       else None, lib["threading_layer"]) if x)
+        parts.append(f"{lib['internal_api']} {lib['version'] or '(version unknown)'}"
+                     + (f" ({detail})" if detail else ""))
+    text = " + ".join(parts) if parts else "not identified (threadpoolctl found no BLAS library)"
+    count = threads if threads is not None else info["threads"]
+    if count is not None:
+        text += f", {count} thread{'' if count == 1 else 's'}{' per rank' if per_rank else ''}"
+    env = ", ".join(f"{var}={value}" if value is not None else f"{var} unset"
+                    for var, value in info["env"].items())
+    return f"BLAS: {text}; {env}"

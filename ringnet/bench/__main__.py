@@ -35,7 +35,15 @@ def main(argv=None):
         print("\n`python -m ringnet.bench NAME --help` lists each benchmark's options.")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return module.main(argv[1:])
+    if argv[0] != "model":      # every other benchmark prints its machine lines itself
+        return module.main(argv[1:])
+    from ringnet.bench import machine
+    module.build_parser().parse_args(argv[1:])      # a bad flag: its one line, nothing else
+    out = sys.stderr if "--json" in argv else None
+    run = machine.begin(out=out)
+    code = module.main(argv[1:])
+    run.end(out=out)
+    return code
 
 
 if __name__ == "__main__":

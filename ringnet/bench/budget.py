@@ -38,6 +38,7 @@ import sys
 
 import numpy as np
 
+from ringnet.bench import machine
 from ringnet.cli import ArgumentParser
 from ringnet.layers import _cuda, activation, conv, linear, loss, pool
 from ringnet import models, optim
@@ -352,9 +353,12 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    run = machine.begin(out=sys.stderr if args.json else None)
     results = [step_budget(name, args.batch_size, args.dtype) for name in args.model or models.MODELS]
     if args.json:
-        print(json.dumps({"batch_size": args.batch_size, "dtype": args.dtype, "models": results}))
+        run.end(out=sys.stderr)
+        print(json.dumps({"batch_size": args.batch_size, "dtype": args.dtype, "models": results}
+                         | run.facts()))
         return 0
     head = f"{'':16s} {'launches':>8s} {'kernel':>6s} {'ufunc':>6s} {'reduce':>6s} " \
            f"{'gemm':>5s} {'copy':>5s} {'allocs':>6s} {'host waits':>10s} {'transfers':>9s}"
@@ -371,6 +375,7 @@ def main(argv=None):
         if args.phases:
             for where, totals in result["phases"].items():
                 row("  " + where, totals)
+    run.end()
     return 0
 
 

@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 
+from ringnet.bench import machine
 from ringnet.bench.scaling import run_config
 from ringnet.errors import USER_ERRORS, UsageError
 from ringnet.cli import ArgumentParser
@@ -255,6 +256,7 @@ def main(argv=None):
             ds.close()
         args.eval_every = max(1, n // args.batch_size // 4)
     rows, failed = [], {}
+    run = machine.begin(threads=1, per_rank=True)      # run_config pins one thread a rank
     for i, (label, mode, delay, n, extra) in enumerate(runs):
         print(f"\r[{i + 1}/{len(runs)}] {label}   ", end="", file=sys.stderr, flush=True)
         try:
@@ -274,4 +276,5 @@ def main(argv=None):
     if args.plot:
         plot(rows, args.plot, _title(args))
     _report(rows, failed, args)
+    run.end()
     return 0

@@ -63,6 +63,7 @@ import numpy as np
 
 from ringnet.data import ShardedLoader, iterate_eval, open_dataset
 from ringnet.data.catalog import Split
+from ringnet.bench import machine
 from ringnet.bench.tables import markdown
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
@@ -402,6 +403,15 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.model not in MODELS:
         raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
+    # --speed times ranks of one BLAS thread each; the sweeps run here, in this process
+    run = machine.begin(out=sys.stderr if args.json else None,
+                        **({"threads": 1, "per_rank": True} if args.speed else {}))
+    code = _main(args)
+    run.end(out=sys.stderr if args.json else None)
+    return code
+
+
+def _main(args):
     if args.speed:
         if args.steps < 1 or args.repeats < 1 or min(args.np) < 1:
             raise UsageError("--steps, --repeats and --np must be >= 1")

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from ringnet.bench import run_json
+from ringnet.bench import machine, run_json
 from ringnet.bench.tables import markdown
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
@@ -201,11 +201,13 @@ def main(argv=None):
         raise UsageError("--steps must exceed twice --every (at least two periodic saves)")
     if args.repeats < 1:
         raise UsageError("--repeats must be >= 1")
+    run = machine.begin(threads=1, per_rank=True)      # the ranks get one thread each
     with tempfile.TemporaryDirectory(prefix="ringnet-bench-elastic-") as tmp:
         rows, size = save_cost(args, tmp)
         failure = lost_rank(args, tmp)
     if args.markdown:
         print(markdown_tables(args, rows, size, failure))
+        run.end()
         return 0
     print(f"# model {args.model}, {args.mode} on {args.np} ranks, global batch {args.batch_size}, "
           f"{args.steps} steps, --save-every {args.every} (checkpoint {size / 1e6:.2f} MB), "
@@ -220,6 +222,7 @@ def main(argv=None):
           f"ranks: {f['lost']} steps lost; training again {f['relaunch_s']:.1f} s after the "
           f"failure; whole run {f['elastic_s']:.1f} s against {f['uninterrupted_s']:.1f} s "
           f"uninterrupted")
+    run.end()
     return 0
 
 

@@ -45,6 +45,7 @@ import numpy as np
 from ringnet.errors import EXIT_STOPPED, InputError, UsageError
 from ringnet.cli import ArgumentParser
 
+from ringnet.bench import machine
 from ringnet.bench.fault_cases import (DEFAULT_TIMEOUT, MODES, STOP_PHASES, TRAIN, Case,  # noqa: F401
                                        Outcome, all_cases, quick_cases)
 
@@ -399,6 +400,7 @@ def main(argv=None):
         return 0
     if shutil.which(args.mpirun) is None:
         raise UsageError(f"{args.mpirun} not found: the fault cases need an MPI launcher")
+    run = machine.begin(out=sys.stderr if args.json else None)
     files = tempfile.mkdtemp(prefix="ringnet-faults-")
     failed = 0
     outcomes = []
@@ -424,6 +426,8 @@ def main(argv=None):
                   f"(RINGNET_COMM_TIMEOUT={args.timeout:g})")
         if args.markdown:
             print(markdown_table(outcomes))
+        # correctness, not speed: a busy machine withholds no case's result, but says so
+        run.end(out=sys.stderr if args.json else None)
     finally:
         if not args.keep:
             shutil.rmtree(files, ignore_errors=True)

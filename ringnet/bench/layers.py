@@ -15,7 +15,7 @@ if _PINNED:
 
 import numpy as np  # noqa: E402
 
-from ringnet.bench import paired_quartiles  # noqa: E402
+from ringnet.bench import machine, paired_quartiles  # noqa: E402
 from ringnet.errors import UsageError  # noqa: E402
 from ringnet.cli import ArgumentParser
 from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d,  # noqa: E402
@@ -229,15 +229,14 @@ def _require_torch():
 def main(argv=None):
     """Run the benchmark; print tables or one JSON line."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    run = machine.begin(out=sys.stderr if args.json else None)
     if not _PINNED and not args.json:
         print("note: NumPy was loaded before the benchmark, BLAS threads not pinned to 1")
     results = []
     rate = sgemm_rate()
     load = os.getloadavg()
     if not args.json:
-        print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; single-core SGEMM "
-              f"(1024^3 float32): {rate / 1e9:.1f} GFLOP/s; OPENBLAS_CORETYPE="
-              f"{os.environ.get('OPENBLAS_CORETYPE') or 'unset'}")
+        print(f"single-core SGEMM (1024^3 float32): {rate / 1e9:.1f} GFLOP/s")
     for name in args.model or DEFAULT_MODELS:
         model = build_model(name, dtype=args.dtype, seed=args.seed)
         x, y = _batch(model, args.batch_size, args.seed)
@@ -278,10 +277,13 @@ def main(argv=None):
         keys = ("model", "step_ms", "torch_step_ms", "ratio_vs_torch", "ratio_quartiles", "cpu_step_ms",
                 "torch_cpu_step_ms", "cpu_ratio_vs_torch", "gflops_per_step", "floor_ms",
                 "cpu_step_vs_floor")
+        run.end(out=sys.stderr)
         print(json.dumps({"load_average": list(load), "sgemm_gflops": rate / 1e9,
                           "models": [{k: r[k] for k in keys if k in r} | {"layers": r["layers"]}
-                                     for r in results]}))
-    elif args.markdown:
+                                     for r in results]} | run.facts()))
+        return 0
+    if args.markdown:
         from ringnet.bench.tables import layers_table
         print(layers_table(results))
+    run.end()
     return 0

@@ -22,6 +22,7 @@ import os
 import shutil
 import statistics
 
+from ringnet.bench import machine
 from ringnet.bench.scaling import run_config
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
@@ -111,6 +112,7 @@ def main(argv=None):
         (mode, delay, args.np, (progress, buckets))
         for mode in modes for delay, progress, buckets in variants]
     results = {c: [] for c in configs}
+    run = machine.begin(threads=1, per_rank=True)      # run_config pins one thread a rank
     loads = [_load()]
     saved = {k: os.environ.get(k) for k in ("RINGNET_CPU_PROGRESS", "RINGNET_BUCKET_BYTES")}
     try:
@@ -157,6 +159,7 @@ def main(argv=None):
         print(f"{mode:>8} {delay:>5} {_label((delay, progress, buckets)):<24} {step_ms(config):8.2f} "
               f"{step_ms(single) / step_ms(config):8.2f} {exposed:16.2f} {med(config, 'overlap'):8.2f} "
               f"{ratio:>14}")
+    run.end()
     return 0
 
 

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 
+from ringnet.bench import machine
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
 
@@ -131,7 +132,8 @@ def main(argv=None):
            "--json"] + (["--mode", args.mode] if args.mode else [])
     if args.np > 1:
         cmd = [args.mpirun, "-np", str(args.np)] + cmd
-    load_start = os.getloadavg()[0]
+    run = machine.begin(threads=1, per_rank=True)      # the ranks get one thread each
+    load_start = run.load_start
     rows = {}
     with tempfile.TemporaryDirectory(prefix="ringnet-soak-") as folder:
         from ringnet.autosave import HEARTBEAT_ENV, read_heartbeat
@@ -166,7 +168,8 @@ def main(argv=None):
         out.seek(0)
         summary = json.loads([l for l in out.read().splitlines() if l.startswith("{")][-1])
         out.close()
-    load_end = os.getloadavg()[0]
+    run.end(out=False)
+    load_end = run.load_end
     start = args.warmup * args.steps
     for rank, (pid, rec) in enumerate(sorted(samples.items())):
         kept = [r for r in rec if r[0] >= start]
@@ -188,7 +191,7 @@ def main(argv=None):
     if args.json:
         print(json.dumps({"steps": summary["steps"], "np": args.np, "model": args.model,
                           "load_start": load_start, "load_end": load_end,
-                          "ranks": list(rows.values())}))
+                          "ranks": list(rows.values())} | run.facts()))
     return 0 if all(row["flat"] for row in rows.values()) else 1
 
 
