@@ -68,7 +68,8 @@ def plot_scaling(rows, path, title=""):
     ax_s.plot(ns, ns, "k--", lw=1, label="ideal")
     ax_e.axhline(1.0, color="k", ls="--", lw=1)
     for name, points in series.items():
-        points = base + sorted(points, key=lambda r: r["np"])
+        own_first = any(p["np"] == 1 for p in points)     # ddp has its own N = 1
+        points = ([] if own_first else base) + sorted(points, key=lambda r: r["np"])
         x = [p["np"] for p in points]
         ax_s.plot(x, [p["speedup"] for p in points], "o-", label=name)
         ax_e.plot(x, [p["efficiency"] for p in points], "o-", label=name)

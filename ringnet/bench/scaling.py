@@ -12,6 +12,17 @@ t(B) / t(B/N) is the speedup N ranks would reach if splitting the batch cost not
 the per-sample efficiency small batches lose (fixed costs per step, GEMMs too thin to run
 at full rate) -- the most a strong-scaling run can show on this machine, with a core per
 rank. Each row then says what share of its N's ceiling it reaches.
+
+``--vs ddp`` also runs the peer, PyTorch DistributedDataParallel (``python -m
+ringnet.bench.ddp``: gloo on the CPU, NCCL with ``--device gpu``), under the same mpirun on
+the same model, initial weights, data, global batch split the same way, steps and N, in the
+same rounds: the table gets a ``ddp`` row at every N, and every row its ratio to DDP at its
+N, ``vs DDP`` = DDP's step time / the row's (above 1: faster than DDP). With
+``--to-accuracy`` DDP trains under the same recipe (the model's lr, lr policy, momentum,
+weight decay; the same evaluations) and the ratio is of the seconds to accuracy.
+
+The first line names the BLAS that ran (library, kernels, threads per rank, OpenBLAS's
+kernel variables) and the load average; the last the load average at start and end.
 """
 import argparse
 import csv
@@ -21,12 +32,12 @@ import shutil
 import statistics
 import sys
 
-from ringnet.bench import run_json
+from ringnet.bench import machine, run_json
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
 from ringnet.parallel import MODES
 
-__all__ = ["main", "run_config", "default_delays"]
+__all__ = ["main", "run_config", "default_delays", "vs_ddp", "markdown_table"]
 
 
 def default_delays():
@@ -66,6 +77,9 @@ def build_parser():
                    help="train's --device (default cpu)")
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
                    help="launcher (default $MPIRUN or mpirun)")
+    p.add_argument("--vs", choices=("ddp",), default=None,
+                   help="ddp: also run PyTorch DistributedDataParallel on the same problem at every "
+                        "N, in the same rounds, and give each row its ratio to it (needs torch)")
     p.add_argument("--csv", default=None, metavar="PATH", help="also write the table as CSV")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="also draw speedup and efficiency against N (.png; needs matplotlib)")
@@ -115,6 +129,10 @@ def run_config(args, mode, delay, nranks, length=None, extra=(), batch=None):
     timing = length is None
     if length is None:
         length = ["--steps", str(args.steps)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+    if mode == "ddp":
+        return run_json(_ddp_command(args, nranks, length, batch), f"ddp at N={nranks}",
+                        env=env, timeout=args.timeout)
     cmd = [args.mpirun, "-np", str(nranks), sys.executable, "-m", "ringnet.train",
            "--model", args.model, "--dataset", args.dataset, "--mode", mode,
            "--batch-size", str(batch or args.batch_size), *length,
@@ -132,8 +150,27 @@ def run_config(args, mode, delay, nranks, length=None, extra=(), batch=None):
         if delay and timing:
             cmd += ["--warmup-steps", "0"]
     cmd += list(extra)
-    env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
     return run_json(cmd, f"{mode} delay {delay} at N={nranks}", env=env, timeout=args.timeout)
+
+
+def _require_peer():
+    """Raise the one-line UsageError saying how to install PyTorch, where it is missing."""
+    from ringnet.bench.ddp import require_torch
+    require_torch()
+
+
+def _ddp_command(args, nranks, length, batch=None):
+    """The command line of the peer's run: ``ringnet.bench.ddp`` with train's flags."""
+    cmd = [args.mpirun, "-np", str(nranks), sys.executable, "-m", "ringnet.bench.ddp",
+           "--model", args.model, "--dataset", args.dataset,
+           "--batch-size", str(batch or args.batch_size), *length, "--device", args.device,
+           "--json", "--quiet", "--no-eval", "--timeout", str(args.timeout)]
+    if args.lr is not None:
+        cmd += ["--lr", str(args.lr)]
+    for flag in ("seed", "data_dir"):
+        if getattr(args, flag, None) is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    return cmd
 
 
 def _check(args):
@@ -186,6 +223,10 @@ def main(argv=None):
         raise UsageError("--ceiling times steps; it does not combine with --to-accuracy")
     if args.lr is None and args.to_accuracy is None:
         args.lr = 0.001                 # a timing run: small enough that no mode diverges
+    if args.vs == "ddp":
+        _require_peer()
+    # the ranks run one BLAS thread each (run_config's environment)
+    run = machine.begin(out=sys.stderr if args.json else None, threads=1, per_rank=True)
     length = None
     if args.to_accuracy is not None:
         length = ["--epochs", str(args.epochs), "--eval-every", str(args.eval_every)]
@@ -196,6 +237,11 @@ def main(argv=None):
         for m in modes:
             for d in (delays if delays is not None else per_mode[m]):
                 configs.append((m, d, n))
+    if args.vs == "ddp":        # the peer at every N, each right after ringnet's modes at it
+        nps = sorted(set(args.np))
+        for n in nps:
+            last = max(i for i, c in enumerate(configs) if c[2] <= n)
+            configs.insert(last + 1, ("ddp", 0, n))
     # single at the per-rank batch of each N, keyed by N (mode "ceiling")
     ceilings = [("ceiling", 0, n) for n in sorted(set(args.np)) if n > 1] if args.ceiling else []
     configs += ceilings
@@ -215,6 +261,7 @@ def main(argv=None):
             done += 1
             print(f"\r[{done}/{total}] {what}   ", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
+    end_line = run.end(out=False)
     rows = []
     base_ms = statistics.median(r["step_ms"] for r in runs[configs[0]])
     # t(B) / t(B/N): the speedup of a free split of the batch, per N
@@ -237,6 +284,8 @@ def main(argv=None):
             "bytes_per_step": int(med("bytes_per_step")),
             "fc_params_per_rank": results[0].get("fc_params_per_rank"),
         })
+        if mode == "ddp":       # what DDP does not expose, rather than a made-up zero
+            rows[-1].update(exposed_comm_ms=None, overlap=None, bytes_per_step=None)
         if n in ceiling:
             rows[-1]["ceiling"] = round(ceiling[n], 3)
             rows[-1]["of_ceiling"] = round(speedup / ceiling[n], 3)
@@ -249,6 +298,7 @@ def main(argv=None):
             rows[-1]["seconds_to_acc"] = (round(statistics.median(x[1] for x in hits), 2)
                                           if len(hits) == len(results) else None)
             rows[-1]["final_accuracy"] = round(statistics.median(r["test_accuracy"] for r in results), 4)
+    vs_ddp(rows, args.to_accuracy is not None)
     if args.plot:
         from ringnet.bench.plot import plot_scaling
         plot_scaling(rows, args.plot, title=f"{args.model}, global batch {args.batch_size}, "
@@ -265,13 +315,20 @@ def main(argv=None):
             doc["ceiling"] = [{"np": n, "batch_per_rank": args.batch_size // n,
                                "single_step_ms": round(base_ms / c, 3), "ceiling": round(c, 3)}
                               for n, c in sorted(ceiling.items())]
+        doc.update(run.facts())
+        doc["threads_ran"] = {("ddp" if mode == "ddp" else "ringnet"): sorted(
+            {r.get("torch_threads" if mode == "ddp" else "blas_threads") for r in results} - {None})
+            for (mode, _, _), results in runs.items()}
         print(json.dumps(doc))
+        print(end_line, file=sys.stderr)
         return 0
     if args.markdown:
         print(markdown_table(args, rows))
+        print(end_line)
         return 0
     if args.to_accuracy is not None:
         _print_to_accuracy(args, rows)
+        print(end_line)
         return 0
     print(f"# model {args.model}, data {args.dataset}, global batch {args.batch_size}, "
           f"{args.steps} steps, median of {args.repeats} interleaved rounds, 1 BLAS thread/rank; "
@@ -281,17 +338,26 @@ def main(argv=None):
               f"{'FC params/rank':>15}")
     if ceiling:
         header += f" {'ceiling':>8} {'of ceil.':>8}"
+    peer = any("vs_ddp" in r for r in rows)
+    if peer:
+        header += f" {'vs DDP':>7}"
     print(header)
     for r in rows:
         spread = f"{100 * r['spread']:.0f}%" if r["spread"] is not None else "-"
         line = (f"{r['mode']:>8} {r['delay']:>5} {r['np']:>3} {r['step_ms']:>9.2f} {spread:>7} "
                 f"{r['images_per_sec']:>8.0f} {r['speedup']:>8.2f} {r['efficiency']:>7.2f} "
-                f"{r['exposed_comm_ms']:>16.2f} {r['overlap']:>8.2f} {r['bytes_per_step']:>12,} "
+                f"{_cell(r['exposed_comm_ms'], '.2f'):>16} {_cell(r['overlap'], '.2f'):>8} "
+                f"{_cell(r['bytes_per_step'], ','):>12} "
                 f"{r['fc_params_per_rank'] if r['fc_params_per_rank'] is not None else '-':>15}")
         if ceiling:
             line += (f" {r['ceiling']:>8.2f} {100 * r['of_ceiling']:>7.0f}%" if "ceiling" in r
                      else f" {'-':>8} {'-':>8}")
+        if peer:
+            line += f" {_cell(r.get('vs_ddp'), '.2f'):>7}"
         print(line)
+    if peer:
+        print("# vs DDP = DDP's step time at the same N / this row's (above 1: faster than "
+              "PyTorch DistributedDataParallel on the same model, data, batch and ranks)")
     from ringnet.comm.topology import node_cores
     cores = node_cores()
     for n, c in sorted(ceiling.items()):
@@ -301,16 +367,41 @@ def main(argv=None):
         print(f"# ceiling at N={n}: single at batch {args.batch_size // n} takes "
               f"{base_ms / c:.2f} ms a step against {base_ms:.2f} ms at {args.batch_size}: "
               f"t(B) / t(B/N) = {c:.2f}x{shared}")
+    print(end_line)
     return 0
+
+
+def _cell(value, spec, missing="-"):
+    """``value`` formatted by ``spec``, or ``missing`` where it was not measured (None)."""
+    return missing if value is None else format(value, spec)
+
+
+def vs_ddp(rows, to_accuracy=False):
+    """Give every row of ``rows`` its ratio to the ``ddp`` row at its N: ``vs_ddp`` = DDP's
+    step time / the row's; with ``to_accuracy`` also ``vs_ddp_to_acc`` = DDP's seconds to
+    accuracy / the row's (None where either did not reach it). No ddp rows: nothing."""
+    peers = {r["np"]: r for r in rows if r["mode"] == "ddp"}
+    if not peers:
+        return
+    for r in rows:
+        peer = peers.get(r["np"])
+        r["vs_ddp"] = round(peer["step_ms"] / r["step_ms"], 3) if peer and r["step_ms"] else None
+        if to_accuracy:
+            both = peer is not None and peer.get("seconds_to_acc") and r.get("seconds_to_acc")
+            r["vs_ddp_to_acc"] = (round(peer["seconds_to_acc"] / r["seconds_to_acc"], 3)
+                                  if both else None)
 
 
 def markdown_table(args, rows):
     """Return the README's Markdown table of ``rows`` (the timing or the time-to-accuracy table)."""
     from ringnet.bench.tables import markdown
+    peer = any("vs_ddp" in r for r in rows)
     if args.to_accuracy is None:
-        return markdown(["mode", "delay", "N", "step ms", "speedup", "exposed comm ms"],
+        return markdown(["mode", "delay", "N", "step ms", "speedup", "exposed comm ms"]
+                        + (["DDP step / step"] if peer else []),
                         [[r["mode"], r["delay"], r["np"], f"{r['step_ms']:.1f}", f"{r['speedup']:.2f}",
-                          f"{r['exposed_comm_ms']:.2f}"] for r in rows])
+                          _cell(r["exposed_comm_ms"], ".2f", "–")]
+                         + ([_cell(r["vs_ddp"], ".2f", "–")] if peer else []) for r in rows])
     target = f"{100 * args.to_accuracy:g}%"
     compensation = args.delay_compensation or "lookahead"       # train's default at delay 1
     out = []
@@ -318,10 +409,11 @@ def markdown_table(args, rows):
         reached = r["epochs_to_acc"] is not None
         out.append([f"{r['mode']} (`{compensation}`)" if r["delay"] else r["mode"], r["delay"], r["np"],
                     f"{r['images_per_sec']:.0f}", r["epochs_to_acc"] if reached else "not reached",
-                    f"{r['seconds_to_acc']:.1f}" if reached else "–", f"{100 * r['final_accuracy']:.2f}%"])
+                    f"{r['seconds_to_acc']:.1f}" if reached else "–", f"{100 * r['final_accuracy']:.2f}%"]
+                   + ([_cell(r["vs_ddp_to_acc"], ".2f", "–")] if peer else []))
     epochs = f"{args.epochs} epoch" + ("s" if args.epochs != 1 else "")
     return markdown(["mode", "delay", "N", "images/s", f"epochs to {target}", f"seconds to {target}",
-                     f"accuracy after {epochs}"], out)
+                     f"accuracy after {epochs}"] + ([f"DDP s / s to {target}"] if peer else []), out)
 
 
 def _print_to_accuracy(args, rows):
@@ -331,10 +423,15 @@ def _print_to_accuracy(args, rows):
           f"up to {args.epochs} epochs, test set every {args.eval_every} steps, median of "
           f"{args.repeats} interleaved rounds; time = training wall time, evaluations excluded")
     print(f"{'mode':>8} {'delay':>5} {'N':>3} {'img/s':>8} {'speedup':>8} "
-          f"{'epochs to ' + format(a, '.1%'):>16} {'s to ' + format(a, '.1%'):>11} {'final acc':>10}")
+          f"{'epochs to ' + format(a, '.1%'):>16} {'s to ' + format(a, '.1%'):>11} {'final acc':>10}"
+          + (f" {'vs DDP':>7}" if any("vs_ddp" in r for r in rows) else ""))
     for r in rows:
         reached = r["epochs_to_acc"] is not None
         print(f"{r['mode']:>8} {r['delay']:>5} {r['np']:>3} {r['images_per_sec']:>8.0f} "
               f"{r['speedup']:>8.2f} {r['epochs_to_acc'] if reached else 'not reached':>16} "
               f"{format(r['seconds_to_acc'], '.1f') if reached else '-':>11} "
-              f"{r['final_accuracy']:>10.2%}")
+              f"{r['final_accuracy']:>10.2%}"
+              + (f" {_cell(r['vs_ddp_to_acc'], '.2f'):>7}" if "vs_ddp" in r else ""))
+    if any("vs_ddp" in r for r in rows):
+        print("# vs DDP = DDP's seconds to the accuracy at the same N / this row's (above 1: "
+              "there sooner than PyTorch DistributedDataParallel under the same recipe)")

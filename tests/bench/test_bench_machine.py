@@ -10,6 +10,8 @@ import pytest
 from ringnet import blas
 from ringnet.bench import machine
 
+from tests.test_docs import _main_output
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -120,3 +122,16 @@ def test_json_carries_the_same_facts_and_stdout_stays_one_json_line():
     assert set(doc["load"]) >= {"start", "end", "cores", "busy_above"}
     assert proc.stderr.startswith("BLAS: ")
 
+
+def test_scaling_names_its_blas_and_the_load(monkeypatch):
+    from ringnet.bench import scaling
+    monkeypatch.setattr(scaling, "run_config", lambda a, mode, delay, n, **kw: {
+        "step_ms": 10.0 / n, "comm_wait_s": 0.0, "steps": 3, "overlap": 0.0,
+        "bytes_per_step": 0, "fc_params_per_rank": None, "blas_threads": 1})
+    lines = _main_output(scaling.main, ["--np", "1", "2", "--modes", "ring", "--repeats", "1"]).splitlines()
+    assert lines[0].startswith("BLAS: ") and "1 thread per rank" in lines[0]
+    assert lines[-1].startswith("load average ")
+    doc = json.loads(_main_output(scaling.main, ["--np", "1", "2", "--modes", "ring", "--repeats", "1",
+                                                 "--json"]).strip().splitlines()[-1])
+    assert doc["blas"]["threads_ran"] == 1 and doc["threads_ran"] == {"ringnet": [1]}
+    assert doc["load"]["end"] is not None
