@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance run, for a machine with at least one CUDA GPU (about 3-5 minutes on one
-# H200; every stage has its own limit, 600 s in all, and 300 s more for multi-gpu on a host
-# with two or more GPUs).
+# H200; every stage has its own limit, 630 s in all, and 390 s more for multi-gpu and ddp-gpu
+# on a host with two or more GPUs).
 # Usage: bash tests/gpu/run.sh   (repository root or anywhere; ringnet, mpi4py and CuPy installed)
 #
 # Stages (none may fail silently):
@@ -23,10 +23,16 @@
 #               picks the GPU by itself, learns (test accuracy >= 95%), times compute
 #   step-times  each model's GPU step time beside PyTorch's CUDA step (when torch has CUDA),
 #               and per layer the host time of its calls beside its device time
+#   ddp-gpu     a host with G >= 2 GPUs: `bench scaling --vs ddp --device gpu`, ring delay 1
+#               over NCCL beside PyTorch DDP over NCCL on the same problem, at N = 2 and, with
+#               4 or more GPUs, N = 4. One line and skipped on one GPU (one GPU cannot host
+#               two NCCL ranks) or without a CUDA PyTorch.
 #   cpu-cores   the CPU path where every rank has a core of its own (a GPU host has many):
-#               `bench comm` (auto against MPI's all-reduce, 8 B-64 MiB, N = 2, 3, 4) and
+#               `bench comm` (auto against MPI's all-reduce, 8 B-64 MiB, N = 2, 3, 4),
 #               `bench scaling --ceiling` (ring delay 1 and 0 at N = 2, LeNet and
-#               cifar10_quick, beside single at the per-rank batch). The
+#               cifar10_quick, beside single at the per-rank batch) and `bench scaling
+#               --vs ddp` (ring delay 1 beside PyTorch DDP over gloo at N = 2, 4,
+#               cifar10_quick; one line and skipped without PyTorch). The
 #               report keeps their numbers and targets; a missed target does not fail the
 #               run (a shared host moves timings), a benchmark that does not run does.
 #               Skipped on fewer than 4 cores.
@@ -132,6 +138,13 @@ cpu_cores() {
         --repeats 3 --ceiling --json > "$WORK/scaling-$model.json" || return 1
     tail -n 1 "$WORK/scaling-$model.json"
   done
+  if python -c "import torch" 2>/dev/null; then
+    python -m ringnet.bench scaling --np 2 4 --modes ring --delays 1 --model cifar10_quick \
+        --steps 20 --repeats 1 --vs ddp --json > "$WORK/vs-ddp-cpu.json" || return 1
+    tail -n 1 "$WORK/vs-ddp-cpu.json"
+  else
+    echo "skipped --vs ddp: no PyTorch here (pip install torch==2.13.0)"
+  fi
   python - "$WORK" "$CORES" <<'EOF'
 import json, os, sys
 work, cores = sys.argv[1], int(sys.argv[2])
@@ -154,6 +167,11 @@ for model in ("lenet", "cifar10_quick"):
     out["scaling"] += [{"model": model, "mode": r["mode"], "delay": r["delay"], "np": r["np"],
                         "step_ms": r["step_ms"], "speedup": r["speedup"],
                         "ceiling": r.get("ceiling")} for r in doc["rows"]]
+if os.path.exists(os.path.join(work, "vs-ddp-cpu.json")):
+    doc = last_json("vs-ddp-cpu.json")
+    out["vs_ddp"] = {"load": doc["load"], "rows": [
+        {"mode": r["mode"], "delay": r["delay"], "np": r["np"], "step_ms": r["step_ms"],
+         "vs_ddp": r.get("vs_ddp")} for r in doc["rows"]]}
 json.dump(out, open(os.path.join(work, "cpu-cores.json"), "w"))
 print(json.dumps(out))
 EOF
@@ -180,6 +198,33 @@ print(json.dumps(out))
 EOF
 }
 
+# The ring over NCCL beside PyTorch DDP over NCCL, one rank per GPU: two or more GPUs.
+ddp_gpu() {
+  if [ "$GPUS" -lt 2 ]; then
+    echo "skipped: $GPUS GPU here; one GPU cannot host two NCCL ranks (--vs ddp --device gpu needs 2)"
+    return 0
+  fi
+  if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "skipped: no PyTorch with CUDA here"; return 0
+  fi
+  local nps=2
+  if [ "$GPUS" -ge 4 ]; then nps="2 4"; else echo "N = 4 skipped: $GPUS GPUs"; fi
+  # shellcheck disable=SC2086  # nps is a list of rank counts
+  python -m ringnet.bench scaling --np $nps --modes ring --delays 1 --model cifar10_quick \
+      --device gpu --steps 30 --repeats 2 --vs ddp --json > "$WORK/vs-ddp-gpu.json" || return 1
+  tail -n 1 "$WORK/vs-ddp-gpu.json"
+  python - "$WORK" <<'EOF'
+import json, os, sys
+work = sys.argv[1]
+doc = json.loads(open(os.path.join(work, "vs-ddp-gpu.json")).read().strip().splitlines()[-1])
+rows = [{"mode": r["mode"], "delay": r["delay"], "np": r["np"], "step_ms": r["step_ms"],
+         "vs_ddp": r.get("vs_ddp")} for r in doc["rows"]]
+assert {r["np"] for r in rows if r["mode"] == "ddp"} >= {2}, rows
+json.dump({"rows": rows, "load": doc["load"]}, open(os.path.join(work, "ddp-gpu.json"), "w"))
+print(json.dumps(rows))
+EOF
+}
+
 # Every mode over NCCL with one rank per GPU, and bench comm over NCCL: two or more GPUs.
 multi_gpu() {
   if [ "$GPUS" -lt 2 ]; then echo "skipped: $GPUS GPU here, the NCCL stage needs two or more"; return 0; fi
@@ -197,7 +242,7 @@ assert not wrong, f"all-reduce over NCCL gave wrong sums: {wrong}"
 EOF
 }
 
-export -f nccl_shared auto_shared quickstart cpu_cores model_validation multi_gpu
+export -f nccl_shared auto_shared quickstart cpu_cores model_validation multi_gpu ddp_gpu
 export WORK GPUS CORES MPIRUN
 PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi"
 stage gpu-n1 90 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
@@ -206,11 +251,12 @@ stage gpu-n2 60 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_comm
     tests/gpu/test_gpu_comm_auto.py tests/gpu/test_gpu_modes.py tests/test_gpu_train.py
 stage gpu-n4 60 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
 stage multi-gpu 300 bash -c multi_gpu
+stage ddp-gpu 90 bash -c ddp_gpu
 stage nccl-shared 25 bash -c nccl_shared
 stage auto-shared 25 bash -c auto_shared
 stage quickstart 45 bash -c quickstart
 stage step-times 45 python tests/gpu/step_vs_torch.py --layers --out "$WORK/steps.json"
-stage cpu-cores 100 bash -c cpu_cores
+stage cpu-cores 130 bash -c cpu_cores
 stage model-valid 150 bash -c model_validation
 
 python - "$WORK" <<'EOF'
@@ -242,7 +288,7 @@ except Exception as exc:  # noqa: BLE001 - the report still comes out
 steps = os.path.join(work, "steps.json")
 if os.path.exists(steps):
     report["step_times"] = json.load(open(steps))
-for key in ("cpu-cores", "model-validation"):
+for key in ("cpu-cores", "model-validation", "ddp-gpu"):
     path = os.path.join(work, key + ".json")
     if os.path.exists(path):
         report[key.replace("-", "_")] = json.load(open(path))
