@@ -180,3 +180,19 @@ def test_a_short_vs_ddp_run_end_to_end(tmp_path):
         assert row["vs_ddp"] == pytest.approx(rows[("ddp", n)]["step_ms"] / row["step_ms"], rel=1e-2)
     assert doc["threads_ran"] == {"ringnet": [1], "ddp": [1]}
     assert doc["blas"]["env"].keys() == {"OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"}
+
+
+def test_the_documented_vs_ddp_commands_are_scaling_s_and_unset_the_kernel_variables():
+    """docs/benchmarks.md shows --vs ddp as a user's machine runs it (env -u both OpenBLAS
+    variables, which tests/test_docs.py does not pick up as a command): each line is one
+    bench scaling accepts."""
+    import shlex
+    text = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
+    lines = [line for line in text.splitlines() if "--vs ddp" in line and line.startswith("env ")]
+    assert len(lines) == 3, lines
+    for line in lines:
+        argv = shlex.split(line)
+        assert argv[:6] == ["env", "-u", "OPENBLAS_CORETYPE", "-u", "OPENBLAS_L2_SIZE", "python"]
+        args = scaling.build_parser().parse_args(argv[argv.index("scaling") + 1:])
+        assert args.vs == "ddp" and args.markdown
+        scaling._check(args)
