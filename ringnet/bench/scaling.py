@@ -21,6 +21,15 @@ N, ``vs DDP`` = DDP's step time / the row's (above 1: faster than DDP). With
 ``--to-accuracy`` DDP trains under the same recipe (the model's lr, lr policy, momentum,
 weight decay; the same evaluations) and the ratio is of the seconds to accuracy.
 
+On a cluster (``hpc/cluster.sh``) ``--launcher "srun --mpi=pmi2"`` (or an ``mpirun`` that
+reaches the nodes) and ``--nodes 1 2 4 2x2`` place the ranks: K nodes of
+``--ranks-per-node`` ranks (``KxR``: R ranks on each of K nodes), in blocks. Each row then
+names its nodes and the topology that ran (``--topologies flat,hierarchical`` runs the ring
+and the tree with each), and gives the bytes one step sends between nodes as the plan
+counts them on the run's own placement (``inter-node``, :func:`ringnet.bench.cluster.inter_node_bytes`)
+beside what the nodes' links carried per step (``link``, the cluster's veth counters:
+TCP/IP headers and the run's set-up included).
+
 The first line names the BLAS that ran (library, kernels, threads per rank, OpenBLAS's
 kernel variables) and the load average; the last the load average at start and end.
 """
@@ -32,7 +41,7 @@ import shutil
 import statistics
 import sys
 
-from ringnet.bench import machine, run_json
+from ringnet.bench import cluster, machine, run_json
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
 from ringnet.parallel import MODES
@@ -77,6 +86,18 @@ def build_parser():
                    help="train's --device (default cpu)")
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
                    help="launcher (default $MPIRUN or mpirun)")
+    g = p.add_argument_group("on a cluster of nodes")
+    g.add_argument("--launcher", default=None, metavar="CMD",
+                   help='what starts the ranks, e.g. "srun --mpi=pmi2" or "mpirun" (default: '
+                        "--mpirun); with --nodes it is given the nodes and ranks per node")
+    g.add_argument("--nodes", nargs="+", default=None, metavar="K",
+                   help="node counts to run each mode on, K (K nodes of --ranks-per-node ranks) "
+                        "or KxR (K nodes of R ranks), e.g. 1 2 4 2x2; replaces --np")
+    g.add_argument("--ranks-per-node", type=int, default=1,
+                   help="ranks on each node for --nodes K (default 1)")
+    g.add_argument("--topologies", default=None, metavar="LIST",
+                   help="comma list of train's --topology (auto, flat, hierarchical) to run the "
+                        "ring and the tree with (default: train's, auto)")
     p.add_argument("--vs", choices=("ddp",), default=None,
                    help="ddp: also run PyTorch DistributedDataParallel on the same problem at every "
                         "N, in the same rounds, and give each row its ratio to it (needs torch)")
@@ -130,10 +151,11 @@ def run_config(args, mode, delay, nranks, length=None, extra=(), batch=None):
     if length is None:
         length = ["--steps", str(args.steps)]
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+    launch = cluster.launch_prefix(getattr(args, "launcher", None) or args.mpirun, nranks)
     if mode == "ddp":
         return run_json(_ddp_command(args, nranks, length, batch), f"ddp at N={nranks}",
                         env=env, timeout=args.timeout)
-    cmd = [args.mpirun, "-np", str(nranks), sys.executable, "-m", "ringnet.train",
+    cmd = [*launch, sys.executable, "-m", "ringnet.train",
            "--model", args.model, "--dataset", args.dataset, "--mode", mode,
            "--batch-size", str(batch or args.batch_size), *length,
            "--transport", args.transport, "--device", args.device,
@@ -150,7 +172,14 @@ def run_config(args, mode, delay, nranks, length=None, extra=(), batch=None):
         if delay and timing:
             cmd += ["--warmup-steps", "0"]
     cmd += list(extra)
-    return run_json(cmd, f"{mode} delay {delay} at N={nranks}", env=env, timeout=args.timeout)
+    links = cluster.LinkCounters() if isinstance(nranks, cluster.Shape) else None
+    before = links.read() if links else None
+    result = run_json(cmd, f"{mode} delay {delay} at N={cluster.nodes_text(nranks)}", env=env,
+                      timeout=args.timeout)
+    after = links.read() if links else None
+    if before is not None and after is not None:
+        result["link_bytes"] = after - before
+    return result
 
 
 def _require_peer():
@@ -161,7 +190,8 @@ def _require_peer():
 
 def _ddp_command(args, nranks, length, batch=None):
     """The command line of the peer's run: ``ringnet.bench.ddp`` with train's flags."""
-    cmd = [args.mpirun, "-np", str(nranks), sys.executable, "-m", "ringnet.bench.ddp",
+    launch = cluster.launch_prefix(getattr(args, "launcher", None) or args.mpirun, nranks)
+    cmd = [*launch, sys.executable, "-m", "ringnet.bench.ddp",
            "--model", args.model, "--dataset", args.dataset,
            "--batch-size", str(batch or args.batch_size), *length, "--device", args.device,
            "--json", "--quiet", "--no-eval", "--timeout", str(args.timeout)]
@@ -197,22 +227,71 @@ def _check(args):
     return delays
 
 
+def _shapes(args):
+    """Return (the rank counts to run, the topologies to run the ring and the tree with):
+    ``--np``'s, or with ``--nodes`` each a :class:`~ringnet.bench.cluster.Shape`, checked
+    against the nodes the launcher reaches."""
+    topologies = [None]
+    if args.topologies is not None:
+        topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
+        wrong = [t for t in topologies if t not in ("auto", "flat", "hierarchical")]
+        if wrong or not topologies:
+            raise UsageError(f"--topologies takes a comma list of auto, flat, hierarchical, "
+                             f"got {args.topologies!r}")
+    if not args.nodes:
+        return list(args.np), topologies
+    if args.ranks_per_node < 1:
+        raise UsageError(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
+    shapes = cluster.parse_nodes(args.nodes, args.ranks_per_node)
+    launcher = args.launcher or args.mpirun
+    have = cluster.available_nodes(launcher)
+    over = [repr(s) for s in shapes if s.nodes > have]
+    if over:
+        raise UsageError(f"--nodes {' '.join(over)}: {launcher!r} reaches {have} "
+                         f"node{'s' if have != 1 else ''}")
+    return shapes, topologies
+
+
+def _across_nodes(args, mode, delay, n, results):
+    """A row's cluster columns: its nodes, the topology that ran, the bytes one step sends
+    between nodes by the plan on the run's placement, and what the links carried per step."""
+    from ringnet.models import build_model
+    first = results[0]
+    ran = (first.get("topology") or "flat").split()[0]
+    steps = max(1, first.get("steps") or args.steps)
+    nodes = first.get("rank_nodes")
+    planned = None
+    if mode == "single":
+        planned = 0
+    elif mode != "ddp" and nodes:
+        planned = cluster.inter_node_bytes(mode, build_model(args.model), nodes,
+                                           args.batch_size, delay, ran)
+    link = [r["link_bytes"] / max(1, r.get("steps") or steps) for r in results if "link_bytes" in r]
+    return {"nodes": getattr(n, "nodes", 1), "ranks_per_node": getattr(n, "per_node", int(n)),
+            "topology": ran if mode in ("ring", "tree") else None,
+            "inter_node_bytes_per_step": planned,
+            "link_bytes_per_step": int(statistics.median(link)) if link else None}
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     delays = _check(args)
     if args.plot:
         from ringnet.bench.plot import check_writable
         check_writable(args.plot)
-    if shutil.which(args.mpirun) is None:
+    if args.launcher:
+        cluster.check_launcher(args.launcher)
+    elif shutil.which(args.mpirun) is None:
         raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
+    nps, topologies = _shapes(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     per_mode = default_delays()
     for m in modes:
         if m not in per_mode:
             raise UsageError(f"unknown mode {m!r} in --modes; choose from {', '.join(per_mode)}")
-    if any(n < 1 for n in args.np):
+    if any(n < 1 for n in nps):
         raise UsageError("--np values must be >= 1")
-    bad = [n for n in args.np if args.batch_size % n]
+    bad = [int(n) for n in nps if args.batch_size % n]
     if bad:
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by N = {bad}")
     if args.to_accuracy is not None and not 0 < args.to_accuracy <= 1:
@@ -230,34 +309,37 @@ def main(argv=None):
     length = None
     if args.to_accuracy is not None:
         length = ["--epochs", str(args.epochs), "--eval-every", str(args.eval_every)]
-    configs = [("single", 0, 1)]
-    for n in sorted(set(args.np)):
+    one = cluster.Shape(1, 1) if args.nodes else 1
+    configs = [("single", 0, one, None)]
+    for n in sorted(set(nps)):
         if n == 1:
             continue
         for m in modes:
             for d in (delays if delays is not None else per_mode[m]):
-                configs.append((m, d, n))
+                for topology in (topologies if m in ("ring", "tree") else [None]):
+                    configs.append((m, d, n, topology))
     if args.vs == "ddp":        # the peer at every N, each right after ringnet's modes at it
-        nps = sorted(set(args.np))
-        for n in nps:
+        for n in sorted(set(nps)):
             last = max(i for i, c in enumerate(configs) if c[2] <= n)
-            configs.insert(last + 1, ("ddp", 0, n))
+            configs.insert(last + 1, ("ddp", 0, n, None))
     # single at the per-rank batch of each N, keyed by N (mode "ceiling")
-    ceilings = [("ceiling", 0, n) for n in sorted(set(args.np)) if n > 1] if args.ceiling else []
+    ceilings = [("ceiling", 0, n, None) for n in sorted(set(nps)) if n > 1] if args.ceiling else []
     configs += ceilings
     runs = {c: [] for c in configs}
     total = len(configs) * args.repeats
     done = 0
     for _ in range(args.repeats):
         for config in configs:
-            mode, delay, n = config
+            mode, delay, n, topology = config
             if mode == "ceiling":
-                runs[config].append(run_config(args, "single", 0, 1, length=length,
+                runs[config].append(run_config(args, "single", 0, one, length=length,
                                                batch=args.batch_size // n))
                 what = f"single batch {args.batch_size // n}"
             else:
-                runs[config].append(run_config(args, *config, length=length))
-                what = f"{mode} delay {delay} N={n}"
+                extra = ["--topology", topology] if topology else []
+                runs[config].append(run_config(args, mode, delay, n, length=length, extra=extra))
+                what = f"{mode} delay {delay} N={cluster.nodes_text(n)}" + (
+                    f" {topology}" if topology else "")
             done += 1
             print(f"\r[{done}/{total}] {what}   ", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
@@ -266,7 +348,7 @@ def main(argv=None):
     base_ms = statistics.median(r["step_ms"] for r in runs[configs[0]])
     # t(B) / t(B/N): the speedup of a free split of the batch, per N
     ceiling = {c[2]: base_ms / statistics.median(r["step_ms"] for r in runs[c]) for c in ceilings}
-    for (mode, delay, n), results in runs.items():
+    for (mode, delay, n, _), results in runs.items():
         if mode == "ceiling":
             continue
         times = [r["step_ms"] for r in results]
@@ -274,7 +356,7 @@ def main(argv=None):
         med = lambda key: statistics.median(r.get(key, 0) or 0 for r in results)  # noqa: E731
         speedup = base_ms / step_ms
         rows.append({
-            "mode": mode, "delay": delay, "np": n, "step_ms": round(step_ms, 3),
+            "mode": mode, "delay": delay, "np": int(n), "step_ms": round(step_ms, 3),
             "images_per_sec": round(args.batch_size / step_ms * 1000, 1),
             "speedup": round(speedup, 3), "efficiency": round(speedup / n, 3),
             # how far apart the rounds' step times are: a speedup gap smaller than this is noise
@@ -284,8 +366,12 @@ def main(argv=None):
             "bytes_per_step": int(med("bytes_per_step")),
             "fc_params_per_rank": results[0].get("fc_params_per_rank"),
         })
+        if args.nodes:
+            rows[-1].update(_across_nodes(args, mode, delay, n, results))
         if mode == "ddp":       # what DDP does not expose, rather than a made-up zero
             rows[-1].update(exposed_comm_ms=None, overlap=None, bytes_per_step=None)
+            if args.nodes:
+                rows[-1].update(inter_node_bytes_per_step=None)
         if n in ceiling:
             rows[-1]["ceiling"] = round(ceiling[n], 3)
             rows[-1]["of_ceiling"] = round(speedup / ceiling[n], 3)
@@ -318,7 +404,7 @@ def main(argv=None):
         doc.update(run.facts())
         doc["threads_ran"] = {("ddp" if mode == "ddp" else "ringnet"): sorted(
             {r.get("torch_threads" if mode == "ddp" else "blas_threads") for r in results} - {None})
-            for (mode, _, _), results in runs.items()}
+            for (mode, _, _, _), results in runs.items()}
         print(json.dumps(doc))
         print(end_line, file=sys.stderr)
         return 0
@@ -336,6 +422,8 @@ def main(argv=None):
     header = (f"{'mode':>8} {'delay':>5} {'N':>3} {'step ms':>9} {'spread':>7} {'img/s':>8} {'speedup':>8} "
               f"{'effic.':>7} {'exposed comm ms':>16} {'overlap':>8} {'bytes/step':>12} "
               f"{'FC params/rank':>15}")
+    if args.nodes:
+        header += f" {'nodes':>6} {'topology':>12} {'inter-node B/step':>18} {'link B/step':>12}"
     if ceiling:
         header += f" {'ceiling':>8} {'of ceil.':>8}"
     peer = any("vs_ddp" in r for r in rows)
@@ -349,12 +437,20 @@ def main(argv=None):
                 f"{_cell(r['exposed_comm_ms'], '.2f'):>16} {_cell(r['overlap'], '.2f'):>8} "
                 f"{_cell(r['bytes_per_step'], ','):>12} "
                 f"{r['fc_params_per_rank'] if r['fc_params_per_rank'] is not None else '-':>15}")
+        if args.nodes:
+            line += (f" {r['nodes']}x{r['ranks_per_node']:<{5 - len(str(r['nodes']))}} "
+                     f"{r['topology'] or '-':>12} {_cell(r['inter_node_bytes_per_step'], ','):>18} "
+                     f"{_cell(r['link_bytes_per_step'], ','):>12}")
         if ceiling:
             line += (f" {r['ceiling']:>8.2f} {100 * r['of_ceiling']:>7.0f}%" if "ceiling" in r
                      else f" {'-':>8} {'-':>8}")
         if peer:
             line += f" {_cell(r.get('vs_ddp'), '.2f'):>7}"
         print(line)
+    if args.nodes:
+        print("# nodes = nodes x ranks per node; inter-node = bytes a step sends between nodes as "
+              "the plan counts them on the run's placement; link = bytes the nodes' links carried "
+              "per step (TCP/IP headers and the run's set-up included)")
     if peer:
         print("# vs DDP = DDP's step time at the same N / this row's (above 1: faster than "
               "PyTorch DistributedDataParallel on the same model, data, batch and ranks)")
@@ -392,10 +488,23 @@ def vs_ddp(rows, to_accuracy=False):
                                   if both else None)
 
 
+def _mb(nbytes):
+    return "–" if nbytes is None else f"{nbytes / 1e6:.2f}"
+
+
 def markdown_table(args, rows):
     """Return the README's Markdown table of ``rows`` (the timing or the time-to-accuracy table)."""
     from ringnet.bench.tables import markdown
     peer = any("vs_ddp" in r for r in rows)
+    if args.to_accuracy is None and args.nodes:
+        return markdown(["mode", "delay", "nodes x ranks", "topology", "step ms", "speedup",
+                         "exposed comm ms", "inter-node MB/step", "link MB/step"]
+                        + (["DDP step / step"] if peer else []),
+                        [[r["mode"], r["delay"], f"{r['nodes']} x {r['ranks_per_node']}",
+                          r["topology"] or "–", f"{r['step_ms']:.1f}", f"{r['speedup']:.2f}",
+                          _cell(r["exposed_comm_ms"], ".2f", "–"), _mb(r["inter_node_bytes_per_step"]),
+                          _mb(r["link_bytes_per_step"])]
+                         + ([_cell(r["vs_ddp"], ".2f", "–")] if peer else []) for r in rows])
     if args.to_accuracy is None:
         return markdown(["mode", "delay", "N", "step ms", "speedup", "exposed comm ms"]
                         + (["DDP step / step"] if peer else []),
