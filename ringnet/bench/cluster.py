@@ -22,7 +22,7 @@ import subprocess
 
 from ringnet.errors import UsageError
 
-__all__ = ["Shape", "parse_nodes", "launch_prefix", "check_launcher", "available_nodes",
+__all__ = ["Shape", "parse_nodes", "launch_prefix", "placed", "check_launcher", "available_nodes",
            "inter_node_bytes", "LinkCounters", "nodes_text"]
 
 
@@ -40,6 +40,9 @@ class Shape(int):
             return int(self) == int(other) and self.nodes == other.nodes
         return int(self) == other
 
+    def __ne__(self, other):
+        return not self == other
+
     def __hash__(self):
         return hash((int(self), self.nodes))
 
@@ -56,9 +59,9 @@ def parse_nodes(items, per_node):
     """[Shape] of ``--nodes`` items: ``K`` (K nodes of ``per_node`` ranks) or ``KxR``."""
     shapes = []
     for item in items:
-        k, _, r = str(item).lower().partition("x")
+        k, x, r = str(item).lower().partition("x")
         try:
-            nodes, ranks = int(k), int(r) if r else per_node
+            nodes, ranks = int(k), int(r) if x else per_node
         except ValueError:
             raise UsageError(f"--nodes takes K or KxR (nodes x ranks per node), got {item!r}") from None
         if nodes < 1 or ranks < 1:
@@ -82,6 +85,16 @@ def launch_prefix(launcher, n):
     if isinstance(n, Shape):
         return launcher + ["-np", str(int(n)), "-ppn", str(n.per_node)]
     return launcher + ["-np", str(int(n))]
+
+
+def placed(n, per_node):
+    """N ranks placed ``per_node`` to a node (None: as the launcher likes, a plain N)."""
+    if not per_node:
+        return n
+    local = min(n, per_node)
+    if n % local:
+        raise UsageError(f"{n} ranks do not fill nodes of {per_node} ranks")
+    return Shape(n // local, local)
 
 
 def check_launcher(launcher):

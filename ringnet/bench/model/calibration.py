@@ -2,6 +2,7 @@
 contention, the stream's rate and steal, and the waits for descheduled peers."""
 import math
 import os
+import shlex
 import shutil
 import sys
 
@@ -45,18 +46,21 @@ def _fit_link(n, sizes_s, add_s_per_elem):
 
 
 def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300, models=(), batch=64,
-              scaling="weak"):
+              scaling="weak", per_node=None):
     """Run the calibration worker at each N under mpirun; return the ``local`` calibration.
 
     ``models``' steps are timed at the per-rank batch (``batch``, or batch / N for strong
-    scaling) with every rank busy."""
-    if shutil.which(mpirun) is None:
+    scaling) with every rank busy. ``mpirun``: the launcher's command line (``srun
+    --mpi=pmi2`` on a cluster); ``per_node``: the ranks placed that many to a node (None: as
+    the launcher likes)."""
+    from ringnet.bench.cluster import launch_prefix, placed
+    if shutil.which(shlex.split(mpirun)[0]) is None:
         raise UsageError(f"launcher {mpirun!r} not found; `pip install mpich` or pass --mpirun")
     by_np = {}
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
     for n in nps:
         per_rank = max(1, batch // n) if scaling == "strong" else batch
-        cmd = [mpirun, "-np", str(n), sys.executable, "-m", "ringnet.bench", "model",
+        cmd = [*launch_prefix(mpirun, placed(n, per_node)), sys.executable, "-m", "ringnet.bench", "model",
                "--calibrate-worker", "--iters", str(iters), "--batch-size", str(per_rank),
                "--models", ",".join(models)]
         raw = run_json(cmd, f"calibration at N={n}", env=env, timeout=timeout)

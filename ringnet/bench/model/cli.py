@@ -86,6 +86,10 @@ def build_parser():
                    help='print one line {"predictions": [...], "validation": [...], "paper": [...]}')
     p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
                    help="launcher for calibration and validation (default $MPIRUN or mpirun)")
+    p.add_argument("--launcher", default=None, metavar="CMD",
+                   help='what starts the ranks of calibration and validation on a cluster, e.g. '
+                        '"srun --mpi=pmi2" or an mpirun reaching the nodes: the ranks are placed '
+                        "--ranks-per-node to a node (default: --mpirun, placed as it likes)")
     p.add_argument("--iters", type=int, default=7, help="calibration repetitions (median; default 7)")
     p.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -132,8 +136,9 @@ def _calibration(args, compute, models, profiles):
         return None
     if compute.device != "cpu":
         raise UsageError("profile local is this CPU machine: use --compute here")
-    calibration = calibrate((2, 4), compute, args.mpirun, args.iters, models=models,
-                            batch=args.batch_size, scaling=args.scaling)
+    calibration = calibrate((2, 4), compute, args.launcher or args.mpirun, args.iters,
+                            models=models, batch=args.batch_size, scaling=args.scaling,
+                            per_node=args.ranks_per_node if args.launcher else None)
     if args.calibration:
         with open(args.calibration, "w") as f:
             json.dump(calibration, f, indent=1)
@@ -144,8 +149,9 @@ def _validation(args, models, nps):
     """Return (validation rows, record): measured now (--validate) or read from --validation."""
     if args.validate:
         record = validate(models, args.validate_batch, args.validate_steps,
-                          args.validate_repeats, args.mpirun, args.iters,
-                          nps=VALIDATION_NP if args.np == list(DEFAULT_NP) else tuple(nps))
+                          args.validate_repeats, args.launcher or args.mpirun, args.iters,
+                          nps=VALIDATION_NP if args.np == list(DEFAULT_NP) else tuple(nps),
+                          per_node=args.ranks_per_node if args.launcher else None)
         if args.validation:
             with open(args.validation, "w") as f:
                 json.dump(record, f, indent=1)

@@ -20,13 +20,17 @@ VALIDATION_MODES = tuple(md for md in MODES if communicates(md[0]))
 
 
 def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=600,
-             nps=VALIDATION_NP):
+             nps=VALIDATION_NP, per_node=None):
     """Measure, in each of ``repeats`` rounds: the compute profile, the local calibration, and
     ``python -m ringnet.train`` (through ``bench scaling``) for every mode at each N.
 
     Returns a record that :func:`validation_rows` turns into predicted-beside-measured rows;
-    each round's prediction uses that round's inputs (a shared machine's speed drifts)."""
+    each round's prediction uses that round's inputs (a shared machine's speed drifts).
+    ``mpirun`` is the launcher's command line; ``per_node``: the calibration's and the
+    runs' ranks placed that many to a node (``srun --mpi=pmi2`` on a cluster; None: as the
+    launcher likes)."""
     from ringnet.bench import scaling
+    from ringnet.bench.cluster import placed
     args = scaling.build_parser().parse_args([])
     args.batch_size, args.steps, args.mpirun, args.timeout = batch, steps, mpirun, timeout
     configs = [(m, REFERENCE, 0, 1) for m in models]
@@ -36,14 +40,14 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
     for round_ in range(repeats):
         compute = measure_compute(models)
         calibration = calibrate(tuple(n for n in nps if n > 1), compute, mpirun, iters,
-                                models=models, batch=batch, scaling="strong")
+                                models=models, batch=batch, scaling="strong", per_node=per_node)
         measured = []
         for i, (name, mode, delay, n) in enumerate(configs):
             args.model = name
-            result = scaling.run_config(args, mode, delay, n)
+            result = scaling.run_config(args, mode, delay, placed(n, per_node))
             steps_run = max(int(result.get("steps") or steps), 1)
             measured.append({"model": name, "mode": mode, "delay": delay, "np": n,
-                             "step_ms": result["step_ms"],
+                             "step_ms": result["step_ms"], "nodes": result.get("nodes", 1),
                              # per step, mean over ranks: where the time went
                              **{f"{part}_ms": 1e3 * result[f"{key}_s"] / steps_run
                                 for part, key in (("compute", "compute"), ("exposed", "comm_wait"),
@@ -55,6 +59,7 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
                        "measured": measured})
     print(file=sys.stderr)
     return {"batch_size": batch, "steps": steps, "rounds": rounds, "code": code_facts(),
+            "launcher": mpirun, "ranks_per_node": per_node,
             "load_average": list(os.getloadavg())}
 
 
