@@ -3,7 +3,7 @@
 * :class:`Shape`: a rank count that also says how many nodes it spans (``2x2``: 2 nodes x
   2 ranks); :func:`parse_nodes` reads ``--nodes 1 2 4 2x2``.
 * :func:`launch_prefix`: the launcher's command line for a shape. ``srun ...`` gets ``-N K
-  -n N --ntasks-per-node R``; an ``mpirun``/``mpiexec`` (MPICH's hydra, reaching the nodes
+  -n N --ntasks-per-node R`` (rank 0's output alone, unbuffered); an ``mpirun``/``mpiexec`` (MPICH's hydra, reaching the nodes
   through its hosts file, as ``hpc/cluster.sh env`` sets it up) gets ``-np N -ppn R``, so
   ranks fill the first K hosts in blocks.
 * :func:`available_nodes`: how many nodes the launcher can reach (SLURM's ``sinfo``; the
@@ -78,10 +78,13 @@ def launch_prefix(launcher, n):
     """The launcher's command line that starts ``n`` ranks (a :class:`Shape`: on its nodes)."""
     launcher = shlex.split(launcher) if isinstance(launcher, str) else list(launcher)
     if _is_srun(launcher):
+        # rank 0's output only, as written: srun's line buffering cuts a long line (a --json
+        # summary) in two, and unbuffered the other ranks' lines land inside it
+        out = ["--unbuffered", "--output=0"]
         if isinstance(n, Shape):
-            return launcher + ["-N", str(n.nodes), "-n", str(int(n)),
-                               "--ntasks-per-node", str(n.per_node)]
-        return launcher + ["-n", str(int(n))]
+            return launcher + out + ["-N", str(n.nodes), "-n", str(int(n)),
+                                     "--ntasks-per-node", str(n.per_node)]
+        return launcher + out + ["-n", str(int(n))]
     if isinstance(n, Shape):
         return launcher + ["-np", str(int(n)), "-ppn", str(n.per_node)]
     return launcher + ["-np", str(int(n))]

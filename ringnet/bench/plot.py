@@ -2,6 +2,9 @@
 
 * :func:`plot_scaling` — speedup and efficiency against N per mode, with the ideal line
   (rows of ``python -m ringnet.bench scaling``).
+* :func:`plot_cluster` — step time of every mode and topology on each layout of nodes, one
+  panel per ``bench scaling --nodes ... --csv`` file (a model and a link rate each), the
+  part of it spent waiting on the exchange shaded.
 * :func:`plot_comm` — bus bandwidth against message size per algorithm (rows of
   ``python -m ringnet.bench comm``).
 * :func:`plot_trace` — a few steps of every rank from a ``--trace`` file: one lane for the
@@ -9,7 +12,8 @@
 
 Also ``python -m ringnet.bench.plot trace TRACE.json OUT.png [--steps K]`` and
 ``python -m ringnet.bench.plot scaling SCALING.csv OUT.png`` (the ``--csv`` of ``bench
-scaling``, e.g. written by ``hpc/scaling.sbatch``).
+scaling``, e.g. written by ``hpc/scaling.sbatch``) and ``python -m ringnet.bench.plot
+cluster A.csv [B.csv ...] OUT.png`` (``--csv`` files of ``bench scaling --nodes``).
 """
 import argparse
 import json
@@ -17,7 +21,7 @@ import os
 
 from ringnet.errors import UsageError
 
-__all__ = ["plot_scaling", "plot_comm", "plot_trace", "main"]
+__all__ = ["plot_scaling", "plot_cluster", "read_cluster_csv", "plot_comm", "plot_trace", "main"]
 
 
 def _pyplot():
@@ -81,6 +85,60 @@ def plot_scaling(rows, path, title=""):
     ax_e.set_ylim(0, 1.15)
     ax_s.legend(fontsize=8)
     fig.suptitle(title or "strong scaling", fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def read_cluster_csv(path):
+    """The rows of a ``bench scaling --nodes ... --csv`` file, with numbers as numbers."""
+    import csv
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        return [{"mode": r["mode"], "delay": int(r["delay"]), "nodes": int(r["nodes"]),
+                 "ranks_per_node": int(r["ranks_per_node"]), "topology": r.get("topology") or "",
+                 "step_ms": float(r["step_ms"]),
+                 "exposed_comm_ms": float(r["exposed_comm_ms"] or 0)} for r in rows]
+    except (OSError, KeyError, ValueError) as exc:
+        raise UsageError(f"cannot read cluster scaling table {path} (bench scaling --nodes "
+                         f"--csv): {exc}") from None
+
+
+def plot_cluster(panels, path):
+    """Step time per (mode, delay, topology) on each layout of nodes, one panel per
+    (title, rows); the exposed communication darker at the bottom of each bar."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], panels):
+        layouts = sorted({(r["nodes"], r["ranks_per_node"]) for r in rows if r["mode"] != "single"},
+                         key=lambda s: (s[0] * s[1], s[0]))
+        labels = list(dict.fromkeys(
+            _label(r["mode"], r["delay"]) + (f" {r['topology'][:4]}" if r["topology"] else "")
+            for r in rows if r["mode"] != "single"))
+        width = 0.8 / max(1, len(labels))
+        colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for j, label in enumerate(labels):
+            for i, layout in enumerate(layouts):
+                got = [r for r in rows if (r["nodes"], r["ranks_per_node"]) == layout
+                       and _label(r["mode"], r["delay"]) + (f" {r['topology'][:4]}"
+                                                            if r["topology"] else "") == label]
+                if not got:
+                    continue
+                x = i + (j - (len(labels) - 1) / 2) * width
+                colour = colours[j % len(colours)]
+                ax.bar(x, got[0]["step_ms"], width, color=colour, alpha=0.45,
+                       label=label if i == 0 else None)
+                ax.bar(x, min(got[0]["exposed_comm_ms"], got[0]["step_ms"]), width, color=colour)
+        single = [r["step_ms"] for r in rows if r["mode"] == "single"]
+        if single:
+            ax.axhline(single[0], color="k", ls="--", lw=1, label="single, 1 node")
+        ax.set_xticks(range(len(layouts)))
+        ax.set_xticklabels([f"{k} node{'s' if k > 1 else ''} x {r}" for k, r in layouts])
+        ax.set_ylabel("step ms (dark: exposed communication)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
@@ -180,8 +238,22 @@ def main(argv=None):
     c.add_argument("csv", help="the CSV written by python -m ringnet.bench scaling --csv")
     c.add_argument("out", help="picture to write (.png, .svg or .pdf)")
     c.add_argument("--title", default="", help="title above the plots")
+    k = sub.add_parser("cluster", help="step time per mode and topology on each layout of nodes "
+                                       "from bench scaling --nodes --csv files, a panel each")
+    k.add_argument("files", nargs="+", metavar="CSV",
+                   help="the CSV files of python -m ringnet.bench scaling --nodes ... --csv, "
+                        "then the picture to write (.png, .svg or .pdf)")
     args = p.parse_args(argv)
+    if args.what == "cluster":
+        if len(args.files) < 2:
+            raise UsageError("plot cluster takes one or more CSV files and the picture to write")
+        *tables, args.out = args.files
     check_writable(args.out)
+    if args.what == "cluster":
+        panels = [(os.path.splitext(os.path.basename(t))[0], read_cluster_csv(t)) for t in tables]
+        plot_cluster(panels, args.out)
+        print(f"wrote {args.out}", flush=True)
+        return 0
     if args.what == "scaling":
         import csv
         try:

@@ -29,7 +29,7 @@ def test_shapes_tell_layouts_of_the_same_rank_count_apart():
 def test_the_launcher_is_given_its_nodes():
     shape = cluster.Shape(2, 2)
     assert cluster.launch_prefix("srun --mpi=pmi2", shape) == [
-        "srun", "--mpi=pmi2", "-N", "2", "-n", "4", "--ntasks-per-node", "2"]
+        "srun", "--mpi=pmi2", "--unbuffered", "--output=0", "-N", "2", "-n", "4", "--ntasks-per-node", "2"]
     assert cluster.launch_prefix("mpirun", shape) == ["mpirun", "-np", "4", "-ppn", "2"]
     assert cluster.launch_prefix("mpirun", 3) == ["mpirun", "-np", "3"]
     assert cluster.placed(4, 1) == cluster.Shape(4, 1) and cluster.placed(1, 2) == cluster.Shape(1, 1)
@@ -69,12 +69,13 @@ def test_bytes_between_nodes_follow_the_placement():
     assert cluster.inter_node_bytes("split-fc", LENET, ["a", "b"], 64) == sum(fc.sent())
 
 
-def _fake(args, mode, delay, n, **kw):
+def _fake(args, mode, delay, n, extra=(), **kw):
     nodes = [f"n{i // n.per_node}" for i in range(int(n))]
     plan = cluster.inter_node_bytes(mode, LENET, nodes, 64, delay) if mode != "single" else 0
+    asked = extra[1] if extra else "flat"
     return {"step_ms": 100.0 / n, "comm_wait_s": 0.01, "steps": 2, "overlap": 0.5,
             "bytes_per_step": 1000, "fc_params_per_rank": None, "rank_nodes": nodes,
-            "topology": "flat (asked for)" if mode in ("ring", "tree") else None,
+            "topology": f"{asked} (asked for)" if mode in ("ring", "tree") else None,
             "link_bytes": int(2 * 1.03 * plan)}
 
 
@@ -106,3 +107,24 @@ def test_a_node_count_the_cluster_lacks_is_refused_before_anything_runs(monkeypa
         scaling.main(["--launcher", "no-such-launcher -x", "--nodes", "1"])
     with pytest.raises(UsageError, match="--topologies"):
         scaling.main(["--nodes", "1", "--topologies", "ring"])
+
+
+def test_the_cluster_figure_is_drawn_from_the_csv_files(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    from ringnet.bench import plot
+    monkeypatch.setattr(scaling, "run_config", _fake)
+    monkeypatch.setattr(cluster, "available_nodes", lambda launcher: 2)
+    table = tmp_path / "lenet-1gbit.csv"
+    _main_output(scaling.main, ["--launcher", "mpirun", "--nodes", "1", "2", "2x2", "--modes",
+                                "ring,master", "--topologies", "flat,hierarchical", "--repeats",
+                                "1", "--csv", str(table)])
+    rows = plot.read_cluster_csv(str(table))
+    assert {(r["mode"], r["nodes"], r["ranks_per_node"], r["topology"]) for r in rows} >= {
+        ("single", 1, 1, ""), ("ring", 2, 2, "hierarchical"), ("master", 2, 2, "")}
+    out = tmp_path / "cluster.png"
+    assert plot.main(["cluster", str(table), str(table), str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = tmp_path / "plain.csv"
+    bad.write_text("mode,delay,np\nring,1,2\n")
+    with pytest.raises(UsageError, match="bench scaling --nodes"):
+        plot.main(["cluster", str(bad), str(out)])
