@@ -2,7 +2,7 @@
 # A SLURM on this machine, for trying the hpc/*.sbatch scripts and for CI: one node, or K
 # nodes made of network namespaces joined by shaped links.
 # Usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--prefix NAME] [--subnet A.B.C.0/24]
-#        hpc/cluster.sh stop|status|env
+#        hpc/cluster.sh stop|status|env|fail-node NAME|revive-node NAME
 #   start   no flags (or --nodes 1): start munged, slurmctld and slurmd (no systemd needed) and
 #           wait for an idle node; does nothing when they already run.
 #           --nodes K (K >= 2, needs root): K nodes NAME1..NAMEK (--prefix, default "node"),
@@ -19,6 +19,11 @@
 #           Exit 3 when nothing runs.
 #   status  say which daemons run and show sinfo (with K nodes: each node's address, host
 #           name, link state and rate); exit 0 only when everything runs and every link is up
+#   fail-node NAME   with K nodes: the node NAME crashes: every process in its namespace
+#           (its slurmd and the job's ranks) is killed with SIGKILL and its link goes down,
+#           so neither SLURM nor mpirun reaches it any more
+#   revive-node NAME the crashed node comes back: its link up, its slurmd started again
+#           (SLURM returns it to service when it registers)
 #   env     print the lines that point sbatch/srun/sinfo (and, with K nodes, mpirun and MPI)
 #           at this cluster in your shell: eval "$(hpc/cluster.sh env)"
 # Needs Debian's packages: apt-get install slurmctld slurmd slurm-client munge.
@@ -105,6 +110,13 @@ KillWait=5
 InactiveLimit=0
 SlurmdParameters=config_overrides
 EOF
+  if [ "$#" -gt 0 ]; then
+    cat >> "$CONF" <<EOF
+# A node that stops answering (hpc/cluster.sh fail-node) is marked DOWN after this many
+# seconds, and a job that ran on it requeued (SLURM's default is 300).
+SlurmdTimeout=20
+EOF
+  fi
   if [ "$#" -eq 0 ]; then
     cat >> "$CONF" <<EOF
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
@@ -461,6 +473,38 @@ status() {
   return "$rc"
 }
 
+check_node() {  # check_node NAME COMMAND: die unless NAME is a node of the running K-node cluster
+  multi || die "$2: no K-node cluster runs in $STATE (hpc/cluster.sh start --nodes K)"
+  [ "$(id -u)" -eq 0 ] || die "$2 needs root (namespaces and links)"
+  awk -v n="$1" '$1 == n {found = 1} END {exit !found}' "$NODES_FILE" ||
+    die "$2 $1: not a node of the cluster in $STATE ($(awk '{print $1}' "$NODES_FILE" | paste -sd ' '))"
+}
+
+fail_node() {
+  local name=$1 addr link pid
+  check_node "$name" fail-node
+  read -r name addr link <<<"$(awk -v n="$name" '$1 == n' "$NODES_FILE")"
+  ip link set "$link" down
+  for pid in $(ip netns pids "$name"); do kill -9 "$pid" 2>/dev/null || true; done
+  rm -f "$STATE/slurmd-$name.pid"
+  echo "node $name failed: its processes killed, link $link down"
+}
+
+revive_node() {
+  local name=$1 addr link
+  check_node "$name" revive-node
+  read -r name addr link <<<"$(awk -v n="$name" '$1 == n' "$NODES_FILE")"
+  if pid_of slurmd "$STATE/slurmd-$name.pid" >/dev/null; then
+    die "revive-node $name: its slurmd runs; the node has not failed"
+  fi
+  ip link set "$link" up
+  local out
+  out=$(nsenter --net="/run/netns/$name" --uts="$STATE/uts/$name" -- \
+        env SLURM_CONF="$CONF" slurmd -f "$CONF" -N "$name" 2>&1) ||
+    die "revive-node $name: slurmd did not start ($(printf '%s' "$out" | tail -1))"
+  echo "node $name back: link $link up, slurmd started"
+}
+
 env_lines() {
   echo "export SLURM_CONF=$CONF"
   if multi; then
@@ -506,5 +550,8 @@ case "$cmd" in
   stop) stop ;;
   status) status ;;
   env) env_lines ;;
-  *) echo "usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--prefix NAME] [--subnet A.B.C.0/24]|stop|status|env" >&2; exit 2 ;;
+  fail-node|revive-node)
+    [ "$#" -eq 1 ] || die "$cmd: give one node name"
+    if [ "$cmd" = fail-node ]; then fail_node "$1"; else revive_node "$1"; fi ;;
+  *) echo "usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--prefix NAME] [--subnet A.B.C.0/24]|stop|status|env|fail-node NAME|revive-node NAME" >&2; exit 2 ;;
 esac

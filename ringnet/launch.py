@@ -13,6 +13,10 @@ runs ``mpirun -np 4 python -m ringnet.train ...`` (inside a SLURM allocation:
   taken from that checkpoint at n ranks;
 * the mode, delay and global batch are pinned to the first launch's values.
 
+Across nodes (``srun`` in an allocation of several nodes, or ``mpirun`` with hosts) it
+probes every node after a failure and relaunches on those that answer, at most as many
+ranks on each as the first launch placed there (see ``ringnet.hosts``).
+
 It does not relaunch a job that failed on bad input (exit code 2: a bad flag, a
 missing or corrupt file, an unwritable checkpoint), a job whose loss became NaN or
 infinite (exit code 3: the same weights and batches diverge again), or a failure that
@@ -47,8 +51,10 @@ import threading
 import time
 
 from ringnet.autosave import HEARTBEAT_ENV, read_heartbeat
+from ringnet.checkpoint import stored_step as checkpoint_step
 from ringnet.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USAGE, UsageError
 from ringnet.cli import ArgumentParser
+from ringnet.hosts import JobNodes, slurm_tasks_alive, slurm_tasks_per_node
 
 __all__ = ["main", "relaunch_size", "Attempt", "Launcher", "slurm_tasks_alive"]
 
@@ -92,32 +98,6 @@ def relaunch_size(previous, batch_size, min_ranks=1, shrink=False, available=Non
     for n in range(cap, max(1, min_ranks) - 1, -1):
         if batch_size % n == 0 and usable(n):
             return n
-    return None
-
-
-def slurm_tasks_alive(job_id, tasks_per_node, run=subprocess.run):
-    """Return the tasks SLURM job ``job_id`` can still start (its nodes x tasks per node).
-
-    After a node failure a job submitted with ``--no-kill`` keeps its other nodes; they
-    are what ``scontrol show job`` lists. None when that cannot be read.
-    """
-    try:
-        out = run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True,
-                  text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    match = re.search(r"\bNumNodes=(\d+)", out.stdout or "")
-    if out.returncode != 0 or not match:
-        return None
-    return int(match.group(1)) * tasks_per_node
-
-
-def _slurm_tasks_per_node(env):
-    """Tasks per node of the allocation: SLURM_NTASKS_PER_NODE, else the first of SLURM_TASKS_PER_NODE."""
-    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
-        match = re.match(r"\d+", env.get(name, ""))
-        if match:
-            return int(match.group(0))
     return None
 
 
@@ -188,7 +168,7 @@ class Launcher:
     def __init__(self, ranks, train_args, *, launch_cmd, batch_size, checkpoint=None,
                  resume=None, min_ranks=1, max_restarts=3, shrink=False, stall_timeout=0.0,
                  usable=lambda n: True, available=lambda: None, python=sys.executable,
-                 env=None):
+                 env=None, nodes=None):
         self.ranks = ranks
         self.train_args = list(train_args)
         self.launch_cmd = list(launch_cmd)
@@ -205,17 +185,22 @@ class Launcher:
         self.env = dict(os.environ if env is None else env)
         self.attempts = []
         self._initial = _file_id(checkpoint)
+        self.nodes = nodes                      # JobNodes, or None (one node, or not known)
+        self.placed = list(nodes.names) if nodes else None     # the nodes launches use now
 
     # -- commands ---------------------------------------------------------------------
     def command(self, ranks, resume):
         """Return the command line that starts the job on ``ranks`` ranks."""
-        name = os.path.basename(self.launch_cmd[0])
+        launcher = self.launch_cmd
+        if self.nodes is not None and self.placed != self.nodes.names:
+            launcher = self.nodes.on(self.placed)
+        name = os.path.basename(launcher[0])
         if name == "srun":
             count = [f"--ntasks={ranks}", "--kill-on-bad-exit=1"]
         else:
             count = ["-np", str(ranks)]
         extra = ["--resume", resume] if resume else []
-        return [*self.launch_cmd, *count, self.python, "-m", "ringnet.train",
+        return [*launcher, *count, self.python, "-m", "ringnet.train",
                 *self.train_args, *extra]
 
     def _checkpoint_step(self):
@@ -277,6 +262,14 @@ class Launcher:
                          f"--max-restarts {self.max_restarts} reached, giving up")
                     return code
                 available = self.available()
+                if self.nodes is not None:
+                    answering = self._probe_nodes()
+                    if not answering:
+                        _say(f"the job failed ({attempt.reason()}) and no node of the job "
+                             "answers: not relaunching")
+                        return code
+                    on_nodes = len(answering) * self.nodes.per_node
+                    available = on_nodes if available is None else min(available, on_nodes)
                 new_ranks = relaunch_size(ranks, self.batch_size, self.min_ranks, self.shrink,
                                           available, self.usable)
                 if new_ranks is None:
@@ -293,10 +286,22 @@ class Launcher:
                           else "the start (no checkpoint yet" + ("" if self.checkpoint else
                                 ": pass --save PATH.h5 --save-every K") + ")")
                 lost_text = f"{lost} step(s) lost" if lost is not None else "steps lost unknown"
+                on = (f" on node(s) {', '.join(self.placed)}"
+                      if self.nodes is not None and self.placed != self.nodes.names else "")
                 _say(f"the job on {ranks} rank(s) failed {where}: {attempt.reason()}. "
                      f"{lost_text}; relaunch {restarts + 1} of {self.max_restarts} on "
-                     f"{new_ranks} rank(s) from {origin}")
+                     f"{new_ranks} rank(s){on} from {origin}")
                 ranks = new_ranks
+
+    def _probe_nodes(self):
+        """After a failure: run one task on each node the failed launch used; leave out
+        those that do not answer (saying why). Return the answering nodes."""
+        answering, why = self.nodes.probe(self.placed)
+        for node in self.placed:
+            if node in why:
+                _say(f"node {node} does not answer ({why[node]}): relaunching without it")
+        self.placed = answering
+        return answering
 
     @staticmethod
     def _resume_step(resume):
@@ -448,12 +453,6 @@ def _checkpoint_attr(path, name):
         return None
 
 
-def checkpoint_step(path):
-    """Return the step stored in checkpoint ``path``, or None."""
-    step = _checkpoint_attr(path, "step")
-    return int(step) if step is not None else None
-
-
 def _file_id(path):
     """Return what tells a rewritten file from the old one (inode, size, mtime), or None."""
     try:
@@ -484,7 +483,8 @@ def build_parser():
               "[--stall-timeout S] [--launcher CMD] -- <python -m ringnet.train flags>",
         description="Run python -m ringnet.train on N ranks and relaunch it from its newest "
                     "checkpoint (--save, written every --save-every K steps) when a rank dies "
-                    "or stalls. Inside a SLURM allocation the job runs under srun.",
+                    "or stalls; when a node no longer answers, on the nodes that do. Inside a "
+                    "SLURM allocation the job runs under srun.",
         epilog="Example:\n"
                f"  {PROG} -n 4 --shrink -- --mode ring --steps 2000 --save ck.h5 --save-every 100\n",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -572,7 +572,7 @@ def main(argv=None):
                          "pip install mpich (or load your MPI), or pass --launcher CMD")
     available = lambda: None     # noqa: E731
     if os.path.basename(launch_cmd[0]) == "srun" and env.get("SLURM_JOB_ID"):
-        per_node = _slurm_tasks_per_node(env)
+        per_node = slurm_tasks_per_node(env)
         if per_node:
             available = lambda: slurm_tasks_alive(env["SLURM_JOB_ID"], per_node)  # noqa: E731
     def terminated(signum, frame):  # SIGTERM, SIGUSR1: a graceful stop; SIGHUP: stop; no relaunch
@@ -582,7 +582,8 @@ def main(argv=None):
     launcher = Launcher(args.ranks, [*train_args, *pins], launch_cmd=launch_cmd, batch_size=batch,
                         checkpoint=cfg.save, resume=cfg.resume, min_ranks=args.min_ranks,
                         max_restarts=args.max_restarts, shrink=args.shrink,
-                        stall_timeout=args.stall_timeout, usable=usable, available=available)
+                        stall_timeout=args.stall_timeout, usable=usable, available=available,
+                        nodes=JobNodes.of(launch_cmd, args.ranks, env))
     return launcher.run()
 
 

@@ -407,11 +407,16 @@ def _main_output(main, argv):
     return out.getvalue()
 
 
-def _fake_summary(mode, delay, n, accuracy=0.9):
-    """What one training run reports, as far as bench scaling reads it."""
+def _fake_summary(mode, delay, n, accuracy=0.9, extra=()):
+    """What one training run reports, as far as bench scaling reads it (on a cluster: each
+    rank's node, the topology asked for in ``extra``, the bytes its links carried)."""
+    per_node = getattr(n, "per_node", n)
+    topology = extra[list(extra).index("--topology") + 1] if "--topology" in extra else "flat"
     return {"step_ms": 100.0 / n, "comm_wait_s": 0.01, "steps": 2, "overlap": 0.5,
             "bytes_per_step": 1000, "fc_params_per_rank": None, "test_accuracy": accuracy,
-            "evals": [[10, 0.5, 3.0, accuracy - 0.1], [20, 1.0, 6.0, accuracy]]}
+            "evals": [[10, 0.5, 3.0, accuracy - 0.1], [20, 1.0, 6.0, accuracy]],
+            "rank_nodes": [f"node{i // per_node}" for i in range(n)],
+            "topology": f"{topology} (asked for)", "link_bytes": 1000}
 
 
 def _table_output(command, tmp_path):
@@ -433,8 +438,12 @@ def _table_output(command, tmp_path):
             mp.chdir(ROOT)
             return _main_output(model.main, argv)
         if bench == "scaling":
-            from ringnet.bench import scaling
-            mp.setattr(scaling, "run_config", lambda a, mode, delay, n, **kw: _fake_summary(mode, delay, n))
+            from ringnet.bench import cluster, scaling
+            mp.setattr(scaling, "run_config", lambda a, mode, delay, n, extra=(), **kw:
+                       _fake_summary(mode, delay, n, extra=extra))
+            mp.setattr(cluster, "available_nodes", lambda launcher: 4)    # hpc/cluster.sh's 4
+            if "--csv" in argv:         # a table check never writes into the repository
+                argv[argv.index("--csv") + 1] = str(tmp_path / "scaling.csv")
             return _main_output(scaling.main, argv)
         if bench == "faults":
             from ringnet.bench import faults
@@ -497,6 +506,17 @@ def curves_replot(command, tmp_path):
     args = shlex.split(command)
     out = tmp_path / "curves.png"
     args[args.index("--plot") + 1] = str(out)
+    run(shlex.join(args))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def cluster_replot(command, tmp_path):
+    """``bench.plot cluster CSV... PNG`` redraws docs/scaling.md's cluster figure from the kept
+    CSV files (into a temporary file here; the figure in docs/ stays)."""
+    pytest.importorskip("matplotlib")
+    args = shlex.split(command)
+    out = tmp_path / "cluster.png"
+    args[-1] = str(out)
     run(shlex.join(args))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -592,6 +612,9 @@ SUITE = "runs the test suite; CI runs it (bash .ci/run)"
 CLUSTER = "trace and plot commands; run by their own tests (tests/test_trace*.py, plot tests)"
 FASHION = ("needs Fashion-MNIST (Debian's dataset-fashion-mnist), which CI does not install; "
            "the bench commands have their own tests on small data")
+NODES = ("runs on a cluster of 4 nodes (hpc/cluster.sh, as root; about 5 minutes); "
+         "tests/hpc/test_cluster_scaling.py runs bench scaling's cluster flags on one and "
+         "tests/bench/test_bench_cluster.py the placement and the byte counts")
 COMMANDS = {
     # README.md and docs/
     'pip install -e ".[mpich]" && mpirun -np 4 python -m ringnet.train': quick_start,
@@ -765,6 +788,38 @@ COMMANDS = {
     '--model cifar10_quick --dataset synthetic --device auto --csv "scaling-${SLURM_JOB_ID}.csv" '
     '"$@"': bench_scaling,
     "launch/local.sh -n 4 --mode ring --delay 1": local_launcher,
+    'python -m ringnet.launch -n 4 --launcher "mpirun -ppn 2" -- --model lenet --dataset synthetic '
+    '--steps 300 --save ck.h5 --save-every 20':
+        "tests/hpc/test_cluster_node_loss.py::test_launch_under_mpirun_continues_on_the_surviving_node",
+    # docs/scaling.md, across nodes
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --modes '
+    'ring,tree,master,split-fc --topologies flat,hierarchical --model lenet --steps 20 --repeats 1 '
+    '--csv docs/scaling-cluster-lenet-1gbit.csv --markdown': doc_table,
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --modes '
+    'ring,tree,master,split-fc --topologies flat,hierarchical --model cifar10_quick --steps 20 --repeats 1 '
+    '--csv docs/scaling-cluster-cifar10_quick-1gbit.csv --markdown': doc_table,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 1 '
+    '--validate-steps 20 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-1gbit.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit.json --table validation --markdown": doc_table,
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --modes '
+    'ring,tree,master,split-fc --topologies flat,hierarchical --model lenet --steps 20 --repeats 1 '
+    '--csv docs/scaling-cluster-lenet-unshaped.csv --markdown': doc_table,
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --modes '
+    'ring,tree,master,split-fc --topologies flat,hierarchical --model cifar10_quick --steps 20 --repeats 1 '
+    '--csv docs/scaling-cluster-cifar10_quick-unshaped.csv --markdown': doc_table,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 1 '
+    '--validate-steps 20 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-unshaped.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-unshaped.json --table validation --markdown": doc_table,
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 --modes ring --model '
+    'lenet --dataset fashion-mnist --to-accuracy 0.84 --epochs 1 --eval-every 117 --repeats 1 '
+    '--markdown': doc_table,
+    "python -m ringnet.bench.plot cluster docs/scaling-cluster-lenet-1gbit.csv "
+    "docs/scaling-cluster-cifar10_quick-1gbit.csv docs/scaling-cluster-lenet-unshaped.csv "
+    "docs/scaling-cluster-cifar10_quick-unshaped.csv docs/scaling-cluster.png": cluster_replot,
     # docs/comm.md's first python example is not a shell command; it runs here too
     "docs/comm.md: A first example": comm_example,
 }

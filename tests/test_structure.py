@@ -22,7 +22,8 @@ LAYERS = [
     ("communication", ["ringnet.comm"]),
     ("strategies", ["ringnet.parallel"]),
     ("data and state", ["ringnet.data", "ringnet.checkpoint", "ringnet.autosave"]),
-    ("runs", ["ringnet.config", "ringnet.environment", "ringnet.stopping", "ringnet.resume"]),
+    ("runs", ["ringnet.config", "ringnet.environment", "ringnet.stopping", "ringnet.resume",
+              "ringnet.hosts"]),
     ("programs", ["ringnet.train", "ringnet.launch", "ringnet.datasets", "ringnet.data.__main__"]),
     ("benchmarks", ["ringnet.bench"]),
 ]
