@@ -128,3 +128,59 @@ def test_the_cluster_figure_is_drawn_from_the_csv_files(monkeypatch, tmp_path):
     bad.write_text("mode,delay,np\nring,1,2\n")
     with pytest.raises(UsageError, match="bench scaling --nodes"):
         plot.main(["cluster", str(bad), str(out)])
+
+
+def _tbf_ring_times(n, alpha, rate, fast, burst):
+    """Ring RS+AG times of each calibration size through a token bucket: each rank's
+    2(N-1) messages, the first ``burst`` bytes at the wire's ``fast`` speed, the rest at
+    ``rate``."""
+    from ringnet.bench.model.worker import CALIBRATION_SIZES
+    out = []
+    for size in CALIBRATION_SIZES:
+        sent = 2 * (n - 1) / n * size
+        out.append((size, 2 * (n - 1) * alpha + min(sent, burst) / fast
+                    + max(0.0, sent - burst) / rate))
+    return out
+
+
+def test_a_shaped_link_is_fitted_at_its_rate_not_its_burst():
+    from ringnet.bench.model.calibration import _fit_link, _fit_shaped_link, calibration_record
+    times = _tbf_ring_times(2, 40e-6, 125e6, 2e9, 125_000)
+    straight = _fit_link(2, times, 0.0)[1]
+    alpha, beta = _fit_shaped_link(2, times, 0.0)
+    assert straight > 1.3 * 125e6                       # one line through every size
+    assert beta == pytest.approx(125e6, rel=0.01)
+    assert 40e-6 <= alpha <= 40e-6 + 4096 / 2e9 + 1e-9
+    # the record fits a calibration made across shaped links this way, others as before
+    raw = {"blocking": {str(s): t for s, t in times}, "together_s": 1.0, "solo_s": 1.0,
+           "streamed": {}, "cores": 2}
+    assert calibration_record(2, raw, 0.0)["beta_Bps"] == pytest.approx(straight)
+    raw["placement"] = {"per_node": 1, "shaped": "1gbit"}
+    assert calibration_record(2, raw, 0.0)["beta_Bps"] == pytest.approx(125e6, rel=0.01)
+
+
+def test_the_cluster_file_says_whether_links_are_shaped(tmp_path):
+    from ringnet.bench.model.calibration import shaped_links
+    (tmp_path / "cluster").write_text("rate=1gbit\nprefix=sc\n")
+    assert shaped_links({"SLURM_CONF": str(tmp_path / "slurm.conf")}) == "1gbit"
+    (tmp_path / "cluster").write_text("rate=\nprefix=sc\n")
+    assert shaped_links({"SLURM_CONF": str(tmp_path / "slurm.conf")}) is None
+    assert shaped_links({}) is None
+
+
+def test_ranks_across_nodes_progress_as_the_code_does_there():
+    import dataclasses
+    from ringnet.bench.model.codefacts import facts
+    from ringnet.bench.model.simulate import _progress
+    from ringnet.bench.model.system import System
+    from ringnet.bench.model.links import Link
+    link = Link("x", 1e-4, 1e8)
+    system = System("local", link, link, 1 << 30, None, cores=2)
+    placed = dataclasses.replace(system, placed_per_node=1)
+    with facts({"progress": "driven", "progress_nodes": "poll", "bucket_bytes": 0,
+                "rooted_concurrent": True}):
+        assert _progress(system, 2) == "driven"         # one node, as before
+        assert _progress(placed, 1) == "driven"
+        assert _progress(placed, 2) == "poll"           # the ranks span 2 nodes
+    with facts({"progress": "driven", "bucket_bytes": 0, "rooted_concurrent": True}):
+        assert _progress(placed, 2) == "driven"         # a record that did not say

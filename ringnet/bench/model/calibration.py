@@ -45,6 +45,28 @@ def _fit_link(n, sizes_s, add_s_per_elem):
     return max(float(alpha), 0.0), 1.0 / float(inv_beta)
 
 
+def _fit_shaped_link(n, sizes_s, add_s_per_elem):
+    """Fit (alpha, beta) of ring RS+AG times over links shaped by a token bucket (tc tbf,
+    ``hpc/cluster.sh --link``): a message up to the bucket's burst passes at the wire's
+    speed, the rest at the shaped rate, so one straight line through every size (the
+    relative fit of :func:`_fit_link`) takes the small messages' speed for the bandwidth
+    (279 MB/s fitted on a 1 Gbit/s link, 125 MB/s). Here beta is the slope between the two
+    largest sizes, where the rate decides, and alpha the smallest per-message time of the
+    small sizes, which pass within the burst (their bytes at the wire's speed included:
+    the least any message costs)."""
+    timed = sorted(sizes_s)
+    per_byte = 2 * (n - 1) / n
+
+    def net(size, seconds):
+        return max(seconds - (n - 1) * add_s_per_elem * size / 4 / n, 0.0)
+    (s1, t1), (s2, t2) = timed[-2], timed[-1]
+    slope = (net(s2, t2) - net(s1, t1)) / (per_byte * (s2 - s1))
+    if slope <= 0:
+        return _fit_link(n, sizes_s, add_s_per_elem)
+    small = [net(s, t) / (2 * (n - 1)) for s, t in timed[:-2]]
+    return (min(small) if small else 0.0), 1.0 / slope
+
+
 def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300, models=(), batch=64,
               scaling="weak", per_node=None):
     """Run the calibration worker at each N under mpirun; return the ``local`` calibration.
@@ -64,6 +86,9 @@ def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300, models=(), ba
                "--calibrate-worker", "--iters", str(iters), "--batch-size", str(per_rank),
                "--models", ",".join(models)]
         raw = run_json(cmd, f"calibration at N={n}", env=env, timeout=timeout)
+        if per_node:
+            raw["placement"] = {"per_node": per_node, "launcher": mpirun,
+                                "shaped": shaped_links()}
         by_np[n] = calibration_record(n, raw, compute.add_s_per_elem)
     return {"by_np": by_np}
 
@@ -90,7 +115,8 @@ def _fit_rooted(mode, n, sizes_s, add_s_per_elem):
 def calibration_record(n, raw, add_s_per_elem):
     """Turn one worker's timings into link, contention, and the stream's rate and steal."""
     blocking = sorted((int(k), v) for k, v in raw["blocking"].items())
-    alpha, beta = _fit_link(n, blocking, add_s_per_elem) if n > 1 else (0.0, 1e30)
+    fit = _fit_shaped_link if raw.get("placement", {}).get("shaped") else _fit_link
+    alpha, beta = fit(n, blocking, add_s_per_elem) if n > 1 else (0.0, 1e30)
     together = raw["together_s"]
     rates, steals = [], []
     for size, (span, work) in sorted((int(k), v) for k, v in raw["streamed"].items()):
@@ -126,6 +152,24 @@ def calibration_record(n, raw, add_s_per_elem):
             "slice_s": slice_s, "msg_slice_s": msg_slice_s,
             "rate": float(np.mean(rates)) if rates else 1.0,
             "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
+
+
+def shaped_links(environ=None):
+    """The rate the cluster's links are shaped to (``hpc/cluster.sh``'s ``cluster`` file
+    beside ``$SLURM_CONF`` or ``$HYDRA_HOST_FILE``: ``rate=1gbit``), or None: unshaped, or
+    no cluster."""
+    env = os.environ if environ is None else environ
+    for var in ("SLURM_CONF", "HYDRA_HOST_FILE"):
+        if env.get(var):
+            path = os.path.join(os.path.dirname(env[var]), "cluster")
+            try:
+                with open(path) as f:
+                    for line in f:
+                        if line.startswith("rate="):
+                            return line.strip().partition("=")[2] or None
+            except OSError:
+                continue
+    return None
 
 
 def describe_contention(n, record):

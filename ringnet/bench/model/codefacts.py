@@ -26,7 +26,9 @@ def code_facts():
         compensation = "none"
     # rooted communicators that cut their transfers by a ``pieces`` rule post every
     # sender's piece at once
-    return {"progress": progress_mode(), "bucket_bytes": bucket_bytes(),
+    # "progress_nodes": how they progress where the ranks span nodes (auto polls there)
+    return {"progress": progress_mode(), "progress_nodes": progress_mode(nodes=2),
+            "bucket_bytes": bucket_bytes(),
             "rooted_concurrent": all(hasattr(COMMUNICATORS[name], "pieces") for name in ("tree", "master")),
             "delay_compensation": compensation}
 

@@ -47,7 +47,7 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
     region = whole.region
     sent = whole.sent()
     bytes_mean, bytes_max = float(np.mean(sent)), int(max(sent))
-    progress = _progress(system)
+    progress = _progress(system, n)
     layers = range(len(model.layers))
 
     if whole.activations:                       # split FC layers: activations collectives

@@ -6,11 +6,15 @@ from ringnet.bench.model.codefacts import code_facts
 __all__ = ["Timeline"]
 
 
-def _progress(system):
-    """How the stream's transfers progress beside the compute: gpu, driven, poll or block."""
+def _progress(system, n=1):
+    """How the stream's transfers progress beside the compute: gpu, driven, poll or block;
+    N ranks placed on several nodes (``placed_per_node``) progress as the code does there."""
     if system.cores is None:
         return "gpu"
-    return code_facts()["progress"]
+    facts = code_facts()
+    if system.placed_per_node and n > system.placed_per_node:
+        return facts.get("progress_nodes", facts["progress"])
+    return facts["progress"]
 
 
 @dataclasses.dataclass

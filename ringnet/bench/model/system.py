@@ -41,6 +41,7 @@ class System:
     wait_s: float = 0.0              # a step's first wait for peers descheduled (N > cores)
     imbalance: dict = None           # local, a core per rank: model -> slowest rank's step / mean
     msg_wait_s: float = 0.0          # each blocking message's wait for them
+    placed_per_node: int = None      # local on a cluster: the ranks per node as placed
 
     def hop(self, a, b):
         """Return the Link between ranks a and b (ranks fill nodes in order)."""
