@@ -6,7 +6,7 @@ and count the same bytes) with Irecv/Isend on views of the caller's buffer, ``nu
 out=)`` into it and one preallocated scratch buffer per dtype; ``rd`` and ``direct`` in whole
 steps keep a plan per byte count (the short path) and, for an array that comes back,
 persistent requests (:class:`Bound`), freed before MPI finalizes (:func:`free_persistent`).
-``native`` (MPI_Allreduce in place, under the transport's
+``native`` (MPI_Allreduce in place, its deadline kept by
 :class:`~ringnet.comm.mpi_transport.NativeWatch`) has a plan per byte count too.
 See :mod:`ringnet.comm.auto` for the measurements behind it.
 """
@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from ringnet import trace
 from ringnet.comm import mpi_transport as _mpi_transport, stream as _stream
-from ringnet.comm.mpi_transport import YIELD_ROUNDS
+from ringnet.comm.mpi_transport import YIELD_ROUNDS, NativeWatch
 from ringnet.comm.schedules import (direct_peers, direct_slot, eager_cuts, ring_steps, step_pieces,
                                     sum_in_rank_order)
 from ringnet.comm.topology import lean_spins
@@ -101,7 +101,7 @@ class LeanPath:
         self.scratch = {}
         self.plans = {}
         self.irecv, self.isend = self.mpi.Irecv, self.mpi.Isend
-        self.mpi_allreduce, self.watch = self.mpi.Allreduce, getattr(transport, "native_watch", None)
+        self.mpi_allreduce = self.mpi.Allreduce
         # The short path needs no lock around MPI calls and whole (unpieced) steps.
         self.quick = self.lock is None and self.piece_bytes is None
         self.sent = self.received = 0
@@ -164,9 +164,9 @@ class LeanPath:
             function, slots = self.quick_doubling, 1
         elif algorithm == "direct":
             function, slots = self.quick_direct, self.n - 1
-        elif algorithm == "native" and self.watch is not None:
+        elif algorithm == "native":
             function, slots = self.quick_native, 0
-            self.watch.start()
+            NativeWatch.start(self.transport)
         else:
             return None
         cuts = eager_cuts(buf.size, buf.itemsize)
@@ -228,14 +228,11 @@ class LeanPath:
         self.transport._wait(requests, ("all-reduce", to, source, nbytes), start=start)
 
     def quick_native(self, buf, plan):
-        """``native``: one MPI_Allreduce in place, watched by the transport's deadline."""
-        watch = self.watch
-        watch.nbytes = buf.nbytes
-        watch.since = _perf_counter()
-        try:
-            self.mpi_allreduce(_IN_PLACE, buf)
-        finally:
-            watch.since = 0.0
+        """``native``: one MPI_Allreduce in place (its deadline: :class:`NativeWatch`).
+        ``buf`` (checked by the caller) becomes the array auto's ``allreduce`` looks for
+        first, which then makes the call itself."""
+        self.auto._native_buf = buf
+        self.mpi_allreduce(_IN_PLACE, buf)
 
     def quick_doubling(self, buf, plan):
         """``doubling`` for a rank of the power-of-two core: per step one Irecv + Isend
@@ -459,3 +456,6 @@ class LeanPath:
                              inc)
         for out, into in gather[1:]:    # the rest of the all-gather
             self.exchange(shard(out), self.right, shard(into), self.left)
+
+
+NativeWatch.site(LeanPath.quick_native, "mpi_allreduce")

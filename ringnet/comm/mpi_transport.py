@@ -1,10 +1,12 @@
 """MpiTransport: point-to-point transfers with mpi4py's buffer interface."""
 import ctypes
+import dis
 import os
+import sys
 import threading
 import time
+import weakref
 
-import numpy as np
 from mpi4py import MPI
 
 from ringnet import trace
@@ -105,47 +107,96 @@ _EXPIRED = []
 
 
 class NativeWatch:
-    """The deadline of the blocking MPI_Allreduce (:meth:`MpiTransport.allreduce_native`).
+    """The deadline of the blocking MPI_Allreduce, at no cost to the call.
 
     MPICH's non-blocking forms measured 0.5-0.9x the blocking call (MPI_Iallreduce polled,
-    and MPI_Allreduce_init started, at 3 and 4 ranks on 2 cores), so the call blocks and
-    this watches it: the caller sets ``since`` (a ``time.perf_counter()``) before and 0.0
-    after, and ``nbytes``; a daemon thread, started at the first call, looks every
-    ``timeout_s / 8`` (0.01-1 s) and, past ``transport.timeout_s``, names the call and
-    ends the job (a collective cannot be taken back, so nothing could be raised instead).
+    and MPI_Allreduce_init started on a buffer of its own, the caller's copied in and out,
+    at 3 and 4 ranks on 2 cores), and there even marking each call for a watcher (two
+    stores and a clock read, ~0.1 us) measured 5-10% slower: so the call blocks, marks
+    nothing, and this watches it from outside. The line of each function that makes the
+    call is registered (:meth:`site`: the lines that load the named callable). One daemon
+    thread per process, started by :meth:`start`, looks every ``timeout_s / 8`` (0.01-1 s,
+    the smallest of the transports that started it) at the frame every thread runs
+    (``sys._current_frames``). A thread whose frame stands at a registered line is inside
+    that call; the same frame object there at two looks more than the transport's
+    ``timeout_s`` apart is one call that long (a later call is another frame: the watch
+    holds the one it saw, so it cannot be reused), and the job ends with a line naming
+    the call and its size (a collective cannot be taken back, so nothing could be raised
+    instead). Such a call is never ended before its deadline, and at most two looks after.
     """
 
-    __slots__ = ("transport", "since", "nbytes", "_thread", "_stop")
+    _sites = {}             # code object -> lines that call MPI_Allreduce
+    _transports = weakref.WeakSet()
+    _thread = None
+    _lock = threading.Lock()
 
-    def __init__(self, transport):
-        self.transport, self.since, self.nbytes = transport, 0.0, 0
-        self._thread = None
-        self._stop = threading.Event()
+    @classmethod
+    def site(cls, function, name):
+        """Watch the lines of ``function`` that load ``name`` (the MPI_Allreduce it calls);
+        its frame must have ``self`` (a transport, or an object with ``transport``) and
+        ``buf`` (the reduced array) as locals. Returns ``function``."""
+        code = function.__code__
+        lines, line = set(), None
+        for instruction in dis.get_instructions(code):
+            positions = getattr(instruction, "positions", None)       # Python 3.11+
+            if positions is not None and positions.lineno is not None:
+                line = positions.lineno
+            elif isinstance(instruction.starts_line, int) and instruction.starts_line:
+                line = instruction.starts_line
+            if instruction.argval == name:
+                lines.add(line)
+        if not lines:
+            raise ValueError(f"{function.__qualname__} does not load {name!r}")
+        cls._sites[code] = frozenset(lines)
+        return function
 
-    def start(self):
-        """Start the watching thread (once); return self."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="ringnet-mpi-watchdog",
-                                            daemon=True)
-            self._thread.start()
-        return self
+    @classmethod
+    def start(cls, transport):
+        """Watch ``transport``'s calls (its ``timeout_s``); start the thread once."""
+        cls._transports.add(transport)
+        if cls._thread is None:
+            with cls._lock:
+                if cls._thread is None:
+                    thread = threading.Thread(target=cls._loop, name="ringnet-mpi-watchdog",
+                                              daemon=True)
+                    thread.start()
+                    cls._thread = thread
 
-    def stop(self):
-        self._stop.set()
-
-    def _loop(self):
+    @classmethod
+    def _loop(cls):
+        seen = {}           # thread id -> (frame, first seen there, transport, nbytes)
         while True:
-            timeout_s = self.transport.timeout_s
-            if self._stop.wait(min(1.0, max(0.01, timeout_s / 8))):
-                return
-            since = self.since
-            if since and time.perf_counter() - since > timeout_s:
-                self.expire(timeout_s)
-                return
+            timeouts = [t.timeout_s for t in list(cls._transports)]
+            time.sleep(min(1.0, max(0.01, min(timeouts, default=8.0) / 8)))
+            seen = cls.look(seen, time.perf_counter())
 
-    def expire(self, timeout_s):
+    @classmethod
+    def look(cls, seen, now):
+        """One look at every thread: ``seen`` (from the last look) updated; ends the job
+        where a call is past its deadline."""
+        looked = {}
+        sites = cls._sites
+        for ident, frame in sys._current_frames().items():
+            lines = sites.get(frame.f_code)
+            if lines is None or frame.f_lineno not in lines:
+                continue
+            before = seen.get(ident)
+            if before is not None and before[0] is frame:
+                looked[ident] = before
+                _, since, transport, nbytes = before
+                if now - since > transport.timeout_s:
+                    cls.expire(nbytes, transport.timeout_s)
+            else:
+                owner, buf = frame.f_locals.get("self"), frame.f_locals.get("buf")
+                transport = getattr(owner, "transport", owner)
+                if hasattr(transport, "timeout_s"):
+                    looked[ident] = (frame, now, transport, getattr(buf, "nbytes", 0))
+        return looked
+
+    @staticmethod
+    def expire(nbytes, timeout_s):
         from ringnet.shutdown import abort  # noqa: WPS433
-        abort(f"all-reduce (MPI_Allreduce) of {self.nbytes} bytes did not complete within "
+        abort(f"all-reduce (MPI_Allreduce) of {nbytes} bytes did not complete within "
               f"{timeout_s:g} s: a rank stopped answering; ending the job")
 
 
@@ -203,7 +254,6 @@ class MpiTransport(Transport):
         self.cuda_aware, self.cuda_aware_how = (False, "device cpu") if device == "cpu" \
             else mpi_cuda_aware()
         self._host = {}
-        self.native_watch = NativeWatch(self)
 
     @property
     def progress(self):
@@ -360,29 +410,20 @@ class MpiTransport(Transport):
     def allreduce_native(self, buf, op="sum"):
         """MPI_Allreduce in place (the reference the ring is measured against), under the
         deadline of :class:`NativeWatch`: past ``timeout_s`` the job ends."""
-        watch = self.native_watch
-        if watch._thread is None:
-            watch.start()
-        watch.nbytes = buf.nbytes
+        NativeWatch.start(self)
         if is_gpu_array(buf):
             cupy.cuda.get_current_stream().synchronize()
             if not self.cuda_aware:
                 host = buf.get()
-                watch.since = time.perf_counter()
-                try:
-                    self.mpi_comm.Allreduce(MPI.IN_PLACE, host, op=_MPI_OPS[op])
-                finally:
-                    watch.since = 0.0
+                self.mpi_comm.Allreduce(MPI.IN_PLACE, host, op=_MPI_OPS[op])
                 buf.set(host)
                 return
-        watch.since = time.perf_counter()
-        try:
-            self.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
-        finally:
-            watch.since = 0.0
+        self.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
 
     def close(self):
-        self.native_watch.stop()
         if self.mpi_comm is not None and self.mpi_comm != MPI.COMM_NULL:
             self.mpi_comm.Free()
             self.mpi_comm = None
+
+
+NativeWatch.site(MpiTransport.allreduce_native, "Allreduce")

@@ -189,22 +189,31 @@ import sys, time
 import numpy as np
 from mpi4py import MPI
 from ringnet.comm import AutoCommunicator, MpiTransport
+how = sys.argv[1]
 transport = MpiTransport(MPI.COMM_WORLD, timeout_s=0.5)
-comm = AutoCommunicator(transport, algorithm=sys.argv[1] if sys.argv[1] != "auto" else None)
-comm.allreduce(np.ones(3, np.float32))           # every rank: a planned size
+comm = AutoCommunicator(transport, algorithm="native" if how == "native" else None)
+buf = np.ones(3, np.float32)
+comm.allreduce(buf)                              # every rank: a planned size
+comm.allreduce(buf)                              # again: the array auto looks for first
 if MPI.COMM_WORLD.Get_rank() == 0:
-    comm.allreduce(np.ones(3, np.float32))       # alone: the others never come
+    print("first", comm._native_buf is buf, comm.last_algorithm, flush=True)
+    if how == "transport":
+        transport.allreduce_native(np.ones(3, np.float32))
+    else:                                        # hot: the same array; else a new one
+        comm.allreduce(buf if how == "hot" else np.ones(3, np.float32))
     print("returned", comm.last_algorithm, flush=True)
 else:
     time.sleep(30)
 """
 
 
-@pytest.mark.parametrize("algorithm", ["native", "auto"])
-def test_native_past_its_deadline_ends_the_job_naming_the_call(tmp_path, algorithm):
+@pytest.mark.parametrize("how", ["native", "auto", "hot", "transport"])
+def test_native_past_its_deadline_ends_the_job_naming_the_call(tmp_path, how):
     """MPI's blocking all-reduce cannot be taken back: rank 0 alone in it, past the
     transport's 0.5 s deadline, ends the whole job (long before the peer's 30 s sleep) with
-    one line naming the call and its size. ``auto`` at 3 ranks on 2 cores picks native."""
+    one line naming the call and its size, on each path that makes the call: the planned
+    size (forced native; ``auto`` at 3 ranks on 2 cores picks native), the array auto
+    looks for first (``hot``) and the transport's own call."""
     import shutil
     import subprocess
     import sys
@@ -215,13 +224,83 @@ def test_native_past_its_deadline_ends_the_job_naming_the_call(tmp_path, algorit
     script.write_text(NATIVE_ALONE)
     from conftest import launcher_free_env
     start = time.perf_counter()
-    proc = subprocess.run(["mpirun", "-np", "3", sys.executable, str(script), algorithm],
+    proc = subprocess.run(["mpirun", "-np", "3", sys.executable, str(script), how],
                           capture_output=True, text=True, timeout=120, env=launcher_free_env())
     elapsed = time.perf_counter() - start
+    assert "first True native" in proc.stdout, (proc.stdout, proc.stderr)
     assert proc.returncode != 0 and "returned" not in proc.stdout, (proc.stdout, proc.stderr)
     assert "all-reduce (MPI_Allreduce) of 12 bytes did not complete within 0.5 s" in proc.stderr, \
         proc.stderr
     assert elapsed < 25, elapsed
+
+
+class _Sleeper:
+    """Stands in for a native call site: ``call`` blocks in C (time.sleep) on its watched line."""
+
+    def __init__(self, timeout_s):
+        import types
+        self.transport = types.SimpleNamespace(timeout_s=timeout_s)
+
+    def call(self, buf, seconds):
+        import time
+        time.sleep(seconds)
+
+
+def test_native_watch_ends_only_a_call_past_its_deadline(monkeypatch):
+    """NativeWatch's looks: a thread inside a watched call is seen with its size; the same
+    call is ended only once the transport's timeout passed since it was first seen, never
+    before; a later call (another frame) starts its own count; lines elsewhere are not watched."""
+    import threading
+    import time
+    from ringnet.comm.mpi_transport import NativeWatch
+    ended = []
+    monkeypatch.setattr(NativeWatch, "expire", staticmethod(lambda *what: ended.append(what)))
+    monkeypatch.setattr(NativeWatch, "_sites", dict(NativeWatch._sites))
+    NativeWatch.site(_Sleeper.call, "sleep")
+    owner = _Sleeper(timeout_s=0.5)
+    buf = np.ones(6, np.float32)
+    calls = threading.Thread(target=lambda: [owner.call(buf, 0.6) for _ in range(2)])
+    calls.start()
+    try:
+        seen = {}
+        for _ in range(200):                         # until the thread is in its first call
+            seen = NativeWatch.look({}, 0.0)
+            if calls.ident in seen:
+                break
+            time.sleep(0.005)
+        first = seen[calls.ident]
+        assert first[1:] == (0.0, owner.transport, 24)
+        seen = NativeWatch.look(seen, 0.49)          # inside, not yet past 0.5 s
+        assert ended == [] and seen[calls.ident][0] is first[0]
+        seen = NativeWatch.look(seen, 0.51)
+        assert ended == [(24, 0.5)]
+        while True:                                  # until the second call: a new frame
+            later = NativeWatch.look({}, 10.0)
+            if calls.ident in later and later[calls.ident][0] is not first[0]:
+                break
+            time.sleep(0.01)
+        seen = NativeWatch.look({**seen, **later}, 10.4)
+        assert ended == [(24, 0.5)] and seen[calls.ident][1] == 10.0
+        assert threading.get_ident() not in seen     # this thread waits elsewhere: not watched
+    finally:
+        calls.join()
+
+
+def test_native_watch_knows_every_line_that_calls_mpi_allreduce():
+    """Every place ringnet calls the blocking MPI_Allreduce is a watched line, and a site
+    that does not load the named callable is refused."""
+    import inspect
+    from ringnet.comm import _lean
+    from ringnet.comm.auto import AutoCommunicator
+    from ringnet.comm.mpi_transport import MpiTransport, NativeWatch
+    for function, call in ((AutoCommunicator.allreduce, "self._native_call(_IN_PLACE, buf)"),
+                           (_lean.LeanPath.quick_native, "self.mpi_allreduce(_IN_PLACE, buf)"),
+                           (MpiTransport.allreduce_native, "self.mpi_comm.Allreduce(MPI.IN_PLACE,")):
+        lines, first = inspect.getsourcelines(function)
+        calls = {first + k for k, line in enumerate(lines) if call in line}
+        assert calls and NativeWatch._sites[function.__code__] == calls, function.__qualname__
+    with pytest.raises(ValueError, match="does not load"):
+        NativeWatch.site(_Sleeper.call, "Allreduce")
 
 
 def test_auto_refuses_unknown_algorithms(transport):

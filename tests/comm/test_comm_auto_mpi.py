@@ -609,3 +609,47 @@ def test_native_has_a_plan_and_counts_no_bytes_of_its_own(transport):
     for k, buf in enumerate(got):
         np.testing.assert_array_equal(buf, sum(integers(length, r + k) for r in range(N)))
     np.testing.assert_array_equal(mean, exact_sum(length) / N)
+
+
+@pytest.mark.skipif(N < 2, reason="one rank all-reduces without messages (no short path)")
+def test_the_array_native_ran_on_last_goes_straight_to_mpi_off_streams_only(transport):
+    """The array native ran on last is summed by MPI_Allreduce straight away, exactly, on
+    every later call with new contents; op mean and another array of that size take the
+    checked path (the mean divides; the other array is looked for first from then on). On
+    a stream's thread (a function queued on it calling ``allreduce``) that same array is
+    summed by auto's own algorithm, and a forced native is refused there."""
+    comm = create("auto", transport=transport)
+    nbytes = next(b for b in (64 << 10, 8 << 10, 256 << 10) if comm.choose(b) == "native")
+    length = nbytes // 8
+    buf = integers(length, RANK)
+    comm.allreduce(buf)
+    found = [comm._native_buf is buf]
+    got = []
+    for k in (1, 2):
+        buf[...] = integers(length, RANK + k)
+        comm.allreduce(buf)
+        got.append((k, buf.copy(), comm.last_algorithm))
+    buf[...] = integers(length, RANK)
+    comm.allreduce(buf, op="mean")
+    mean = buf.copy()
+    other = integers(length, RANK + 3)
+    comm.allreduce(other)
+    found.append(comm._native_buf is other)
+    forced = AutoCommunicator(transport, algorithm="native")
+    mine = integers(5, RANK)
+    forced.allreduce(mine)
+    found.append(forced._native_buf is mine)
+    with comm.new_stream() as stream:
+        other[...] = integers(length, RANK + 4)
+        stream.submit(comm.allreduce, other).wait(timeout=120)
+        on_stream = comm.last_algorithm
+        refused = stream.submit(forced.allreduce, mine)
+        with pytest.raises(ValueError, match="off a stream"):
+            refused.wait(timeout=120)
+    assert found == [True, True, True]
+    for k, total, used in got:
+        assert used == "native"
+        np.testing.assert_array_equal(total, sum(integers(length, r + k) for r in range(N)))
+    np.testing.assert_array_equal(mean, exact_sum(length) / N)
+    assert on_stream == comm.choose(nbytes, on_stream=True) != "native"
+    np.testing.assert_array_equal(other, sum(integers(length, r + 4) for r in range(N)))
