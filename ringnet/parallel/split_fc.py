@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ringnet.backend import to_numpy
+from ringnet.backend import is_gpu_array, to_numpy
 from ringnet.errors import InputError
 from ringnet.parallel.base import Strategy
 from ringnet.parallel.conversion import ActivationCollectives, DataConversion, sample_bounds
@@ -168,13 +168,19 @@ class SplitFCStrategy(Strategy):
         return inputs, a.T                                      # logits (B, classes)
 
     def _loss(self, logits, labels, local):
-        """Return (loss, this rank's correct count, dlogits): every rank computes the same loss."""
+        """Return (loss, this rank's correct count, dlogits): every rank computes the same loss.
+
+        On the CPU loss and count are Python numbers; on a GPU 0-d device arrays, left on
+        the device as the model's own step leaves them (the training loop reads losses
+        every GPU_LOSS_EVERY steps), so the step does not wait for the device."""
         with self._compute("loss"):
             loss = self.model.loss_layer.forward(logits, labels)
             dlogits = self.model.loss_layer.backward()
             mine = slice(self.rank * local, (self.rank + 1) * local)
-            correct = int(to_numpy((logits[mine].argmax(axis=1) == labels[mine]).sum()))
-        return float(loss), correct, dlogits
+            correct = (logits[mine].argmax(axis=1) == labels[mine]).sum()
+        if is_gpu_array(loss):
+            return loss, correct, dlogits
+        return float(loss), int(correct), dlogits
 
     def _fc_backward(self, dlogits, inputs, it):
         """Back-propagate through the FC blocks, update the FC slices; return this rank's

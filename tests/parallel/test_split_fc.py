@@ -109,3 +109,35 @@ def test_model_without_fc_is_refused():
     model = Model([("flatten", Flatten())], (1, 2, 5), 10, dtype="float64")
     with pytest.raises(InputError, match="split-fc needs a fully-connected layer"):
         fc_blocks(model)
+
+
+def test_the_loss_stays_on_the_device_on_a_gpu(monkeypatch):
+    """On a GPU (the recording stand-in for CuPy) split-fc's loss and correct count stay
+    0-d device values, read by nobody inside the step; on the CPU they are the same numbers."""
+    import contextlib
+    from types import SimpleNamespace
+    from ringnet.bench import budget
+    from ringnet.layers import SoftmaxCrossEntropy
+    from ringnet.parallel import split_fc
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(8, 10)).astype(np.float32)
+    labels = rng.integers(0, 10, size=8)
+    labels[4:6] = logits[4:6].argmax(axis=1)          # rank 1's rows: at least two right
+
+    def stub():
+        return SimpleNamespace(model=SimpleNamespace(loss_layer=SoftmaxCrossEntropy()), rank=1,
+                               _compute=lambda phase: contextlib.nullcontext())
+
+    loss_cpu, correct_cpu, dlogits_cpu = split_fc.SplitFCStrategy._loss(stub(), logits, labels, 4)
+    assert isinstance(loss_cpu, float) and correct_cpu == int(
+        (logits[4:8].argmax(axis=1) == labels[4:8]).sum()) >= 2
+    rec = budget.Recorder()
+    with budget.recording(rec):
+        monkeypatch.setattr(split_fc, "is_gpu_array", lambda a: isinstance(a, budget.DeviceArray))
+        on_device = rec.asarray(logits), rec.asarray(labels)
+        loss, correct, dlogits = split_fc.SplitFCStrategy._loss(stub(), *on_device, 4)
+        assert rec.totals()["host_waits"] == 0, [e for e in rec.events if e[0] == "host_wait"]
+        assert isinstance(loss, budget.DeviceArray) and isinstance(correct, budget.DeviceArray)
+        assert float(loss) == pytest.approx(loss_cpu, rel=1e-6) and int(correct) == correct_cpu
+        np.testing.assert_allclose(np.asarray(dlogits), dlogits_cpu, rtol=1e-5, atol=1e-7)
