@@ -279,8 +279,10 @@ def test_native_watch_ends_only_a_call_past_its_deadline(monkeypatch):
             if calls.ident in later and later[calls.ident][0] is not first[0]:
                 break
             time.sleep(0.01)
-        seen = NativeWatch.look({**seen, **later}, 10.4)
-        assert ended == [(24, 0.5)] and seen[calls.ident][1] == 10.0
+        seen = NativeWatch.look(seen, 10.4)          # seen last in the first call, 10 s ago
+        assert ended == [(24, 0.5)] and seen[calls.ident][1] == 10.4
+        seen = NativeWatch.look(seen, 10.8)
+        assert ended == [(24, 0.5)] and seen[calls.ident][1] == 10.4
         assert threading.get_ident() not in seen     # this thread waits elsewhere: not watched
     finally:
         calls.join()
