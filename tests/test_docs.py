@@ -442,6 +442,7 @@ def _table_output(command, tmp_path):
             mp.setattr(scaling, "run_config", lambda a, mode, delay, n, extra=(), **kw:
                        _fake_summary(mode, delay, n, extra=extra))
             mp.setattr(cluster, "available_nodes", lambda launcher: 4)    # hpc/cluster.sh's 4
+            mp.setattr(cluster, "check_launcher", lambda launcher: None)  # no SLURM needed
             if "--csv" in argv:         # a table check never writes into the repository
                 argv[argv.index("--csv") + 1] = str(tmp_path / "scaling.csv")
             return _main_output(scaling.main, argv)
