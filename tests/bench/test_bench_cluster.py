@@ -184,3 +184,30 @@ def test_ranks_across_nodes_progress_as_the_code_does_there():
         assert _progress(placed, 2) == "poll"           # the ranks span 2 nodes
     with facts({"progress": "driven", "bucket_bytes": 0, "rooted_concurrent": True}):
         assert _progress(placed, 2) == "driven"         # a record that did not say
+
+
+def test_bench_model_places_its_ranks_with_the_launcher(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+    from ringnet.bench.model import calibration, cli
+    seen = {}
+
+    def fake_validate(models, batch, steps, repeats, mpirun, iters, nps, **kw):
+        seen.update(mpirun=mpirun, **kw)
+        raise UsageError("stop here")
+    monkeypatch.setattr(cli, "validate", fake_validate)
+    with pytest.raises(UsageError, match="stop here"):
+        cli.main(["--compute", "k40", "--np", "1", "2", "--profile", "pcie3", "--validate",
+                  "--launcher", "srun --mpi=pmi2", "--ranks-per-node", "1"])
+    assert seen == {"mpirun": "srun --mpi=pmi2", "per_node": 1}
+    commands = []
+
+    def fake_run(cmd, *a, **kw):
+        commands.append(cmd)
+        raise UsageError("launched")
+    monkeypatch.setattr(calibration, "run_json", fake_run)
+    monkeypatch.setattr(calibration.shutil, "which", lambda name: "/usr/bin/" + name)
+    with pytest.raises(UsageError, match="launched"):
+        calibration.calibrate((4,), SimpleNamespace(add_s_per_elem=0.0), "srun --mpi=pmi2",
+                              per_node=2)
+    assert commands[0][:10] == ["srun", "--mpi=pmi2", "--unbuffered", "--output=0", "-N", "2",
+                               "-n", "4", "--ntasks-per-node", "2"]

@@ -151,7 +151,8 @@ def _validation(args, models, nps):
         record = validate(models, args.validate_batch, args.validate_steps,
                           args.validate_repeats, args.launcher or args.mpirun, args.iters,
                           nps=VALIDATION_NP if args.np == list(DEFAULT_NP) else tuple(nps),
-                          per_node=args.ranks_per_node if args.launcher else None)
+                          # on a cluster: the ranks placed --ranks-per-node to a node
+                          **({"per_node": args.ranks_per_node} if args.launcher else {}))
         if args.validation:
             with open(args.validation, "w") as f:
                 json.dump(record, f, indent=1)
