@@ -25,8 +25,9 @@ fold, but in C: :data:`NATIVE_ALPHA` per message (no Python between messages) an
 :data:`NATIVE_BETA` per byte sent or added (MPICH copies every byte through shared-memory
 cells, and its large messages measured 1.2-2.8x slower than the lean ``rhd`` and ``ring``).
 So the model delegates where its own messages cost more than MPI's whole call: at N = 2
-(2 cores, quiet) rd up to 12 KB, native up to 1.9 MB (MPI_Allreduce measured 1.5-2.2x the
-lean rd from 16 KB, where MPICH's rendezvous starts), rhd from there; crowded (3 and 4 ranks
+(2 cores, quiet) native up to 8 B (:data:`NATIVE_TINY_BYTES`), rd up to 12 KB, native up
+to 1.9 MB (MPI_Allreduce measured 1.5-2.2x the lean rd from 16 KB, where MPICH's
+rendezvous starts), rhd from there; crowded (3 and 4 ranks
 on 2 cores) native up to 570 KB at N = 3 and 5.1 MB at N = 4 (the lean algorithms measured
 0.4-0.8x MPI_Allreduce below those sizes, 1.1-2.9x above).
 
@@ -51,6 +52,7 @@ that once, when the communicator is made, so every rank computes the same choice
 
 __all__ = ["ALGORITHMS", "NATIVE", "CHOICES", "ALPHA", "BETA", "GAMMA", "ALPHA_OVERSUBSCRIBED",
            "NATIVE_ALPHA", "NATIVE_BETA", "NATIVE_ALPHA_OVERSUBSCRIBED", "NATIVE_BETA_OVERSUBSCRIBED",
+           "NATIVE_TINY_BYTES",
            "constants", "terms", "cost", "fit", "fit_native", "choose", "thresholds", "pow2_below"]
 
 ALGORITHMS = ("rd", "direct", "rhd", "ring")     # built from point-to-point messages
@@ -74,6 +76,10 @@ NATIVE_ALPHA = 10.7e-6
 NATIVE_BETA = 0.2567e-9
 NATIVE_ALPHA_OVERSUBSCRIBED = 5e-6
 NATIVE_BETA_OVERSUBSCRIBED = 0.29e-9
+# MPICH's MPI_Allreduce of at most this many bytes takes a quicker path of its own (N = 2,
+# 2 cores: 1.9 us at 8 B against 3.1 us at 16 B and the lean rd's 2.4-2.5 us at both):
+# priced as a single message.
+NATIVE_TINY_BYTES = 8
 
 
 def constants(oversubscribed=False):
@@ -115,8 +121,13 @@ def cost(algorithm, nbytes, n, alpha=ALPHA, beta=BETA, gamma=GAMMA, native_alpha
     (``native``: with ``native_alpha`` per message and ``native_beta`` per byte sent or added)."""
     rounds, sent, added = terms(algorithm, nbytes, n)
     if algorithm == NATIVE:
-        return rounds * native_alpha + (sent + added) * native_beta
+        return _native_rounds(rounds, nbytes) * native_alpha + (sent + added) * native_beta
     return rounds * alpha + sent * beta + added * gamma
+
+
+def _native_rounds(rounds, nbytes):
+    """``native``'s messages: one up to :data:`NATIVE_TINY_BYTES`, else the table's."""
+    return min(rounds, 1) if nbytes <= NATIVE_TINY_BYTES else rounds
 
 
 def fit(samples):
@@ -133,7 +144,8 @@ def fit_native(samples):
     """Least-squares (native_alpha, native_beta) from [(nbytes, n, seconds)] of MPI's own
     all-reduce, relative error (the terms of ``native`` in the table above)."""
     import numpy as np  # noqa: WPS433
-    rows = np.array([(r, s + a) for r, s, a in (terms(NATIVE, b, n) for b, n, _ in samples)],
+    rows = np.array([(_native_rounds(r, b), s + a)
+                     for b, (r, s, a) in ((b, terms(NATIVE, b, n)) for b, n, _ in samples)],
                     np.float64)
     seconds = np.array([s for *_, s in samples], np.float64)
     weights = 1.0 / seconds
