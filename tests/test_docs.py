@@ -443,6 +443,7 @@ def _table_output(command, tmp_path):
                        _fake_summary(mode, delay, n, extra=extra))
             mp.setattr(cluster, "available_nodes", lambda launcher: 4)    # hpc/cluster.sh's 4
             mp.setattr(cluster, "check_launcher", lambda launcher: None)  # no SLURM needed
+            mp.setattr(scaling, "_require_peer", lambda: None)   # --vs ddp: no PyTorch needed
             if "--csv" in argv:         # a table check never writes into the repository
                 argv[argv.index("--csv") + 1] = str(tmp_path / "scaling.csv")
             return _main_output(scaling.main, argv)
@@ -655,6 +656,12 @@ COMMANDS = {
     "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master,split-fc --model cifar10_quick "
     "--markdown": doc_table,
     "python -m ringnet.bench layers --vs torch --markdown": doc_table,
+    "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master --model cifar10_quick "
+    "--vs ddp --markdown": doc_table,
+    "python -m ringnet.bench scaling --np 1 2 --modes ring,tree,master --model lenet --vs ddp "
+    "--markdown": doc_table,
+    "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
+    "--to-accuracy 0.84 --epochs 1 --eval-every 117 --vs ddp --markdown": doc_table,
     "mpirun -np 4 python -m ringnet.bench comm --markdown": doc_table,
     "python -m ringnet.bench faults --markdown": doc_table,
     "python -m ringnet.bench model --compute h100 --profile nvlink4/ib-hdr --np 1 8 64 1024 "
