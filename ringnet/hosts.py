@@ -64,8 +64,10 @@ def _read_host_file(path):
     return hosts
 
 
-def hydra_hosts(launch_cmd, env):
-    """Return (the launcher without its host options, the hosts it names, or None)."""
+def hydra_hosts(launch_cmd, env, strict=False):
+    """Return (the launcher without its host options, the hosts it names, or None).
+
+    A host file that cannot be read gives None, or with ``strict`` raises its OSError."""
     base, hosts, words = [], None, list(launch_cmd)
     i = 0
     while i < len(words):
@@ -80,6 +82,8 @@ def hydra_hosts(launch_cmd, env):
                 hosts = (_read_host_file(value) if _HOST_OPTIONS[option]
                          else [h.split(":", 1)[0] for h in value.split(",") if h])
             except OSError:
+                if strict:
+                    raise
                 hosts = None
         else:
             base.append(word)
@@ -88,6 +92,8 @@ def hydra_hosts(launch_cmd, env):
         try:
             hosts = _read_host_file(env["HYDRA_HOST_FILE"])
         except OSError:
+            if strict:
+                raise
             hosts = None
     return base, hosts
 

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 
 from ringnet.errors import UsageError
+from ringnet.hosts import hydra_hosts
 
 __all__ = ["Shape", "parse_nodes", "launch_prefix", "placed", "check_launcher", "available_nodes",
            "inter_node_bytes", "LinkCounters", "nodes_text"]
@@ -110,7 +111,8 @@ def check_launcher(launcher):
 
 def available_nodes(launcher, environ=None):
     """How many nodes ``launcher`` reaches: SLURM's nodes (``sinfo``) for srun; for mpirun
-    the hosts of its ``-f``/``-hostfile`` or ``$HYDRA_HOST_FILE`` (one node without one)."""
+    the hosts it names (:func:`ringnet.hosts.hydra_hosts`: ``-hosts``, a ``-f``/``-hostfile``
+    file or ``$HYDRA_HOST_FILE``; one node without any)."""
     env = os.environ if environ is None else environ
     words = shlex.split(launcher) if isinstance(launcher, str) else list(launcher)
     if _is_srun(words):
@@ -123,17 +125,11 @@ def available_nodes(launcher, environ=None):
             raise UsageError(f"cannot ask SLURM for its nodes (sinfo): "
                              f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
         return len(set(proc.stdout.split()))
-    hosts = next((words[i + 1] for i, w in enumerate(words[:-1]) if w in ("-f", "-hostfile",
-                                                                         "--hostfile")),
-                 env.get("HYDRA_HOST_FILE"))
-    if not hosts:
-        return 1
     try:
-        with open(hosts) as f:
-            return len({line.split(":")[0].split()[0] for line in f
-                        if line.strip() and not line.lstrip().startswith("#")})
+        hosts = hydra_hosts(words, env, strict=True)[1]
     except OSError as exc:
-        raise UsageError(f"cannot read the hosts file {hosts}: {exc.strerror}") from None
+        raise UsageError(f"cannot read the hosts file {exc.filename}: {exc.strerror}") from None
+    return len(set(hosts)) if hosts else 1
 
 
 def _pairs(transfer, n, nodes, order):

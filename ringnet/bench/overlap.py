@@ -85,10 +85,6 @@ def _label(variant):
     return f"{progress}, buckets {'default' if buckets is None else buckets}"
 
 
-def _load():
-    return os.getloadavg()[0]
-
-
 def main(argv=None):
     args = build_parser().parse_args(argv)
     for name in ("steps", "repeats", "batch_size"):
@@ -113,7 +109,7 @@ def main(argv=None):
         for mode in modes for delay, progress, buckets in variants]
     results = {c: [] for c in configs}
     run = machine.begin(threads=1, per_rank=True)      # run_config pins one thread a rank
-    loads = [_load()]
+    loads = [machine.load_average()]
     saved = {k: os.environ.get(k) for k in ("RINGNET_CPU_PROGRESS", "RINGNET_BUCKET_BYTES")}
     try:
         for r in range(args.repeats):
@@ -126,7 +122,7 @@ def main(argv=None):
                     os.environ["RINGNET_BUCKET_BYTES"] = buckets
                 summary = run_config(args, mode, delay, n)
                 results[config].append(summary)
-            loads.append(_load())
+            loads.append(machine.load_average())
             print(f"round {r + 1}/{args.repeats} done, load average {loads[-1]:.2f}", flush=True)
     finally:
         for k, v in saved.items():
@@ -144,7 +140,7 @@ def main(argv=None):
     single = configs[0]
     print(f"# model {args.model}, global batch {args.batch_size}, {args.steps} steps, N={args.np}, "
           f"median of {args.repeats} interleaved rounds, 1 BLAS thread/rank; load average (1 min) "
-          f"{', '.join(f'{x:.1f}' for x in loads)} (machine: {os.cpu_count()} cores)")
+          f"{', '.join(f'{x:.1f}' for x in loads)} (machine: {machine.machine_cores()} cores)")
     print(f"{'mode':>8} {'delay':>5} {'variant':<24} {'step ms':>8} {'speedup':>8} "
           f"{'exposed comm ms':>16} {'overlap':>8} {'delay1/delay0':>14}")
     print(f"{'single':>8} {0:>5} {'':<24} {step_ms(single):8.2f} {1.0:8.2f} {0.0:16.2f} {0.0:8.2f}")

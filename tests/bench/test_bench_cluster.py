@@ -43,6 +43,10 @@ def test_the_nodes_mpirun_reaches_are_its_hosts_file(tmp_path):
     assert cluster.available_nodes("mpirun", {"HYDRA_HOST_FILE": str(hosts)}) == 3
     assert cluster.available_nodes(f"mpirun -f {hosts}", {}) == 3
     assert cluster.available_nodes("mpirun", {}) == 1
+    # the same reading as the launcher's (ringnet.hosts): hosts on the command line count
+    assert cluster.available_nodes("mpirun -hosts a,b -ppn 2", {}) == 2
+    with pytest.raises(UsageError, match=f"cannot read the hosts file {tmp_path}/gone"):
+        cluster.available_nodes(f"mpirun -f {tmp_path}/gone", {})
 
 
 def test_bytes_between_nodes_follow_the_placement():
