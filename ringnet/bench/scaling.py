@@ -153,18 +153,13 @@ def run_config(args, mode, delay, nranks, length=None, extra=(), batch=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
     launch = cluster.launch_prefix(getattr(args, "launcher", None) or args.mpirun, nranks)
     if mode == "ddp":
-        return run_json(_ddp_command(args, nranks, length, batch), f"ddp at N={nranks}",
+        return run_json(_ddp_command(args, launch, length, batch), f"ddp at N={nranks}",
                         env=env, timeout=args.timeout)
     cmd = [*launch, sys.executable, "-m", "ringnet.train",
            "--model", args.model, "--dataset", args.dataset, "--mode", mode,
            "--batch-size", str(batch or args.batch_size), *length,
            "--transport", args.transport, "--device", args.device,
-           "--json", "--quiet", "--no-progress", "--no-eval"]
-    if args.lr is not None:         # None: the model's default of python -m ringnet.train
-        cmd += ["--lr", str(args.lr)]
-    for flag in ("seed", "data_dir"):
-        if getattr(args, flag, None) is not None:
-            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+           "--json", "--quiet", "--no-progress", "--no-eval", *_recipe_flags(args)]
     if mode != "single":
         cmd += ["--delay", str(delay)]
         if delay and getattr(args, "delay_compensation", None):
@@ -188,19 +183,23 @@ def _require_peer():
     require_torch()
 
 
-def _ddp_command(args, nranks, length, batch=None):
-    """The command line of the peer's run: ``ringnet.bench.ddp`` with train's flags."""
-    launch = cluster.launch_prefix(getattr(args, "launcher", None) or args.mpirun, nranks)
-    cmd = [*launch, sys.executable, "-m", "ringnet.bench.ddp",
-           "--model", args.model, "--dataset", args.dataset,
-           "--batch-size", str(batch or args.batch_size), *length, "--device", args.device,
-           "--json", "--quiet", "--no-eval", "--timeout", str(args.timeout)]
-    if args.lr is not None:
-        cmd += ["--lr", str(args.lr)]
+def _recipe_flags(args):
+    """The training flags ringnet's runs and the peer's share: --lr (None: the model's
+    default of python -m ringnet.train), --seed, --data-dir, where given."""
+    flags = ["--lr", str(args.lr)] if args.lr is not None else []
     for flag in ("seed", "data_dir"):
         if getattr(args, flag, None) is not None:
-            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    return cmd
+            flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    return flags
+
+
+def _ddp_command(args, launch, length, batch=None):
+    """The command line of the peer's run under ``launch``: ``ringnet.bench.ddp`` with
+    train's flags."""
+    return [*launch, sys.executable, "-m", "ringnet.bench.ddp",
+            "--model", args.model, "--dataset", args.dataset,
+            "--batch-size", str(batch or args.batch_size), *length, "--device", args.device,
+            "--json", "--quiet", "--no-eval", "--timeout", str(args.timeout), *_recipe_flags(args)]
 
 
 def _check(args):
