@@ -113,8 +113,10 @@ EOF
   if [ "$#" -gt 0 ]; then
     cat >> "$CONF" <<EOF
 # A node that stops answering (hpc/cluster.sh fail-node) is marked DOWN after this many
-# seconds, and a job that ran on it requeued (SLURM's default is 300).
-SlurmdTimeout=20
+# seconds, and a job that ran on it requeued (SLURM's default is 300); a message to it is
+# given up after MessageTimeout (default 10), which the pings that find it silent wait.
+SlurmdTimeout=10
+MessageTimeout=5
 EOF
   fi
   if [ "$#" -eq 0 ]; then

@@ -19,11 +19,13 @@ import time
 from test_cluster_runs import CLUSTER, RANKS_PER_NODE, ROOT, cluster  # noqa: F401
 
 SAVE_EVERY = 20
-STEPS = 300
+STEPS = 200
 TRAIN = ["--model", "lenet", "--dataset", "synthetic", "--steps", str(STEPS), "--no-eval",
          "--mode", "ring", "--no-progress", "--save-every", str(SAVE_EVERY)]
-# The transfer deadline of the ranks left behind: a short one keeps the test short.
-FAST = {"RINGNET_COMM_TIMEOUT": "4"}
+# The transfer deadline of the ranks left behind, and how long the launcher waits for a
+# node to answer its probe (srun to a dead node waits until then): short ones keep the
+# tests short.
+FAST = {"RINGNET_COMM_TIMEOUT": "4", "RINGNET_PROBE_TIMEOUT": "5"}
 
 
 def _env(tmp_path):
