@@ -1,12 +1,13 @@
-"""Conv2d: im2col as one strided copy per column block + one GEMM per block, on batch-last
-(C, H, W, B) memory."""
+"""Conv2d on batch-last (C, H, W, B) memory: im2col as one strided copy per column block +
+one GEMM per block, or (stride 1, enough channels, small maps, on the CPU) through 2-D
+Fourier transforms (:mod:`ringnet.layers.fft_conv`)."""
 import functools
 
 import numpy as np
 
 from ringnet.backend import get_array_module
-from ringnet.layers import _cuda_ops
-from ringnet.layers.base import (Layer, as_channel_rows, batch_last, check_init, copy_samples,
+from ringnet.layers import _cuda_ops, fft_conv
+from ringnet.layers.base import (Layer, as_channel_rows, check_init, copy_samples,
                                  window_geometry, window_out_size, window_repr)
 
 __all__ = ["Conv2d", "conv_output_size", "column_blocks"]
@@ -77,7 +78,14 @@ class Conv2d(Layer):
     Columns are laid out (C*kh*kw, Ho*Wo*B) so forward, weight gradient and input
     gradient are each one GEMM per column block; the output comes out in (O, Ho, Wo, B)
     memory and is returned as a logical (B, O, Ho, Wo) view of it.
+
+    ``algorithm`` picks the CPU path: "auto" (the default) takes the Fourier transforms
+    where :func:`ringnet.layers.fft_conv.fits` says they are faster, else im2col;
+    "im2col" and "fourier" force one (the GPU always runs im2col). The two agree to
+    rounding (float64: about 1e-15 of the largest output).
     """
+
+    algorithm = "auto"
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, *,
                  weight_init=("xavier",), bias_init=("constant", 0.0)):
@@ -156,6 +164,13 @@ class Conv2d(Layer):
         b, c, h, w = x.shape                                     # (B, C, H, W)
         _, ho, wo = self.output_shape((c, h, w))
         (kh, kw), o = self.kernel_size, self.out_channels
+        if self._fourier(c, h, w):
+            fourier = fft_conv.FourierConv(self.kernel_size, self.padding)
+            y = fourier.forward(np.ascontiguousarray(x.transpose(1, 2, 3, 0)),
+                                self.params["weight"])
+            y += self.params["bias"][:, None, None, None]
+            self._cache = ("fourier", fourier) if train else None
+            return y.transpose(3, 0, 1, 2)                       # (B, O, Ho, Wo)
         role = "train" if train else "eval"
         xpad = self._padded(xp, x.transpose(1, 2, 3, 0), self.padding, "x-" + role)
         blocks = column_blocks(xp, ho, wo, b, c * kh * kw, x.dtype.itemsize)
@@ -178,6 +193,11 @@ class Conv2d(Layer):
         xp = get_array_module(dy)
         if xp is not np:
             return self._backward_gpu(xp, dy)
+        if self._cached()[0] == "fourier":
+            dyc = np.ascontiguousarray(dy.transpose(1, 2, 3, 0))  # (O, Ho, Wo, B)
+            np.sum(dyc.reshape(dyc.shape[0], -1), axis=1, out=self.grads["bias"])
+            dx = self._cache[1].backward(dyc, self.grads["weight"], self.needs_dx)
+            return None if dx is None else dx.transpose(3, 0, 1, 2)  # (B, C, H, W)
         (b, c, h, w), xpad, blocks, kept = self._cached()
         _, o, ho, wo = dy.shape
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
@@ -230,6 +250,16 @@ class Conv2d(Layer):
                 for j in range(kw):
                     dxpad[:, rows, w0 * sw + j:(w1 - 1) * sw + j + 1:sw] += dst[:, i, j]
         return dxpad[:, ph:ph + h, pw:pw + w].transpose(3, 0, 1, 2)  # (B, C, H, W)
+
+    def _fourier(self, c, h, w):
+        """Whether this CPU call runs through the Fourier transforms."""
+        if self.algorithm not in ("auto", "im2col", "fourier"):
+            raise ValueError(f"Conv2d algorithm {self.algorithm!r}: use auto, im2col or fourier")
+        if self.algorithm != "auto":
+            return self.algorithm == "fourier" and tuple(self.stride) == (1, 1)
+        (ph, pw) = self.padding
+        return fft_conv.fits(c, self.out_channels, self.kernel_size, self.stride,
+                             (h + 2 * ph, w + 2 * pw))
 
     # --- the GPU path: the same GEMMs on one column matrix, which one fused kernel builds
     # straight from the input (any memory order, padding included) instead of a padded

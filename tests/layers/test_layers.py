@@ -98,22 +98,33 @@ CONV_CASES = [  # (B, C, H, W, O, kernel, stride, padding)
     (2, 2, 7, 9, 3, (3, 2), (2, 1), (1, 0)),
     (2, 3, 8, 8, 2, 5, 1, 0),          # valid conv: col2im input gradient
     (1, 1, 5, 5, 2, 3, 3, 1),          # stride 3 with padding
+    # 8+ channels, stride 1: the Fourier path's geometry (auto picks it)
+    (2, 8, 6, 7, 9, 3, 1, 1),          # same padding, odd padded width
+    (2, 9, 8, 8, 8, 5, 1, 0),          # valid conv
+    (1, 8, 7, 9, 8, (3, 5), 1, (2, 1)),  # non-square kernel, padding > k-1 on one axis
 ]
+# Each conv test runs both CPU algorithms (Conv2d.algorithm); "fourier" runs im2col where
+# the stride is not 1.
+ALGORITHMS = ["im2col", "fourier"]
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("case", CONV_CASES)
-def test_conv_gradients_match_finite_differences(case):
+def test_conv_gradients_match_finite_differences(case, algorithm):
     b, c, h, w, o, k, s, p = case
     layer = Conv2d(c, o, k, stride=s, padding=p)
+    layer.algorithm = algorithm
     params, grads = bound(layer, (c, h, w))
     x = np.random.default_rng(2).normal(size=(b, c, h, w))
     fd_check(layer, x, params, grads)
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("case", CONV_CASES)
-def test_conv_forward_matches_naive_loops(case):
+def test_conv_forward_matches_naive_loops(case, algorithm):
     b, c, h, w, o, k, s, p = case
     layer = Conv2d(c, o, k, stride=s, padding=p)
+    layer.algorithm = algorithm
     params, _ = bound(layer, (c, h, w))
     x = np.random.default_rng(3).normal(size=(b, c, h, w))
     ref = naive_conv(x, params["weight"], params["bias"], layer.stride, layer.padding)
@@ -123,14 +134,60 @@ def test_conv_forward_matches_naive_loops(case):
         np.testing.assert_allclose(y, ref, rtol=1e-10, atol=1e-10)
 
 
-def test_conv_first_layer_skips_input_gradient():
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_conv_first_layer_skips_input_gradient(algorithm):
     layer = Conv2d(2, 3, 3, padding=1)
+    layer.algorithm = algorithm
     params, grads = bound(layer, (2, 5, 5))
     layer.needs_dx = False
     x = np.random.default_rng(0).normal(size=(2, 2, 5, 5))
     dy = np.random.default_rng(1).normal(size=layer.forward(x).shape)
     assert layer.backward(dy) is None
     np.testing.assert_allclose(grads["bias"], dy.sum(axis=(0, 2, 3)))
+    reference = Conv2d(2, 3, 3, padding=1)
+    reference.algorithm = "im2col"
+    _, ref_grads = bound(reference, (2, 5, 5))
+    reference.params["weight"][...] = params["weight"]
+    reference.forward(x)
+    reference.backward(dy)
+    np.testing.assert_allclose(grads["weight"], ref_grads["weight"], rtol=1e-12, atol=1e-12)
+
+
+def test_conv_picks_the_fourier_path_where_it_is_faster():
+    """auto: cifar10_quick's conv2/conv3 and LeNet's conv2 (8+ channels in and out, stride
+    1, small maps); not a first layer's 1 or 3 channels, a stride, a 1x1 kernel or a large map."""
+    from ringnet.layers.fft_conv import fits
+    assert fits(32, 32, (5, 5), (1, 1), (20, 20)) and fits(32, 64, (5, 5), (1, 1), (12, 12))
+    assert fits(20, 50, (5, 5), (1, 1), (12, 12))
+    assert not fits(3, 32, (5, 5), (1, 1), (36, 36)) and not fits(1, 20, (5, 5), (1, 1), (28, 28))
+    assert not fits(32, 32, (5, 5), (2, 2), (20, 20)) and not fits(32, 32, (1, 1), (1, 1), (16, 16))
+    assert not fits(32, 32, (3, 3), (1, 1), (66, 66))
+    layer = Conv2d(8, 8, 3, padding=1)
+    bound(layer, (8, 6, 6))
+    layer.algorithm = "winograd"
+    with pytest.raises(ValueError, match="algorithm 'winograd'"):
+        layer.forward(np.zeros((1, 8, 6, 6)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fourier_and_im2col_agree_in_each_dtype(dtype):
+    """cifar10_quick's conv2 geometry: the two algorithms give the same outputs and
+    gradients to the dtype's rounding, and float32 stays float32."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(4, 32, 16, 16)).astype(dtype)
+    results = []
+    for algorithm in ALGORITHMS:
+        layer = Conv2d(32, 32, 5, padding=2)
+        layer.algorithm = algorithm
+        _, grads = bound(layer, (32, 16, 16), seed=3, dtype=dtype)
+        y = layer.forward(x)
+        dx = layer.backward(np.cos(np.arange(y.size)).reshape(y.shape).astype(dtype))
+        assert y.dtype == dx.dtype == dtype
+        results.append([y, dx, grads["weight"].copy(), grads["bias"].copy()])
+    tol = 2e-5 if dtype == np.float32 else 1e-12
+    for name, a, b in zip(("y", "dx", "dW", "db"), *results):
+        scale = np.abs(b).max()
+        assert np.abs(a - b).max() <= tol * scale, (name, np.abs(a - b).max(), scale)
 
 
 POOL_CASES = [  # (B, C, H, W, kernel, stride, padding)
@@ -385,10 +442,12 @@ def test_init_schemes_are_seeded_and_scaled():
 
 
 @needs_torch
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("case", CONV_CASES)
-def test_conv_matches_torch(case):
+def test_conv_matches_torch(case, algorithm):
     b, c, h, w, o, k, s, p = case
     layer = Conv2d(c, o, k, stride=s, padding=p)
+    layer.algorithm = algorithm
     params, grads = bound(layer, (c, h, w))
     x = np.random.default_rng(12).normal(size=(b, c, h, w))
     y = layer.forward(x)
