@@ -95,6 +95,7 @@ class Conv2d(Layer):
         self.weight_init, self.bias_init = check_init(weight_init), check_init(bias_init)
         self._buffers = {}       # role -> (shape, dtype, array), reused while shapes repeat
         self._plans = {}         # role -> im2col views of those buffers
+        self._fourier_plan = None  # the transforms' work arrays (fft_conv.FourierConv)
         self._cache = None
 
     def __repr__(self):
@@ -165,11 +166,12 @@ class Conv2d(Layer):
         _, ho, wo = self.output_shape((c, h, w))
         (kh, kw), o = self.kernel_size, self.out_channels
         if self._fourier(c, h, w):
-            fourier = fft_conv.FourierConv(self.kernel_size, self.padding)
-            y = fourier.forward(np.ascontiguousarray(x.transpose(1, 2, 3, 0)),
-                                self.params["weight"])
+            if self._fourier_plan is None:
+                self._fourier_plan = fft_conv.FourierConv(self.kernel_size, self.padding)
+            y = self._fourier_plan.forward(np.ascontiguousarray(x.transpose(1, 2, 3, 0)),
+                                           self.params["weight"], train)
             y += self.params["bias"][:, None, None, None]
-            self._cache = ("fourier", fourier) if train else None
+            self._cache = ("fourier", self._fourier_plan) if train else None
             return y.transpose(3, 0, 1, 2)                       # (B, O, Ho, Wo)
         role = "train" if train else "eval"
         xpad = self._padded(xp, x.transpose(1, 2, 3, 0), self.padding, "x-" + role)
