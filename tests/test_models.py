@@ -222,3 +222,23 @@ def test_step_flops_closed_form():
     conv2 = 2 * b * 50 * 8 * 8 * 20 * 5 * 5          # forward, weight and input gradients
     ip1, ip2 = 2 * b * 800 * 500, 2 * b * 500 * 10
     assert step_flops(m, b) == 2 * conv1 + 3 * (conv2 + ip1 + ip2) == 843_648_000
+
+
+def test_layer_floors_closed_form():
+    """bench layers' per-layer floors: GEMM FLOPs at the GEMM rate for conv and linear
+    layers (backward two GEMMs, one for the first layer), bytes in and out at the copy
+    rate for the rest, 0 for a Flatten (a view)."""
+    from ringnet.bench.layers import layer_floors, step_flops
+    m = build_model("lenet")
+    b, gemm, copy = 64, 1e11, 1e10
+    floors = {name: (f, bw, unit) for name, f, bw, unit in layer_floors(m, b, gemm, copy)}
+    assert list(floors) == [name for name, _ in m.layers]
+    conv1 = 2 * b * 20 * 24 * 24 * 1 * 5 * 5
+    conv2 = 2 * b * 50 * 8 * 8 * 20 * 5 * 5
+    assert floors["conv1"] == pytest.approx((conv1 / gemm * 1e3, conv1 / gemm * 1e3, "GEMM"))
+    assert floors["conv2"] == pytest.approx((conv2 / gemm * 1e3, 2 * conv2 / gemm * 1e3, "GEMM"))
+    pool1 = b * (20 * 24 * 24 + 20 * 12 * 12) * 4 / copy * 1e3
+    assert floors["pool1"] == pytest.approx((pool1, pool1, "memory"))
+    assert floors["flatten"] == (0, 0, "memory")
+    gemm_total = sum(f + bw for f, bw, unit in floors.values() if unit == "GEMM")
+    assert gemm_total == pytest.approx(step_flops(m, b) / gemm * 1e3)

@@ -23,7 +23,8 @@ from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool
 from ringnet.models import MODELS, build_model  # noqa: E402
 from ringnet.optim import SGD, LRPolicy  # noqa: E402
 
-__all__ = ["main", "torch_model", "layer_times", "step_times", "step_flops", "sgemm_rate"]
+__all__ = ["main", "torch_model", "layer_times", "step_times", "step_flops", "layer_floors",
+           "sgemm_rate", "memory_rate"]
 
 DEFAULT_MODELS = ("lenet", "cifar10_quick")
 
@@ -58,6 +59,44 @@ def layer_times(model, x, iters, clock=time.perf_counter):
     return [(name, _median_ms(fwd[name]), _median_ms(bwd[name])) for name, _ in model.layers]
 
 
+def _gemm_flops(layer, shape, batch_size):
+    """Return one pass's GEMM FLOPs of a Conv2d or Linear layer (2 * outputs * fan-in),
+    None for any other layer."""
+    if isinstance(layer, Conv2d):
+        kh, kw = layer.kernel_size
+        o, ho, wo = shape.out_shape
+        return 2 * batch_size * o * ho * wo * layer.in_channels * kh * kw
+    if isinstance(layer, Linear):
+        return 2 * batch_size * layer.in_features * layer.out_features
+    return None
+
+
+def layer_floors(model, batch_size, gemm_rate, bytes_rate):
+    """Return [(name, forward floor ms, backward floor ms, unit)] for each layer: what its
+    pass would take at the machine's own rates, so each layer's time reads against it.
+
+    Conv2d and Linear (unit "GEMM"): the pass's GEMM FLOPs at ``gemm_rate`` (FLOP/s),
+    forward one GEMM, backward two (the weight and input gradients; one for the first
+    layer). A convolution through Fourier transforms can run below it, as it does fewer
+    multiply-adds than the direct method. Every other layer (unit "memory") is bound by
+    memory traffic: its input read and output written once per pass (backward: the output
+    gradient read, the input gradient written) at ``bytes_rate`` (bytes/s, a large copy's
+    rate); a Flatten is a view, floor 0.
+    """
+    out = []
+    itemsize = np.dtype(model.dtype).itemsize
+    for (name, layer), shape in zip(model.layers, model.shapes):
+        flops = _gemm_flops(layer, shape, batch_size)
+        if flops is not None:
+            passes = 2 if layer.needs_dx else 1
+            out.append((name, flops / gemm_rate * 1e3, passes * flops / gemm_rate * 1e3, "GEMM"))
+            continue
+        moved = 0 if isinstance(layer, Flatten) else \
+            batch_size * (np.prod(shape.in_shape) + np.prod(shape.out_shape)) * itemsize
+        out.append((name, moved / bytes_rate * 1e3, moved / bytes_rate * 1e3, "memory"))
+    return out
+
+
 def step_flops(model, batch_size):
     """Return the GEMM FLOPs of one training step (forward, weight and input gradients).
 
@@ -67,15 +106,9 @@ def step_flops(model, batch_size):
     """
     total = 0
     for (name, layer), shape in zip(model.layers, model.shapes):
-        if isinstance(layer, Conv2d):
-            kh, kw = layer.kernel_size
-            o, ho, wo = shape.out_shape
-            one = 2 * batch_size * o * ho * wo * layer.in_channels * kh * kw
-        elif isinstance(layer, Linear):
-            one = 2 * batch_size * layer.in_features * layer.out_features
-        else:
-            continue
-        total += one * (3 if layer.needs_dx else 2)
+        one = _gemm_flops(layer, shape, batch_size)
+        if one is not None:
+            total += one * (3 if layer.needs_dx else 2)
     return total
 
 
@@ -91,6 +124,20 @@ def sgemm_rate(n=1024, repeats=5):
         np.matmul(a, b, out=c)
         times.append(time.process_time() - t0)
     return 2.0 * n ** 3 / max(float(np.median(times)), 1e-9)
+
+
+def memory_rate(mib=64, repeats=5):
+    """Return bytes/s of one core copying a ``mib`` MiB float32 array (read + written),
+    median of ``repeats``: the memory-bound layers' floor rate."""
+    a = np.ones(mib << 18, dtype=np.float32)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        np.copyto(b, a)
+        times.append(time.process_time() - t0)
+    return 2.0 * a.nbytes / max(float(np.median(times)), 1e-9)
 
 
 def torch_model(model):
@@ -233,16 +280,20 @@ def main(argv=None):
     if not _PINNED and not args.json:
         print("note: NumPy was loaded before the benchmark, BLAS threads not pinned to 1")
     results = []
-    rate = sgemm_rate()
+    rate, copy_rate = sgemm_rate(), memory_rate()
     load = os.getloadavg()
     if not args.json:
-        print(f"single-core SGEMM (1024^3 float32): {rate / 1e9:.1f} GFLOP/s")
+        print(f"single-core SGEMM (1024^3 float32): {rate / 1e9:.1f} GFLOP/s; "
+              f"single-core copy (64 MiB): {copy_rate / 1e9:.1f} GB/s")
     for name in args.model or DEFAULT_MODELS:
         model = build_model(name, dtype=args.dtype, seed=args.seed)
         x, y = _batch(model, args.batch_size, args.seed)
         per_layer = layer_times(model, x, max(3, args.iters // 2), clock=time.process_time)
         result = step_times(model, x, y, args.iters, args.vs == "torch")
-        result["layers"] = [{"layer": n, "forward_ms": f, "backward_ms": b} for n, f, b in per_layer]
+        floors = layer_floors(model, args.batch_size, rate, copy_rate)
+        result["layers"] = [{"layer": n, "forward_ms": f, "backward_ms": b,
+                             "forward_floor_ms": ff, "backward_floor_ms": bf, "floor": unit}
+                            for (n, f, b), (_, ff, bf, unit) in zip(per_layer, floors)]
         flops = step_flops(model, args.batch_size)
         result["gflops_per_step"] = flops / 1e9
         result["floor_ms"] = flops / rate * 1e3
@@ -251,9 +302,13 @@ def main(argv=None):
         if not args.json:
             print(f"{name}: batch {args.batch_size}, {args.dtype}, 1 BLAS thread, "
                   f"{model.num_params} parameters")
-            print(f"  {'layer':10s} {'forward ms':>11s} {'backward ms':>12s}   (CPU time)")
-            for n, f, b in per_layer:
-                print(f"  {n:10s} {f:11.3f} {b:12.3f}")
+            print(f"  {'layer':10s} {'forward ms':>11s} {'floor':>7s} {'x':>6s} "
+                  f"{'backward ms':>12s} {'floor':>7s} {'x':>6s}   (CPU time; floor: GEMM "
+                  "FLOPs at the SGEMM rate, or bytes at the copy rate)")
+            for (n, f, b), (_, ff, bf, unit) in zip(per_layer, floors):
+                ratio = lambda t, floor: f"{t / floor:6.2f}" if floor > 0 else f"{'-':>6s}"
+                print(f"  {n:10s} {f:11.3f} {ff:7.3f} {ratio(f, ff)} {b:12.3f} {bf:7.3f} "
+                      f"{ratio(b, bf)}   {unit}")
             line = f"  step (fwd+loss+bwd+SGD): {result['step_ms']:.2f} ms"
             if "torch_step_ms" in result:
                 line += (f"   PyTorch: {result['torch_step_ms']:.2f} ms   "
@@ -279,6 +334,7 @@ def main(argv=None):
                 "cpu_step_vs_floor")
         run.end(out=sys.stderr)
         print(json.dumps({"load_average": list(load), "sgemm_gflops": rate / 1e9,
+                          "copy_gbytes_per_s": copy_rate / 1e9,
                           "models": [{k: r[k] for k in keys if k in r} | {"layers": r["layers"]}
                                      for r in results]} | run.facts()))
         return 0
