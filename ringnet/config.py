@@ -4,6 +4,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 from ringnet.errors import TransportUnavailable, UsageError
 from ringnet.cli import ArgumentParser
@@ -73,6 +74,7 @@ class TrainConfig:
     dtype: str = None             # None: float32, or the checkpoint's under --resume
     transport: str = "auto"
     topology: str = "auto"
+    inter_link: Optional[str] = None
     shuffle: bool = None          # None: True, or the checkpoint's under --resume
     augment: bool = None          # None: False, or the checkpoint's under --resume
     save: str = None
@@ -148,6 +150,12 @@ class TrainConfig:
             raise UsageError(f"--transport must be auto, mpi or nccl, got {cfg.transport!r}")
         if cfg.topology not in ("auto", "flat", "hierarchical"):
             raise UsageError(f"--topology must be auto, flat or hierarchical, got {cfg.topology!r}")
+        if cfg.inter_link is not None:
+            from ringnet.comm.hierarchical import parse_inter_link
+            try:
+                parse_inter_link(cfg.inter_link)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         if cfg.topology == "hierarchical" and cfg.mode not in ("ring", "tree"):
             raise UsageError(f"--topology hierarchical: mode {cfg.mode} has no hierarchical "
                              "exchange; use --mode ring or tree, or --topology auto|flat")
@@ -291,6 +299,11 @@ def build_parser():
                         "node to one leader, ring or tree between the leaders, back within the "
                         "node); default auto: whichever the cost model says is faster for the "
                         "model's bytes and the placement (flat on one node)")
+    g.add_argument("--inter-link", metavar="US,MB/S",
+                   help="the link between nodes as --topology auto prices it: microseconds per "
+                        "message and megabytes per second each way (default 40,1250: 10 Gbit/s "
+                        "Ethernet); `python -m ringnet.bench model --calibrate` run across the "
+                        "nodes prints the pair it measured")
     g.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="where layers run (default auto: gpu with CuPy when available, else cpu "
                         "with NumPy)")

@@ -152,7 +152,7 @@ def setup(cfg, world):
                           world if cfg.mode != "single" else None,
                           delay=cfg.delay, transport=transport,
                           compensation=cfg.delay_compensation, warmup=cfg.warmup_steps,
-                          topology=cfg.topology)
+                          topology=cfg.topology, inter_link=cfg.inter_link)
     strategy.placement = placement
     loader = ShardedLoader(dataset.train, cfg.batch_size, rank=rank, size=size, seed=cfg.seed,
                            shuffle=cfg.shuffle, xp=xp, dtype=cfg.dtype, mean=dataset.mean,

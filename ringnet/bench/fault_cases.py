@@ -162,6 +162,8 @@ def bad_cases():
             env={"RINGNET_COMM_TIMEOUT": "-1"}),
         bad("--lr inf", ["--lr", "inf"], r"--lr must be a finite number"),
         bad("--weight-decay nan", ["--weight-decay", "nan"], r"--weight-decay must be a finite number", 2),
+        bad("--inter-link 0 MB/s", ["--inter-link", "100,0"], r"--inter-link 100,0: the microseconds "
+            r"must be >= 0 and the MB/s > 0", 2),
         bad("resume non-finite", ["--resume", "{dir}/ck_nan.h5"], r".*holds 1 NaN or infinite", 2),
         bad("resume not a checkpoint", ["--resume", "{dir}/digits.h5"], r".*is not a ringnet checkpoint"),
         # Read first mid-run, by one rank: that rank speaks and the job is aborted.

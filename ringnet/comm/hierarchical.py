@@ -27,7 +27,7 @@ from ringnet.comm.schedules import ring_steps
 from ringnet.comm.tree import TreeCommunicator
 
 __all__ = ["HierarchicalRingCommunicator", "HierarchicalTreeCommunicator", "TOPOLOGIES",
-           "INTRA", "INTER", "exchange_cost", "choose_topology", "heap_levels"]
+           "INTRA", "INTER", "exchange_cost", "choose_topology", "heap_levels", "parse_inter_link"]
 
 TOPOLOGIES = ("auto", "flat", "hierarchical")
 
@@ -36,6 +36,22 @@ TOPOLOGIES = ("auto", "flat", "hierarchical")
 # ~40 us per message (TCP through the kernel stack, ~25 us, and the Python-level send/wait).
 INTRA = (ALPHA, BETA)
 INTER = (40e-6, 1 / 1.25e9)
+
+
+def parse_inter_link(text: str) -> Tuple[float, float]:
+    """Return the (alpha s per message, beta s per byte) of ``--inter-link US,MB/S`` (e.g.
+    ``100,125`` for 1 Gbit/s with 100 us per message); ValueError naming what is wrong."""
+    parts = str(text).split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        micros, mbytes = float(parts[0]), float(parts[1])
+    except ValueError:
+        raise ValueError(f"--inter-link takes microseconds per message and MB/s, e.g. "
+                         f"100,125; got {text!r}") from None
+    if not (math.isfinite(micros) and math.isfinite(mbytes)) or micros < 0 or mbytes <= 0:
+        raise ValueError(f"--inter-link {text}: the microseconds must be >= 0 and the MB/s > 0")
+    return micros * 1e-6, 1.0 / (mbytes * 1e6)
 
 
 class HierarchicalRingCommunicator(RingCommunicator):

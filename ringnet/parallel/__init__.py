@@ -72,10 +72,11 @@ def step_traffic(mode: str, model, n: int, batch: int, delay: int = 0, buckets=N
                                       delay=delay, buckets=buckets)
 
 
-def topology_choice(mode: str, model, layout, asked: str = "auto"):
+def topology_choice(mode: str, model, layout, asked: str = "auto", inter_link=None):
     """Return (topology, why) that ``mode`` runs ``model``'s exchange with over the node
     ``layout`` for ``--topology asked``: flat for modes without a hierarchical exchange,
-    else :func:`ringnet.comm.hierarchical.choose_topology` for the exchanged bytes."""
+    else :func:`ringnet.comm.hierarchical.choose_topology` for the exchanged bytes, the link
+    between nodes priced as ``inter_link`` (``--inter-link``'s text; None: the default)."""
     from ringnet.comm.factory import HIERARCHICAL
     from ringnet.comm.hierarchical import choose_topology
     spec = _spec(mode)
@@ -86,18 +87,25 @@ def topology_choice(mode: str, model, layout, asked: str = "auto"):
         return "flat", "the mode's only exchange"
     size, _ = spec.strategy.exchange_region(model)
     per_node = [layout.ranks_on(i) for i in range(layout.nodes)]
-    return choose_topology(spec.communicator, size * model.dtype.itemsize, per_node, asked)
+    links = {}
+    if inter_link is not None:
+        from ringnet.comm.hierarchical import parse_inter_link
+        links["inter"] = parse_inter_link(inter_link)
+    return choose_topology(spec.communicator, size * model.dtype.itemsize, per_node, asked,
+                           **links)
 
 
 def create(mode: str, model, make_optimizer, world, delay: int = 0,
            transport: str = "auto", compensation: str = "none",
-           warmup: Optional[int] = None, topology: str = "auto") -> Strategy:
+           warmup: Optional[int] = None, topology: str = "auto",
+           inter_link: Optional[str] = None) -> Strategy:
     """Return the strategy of ``mode`` on ``world`` (an mpi4py communicator, or None for single).
 
     ``compensation``: the delay-1 compensation, a key of :data:`COMPENSATIONS`;
     ``warmup``: its synchronous warm-up steps (None: the compensation's default);
-    ``topology``: auto, flat or hierarchical (:func:`topology_choice`); the choice and why
-    are in the transport's ``placement.topology`` and the communicator's ``topology``.
+    ``topology``: auto, flat or hierarchical (:func:`topology_choice`, with ``inter_link``,
+    ``--inter-link``'s text); the choice and why are in the transport's
+    ``placement.topology`` and the communicator's ``topology``.
     """
     spec = _spec(mode)
     lookahead = lookahead_of(compensation)
@@ -109,7 +117,7 @@ def create(mode: str, model, make_optimizer, world, delay: int = 0,
     if isinstance(transport, str):
         transport = ringcomm.make_transport(transport, mpi_comm=world)
     from ringnet.nodes import layout_of
-    chosen, why = topology_choice(mode, model, layout_of(transport), topology)
+    chosen, why = topology_choice(mode, model, layout_of(transport), topology, inter_link)
     communicator = ringcomm.create(spec.communicator, transport=transport, mpi_comm=world,
                                    topology=chosen)
     communicator.topology = chosen

@@ -1127,3 +1127,30 @@ def test_the_readme_s_validation_figures_are_the_record_s():
     assert mean0 < 0 and abs(mean1) < abs(mean0)
     assert (f"{-mean0:.1f}% too fast on average (−{-lo0:.0f}% to +{hi0:.0f}%), with it "
             f"{abs(mean1):.1f}% (−{-lo1:.0f}% to +{hi1:.0f}%)") in text
+
+
+def test_a_calibration_across_nodes_prints_the_inter_link_for_train():
+    """The 1 Gbit/s cluster's recorded calibration (2 and 4 nodes, one rank each): the
+    printed --inter-link pair reads back as the fitted link, and with it --topology auto
+    takes the hierarchical ring for LeNet at 2 nodes x 2 ranks; a calibration on one node
+    prints none."""
+    from ringnet.bench.model.text import inter_link_hint
+    from ringnet.comm.hierarchical import parse_inter_link
+    from ringnet.nodes import group
+    from ringnet.parallel import topology_choice
+    with open(os.path.join(ROOT, "docs", "bench-model-validation-1gbit.json")) as f:
+        rnd = json.load(f)["rounds"][0]
+    add = rnd["compute"]["add_ns_per_element"] * 1e-9
+    for n, entry in rnd["calibration"]["by_np"].items():
+        record = calibration.calibration_record(int(n), entry["raw"], add)
+        hint = inter_link_hint(int(n), record)
+        assert hint.startswith(f"across {n} nodes;"), hint
+        pair = hint.split("--inter-link ")[1].split()[0]
+        alpha, beta = parse_inter_link(pair)
+        assert alpha == pytest.approx(record["alpha_s"], rel=5e-3)
+        assert 1 / beta == pytest.approx(record["beta_Bps"], rel=5e-4)
+        names = ["a", "a", "b", "b"]
+        assert topology_choice("ring", build_model("lenet"), group(names, names, 0),
+                               inter_link=pair)[0] == "hierarchical"
+        one_node = dict(entry["raw"], placement=dict(entry["raw"]["placement"], per_node=int(n)))
+        assert inter_link_hint(int(n), dict(record, raw=one_node)) is None

@@ -60,6 +60,30 @@ def test_auto_topology_follows_the_cost_model():
         choose_topology("ring", 1, [1], "star")
 
 
+def test_inter_link_prices_the_link_between_nodes():
+    """--inter-link: a 1 Gbit/s link (100 us, 125 MB/s) makes auto take the hierarchical
+    ring for LeNet at 2 nodes x 2 ranks, where the default 10 Gbit/s Ethernet keeps it flat
+    (as measured on the 1 Gbit/s cluster: the hierarchical ring sends a third less between
+    nodes); the choice equals the cheaper of exchange_cost with those constants."""
+    from ringnet.comm.hierarchical import INTER, parse_inter_link
+    from ringnet.models import build_model
+    from ringnet.parallel import topology_choice
+    assert parse_inter_link("100,125") == pytest.approx((100e-6, 1 / 125e6))
+    assert parse_inter_link("40,1250") == pytest.approx(INTER)
+    for bad in ("100", "a,b", "1,2,3", "-1,125", "100,0", "nan,5", ""):
+        with pytest.raises(ValueError, match="--inter-link"):
+            parse_inter_link(bad)
+    model, layout = build_model("lenet"), fake("block", 4, 0)
+    nbytes = model.num_params * model.dtype.itemsize
+    assert topology_choice("ring", model, layout)[0] == "flat"
+    picked, why = topology_choice("ring", model, layout, inter_link="100,125")
+    slow = (100e-6, 1 / 125e6)
+    costs = {t: exchange_cost("ring", t, nbytes, [2, 2], inter=slow) for t in ("flat", "hierarchical")}
+    assert picked == "hierarchical" and costs["hierarchical"] < costs["flat"]
+    assert f"{1e3 * costs['hierarchical']:.3g} ms against {1e3 * costs['flat']:.3g} ms" in why
+    assert topology_choice("ring", model, layout, "flat", inter_link="100,125")[0] == "flat"
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("pattern", ["cyclic", "block", "one"])
 def test_flat_ring_neighbours_follow_the_nodes(pattern):

@@ -14,6 +14,18 @@ from ringnet.bench.model.validation import diagnose, row_error
 __all__ = ["print_report", "print_validation"]
 
 
+def inter_link_hint(n, record):
+    """Return the ``--inter-link US,MB/S`` line for a calibration at N = ``n`` whose ranks
+    spanned nodes (its placement's ranks per node below ``n``), else None: the fitted link
+    is then the one between nodes, which ``--topology auto`` prices."""
+    per_node = record.get("raw", {}).get("placement", {}).get("per_node")
+    if not per_node or int(per_node) >= n:
+        return None
+    return (f"across {-(-n // int(per_node))} nodes; python -m ringnet.train --inter-link "
+            f"{record['alpha_s'] * 1e6:.3g},{record['beta_Bps'] / 1e6:.4g} prices these links "
+            "for --topology auto")
+
+
 def print_report(args, compute, profiles, calibration, nps, predictions, allreduces, crosses,
                  paper, paper_compute):
     """Print the inputs (compute, the code modelled, links, calibration) and every table but
@@ -36,6 +48,9 @@ def print_report(args, compute, profiles, calibration, nps, predictions, allredu
                   f"{c['cores']:.2f}; all ranks busy against one alone: {c['slowdown']:.2f}, "
                   f"{c['raw'].get('cores', '?')} cores here); "
                   f"stream steals {c['steal']:.2f} of a core; {describe_contention(n, c)}")
+            hint = inter_link_hint(n, c)
+            if hint:
+                print(f"# local at N={n}: {hint}")
     print_tables(predictions, args.batch_size, args.scaling, nps)
     if allreduces:
         print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "
@@ -103,6 +118,9 @@ def print_validation(args, validation, record):
             if "raw" in c:
                 c = calibration_record(n, c["raw"], rnd["compute"]["add_ns_per_element"] * 1e-9)
                 print(f"# round {i + 1}, N={n}: {describe_contention(n, c)}")
+                hint = inter_link_hint(n, c)
+                if hint:
+                    print(f"# round {i + 1}, N={n}: {hint}")
     print(f"# load average now: {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
           "(timings on a loaded machine move by tens of percent)")
     if args.validate:
