@@ -908,6 +908,9 @@ def test_strategies_send_what_the_model_counts(name, mode, delay):
 
     from ringnet import parallel
     from ringnet.optim import SGD, LRPolicy
+    here = os.path.join(ROOT, "tests", "parallel")      # importable when run alone too
+    if here not in sys.path:
+        sys.path.insert(0, here)
     from test_parallel_mpi import count_sends
     world = MPI.COMM_WORLD
     size = world.Get_size()

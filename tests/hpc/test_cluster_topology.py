@@ -4,7 +4,8 @@ tests/hpc/test_cluster_runs.py (skips without root or SLURM, as there).
 
 * the ring is ordered by node (0, 2, 1, 3): each rank's neighbours, from the real layout;
 * ring flat, ring hierarchical and tree hierarchical train to the weights of ``single``
-  (float64, 1e-9), and the header says which topology ran.
+  (float64, 1e-9), and the header says which topology ran; so does ``--topology auto``
+  told the links' measured speed (``--inter-link``), which then takes hierarchical.
 """
 import json
 import sys
@@ -27,6 +28,14 @@ def test_cyclic_placement_trains_as_single_with_each_topology(cluster, single, t
         text = proc.stdout + proc.stderr
         assert f"topology {topology} (asked for)" in text, text[-2000:]
         assert rel_error(weights(path), reference) <= 1e-9, f"{mode} {topology} differs from single"
+    # auto told the cluster's 1 Gbit/s link (as bench model --calibrate measured it) takes
+    # the hierarchical ring, which the default 10 Gbit/s pricing does not
+    path = tmp_path / "ring-auto.h5"
+    proc = _srun_cyclic(cluster, ["-m", "ringnet.train", *BASE, "--mode", "ring", "--delay", "0",
+                                  "--inter-link", "142,117.8", "--save", str(path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "topology hierarchical (auto: modelled" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert rel_error(weights(path), reference) <= 1e-9, "ring auto differs from single"
 
 
 NEIGHBOURS = """
