@@ -64,6 +64,20 @@ def _read_host_file(path):
     return hosts
 
 
+def _hosts_or_none(read, source, strict):
+    """``read(source)``'s hosts; None where the file cannot be read (``strict``: its OSError)."""
+    try:
+        return read(source)
+    except OSError:
+        if strict:
+            raise
+        return None
+
+
+def _listed_hosts(value):
+    return [h.split(":", 1)[0] for h in value.split(",") if h]
+
+
 def hydra_hosts(launch_cmd, env, strict=False):
     """Return (the launcher without its host options, the hosts it names, or None).
 
@@ -78,23 +92,13 @@ def hydra_hosts(launch_cmd, env, strict=False):
                 if i + 1 >= len(words):
                     break
                 value, i = words[i + 1], i + 1
-            try:
-                hosts = (_read_host_file(value) if _HOST_OPTIONS[option]
-                         else [h.split(":", 1)[0] for h in value.split(",") if h])
-            except OSError:
-                if strict:
-                    raise
-                hosts = None
+            hosts = _hosts_or_none(_read_host_file if _HOST_OPTIONS[option] else _listed_hosts,
+                                   value, strict)
         else:
             base.append(word)
         i += 1
     if hosts is None and env.get("HYDRA_HOST_FILE"):
-        try:
-            hosts = _read_host_file(env["HYDRA_HOST_FILE"])
-        except OSError:
-            if strict:
-                raise
-            hosts = None
+        hosts = _hosts_or_none(_read_host_file, env["HYDRA_HOST_FILE"], strict)
     return base, hosts
 
 

@@ -24,7 +24,7 @@ from ringnet.errors import UsageError
 from ringnet.hosts import hydra_hosts
 
 __all__ = ["Shape", "parse_nodes", "launch_prefix", "placed", "check_launcher", "available_nodes",
-           "inter_node_bytes", "LinkCounters", "nodes_text"]
+           "inter_node_bytes", "LinkCounters", "nodes_text", "cluster_files"]
 
 
 class Shape(int):
@@ -132,7 +132,18 @@ def available_nodes(launcher, environ=None):
     return len(set(hosts)) if hosts else 1
 
 
-def _pairs(transfer, n, nodes, order):
+def cluster_files(name, environ=None):
+    """Yield the paths of ``hpc/cluster.sh``'s file ``name`` (``nodes``, ``cluster``) that
+    exist beside ``$SLURM_CONF`` or ``$HYDRA_HOST_FILE``, in that order (none: no cluster)."""
+    env = os.environ if environ is None else environ
+    for var in ("SLURM_CONF", "HYDRA_HOST_FILE"):
+        if env.get(var):
+            path = os.path.join(os.path.dirname(env[var]), name)
+            if os.path.exists(path):
+                yield path
+
+
+def _pairs(transfer, n, order):
     """[(sender, receiver, bytes)] of one collective of the flat exchange."""
     size = transfer.length * transfer.itemsize
     if transfer.route == "tree":
@@ -169,7 +180,7 @@ def inter_node_bytes(mode, model, rank_nodes, batch, delay=0, topology="flat"):
     order = sorted(range(n), key=lambda r: (nodes[r], r))
     total = 0
     for transfer in traffic.transfers():
-        total += sum(b for src, dst, b in _pairs(transfer, n, nodes, order) if nodes[src] != nodes[dst])
+        total += sum(b for src, dst, b in _pairs(transfer, n, order) if nodes[src] != nodes[dst])
     return total
 
 
@@ -180,15 +191,11 @@ class LinkCounters:
     every byte that left a node (TCP/IP headers, and the launch's own traffic, included)."""
 
     def __init__(self, environ=None):
-        env = os.environ if environ is None else environ
         self.links = []
-        for var in ("SLURM_CONF", "HYDRA_HOST_FILE"):
-            if env.get(var):
-                path = os.path.join(os.path.dirname(env[var]), "nodes")
-                if os.path.exists(path):
-                    with open(path) as f:
-                        self.links = [line.split()[2] for line in f if len(line.split()) >= 3]
-                    break
+        for path in cluster_files("nodes", environ):
+            with open(path) as f:
+                self.links = [line.split()[2] for line in f if len(line.split()) >= 3]
+            break
 
     def __bool__(self):
         return bool(self.links)

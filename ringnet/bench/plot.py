@@ -105,6 +105,11 @@ def read_cluster_csv(path):
                          f"--csv): {exc}") from None
 
 
+def _cluster_label(row):
+    """A bar's legend: the mode and delay, and the topology's first letters where given."""
+    return _label(row["mode"], row["delay"]) + (f" {row['topology'][:4]}" if row["topology"] else "")
+
+
 def plot_cluster(panels, path):
     """Step time per (mode, delay, topology) on each layout of nodes, one panel per
     (title, rows); the exposed communication darker at the bottom of each bar."""
@@ -113,16 +118,13 @@ def plot_cluster(panels, path):
     for ax, (title, rows) in zip(axes[0], panels):
         layouts = sorted({(r["nodes"], r["ranks_per_node"]) for r in rows if r["mode"] != "single"},
                          key=lambda s: (s[0] * s[1], s[0]))
-        labels = list(dict.fromkeys(
-            _label(r["mode"], r["delay"]) + (f" {r['topology'][:4]}" if r["topology"] else "")
-            for r in rows if r["mode"] != "single"))
+        labels = list(dict.fromkeys(_cluster_label(r) for r in rows if r["mode"] != "single"))
         width = 0.8 / max(1, len(labels))
         colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         for j, label in enumerate(labels):
             for i, layout in enumerate(layouts):
                 got = [r for r in rows if (r["nodes"], r["ranks_per_node"]) == layout
-                       and _label(r["mode"], r["delay"]) + (f" {r['topology'][:4]}"
-                                                            if r["topology"] else "") == label]
+                       and _cluster_label(r) == label]
                 if not got:
                     continue
                 x = i + (j - (len(labels) - 1) / 2) * width

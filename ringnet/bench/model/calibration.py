@@ -158,17 +158,15 @@ def shaped_links(environ=None):
     """The rate the cluster's links are shaped to (``hpc/cluster.sh``'s ``cluster`` file
     beside ``$SLURM_CONF`` or ``$HYDRA_HOST_FILE``: ``rate=1gbit``), or None: unshaped, or
     no cluster."""
-    env = os.environ if environ is None else environ
-    for var in ("SLURM_CONF", "HYDRA_HOST_FILE"):
-        if env.get(var):
-            path = os.path.join(os.path.dirname(env[var]), "cluster")
-            try:
-                with open(path) as f:
-                    for line in f:
-                        if line.startswith("rate="):
-                            return line.strip().partition("=")[2] or None
-            except OSError:
-                continue
+    from ringnet.bench.cluster import cluster_files
+    for path in cluster_files("cluster", environ):
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith("rate="):
+                        return line.strip().partition("=")[2] or None
+        except OSError:
+            continue
     return None
 
 
