@@ -251,10 +251,10 @@ def _shapes(args):
     return shapes, topologies
 
 
-def _across_nodes(args, mode, delay, n, results):
-    """A row's cluster columns: its nodes, the topology that ran, the bytes one step sends
-    between nodes by the plan on the run's placement, and what the links carried per step."""
-    from ringnet.models import build_model
+def _across_nodes(args, model, mode, delay, n, results):
+    """A row's cluster columns: its nodes, the topology that ran, the bytes one step of
+    ``model`` sends between nodes by the plan on the run's placement, and what the links
+    carried per step."""
     first = results[0]
     ran = (first.get("topology") or "flat").split()[0]
     steps = max(1, first.get("steps") or args.steps)
@@ -263,7 +263,7 @@ def _across_nodes(args, mode, delay, n, results):
     if mode == "single":
         planned = 0
     elif mode != "ddp" and nodes:
-        planned = cluster.inter_node_bytes(mode, build_model(args.model), nodes,
+        planned = cluster.inter_node_bytes(mode, model, nodes,
                                            args.batch_size, delay, ran)
     link = [r["link_bytes"] / max(1, r.get("steps") or steps) for r in results if "link_bytes" in r]
     return {"nodes": getattr(n, "nodes", 1), "ranks_per_node": getattr(n, "per_node", int(n)),
@@ -347,6 +347,9 @@ def main(argv=None):
     base_ms = statistics.median(r["step_ms"] for r in runs[configs[0]])
     # t(B) / t(B/N): the speedup of a free split of the batch, per N
     ceiling = {c[2]: base_ms / statistics.median(r["step_ms"] for r in runs[c]) for c in ceilings}
+    if args.nodes:                     # what the rows' bytes between nodes are planned for
+        from ringnet.models import build_model
+        planned_model = build_model(args.model)
     for (mode, delay, n, _), results in runs.items():
         if mode == "ceiling":
             continue
@@ -366,7 +369,7 @@ def main(argv=None):
             "fc_params_per_rank": results[0].get("fc_params_per_rank"),
         })
         if args.nodes:
-            rows[-1].update(_across_nodes(args, mode, delay, n, results))
+            rows[-1].update(_across_nodes(args, planned_model, mode, delay, n, results))
         if mode == "ddp":       # what DDP does not expose, rather than a made-up zero
             rows[-1].update(exposed_comm_ms=None, overlap=None, bytes_per_step=None)
             if args.nodes:
