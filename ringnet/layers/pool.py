@@ -1,20 +1,19 @@
 """MaxPool2d and AvgPool2d with Caffe's ceil-mode output size, as sums over kernel taps.
 
-The input is first split into stride x stride *phase planes* (plane (a, e) holds the
-pixels whose row is a mod sh and column e mod sw), so every kernel tap reads a plain
-rectangle of one plane, where a stride-2 view of the input would give runs of only B
-elements. Planes, outputs and gradients are held column-major, (W, H, C, B) in memory, so
-a tap's rectangle (a range of columns and of rows, all channels and samples) is one long
-contiguous run per column: NumPy runs a pass over a few long runs up to 3x faster than over
-the many short ones a column range of a (C, H, W, B) array would give. The output is
-copied back to (C, H, W, B) memory at the end, and the input gradient is interleaved back
-from its planes.
+On the CPU the (C, H, W, B) input is pooled a chunk of channels at a time (about a
+megabyte: the chunk's work stays in the core's L2 cache). A chunk is first split into
+stride x stride *phase planes* (plane (a, e) holds the pixels whose row is a mod sh and
+column e mod sw), so every kernel tap reads a plain rectangle of one plane, where a
+stride-2 view of the input would give runs of only B elements; a tap's rectangle is then
+one contiguous run of (columns x B) elements per row. The output is written straight into
+its (C, Ho, Wo, B) array, and the input gradient is interleaved back from its planes into
+the chunk's channels of dx.
 """
 import numpy as np
 
 from ringnet.backend import get_array_module
 from ringnet.layers import _cuda_ops
-from ringnet.layers.base import Layer, tap_ranges, window_geometry, window_out_size, window_repr
+from ringnet.layers.base import Layer, batch_last, tap_ranges, window_geometry, window_out_size, window_repr
 
 __all__ = ["MaxPool2d", "AvgPool2d", "pool_output_size"]
 
@@ -34,14 +33,30 @@ def pool_output_size(size, kernel, stride, pad):
     return out
 
 
+# On the CPU a pool runs a few channels at a time, about this many bytes of input each, so
+# that a chunk's phase planes, output and masks stay in the core's L2 cache through the
+# passes each kernel tap makes (about four per tap): over whole cifar10_quick arrays those
+# passes run at memory speed, 2-3x slower.
+CPU_CHUNK_BYTES = 1 << 20
+
+
+def channel_chunks(c, h, w, b, itemsize, chunk_bytes=None):
+    """Return [(c0, c1)]: ranges of channels of a (C, H, W, B) input, each about
+    ``chunk_bytes`` (CPU_CHUNK_BYTES by default) of it and at least one channel."""
+    per = max(1, (CPU_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (h * w * b * itemsize))
+    n = -(-c // min(c, per))                                     # chunks, then even sizes
+    size = -(-c // n)
+    return [(c0, min(c0 + size, c)) for c0 in range(0, c, size)]
+
+
 def _phase_view(xp, xc, stride):
-    """Return (C, H, W, B) ``xc`` as a (sh, sw, W/sw, H/sh, C, B) view (sizes divisible):
-    entry (a, e, q, r, c, b) = xc[c, r*sh + a, q*sw + e, b]."""
+    """Return (C, H, W, B) ``xc`` as a (sh, sw, C, H/sh, W/sw, B) view (sizes divisible):
+    entry (a, e, c, r, q, b) = xc[c, r*sh + a, q*sw + e, b]."""
     sh, sw = stride
     c, h, w, b = xc.shape
     sc, sy, sx, sb = xc.strides
     return xp.lib.stride_tricks.as_strided(
-        xc, (sh, sw, w // sw, h // sh, c, b), (sy, sx, sw * sx, sh * sy, sc, sb))
+        xc, (sh, sw, c, h // sh, w // sw, b), (sy, sx, sc, sh * sy, sw * sx, sb))
 
 
 def _plane_extent(size, phase, stride):
@@ -50,55 +65,40 @@ def _plane_extent(size, phase, stride):
 
 
 def phase_shape(shape, stride):
-    """Return the shape of the phase planes of a logical (B, C, H, W) ``shape``."""
-    (b, c, h, w), (sh, sw) = shape, stride
-    return (sh, sw, -(-w // sw), -(-h // sh), c, b)
+    """Return the shape of the phase planes of a (C, H, W, B) ``shape``."""
+    (c, h, w, b), (sh, sw) = shape, stride
+    return (sh, sw, c, -(-h // sh), -(-w // sw), b)
 
 
-def split_phases(xp, x, stride, out=None):
-    """Return logical (B, C, H, W) ``x`` as phase planes (sh, sw, ceil(W/sw), ceil(H/sh), C, B),
-    in ``out`` when given (an array of that shape and x's dtype).
+def split_phases(xp, xc, stride, out):
+    """Copy (C, H, W, B) ``xc`` into its phase planes ``out`` (sh, sw, C, ceil(H/sh),
+    ceil(W/sw), B): plane (a, e) holds the pixels whose row is a mod sh and column e mod sw.
 
     Entries past an odd-sized plane's end are left unset (no tap reads them).
     """
     sh, sw = stride
-    b, c, h, w = x.shape
-    xc = x.transpose(1, 2, 3, 0)                                 # (C, H, W, B)
-    planes = xp.empty(phase_shape(x.shape, stride), dtype=x.dtype) if out is None else out
+    _, h, w, _ = xc.shape
     if h % sh == 0 and w % sw == 0:
-        xp.copyto(planes, _phase_view(xp, xc, stride))           # one strided copy
+        xp.copyto(out, _phase_view(xp, xc, stride))              # one strided copy
     else:
         for a in range(sh):
             for e in range(sw):
-                planes[a, e, :_plane_extent(w, e, sw), :_plane_extent(h, a, sh)] = \
-                    xc[:, a::sh, e::sw].transpose(2, 1, 0, 3)
-    return planes
-
-
-def merge_phases(xp, planes, h, w):
-    """Return phase planes as a C-contiguous (C, H, W, B) array (the inverse of split_phases)."""
-    sh, sw, _, _, c, b = planes.shape
-    xc = xp.empty((c, h, w, b), dtype=planes.dtype)
-    if h % sh == 0 and w % sw == 0:
-        xp.copyto(_phase_view(xp, xc, (sh, sw)), planes)         # one strided copy
-    else:
-        for a in range(sh):
-            for e in range(sw):
-                xc[:, a::sh, e::sw] = planes[a, e, :_plane_extent(w, e, sw),
-                                             :_plane_extent(h, a, sh)].transpose(2, 1, 0, 3)
-    return xc
-
-
-def _to_rows(xp, t):
-    """Return a column-major (W, H, C, B) array as a C-contiguous (C, H, W, B) copy."""
-    out = xp.empty((t.shape[2], t.shape[1], t.shape[0], t.shape[3]), dtype=t.dtype)
-    xp.copyto(out, t.transpose(2, 1, 0, 3))
+                out[a, e, :, :_plane_extent(h, a, sh), :_plane_extent(w, e, sw)] = \
+                    xc[:, a::sh, e::sw]
     return out
 
 
-def _to_columns(xp, x, out):
-    """Copy logical (B, C, H, W) ``x`` into ``out``, a C-contiguous (W, H, C, B) array."""
-    xp.copyto(out, x.transpose(3, 2, 1, 0))
+def merge_phases(xp, planes, out):
+    """Copy phase planes into (C, H, W, B) ``out`` (the inverse of split_phases)."""
+    sh, sw = planes.shape[:2]
+    _, h, w, _ = out.shape
+    if h % sh == 0 and w % sw == 0:
+        xp.copyto(_phase_view(xp, out, (sh, sw)), planes)        # one strided copy
+    else:
+        for a in range(sh):
+            for e in range(sw):
+                out[:, a::sh, e::sw] = planes[a, e, :, :_plane_extent(h, a, sh),
+                                              :_plane_extent(w, e, sw)]
     return out
 
 
@@ -138,9 +138,10 @@ class _Pool2d(Layer):
 
     def _taps(self, h, w):
         """Return (Ho, Wo, taps, covered): taps are (t, out, plane) for in-bounds taps in
-        row-major order, ``out`` indexing a column-major (Wo, Ho, C, B) array and ``plane``
-        the phase planes; ``covered`` says the first tap of every plane writes all of it.
-        Made once per input size (the geometry is the layer's own)."""
+        row-major order, ``out`` indexing the rows and columns of a (C, Ho, Wo, B) chunk and
+        ``plane`` the phase planes (a, e, rows, columns); ``covered`` says the first tap of
+        every plane writes all of it. Made once per input size (the geometry is the
+        layer's own)."""
         cached = self._tap_plans.get((h, w))
         if cached is None:
             cached = self._tap_plans[(h, w)] = self._make_taps(h, w)
@@ -157,34 +158,72 @@ class _Pool2d(Layer):
                     continue
                 (lo, hi, r), (lj, hj, q) = ri, rj
                 a, e = r % sh, q % sw
-                out = (slice(lj, hj), slice(lo, hi))
-                plane = (a, e, slice(q // sw, q // sw + hj - lj),
-                         slice(r // sh, r // sh + hi - lo))
+                out = (slice(None), slice(lo, hi), slice(lj, hj))
+                plane = (a, e, slice(None), slice(r // sh, r // sh + hi - lo),
+                         slice(q // sw, q // sw + hj - lj))
                 taps.append((i * kw + j, out, plane))
-                first.setdefault((a, e), (plane[2], plane[3]))
-        covered = all(first.get((a, e)) == (slice(0, _plane_extent(w, e, sw)),
-                                            slice(0, _plane_extent(h, a, sh)))
+                first.setdefault((a, e), (plane[3], plane[4]))
+        covered = all(first.get((a, e)) == (slice(0, _plane_extent(h, a, sh)),
+                                            slice(0, _plane_extent(w, e, sw)))
                       for a in range(sh) for e in range(sw))
         return ho, wo, taps, covered
 
-    def _scatter(self, xp, parts, taps, covered, shape, dtype):
-        """Return dx (B, C, H, W) from per-tap gradient contributions ``parts(t, out)``."""
-        h, w = shape[2:]
-        planes = self._scratch(xp, "planes", phase_shape(shape, self.stride), dtype)
-        if not covered:
-            planes.fill(0)
-        seen = set()
-        for t, out, plane in taps:
-            if covered and plane[:2] not in seen:              # the plane's first tap writes
-                seen.add(plane[:2])
-                parts(t, out, planes[plane])
+    def _chunks(self, shape, dtype):
+        """Return the channel chunks of a logical (B, C, H, W) ``shape``."""
+        b, c, h, w = shape
+        return channel_chunks(c, h, w, b, np.dtype(dtype).itemsize)
+
+    def _forward_cpu(self, x, first, tap):
+        """Return (y, taps, covered) for (B, C, H, W) ``x``: y is a new (C, Ho, Wo, B)
+        array; per channel chunk, ``first(yc)`` starts its output and ``tap(c0, c1, t,
+        out, yc, src)`` adds one tap (``src`` the tap's input rectangle)."""
+        b, c, h, w = x.shape
+        ho, wo, taps, covered = self._taps(h, w)
+        xc = batch_last(np, x)                                   # (C, H, W, B)
+        y = np.empty((c, ho, wo, b), dtype=x.dtype)
+        t0, out0, plane0 = taps[0]
+        whole = out0[1:] == (slice(0, ho), slice(0, wo))         # tap 0 starts every window
+        for c0, c1 in self._chunks(x.shape, x.dtype):
+            planes = split_phases(np, xc[c0:c1], self.stride, self._scratch(
+                np, "planes", phase_shape((c1 - c0, h, w, b), self.stride), x.dtype))
+            yc = y[c0:c1]
+            first(c0, c1)
+            if whole:
+                yc[...] = planes[plane0]
+                rest = taps[1:]
             else:
-                planes[plane] += parts(t, out, None)
-        return merge_phases(xp, planes, h, w).transpose(3, 0, 1, 2)
+                yc.fill(self._empty)
+                rest = taps
+            for t, out, plane in rest:
+                tap(c0, c1, t, out, yc[out], planes[plane])
+        return y, taps, covered
+
+    def _backward_cpu(self, shape, dtype, taps, covered, parts):
+        """Return dx (B, C, H, W) from per-tap gradient contributions ``parts(c0, c1, t,
+        out, dst)``: a chunk's contribution of tap t, written to ``dst`` when given (the
+        plane's first tap), else returned to be added."""
+        b, c, h, w = shape
+        dx = np.empty((c, h, w, b), dtype=dtype)                 # (C, H, W, B)
+        for c0, c1 in self._chunks(shape, dtype):
+            planes = self._scratch(np, "planes", phase_shape((c1 - c0, h, w, b), self.stride),
+                                   dtype)
+            if not covered:
+                planes.fill(0)
+            seen = set()
+            for t, out, plane in taps:
+                if covered and plane[:2] not in seen:            # the plane's first tap writes
+                    seen.add(plane[:2])
+                    parts(c0, c1, t, out, planes[plane])
+                else:
+                    planes[plane] += parts(c0, c1, t, out, None)
+            merge_phases(np, planes, dx[c0:c1])
+        return dx.transpose(3, 0, 1, 2)
 
 
 class MaxPool2d(_Pool2d):
     """Max pooling; padding never wins; ties go to the first tap in row-major order (Caffe)."""
+
+    _empty = -np.inf
 
     def forward(self, x, train=True):
         xp = get_array_module(x)
@@ -193,37 +232,32 @@ class MaxPool2d(_Pool2d):
                                               self.kernel_size, self.stride, self.padding)
             self._cache = (x.shape, argmax, None, None) if train else None
             return y
-        b, c, h, w = x.shape                                     # (B, C, H, W)
-        ho, wo, taps, covered = self._taps(h, w)
-        planes = split_phases(xp, x, self.stride, self._scratch(
-            xp, "planes", phase_shape(x.shape, self.stride), x.dtype))
-        y = self._scratch(xp, "y", (wo, ho, c, b), x.dtype)       # (Wo, Ho, C, B)
-        argmax = None
-        if train:
-            argmax = self._scratch(xp, "argmax", y.shape, np.uint8)
-            argmax.fill(0)
-            win = self._scratch(xp, "win", y.shape, np.bool_)
-            step = self._scratch(xp, "step", y.shape, np.uint8)
-        t0, out0, plane0 = taps[0]
-        if out0 == (slice(0, wo), slice(0, ho)):                 # tap 0 starts every window
-            y[...] = planes[plane0]
-            rest = taps[1:]
-        else:
-            y.fill(-np.inf)
-            rest = taps
-        for t, out, plane in rest:
-            src, dst = planes[plane], y[out]
+        b, c, h, w = x.shape
+        _, ho, wo = self.output_shape((c, h, w))
+        # the tap index of each output, (C, Ho, Wo, B) as y
+        argmax = self._scratch(np, "argmax", (c, ho, wo, b), np.uint8) if train else None
+        n = max(c1 - c0 for c0, c1 in self._chunks(x.shape, x.dtype))
+        win = self._scratch(np, "win", (n, ho, wo, b), np.bool_)
+        step = self._scratch(np, "step", (n, ho, wo, b), np.uint8)
+
+        def first(c0, c1):
+            if train:
+                argmax[c0:c1].fill(0)
+
+        def tap(c0, c1, t, out, dst, src):
             if train:
                 # Strictly greater, so ties keep the earlier tap; taps come in increasing
                 # t, so argmax <- max(argmax, win * t) sets t exactly where this tap wins
                 # (branch-free: a masked copy runs at the speed of the mask's pattern).
-                xp.greater(src, dst, out=win[out])
-                xp.multiply(win[out].view(np.uint8), np.uint8(t), out=step[out])
-                xp.maximum(argmax[out], step[out], out=argmax[out])
-            xp.maximum(dst, src, out=dst)
-        # kept as a (C, Ho, Wo, B) view: the tap index of each output, indexed as y is
-        self._cache = (x.shape, argmax.transpose(2, 1, 0, 3), taps, covered) if train else None
-        return _to_rows(xp, y).transpose(3, 0, 1, 2)             # (B, C, Ho, Wo)
+                won, at, best = win[:c1 - c0][out], step[:c1 - c0][out], argmax[c0:c1][out]
+                np.greater(src, dst, out=won)
+                np.multiply(won.view(np.uint8), np.uint8(t), out=at)
+                np.maximum(best, at, out=best)
+            np.maximum(dst, src, out=dst)
+
+        y, taps, covered = self._forward_cpu(x, first, tap)
+        self._cache = (x.shape, argmax, taps, covered) if train else None
+        return y.transpose(3, 0, 1, 2)                           # (B, C, Ho, Wo)
 
     def backward(self, dy):
         # y = x[argmax]  =>  dx[argmax] += dy, zero elsewhere (overlapping windows add up).
@@ -232,20 +266,24 @@ class MaxPool2d(_Pool2d):
         if xp is not np:                                         # one fused CUDA kernel
             return _cuda_ops.maxpool_backward(xp, dy, argmax, shape, self.kernel_size,
                                           self.stride, self.padding)
-        argmax = argmax.transpose(2, 1, 0, 3)                    # (Wo, Ho, C, B) memory
-        dyc = _to_columns(xp, dy, self._scratch(xp, "dy", argmax.shape, dy.dtype))
-        hit = self._scratch(xp, "win", argmax.shape, np.bool_)
-        part = self._scratch(xp, "part", argmax.shape, dy.dtype)
+        dyc = batch_last(np, dy)                                 # (C, Ho, Wo, B)
+        n = max(c1 - c0 for c0, c1 in self._chunks(shape, dy.dtype))
+        hit = self._scratch(np, "win", (n,) + argmax.shape[1:], np.bool_)
+        part = self._scratch(np, "part", (n,) + argmax.shape[1:], dy.dtype)
 
-        def parts(t, out, dst):
-            xp.equal(argmax[out], np.uint8(t), out=hit[out])
-            return xp.multiply(dyc[out], hit[out], out=part[out] if dst is None else dst)
+        def parts(c0, c1, t, out, dst):
+            here = hit[:c1 - c0][out]
+            np.equal(argmax[c0:c1][out], np.uint8(t), out=here)
+            return np.multiply(dyc[c0:c1][out], here,
+                               out=part[:c1 - c0][out] if dst is None else dst)
 
-        return self._scatter(xp, parts, taps, covered, shape, dy.dtype)
+        return self._backward_cpu(shape, dy.dtype, taps, covered, parts)
 
 
 class AvgPool2d(_Pool2d):
     """Average pooling; divisor counts padding but not the ceil-mode overhang (Caffe AVE)."""
+
+    _empty = 0
 
     def _inv_count(self, xp, h, w, ho, wo, dtype):
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
@@ -272,24 +310,17 @@ class AvgPool2d(_Pool2d):
             self._cache = (x.shape, inv, None, None) if train else None
             return _cuda_ops.avgpool_forward(xp, x, inv, self.kernel_size, self.stride,
                                          self.padding)
-        b, c, h, w = x.shape                                     # (B, C, H, W)
-        ho, wo, taps, covered = self._taps(h, w)
-        planes = split_phases(xp, x, self.stride, self._scratch(
-            xp, "planes", phase_shape(x.shape, self.stride), x.dtype))
-        y = self._scratch(xp, "y", (wo, ho, c, b), x.dtype)       # (Wo, Ho, C, B)
-        t0, out0, plane0 = taps[0]
-        if out0 == (slice(0, wo), slice(0, ho)):
-            y[...] = planes[plane0]
-            rest = taps[1:]
-        else:
-            y.fill(0)
-            rest = taps
-        for _, out, plane in rest:
-            y[out] += planes[plane]
-        inv = self._inv_count(xp, h, w, ho, wo, x.dtype)[:, :, 0].T[:, :, None, None]
-        y *= inv                                                 # (Wo, Ho, 1, 1)
+        b, c, h, w = x.shape
+        _, ho, wo = self.output_shape((c, h, w))
+        inv = self._inv_count(np, h, w, ho, wo, x.dtype)         # (Ho, Wo, 1)
+
+        def tap(c0, c1, t, out, dst, src):
+            dst += src
+
+        y, taps, covered = self._forward_cpu(x, lambda c0, c1: None, tap)
+        y *= inv
         self._cache = (x.shape, inv, taps, covered) if train else None
-        return _to_rows(xp, y).transpose(3, 0, 1, 2)             # (B, C, Ho, Wo)
+        return y.transpose(3, 0, 1, 2)                           # (B, C, Ho, Wo)
 
     def backward(self, dy):
         # y[o] = inv[o] * sum_{taps} x[o*s + k - p]  =>  dx[o*s + k - p] += inv[o] * dy[o].
@@ -298,14 +329,12 @@ class AvgPool2d(_Pool2d):
         if xp is not np:                                         # one fused CUDA kernel
             return _cuda_ops.avgpool_backward(xp, dy, inv, shape, self.kernel_size, self.stride,
                                           self.padding)
-        b, c, ho, wo = dy.shape
-        g = self._scratch(xp, "dy", (wo, ho, c, b), dy.dtype)     # (Wo, Ho, C, B)
-        xp.multiply(dy.transpose(3, 2, 1, 0), inv, out=g)
+        g = batch_last(np, dy) * inv                             # (C, Ho, Wo, B)
 
-        def parts(t, out, dst):
+        def parts(c0, c1, t, out, dst):
             if dst is None:
-                return g[out]
-            dst[...] = g[out]
+                return g[c0:c1][out]
+            dst[...] = g[c0:c1][out]
             return dst
 
-        return self._scatter(xp, parts, taps, covered, shape, dy.dtype)
+        return self._backward_cpu(shape, dy.dtype, taps, covered, parts)

@@ -170,8 +170,8 @@ def test_conv_picks_the_fourier_path_where_it_is_faster():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_fourier_and_im2col_agree_in_each_dtype(dtype):
-    """cifar10_quick's conv2 geometry: the two algorithms give the same outputs and
+def test_cpu_algorithms_agree_in_each_dtype(dtype):
+    """cifar10_quick's conv2 geometry: every algorithm gives im2col's outputs and
     gradients to the dtype's rounding, and float32 stays float32."""
     rng = np.random.default_rng(5)
     x = rng.normal(size=(4, 32, 16, 16)).astype(dtype)
@@ -185,9 +185,10 @@ def test_fourier_and_im2col_agree_in_each_dtype(dtype):
         assert y.dtype == dx.dtype == dtype
         results.append([y, dx, grads["weight"].copy(), grads["bias"].copy()])
     tol = 2e-5 if dtype == np.float32 else 1e-12
-    for name, a, b in zip(("y", "dx", "dW", "db"), *results):
-        scale = np.abs(b).max()
-        assert np.abs(a - b).max() <= tol * scale, (name, np.abs(a - b).max(), scale)
+    for algorithm, result in zip(ALGORITHMS[1:], results[1:]):
+        for name, a, b in zip(("y", "dx", "dW", "db"), result, results[0]):
+            scale = np.abs(b).max()
+            assert np.abs(a - b).max() <= tol * scale, (algorithm, name, np.abs(a - b).max())
 
 
 POOL_CASES = [  # (B, C, H, W, kernel, stride, padding)
@@ -201,7 +202,7 @@ POOL_CASES = [  # (B, C, H, W, kernel, stride, padding)
 
 @pytest.mark.parametrize("cls", [MaxPool2d, AvgPool2d])
 @pytest.mark.parametrize("case", POOL_CASES)
-def test_pool_gradients_match_finite_differences(cls, case):
+def test_pool_gradients_match_finite_differences(cls, case, pool_chunks):
     b, c, h, w, k, s, p = case
     layer = cls(k, s, p)
     x = np.random.default_rng(4).normal(size=(b, c, h, w))
@@ -210,7 +211,7 @@ def test_pool_gradients_match_finite_differences(cls, case):
 
 @pytest.mark.parametrize("cls,mode", [(MaxPool2d, "max"), (AvgPool2d, "ave")])
 @pytest.mark.parametrize("case", POOL_CASES)
-def test_pool_forward_matches_caffe_loops(cls, mode, case):
+def test_pool_forward_matches_caffe_loops(cls, mode, case, pool_chunks):
     b, c, h, w, k, s, p = case
     layer = cls(k, s, p)
     x = np.random.default_rng(5).normal(size=(b, c, h, w))
@@ -230,7 +231,7 @@ def test_pool_output_size_is_caffe_ceil_mode():
     assert pool_output_size(5, 2, 2, 1) == 3              # 4 dropped: last window would start in the pad
 
 
-def test_max_pool_ties_go_to_the_first_tap():
+def test_max_pool_ties_go_to_the_first_tap(pool_chunks):
     x = np.zeros((1, 1, 4, 4))
     layer = MaxPool2d(2, 2)
     layer.forward(x)
@@ -466,7 +467,7 @@ def test_conv_matches_torch(case, algorithm):
 
 @needs_torch
 @pytest.mark.parametrize("case", POOL_CASES)
-def test_pools_match_torch_ceil_mode(case):
+def test_pools_match_torch_ceil_mode(case, pool_chunks):
     b, c, h, w, k, s, p = case
     x = np.random.default_rng(14).normal(size=(b, c, h, w))
     for ours, theirs in [(MaxPool2d(k, s, p), torch.nn.MaxPool2d(k, s, p, ceil_mode=True)),
@@ -577,7 +578,7 @@ def _pool_against_torch(ours, theirs, x, seed):
 
 @needs_torch
 @pytest.mark.parametrize("case", POOL_CASES + POOL_EXTRA_CASES)
-def test_max_pool_ties_match_torch(case):
+def test_max_pool_ties_match_torch(case, pool_chunks):
     # Values from {0, 1, 2} tie in almost every window; PyTorch, like Caffe, routes the
     # gradient to the first maximum in row-major order, across the phase planes.
     b, c, h, w, k, s, p = case
@@ -590,7 +591,7 @@ def test_max_pool_ties_match_torch(case):
 
 @needs_torch
 @pytest.mark.parametrize("case", POOL_EXTRA_CASES)
-def test_pools_extra_geometries_match_torch(case):
+def test_pools_extra_geometries_match_torch(case, pool_chunks):
     b, c, h, w, k, s, p = case
     x = np.random.default_rng(29).normal(size=(b, c, h, w))
     for ours, theirs in [(MaxPool2d(k, s, p), torch.nn.MaxPool2d(k, s, p, ceil_mode=True)),
@@ -601,24 +602,43 @@ def test_pools_extra_geometries_match_torch(case):
 
 @pytest.mark.parametrize("cls", [MaxPool2d, AvgPool2d])
 @pytest.mark.parametrize("case", POOL_EXTRA_CASES)
-def test_pool_extra_geometries_match_finite_differences(cls, case):
+def test_pool_extra_geometries_match_finite_differences(cls, case, pool_chunks):
     b, c, h, w, k, s, p = case
     x = np.random.default_rng(32).normal(size=(b, c, h, w))
     fd_check(cls(k, s, p), x, {}, {})
 
 
 def test_phase_planes_round_trip():
-    from ringnet.layers.pool import merge_phases, split_phases
-    for shape, stride in [((2, 3, 8, 6), (2, 2)), ((1, 2, 7, 9), (2, 3)), ((3, 1, 5, 5), (1, 1))]:
-        x = np.random.default_rng(33).normal(size=shape)
-        planes = split_phases(np, x, stride)
+    from ringnet.layers.pool import merge_phases, phase_shape, split_phases
+    for shape, stride in [((3, 8, 6, 2), (2, 2)), ((2, 7, 9, 1), (2, 3)), ((1, 5, 5, 3), (1, 1))]:
+        xc = np.random.default_rng(33).normal(size=shape)          # (C, H, W, B)
+        planes = split_phases(np, xc, stride, np.empty(phase_shape(shape, stride)))
         sh, sw = stride
         for a in range(sh):
             for e in range(sw):
-                part = x[:, :, a::sh, e::sw].transpose(1, 2, 3, 0)
-                np.testing.assert_array_equal(planes[a, e, :part.shape[2], :part.shape[1]],
-                                              part.transpose(2, 1, 0, 3))
-        np.testing.assert_array_equal(merge_phases(np, planes, *shape[2:]), x.transpose(1, 2, 3, 0))
+                part = xc[:, a::sh, e::sw]
+                np.testing.assert_array_equal(planes[a, e, :, :part.shape[1], :part.shape[2]],
+                                              part)
+        np.testing.assert_array_equal(merge_phases(np, planes, np.empty(shape)), xc)
+
+
+def test_channel_chunks_cover_every_channel_in_even_parts():
+    from ringnet.layers.pool import channel_chunks
+    assert channel_chunks(32, 32, 32, 64, 4) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20),
+                                                 (20, 24), (24, 28), (28, 32)]  # 256 KiB each
+    assert channel_chunks(5, 4, 4, 2, 8, chunk_bytes=2 * 256) == [(0, 2), (2, 4), (4, 5)]
+    assert channel_chunks(3, 8, 8, 8, 8, chunk_bytes=1) == [(0, 1), (1, 2), (2, 3)]
+    assert channel_chunks(3, 2, 2, 1, 4) == [(0, 3)]
+
+
+@pytest.fixture(params=["whole", "per-channel"])
+def pool_chunks(request, monkeypatch):
+    """Run a pool test with the default channel chunks (one, at these sizes) and with one
+    channel per chunk (every chunk boundary)."""
+    from ringnet.layers import pool
+    if request.param == "per-channel":
+        monkeypatch.setattr(pool, "CPU_CHUNK_BYTES", 1)
+    return request.param
 
 
 @pytest.mark.parametrize("make", [lambda: MaxPool2d(3, 2), lambda: AvgPool2d(3, 2),
