@@ -1,12 +1,13 @@
 """Conv2d on batch-last (C, H, W, B) memory: im2col as one strided copy per column block +
-one GEMM per block, or (stride 1, enough channels, small maps, on the CPU) through 2-D
-Fourier transforms (:mod:`ringnet.layers.fft_conv`)."""
+one GEMM per block; on the CPU, (stride 1, enough channels, small maps) through 2-D
+Fourier transforms (:mod:`ringnet.layers.fft_conv`), and a first layer through rows
+lowered along the kernel's width only (:mod:`ringnet.layers.row_conv`)."""
 import functools
 
 import numpy as np
 
 from ringnet.backend import get_array_module
-from ringnet.layers import _cuda_ops, fft_conv
+from ringnet.layers import _cuda_ops, fft_conv, row_conv
 from ringnet.layers.base import (Layer, as_channel_rows, check_init, copy_samples,
                                  window_geometry, window_out_size, window_repr)
 
@@ -80,9 +81,10 @@ class Conv2d(Layer):
     memory and is returned as a logical (B, O, Ho, Wo) view of it.
 
     ``algorithm`` picks the CPU path: "auto" (the default) takes the Fourier transforms
-    where :func:`ringnet.layers.fft_conv.fits` says they are faster, else im2col;
-    "im2col" and "fourier" force one (the GPU always runs im2col). The two agree to
-    rounding (float64: about 1e-15 of the largest output).
+    where :func:`ringnet.layers.fft_conv.fits` says they are faster, else the lowered
+    rows for a first layer (``needs_dx`` False: its thin GEMMs run without im2col's
+    kh-fold copy), else im2col; "im2col", "fourier" and "rows" force one (the GPU always
+    runs im2col). They agree to rounding (float64: about 1e-15 of the largest output).
     """
 
     algorithm = "auto"
@@ -96,6 +98,7 @@ class Conv2d(Layer):
         self._buffers = {}       # role -> (shape, dtype, array), reused while shapes repeat
         self._plans = {}         # role -> im2col views of those buffers
         self._fourier_plan = None  # the transforms' work arrays (fft_conv.FourierConv)
+        self._row_plan = None      # the lowered rows (row_conv.RowConv)
         self._cache = None
 
     def __repr__(self):
@@ -165,7 +168,14 @@ class Conv2d(Layer):
         b, c, h, w = x.shape                                     # (B, C, H, W)
         _, ho, wo = self.output_shape((c, h, w))
         (kh, kw), o = self.kernel_size, self.out_channels
-        if self._fourier(c, h, w):
+        algorithm = self._cpu_algorithm(c, h, w)
+        if algorithm == "rows":
+            if self._row_plan is None:
+                self._row_plan = row_conv.RowConv(self.kernel_size, self.stride, self.padding)
+            y = self._row_plan.forward(x, self.params["weight"], self.params["bias"], train)
+            self._cache = ("rows", self._row_plan) if train else None
+            return y.transpose(3, 0, 1, 2)                       # (B, O, Ho, Wo)
+        if algorithm == "fourier":
             if self._fourier_plan is None:
                 self._fourier_plan = fft_conv.FourierConv(self.kernel_size, self.padding)
             y = self._fourier_plan.forward(np.ascontiguousarray(x.transpose(1, 2, 3, 0)),
@@ -195,6 +205,10 @@ class Conv2d(Layer):
         xp = get_array_module(dy)
         if xp is not np:
             return self._backward_gpu(xp, dy)
+        if self._cached()[0] == "rows":
+            dx = self._cache[1].backward(as_channel_rows(xp, dy), self.grads["weight"],
+                                         self.grads["bias"], self.needs_dx)
+            return None if dx is None else dx.transpose(3, 0, 1, 2)  # (B, C, H, W)
         if self._cached()[0] == "fourier":
             dyc = np.ascontiguousarray(dy.transpose(1, 2, 3, 0))  # (O, Ho, Wo, B)
             np.sum(dyc.reshape(dyc.shape[0], -1), axis=1, out=self.grads["bias"])
@@ -253,15 +267,20 @@ class Conv2d(Layer):
                     dxpad[:, rows, w0 * sw + j:(w1 - 1) * sw + j + 1:sw] += dst[:, i, j]
         return dxpad[:, ph:ph + h, pw:pw + w].transpose(3, 0, 1, 2)  # (B, C, H, W)
 
-    def _fourier(self, c, h, w):
-        """Whether this CPU call runs through the Fourier transforms."""
-        if self.algorithm not in ("auto", "im2col", "fourier"):
-            raise ValueError(f"Conv2d algorithm {self.algorithm!r}: use auto, im2col or fourier")
+    def _cpu_algorithm(self, c, h, w):
+        """Return the CPU path of this call: "fourier", "rows" or "im2col"."""
+        if self.algorithm not in ("auto", "im2col", "fourier", "rows"):
+            raise ValueError(f"Conv2d algorithm {self.algorithm!r}: use auto, im2col, "
+                             f"fourier or rows")
+        if self.algorithm == "fourier":
+            return "fourier" if tuple(self.stride) == (1, 1) else "im2col"
         if self.algorithm != "auto":
-            return self.algorithm == "fourier" and tuple(self.stride) == (1, 1)
+            return self.algorithm
         (ph, pw) = self.padding
-        return fft_conv.fits(c, self.out_channels, self.kernel_size, self.stride,
-                             (h + 2 * ph, w + 2 * pw))
+        if fft_conv.fits(c, self.out_channels, self.kernel_size, self.stride,
+                         (h + 2 * ph, w + 2 * pw)):
+            return "fourier"
+        return "im2col" if self.needs_dx else "rows"
 
     # --- the GPU path: the same GEMMs on one column matrix, which one fused kernel builds
     # straight from the input (any memory order, padding included) instead of a padded

@@ -103,9 +103,9 @@ CONV_CASES = [  # (B, C, H, W, O, kernel, stride, padding)
     (2, 9, 8, 8, 8, 5, 1, 0),          # valid conv
     (1, 8, 7, 9, 8, (3, 5), 1, (2, 1)),  # non-square kernel, padding > k-1 on one axis
 ]
-# Each conv test runs both CPU algorithms (Conv2d.algorithm); "fourier" runs im2col where
+# Each conv test runs every CPU algorithm (Conv2d.algorithm); "fourier" runs im2col where
 # the stride is not 1.
-ALGORITHMS = ["im2col", "fourier"]
+ALGORITHMS = ["im2col", "fourier", "rows"]
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -167,6 +167,22 @@ def test_conv_picks_the_fourier_path_where_it_is_faster():
     layer.algorithm = "winograd"
     with pytest.raises(ValueError, match="algorithm 'winograd'"):
         layer.forward(np.zeros((1, 8, 6, 6)))
+
+
+def test_conv_auto_lowers_rows_for_a_first_layer_only():
+    """auto: a first layer (no input gradient) that the transforms do not fit runs the
+    lowered rows (cifar10_quick's and LeNet's conv1); with an input gradient it runs
+    im2col, and a geometry the transforms fit runs them either way."""
+    rng = np.random.default_rng(6)
+    for (c, o, size, padding), first, expected in [
+            ((3, 32, 12, 2), True, "rows"), ((3, 32, 12, 2), False, "im2col"),
+            ((8, 8, 12, 2), True, "fourier"), ((8, 8, 12, 2), False, "fourier")]:
+        layer = Conv2d(c, o, 5, padding=padding)
+        bound(layer, (c, size, size))
+        layer.needs_dx = not first
+        layer.forward(rng.normal(size=(2, c, size, size)))
+        kind = layer._cache[0] if isinstance(layer._cache[0], str) else "im2col"
+        assert kind == expected, ((c, o), first, kind)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
