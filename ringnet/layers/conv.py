@@ -179,8 +179,7 @@ class Conv2d(Layer):
             if self._fourier_plan is None:
                 self._fourier_plan = fft_conv.FourierConv(self.kernel_size, self.padding)
             y = self._fourier_plan.forward(np.ascontiguousarray(x.transpose(1, 2, 3, 0)),
-                                           self.params["weight"], train)
-            y += self.params["bias"][:, None, None, None]
+                                           self.params["weight"], self.params["bias"], train)
             self._cache = ("fourier", self._fourier_plan) if train else None
             return y.transpose(3, 0, 1, 2)                       # (B, O, Ho, Wo)
         role = "train" if train else "eval"
@@ -211,8 +210,8 @@ class Conv2d(Layer):
             return None if dx is None else dx.transpose(3, 0, 1, 2)  # (B, C, H, W)
         if self._cached()[0] == "fourier":
             dyc = np.ascontiguousarray(dy.transpose(1, 2, 3, 0))  # (O, Ho, Wo, B)
-            np.sum(dyc.reshape(dyc.shape[0], -1), axis=1, out=self.grads["bias"])
-            dx = self._cache[1].backward(dyc, self.grads["weight"], self.needs_dx)
+            dx = self._cache[1].backward(dyc, self.grads["weight"], self.grads["bias"],
+                                         self.needs_dx)
             return None if dx is None else dx.transpose(3, 0, 1, 2)  # (B, C, H, W)
         (b, c, h, w), xpad, blocks, kept = self._cached()
         _, o, ho, wo = dy.shape

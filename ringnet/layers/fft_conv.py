@@ -17,7 +17,9 @@ inverse transforms evaluate only the outputs that are kept (Ho x Wo of the outpu
 interior of dx, kh x kw of the weight gradient), using the half spectrum of a real
 signal. Per frequency the products are O*C*B complex multiply-adds where im2col needs
 O*C*kh*kw*B per output position: a 5x5 kernel on a 16x16 map costs about a seventh of
-the GEMM FLOPs.
+the GEMM FLOPs. The bias rides in frequency 0 of the output's spectrum (a constant map
+is its DC term alone), and its gradient is frequency 0 of the output gradient's spectrum
+summed over the batch: no pass over the output for either.
 """
 import functools
 
@@ -143,9 +145,9 @@ class FourierConv:
         self.kernel, self.padding = tuple(kernel), tuple(padding)
         self._spectra = None
 
-    def forward(self, x, weight, train=True):
-        """Return a new (O, Ho, Wo, B) array for C-contiguous (C, H, W, B) ``x`` and
-        (O, C, kh, kw) ``weight``."""
+    def forward(self, x, weight, bias, train=True):
+        """Return a new (O, Ho, Wo, B) array for C-contiguous (C, H, W, B) ``x``,
+        (O, C, kh, kw) ``weight`` and (O,) ``bias``."""
         c, h, w, b = x.shape
         o = weight.shape[0]
         (kh, kw), (ph, pw) = self.kernel, self.padding
@@ -155,19 +157,21 @@ class FourierConv:
         ws = _kernel_spectrum(weight, shape, 1)                     # conj(W): (F, O, C)
         self._spectra = (x.shape, shape, xs, ws) if train else None
         ys = np.matmul(ws, xs)                                      # (F, O, B)
+        ys[0] += bias[:, None] * (shape[0] * shape[1])              # a constant map: DC only
         y = np.empty((o, ho, wo, b), dtype=x.dtype)
         return _inverse(ys, shape, ho, wo, (0, 0), y)
 
-    def backward(self, dy, dweight, needs_dx):
-        """Write the weight gradient into (O, C, kh, kw) ``dweight`` and return dx as a
-        new (C, H, W, B) array (None without ``needs_dx``), for C-contiguous (O, Ho, Wo, B)
-        ``dy``."""
+    def backward(self, dy, dweight, dbias, needs_dx):
+        """Write the weight and bias gradients into (O, C, kh, kw) ``dweight`` and (O,)
+        ``dbias`` and return dx as a new (C, H, W, B) array (None without ``needs_dx``),
+        for C-contiguous (O, Ho, Wo, B) ``dy``."""
         if self._spectra is None:
             raise RuntimeError("Conv2d.backward called without a forward(train=True)")
         (c, h, w, b), shape, xs, ws = self._spectra
         (kh, kw), (ph, pw) = self.kernel, self.padding
         # conj(DY), straight from the conjugate transform: no conjugating pass
         ds = _transform(dy, shape, (0, 0), 1)                       # (F, O, B)
+        np.sum(ds[0].real, axis=1, out=dbias)                       # frequency 0: the sums
         # correlation of dy with x: kept at the kh x kw lags, as (O, kh, kw, C) = dweight^T
         dws = np.matmul(ds, xs.transpose(0, 2, 1))                  # (F, O, C)
         _inverse(dws, shape, kh, kw, (0, 0), dweight.transpose(0, 2, 3, 1))
