@@ -2,7 +2,7 @@
 
 On batch-last (C, H, W, B) memory, with the padded size N = H + 2p per axis:
 
-* forward: Y[f] = conj(W[f]) X[f] per frequency f, a (O x C) by (C x B) complex GEMM;
+* forward: Y[f] = conj(W[f]) X[f] per frequency f, a (O x C) by (C x B) complex product;
 * input gradient: DX[f] = W[f]^T DY[f], the circular convolution of dy with the kernel;
 * weight gradient: DW[f] = conj(DY[f]) X[f]^T, the circular correlation of dy with x,
 
@@ -11,15 +11,23 @@ gradient, each zero-padded to N x N. N = H + 2p is exactly large enough that no 
 term wraps into a kept output, so the results equal the direct convolution up to rounding.
 
 Transforms are matrix products with precomputed DFT matrices, not FFTs: at these sizes
-(N of 12 to 20 on cifar10_quick and LeNet) a transform is a few batched GEMMs, and the
-padding is folded into the matrices (a phase shift), so no padded copy is made. The
-inverse transforms evaluate only the outputs that are kept (Ho x Wo of the output, the
-interior of dx, kh x kw of the weight gradient), using the half spectrum of a real
-signal. Per frequency the products are O*C*B complex multiply-adds where im2col needs
-O*C*kh*kw*B per output position: a 5x5 kernel on a 16x16 map costs about a seventh of
-the GEMM FLOPs. The bias rides in frequency 0 of the output's spectrum (a constant map
-is its DC term alone), and its gradient is frequency 0 of the output gradient's spectrum
-summed over the batch: no pass over the output for either.
+(N of 12 to 20 on cifar10_quick and LeNet) a transform is a few GEMMs, and the padding is
+folded into the matrices (a phase shift), so no padded copy is made. The inverse
+transforms evaluate only the outputs that are kept (Ho x Wo of the output, the interior of
+dx, kh x kw of the weight gradient), using the half spectrum of a real signal. Per
+frequency the products are O*C*B complex multiply-adds where im2col needs O*C*kh*kw*B per
+output position: a 5x5 kernel on a 16x16 map costs about a seventh of the GEMM FLOPs.
+
+Spectra are held *split*, (nh, F2, 2, M, B): the real and imaginary parts as separate
+(M, B) blocks per frequency, so every product is a real GEMM. A complex matrix A acts on
+[Re x; Im x] as the real block matrix [[Re A, -Im A], [Im A, Re A]], whose transpose is
+the block matrix of A^H: the input gradient's product uses the forward's block matrix
+transposed. Real GEMMs on split data need no pass to interleave real and imaginary parts
+or to take a real part, and OpenBLAS ran the thin complex GEMMs an interleaved layout
+needs at about half its real rate (measured). The bias rides in frequency 0 of the
+output's spectrum (a constant map is its DC term alone), and its gradient is frequency 0
+of the output gradient's spectrum summed over the batch: no pass over the output for
+either.
 """
 import functools
 
@@ -42,114 +50,114 @@ def fits(in_channels, out_channels, kernel, stride, padded):
             and out_channels >= MIN_CHANNELS and nh * nw <= MAX_PADDED_PIXELS)
 
 
-def _complex(dtype):
-    return np.complex64 if np.dtype(dtype) == np.float32 else np.complex128
+def _dft(freqs, n, size, shift, sign=-1):
+    """Return the complex (freqs, size) matrix exp(sign * 2 pi i f (t + shift) / n)."""
+    return np.exp(sign * 2j * np.pi * np.outer(np.arange(freqs), np.arange(size) + shift) / n)
 
 
 @functools.lru_cache(maxsize=64)
-def _forward_matrices(size, n, shift, dtype, sign=-1):
-    """Return the transform of a length-``size`` signal placed at ``shift`` in a length-``n``
-    zero signal: (real (2*F2, size) matrix stacking the real and imaginary parts of the
-    half-spectrum transform, complex (n, size) matrix of the full transform), F2 = n//2 + 1.
-    ``sign`` +1 gives the conjugate transform (of a real signal: the conjugate spectrum)."""
-    f2 = n // 2 + 1
-    half = np.exp(sign * 2j * np.pi * np.outer(np.arange(f2), np.arange(size) + shift) / n)
-    full = np.exp(sign * 2j * np.pi * np.outer(np.arange(n), np.arange(size) + shift) / n)
+def _forward_matrices(w, nw, shift_w, h, nh, shift_h, dtype):
+    """Return the real matrices of the transform of an (h, w) map placed at (shift_h,
+    shift_w) in an (nh, nw) zero map:
+
+    * along w, (2*F2, w): the real and imaginary parts of the half spectrum, stacked;
+    * along h, (2*nh, 2*h): the full transform's complex matrix in block form, mapping a
+      complex signal held as (position, re/im) rows to (re/im, frequency) rows:
+      [[Re, -Im], [Im, Re]].
+    """
+    f2 = nw // 2 + 1
+    half = _dft(f2, nw, w, shift_w)
+    full = _dft(nh, nh, h, shift_h)
+    block = np.empty((2, nh, h, 2))
+    block[0, :, :, 0], block[0, :, :, 1] = full.real, -full.imag
+    block[1, :, :, 0], block[1, :, :, 1] = full.imag, full.real
     real = np.dtype(dtype)
     return (np.concatenate([half.real, half.imag]).astype(real),
-            full.astype(_complex(real)))
+            block.reshape(2 * nh, 2 * h).astype(real))
 
 
 @functools.lru_cache(maxsize=64)
-def _inverse_matrices(rows, cols, nh, nw, start_h, start_w, dtype, sign=1):
-    """Return the inverse transform evaluated at rows start_h.. (``rows`` of them) and
-    columns start_w.. (``cols``): a complex (rows, nh) matrix for the first axis and a
-    complex (cols, F2) matrix for the half spectrum of the second, which carries the
-    Hermitian weights (1 for frequency 0 and n/2, else 2) and the 1/(nh*nw) scale.
-    ``sign`` -1 inverts a conjugated spectrum (the real part is the same signal)."""
+def _inverse_matrices(rows, cols, nh, nw, start_h, start_w, dtype):
+    """Return the real matrices of the inverse transform evaluated at rows start_h..
+    (``rows`` of them) and columns start_w.. (``cols``): along h, its real and imaginary
+    parts (rows, nh); along w, the (cols, 2*2*F2) matrix that takes the real part of the
+    half spectrum's inverse, with its Hermitian weights (1 for frequency 0 and n/2, else
+    2) and the 1/(nh*nw) scale, from the four real products (Re/Im of the h matrix by
+    Re/Im of the spectrum) that :func:`_inverse` makes, ordered (h part, frequency, re/im)."""
     f2 = nw // 2 + 1
     weight = np.full(f2, 2.0)
     weight[0] = 1.0
     if nw % 2 == 0:
         weight[-1] = 1.0
-    first = np.exp(sign * 2j * np.pi * np.outer(np.arange(rows) + start_h, np.arange(nh)) / nh)
-    second = weight * np.exp(sign * 2j * np.pi * np.outer(np.arange(cols) + start_w,
-                                                          np.arange(f2)) / nw)
-    ct = _complex(dtype)
-    return first.astype(ct), (second / (nh * nw)).astype(ct)
+    first = _dft(nh, nh, rows, start_h, 1).T                             # (rows, nh)
+    second = weight * _dft(f2, nw, cols, start_w, 1).T / (nh * nw)       # (cols, F2)
+    # Re(second (A + iB)) with A = Re(first) S_re - Im(first) S_im and
+    # B = Re(first) S_im + Im(first) S_re
+    take = np.empty((cols, 2, f2, 2))
+    take[:, 0, :, 0], take[:, 1, :, 1] = second.real, -second.real
+    take[:, 0, :, 1], take[:, 1, :, 0] = -second.imag, -second.imag
+    real = np.dtype(dtype)
+    return (np.ascontiguousarray(first.real, dtype=real),
+            np.ascontiguousarray(first.imag, dtype=real),
+            take.reshape(cols, 4 * f2).astype(real))
 
 
-@functools.lru_cache(maxsize=64)
-def _block_matrix(size, n, shift, dtype, sign=-1):
-    """Return the full transform of a length-``size`` signal placed at ``shift`` in a
-    length-``n`` zero signal as the real (2*n, 2*size) matrix that maps a complex signal
-    held as (position, re/im) rows to (re/im, frequency) rows: [[Re, -Im], [Im, Re]]."""
-    full = _forward_matrices(size, n, shift, dtype, sign)[1]
-    block = np.empty((2, n, size, 2), dtype=np.dtype(dtype))
-    block[0, :, :, 0], block[0, :, :, 1] = full.real, -full.imag
-    block[1, :, :, 0], block[1, :, :, 1] = full.imag, full.real
-    return block.reshape(2 * n, 2 * size)
-
-
-def _transform(a, shape, shift, sign):
+def _transform(a, shape, shift):
     """Return the 2-D transform of real (M, h, w, B) ``a`` placed at ``shift`` in an
-    (nh, nw) zero map, as a complex (nh*F2, M, B) array (frequency-major); ``sign`` +1
-    gives its conjugate.
+    (nh, nw) zero map, split: a new (nh, F2, 2, M, B) array of real and imaginary parts.
 
-    Along w, the half spectrum's real and imaginary parts come from one real GEMM per
-    map row, (h, re/im, F2, B) per map: a (2h, F2*B) matrix of a complex signal held as
-    real rows, so the full transform along h is one real GEMM per map with the block form
-    of the complex matrix (half as fast as a complex GEMM, measured, and no pass to
-    assemble a complex array first). The last pass writes the frequency-major complex
-    result. Every array here is made fresh: the allocator hands back the memory the
-    previous call freed, still in cache, where arrays kept from step to step were measured
-    10% slower on a cifar10_quick step."""
+    Along w, one real GEMM per map row gives (h, re/im, F2, B) per map: a (2h, F2*B)
+    matrix of a complex signal held as real rows, so the transform along h is one real
+    GEMM per map with the block form of its complex matrix; one pass writes the result
+    frequency-major. Every array here is made fresh: the allocator hands back the memory
+    the previous call freed, still in cache, where arrays kept from step to step were
+    measured 10% slower on a cifar10_quick step."""
     (nh, nw) = shape
     m, h, w, b = a.shape
     f2 = nw // 2 + 1
-    along_w, _ = _forward_matrices(w, nw, shift[1], a.dtype, sign)
-    along_h = _block_matrix(h, nh, shift[0], a.dtype, sign)
+    along_w, along_h = _forward_matrices(w, nw, shift[1], h, nh, shift[0], a.dtype)
     parts = np.matmul(along_w, a.reshape(m * h, w, b))           # (M*h, 2*F2, B)
     full = np.matmul(along_h, parts.reshape(m, 2 * h, f2 * b))    # (M, 2*nh, F2*B)
-    full = full.reshape(m, 2, nh, f2, b)
-    out = np.empty((nh, f2, m, b), dtype=_complex(a.dtype))
-    np.copyto(out.real, full[:, 0].transpose(1, 2, 0, 3))
-    np.copyto(out.imag, full[:, 1].transpose(1, 2, 0, 3))
-    return out.reshape(nh * f2, m, b)
+    out = np.empty((nh, f2, 2, m, b), dtype=a.dtype)
+    np.copyto(out, full.reshape(m, 2, nh, f2, b).transpose(2, 3, 1, 0, 4))
+    return out
 
 
-def _kernel_spectrum(weight, shape, sign):
-    """Return the 2-D transform of (O, C, kh, kw) ``weight`` zero-padded to ``shape``, as a
-    complex (nh*F2, O, C) array; ``sign`` +1 gives its conjugate. Two single GEMMs over
-    all O*C maps (as (O*C, kh, kw, 1) maps, :func:`_transform` would make one GEMM call
-    per kernel row: thousands of tiny calls)."""
+def _kernel_block(weight, shape):
+    """Return conj of the 2-D transform of (O, C, kh, kw) ``weight`` zero-padded to
+    ``shape``, in the real block form that acts on split spectra: (nh*F2, 2*O, 2*C),
+    [[Re, -Im], [Im, Re]] per frequency. Two GEMM stages over all O*C maps at once."""
     (nh, nw) = shape
     o, c, kh, kw = weight.shape
     f2 = nw // 2 + 1
-    along_w, _ = _forward_matrices(kw, nw, 0, weight.dtype, sign)
-    _, along_h = _forward_matrices(kh, nh, 0, weight.dtype, sign)
-    ct = along_h.dtype
-    rows = np.matmul(weight.reshape(o * c * kh, kw), along_w.T)   # (O*C*kh, 2*F2) real
-    half = np.empty((kh, o * c, f2), dtype=ct)                      # kernel row first
-    rows = rows.reshape(o * c, kh, 2, f2).transpose(1, 0, 2, 3)
-    half.real, half.imag = rows[:, :, 0], rows[:, :, 1]
-    full = np.matmul(along_h, half.reshape(kh, o * c * f2))       # (nh, O*C*F2)
-    out = np.empty((nh, f2, o * c), dtype=ct)
-    np.copyto(out, full.reshape(nh, o * c, f2).transpose(0, 2, 1))
-    return out.reshape(nh * f2, o, c)
+    along_w, along_h = _forward_matrices(kw, nw, 0, kh, nh, 0, weight.dtype)
+    # per kernel row: (2*F2, kw) by (kw, O*C), a strided view of the weight
+    parts = np.matmul(along_w, weight.reshape(o * c, kh, kw).transpose(1, 2, 0))
+    full = np.matmul(along_h, parts.reshape(2 * kh, f2 * o * c))  # (2*nh, F2*O*C)
+    full = full.reshape(2, nh, f2, o, c)
+    out = np.empty((nh, f2, 2, o, 2, c), dtype=weight.dtype)
+    # the transform is R + iI, its conjugate R - iI: [[R, I], [-I, R]]
+    out[:, :, 0, :, 0], out[:, :, 0, :, 1] = full[0], full[1]
+    np.negative(full[1], out=out[:, :, 1, :, 0])
+    out[:, :, 1, :, 1] = full[0]
+    return out.reshape(nh * f2, 2 * o, 2 * c)
 
 
-def _inverse(spectrum, shape, rows, cols, start, out, sign=1):
-    """Write the real inverse transform of complex (nh*F2, M, B) ``spectrum`` at ``rows`` x
-    ``cols`` positions from ``start`` into ``out``, an (M, rows, cols, B) array or view
-    (``sign`` -1: of the conjugate of ``spectrum``)."""
+def _inverse(spectrum, shape, rows, cols, start, out):
+    """Write the real inverse transform of split (nh, F2, 2, M, B) ``spectrum`` at ``rows``
+    x ``cols`` positions from ``start`` into ``out``, an (M, rows, cols, B) array or view:
+    two real GEMMs along h, then per output row and map one GEMM that combines the four
+    products along w and writes its (cols, B) block of ``out`` directly."""
     nh, nw = shape
     f2 = nw // 2 + 1
-    _, m, b = spectrum.shape
-    first, second = _inverse_matrices(rows, cols, nh, nw, start[0], start[1], out.dtype, sign)
-    part = np.matmul(first, spectrum.reshape(nh, f2 * m * b))      # (rows, F2*M*B)
-    values = np.matmul(second, part.reshape(rows, f2, m * b))      # (rows, cols, M*B)
-    np.copyto(out, values.real.reshape(rows, cols, m, b).transpose(2, 0, 1, 3))
+    m, b = spectrum.shape[3:]
+    real, imag, take = _inverse_matrices(rows, cols, nh, nw, start[0], start[1], out.dtype)
+    flat = spectrum.reshape(nh, f2 * 2 * m * b)
+    parts = np.empty((rows, 2, f2 * 2 * m * b), dtype=out.dtype)
+    np.matmul(real, flat, out=parts[:, 0])
+    np.matmul(imag, flat, out=parts[:, 1])
+    np.matmul(take, parts.reshape(rows, 4 * f2, m, b).transpose(0, 2, 1, 3),
+              out=out.transpose(1, 0, 2, 3))
     return out
 
 
@@ -169,13 +177,14 @@ class FourierConv:
         (kh, kw), (ph, pw) = self.kernel, self.padding
         shape = (h + 2 * ph, w + 2 * pw)
         ho, wo = shape[0] - kh + 1, shape[1] - kw + 1
-        xs = _transform(x, shape, (ph, pw), -1)                     # (F, C, B)
-        ws = _kernel_spectrum(weight, shape, 1)                     # conj(W): (F, O, C)
+        f2 = shape[1] // 2 + 1
+        xs = _transform(x, shape, (ph, pw))                         # (nh, F2, 2, C, B)
+        ws = _kernel_block(weight, shape)                           # (F, 2*O, 2*C)
         self._spectra = (x.shape, shape, xs, ws) if train else None
-        ys = np.matmul(ws, xs)                                      # (F, O, B)
-        ys[0] += bias[:, None] * (shape[0] * shape[1])              # a constant map: DC only
+        ys = np.matmul(ws, xs.reshape(-1, 2 * c, b))                # (F, 2*O, B)
+        ys[0, :o] += bias[:, None] * (shape[0] * shape[1])          # a constant map: DC only
         y = np.empty((o, ho, wo, b), dtype=x.dtype)
-        return _inverse(ys, shape, ho, wo, (0, 0), y)
+        return _inverse(ys.reshape(shape[0], f2, 2, o, b), shape, ho, wo, (0, 0), y)
 
     def backward(self, dy, dweight, dbias, needs_dx):
         """Write the weight and bias gradients into (O, C, kh, kw) ``dweight`` and (O,)
@@ -185,15 +194,22 @@ class FourierConv:
             raise RuntimeError("Conv2d.backward called without a forward(train=True)")
         (c, h, w, b), shape, xs, ws = self._spectra
         (kh, kw), (ph, pw) = self.kernel, self.padding
-        # conj(DY), straight from the conjugate transform: no conjugating pass
-        ds = _transform(dy, shape, (0, 0), 1)                       # (F, O, B)
-        np.sum(ds[0].real, axis=1, out=dbias)                       # frequency 0: the sums
-        # correlation of dy with x: kept at the kh x kw lags, as (O, kh, kw, C) = dweight^T
-        dws = np.matmul(ds, xs.transpose(0, 2, 1))                  # (F, O, C)
-        _inverse(dws, shape, kh, kw, (0, 0), dweight.transpose(0, 2, 3, 1))
+        o = dy.shape[0]
+        nh, f2 = shape[0], shape[1] // 2 + 1
+        ds = _transform(dy, shape, (0, 0))                          # (nh, F2, 2, O, B)
+        np.sum(ds[0, 0, 0], axis=1, out=dbias)                      # frequency 0: the sums
+        # conj(DY) X^T per frequency, from one real GEMM of [Re; Im] by [Re; Im]^T
+        g = np.matmul(ds.reshape(-1, 2 * o, b), xs.reshape(-1, 2 * c, b).transpose(0, 2, 1))
+        g = g.reshape(nh, f2, 2, o, 2, c)
+        dws = np.empty((nh, f2, 2, o, c), dtype=dy.dtype)
+        np.add(g[:, :, 0, :, 0], g[:, :, 1, :, 1], out=dws[:, :, 0])
+        np.subtract(g[:, :, 0, :, 1], g[:, :, 1, :, 0], out=dws[:, :, 1])
+        # the correlation kept at the kh x kw lags, as (O, kh, kw, C) = dweight^T
+        dwt = np.empty((o, kh, kw, c), dtype=dy.dtype)
+        dweight[...] = _inverse(dws, shape, kh, kw, (0, 0), dwt).transpose(0, 3, 1, 2)
         if not needs_dx:
             return None
-        # conj(W)^T conj(DY) = conj(DX), inverted as such
-        dxs = np.matmul(ws.transpose(0, 2, 1), ds)                  # (F, C, B)
+        # conj(W)^H DY: the block form's transpose is the conjugate transpose's block form
+        dxs = np.matmul(ws.transpose(0, 2, 1), ds.reshape(-1, 2 * o, b))  # (F, 2*C, B)
         dx = np.empty((c, h, w, b), dtype=dy.dtype)
-        return _inverse(dxs, shape, h, w, (ph, pw), dx, sign=-1)
+        return _inverse(dxs.reshape(nh, f2, 2, c, b), shape, h, w, (ph, pw), dx)

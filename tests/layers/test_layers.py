@@ -169,6 +169,35 @@ def test_conv_picks_the_fourier_path_where_it_is_faster():
         layer.forward(np.zeros((1, 8, 6, 6)))
 
 
+def test_fourier_transforms_match_numpy_fft():
+    """The split transforms against numpy.fft: the forward transform of a map placed in a
+    zero map (half spectrum along w), the inverse evaluated at an offset window, and the
+    kernel's conjugate spectrum in block form."""
+    from ringnet.layers import fft_conv
+    rng = np.random.default_rng(7)
+    m, h, w, b, (ph, pw) = 3, 7, 6, 2, (2, 1)
+    shape = (nh, nw) = (h + 2 * ph, w + 2 * pw)
+    f2 = nw // 2 + 1
+    a = rng.normal(size=(m, h, w, b))
+    padded = np.zeros((m, nh, nw, b))
+    padded[:, ph:ph + h, pw:pw + w] = a
+    ref = np.fft.fft2(padded, axes=(1, 2))[:, :, :f2].transpose(1, 2, 0, 3)  # (nh, F2, M, B)
+    split = fft_conv._transform(a, shape, (ph, pw))
+    np.testing.assert_allclose(split[:, :, 0], ref.real, atol=1e-12)
+    np.testing.assert_allclose(split[:, :, 1], ref.imag, atol=1e-12)
+    back = fft_conv._inverse(split, shape, h - 1, w - 2, (ph + 1, pw + 2),
+                             np.empty((m, h - 1, w - 2, b)))
+    np.testing.assert_allclose(back, a[:, 1:, 2:], atol=1e-12)
+    weight = rng.normal(size=(4, m, 3, 2))
+    wpad = np.zeros((4, m, nh, nw))
+    wpad[:, :, :3, :2] = weight
+    conj = np.conj(np.fft.fft2(wpad, axes=(2, 3)))[:, :, :, :f2].transpose(2, 3, 0, 1)
+    block = fft_conv._kernel_block(weight, shape).reshape(nh, f2, 2, 4, 2, m)
+    for (i, j), part in {(0, 0): conj.real, (0, 1): -conj.imag, (1, 0): conj.imag,
+                         (1, 1): conj.real}.items():
+        np.testing.assert_allclose(block[:, :, i, :, j], part, atol=1e-12)
+
+
 def test_conv_auto_lowers_rows_for_a_first_layer_only():
     """auto: a first layer (no input gradient) that the transforms do not fit runs the
     lowered rows (cifar10_quick's and LeNet's conv1); with an input gradient it runs
