@@ -242,3 +242,49 @@ def test_layer_floors_closed_form():
     assert floors["flatten"] == (0, 0, "memory")
     gemm_total = sum(f + bw for f, bw, unit in floors.values() if unit == "GEMM")
     assert gemm_total == pytest.approx(step_flops(m, b) / gemm * 1e3)
+
+
+def _layer_by_layer(model, x, labels):
+    """The model's loss, logits and gradients from each layer's own forward and backward
+    (no pair of layers fused)."""
+    a = model.as_input(x)
+    for _, layer in model.layers:
+        a = layer.forward(a, True)
+    loss = model.loss_layer.forward(a, labels)
+    d = model.loss_layer.backward()
+    for _, layer in reversed(model.layers):
+        d = layer.backward(d)
+    return float(loss), a.copy(), model.grads.copy()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_relus_fused_into_pools_change_nothing(dtype):
+    """On the CPU a ReLU next to a pool is applied by the pool (max pool then ReLU, ReLU
+    then average or max pool): loss, logits, gradients and an evaluation equal the layers
+    run one by one, bit for bit, on inputs where ReLU zeros tie in the max pools; a range
+    that splits a pair runs both layers in full."""
+    layers = [("conv1", Conv2d(2, 4, 3, padding=1)), ("pool1", MaxPool2d(3, 2)),
+              ("relu1", ReLU()), ("conv2", Conv2d(4, 6, 3, padding=1)), ("relu2", ReLU()),
+              ("pool2", AvgPool2d(3, 2, 1)), ("conv3", Conv2d(6, 6, 1)), ("relu3", ReLU()),
+              ("pool3", MaxPool2d(2, 2)), ("flat", Flatten()), ("ip", Linear(6 * 2 * 2, 3))]
+    model = Model(layers, (2, 13, 13), 3, dtype=dtype, seed=3)
+    assert model._fused == {1: 2, 2: 1, 4: 5, 5: 4, 7: 8, 8: 7}
+    model.named_params()["conv1.bias"][...] = -2.0      # many pool1 windows with no x > 0
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(5, 2, 13, 13)).astype(dtype)
+    labels = rng.integers(0, 3, size=5)
+    loss_ref, logits_ref, grads_ref = _layer_by_layer(model, x, labels)
+    logits = model.forward(x, train=True)
+    loss, _ = model.loss_and_grad(x, labels)
+    assert all(model.layers[i][1]._passed for i in (2, 4, 7))      # the ReLUs were skipped
+    assert loss == loss_ref
+    np.testing.assert_array_equal(logits, logits_ref)
+    np.testing.assert_array_equal(model.grads, grads_ref)
+    np.testing.assert_array_equal(model.forward(x, train=False), logits_ref)
+    # relu1 | pool... : a range ending between a pool and its ReLU runs the pool unfused
+    head = model.forward_layers(model.as_input(x), 0, 2)
+    a = model.as_input(x)
+    for _, layer in model.layers[:2]:
+        a = layer.forward(a, True)
+    np.testing.assert_array_equal(head, a)
+    assert (np.asarray(head) < 0).any()                           # not rectified

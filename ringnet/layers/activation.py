@@ -11,13 +11,24 @@ __all__ = ["ReLU", "Dropout", "keep_mask", "hash_bits"]
 
 
 class ReLU(Layer):
-    """y = max(x, 0)."""
+    """y = max(x, 0).
+
+    ``pass_through(x)`` is the forward when a neighbouring pool applies this ReLU itself
+    (``rectify=True``; the model fuses the pair on the CPU): x and then the gradient pass
+    unchanged."""
 
     def __init__(self):
         self._y = None
         self._zeros = None
+        self._passed = False
+
+    def pass_through(self, x, train=True):
+        """Return ``x``, already rectified by the neighbouring pool; backward passes dy."""
+        self._y, self._passed = None, train
+        return x
 
     def forward(self, x, train=True):
+        self._passed = False
         if is_gpu_array(x):                   # one kernel, in x's memory order
             y = _cuda_ops.relu_forward(get_array_module(x), x)
             self._y = y if train else None
@@ -38,6 +49,8 @@ class ReLU(Layer):
 
     def backward(self, dy):
         # dy/dx = 1 where y > 0, else 0 (0 at x = 0, like Caffe and PyTorch).
+        if self._passed:                      # the neighbouring pool's backward masks
+            return dy
         if self._y is None:
             raise RuntimeError("ReLU.backward called without a forward(train=True)")
         if is_gpu_array(dy):                  # one kernel, in y's memory order

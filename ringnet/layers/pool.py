@@ -173,35 +173,44 @@ class _Pool2d(Layer):
         b, c, h, w = shape
         return channel_chunks(c, h, w, b, np.dtype(dtype).itemsize)
 
-    def _forward_cpu(self, x, first, tap):
+    def _forward_cpu(self, x, first, tap, start=None, rectify_input=False, finish=None):
         """Return (y, taps, covered) for (B, C, H, W) ``x``: y is a new (C, Ho, Wo, B)
-        array; per channel chunk, ``first(yc)`` starts its output and ``tap(c0, c1, t,
-        out, yc, src)`` adds one tap (``src`` the tap's input rectangle)."""
+        array; per channel chunk, ``first(c0, c1, copied)`` starts its output (``copied``:
+        tap 0 was copied into every window), ``tap(c0, c1, t, out, yc, src)`` adds one
+        tap (``src`` the tap's input rectangle) and ``finish(c0, c1, yc)``, when given,
+        follows the last. ``start``: the value every window starts from instead of its
+        first tap; ``rectify_input``: pool max(x, 0)."""
         b, c, h, w = x.shape
         ho, wo, taps, covered = self._taps(h, w)
         xc = batch_last(np, x)                                   # (C, H, W, B)
         y = np.empty((c, ho, wo, b), dtype=x.dtype)
         t0, out0, plane0 = taps[0]
-        whole = out0[1:] == (slice(0, ho), slice(0, wo))         # tap 0 starts every window
+        # tap 0 starts every window
+        whole = start is None and out0[1:] == (slice(0, ho), slice(0, wo))
         for c0, c1 in self._chunks(x.shape, x.dtype):
             planes = split_phases(np, xc[c0:c1], self.stride, self._scratch(
                 np, "planes", phase_shape((c1 - c0, h, w, b), self.stride), x.dtype))
+            if rectify_input:                                    # in cache: the chunk's planes
+                np.maximum(planes, 0, out=planes)
             yc = y[c0:c1]
-            first(c0, c1)
+            first(c0, c1, whole)
             if whole:
                 yc[...] = planes[plane0]
                 rest = taps[1:]
             else:
-                yc.fill(self._empty)
+                yc.fill(self._empty if start is None else start)
                 rest = taps
             for t, out, plane in rest:
                 tap(c0, c1, t, out, yc[out], planes[plane])
+            if finish is not None:
+                finish(c0, c1, yc)
         return y, taps, covered
 
-    def _backward_cpu(self, shape, dtype, taps, covered, parts):
+    def _backward_cpu(self, shape, dtype, taps, covered, parts, mask_by=None):
         """Return dx (B, C, H, W) from per-tap gradient contributions ``parts(c0, c1, t,
         out, dst)``: a chunk's contribution of tap t, written to ``dst`` when given (the
-        plane's first tap), else returned to be added."""
+        plane's first tap), else returned to be added. ``mask_by``: the (C, H, W, B)
+        input of a pool of max(x, 0); dx is then zero where it is not positive."""
         b, c, h, w = shape
         dx = np.empty((c, h, w, b), dtype=dtype)                 # (C, H, W, B)
         for c0, c1 in self._chunks(shape, dtype):
@@ -217,15 +226,24 @@ class _Pool2d(Layer):
                 else:
                     planes[plane] += parts(c0, c1, t, out, None)
             merge_phases(np, planes, dx[c0:c1])
+            if mask_by is not None:                              # dx chunk still in cache
+                positive = self._scratch(np, "positive", (c1 - c0, h, w, b), np.bool_)
+                np.greater(mask_by[c0:c1], 0, out=positive)
+                dx[c0:c1] *= positive
         return dx.transpose(3, 0, 1, 2)
 
 
 class MaxPool2d(_Pool2d):
-    """Max pooling; padding never wins; ties go to the first tap in row-major order (Caffe)."""
+    """Max pooling; padding never wins; ties go to the first tap in row-major order (Caffe).
+
+    ``forward(x, train, rectify=True)`` (the CPU path) returns max(pool(x), 0), which is
+    also pool(max(x, 0)) with the same gradient: every window starts from 0 and a tap
+    wins only above it, so a window with no positive tap passes no gradient. The model
+    asks for it where a ReLU is next to the pool, and skips the ReLU."""
 
     _empty = -np.inf
 
-    def forward(self, x, train=True):
+    def forward(self, x, train=True, rectify=False):
         xp = get_array_module(x)
         if xp is not np:                                         # one fused CUDA kernel
             y, argmax = _cuda_ops.maxpool_forward(xp, x, self.output_shape(x.shape[1:])[1:],
@@ -240,7 +258,7 @@ class MaxPool2d(_Pool2d):
         win = self._scratch(np, "win", (n, ho, wo, b), np.bool_)
         step = self._scratch(np, "step", (n, ho, wo, b), np.uint8)
 
-        def first(c0, c1):
+        def first(c0, c1, copied):
             if train:
                 argmax[c0:c1].fill(0)
 
@@ -255,7 +273,16 @@ class MaxPool2d(_Pool2d):
                 np.maximum(best, at, out=best)
             np.maximum(dst, src, out=dst)
 
-        y, taps, covered = self._forward_cpu(x, first, tap)
+        def finish(c0, c1, yc):
+            # Windows with no positive tap (still 0) pass no gradient: tap 255, which no
+            # tap has (kernels have at most 255 taps, numbered from 0).
+            nothing, at, best = win[:c1 - c0], step[:c1 - c0], argmax[c0:c1]
+            np.less_equal(yc, 0, out=nothing)
+            np.multiply(nothing.view(np.uint8), np.uint8(255), out=at)
+            np.maximum(best, at, out=best)
+
+        y, taps, covered = self._forward_cpu(x, first, tap, 0 if rectify else None,
+                                             finish=finish if rectify and train else None)
         self._cache = (x.shape, argmax, taps, covered) if train else None
         return y.transpose(3, 0, 1, 2)                           # (B, C, Ho, Wo)
 
@@ -281,7 +308,11 @@ class MaxPool2d(_Pool2d):
 
 
 class AvgPool2d(_Pool2d):
-    """Average pooling; divisor counts padding but not the ceil-mode overhang (Caffe AVE)."""
+    """Average pooling; divisor counts padding but not the ceil-mode overhang (Caffe AVE).
+
+    ``forward(x, train, rectify=True)`` (the CPU path) pools max(x, 0), rectifying each
+    chunk of channels while it is in cache, and its backward zeroes dx where x is not
+    positive: a ReLU before the pool, which the model then skips."""
 
     _empty = 0
 
@@ -303,11 +334,11 @@ class AvgPool2d(_Pool2d):
             cached = self._inv_on_gpu = (key, xp.ascontiguousarray(inv))
         return cached[1]
 
-    def forward(self, x, train=True):
+    def forward(self, x, train=True, rectify=False):
         xp = get_array_module(x)
         if xp is not np:                                         # one fused CUDA kernel
             inv = self._gpu_inv(xp, x.shape[2], x.shape[3], x.dtype)
-            self._cache = (x.shape, inv, None, None) if train else None
+            self._cache = (x.shape, inv, None, None, None) if train else None
             return _cuda_ops.avgpool_forward(xp, x, inv, self.kernel_size, self.stride,
                                          self.padding)
         b, c, h, w = x.shape
@@ -317,14 +348,16 @@ class AvgPool2d(_Pool2d):
         def tap(c0, c1, t, out, dst, src):
             dst += src
 
-        y, taps, covered = self._forward_cpu(x, lambda c0, c1: None, tap)
+        y, taps, covered = self._forward_cpu(x, lambda c0, c1, copied: None, tap,
+                                             rectify_input=rectify)
         y *= inv
-        self._cache = (x.shape, inv, taps, covered) if train else None
+        mask_by = batch_last(np, x) if rectify else None         # a view: x is batch-last
+        self._cache = (x.shape, inv, taps, covered, mask_by) if train else None
         return y.transpose(3, 0, 1, 2)                           # (B, C, Ho, Wo)
 
     def backward(self, dy):
         # y[o] = inv[o] * sum_{taps} x[o*s + k - p]  =>  dx[o*s + k - p] += inv[o] * dy[o].
-        shape, inv, taps, covered = self._cached()
+        shape, inv, taps, covered, mask_by = self._cached()
         xp = get_array_module(dy)
         if xp is not np:                                         # one fused CUDA kernel
             return _cuda_ops.avgpool_backward(xp, dy, inv, shape, self.kernel_size, self.stride,
@@ -337,4 +370,4 @@ class AvgPool2d(_Pool2d):
             dst[...] = g[c0:c1][out]
             return dst
 
-        return self._backward_cpu(shape, dy.dtype, taps, covered, parts)
+        return self._backward_cpu(shape, dy.dtype, taps, covered, parts, mask_by)
