@@ -278,18 +278,23 @@ class Model:
         hook = self.layer_hook
         span = range(len(self.layers))[start:stop]
         for index in span:
-            name, layer = self.layers[index]
-            partner = self._fused.get(index)
-            with trace.span("forward", layer=name):
-                if partner is None or partner not in span:
-                    x = layer.forward(x, train)
-                elif isinstance(layer, ReLU):                    # its pool applies it
-                    x = layer.pass_through(x, train)
-                else:
-                    x = layer.forward(x, train, rectify=True)
+            with trace.span("forward", layer=self.layers[index][0]):
+                x = self.forward_layer(index, x, train, span)
             if hook is not None:
                 hook("forward", index)
         return x
+
+    def forward_layer(self, index: int, x, train: bool = True, span: Optional[range] = None):
+        """Run layer ``index`` forward on ``x`` as :meth:`forward_layers` does when it runs
+        the layers in ``span`` (default: all of them): a ReLU whose pool is also in the
+        span passes ``x`` through, and the pool applies it."""
+        layer = self.layers[index][1]
+        partner = self._fused.get(index)
+        if partner is None or partner not in (range(len(self.layers)) if span is None else span):
+            return layer.forward(x, train)
+        if isinstance(layer, ReLU):                              # its pool applies it
+            return layer.pass_through(x, train)
+        return layer.forward(x, train, rectify=True)
 
     def backward_layers(self, d, start: int = 0, stop: Optional[int] = None):
         """Run ``layers[start:stop]`` backward from their output gradient ``d``; return dx

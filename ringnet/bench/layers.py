@@ -42,14 +42,16 @@ def _batch(model, batch_size, seed):
 
 def layer_times(model, x, iters, clock=time.perf_counter):
     """Return [(name, forward ms, backward ms)] medians over ``iters`` passes (``clock``:
-    wall time by default, ``time.process_time`` for CPU time)."""
+    wall time by default, ``time.process_time`` for CPU time). Layers run as in a training
+    step: a ReLU that its neighbouring pool applies (on the CPU) takes next to no time, and
+    the pool's time includes it."""
     fwd = {name: [] for name, _ in model.layers}
     bwd = {name: [] for name, _ in model.layers}
     for _ in range(iters):
         a = model.as_input(x)
-        for name, layer in model.layers:
+        for index, (name, layer) in enumerate(model.layers):
             t0 = clock()
-            a = layer.forward(a, True)
+            a = model.forward_layer(index, a, True)
             fwd[name].append(clock() - t0)
         d = np.ones_like(a) / a.size
         for name, layer in reversed(model.layers):
@@ -305,10 +307,13 @@ def main(argv=None):
             print(f"  {'layer':10s} {'forward ms':>11s} {'floor':>7s} {'x':>6s} "
                   f"{'backward ms':>12s} {'floor':>7s} {'x':>6s}   (CPU time; floor: GEMM "
                   "FLOPs at the SGEMM rate, or bytes at the copy rate)")
-            for (n, f, b), (_, ff, bf, unit) in zip(per_layer, floors):
+            fused = {i: model.layers[j][0] for i, j in model._fused.items()
+                     if isinstance(model.layers[i][1], ReLU)}
+            for i, ((n, f, b), (_, ff, bf, unit)) in enumerate(zip(per_layer, floors)):
                 ratio = lambda t, floor: f"{t / floor:6.2f}" if floor > 0 else f"{'-':>6s}"
                 print(f"  {n:10s} {f:11.3f} {ff:7.3f} {ratio(f, ff)} {b:12.3f} {bf:7.3f} "
-                      f"{ratio(b, bf)}   {unit}")
+                      f"{ratio(b, bf)}   {unit}"
+                      + (f" (applied by {fused[i]})" if i in fused else ""))
             line = f"  step (fwd+loss+bwd+SGD): {result['step_ms']:.2f} ms"
             if "torch_step_ms" in result:
                 line += (f"   PyTorch: {result['torch_step_ms']:.2f} ms   "
