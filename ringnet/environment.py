@@ -30,7 +30,7 @@ def _parsers():
     from ringnet.parallel.plans import bucket_bytes
     from ringnet.progress import progress_interval
     return (default_timeout, progress_mode, bucket_bytes, mpi_cuda_aware_setting,
-            in_memory_bytes, progress_interval, _nccl_kind, _save_sync)
+            in_memory_bytes, progress_interval, _nccl_kind, _save_sync, _malloc)
 
 
 def _nccl_kind():
@@ -43,6 +43,12 @@ def _save_sync():
     value = os.environ.get("RINGNET_SAVE_SYNC", "")
     if value not in ("", "0", "1"):
         raise ValueError(f"RINGNET_SAVE_SYNC={value!r}: use 0 or 1")
+
+
+def _malloc():
+    value = os.environ.get("RINGNET_MALLOC", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"RINGNET_MALLOC={value!r}: use 0 or 1")
 
 
 def check_environment():

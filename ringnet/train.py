@@ -3,8 +3,10 @@
 ``train(cfg, world)`` is the same run as a function (tests and benchmarks call it).
 """
 if __name__ == "__main__":     # the program, not a library import: pin BLAS threads before NumPy loads
+    from ringnet.allocator import configure_allocator
     from ringnet.blas import configure_blas_threads
     configure_blas_threads()
+    configure_allocator()
 
 import collections
 import dataclasses

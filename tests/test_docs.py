@@ -212,6 +212,15 @@ def bench_layers_vs_torch(command, tmp_path):
         assert float(re.search(r"ratio ([\d.]+)", line).group(1)) > 0
 
 
+def bench_layers(command, tmp_path):
+    """Shortened (2 iterations), with glibc's malloc defaults (RINGNET_MALLOC=0) and with
+    ringnet's: each prints every model's step and its layers."""
+    for malloc in ("0", "1"):
+        proc = run(command + " --iters 2", env=dict(ENV, RINGNET_MALLOC=malloc))
+        steps = [l for l in proc.stdout.splitlines() if "step (fwd+loss+bwd+SGD)" in l]
+        assert len(steps) == 2 and "conv1" in proc.stdout, proc.stdout
+
+
 def bench_comm(command, tmp_path):
     """Shortened (two sizes, two iterations): every algorithm's row, each checked ok."""
     proc = run(command + " --sizes 1K,64K --iters 2")
@@ -638,6 +647,7 @@ COMMANDS = {
     "python -m ringnet.datasets convert imagefolder ./cars --size 64 --out datasets/car.h5":
         imagefolder,
     "python -m ringnet.datasets info datasets/mnist.h5": datasets_info,
+    "python -m ringnet.bench layers": bench_layers,
     "python -m ringnet.bench layers --vs torch": bench_layers_vs_torch,
     "python -m ringnet.bench overlap --model lenet":
         "tests/parallel/test_overlap.py::test_bench_overlap_prints_a_row_per_variant",

@@ -20,6 +20,7 @@ TRAIN = [sys.executable, "-m", "ringnet.train", "--steps", "2", "--quiet"]
     ("RINGNET_PROGRESS_SECONDS", "soon", "not a number of seconds"),
     ("RINGNET_NCCL", "fake", "use standin"),
     ("RINGNET_SAVE_SYNC", "2", "use 0 or 1"),
+    ("RINGNET_MALLOC", "yes", "use 0 or 1"),
 ])
 def test_a_bad_value_is_one_line_naming_it(name, value, needle):
     proc = subprocess.run(TRAIN, capture_output=True, text=True, timeout=120,

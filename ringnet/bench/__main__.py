@@ -2,10 +2,12 @@
 import importlib
 import sys
 
+from ringnet.allocator import configure_allocator
 from ringnet.blas import configure_blas_threads
 
 if __name__ == "__main__":     # the program: pin BLAS threads before a benchmark loads NumPy
     configure_blas_threads()
+    configure_allocator()
 
 COMMANDS = {
     "layers": ("ringnet.bench.layers", "per-layer and full-step times, optionally against PyTorch CPU"),

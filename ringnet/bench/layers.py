@@ -9,9 +9,11 @@ import time
 _PINNED = "numpy" not in sys.modules
 if _PINNED:
     os.environ["RINGNET_BLAS_THREADS"] = "1"
+    from ringnet.allocator import configure_allocator
     from ringnet.blas import configure_blas_threads
 
     configure_blas_threads()
+    configure_allocator()
 
 import numpy as np  # noqa: E402
 
