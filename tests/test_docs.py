@@ -816,7 +816,7 @@ COMMANDS = {
     'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --modes '
     'ring,tree,master,split-fc --topologies flat,hierarchical --model cifar10_quick --steps 20 --repeats 1 '
     '--csv docs/scaling-cluster-cifar10_quick-1gbit.csv --markdown': doc_table,
-    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 1 '
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 2 '
     '--validate-steps 20 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-1gbit.json': NODES,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
