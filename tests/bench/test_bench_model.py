@@ -274,6 +274,35 @@ def test_ring_time_hand_computed():
     assert exchange._ring_time(system, shard_bounds(1000, 1), 4, "rs") == 0.0
 
 
+def test_a_full_token_bucket_passes_its_burst_at_the_wire_s_speed():
+    """A ring collective that follows compute on a link with a token bucket: the first
+    steps' bytes up to the burst cost only their latency, the rest the shaped rate; the
+    bucket is not refilled within the collective; without after_idle nothing changes."""
+    import dataclasses
+    system = _system()
+    bounds = shard_bounds(1000, 4)             # 3 steps of 1000 bytes
+    bucket = dataclasses.replace(system.intra, burst_bytes=1500)
+    shaped = dataclasses.replace(system, intra=bucket, inter=bucket)
+    full = 3 * (ALPHA + 1000 / BETA)
+    assert exchange._ring_time(shaped, bounds, 4, "ag") == pytest.approx(full)
+    # 1000 + 500 bytes within the burst, 500 + 1000 at the rate
+    assert exchange._ring_time(shaped, bounds, 4, "ag", after_idle=True) == \
+        pytest.approx(3 * ALPHA + 1500 / BETA)
+    big = dataclasses.replace(bucket, burst_bytes=1 << 20)
+    assert exchange._ring_time(dataclasses.replace(shaped, intra=big, inter=big), bounds, 4,
+                               "ag", after_idle=True) == pytest.approx(3 * ALPHA)
+
+
+@pytest.mark.parametrize("rate", ["1gbit", "10gbit", "100mbit", "2.5gbit", "500kbps", "fast"])
+def test_tbf_burst_is_the_cluster_s(rate):
+    """The burst the model assumes for a shaped link is the one hpc/cluster.sh gives tc."""
+    from ringnet.bench.model.links import tbf_burst_bytes
+    script = os.path.join(ROOT, "hpc", "cluster.sh")
+    shell = subprocess.run(["bash", "-c", f"eval \"$(sed -n '/^burst_of()/,/^}}/p' {script})\"; "
+                           f"burst_of {rate}"], capture_output=True, text=True, check=True)
+    assert tbf_burst_bytes(rate) == int(shell.stdout)
+
+
 def test_inter_node_hop_sets_the_ring_pace():
     slow = pm.Link("slow", 2 * ALPHA, BETA / 10)
     system = _system(ranks_per_node=2)

@@ -18,13 +18,19 @@ def _pieces(length, itemsize, route, n):
     return rooted_pieces(route, length, itemsize, n)
 
 
-def _ring_time(system, bounds, itemsize, kind):
-    """Seconds of one ring reduce-scatter ("rs", with adds) or all-gather ("ag") over ``bounds``."""
-    return sum(seconds for _, seconds in _ring_items(system, bounds, itemsize, kind))
+def _ring_time(system, bounds, itemsize, kind, after_idle=False):
+    """Seconds of one ring reduce-scatter ("rs", with adds) or all-gather ("ag") over
+    ``bounds``; ``after_idle``: the collective follows compute, so a shaped link's token
+    bucket is full when it starts."""
+    return sum(seconds for _, seconds in _ring_items(system, bounds, itemsize, kind, after_idle))
 
 
-def _ring_items(system, bounds, itemsize, kind):
-    """The ring collective as the stream runs it: [("msg", s) and ("cpu", s) for the adds]."""
+def _ring_items(system, bounds, itemsize, kind, after_idle=False):
+    """The ring collective as the stream runs it: [("msg", s) and ("cpu", s) for the adds].
+
+    ``after_idle``: the link's token bucket (``Link.burst_bytes``) starts full and the bytes
+    it covers pass at the wire's speed, which next to the shaped rate costs nothing; the
+    steps drain it (its refill during the collective is left out)."""
     n = len(bounds)
     if n == 1:
         return []
@@ -34,21 +40,26 @@ def _ring_items(system, bounds, itemsize, kind):
     if shard == 0:
         return []
     hop = system.intra if n <= system.ranks_per_node else system.inter
+    tokens = hop.burst_bytes if after_idle else 0.0
     items = []
     for _ in range(n - 1):
-        items += _message(hop, shard * itemsize, system.msg_wait_s)
+        covered = min(tokens, shard * itemsize)
+        tokens -= covered
+        items += _message(hop, shard * itemsize, system.msg_wait_s, covered)
         if kind == "rs":
             items.append(("cpu", system.compute.add(shard)))
     return items
 
 
-def _message(link, nbytes, peer_s=0.0):
+def _message(link, nbytes, peer_s=0.0, burst=0.0):
     """One message as the stream meets it: a wait for the peer ("msg", the latency), the
-    copy of its bytes ("copy", bytes / beta), and where ranks outnumber the cores the wait
-    for a descheduled peer ("peer"; beside compute the calibrated rate already holds it)."""
+    copy of its bytes ("copy", bytes / beta, less the ``burst`` bytes a full token bucket
+    passes at the wire's speed), and where ranks outnumber the cores the wait for a
+    descheduled peer ("peer"; beside compute the calibrated rate already holds it)."""
     if not nbytes:
         return []
-    return [("msg", link.alpha_s), ("copy", nbytes / link.beta_Bps)] + ([("peer", peer_s)] if peer_s else [])
+    return [("msg", link.alpha_s), ("copy", (nbytes - burst) / link.beta_Bps)] + \
+        ([("peer", peer_s)] if peer_s else [])
 
 
 def _without_latency(system):
@@ -179,7 +190,7 @@ ROOTED_TIMES = {"tree": _tree_time, "master": _master_time}
 RING_KINDS = {"reduce_scatter": "rs", "allgather": "ag"}
 
 
-def _exchange_items(system, n, part, update_s):
+def _exchange_items(system, n, part, update_s, after_idle=False):
     """The exchange of one part of the plan at N ranks (a :class:`~ringnet.parallel.traffic.Part`),
     as the stream runs it: [("msg", seconds) for each wait on a transfer, ("copy", seconds) for
     its bytes, ("cpu", seconds) for adds and the update].
@@ -187,7 +198,8 @@ def _exchange_items(system, n, part, update_s):
     A ring collective runs over the part's shard bounds (:func:`_ring_items`); a rooted
     reduce and broadcast as their route's timing (:data:`ROOTED_TIMES`) cuts them into the
     waits the code makes; between the reduce and the distribution, the update of this
-    rank's share (``update_s``).
+    rank's share (``update_s``). ``after_idle``: the exchange starts on an idle link, so
+    its first ring collective meets a shaped link's token bucket full.
     """
     if n == 1 or not part.transfers:
         return [("cpu", update_s)]
@@ -198,7 +210,8 @@ def _exchange_items(system, n, part, update_s):
     for phase in ("reduce", "distribute"):
         for t in part.transfers:
             if t.phase == phase:
-                items += _ring_items(system, t.bounds, t.itemsize, RING_KINDS[t.op])
+                items += _ring_items(system, t.bounds, t.itemsize, RING_KINDS[t.op],
+                                     after_idle and not items)
         if phase == "reduce":
             items.append(("cpu", update_s))
     return items

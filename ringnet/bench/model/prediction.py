@@ -70,7 +70,9 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
             hidden[blocks[0][0]] += fc_update
         act = 0.0
         for transfer in whole.activations:
-            t = _ring_time(system, transfer.bounds, transfer.itemsize, RING_KINDS[transfer.op])
+            # each follows a layer's compute: a shaped link's token bucket has refilled
+            t = _ring_time(system, transfer.bounds, transfer.itemsize, RING_KINDS[transfer.op],
+                           after_idle=True)
             block = transfer.beside
             act += max(0.0, t - hidden.get(block, 0.0)) if block else t
         local = batch / n
@@ -96,7 +98,10 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
     if topology == "hierarchical" and spans_nodes(system, n):
         exchange_items = hierarchical_items
     (everything,) = whole.parts
-    exchange = exchange_items(system, n, everything, update_of(everything))
+    if whole.activations:           # split-fc: the conv part's gradients, after the backward
+        exchange = exchange_items(system, n, everything, update_of(everything), after_idle=True)
+    else:
+        exchange = exchange_items(system, n, everything, update_of(everything))
     comm = sum(t for kind, t in exchange if kind in ("msg", "copy", "peer"))
     # delay 1: the step boundary's element-wise passes over the region, on the training
     # thread after it waited for the previous exchange and before it starts this one

@@ -3,7 +3,7 @@ import dataclasses
 import math
 
 from ringnet.bench.model.compute import ComputeProfile
-from ringnet.bench.model.links import LINKS, Link
+from ringnet.bench.model.links import LINKS, Link, tbf_burst_bytes
 from ringnet.errors import UsageError
 
 __all__ = ["System", "scheduling_wait", "usable_cores", "make_system"]
@@ -54,7 +54,9 @@ class System:
             return self
         near = min(self.calibrated, key=lambda k: (abs(math.log2(k) - math.log2(max(n, 1))), k))
         c = self.calibrated[near]
-        link = Link(f"local@{near}", c["alpha_s"], c["beta_Bps"], "calibrated here")
+        shaped = c.get("raw", {}).get("placement", {}).get("shaped")
+        link = Link(f"local@{near}", c["alpha_s"], c["beta_Bps"], "calibrated here",
+                    burst_bytes=tbf_burst_bytes(shaped) if shaped else 0.0)
         rooted = {mode: Link(f"local-{mode}@{near}", v["alpha_s"], v["beta_Bps"], "calibrated here")
                   for mode, v in c.get("rooted", {}).items()}
         # ranks beyond the cores: a blocking wait finds its peer descheduled (the slices the

@@ -76,9 +76,10 @@ def _tree_items(system, n, transfers, update_s):
     return items + _message(system.intra, (local - 1) * nbytes, peer)
 
 
-def hierarchical_items(system, n, part, update_s):
+def hierarchical_items(system, n, part, update_s, after_idle=False):
     """The hierarchical exchange of one part of the plan (a :class:`~ringnet.parallel.traffic.Part`)
-    as the stream runs it, in the kinds of :func:`~ringnet.bench.model.exchange._exchange_items`."""
+    as the stream runs it, in the kinds of :func:`~ringnet.bench.model.exchange._exchange_items`
+    (``after_idle`` is not modelled here: a token bucket's burst is left out)."""
     if n == 1 or not part.transfers:
         return [("cpu", update_s)]
     if part.transfers[0].route == "tree":
