@@ -98,10 +98,11 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
     if topology == "hierarchical" and spans_nodes(system, n):
         exchange_items = hierarchical_items
     (everything,) = whole.parts
-    if whole.activations:           # split-fc: the conv part's gradients, after the backward
-        exchange = exchange_items(system, n, everything, update_of(everything), after_idle=True)
-    else:
-        exchange = exchange_items(system, n, everything, update_of(everything))
+    # A step's first collective starts on a link idle since the previous step's exchange
+    # ended (the forward at delay 0; at delay 1 the gap between the exchange and the step,
+    # on these runs at least the 1 ms a shaped link's token bucket takes to refill): it
+    # meets the bucket full. The buckets that follow it during the backward do not.
+    exchange = exchange_items(system, n, everything, update_of(everything), after_idle=True)
     comm = sum(t for kind, t in exchange if kind in ("msg", "copy", "peer"))
     # delay 1: the step boundary's element-wise passes over the region, on the training
     # thread after it waited for the previous exchange and before it starts this one
@@ -112,8 +113,9 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
     if delay and n > 1:
         ops = [(0.0, exchange)]
     elif bucket_list:
-        ops = [(timeline.ready[layer], exchange_items(system, n, part, update_of(part)))
-               for (_, _, layer), part in zip(bucket_list, bucketed.parts)]
+        ops = [(timeline.ready[layer],
+                exchange_items(system, n, part, update_of(part), after_idle=not k))
+               for k, ((_, _, layer), part) in enumerate(zip(bucket_list, bucketed.parts))]
     if ops:
         step, shift = _simulate(system, timeline, ops, progress)
         compute += shift                # the stream's work the compute waited for on its core
