@@ -25,18 +25,9 @@ kh - 1 of its groups when the stride is 1.
 """
 import numpy as np
 
-from ringnet.layers.base import batch_last
+from ringnet.layers.base import batch_last, tap_ranges, tap_slice
 
 __all__ = ["RowConv"]
-
-
-def _column_range(w, wo, j, stride, pad):
-    """Return (lo, hi, start): outputs w in [lo, hi) read input column start + (w - lo)
-    * stride through column tap j; the others read padding."""
-    lo = max(0, -(-(pad - j) // stride))
-    last = w - 1 - j + pad
-    hi = min(wo, last // stride + 1) if last >= 0 else 0
-    return lo, max(lo, hi), lo * stride + j - pad
 
 
 class RowConv:
@@ -81,11 +72,10 @@ class RowConv:
         hp, g, wo, _ = lowered.shape
         ho = (hp - kh) // sh + 1
         groups = lowered[ph:ph + h, :-1].reshape(h, c, kw, wo, b)
-        for j in range(kw):                                      # one strided copy per tap
-            lo, hi, start = _column_range(w, wo, j, sw, pw)
-            if hi > lo:
-                groups[:, :, j, lo:hi] = \
-                    xc[:, :, start:start + (hi - lo - 1) * sw + 1:sw].transpose(1, 0, 2, 3)
+        for j, taps in enumerate(tap_ranges(w, wo, kw, sw, pw)):  # one strided copy per tap
+            if taps is not None:
+                outs, ins = tap_slice(taps, sw)
+                groups[:, :, j, outs] = xc[:, :, ins].transpose(1, 0, 2, 3)
         kernel = self._kernel(weight, bias)
         flat = lowered.reshape(hp * g, wo * b)
         n = wo * b
@@ -129,9 +119,8 @@ class RowConv:
             dflat[r * sh * g:(r * sh + kh) * g] += part
         dgroups = dflat.reshape(hp, g, wo, b)[ph:ph + h, :-1].reshape(h, c, kw, wo, b)
         dx = np.zeros((c, h, w, b), dtype=dy.dtype)
-        for j in range(kw):
-            lo, hi, start = _column_range(w, wo, j, sw, pw)
-            if hi > lo:
-                dx[:, :, start:start + (hi - lo - 1) * sw + 1:sw] += \
-                    dgroups[:, :, j, lo:hi].transpose(1, 0, 2, 3)
+        for j, taps in enumerate(tap_ranges(w, wo, kw, sw, pw)):
+            if taps is not None:
+                outs, ins = tap_slice(taps, sw)
+                dx[:, :, ins] += dgroups[:, :, j, outs].transpose(1, 0, 2, 3)
         return dx
