@@ -30,7 +30,8 @@ def _parsers():
     from ringnet.parallel.plans import bucket_bytes
     from ringnet.progress import progress_interval
     return (default_timeout, progress_mode, bucket_bytes, mpi_cuda_aware_setting,
-            in_memory_bytes, progress_interval, _nccl_kind, _save_sync, _malloc)
+            in_memory_bytes, progress_interval, _nccl_kind, _switch("RINGNET_SAVE_SYNC"),
+            _switch("RINGNET_MALLOC"))
 
 
 def _nccl_kind():
@@ -39,16 +40,13 @@ def _nccl_kind():
         raise ValueError(f"RINGNET_NCCL={value!r}: use standin (or leave it unset)")
 
 
-def _save_sync():
-    value = os.environ.get("RINGNET_SAVE_SYNC", "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"RINGNET_SAVE_SYNC={value!r}: use 0 or 1")
-
-
-def _malloc():
-    value = os.environ.get("RINGNET_MALLOC", "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"RINGNET_MALLOC={value!r}: use 0 or 1")
+def _switch(name):
+    """A parser for a 0/1 variable ``name`` (unset is allowed)."""
+    def parse():
+        value = os.environ.get(name, "")
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{name}={value!r}: use 0 or 1")
+    return parse
 
 
 def check_environment():
