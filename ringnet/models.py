@@ -290,7 +290,7 @@ class Model:
         span passes ``x`` through, and the pool applies it."""
         layer = self.layers[index][1]
         partner = self._fused.get(index)
-        if partner is None or partner not in (range(len(self.layers)) if span is None else span):
+        if partner is None or (span is not None and partner not in span):
             return layer.forward(x, train)
         if isinstance(layer, ReLU):                              # its pool applies it
             return layer.pass_through(x, train)
