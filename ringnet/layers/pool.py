@@ -175,10 +175,9 @@ class _Pool2d(Layer):
 
     def _forward_cpu(self, x, first, tap, start=None, rectify_input=False, finish=None):
         """Return (y, taps, covered) for (B, C, H, W) ``x``: y is a new (C, Ho, Wo, B)
-        array; per channel chunk, ``first(c0, c1, copied)`` starts its output (``copied``:
-        tap 0 was copied into every window), ``tap(c0, c1, t, out, yc, src)`` adds one
-        tap (``src`` the tap's input rectangle) and ``finish(c0, c1, yc)``, when given,
-        follows the last. ``start``: the value every window starts from instead of its
+        array; per channel chunk, ``first(c0, c1)`` starts its output, ``tap(c0, c1, t,
+        out, yc, src)`` adds one tap (``src`` the tap's input rectangle) and ``finish(c0,
+        c1, yc)``, when given, follows the last. ``start``: the value every window starts from instead of its
         first tap; ``rectify_input``: pool max(x, 0)."""
         b, c, h, w = x.shape
         ho, wo, taps, covered = self._taps(h, w)
@@ -193,7 +192,7 @@ class _Pool2d(Layer):
             if rectify_input:                                    # in cache: the chunk's planes
                 np.maximum(planes, 0, out=planes)
             yc = y[c0:c1]
-            first(c0, c1, whole)
+            first(c0, c1)
             if whole:
                 yc[...] = planes[plane0]
                 rest = taps[1:]
@@ -258,7 +257,7 @@ class MaxPool2d(_Pool2d):
         win = self._scratch(np, "win", (n, ho, wo, b), np.bool_)
         step = self._scratch(np, "step", (n, ho, wo, b), np.uint8)
 
-        def first(c0, c1, copied):
+        def first(c0, c1):
             if train:
                 argmax[c0:c1].fill(0)
 
@@ -348,7 +347,7 @@ class AvgPool2d(_Pool2d):
         def tap(c0, c1, t, out, dst, src):
             dst += src
 
-        y, taps, covered = self._forward_cpu(x, lambda c0, c1, copied: None, tap,
+        y, taps, covered = self._forward_cpu(x, lambda c0, c1: None, tap,
                                              rectify_input=rectify)
         y *= inv
         mask_by = batch_last(np, x) if rectify else None         # a view: x is batch-last
