@@ -249,10 +249,14 @@ def test_sbatch_train_script_runs_across_nodes(cluster, tmp_path):
     args = BASE + ["--mode", "ring", "--delay", "1"]
     proc = cluster.run(["sbatch", "--wait", "-N", "2", f"--ntasks-per-node={RANKS_PER_NODE}",
                         f"--chdir={ROOT}", f"--output={tmp_path}/job-%j.out",
+                        f"--error={tmp_path}/job-%j.err",
                         os.path.join(ROOT, "hpc", "train.sbatch"), *args], timeout=300)
+    # srun forwards stdout and stderr in pieces of at most 1 KiB each, in no fixed order
+    # between the two: in one shared file a log line can land inside the JSON line.
     out = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
-    assert proc.returncode == 0, proc.stderr + out[-3000:]
-    line = next(l for l in out.splitlines() if l.startswith("ringnet: ring"))
+    log = "".join(p.read_text() for p in tmp_path.glob("job-*.err"))
+    assert proc.returncode == 0, proc.stderr + log[-3000:]
+    line = next(l for l in log.splitlines() if l.startswith("ringnet: ring"))
     assert f"2 nodes x {RANKS_PER_NODE} ranks" in line, line
     summary = json.loads([l for l in out.splitlines() if l.startswith("{")][-1])
     _, reference = run_local(args, tmp_path, "one-node", ranks=2 * RANKS_PER_NODE)

@@ -86,11 +86,11 @@ def _directive(script, option):
         return re.search(rf"^#SBATCH --{option}=(\S+)", f.read(), re.M).group(1)
 
 
-def sbatch(script, tmp_path, *args):
-    """Submit ``script`` as its header documents it, ``sbatch hpc/SCRIPT [flags]`` from
-    ``tmp_path``, plus ``--wait`` only (it changes nothing in the job, it makes sbatch
+def sbatch(script, tmp_path, *args, options=()):
+    """Submit ``script`` as its header documents it, ``sbatch [options] hpc/SCRIPT [flags]``
+    from ``tmp_path``, plus ``--wait`` only (it changes nothing in the job, it makes sbatch
     return when the job ends); return (exit code, job output, job id)."""
-    cmd = ["sbatch", "--wait", os.path.join("hpc", script), *args]
+    cmd = ["sbatch", "--wait", *options, os.path.join("hpc", script), *args]
     os.symlink(os.path.join(ROOT, "hpc"), tmp_path / "hpc")
     try:
         proc = run(cmd, timeout=400, cwd=tmp_path)
@@ -114,10 +114,14 @@ def test_cluster_start_is_idempotent():
 
 @needs_slurm
 def test_train_sbatch(tmp_path, script_reference):
-    rc, out, _ = sbatch("train.sbatch", tmp_path, *TRAIN[3:])
-    assert rc == 0, out[-3000:]
-    assert re.search(rf"ring \(delay 1[^)]*\) on {SCRIPT_RANKS} rank\(s\)", out), out
-    assert re.search(r"^step 4/4  epoch 0\.18  loss \d", out, re.M), out  # progress without a tty
+    # --json with the log in a file of its own (docs/clusters.md, "Batch logs and PMI"):
+    # srun forwards stdout and stderr in pieces of at most 1 KiB, in no fixed order between
+    # the two, so in one shared file a log line can land inside the JSON line.
+    rc, out, job = sbatch("train.sbatch", tmp_path, *TRAIN[3:], options=["--error=log-%j.err"])
+    log = (tmp_path / f"log-{job}.err").read_text()
+    assert rc == 0, log[-3000:]
+    assert re.search(rf"ring \(delay 1[^)]*\) on {SCRIPT_RANKS} rank\(s\)", log), log
+    assert re.search(r"^step 4/4  epoch 0\.18  loss \d", log, re.M), log  # progress without a tty
     summary = summary_of(out)
     assert summary["ranks"] == SCRIPT_RANKS and summary["steps"] == 4
     assert summary["train_loss"] == pytest.approx(script_reference["train_loss"], rel=1e-6)
