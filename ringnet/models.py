@@ -174,6 +174,9 @@ class Model:
             # Nothing upstream of the first layer wants an input gradient.
             self.layers[0][1].needs_dx = False
         self._fused = self._fused_pairs() if xp is np else {}
+        self._bias_next = self._bias_pairs() if xp is not np else {}
+        self._bias_from = {c: p for p, (c, _) in self._bias_next.items()}
+        self._bias_to_loss = False    # loss_and_grad on a GPU: the loss kernel adds it
         self.bind_flat(self.params, self.grads)
 
     def _fused_pairs(self) -> Dict[int, int]:
@@ -190,6 +193,22 @@ class Model:
             if (isinstance(a, ReLU) and isinstance(b, (MaxPool2d, AvgPool2d))) or \
                     (isinstance(a, MaxPool2d) and isinstance(b, ReLU)):
                 pairs[i], pairs[i + 1] = i + 1, i
+        return pairs
+
+    def _bias_pairs(self) -> Dict[int, Tuple[int, bool]]:
+        """Return producer index -> (consumer index, with its gradient) for each bias that
+        the next layer's kernel adds on a GPU: a convolution's before a max pool or a ReLU,
+        a Linear's before a ReLU, whose backward kernel also writes that Linear's bias
+        gradient (a column sum over the batch, one thread per column). Each saves the
+        launch adding the bias over the whole output; the last Linear's goes to the loss
+        kernel (:meth:`loss_and_grad`)."""
+        pairs, layers = {}, [layer for _, layer in self.layers]
+        for i in range(len(layers) - 1):
+            a, b = layers[i], layers[i + 1]
+            if isinstance(a, Conv2d) and isinstance(b, (MaxPool2d, ReLU)):
+                pairs[i] = (i + 1, False)
+            elif isinstance(a, Linear) and isinstance(b, ReLU):
+                pairs[i] = (i + 1, True)
         return pairs
 
     # --- flat buffers and names
@@ -289,12 +308,37 @@ class Model:
         the layers in ``span`` (default: all of them): a ReLU whose pool is also in the
         span passes ``x`` through, and the pool applies it."""
         layer = self.layers[index][1]
+        if self._bias_next or self._bias_to_loss:                # a GPU: fused biases
+            fused = self._forward_biased(index, layer, x, train, span)
+            if fused is not None:
+                return fused
         partner = self._fused.get(index)
         if partner is None or (span is not None and partner not in span):
             return layer.forward(x, train)
         if isinstance(layer, ReLU):                              # its pool applies it
             return layer.pass_through(x, train)
         return layer.forward(x, train, rectify=True)
+
+    def _forward_biased(self, index, layer, x, train, span):
+        """Run layer ``index`` forward with a bias handed over (:meth:`_bias_pairs`), both
+        layers in ``span``; return None when it has none."""
+        def inside(i):
+            return span is None or i in span
+        if self._bias_to_loss and index == len(self.layers) - 1:
+            return layer.forward(x, train, add_bias=False, bias_grad=False)
+        consumer = self._bias_next.get(index)
+        if consumer is not None and inside(consumer[0]):
+            if consumer[1]:
+                return layer.forward(x, train, add_bias=False, bias_grad=False)
+            return layer.forward(x, train, add_bias=False)
+        producer = self._bias_from.get(index)
+        if producer is not None and inside(producer):
+            owner = self.layers[producer][1]
+            if self._bias_next[producer][1]:
+                return layer.forward(x, train, bias=owner.params["bias"],
+                                     dbias=owner.grads["bias"])
+            return layer.forward(x, train, bias=owner.params["bias"])
+        return None
 
     def backward_layers(self, d, start: int = 0, stop: Optional[int] = None):
         """Run ``layers[start:stop]`` backward from their output gradient ``d``; return dx
@@ -321,9 +365,20 @@ class Model:
         read them), so the step does not wait for the device.
         """
         labels = self.xp.asarray(labels).reshape(-1)
-        logits = self.forward(x, train=True)
+        last = self.layers[-1][1]
+        # On a GPU the loss kernel adds the last Linear's bias and writes its gradient.
+        to_loss = self.xp is not np and isinstance(last, Linear)
+        self._bias_to_loss = to_loss
+        try:
+            logits = self.forward(x, train=True)
+        finally:
+            self._bias_to_loss = False
         with trace.span("loss"):
-            loss = self.loss_layer.forward(logits, labels)
+            if to_loss:
+                loss = self.loss_layer.forward(logits, labels, bias=last.params["bias"],
+                                               dbias=last.grads["bias"])
+            else:
+                loss = self.loss_layer.forward(logits, labels)
             dlogits = self.loss_layer.backward()
         self.backward(dlogits)
         if self.loss_layer.correct is not None:       # the fused kernel's device values

@@ -117,13 +117,19 @@ _GEOMETRY = [("C", "int"), ("H", "int"), ("W", "int"), ("B", "int"), ("Ho", "int
              ("ph", "int"), ("pw", "int")]
 
 
+# The strides, in elements, of a pool backward's dy over its (C, Ho, Wo, B) axes: dy may
+# come in any memory order (from a Linear's dx, batch-first) without a copy to batch-last.
+_DY_STRIDES = [("ds_c", "long long"), ("ds_h", "long long"), ("ds_w", "long long"),
+               ("ds_b", "long long")]
+
+
 def _lanes(n):
     return np.arange(n, dtype=np.int64)
 
 
 @_kernel("maxpool_fwd",
          [("x", "const T*"), ("y", "T*"), ("argmax", "unsigned char*"), ("n", "long long")]
-         + _GEOMETRY + [("neg_inf", "T")], r"""
+         + _GEOMETRY + [("neg_inf", "T"), ("bias", "const T*"), ("has_bias", "int")], r"""
   FOR_EACH(idx, n) {
     int b = (int)(idx % B);
     long long rest = idx / B;
@@ -140,6 +146,7 @@ def _lanes(n):
         int q = ox * sw + j - pw;
         if (q < 0 || q >= W) continue;
         T v = x[((c * H + r) * W + q) * B + b];
+        if (has_bias) v += bias[c];
         if (v > m) {
           m = v;
           arg = i * kw + j;
@@ -152,7 +159,8 @@ def _lanes(n):
     argmax[idx] = (unsigned char)arg;
   }
 """)
-def _maxpool_fwd(x, y, argmax, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, neg_inf):
+def _maxpool_fwd(x, y, argmax, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, neg_inf, bias,
+                 has_bias):
     x, y, argmax = x.reshape(-1), y.reshape(-1), argmax.reshape(-1)
     idx = _lanes(n)
     b = idx % B
@@ -170,6 +178,8 @@ def _maxpool_fwd(x, y, argmax, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, ne
             q = ox * sw + j - pw
             lane = lane_i & ~((q < 0) | (q >= W))
             v = x[np.where(lane, ((c * H + r) * W + q) * B + b, 0)]
+            if has_bias:
+                v = v + bias[c]
             win = lane & (v > m)
             m = np.where(win, v, m)
             arg = np.where(win, i * kw + j, arg)
@@ -180,7 +190,7 @@ def _maxpool_fwd(x, y, argmax, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, ne
 
 @_kernel("maxpool_bwd",
          [("dy", "const T*"), ("argmax", "const unsigned char*"), ("dx", "T*"),
-          ("n", "long long")] + _GEOMETRY, r"""
+          ("n", "long long")] + _GEOMETRY + _DY_STRIDES, r"""
   FOR_EACH(idx, n) {
     int b = (int)(idx % B);
     long long rest = idx / B;
@@ -200,13 +210,14 @@ def _maxpool_fwd(x, y, argmax, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, ne
         int ox = dq / sw;
         if (ox >= Wo) continue;
         long long o = ((c * Ho + oy) * Wo + ox) * B + b;
-        if (argmax[o] == i * kw + j) acc += dy[o];
+        if (argmax[o] == i * kw + j) acc += dy[c * ds_c + oy * ds_h + ox * ds_w + b * ds_b];
       }
     }
     dx[idx] = acc;
   }
 """)
-def _maxpool_bwd(dy, argmax, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
+def _maxpool_bwd(dy, argmax, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
+                 ds_c, ds_h, ds_w, ds_b):
     dy, argmax, dx = dy.reshape(-1), argmax.reshape(-1), dx.reshape(-1)
     idx = _lanes(n)
     b = idx % B
@@ -228,7 +239,8 @@ def _maxpool_bwd(dy, argmax, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
             lane &= ~(ox >= Wo)
             o = np.where(lane, ((c * Ho + oy) * Wo + ox) * B + b, 0)
             hit = lane & (argmax[o] == i * kw + j)
-            acc = np.where(hit, acc + dy[o], acc)
+            g = dy[np.where(lane, c * ds_c + oy * ds_h + ox * ds_w + b * ds_b, 0)]
+            acc = np.where(hit, acc + g, acc)
     dx[:] = acc
 
 
@@ -278,7 +290,7 @@ def _avgpool_fwd(x, inv, y, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
 
 @_kernel("avgpool_bwd",
          [("dy", "const T*"), ("inv", "const T*"), ("dx", "T*"), ("n", "long long")]
-         + _GEOMETRY, r"""
+         + _GEOMETRY + _DY_STRIDES, r"""
   FOR_EACH(idx, n) {
     int b = (int)(idx % B);
     long long rest = idx / B;
@@ -297,14 +309,14 @@ def _avgpool_fwd(x, inv, y, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
         if (dq < 0 || dq % sw != 0) continue;
         int ox = dq / sw;
         if (ox >= Wo) continue;
-        long long o = ((c * Ho + oy) * Wo + ox) * B + b;
-        acc += dy[o] * inv[oy * Wo + ox];
+        acc += dy[c * ds_c + oy * ds_h + ox * ds_w + b * ds_b] * inv[oy * Wo + ox];
       }
     }
     dx[idx] = acc;
   }
 """)
-def _avgpool_bwd(dy, inv, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
+def _avgpool_bwd(dy, inv, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
+                 ds_c, ds_h, ds_w, ds_b):
     dy, inv, dx = dy.reshape(-1), inv.reshape(-1), dx.reshape(-1)
     idx = _lanes(n)
     b = idx % B
@@ -324,8 +336,8 @@ def _avgpool_bwd(dy, inv, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
             lane = lane_i & ~((dq < 0) | (dq % sw != 0))
             ox = dq // sw
             lane &= ~(ox >= Wo)
-            o = np.where(lane, ((c * Ho + oy) * Wo + ox) * B + b, 0)
-            acc = np.where(lane, acc + dy[o] * inv[np.where(lane, oy * Wo + ox, 0)], acc)
+            g = dy[np.where(lane, c * ds_c + oy * ds_h + ox * ds_w + b * ds_b, 0)]
+            acc = np.where(lane, acc + g * inv[np.where(lane, oy * Wo + ox, 0)], acc)
     dx[:] = acc
 
 
@@ -459,17 +471,23 @@ def _mix64(z):
 # ReLU, elementwise over dense memory (both operands in one memory order). The forward
 # is NumPy's maximum(x, 0) exactly (x where x > 0 or x is NaN, else +0: NaN passes
 # through, -0 becomes +0); the backward is NumPy's multiply(dy, y > 0): dy times 1 or 0 (NaN * 0 stays
-# NaN, -dy * 0 is -0), not a select.
-@_kernel("relu_fwd", [("x", "const T*"), ("y", "T*"), ("n", "long long")], r"""
+# NaN, -dy * 0 is -0), not a select. With ``has_bias`` the forward is max(x + bias, 0), the
+# bias of the layer before (its channel: memory is (outer, C, inner) around the channel
+# axis), so that layer skips its own pass adding it.
+@_kernel("relu_fwd", [("x", "const T*"), ("y", "T*"), ("n", "long long"), ("bias", "const T*"),
+                      ("inner", "long long"), ("C", "int"), ("has_bias", "int")], r"""
   FOR_EACH(idx, n) {
     T v = x[idx];
+    if (has_bias) v += bias[(idx / inner) % C];
     y[idx] = (v > (T)0 || v != v) ? v : (T)0;
   }
 """)
-def _relu_fwd(x, y, n):
+def _relu_fwd(x, y, n, bias, inner, C, has_bias):
     x, y = x.reshape(-1), y.reshape(-1)
     idx = _lanes(n)
     v = x[idx]
+    if has_bias:
+        v = v + bias[(idx // inner) % C]
     y[:] = np.where((v > 0) | (v != v), v, y.dtype.type(0))
 
 
@@ -486,36 +504,78 @@ def _relu_bwd(dy, y, dx, n):
         dx[:] = dy[idx] * (y[idx] > 0).astype(dx.dtype)
 
 
+# The same backward with the bias gradient of the layer before (its forward bias the
+# forward above added): one thread per channel c of (outer, C, inner) memory, which writes
+# the channel's dx and adds it up in memory order into dbias[c]. Meant for a Linear's
+# (B, K) output (outer B, inner 1), where consecutive threads read consecutive columns.
+@_kernel("relu_bwd_bias",
+         [("dy", "const T*"), ("y", "const T*"), ("dx", "T*"), ("dbias", "T*"), ("n", "long long"),
+          ("outer", "long long"), ("inner", "long long")], r"""
+  FOR_EACH(c, n) {
+    T acc = 0;
+    for (long long o = 0; o < outer; ++o) {
+      for (long long t = 0; t < inner; ++t) {
+        long long idx = (o * n + c) * inner + t;
+        T g = dy[idx] * (T)(y[idx] > (T)0);
+        dx[idx] = g;
+        acc += g;
+      }
+    }
+    dbias[c] = acc;
+  }
+""")
+def _relu_bwd_bias(dy, y, dx, dbias, n, outer, inner):
+    dy, y, dx = dy.reshape(-1), y.reshape(-1), dx.reshape(-1)
+    c = _lanes(n)
+    acc = np.zeros(n, dtype=dx.dtype)
+    with np.errstate(invalid="ignore"):
+        for o in range(outer):
+            for t in range(inner):
+                idx = (o * n + c) * inner + t
+                g = dy[idx] * (y[idx] > 0).astype(dx.dtype)
+                dx[idx] = g
+                acc += g
+    dbias[c] = acc
+
+
 # Softmax cross-entropy, its gradient and the correct count in two launches and no host
-# read: one thread per sample row (its max and first argmax as NumPy's max and argmax: a
-# NaN wins, ties go to the first class; log-sum-exp; the loss of the row; the gradient
-# row (softmax - onehot) * scale, scale = 1/B), then one thread that adds the rows' losses
-# and hits in sample order (no atomics: the same sums every run) into two device scalars.
+# read: one thread per sample row (its logits, plus the last layer's bias when
+# ``has_bias``, so that layer skips its own pass adding it; their max and first argmax as
+# NumPy's max and argmax: a NaN wins, ties go to the first class; log-sum-exp; the loss
+# of the row; the gradient row (softmax - onehot) * scale, scale = 1/B), then a kernel
+# whose thread 0 adds the rows' losses and hits in sample order (no atomics: the same
+# sums every run) into two device scalars, and, with ``has_dbias``, whose thread k adds
+# column k of the gradient in sample order: the last layer's bias gradient.
 @_kernel("xent_rows",
          [("logits", "const T*"), ("labels", "const long long*"), ("grad", "T*"),
           ("row_loss", "T*"), ("hit", "unsigned char*"), ("n", "long long"), ("K", "int"),
-          ("scale", "T"), ("invalid", "T")], r"""
+          ("scale", "T"), ("invalid", "T"), ("bias", "const T*"), ("has_bias", "int")], r"""
   FOR_EACH(b, n) {
     long long row = b * K;
-    T m = logits[row];
+    for (int j = 0; j < K; ++j) {
+      T z = logits[row + j];
+      if (has_bias) z += bias[j];
+      grad[row + j] = z;
+    }
+    T m = grad[row];
     int arg = 0;
     for (int j = 1; j < K; ++j) {
-      T v = logits[row + j];
+      T v = grad[row + j];
       if (v > m || (v != v && m == m)) {
         m = v;
         arg = j;
       }
     }
-    T total = 0;
-    for (int j = 0; j < K; ++j) {
-      T e = exp(logits[row + j] - m);
-      grad[row + j] = e;
-      total += e;
-    }
     long long y = labels[b];
     T picked = invalid;
     if (y >= 0 && y < K) {
-      picked = logits[row + y] - m;
+      picked = grad[row + y] - m;
+    }
+    T total = 0;
+    for (int j = 0; j < K; ++j) {
+      T e = exp(grad[row + j] - m);
+      grad[row + j] = e;
+      total += e;
     }
     row_loss[b] = log(total) - picked;
     hit[b] = (unsigned char)(arg == y);
@@ -528,25 +588,30 @@ def _relu_bwd(dy, y, dx, n):
     }
   }
 """)
-def _xent_rows(logits, labels, grad, row_loss, hit, n, K, scale, invalid):
+def _xent_rows(logits, labels, grad, row_loss, hit, n, K, scale, invalid, bias, has_bias):
     logits, grad = logits.reshape(-1), grad.reshape(-1)
     b = _lanes(n)
     row = b * K
-    m = logits[row]
+    for j in range(K):
+        z = logits[row + j]
+        if has_bias:
+            z = z + bias[j]
+        grad[row + j] = z
+    m = grad[row]
     arg = np.zeros(n, dtype=np.int64)
     for j in range(1, K):
-        v = logits[row + j]
+        v = grad[row + j]
         win = (v > m) | ((v != v) & (m == m))
         m = np.where(win, v, m)
         arg = np.where(win, j, arg)
-    total = np.zeros(n, dtype=grad.dtype)
-    for j in range(K):
-        e = np.exp(logits[row + j] - m)
-        grad[row + j] = e
-        total += e
     y = labels[b]
     lane = (y >= 0) & (y < K)
-    picked = np.where(lane, logits[np.where(lane, row + y, 0)] - m, invalid)
+    picked = np.where(lane, grad[np.where(lane, row + y, 0)] - m, invalid)
+    total = np.zeros(n, dtype=grad.dtype)
+    for j in range(K):
+        e = np.exp(grad[row + j] - m)
+        grad[row + j] = e
+        total += e
     row_loss[:] = np.log(total) - picked
     hit[:] = (arg == y).astype(np.uint8)
     for j in range(K):
@@ -557,24 +622,40 @@ def _xent_rows(logits, labels, grad, row_loss, hit, n, K, scale, invalid):
 
 @_kernel("xent_total",
          [("row_loss", "const T*"), ("hit", "const unsigned char*"), ("loss", "T*"),
-          ("correct", "long long*"), ("n", "long long"), ("B", "int")], r"""
+          ("correct", "long long*"), ("n", "long long"), ("B", "int"), ("grad", "const T*"),
+          ("dbias", "T*"), ("K", "int"), ("has_dbias", "int")], r"""
   FOR_EACH(idx, n) {
-    T acc = 0;
-    long long count = 0;
-    for (int b = 0; b < B; ++b) {
-      acc += row_loss[b];
-      count += hit[b];
+    if (idx == 0) {
+      T acc = 0;
+      long long count = 0;
+      for (int b = 0; b < B; ++b) {
+        acc += row_loss[b];
+        count += hit[b];
+      }
+      loss[0] = acc / (T)B;
+      correct[0] = count;
     }
-    loss[idx] = acc / (T)B;
-    correct[idx] = count;
+    if (has_dbias) {
+      T column = 0;
+      for (int b = 0; b < B; ++b) {
+        column += grad[b * K + idx];
+      }
+      dbias[idx] = column;
+    }
   }
 """)
-def _xent_total(row_loss, hit, loss, correct, n, B):
-    loss, correct = loss.reshape(-1), correct.reshape(-1)
-    acc = np.zeros(n, dtype=loss.dtype)
-    count = np.zeros(n, dtype=np.int64)
+def _xent_total(row_loss, hit, loss, correct, n, B, grad, dbias, K, has_dbias):
+    loss, correct, grad = loss.reshape(-1), correct.reshape(-1), grad.reshape(-1)
+    acc = np.zeros(1, dtype=loss.dtype)
+    count = np.zeros(1, dtype=np.int64)
     for b in range(B):
         acc += row_loss[b]
         count += hit[b]
-    loss[:] = acc / B
-    correct[:] = count
+    loss[0] = (acc / B)[0]
+    correct[0] = count[0]
+    if has_dbias:
+        idx = _lanes(n)
+        column = np.zeros(n, dtype=loss.dtype)
+        for b in range(B):
+            column += grad[b * K + idx]
+        dbias[:] = column

@@ -8,16 +8,27 @@ from ringnet.layers.base import _memory_order
 
 __all__ = ["maxpool_forward", "maxpool_backward", "avgpool_forward", "avgpool_backward",
            "im2col", "col2im", "dropout_mask", "relu_forward", "relu_backward",
-           "softmax_cross_entropy"]
+           "relu_backward_bias", "softmax_cross_entropy"]
 
 
 def _geometry(c, h, w, b, ho, wo, kernel, stride, padding):
     return tuple(np.int32(v) for v in (c, h, w, b, ho, wo, *kernel, *stride, *padding))
 
 
-def maxpool_forward(xp, x, out_hw, kernel, stride, padding):
+def _bias_arg(xp, bias, unused):
+    """Return (pointer, flag) for a kernel's optional bias: the C-contiguous ``bias``, else
+    ``unused`` (another array of the launch, which no thread reads then: no allocation),
+    and whether there is a bias."""
+    if bias is None:
+        return unused, np.int32(0)
+    return xp.ascontiguousarray(bias), np.int32(1)
+
+
+def maxpool_forward(xp, x, out_hw, kernel, stride, padding, bias=None):
     """Return (y, argmax): y logical (B, C, Ho, Wo) in (C, Ho, Wo, B) memory, argmax the
-    (C, Ho, Wo, B) uint8 row-major tap index of each window's first maximum."""
+    (C, Ho, Wo, B) uint8 row-major tap index of each window's first maximum. ``bias``
+    (C,): pool x + bias, each tap's sum rounded before it is compared, which is what
+    adding the bias first and pooling gives, bit for bit."""
     b, c, h, w = x.shape
     ho, wo = out_hw
     xc = xp.ascontiguousarray(x.transpose(1, 2, 3, 0))          # a no-op for batch-last x
@@ -26,7 +37,7 @@ def maxpool_forward(xp, x, out_hw, kernel, stride, padding):
     n = c * ho * wo * b
     _cuda.launch(xp, "maxpool_fwd", x.dtype, n,
                  (xc, y, argmax, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding),
-                  x.dtype.type(-np.inf)))
+                  x.dtype.type(-np.inf), *_bias_arg(xp, bias, xc)))
     return y.transpose(3, 0, 1, 2), argmax
 
 
@@ -58,11 +69,13 @@ def _pool_backward(xp, name, dy, aux, in_shape, kernel, stride, padding):
     reciprocal window sizes."""
     b, c, h, w = in_shape
     _, _, ho, wo = dy.shape
-    dyc = xp.ascontiguousarray(dy.transpose(1, 2, 3, 0))
+    m, strides = _strided(xp, dy)                                # any memory order: no copy
+    ds_b, ds_c, ds_h, ds_w = strides
     dx = xp.empty((c, h, w, b), dtype=dy.dtype)
     n = c * h * w * b
     _cuda.launch(xp, name, dy.dtype, n,
-                 (dyc, aux, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
+                 (m, aux, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding),
+                  ds_c, ds_h, ds_w, ds_b))
     return dx.transpose(3, 0, 1, 2)
 
 
@@ -81,6 +94,29 @@ def _inverse(order):
     return [order.index(a) for a in range(len(order))]
 
 
+def _strided(xp, x):
+    """Return (m, strides): m the dense C-contiguous array over x's memory (see
+    :func:`_dense`) and x's strides per logical axis, in elements, as int64."""
+    m, order = _dense(xp, x)
+    strides = [0] * x.ndim
+    for axis, stride_m in zip(order, m.strides):
+        strides[axis] = np.int64(stride_m // m.itemsize)
+    return m, strides
+
+
+def _around_channels(x, order):
+    """Return (outer, inner): how many elements come before and after logical axis 1 (the
+    channel) in the memory order ``order`` of ``x``."""
+    at = order.index(1)
+    sizes = [x.shape[a] for a in order]
+    outer = inner = 1
+    for size in sizes[:at]:
+        outer *= int(size)
+    for size in sizes[at + 1:]:
+        inner *= int(size)
+    return outer, inner
+
+
 def im2col(xp, x, cols, stride, padding):
     """Fill ``cols`` (C, kh, kw, Ho, Wo, B), C-contiguous, with the columns of the logical
     (B, C, H, W) ``x`` in any memory order: entry (c, i, j, oy, ox, b) is
@@ -88,10 +124,7 @@ def im2col(xp, x, cols, stride, padding):
     instead of a padded copy and a strided copy."""
     b, c, h, w = x.shape
     _, kh, kw, ho, wo, _ = cols.shape
-    m, order = _dense(xp, x)
-    strides = [0] * 4
-    for axis, stride_m in zip(order, m.strides):
-        strides[axis] = np.int64(stride_m // m.itemsize)
+    m, strides = _strided(xp, x)
     xs_b, xs_c, xs_h, xs_w = strides
     n = c * kh * kw * ho * wo * b
     _cuda.launch(xp, "im2col", x.dtype, n,
@@ -100,11 +133,16 @@ def im2col(xp, x, cols, stride, padding):
     return cols
 
 
-def relu_forward(xp, x):
-    """Return max(x, 0) (as NumPy's maximum: NaN kept, -0 -> +0) in x's memory order."""
+def relu_forward(xp, x, bias=None):
+    """Return max(x, 0) (as NumPy's maximum: NaN kept, -0 -> +0) in x's memory order;
+    with ``bias`` (one per channel, logical axis 1), max(x + bias, 0)."""
     m, order = _dense(xp, x)
     y = xp.empty(m.shape, dtype=x.dtype)
-    _cuda.launch(xp, "relu_fwd", x.dtype, m.size, (m, y, np.int64(m.size)))
+    _, inner = _around_channels(x, order) if bias is not None else (1, 1)
+    channels = x.shape[1] if bias is not None else 1
+    _cuda.launch(xp, "relu_fwd", x.dtype, m.size,
+                 (m, y, np.int64(m.size), _bias_arg(xp, bias, m)[0], np.int64(inner),
+                  np.int32(channels), np.int32(bias is not None)))
     return y.transpose(_inverse(order))
 
 
@@ -114,6 +152,21 @@ def relu_backward(xp, dy, y):
     dym = xp.ascontiguousarray(dy.transpose(order))           # a no-op when dy is laid out as y
     dx = xp.empty(ym.shape, dtype=dy.dtype)
     _cuda.launch(xp, "relu_bwd", dy.dtype, ym.size, (dym, ym, dx, np.int64(ym.size)))
+    return dx.transpose(_inverse(order))
+
+
+def relu_backward_bias(xp, dy, y, dbias):
+    """Return dy * (y > 0) as :func:`relu_backward` does, and write its sum over every axis
+    but the channel (logical axis 1), added in memory order, into ``dbias``: the bias
+    gradient of the layer whose bias :func:`relu_forward` added. One thread per channel."""
+    ym, order = _dense(xp, y)
+    dym = xp.ascontiguousarray(dy.transpose(order))
+    dx = xp.empty(ym.shape, dtype=dy.dtype)
+    outer, inner = _around_channels(y, order)
+    if not dbias.flags.c_contiguous:
+        raise ValueError("relu_backward_bias: dbias must be contiguous")
+    _cuda.launch(xp, "relu_bwd_bias", dy.dtype, y.shape[1],
+                 (dym, ym, dx, dbias, np.int64(y.shape[1]), np.int64(outer), np.int64(inner)))
     return dx.transpose(_inverse(order))
 
 
@@ -146,11 +199,13 @@ def dropout_mask(xp, shape, dtype, keys, threshold, scale, first_sample=0):
     return mask
 
 
-def softmax_cross_entropy(xp, logits, labels):
+def softmax_cross_entropy(xp, logits, labels, bias=None, dbias=None):
     """Return (loss, correct, dlogits) of the (B, K) ``logits`` against the B int64
     ``labels``: the mean cross-entropy (0-d, the logits' dtype), how many rows have their
     first maximum at the label (0-d int64), (softmax - onehot) / B (B, K); all on the device,
-    in two launches. A label outside [0, K) makes the loss NaN."""
+    in two launches. A label outside [0, K) makes the loss NaN. ``bias`` (K,): the logits
+    are ``logits + bias``; ``dbias`` (K,): also write the column sums of dlogits there
+    (the bias gradient of the layer that made the logits)."""
     b, k = logits.shape
     dtype = logits.dtype
     z = xp.ascontiguousarray(logits)
@@ -161,7 +216,12 @@ def softmax_cross_entropy(xp, logits, labels):
     correct = xp.empty((), dtype=np.int64)
     _cuda.launch(xp, "xent_rows", dtype, b,
                  (z, xp.ascontiguousarray(labels), grad, row_loss, hit, np.int64(b), np.int32(k),
-                  dtype.type(1.0 / b), dtype.type(np.nan)))
-    _cuda.launch(xp, "xent_total", dtype, 1,
-                 (row_loss, hit, loss, correct, np.int64(1), np.int32(b)))
+                  dtype.type(1.0 / b), dtype.type(np.nan), *_bias_arg(xp, bias, z)))
+    if dbias is not None and not dbias.flags.c_contiguous:
+        raise ValueError("softmax_cross_entropy: dbias must be contiguous")
+    sums = dbias if dbias is not None else grad                  # unread without dbias
+    threads = k if dbias is not None else 1
+    _cuda.launch(xp, "xent_total", dtype, threads,
+                 (row_loss, hit, loss, correct, np.int64(threads), np.int32(b), grad, sums,
+                  np.int32(k), np.int32(dbias is not None)))
     return loss, correct, grad

@@ -21,19 +21,26 @@ class ReLU(Layer):
         self._y = None
         self._zeros = None
         self._passed = False
+        self._dbias = None
 
     def pass_through(self, x, train=True):
         """Return ``x``, already rectified by the neighbouring pool; backward passes dy."""
         self._y, self._passed = None, train
         return x
 
-    def forward(self, x, train=True):
+    def forward(self, x, train=True, bias=None, dbias=None):
+        """Return max(x, 0). On a GPU the model may hand this kernel the previous layer's
+        per-channel ``bias`` (max(x + bias, 0)) and that layer's bias gradient ``dbias``,
+        which ``backward`` then writes (the sum of dx over all but the channel axis)."""
         self._passed = False
         if is_gpu_array(x):                   # one kernel, in x's memory order
-            y = _cuda_ops.relu_forward(get_array_module(x), x)
+            y = _cuda_ops.relu_forward(get_array_module(x), x, bias=bias)
             self._y = y if train else None
+            self._dbias = dbias
             return y
         xp = get_array_module(x)
+        if bias is not None or dbias is not None:
+            self._gpu_only(xp, "bias / dbias")
         if xp is np:
             # Against an array of zeros laid out like x: NumPy's maximum with a scalar (or
             # any broadcast operand) runs 2-3x slower than with two arrays of one order.
@@ -54,6 +61,9 @@ class ReLU(Layer):
         if self._y is None:
             raise RuntimeError("ReLU.backward called without a forward(train=True)")
         if is_gpu_array(dy):                  # one kernel, in y's memory order
+            if self._dbias is not None:
+                return _cuda_ops.relu_backward_bias(get_array_module(dy), dy, self._y,
+                                                    self._dbias)
             return _cuda_ops.relu_backward(get_array_module(dy), dy, self._y)
         xp = get_array_module(dy)
         return xp.multiply(dy, self._y > 0)

@@ -44,6 +44,12 @@ class Layer:
     def __repr__(self):
         return f"{type(self).__name__}()"
 
+    def _gpu_only(self, xp, what):
+        """Raise ValueError when ``what`` (a bias handed to or taken from a neighbouring
+        layer's kernel, which the model arranges on a GPU only) is asked of a NumPy call."""
+        if xp is np:
+            raise ValueError(f"{self!r}: {what} is for the GPU path (fused CUDA kernels)")
+
     def _cached(self):
         """Return what the last ``forward(train=True)`` kept for ``backward``."""
         cache = getattr(self, "_cache", None)

@@ -161,10 +161,14 @@ class Conv2d(Layer):
         self._plans[role] = (src, blocks, steps)
         return steps
 
-    def forward(self, x, train=True):
+    def forward(self, x, train=True, add_bias=True):
+        """Return the convolution of ``x`` plus the bias; on a GPU the model may leave the
+        bias to the next layer's kernel (``add_bias=False``)."""
         xp = get_array_module(x)
         if xp is not np:
-            return self._forward_gpu(xp, x, train)
+            return self._forward_gpu(xp, x, train, add_bias)
+        if not add_bias:
+            self._gpu_only(xp, "add_bias=False")
         b, c, h, w = x.shape                                     # (B, C, H, W)
         _, ho, wo = self.output_shape((c, h, w))
         (kh, kw), o = self.kernel_size, self.out_channels
@@ -285,7 +289,7 @@ class Conv2d(Layer):
     # straight from the input (any memory order, padding included) instead of a padded
     # copy and a strided copy, and col2im as one fused kernel.
 
-    def _forward_gpu(self, xp, x, train):
+    def _forward_gpu(self, xp, x, train, add_bias=True):
         b, c, h, w = x.shape                                     # (B, C, H, W)
         _, ho, wo = self.output_shape((c, h, w))
         (kh, kw), o = self.kernel_size, self.out_channels
@@ -295,7 +299,8 @@ class Conv2d(Layer):
         _cuda_ops.im2col(xp, x, cols, self.stride, self.padding)
         y = xp.empty((o, ho * wo * b), dtype=x.dtype)            # (O, Ho*Wo*B)
         xp.matmul(self.params["weight"].reshape(o, k), cols.reshape(k, ho * wo * b), out=y)
-        y += self.params["bias"][:, None]
+        if add_bias:
+            y += self.params["bias"][:, None]
         self._cache = (x.shape, cols) if train else None
         return y.reshape(o, ho, wo, b).transpose(3, 0, 1, 2)     # (B, O, Ho, Wo)
 
@@ -305,9 +310,9 @@ class Conv2d(Layer):
         (kh, kw), (ph, pw) = self.kernel_size, self.padding
         k = c * kh * kw
         dy2 = as_channel_rows(xp, dy)                            # (O, Ho*Wo*B)
-        dweight_t = self._buffer(xp, "dweight", (k, o), dy.dtype)
-        xp.matmul(cols.reshape(k, ho * wo * b), dy2.T, out=dweight_t)
-        self.grads["weight"].reshape(o, k)[...] = dweight_t.T
+        # dW = dy cols^T straight into the gradient buffer (cuBLAS takes either orientation
+        # at one speed, where OpenBLAS wants the transposed one and a copy)
+        xp.matmul(dy2, cols.reshape(k, ho * wo * b).T, out=self.grads["weight"].reshape(o, k))
         xp.sum(dy2, axis=1, out=self.grads["bias"])
         if not self.needs_dx:
             return None

@@ -30,13 +30,20 @@ class Linear(Layer):
         return [("weight", (self.out_features, self.in_features), self.weight_init),
                 ("bias", (self.out_features,), self.bias_init)]
 
-    def forward(self, x, train=True):
+    def forward(self, x, train=True, add_bias=True, bias_grad=True):
+        """Return x W^T + b. On a GPU the model may leave the bias to the next layer's
+        kernel (``add_bias=False``: x W^T alone) and its gradient too (``bias_grad=False``:
+        ``backward`` leaves ``grads["bias"]`` to that kernel)."""
         xp = get_array_module(x)
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"Linear expects (B, {self.in_features}), got {tuple(x.shape)}")
+        if not (add_bias and bias_grad):
+            self._gpu_only(xp, "add_bias=False / bias_grad=False")
         y = xp.matmul(x, self.params["weight"].T)                # (B, out)
-        y += self.params["bias"]
+        if add_bias:
+            y += self.params["bias"]
         self._x = x if train else None                           # (B, in)
+        self._bias_grad = bias_grad
         return y
 
     def backward(self, dy):
@@ -45,7 +52,8 @@ class Linear(Layer):
             raise RuntimeError("Linear.backward called without a forward(train=True)")
         xp = get_array_module(dy)
         xp.matmul(dy.T, self._x, out=self.grads["weight"])        # (out, in)
-        xp.sum(dy, axis=0, out=self.grads["bias"])                # (out,)
+        if self._bias_grad:                                      # else the next kernel's
+            xp.sum(dy, axis=0, out=self.grads["bias"])            # (out,)
         if not self.needs_dx:
             return None
         return xp.matmul(dy, self.params["weight"])               # (B, in)

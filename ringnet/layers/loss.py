@@ -17,17 +17,24 @@ class SoftmaxCrossEntropy:
         self._cache = None
         self.correct = None
 
-    def forward(self, logits, labels):
-        """Return the mean loss over the batch as a 0-d array; cache softmax for backward."""
+    def forward(self, logits, labels, bias=None, dbias=None):
+        """Return the mean loss over the batch as a 0-d array; cache softmax for backward.
+
+        On a GPU the model may hand the kernel the last layer's ``bias`` (the logits are
+        ``logits + bias``) and its bias gradient ``dbias``, written here with dlogits."""
         xp = get_array_module(logits)
         b, k = logits.shape                                      # (B, K)
         labels = xp.asarray(labels).astype(xp.int64, copy=False).reshape(-1)
         if labels.shape[0] != b:
             raise ValueError(f"{labels.shape[0]} labels for a batch of {b}")
         if is_gpu_array(logits):
-            loss, self.correct, grad = _cuda_ops.softmax_cross_entropy(xp, logits, labels)
+            loss, self.correct, grad = _cuda_ops.softmax_cross_entropy(xp, logits, labels,
+                                                                       bias, dbias)
             self._cache = (grad, None)
             return loss
+        if bias is not None or dbias is not None:
+            raise ValueError("SoftmaxCrossEntropy: bias / dbias are for the GPU path "
+                             "(fused CUDA kernels)")
         shifted = logits - logits.max(axis=1, keepdims=True)     # <= 0: exp cannot overflow
         exp = xp.exp(shifted)
         total = exp.sum(axis=1)                                  # (B,)

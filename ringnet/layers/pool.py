@@ -242,13 +242,19 @@ class MaxPool2d(_Pool2d):
 
     _empty = -np.inf
 
-    def forward(self, x, train=True, rectify=False):
+    def forward(self, x, train=True, rectify=False, bias=None):
+        """Return the pooled ``x`` (the CPU path: max(pool(x), 0) with ``rectify``). On a
+        GPU the model may hand this kernel the previous layer's per-channel ``bias``: it
+        pools x + bias, bit for bit what adding it first would give."""
         xp = get_array_module(x)
         if xp is not np:                                         # one fused CUDA kernel
             y, argmax = _cuda_ops.maxpool_forward(xp, x, self.output_shape(x.shape[1:])[1:],
-                                              self.kernel_size, self.stride, self.padding)
+                                              self.kernel_size, self.stride, self.padding,
+                                              bias=bias)
             self._cache = (x.shape, argmax, None, None) if train else None
             return y
+        if bias is not None:
+            self._gpu_only(xp, "bias")
         b, c, h, w = x.shape
         _, ho, wo = self.output_shape((c, h, w))
         # the tap index of each output, (C, Ho, Wo, B) as y

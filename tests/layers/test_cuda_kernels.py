@@ -78,6 +78,46 @@ def test_emulated_maxpool_kernels_equal_the_numpy_layer_bit_for_bit(case, kind, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["normal", "ties", "inf"])
+@pytest.mark.parametrize("case", POOL_CASES[:6])
+def test_a_bias_handed_to_the_maxpool_kernel_equals_adding_it_first(case, kind, dtype):
+    # The convolution before leaves its bias to the pool kernel on a GPU: pooling x + bias
+    # tap by tap is what adding the bias over the whole map and pooling gives, bit for bit.
+    b, c, h, w, k, s, p = case
+    x = _data(case, dtype, kind)
+    bias = np.random.default_rng(4).normal(size=c).astype(dtype)
+    layer = MaxPool2d(k, s, p)
+    y = layer.forward(x + bias[:, None, None])
+    argmax = layer._cache[1]
+    out_hw = layer.output_shape((c, h, w))[1:]
+    ye, argmax_e = _cuda_ops.maxpool_forward(np, x, out_hw, layer.kernel_size, layer.stride,
+                                             layer.padding, bias=bias)
+    np.testing.assert_array_equal(ye, y)
+    np.testing.assert_array_equal(argmax_e, argmax)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pool", [MaxPool2d, AvgPool2d])
+def test_pool_backward_kernels_read_a_batch_first_dy_in_place(pool, dtype):
+    # After a Flatten dy comes batch-first (a Linear's dx): the kernels read it through its
+    # strides, with the result of a batch-last copy.
+    case = (3, 2, 10, 12, 3, 2, 0)
+    b, c, h, w, k, s, p = case
+    x = _data(case, dtype, "normal")
+    layer = pool(k, s, p)
+    y = layer.forward(x)
+    dy = np.random.default_rng(5).normal(size=y.shape).astype(dtype)     # C-order: batch first
+    want = layer.backward(np.ascontiguousarray(dy.transpose(1, 2, 3, 0)).transpose(3, 0, 1, 2))
+    if pool is MaxPool2d:
+        got = _cuda_ops.maxpool_backward(np, dy, layer._cache[1], x.shape, layer.kernel_size,
+                                         layer.stride, layer.padding)
+    else:
+        got = _cuda_ops.avgpool_backward(np, dy, layer._gpu_inv(np, h, w, dtype), x.shape,
+                                         layer.kernel_size, layer.stride, layer.padding)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_emulated_maxpool_propagates_nan_like_numpy(dtype):
     x = _data((2, 2, 7, 7), dtype, "normal")
     x[0, 0, 1, 1] = np.nan
@@ -246,6 +286,30 @@ def test_emulated_relu_kernels_equal_numpy_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_relu_kernels_with_the_bias_before_them(dtype):
+    # A Linear's (B, K) output and a convolution's (B, C, H, W) in (C, H, W, B) memory:
+    # the forward is max(x + bias, 0) bit for bit; the backward's dx is relu_backward's and
+    # its bias gradient the sum of dx over all but the channel axis, in memory order.
+    rng = np.random.default_rng(6)
+    for x in (_relu_data((5, 7), dtype),
+              _relu_data((2, 3, 4, 5), dtype).transpose(1, 2, 3, 0).copy().transpose(3, 0, 1, 2)):
+        c = x.shape[1]
+        bias = rng.normal(size=c).astype(dtype)
+        shape = (1, c) + (1,) * (x.ndim - 2)
+        y = _cuda_ops.relu_forward(np, x, bias=bias)
+        want = np.maximum(x + bias.reshape(shape), 0)
+        assert np.ascontiguousarray(y).tobytes() == np.ascontiguousarray(want).tobytes()
+        assert y.strides == x.strides
+        dy = rng.normal(size=x.shape).astype(dtype)
+        dbias = np.full(c, np.nan, dtype)
+        dx = _cuda_ops.relu_backward_bias(np, dy, y, dbias)
+        np.testing.assert_array_equal(dx, _cuda_ops.relu_backward(np, dy, y))
+        axes = tuple(a for a in range(x.ndim) if a != 1)
+        np.testing.assert_allclose(dbias, dx.sum(axis=axes, dtype=np.float64),
+                                   rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,p,key,first", [
     ((4, 7), 0.5, (0, 0, 3), 0),
     ((3, 2, 5, 5), 0.3, (12, 345, 1), 6),
@@ -298,6 +362,8 @@ def _cuda_statements(body):
 ELEMENTWISE = {  # kernel -> the expressions its CUDA body and its emulation both contain
     "relu_fwd": ["v = x[idx]", "v > (T)0 || v != v"],
     "relu_bwd": ["dy[idx] * (T)(y[idx] > (T)0)"],
+    "relu_bwd_bias": ["idx = (o * n + c) * inner + t", "dy[idx] * (T)(y[idx] > (T)0)",
+                      "dx[idx] = g", "acc += g", "dbias[c] = acc"],
     "xent_total": ["acc += row_loss[b]", "count += hit[b]",
                    "acc / (T)B"],
 }
@@ -333,7 +399,7 @@ def test_argument_types_are_checked_against_the_c_signature():
     _cuda_ops.maxpool_forward(np, x, (2, 2), (2, 2), (2, 2), (0, 0))      # fine
     args = (np.zeros(16, np.float32), np.zeros(4, np.float32), np.zeros(4, np.uint8),
             np.int64(4), *_cuda_ops._geometry(1, 4, 4, 1, 2, 2, (2, 2), (2, 2), (0, 0)),
-            np.float32(-np.inf))
+            np.float32(-np.inf), np.zeros(1, np.float32), np.int32(0))
     _cuda.launch(np, "maxpool_fwd", np.float32, 4, args)
     for i, bad in [(3, 4), (4, np.int64(1)), (1, np.zeros(4, np.float64)),
                    (2, np.zeros(4, np.int8)), (16, np.float64(-np.inf))]:

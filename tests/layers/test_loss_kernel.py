@@ -58,6 +58,22 @@ def test_emulated_fused_loss_equals_the_numpy_layer(kind, b, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind,b,k", CASES)
+def test_the_loss_kernel_adds_the_last_bias_and_writes_its_gradient(kind, b, k, dtype):
+    # The last Linear leaves its bias to the loss kernel on a GPU: the same loss, count
+    # and gradient as on logits + bias, and the bias gradient is the gradient's column sums.
+    z = _logits(kind, b, k, dtype)
+    bias = np.random.default_rng(2).normal(size=k).astype(dtype)
+    labels = np.random.default_rng(1).integers(0, k, size=b).astype(np.int64)
+    want = _cuda_ops.softmax_cross_entropy(np, z + bias, labels)
+    dbias = np.full(k, np.nan, dtype)
+    got = _cuda_ops.softmax_cross_entropy(np, z, labels, bias=bias, dbias=dbias)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_allclose(dbias, want[2].sum(axis=0, dtype=np.float64), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_emulated_fused_loss_propagates_nan_and_inf(dtype):
     z = _logits("normal", 6, 10, dtype)
     labels = np.arange(6) % 10
