@@ -107,7 +107,8 @@ def _config(args, size):
 
 def _process_group(torch, world, backend, seconds):
     """Join a process group of every MPI rank over a TCP store on 127.0.0.1 (rank 0's, on a
-    port it picked; the others learn it over MPI)."""
+    port it picked; the others learn it over MPI); return (torch.distributed, the store).
+    The caller keeps the store until every rank has left the group (:func:`_leave`)."""
     import torch.distributed as dist
     rank, size = world.Get_rank(), world.Get_size()
     timeout = datetime.timedelta(seconds=seconds)
@@ -119,7 +120,16 @@ def _process_group(torch, world, backend, seconds):
     if rank:
         store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-    return dist
+    return dist, store
+
+
+def _leave(dist, world, store):
+    """Leave the process group, then wait on MPI for every rank before the store goes: a
+    rank 0 that exits first takes the store's server with it, and a rank still leaving the
+    group then aborts in gloo ("terminate called without an active exception", exit 6)."""
+    dist.destroy_process_group()
+    world.Barrier()
+    del store
 
 
 def _device(torch, args, local_rank, local_size):
@@ -164,7 +174,7 @@ def main(argv=None):
                       num_classes=spec.num_classes, synthetic_size=cfg.synthetic_size)
     model = build_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, num_classes=ds.num_classes)
     net = torch_model(model).to(device)
-    dist = _process_group(torch, world, backend, args.timeout)
+    dist, store = _process_group(torch, world, backend, args.timeout)
     from torch.nn.parallel import DistributedDataParallel
     ddp = DistributedDataParallel(net, device_ids=[device] if device.type == "cuda" else None)
     params = list(net.parameters())
@@ -237,7 +247,8 @@ def main(argv=None):
     train_loss = float(np.mean(world.allgather(float(np.mean(losses))))) if losses else float("nan")
     if args.save_weights and rank == 0:
         np.savez(args.save_weights, **{k: v.detach().cpu().numpy() for k, v in net.state_dict().items()})
-    dist.destroy_process_group()
+    del ddp                 # its reducer's gloo work goes before the group (then the store)
+    _leave(dist, world, store)
     timed = times[2:] or times
     summary = {
         "mode": "ddp", "delay": 0, "ranks": size, "model": cfg.model, "dataset": ds.name,
