@@ -1,0 +1,233 @@
+"""The element-wise fused CUDA kernels of the GPU path: dropout masks, ReLU (with the bias
+of the layer before, and its gradient), softmax cross-entropy (with the last layer's bias
+and its gradient). Declared as :mod:`ringnet.layers._cuda`'s kernels are, each with its
+NumPy emulation, and registered in the same ``KERNELS``."""
+import numpy as np
+
+from ringnet.layers._cuda import _kernel, _lanes
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@_kernel("dropout_mask",
+         [("mask", "T*"), ("n", "long long"), ("first", "unsigned long long"),
+          ("k1", "unsigned long long"), ("k2", "unsigned long long"),
+          ("threshold", "unsigned long long"), ("scale", "T")], r"""
+  FOR_EACH(idx, n) {
+    unsigned long long v = (first + (unsigned long long)idx) * 0x9E3779B97F4A7C15ULL + k1;
+    v = mix64(v);
+    v ^= k2;
+    v = mix64(v);
+    mask[idx] = (v >> 11) >= threshold ? scale : (T)0;
+  }
+""")
+def _dropout_mask(mask, n, first, k1, k2, threshold, scale):
+    mask = mask.reshape(-1)
+    idx = _lanes(n)
+    v = (first + idx.astype(np.uint64)) * _GOLDEN + k1
+    v = _mix64(v)
+    v ^= k2
+    v = _mix64(v)
+    mask[:] = np.where((v >> np.uint64(11)) >= threshold, scale, mask.dtype.type(0))
+
+
+def _mix64(z):
+    z = z ^ (z >> np.uint64(30))
+    z = z * np.uint64(0xBF58476D1CE4E5B9)
+    z = z ^ (z >> np.uint64(27))
+    z = z * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return z
+
+
+# ReLU, elementwise over dense memory (both operands in one memory order). The forward
+# is NumPy's maximum(x, 0) exactly (x where x > 0 or x is NaN, else +0: NaN passes
+# through, -0 becomes +0); the backward is NumPy's multiply(dy, y > 0): dy times 1 or 0 (NaN * 0 stays
+# NaN, -dy * 0 is -0), not a select. With ``has_bias`` the forward is max(x + bias, 0), the
+# bias of the layer before (its channel: memory is (outer, C, inner) around the channel
+# axis), so that layer skips its own pass adding it.
+@_kernel("relu_fwd", [("x", "const T*"), ("y", "T*"), ("n", "long long"), ("bias", "const T*"),
+                      ("inner", "long long"), ("C", "int"), ("has_bias", "int")], r"""
+  FOR_EACH(idx, n) {
+    T v = x[idx];
+    if (has_bias) v += bias[(idx / inner) % C];
+    y[idx] = (v > (T)0 || v != v) ? v : (T)0;
+  }
+""")
+def _relu_fwd(x, y, n, bias, inner, C, has_bias):
+    x, y = x.reshape(-1), y.reshape(-1)
+    idx = _lanes(n)
+    v = x[idx]
+    if has_bias:
+        v = v + bias[(idx // inner) % C]
+    y[:] = np.where((v > 0) | (v != v), v, y.dtype.type(0))
+
+
+@_kernel("relu_bwd", [("dy", "const T*"), ("y", "const T*"), ("dx", "T*"), ("n", "long long")],
+         r"""
+  FOR_EACH(idx, n) {
+    dx[idx] = dy[idx] * (T)(y[idx] > (T)0);
+  }
+""")
+def _relu_bwd(dy, y, dx, n):
+    dy, y, dx = dy.reshape(-1), y.reshape(-1), dx.reshape(-1)
+    idx = _lanes(n)
+    with np.errstate(invalid="ignore"):                      # inf * 0 is NaN, as in CUDA
+        dx[:] = dy[idx] * (y[idx] > 0).astype(dx.dtype)
+
+
+# The same backward with the bias gradient of the layer before (its forward bias the
+# forward above added): one thread per channel c of (outer, C, inner) memory, which writes
+# the channel's dx and adds it up in memory order into dbias[c]. Meant for a Linear's
+# (B, K) output (outer B, inner 1), where consecutive threads read consecutive columns.
+@_kernel("relu_bwd_bias",
+         [("dy", "const T*"), ("y", "const T*"), ("dx", "T*"), ("dbias", "T*"), ("n", "long long"),
+          ("outer", "long long"), ("inner", "long long")], r"""
+  FOR_EACH(c, n) {
+    T acc = 0;
+    for (long long o = 0; o < outer; ++o) {
+      for (long long t = 0; t < inner; ++t) {
+        long long idx = (o * n + c) * inner + t;
+        T g = dy[idx] * (T)(y[idx] > (T)0);
+        dx[idx] = g;
+        acc += g;
+      }
+    }
+    dbias[c] = acc;
+  }
+""")
+def _relu_bwd_bias(dy, y, dx, dbias, n, outer, inner):
+    dy, y, dx = dy.reshape(-1), y.reshape(-1), dx.reshape(-1)
+    c = _lanes(n)
+    acc = np.zeros(n, dtype=dx.dtype)
+    with np.errstate(invalid="ignore"):
+        for o in range(outer):
+            for t in range(inner):
+                idx = (o * n + c) * inner + t
+                g = dy[idx] * (y[idx] > 0).astype(dx.dtype)
+                dx[idx] = g
+                acc += g
+    dbias[c] = acc
+
+
+# Softmax cross-entropy, its gradient and the correct count in two launches and no host
+# read: one thread per sample row (its logits, plus the last layer's bias when
+# ``has_bias``, so that layer skips its own pass adding it; their max and first argmax as
+# NumPy's max and argmax: a NaN wins, ties go to the first class; log-sum-exp; the loss
+# of the row; the gradient row (softmax - onehot) * scale, scale = 1/B), then a kernel
+# whose thread 0 adds the rows' losses and hits in sample order (no atomics: the same
+# sums every run) into two device scalars, and, with ``has_dbias``, whose thread k adds
+# column k of the gradient in sample order: the last layer's bias gradient.
+@_kernel("xent_rows",
+         [("logits", "const T*"), ("labels", "const long long*"), ("grad", "T*"),
+          ("row_loss", "T*"), ("hit", "unsigned char*"), ("n", "long long"), ("K", "int"),
+          ("scale", "T"), ("invalid", "T"), ("bias", "const T*"), ("has_bias", "int")], r"""
+  FOR_EACH(b, n) {
+    long long row = b * K;
+    for (int j = 0; j < K; ++j) {
+      T z = logits[row + j];
+      if (has_bias) z += bias[j];
+      grad[row + j] = z;
+    }
+    T m = grad[row];
+    int arg = 0;
+    for (int j = 1; j < K; ++j) {
+      T v = grad[row + j];
+      if (v > m || (v != v && m == m)) {
+        m = v;
+        arg = j;
+      }
+    }
+    long long y = labels[b];
+    T picked = invalid;
+    if (y >= 0 && y < K) {
+      picked = grad[row + y] - m;
+    }
+    T total = 0;
+    for (int j = 0; j < K; ++j) {
+      T e = exp(grad[row + j] - m);
+      grad[row + j] = e;
+      total += e;
+    }
+    row_loss[b] = log(total) - picked;
+    hit[b] = (unsigned char)(arg == y);
+    for (int j = 0; j < K; ++j) {
+      T g = grad[row + j] / total;
+      if (j == y) {
+        g -= (T)1;
+      }
+      grad[row + j] = g * scale;
+    }
+  }
+""")
+def _xent_rows(logits, labels, grad, row_loss, hit, n, K, scale, invalid, bias, has_bias):
+    logits, grad = logits.reshape(-1), grad.reshape(-1)
+    b = _lanes(n)
+    row = b * K
+    for j in range(K):
+        z = logits[row + j]
+        if has_bias:
+            z = z + bias[j]
+        grad[row + j] = z
+    m = grad[row]
+    arg = np.zeros(n, dtype=np.int64)
+    for j in range(1, K):
+        v = grad[row + j]
+        win = (v > m) | ((v != v) & (m == m))
+        m = np.where(win, v, m)
+        arg = np.where(win, j, arg)
+    y = labels[b]
+    lane = (y >= 0) & (y < K)
+    picked = np.where(lane, grad[np.where(lane, row + y, 0)] - m, invalid)
+    total = np.zeros(n, dtype=grad.dtype)
+    for j in range(K):
+        e = np.exp(grad[row + j] - m)
+        grad[row + j] = e
+        total += e
+    row_loss[:] = np.log(total) - picked
+    hit[:] = (arg == y).astype(np.uint8)
+    for j in range(K):
+        g = grad[row + j] / total
+        g = np.where(j == y, g - grad.dtype.type(1), g)
+        grad[row + j] = g * scale
+
+
+@_kernel("xent_total",
+         [("row_loss", "const T*"), ("hit", "const unsigned char*"), ("loss", "T*"),
+          ("correct", "long long*"), ("n", "long long"), ("B", "int"), ("grad", "const T*"),
+          ("dbias", "T*"), ("K", "int"), ("has_dbias", "int")], r"""
+  FOR_EACH(idx, n) {
+    if (idx == 0) {
+      T acc = 0;
+      long long count = 0;
+      for (int b = 0; b < B; ++b) {
+        acc += row_loss[b];
+        count += hit[b];
+      }
+      loss[0] = acc / (T)B;
+      correct[0] = count;
+    }
+    if (has_dbias) {
+      T column = 0;
+      for (int b = 0; b < B; ++b) {
+        column += grad[b * K + idx];
+      }
+      dbias[idx] = column;
+    }
+  }
+""")
+def _xent_total(row_loss, hit, loss, correct, n, B, grad, dbias, K, has_dbias):
+    loss, correct, grad = loss.reshape(-1), correct.reshape(-1), grad.reshape(-1)
+    acc = np.zeros(1, dtype=loss.dtype)
+    count = np.zeros(1, dtype=np.int64)
+    for b in range(B):
+        acc += row_loss[b]
+        count += hit[b]
+    loss[0] = (acc / B)[0]
+    correct[0] = count[0]
+    if has_dbias:
+        idx = _lanes(n)
+        column = np.zeros(n, dtype=loss.dtype)
+        for b in range(B):
+            column += grad[b * K + idx]
+        dbias[:] = column
