@@ -305,8 +305,9 @@ class Model:
 
     def forward_layer(self, index: int, x, train: bool = True, span: Optional[range] = None):
         """Run layer ``index`` forward on ``x`` as :meth:`forward_layers` does when it runs
-        the layers in ``span`` (default: all of them): a ReLU whose pool is also in the
-        span passes ``x`` through, and the pool applies it."""
+        the layers in ``span`` (default: all of them): on the CPU a ReLU whose pool is also
+        in the span passes ``x`` through, and the pool applies it; on a GPU a bias whose next
+        layer is also in the span is added by that layer's kernel (:meth:`_bias_pairs`)."""
         layer = self.layers[index][1]
         if self._bias_next or self._bias_to_loss:                # a GPU: fused biases
             fused = self._forward_biased(index, layer, x, train, span)
