@@ -81,6 +81,7 @@ class TrainConfig:
     save_every: int = 0
     resume: str = None
     json: bool = False
+    json_file: str = None
     check_every: int = 0
     eval_every_epoch: bool = True
     eval_every: int = 0
@@ -346,6 +347,10 @@ def build_parser():
     g.add_argument("--json", action="store_true",
                    help="print one JSON summary line on stdout at the end (rank 0); the log then "
                         "goes to stderr")
+    g.add_argument("--json-file", default=None, metavar="PATH.json",
+                   help="write the same JSON summary to PATH at the end (rank 0; written whole "
+                        "under another name, then renamed): under sbatch, where srun can put a "
+                        "log line inside a long stdout line, this keeps it whole (default: none)")
     g.add_argument("--trace", default=None, metavar="PATH.json",
                    help="write every rank's timeline as one Chrome trace file for Perfetto or "
                         "chrome://tracing (default: none)")

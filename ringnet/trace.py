@@ -72,8 +72,9 @@ def timed(batches, name="data", totals=None):
         yield item
 
 
-def check_trace_path(path):
-    """Raise SetupError unless the trace file ``path`` can be created (missing folders are made).
+def check_trace_path(path, example="trace.json"):
+    """Raise SetupError unless the trace file ``path`` (or another file the run writes at
+    its end, named like ``example``) can be created (missing folders are made).
 
     The message starts with ``path``; the command line adds the flag that gave it.
     """
@@ -87,7 +88,7 @@ def check_trace_path(path):
     if not os.access(existing, os.W_OK | os.X_OK):
         raise SetupError(f"{path}: folder {existing} is not writable")
     if os.path.isdir(path):
-        raise SetupError(f"{path} is a folder; give a file name such as trace.json")
+        raise SetupError(f"{path} is a folder; give a file name such as {example}")
 
 
 def _display_name(name, args):

@@ -128,14 +128,16 @@ def setup(cfg, world):
     prints = collective(world, dataset.fingerprint)
     check_same_run(world, prints)
     dataset.content = prints["data set content"]     # recorded in checkpoints
-    if cfg.trace:
-        from ringnet.trace import check_trace_path
-        def check_trace():
+    from ringnet.trace import check_trace_path
+    for flag, path, example in (("--trace", cfg.trace, "trace.json"),
+                                ("--json-file", cfg.json_file, "summary.json")):
+        def check_path(flag=flag, path=path, example=example):
             try:
-                check_trace_path(cfg.trace)
+                check_trace_path(path, example)
             except SetupError as exc:
-                raise UsageError(f"--trace {exc}") from None
-        collective(world, lambda: check_trace() if rank == 0 else None)
+                raise UsageError(f"{flag} {exc}") from None
+        if path:
+            collective(world, lambda: check_path() if rank == 0 else None)
 
     model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed,
                         num_classes=dataset.num_classes)
@@ -163,7 +165,7 @@ def setup(cfg, world):
 
 
 # Settings that may differ between ranks: where files are and what is printed.
-_PER_RANK = ("dataset", "data_dir", "save", "resume", "json", "progress", "quiet")
+_PER_RANK = ("dataset", "data_dir", "save", "resume", "json", "json_file", "progress", "quiet")
 
 
 def config_fingerprint(cfg):
@@ -272,6 +274,22 @@ def _print_summary(summary):
     sys.stderr.flush()
     wait_until_read((sys.stderr.fileno(),), 2.0)
     print(json.dumps(summary), flush=True)
+
+
+def _write_summary(path, summary):
+    """Write the --json summary to ``path`` whole: into a file beside it, then renamed, so a
+    reader finds the old file or the new one, never a part (rank 0)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(json.dumps(summary) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise SetupError(f"cannot write --json-file {path} ({exc.strerror or exc})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _check_data_file(dataset, cfg, world, epoch, started):
@@ -560,6 +578,8 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
                      f"{summary['images_per_sec']:.0f} images/s, {summary['time_s']:.1f} s")
     if tracer is not None:
         collective(world, tracer.close, summary)
+    if cfg.json_file and rank == 0:
+        _write_summary(cfg.json_file, summary)
     if cfg.json and rank == 0:
         _print_summary(summary)
     return TrainResult(summary, strategy, cfg)

@@ -117,6 +117,32 @@ def test_json_is_a_whole_line_even_with_stderr_merged_under_mpirun():
     assert not any("{" in l for l in others), others
 
 
+def test_json_file_holds_the_json_summary_and_the_log_stays_on_stdout(tmp_path):
+    path = tmp_path / "out" / "summary.json"                # a missing folder is made
+    proc = train_cli("--model", "digits", "--steps", "4", "--json", "--json-file", str(path),
+                     "--no-progress", np_=2, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert json.loads(path.read_text()) == printed and printed["steps"] == 4
+    assert sorted(os.listdir(path.parent)) == ["summary.json"]          # no temporary left
+    proc = train_cli("--model", "digits", "--steps", "4", "--json-file", str(path),
+                     "--no-progress", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0].startswith("ringnet: ") and "{" not in proc.stdout
+    assert json.loads(path.read_text())["ranks"] == 1                   # replaced whole
+
+
+@pytest.mark.parametrize("where", ["under a file", "a folder"])
+def test_bad_json_file_is_one_line_before_training(tmp_path, where):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "folder").mkdir()
+    path = tmp_path / "file" / "s.json" if where == "under a file" else tmp_path / "folder"
+    proc = train_cli("--model", "digits", "--steps", "2", "--json-file", str(path), np_=2)
+    one_line_error(proc, "--json-file", "is not a folder" if where == "under a file"
+                   else "give a file name such as summary.json")
+    assert sorted(os.listdir(tmp_path)) == ["file", "folder"] and not os.listdir(tmp_path / "folder")
+
+
 def test_json_is_the_last_line_under_mpirun_with_stderr_merged():
     # Before the summary waited for the launcher to read stderr, `done:` came after the JSON
     # in about half of such runs; five in a row catch that with probability > 0.95.

@@ -117,12 +117,14 @@ def test_train_sbatch(tmp_path, script_reference):
     # --json with the log in a file of its own (docs/clusters.md, "Batch logs and PMI"):
     # srun forwards stdout and stderr in pieces of at most 1 KiB, in no fixed order between
     # the two, so in one shared file a log line can land inside the JSON line.
-    rc, out, job = sbatch("train.sbatch", tmp_path, *TRAIN[3:], options=["--error=log-%j.err"])
+    rc, out, job = sbatch("train.sbatch", tmp_path, *TRAIN[3:], "--json-file", "summary.json",
+                          options=["--error=log-%j.err"])
     log = (tmp_path / f"log-{job}.err").read_text()
     assert rc == 0, log[-3000:]
     assert re.search(rf"ring \(delay 1[^)]*\) on {SCRIPT_RANKS} rank\(s\)", log), log
     assert re.search(r"^step 4/4  epoch 0\.18  loss \d", log, re.M), log  # progress without a tty
     summary = summary_of(out)
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary   # --json-file
     assert summary["ranks"] == SCRIPT_RANKS and summary["steps"] == 4
     assert summary["train_loss"] == pytest.approx(script_reference["train_loss"], rel=1e-6)
 
