@@ -1,4 +1,5 @@
-"""Training progress on rank 0: a tqdm bar in a terminal, plain lines in a job log.
+"""Training progress on rank 0: a tqdm bar in a terminal, plain lines in a job log; and
+the --json summary, printed or written to a file.
 
 Without a terminal (a SLURM job, output piped to a file) a bar would be noise, so
 :class:`Progress` prints one line at the end of every epoch and, on long epochs, one
@@ -9,11 +10,12 @@ every ``RINGNET_PROGRESS_SECONDS`` (default 60) seconds::
 (``epoch`` counts epochs done; ``loss`` is rank 0's mean since the previous line;
 ``images/s`` is the global rate since the previous line.)
 """
+import json
 import os
 import sys
 import time
 
-__all__ = ["Progress", "progress_interval"]
+__all__ = ["Progress", "progress_interval", "print_summary", "write_summary"]
 
 
 def progress_interval(environ=None):
@@ -118,3 +120,28 @@ def interactive():
     except OSError:
         pass
     return _launcher_on_a_terminal()
+
+
+def print_summary(summary):
+    """Print the --json summary line on stdout after every other line of this run (rank 0)."""
+    from ringnet.shutdown import wait_until_read
+    sys.stderr.flush()
+    wait_until_read((sys.stderr.fileno(),), 2.0)
+    print(json.dumps(summary), flush=True)
+
+
+def write_summary(path, summary):
+    """Write the --json summary to ``path`` whole (--json-file): into a file beside it, then
+    renamed, so a reader finds the old file or the new one, never a part (rank 0)."""
+    from ringnet.errors import SetupError
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(json.dumps(summary) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise SetupError(f"cannot write --json-file {path} ({exc.strerror or exc})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

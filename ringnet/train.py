@@ -10,7 +10,6 @@ if __name__ == "__main__":     # the program, not a library import: pin BLAS thr
 
 import collections
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -27,9 +26,8 @@ from ringnet.errors import (EXIT_STOPPED, USER_ERRORS, InputError, RunInputError
 from ringnet.control import (Deadline, agree, collective, current_phase, import_mpi, set_phase,
                              stall_error, watchdog)
 from ringnet.cli import run_main
-from ringnet.shutdown import wait_until_read
 from ringnet.layers import Dropout
-from ringnet.progress import Progress, interactive, progress_interval
+from ringnet.progress import Progress, interactive, print_summary, progress_interval, write_summary
 from ringnet.stats import GPU_LOSS_EVERY, LossReads
 from ringnet.stopping import StopSignals
 from ringnet.trace import Tracer, timed
@@ -267,29 +265,6 @@ def _log(cfg, world, text):
         with tqdm.external_write_mode(file=out):   # clears and redraws a progress bar
             out.write(text + "\n")
             out.flush()
-
-
-def _print_summary(summary):
-    """Print the --json summary line on stdout after every other line of this run (rank 0)."""
-    sys.stderr.flush()
-    wait_until_read((sys.stderr.fileno(),), 2.0)
-    print(json.dumps(summary), flush=True)
-
-
-def _write_summary(path, summary):
-    """Write the --json summary to ``path`` whole: into a file beside it, then renamed, so a
-    reader finds the old file or the new one, never a part (rank 0)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(tmp, "w") as f:
-            f.write(json.dumps(summary) + "\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise SetupError(f"cannot write --json-file {path} ({exc.strerror or exc})") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _check_data_file(dataset, cfg, world, epoch, started):
@@ -579,9 +554,9 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
     if tracer is not None:
         collective(world, tracer.close, summary)
     if cfg.json_file and rank == 0:
-        _write_summary(cfg.json_file, summary)
+        write_summary(cfg.json_file, summary)
     if cfg.json and rank == 0:
-        _print_summary(summary)
+        print_summary(summary)
     return TrainResult(summary, strategy, cfg)
 
 
