@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-__all__ = ["Progress", "progress_interval", "print_summary", "write_summary"]
+__all__ = ["Progress", "progress_interval", "print_summary", "write_summary", "write_json"]
 
 
 def progress_interval(environ=None):
@@ -131,17 +131,25 @@ def print_summary(summary):
 
 
 def write_summary(path, summary):
-    """Write the --json summary to ``path`` whole (--json-file): into a file beside it, then
-    renamed, so a reader finds the old file or the new one, never a part (rank 0)."""
+    """Write the --json summary to ``path`` whole, one line (--json-file, rank 0)."""
+    write_json(path, summary, "--json-file", end="\n")
+
+
+def write_json(path, document, what, end="", **dump):
+    """Write ``document`` as JSON (``json.dump`` options ``dump``, then ``end``) to ``path``
+    whole: into a file beside it, then renamed, so a reader finds the old file or the new
+    one, never a part; missing folders are made. SetupError names ``what`` when the file
+    system refuses, and no temporary file is left."""
     from ringnet.errors import SetupError
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(tmp, "w") as f:
-            f.write(json.dumps(summary) + "\n")
+            json.dump(document, f, **dump)
+            f.write(end)
         os.replace(tmp, path)
     except OSError as exc:
-        raise SetupError(f"cannot write --json-file {path} ({exc.strerror or exc})") from None
+        raise SetupError(f"cannot write {what} {path} ({exc})") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -32,6 +32,7 @@ import numpy as np
 
 from ringnet import stats
 from ringnet.errors import UsageError
+from ringnet.progress import write_json
 from ringnet.control import agree, comm_timeout, stall_error
 
 __all__ = ["Tracer", "load", "check_trace_path", "active", "span", "timed", "align_clocks"]
@@ -271,18 +272,7 @@ class Tracer:
         other = {k: _plain(v) for k, v in (metadata or {}).items()}
         other["clock_alignment"] = [alignment for _, alignment in gathered]
         document = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump(document, f, separators=(",", ":"))
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            from ringnet.errors import SetupError
-            raise SetupError(f"cannot write trace {self.path} ({exc})") from None
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        write_json(self.path, document, "trace", separators=(",", ":"))
         return self.path
 
 
