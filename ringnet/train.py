@@ -126,16 +126,10 @@ def setup(cfg, world):
     prints = collective(world, dataset.fingerprint)
     check_same_run(world, prints)
     dataset.content = prints["data set content"]     # recorded in checkpoints
-    from ringnet.trace import check_trace_path
     for flag, path, example in (("--trace", cfg.trace, "trace.json"),
                                 ("--json-file", cfg.json_file, "summary.json")):
-        def check_path(flag=flag, path=path, example=example):
-            try:
-                check_trace_path(path, example)
-            except SetupError as exc:
-                raise UsageError(f"{flag} {exc}") from None
-        if path:
-            collective(world, lambda: check_path() if rank == 0 else None)
+        if path:        # collective() runs the check now, on every rank (rank 0 checks)
+            collective(world, lambda: _check_output(flag, path, example) if rank == 0 else None)
 
     model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed,
                         num_classes=dataset.num_classes)
@@ -160,6 +154,16 @@ def setup(cfg, world):
                            shuffle=cfg.shuffle, xp=xp, dtype=cfg.dtype, mean=dataset.mean,
                            std=dataset.std, augment=cfg.augment)
     return cfg, xp, dataset, model, strategy, loader
+
+
+def _check_output(flag, path, example):
+    """Raise UsageError naming ``flag`` unless ``path``, a file the run writes at its end
+    (named like ``example``), can be made."""
+    from ringnet.trace import check_trace_path
+    try:
+        check_trace_path(path, example)
+    except SetupError as exc:
+        raise UsageError(f"{flag} {exc}") from None
 
 
 # Settings that may differ between ranks: where files are and what is printed.
