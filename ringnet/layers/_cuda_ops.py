@@ -146,11 +146,25 @@ def relu_forward(xp, x, bias=None):
     return y.transpose(_inverse(order))
 
 
-def relu_backward(xp, dy, y):
-    """Return dy * (y > 0) in y's memory order (dy is copied into it only if it differs)."""
+def _relu_grad_operands(xp, dy, y):
+    """Return (dy, y, dx, order) of a ReLU backward: y's dense memory, dy in the same
+    order (copied only if it differs) and a new dx like it."""
     ym, order = _dense(xp, y)
     dym = xp.ascontiguousarray(dy.transpose(order))           # a no-op when dy is laid out as y
-    dx = xp.empty(ym.shape, dtype=dy.dtype)
+    return dym, ym, xp.empty(ym.shape, dtype=dy.dtype), order
+
+
+def _contiguous(array, what):
+    """Return ``array``, an output a kernel writes through its pointer; ValueError unless
+    it is C-contiguous."""
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{what} must be contiguous")
+    return array
+
+
+def relu_backward(xp, dy, y):
+    """Return dy * (y > 0) in y's memory order (dy is copied into it only if it differs)."""
+    dym, ym, dx, order = _relu_grad_operands(xp, dy, y)
     _cuda.launch(xp, "relu_bwd", dy.dtype, ym.size, (dym, ym, dx, np.int64(ym.size)))
     return dx.transpose(_inverse(order))
 
@@ -159,14 +173,11 @@ def relu_backward_bias(xp, dy, y, dbias):
     """Return dy * (y > 0) as :func:`relu_backward` does, and write its sum over every axis
     but the channel (logical axis 1), added in memory order, into ``dbias``: the bias
     gradient of the layer whose bias :func:`relu_forward` added. One thread per channel."""
-    ym, order = _dense(xp, y)
-    dym = xp.ascontiguousarray(dy.transpose(order))
-    dx = xp.empty(ym.shape, dtype=dy.dtype)
+    dym, ym, dx, order = _relu_grad_operands(xp, dy, y)
     outer, inner = _around_channels(y, order)
-    if not dbias.flags.c_contiguous:
-        raise ValueError("relu_backward_bias: dbias must be contiguous")
     _cuda.launch(xp, "relu_bwd_bias", dy.dtype, y.shape[1],
-                 (dym, ym, dx, dbias, np.int64(y.shape[1]), np.int64(outer), np.int64(inner)))
+                 (dym, ym, dx, _contiguous(dbias, "relu_backward_bias: dbias"),
+                  np.int64(y.shape[1]), np.int64(outer), np.int64(inner)))
     return dx.transpose(_inverse(order))
 
 
@@ -217,9 +228,8 @@ def softmax_cross_entropy(xp, logits, labels, bias=None, dbias=None):
     _cuda.launch(xp, "xent_rows", dtype, b,
                  (z, xp.ascontiguousarray(labels), grad, row_loss, hit, np.int64(b), np.int32(k),
                   dtype.type(1.0 / b), dtype.type(np.nan), *_bias_arg(xp, bias, z)))
-    if dbias is not None and not dbias.flags.c_contiguous:
-        raise ValueError("softmax_cross_entropy: dbias must be contiguous")
-    sums = dbias if dbias is not None else grad                  # unread without dbias
+    sums = grad if dbias is None else _contiguous(dbias, "softmax_cross_entropy: dbias")
+    # (grad stands in for dbias without one: no thread writes it then)
     threads = k if dbias is not None else 1
     _cuda.launch(xp, "xent_total", dtype, threads,
                  (row_loss, hit, loss, correct, np.int64(threads), np.int32(b), grad, sums,
