@@ -124,12 +124,12 @@ def _process_group(torch, world, backend, seconds):
 
 
 def _leave(dist, world, store):
-    """Leave the process group, then wait on MPI for every rank before the store goes: a
-    rank 0 that exits first takes the store's server with it, and a rank still leaving the
-    group then aborts in gloo ("terminate called without an active exception", exit 6)."""
+    """Leave the process group, then wait on MPI for every rank. ``store``, the group's TCP
+    store, is held by this argument until then (the group drops its own reference): a rank
+    0 whose store's server went first would leave a rank still leaving the group to abort
+    in gloo ("terminate called without an active exception", exit 6)."""
     dist.destroy_process_group()
     world.Barrier()
-    del store
 
 
 def _device(torch, args, local_rank, local_size):
