@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from ringnet.backend import get_array_module, resolve_dtype, to_numpy
+from ringnet.layers._cuda_ops import upload
 
 __all__ = ["LRPolicy", "SGD"]
 
@@ -48,7 +49,9 @@ _FUSED = {}
 
 
 def _fused_kernel(xp):
-    # One pass over w, g, v on the GPU instead of four element-wise launches.
+    # One pass over w, g, v on the GPU instead of four element-wise launches; lr is a 0-d
+    # device array (broadcast), so that a CUDA graph replaying the update reads each
+    # step's value from memory.
     if "sgd" not in _FUSED:
         _FUSED["sgd"] = xp.ElementwiseKernel(
             "T g, T lr, T momentum, T decay", "T w, T v",
@@ -83,6 +86,7 @@ class SGD:
         self.v = xp.zeros(self.size, dtype=self.dtype)
         self.lr_scale = 1.0
         self._scratch = None
+        self._lr = None               # GPU: lr(it) * lr_scale on the device (set_lr)
 
     def step(self, w, g, it):
         """Update ``w`` in place from gradient ``g`` at iteration ``it``; return lr(it)."""
@@ -90,11 +94,12 @@ class SGD:
             raise ValueError(f"SGD of size {self.size} got w {w.shape} and g {g.shape}")
         if w.dtype != self.dtype or g.dtype != self.dtype:
             raise ValueError(f"SGD of dtype {self.dtype} got w {w.dtype} and g {g.dtype}")
-        lr = self.lr_policy(it) * self.lr_scale
         xp = get_array_module(w)
         if xp is not np:
-            _fused_kernel(xp)(g, lr, self.momentum, self.weight_decay, w, self.v)
+            lr = self.set_lr(xp, it)
+            self.apply(w, g)
             return lr
+        lr = self.lr_policy(it) * self.lr_scale
         if self._scratch is None:
             self._scratch = np.empty(self.size, dtype=self.dtype)
         t = self._scratch
@@ -108,6 +113,21 @@ class SGD:
         self.v += t
         w -= self.v
         return lr
+
+    def set_lr(self, xp, it):
+        """GPU: write lr(it) * lr_scale where :meth:`apply` reads it (allocated on first use;
+        a copy on the stream, no host wait); return it."""
+        lr = self.lr_policy(it) * self.lr_scale
+        if self._lr is None:
+            self._lr = xp.zeros((), dtype=self.dtype)
+        upload(xp, self._lr, np.array(lr))
+        return lr
+
+    def apply(self, w, g):
+        """GPU: the update with the learning rate :meth:`set_lr` wrote last (one fused kernel,
+        which a CUDA graph can replay: no value of the step is an argument)."""
+        _fused_kernel(get_array_module(w))(g, self._lr, self.momentum, self.weight_decay,
+                                           w, self.v)
 
     def state_dict(self):
         """Return {"momentum": host copy of v}."""

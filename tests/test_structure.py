@@ -18,7 +18,7 @@ LAYERS = [
                     "ringnet.stats", "ringnet.progress", "ringnet.shutdown", "ringnet.nodes",
                     "ringnet.slurm", "ringnet.shards"]),
     ("control plane", ["ringnet.control", "ringnet.cli", "ringnet.trace"]),
-    ("compute", ["ringnet.layers", "ringnet.models", "ringnet.optim"]),
+    ("compute", ["ringnet.layers", "ringnet.models", "ringnet.optim", "ringnet.graphs"]),
     ("communication", ["ringnet.comm"]),
     ("strategies", ["ringnet.parallel"]),
     ("data and state", ["ringnet.data", "ringnet.checkpoint", "ringnet.autosave"]),

@@ -43,7 +43,7 @@ from ringnet.cli import ArgumentParser
 from ringnet.layers import _cuda, activation, conv, linear, loss, pool
 from ringnet import models, optim
 
-__all__ = ["DeviceArray", "Recorder", "recording", "step_budget", "main"]
+__all__ = ["DeviceArray", "Recorder", "CaptureError", "recording", "step_budget", "main"]
 
 LAUNCHES = ("kernel", "ufunc", "reduction", "gemm", "copy")
 _ACTIVE = []                   # the recorder counting now (innermost last)
@@ -64,13 +64,27 @@ def _device(value):
     return value
 
 
-def _record(kind, name, alloc=0):
+def _record(kind, name, alloc=0, again=None, operands=(), result=None):
+    """Count one operation on the recorder in use. ``again``: re-runs it on the same memory
+    (what a CUDA graph's replay does); ``operands``: what it reads and writes (the
+    capture-safety signature); ``result``: the buffer it made (``alloc``)."""
     if _ACTIVE:
-        _ACTIVE[-1].record(kind, name, alloc)
+        _ACTIVE[-1].record(kind, name, alloc, again, operands, result)
+
+
+def _into(target, compute):
+    """An ``again`` that recomputes a result and writes it where the first run put it."""
+    def again():
+        np.copyto(target, compute())
+    return again
 
 
 def _shares(result, inputs):
     return any(isinstance(a, np.ndarray) and np.may_share_memory(result, a) for a in inputs)
+
+
+class CaptureError(RuntimeError):
+    """Work that a CUDA graph cannot capture ran while the stand-in was capturing."""
 
 
 class DeviceArray(np.ndarray):
@@ -79,11 +93,22 @@ class DeviceArray(np.ndarray):
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
         if out is not None:
             kwargs["out"] = _plain(out)
-        result = getattr(ufunc, method)(*_plain(inputs), **kwargs)
+        plain = _plain(inputs)
+        result = getattr(ufunc, method)(*plain, **kwargs)
         kind = "gemm" if ufunc is np.matmul else "ufunc" if method == "__call__" else \
             "copy" if method == "at" else "reduction"
+        if out is not None:
+            def again():
+                getattr(ufunc, method)(*plain, **kwargs)
+        elif isinstance(result, tuple):
+            def again():
+                for target, value in zip(result, getattr(ufunc, method)(*plain, **kwargs)):
+                    np.copyto(target, value)
+        else:
+            again = _into(result, lambda: getattr(ufunc, method)(*plain, **kwargs))
         _record(kind, f"{ufunc.__name__}" + ("" if method == "__call__" else f".{method}"),
-                alloc=0 if out is not None else 1)
+                alloc=0 if out is not None else 1, again=again,
+                operands=plain + tuple(kwargs.values()), result=None if out is not None else result)
         if out is not None:
             return out[0] if len(out) == 1 else out
         return _device(np.asarray(result)) if not isinstance(result, tuple) else \
@@ -91,24 +116,33 @@ class DeviceArray(np.ndarray):
 
     # -- operations NumPy runs as methods (the reductions are added below the class)
     def copy(self, order="C"):
-        _record("copy", "copy", alloc=1)
-        return _device(self.view(np.ndarray).copy(order))
+        base = self.view(np.ndarray)
+        result = base.copy(order)
+        _record("copy", "copy", alloc=1, again=_into(result, base.copy), operands=(base,),
+                result=result)
+        return _device(result)
 
     def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
         if not copy and np.dtype(dtype) == self.dtype:
             return self
-        _record("copy", "astype", alloc=1)
-        return _device(self.view(np.ndarray).astype(dtype, order, casting))
+        base = self.view(np.ndarray)
+        result = base.astype(dtype, order, casting)
+        _record("copy", "astype", alloc=1, again=_into(result, lambda: base.astype(dtype)),
+                operands=(base, np.dtype(dtype)), result=result)
+        return _device(result)
 
     def fill(self, value):
-        _record("copy", "fill")
-        self.view(np.ndarray).fill(value)
+        base = self.view(np.ndarray)
+        _record("copy", "fill", again=lambda: base.fill(value), operands=(base, value))
+        base.fill(value)
 
     def _maybe_view(self, name, *args, **kwargs):
         base = self.view(np.ndarray)
         result = getattr(base, name)(*args, **kwargs)
         if not np.may_share_memory(result, base):
-            _record("copy", name, alloc=1)
+            _record("copy", name, alloc=1,
+                    again=_into(result, lambda: getattr(base, name)(*args, **kwargs)),
+                    operands=(base,) + args, result=result)
         return _device(result)
 
     def reshape(self, *a, **k):
@@ -119,17 +153,24 @@ class DeviceArray(np.ndarray):
 
     def __getitem__(self, key):
         base = self.view(np.ndarray)
-        result = base[_plain(key)]
+        key = _plain(key)
+        result = base[key]
         if not isinstance(result, np.ndarray):           # one element: CuPy returns 0-d
             result = np.asarray(result)
-            _record("copy", "getitem", alloc=1)
+            _record("copy", "getitem", alloc=1, again=_into(result, lambda: base[key]),
+                    operands=(base, key), result=result)
         elif not np.may_share_memory(result, base):
-            _record("copy", "getitem (gather)", alloc=1)
+            _record("copy", "getitem (gather)", alloc=1, again=_into(result, lambda: base[key]),
+                    operands=(base, key), result=result)
         return _device(result)
 
     def __setitem__(self, key, value):
-        _record("copy", "setitem")
-        self.view(np.ndarray)[_plain(key)] = _plain(value)
+        base, key, value = self.view(np.ndarray), _plain(key), _plain(value)
+
+        def again():
+            base[key] = value
+        _record("copy", "setitem", again=again, operands=(base, key, value))
+        again()
 
     # -- reads on the host: each one waits for the device
     def _read(self, name):
@@ -161,9 +202,18 @@ class DeviceArray(np.ndarray):
 
 def _reduction(name):
     def reduce(self, *args, out=None, **kwargs):
-        result = getattr(self.view(np.ndarray), name)(*args, out=_plain(out), **kwargs)
-        _record("reduction", name, alloc=0 if out is not None else 1)
-        return out if out is not None else _device(np.asarray(result))
+        base, target = self.view(np.ndarray), _plain(out)
+        result = getattr(base, name)(*args, out=target, **kwargs)
+        if out is not None:
+            def again():
+                getattr(base, name)(*args, out=target, **kwargs)
+        else:
+            result = np.asarray(result)
+            again = _into(result, lambda: getattr(base, name)(*args, **kwargs))
+        _record("reduction", name, alloc=0 if out is not None else 1, again=again,
+                operands=(base, target) + args + tuple(kwargs.values()),
+                result=None if out is not None else result)
+        return out if out is not None else _device(result)
     reduce.__name__ = name
     return reduce
 
@@ -188,13 +238,17 @@ class _ElementwiseKernel:
         self.name = name
 
     def __call__(self, *args):
-        values = dict(zip(self.names, (_plain(a) for a in args)))
+        plain = tuple(_plain(a) for a in args)
+        self._run(plain)
+        _record("kernel", self.name, again=lambda: self._run(plain), operands=plain)
+
+    def _run(self, plain):
+        values = dict(zip(self.names, plain))
         dtype = next(v.dtype for v in values.values() if isinstance(v, np.ndarray))
         space = {k: v if isinstance(v, np.ndarray) else dtype.type(v) for k, v in values.items()}
         for statement in self.statements:
             target, expr = (s.strip() for s in statement.split("=", 1))
             space[target][...] = eval(expr, {}, space)        # noqa: S307 - our own kernel text
-        _record("kernel", self.name)
 
 
 class Recorder:
@@ -202,13 +256,75 @@ class Recorder:
 
     ndarray = DeviceArray
     ElementwiseKernel = _ElementwiseKernel
+    launch_kinds = LAUNCHES
 
     def __init__(self):
         self.events = []       # (kind, name, allocations, where)
         self.where = "setup"
+        self.captured = None   # while capturing: the again() of each launch, in order
+        self.signatures = []   # (kind, name, operands described) of each event
+        self._fresh = []       # (first byte, end byte) of each buffer made since begin_step
 
-    def record(self, kind, name, alloc=0):
+    def record(self, kind, name, alloc=0, again=None, operands=(), result=None):
         self.events.append((kind, name, alloc, self.where))
+        if self.captured is not None:
+            if kind in ("host_wait", "transfer"):
+                raise CaptureError(f"{name} in {self.where}: a {kind.replace('_', ' ')} inside "
+                                   f"captured work (a CUDA graph can hold neither)")
+            if kind in LAUNCHES:
+                if again is None:
+                    raise CaptureError(f"{name} in {self.where}: not replayable")
+                self.captured.append(again)
+        self.signatures.append((kind, name, tuple(self.describe(o) for o in operands)))
+        if alloc and isinstance(result, np.ndarray):
+            lo = result.__array_interface__["data"][0]
+            self._fresh.append((lo, lo + max(result.nbytes, 1)))
+
+    # -- what a CUDA graph would see: capture, replay, the per-step signature
+    def begin_step(self):
+        """Forget the signatures and the buffers made so far: what follows is one step."""
+        self.signatures, self._fresh = [], []
+
+    def describe(self, operand):
+        """An operand as a graph would hold it: an array by its memory (a buffer made in this
+        step by its order of making, any other by its address) with shape, strides and dtype;
+        a number by its value; anything else by its text."""
+        if isinstance(operand, np.ndarray):
+            ptr = operand.__array_interface__["data"][0]
+            where = ("held", ptr)
+            for k in range(len(self._fresh) - 1, -1, -1):
+                lo, hi = self._fresh[k]
+                if lo <= ptr < hi or (ptr == lo and not operand.nbytes):
+                    where = ("made", k, ptr - lo)
+                    break
+            return ("array",) + where + (operand.shape, operand.strides, operand.dtype.str)
+        if isinstance(operand, (tuple, list)):
+            return tuple(self.describe(o) for o in operand)
+        if isinstance(operand, (bool, int, float, complex, np.generic)):
+            return ("value", type(operand).__name__, repr(operand))
+        return ("other", repr(operand))
+
+    @contextlib.contextmanager
+    def capturing(self):
+        """Collect every launch instead of only running it: yields the list, a "graph" that
+        :meth:`replay` runs again on the same memory. A host wait or a transfer inside
+        raises :class:`CaptureError`, as it would inside a CUDA stream capture."""
+        self.captured = graph = []
+        try:
+            yield graph
+        finally:
+            self.captured = None
+
+    def replay(self, graph):
+        """Run a captured graph: every launch again, with the arguments it had, in order."""
+        for again in graph:
+            again()
+
+    def gemm_call(self, fn, args):
+        """One GEMM through :mod:`ringnet.layers._gemm`'s plan: ``fn(*args)`` on NumPy memory."""
+        plain = tuple(_plain(a) for a in args)
+        fn(*plain)
+        _record("gemm", "cublas gemm", again=lambda: fn(*plain), operands=plain)
 
     def asnumpy(self, a):
         if isinstance(a, DeviceArray):
@@ -225,25 +341,33 @@ class Recorder:
         def call(*args, **kwargs):
             inputs = list(args) + list(kwargs.values())
             device_in = [a for a in inputs if isinstance(a, DeviceArray)]
-            result = fn(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
+            pargs, pkwargs = _plain(args), {k: _plain(v) for k, v in kwargs.items()}
+            result = fn(*pargs, **pkwargs)
+            operands = tuple(pargs) + tuple(pkwargs.values())
+
+            def again():
+                fn(*pargs, **pkwargs)
             if name == "copyto":
                 _record("copy" if isinstance(args[1], DeviceArray) or np.isscalar(args[1])
-                        else "transfer", name)
+                        else "transfer", name, again=again, operands=operands)
             elif name in _EMPTY:
-                _record("alloc", name, alloc=1)
+                _record("alloc", name, alloc=1, result=result)
             elif name in _FILLS:
-                _record("copy", name, alloc=1)
+                _record("copy", name, alloc=1, again=_into(result, lambda: fn(*pargs, **pkwargs)),
+                        operands=operands, result=result)
             elif name in _CONVERT and not device_in:
-                _record("transfer", name, alloc=1)
+                _record("transfer", name, alloc=1, result=result)
             elif kwargs.get("out") is not None:
                 _record("gemm" if name in _GEMM else "reduction" if name in _REDUCE else "copy",
-                        name)
+                        name, again=again, operands=operands)
             elif isinstance(result, np.ndarray):
                 if not _shares(result, [a.view(np.ndarray) for a in device_in]):
                     _record("gemm" if name in _GEMM else "reduction" if name in _REDUCE
-                            else "copy", name, alloc=1)
+                            else "copy", name, alloc=1,
+                            again=_into(result, lambda: fn(*pargs, **pkwargs)),
+                            operands=operands, result=result)
             elif result is None:
-                _record("copy", name)
+                _record("copy", name, again=again, operands=operands)
             if kwargs.get("out") is not None:
                 return kwargs["out"]
             return _device(result) if isinstance(result, np.ndarray) else result
@@ -273,8 +397,10 @@ def recording(recorder):
     raw_launch = _cuda.launch
 
     def launch(xp, name, dtype, n, args):
-        _record("kernel", name)
-        raw_launch(np, name, dtype, n, _plain(tuple(args)))
+        plain = _plain(tuple(args))
+        raw_launch(np, name, dtype, n, plain)
+        _record("kernel", name, again=lambda: raw_launch(np, name, dtype, n, plain),
+                operands=(n,) + plain)
 
     patches = [(_cuda, "launch", launch), (optim, "_FUSED", {})]
     for module in (activation, conv, linear, loss, pool, models, optim):

@@ -77,7 +77,7 @@ def _compiled_kernel(name, dtype):
 
 
 _SCALARS = {"int": np.int32, "long long": np.int64, "unsigned long long": np.uint64}
-_POINTERS = {"unsigned char": np.uint8, "long long": np.int64}
+_POINTERS = {"unsigned char": np.uint8, "long long": np.int64, "unsigned long long": np.uint64}
 
 
 def _check_args(name, dtype, args):

@@ -8,7 +8,7 @@ from ringnet.layers.base import _memory_order
 
 __all__ = ["maxpool_forward", "maxpool_backward", "avgpool_forward", "avgpool_backward",
            "im2col", "col2im", "dropout_mask", "relu_forward", "relu_backward",
-           "relu_backward_bias", "softmax_cross_entropy"]
+           "relu_backward_bias", "softmax_cross_entropy", "upload"]
 
 
 def _geometry(c, h, w, b, ho, wo, kernel, stride, padding):
@@ -196,18 +196,35 @@ def col2im(xp, cols, in_hw, stride, padding):
 def dropout_mask(xp, shape, dtype, keys, threshold, scale, first_sample=0):
     """Return the scaled dropout mask (C-contiguous ``shape``, ``dtype``): ``scale`` where
     the top 53 bits of element j's hash are >= ``threshold``, else 0; the hash is
-    :func:`ringnet.layers.activation.hash_bits` with stream ``keys`` = (k1, k2)."""
+    :func:`ringnet.layers.activation.hash_bits` with stream ``keys`` = (k1, k2): a device
+    array of two uint64 (a CUDA graph replays it with the keys written there before each
+    step), or a host pair, copied to the device here."""
     dtype = np.dtype(dtype)
     per_sample = 1
     for size in shape[1:]:
         per_sample *= int(size)
     n = int(shape[0]) * per_sample
     mask = xp.empty(shape, dtype=dtype)
-    k1, k2 = keys
+    if isinstance(keys, tuple):
+        keys = xp.asarray(np.array(keys, dtype=np.uint64))
     _cuda.launch(xp, "dropout_mask", dtype, n,
                  (mask, np.int64(n), np.uint64((int(first_sample) * per_sample) & ((1 << 64) - 1)),
-                  np.uint64(k1), np.uint64(k2), np.uint64(threshold), dtype.type(scale)))
+                  keys, np.uint64(threshold), dtype.type(scale)))
     return mask
+
+
+def upload(xp, dst, host):
+    """Copy the host array ``host`` into the device array ``dst`` without a host wait: an
+    asynchronous copy on the current stream, from pageable memory, which the driver stages
+    at once, so ``host`` may change as soon as this returns. Outside any captured work:
+    it is how per-step values (inputs, learning rate, dropout keys) reach a CUDA graph."""
+    host = np.ascontiguousarray(host, dtype=dst.dtype).reshape(dst.shape)
+    if xp is np:
+        np.copyto(dst, host)
+    elif hasattr(dst, "set"):                                 # CuPy
+        dst.set(host, stream=xp.cuda.get_current_stream())
+    else:                                                     # a stand-in array module
+        xp.copyto(dst, host)
 
 
 def softmax_cross_entropy(xp, logits, labels, bias=None, dbias=None):

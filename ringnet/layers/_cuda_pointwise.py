@@ -11,22 +11,22 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 @_kernel("dropout_mask",
          [("mask", "T*"), ("n", "long long"), ("first", "unsigned long long"),
-          ("k1", "unsigned long long"), ("k2", "unsigned long long"),
-          ("threshold", "unsigned long long"), ("scale", "T")], r"""
+          ("keys", "const unsigned long long*"), ("threshold", "unsigned long long"),
+          ("scale", "T")], r"""
   FOR_EACH(idx, n) {
-    unsigned long long v = (first + (unsigned long long)idx) * 0x9E3779B97F4A7C15ULL + k1;
+    unsigned long long v = (first + (unsigned long long)idx) * 0x9E3779B97F4A7C15ULL + keys[0];
     v = mix64(v);
-    v ^= k2;
+    v ^= keys[1];
     v = mix64(v);
     mask[idx] = (v >> 11) >= threshold ? scale : (T)0;
   }
 """)
-def _dropout_mask(mask, n, first, k1, k2, threshold, scale):
+def _dropout_mask(mask, n, first, keys, threshold, scale):
     mask = mask.reshape(-1)
     idx = _lanes(n)
-    v = (first + idx.astype(np.uint64)) * _GOLDEN + k1
+    v = (first + idx.astype(np.uint64)) * _GOLDEN + keys[0]
     v = _mix64(v)
-    v ^= k2
+    v ^= keys[1]
     v = _mix64(v)
     mask[:] = np.where((v >> np.uint64(11)) >= threshold, scale, mask.dtype.type(0))
 
@@ -231,3 +231,20 @@ def _xent_total(row_loss, hit, loss, correct, n, B, grad, dbias, K, has_dbias):
         for b in range(B):
             column += grad[b * K + idx]
         dbias[:] = column
+
+
+# A CUDA-graph run (:mod:`ringnet.graphs`): the step's loss and correct count, which the
+# replayed graph writes to the same place every step, copied into slot ``slot`` of two
+# rings, so that each step's values stay until the host reads them.
+@_kernel("step_record", [("loss", "const T*"), ("correct", "const long long*"),
+                         ("ring_loss", "T*"), ("ring_correct", "long long*"),
+                         ("slot", "long long")], r"""
+  FOR_EACH(idx, 1) {
+    ring_loss[slot] = loss[0];
+    ring_correct[slot] = correct[0];
+  }
+""")
+def _step_record(loss, correct, ring_loss, ring_correct, slot):
+    loss, correct = loss.reshape(1), correct.reshape(1)
+    ring_loss[slot] = loss[0]
+    ring_correct[slot] = correct[0]

@@ -94,9 +94,21 @@ class Dropout(Layer):
         self.step, self.layer_index = 0, 0
         self._mask = None
         self.batch_part = (0, 1)
+        self._keys = None            # GPU: this step's stream keys, on the device
+        self.keys_preset = False     # True: set_keys wrote them; forward leaves step alone
 
     def __repr__(self):
         return f"Dropout(p={self.p})"
+
+    def set_keys(self, xp, step=None):
+        """Write the stream keys of step ``step`` (default ``self.step``) into the device
+        array the GPU kernel reads them from (allocated on first use): outside a CUDA graph,
+        so that its replay draws this step's masks."""
+        if self._keys is None:
+            self._keys = xp.zeros(2, dtype=np.uint64)
+        step = self.step if step is None else step
+        _cuda_ops.upload(xp, self._keys, np.array(stream_keys((self.seed, step, self.layer_index)),
+                                                  dtype=np.uint64))
 
     def forward(self, x, train=True):
         if not train or self.p == 0.0:
@@ -105,10 +117,12 @@ class Dropout(Layer):
         xp = get_array_module(x)
         part, parts = self.batch_part
         if is_gpu_array(x):                   # the same mask, from one fused CUDA kernel
+            if not self.keys_preset:
+                self.set_keys(xp)
+                self.step += 1
             self._mask = _cuda_ops.dropout_mask(
-                xp, x.shape, x.dtype, stream_keys((self.seed, self.step, self.layer_index)),
-                keep_threshold(self.p), 1.0 / (1.0 - self.p), first_sample=part * x.shape[0])
-            self.step += 1
+                xp, x.shape, x.dtype, self._keys, keep_threshold(self.p), 1.0 / (1.0 - self.p),
+                first_sample=part * x.shape[0])
             return x * self._mask
         keep = keep_mask(xp, x.shape, self.p, (self.seed, self.step, self.layer_index),
                          first_sample=part * x.shape[0])

@@ -7,7 +7,7 @@ import functools
 import numpy as np
 
 from ringnet.backend import get_array_module
-from ringnet.layers import _cuda_ops, fft_conv, row_conv
+from ringnet.layers import _cuda_ops, _gemm, fft_conv, row_conv
 from ringnet.layers.base import (Layer, as_channel_rows, check_init, copy_samples,
                                  window_geometry, window_out_size, window_repr)
 
@@ -298,7 +298,7 @@ class Conv2d(Layer):
                             (c, kh, kw, ho, wo, b), x.dtype)
         _cuda_ops.im2col(xp, x, cols, self.stride, self.padding)
         y = xp.empty((o, ho * wo * b), dtype=x.dtype)            # (O, Ho*Wo*B)
-        xp.matmul(self.params["weight"].reshape(o, k), cols.reshape(k, ho * wo * b), out=y)
+        _gemm.matmul(xp, self.params["weight"].reshape(o, k), cols.reshape(k, ho * wo * b), out=y)
         if add_bias:
             y += self.params["bias"][:, None]
         self._cache = (x.shape, cols) if train else None
@@ -312,7 +312,7 @@ class Conv2d(Layer):
         dy2 = as_channel_rows(xp, dy)                            # (O, Ho*Wo*B)
         # dW = dy cols^T straight into the gradient buffer (cuBLAS takes either orientation
         # at one speed, where OpenBLAS wants the transposed one and a copy)
-        xp.matmul(dy2, cols.reshape(k, ho * wo * b).T, out=self.grads["weight"].reshape(o, k))
+        _gemm.matmul(xp, dy2, cols.reshape(k, ho * wo * b).T, out=self.grads["weight"].reshape(o, k))
         xp.sum(dy2, axis=1, out=self.grads["bias"])
         if not self.needs_dx:
             return None
@@ -324,10 +324,10 @@ class Conv2d(Layer):
             _cuda_ops.im2col(xp, dy2.reshape(o, ho, wo, b).transpose(3, 0, 1, 2), dcols, (1, 1),
                          (kh - 1 - ph, kw - 1 - pw))
             dxc = xp.empty((c, h * w * b), dtype=dy.dtype)       # (C, H*W*B)
-            xp.matmul(flipped, dcols.reshape(o * kh * kw, h * w * b), out=dxc)
+            _gemm.matmul(xp, flipped, dcols.reshape(o * kh * kw, h * w * b), out=dxc)
             return dxc.reshape(c, h, w, b).transpose(3, 0, 1, 2)  # (B, C, H, W)
         # col2im: the column gradient overwrites the columns (no longer needed), then one
         # gather kernel adds every column entry back to its input pixel.
-        xp.matmul(self.params["weight"].reshape(o, k).T, dy2, out=cols.reshape(k, ho * wo * b))
+        _gemm.matmul(xp, self.params["weight"].reshape(o, k).T, dy2, out=cols.reshape(k, ho * wo * b))
         dxc = _cuda_ops.col2im(xp, cols, (h, w), self.stride, self.padding)
         return dxc.transpose(3, 0, 1, 2)                         # (B, C, H, W)

@@ -46,6 +46,7 @@ class Strategy:
         self.make_optimizer = make_optimizer
         self.stats = StepStats(gpu=None if self.xp is np else self.xp)
         self.transport = None
+        self.graphs = None        # a GraphStep once graph_step is called (--cuda-graphs)
 
     # -- contract -----------------------------------------------------------
     def step(self, x, labels, it: int) -> Tuple[float, int]:
@@ -91,6 +92,8 @@ class Strategy:
 
     def close(self) -> None:
         """Wait for the exchange in flight and release the streams."""
+
+    graph_step = None             # strategies that can run their step as a CUDA graph
 
     # -- what a step sends (pure: no communicator) ----------------------------
     @classmethod
@@ -255,8 +258,18 @@ class DataParallelStrategy(Strategy):
     def step(self, x, labels, it):
         with self._exchange_step(it):
             with self.stats.span("compute", phase="forward_backward"):
+                if self.graphs is not None:
+                    return self.graphs.step(x, labels, it)
                 loss, correct = self.model.loss_and_grad(x, labels)
         return loss, correct
+
+    def graph_step(self, backend, strict=False):
+        """Run the forward and backward of every later step as a replayed CUDA graph
+        (:class:`ringnet.graphs.GraphStep`; the exchange and the update stay outside it);
+        return it."""
+        from ringnet.graphs import GraphStep
+        self.graphs = GraphStep(self.model, None, backend, strict=strict)
+        return self.graphs
 
     def drain(self):
         self.engine.drain()

@@ -10,3 +10,18 @@ class SingleStrategy(DataParallelStrategy):
 
     def __init__(self, model, make_optimizer, world=None, delay=0):
         super().__init__(model, make_optimizer, world, comm=None, delay=delay)
+
+    def step(self, x, labels, it):
+        if self.graphs is None or self.graphs.optimizer is None:
+            return super().step(x, labels, it)
+        with self.stats.span("step"):                  # the update is in the graph too
+            with self.stats.span("compute", phase="forward_backward_update"):
+                return self.graphs.step(x, labels, it)
+
+    def graph_step(self, backend, strict=False):
+        """As the data-parallel modes', with the SGD update inside the graph (delay 0)."""
+        if self.delay or self.engine.lookahead is not None:
+            return super().graph_step(backend, strict)
+        from ringnet.graphs import GraphStep
+        self.graphs = GraphStep(self.model, self.engine.optimizer, backend, strict=strict)
+        return self.graphs

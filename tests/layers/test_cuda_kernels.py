@@ -366,6 +366,7 @@ ELEMENTWISE = {  # kernel -> the expressions its CUDA body and its emulation bot
                       "dx[idx] = g", "acc += g", "dbias[c] = acc"],
     "xent_total": ["acc += row_loss[b]", "count += hit[b]",
                    "acc / (T)B"],
+    "step_record": ["ring_loss[slot] = loss[0]", "ring_correct[slot] = correct[0]"],
 }
 
 

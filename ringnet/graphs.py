@@ -1,0 +1,278 @@
+"""CUDA graphs (``--cuda-graphs``): a training step's device work captured once, replayed.
+
+On a GPU the step is host-bound: each of its kernel launches costs CuPy 10-25 us of
+Python, far more than the kernel. :class:`GraphStep` runs the step's device work (the
+forward, the loss, the backward and, in single mode, the SGD update) eagerly for
+``WARMUP`` steps (kernels compiled, buffers made), then captures it once into a CUDA
+graph and replays that graph each step: one launch instead of dozens.
+
+A graph replays its kernels with the arguments and memory they had when captured, so
+nothing that changes from step to step may be an argument, and nothing it uses may be
+freed:
+
+- **inputs** are copied into static buffers (one per model and batch size) before each
+  step; **per-step values** (the learning rate, each Dropout's stream keys) are written
+  to device memory the kernels read (:meth:`ringnet.optim.SGD.set_lr`,
+  :meth:`ringnet.layers.Dropout.set_keys`). These copies are asynchronous and stay
+  outside the graph;
+- the warm-up and the capture allocate from a **private memory pool**, so memory the
+  graph uses never goes back to the pool the rest of the run allocates from; every
+  device array the layers hold when the capture ends is kept for the graph's life;
+- the GEMMs go through a cuBLAS handle of ringnet's own (:mod:`ringnet.layers._gemm`):
+  CuPy's ``matmul`` cannot be captured;
+- the loss and the correct count the graph writes each step are copied into a ring of
+  device slots after each replay (one launch), so the losses the training loop reads
+  every ``GPU_LOSS_EVERY`` steps are each step's own.
+
+**Checked before use.** The capture step is also run eagerly from the same state; the
+replay must give the same loss, correct count, weights, gradients and momentum bit for
+bit, or graphs are turned off with one line saying where they differed (``auto``) or
+the run stops (``on``). The data-parallel modes capture the forward and backward and
+run their exchange and update outside the graph, ordered on the stream as before (a
+delay-0 exchange then starts after the whole backward instead of bucket by bucket);
+split-fc exchanges activations inside its step and runs without graphs.
+
+The same class runs on the recording stand-in for CuPy (:mod:`ringnet.bench.budget`),
+where a "graph" is the list of recorded launches replayed on the same memory: CI checks
+there that the replayed steps equal the eager ones and that two consecutive steps issue
+the same launches on the same buffers with the same arguments
+(:func:`capture_signature`).
+"""
+import contextlib
+
+import numpy as np
+
+from ringnet.layers import Dropout, _cuda, _cuda_ops, _gemm
+from ringnet.stats import GPU_LOSS_EVERY
+
+__all__ = ["CHOICES", "WARMUP", "GraphStep", "GraphMismatch", "CudaGraphs", "StandinGraphs",
+           "unavailable", "capture_signature"]
+
+CHOICES = ("auto", "on", "off")
+WARMUP = 2                      # eager steps before the capture
+RING = 2 * GPU_LOSS_EVERY       # device slots of the per-step loss and correct count
+
+
+class GraphMismatch(RuntimeError):
+    """The replayed step differed from the eager step it was captured from."""
+
+
+def unavailable(xp, strategy):
+    """Return why ``strategy`` on array module ``xp`` cannot use CUDA graphs, or None."""
+    if xp is np:
+        return "the arrays live on the CPU"
+    if getattr(strategy, "graph_step", None) is None:
+        return f"{strategy.name} exchanges activations inside its step"
+    return None
+
+
+class CudaGraphs:
+    """Capture and replay with CuPy: a side stream to capture on (the legacy default stream
+    cannot capture), a private memory pool, replays on the current stream."""
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+        self.pool = cupy.cuda.MemoryPool()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def allocating(self):
+        return self.cupy.cuda.using_allocator(self.pool.malloc)
+
+    def capture(self, fn):
+        """Return (graph, fn()) with fn's device work captured, not run."""
+        cuda = self.cupy.cuda
+        current = cuda.get_current_stream()
+        self.stream.wait_event(current.record())
+        with self.stream:
+            _gemm.bind()                    # the handle on this stream before capturing
+            self.stream.begin_capture()
+            try:
+                out = fn()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.stream.end_capture()
+                raise
+            graph = self.stream.end_capture()
+        current.wait_event(self.stream.record())
+        return graph, out
+
+    def launch(self, graph):
+        graph.launch(self.cupy.cuda.get_current_stream())
+
+    @staticmethod
+    def captures_run():
+        return False                        # captured work is recorded, not run
+
+
+class StandinGraphs:
+    """Capture and replay on the recording stand-in: the "graph" is the recorded launches."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def allocating(self):
+        return contextlib.nullcontext()
+
+    def capture(self, fn):
+        with self.recorder.capturing() as graph:
+            out = fn()
+        return graph, out
+
+    def launch(self, graph):
+        self.recorder.replay(graph)
+
+    @staticmethod
+    def captures_run():
+        return True                         # NumPy computes while it records
+
+
+def _held_arrays(objects, xp):
+    """Every device array the objects hold in their attributes (one level into dicts,
+    lists and tuples): what a graph may use that was made before it."""
+    found = []
+    for obj in objects:
+        for value in vars(obj).values():
+            items = value.values() if isinstance(value, dict) else \
+                value if isinstance(value, (list, tuple)) else (value,)
+            found.extend(v for v in items if isinstance(v, xp.ndarray))
+    return found
+
+
+class GraphStep:
+    """The device work of one training step, as one replayed CUDA graph.
+
+    ``model``: the rank's :class:`~ringnet.models.Model`; ``optimizer``: an SGD over the
+    whole flat buffer to update in the graph (single mode), or None (the strategy
+    updates); ``backend``: :class:`CudaGraphs` or :class:`StandinGraphs`; ``strict``:
+    raise :class:`GraphMismatch` when the replay differs from the eager step (``on``),
+    else fall back to eager steps (``auto``), saying why in ``self.off``.
+    """
+
+    def __init__(self, model, optimizer, backend, warmup=WARMUP, strict=False):
+        self.model, self.optimizer, self.backend = model, optimizer, backend
+        self.xp = model.xp
+        self.warmup, self.strict = int(warmup), strict
+        self.dropouts = [layer for _, layer in model.layers if isinstance(layer, Dropout)]
+        for layer in self.dropouts:
+            layer.keys_preset = True         # their keys come from _load, outside the graph
+        self.x = self.labels = None          # static inputs
+        self.graph = self.outputs = None
+        self.off = None                      # why eager steps run instead (after a mismatch)
+        self.steps = 0                       # steps run through this object
+        self.replays = 0
+        self._keep = []
+        self._ring = (self.xp.zeros(RING, dtype=model.dtype), self.xp.zeros(RING, dtype=np.int64))
+        _gemm.enable()
+
+    # -- one step ----------------------------------------------------------------------
+    def step(self, x, labels, it):
+        """Run step ``it`` on the batch (host or device arrays); return (loss, correct) as
+        0-d device arrays of this step alone."""
+        static = self._load(x, labels, it)
+        self.steps += 1
+        if not static or self.off is not None:
+            return self._record(*self._compute())
+        if self.graph is None:
+            if self.steps <= self.warmup:
+                with self.backend.allocating():
+                    return self._record(*self._compute())
+            return self._capture(it)
+        self.backend.launch(self.graph)
+        self.replays += 1
+        return self._record(*self.outputs)
+
+    def _load(self, x, labels, it):
+        """Copy the inputs into the static buffers and write the step's device scalars;
+        return whether the batch fits them (another batch size runs eagerly)."""
+        xp, model = self.xp, self.model
+        shape = (len(x),) + model.input_shape
+        if self.x is None:
+            self.x = xp.empty(shape, dtype=model.dtype)
+            self.labels = xp.empty(len(x), dtype=np.int64)
+        if self.optimizer is not None:
+            self.optimizer.set_lr(xp, it)
+        for layer in self.dropouts:
+            layer.set_keys(xp)
+            layer.step += 1
+        if tuple(x.shape) != shape or self.x.shape != shape:
+            self._batch = (model.as_input(x), xp.asarray(labels).reshape(-1))
+            return False
+        for target, value in ((self.x, x), (self.labels, labels)):
+            if isinstance(value, xp.ndarray):                 # already on the device
+                target[...] = value.reshape(target.shape)
+            else:
+                _cuda_ops.upload(xp, target, np.asarray(value).reshape(target.shape))
+        self._batch = (self.x, self.labels)
+        return True
+
+    def _compute(self):
+        """The captured work: forward, loss, backward (and the update)."""
+        model = self.model
+        hook, model.layer_hook = model.layer_hook, None      # no exchange starts in here
+        try:
+            loss, correct = model.loss_and_grad(*self._batch)
+            if self.optimizer is not None:
+                self.optimizer.apply(model.params, model.grads)
+        finally:
+            model.layer_hook = hook
+        return loss, correct
+
+    def _record(self, loss, correct):
+        """Copy this step's loss and count into their ring slots; return the slots."""
+        slot = (self.steps - 1) % RING
+        ring_loss, ring_correct = self._ring
+        _cuda.launch(self.xp, "step_record", self.model.dtype, 1,
+                     (loss, correct, ring_loss, ring_correct, np.int64(slot)))
+        return ring_loss[slot:slot + 1].reshape(()), ring_correct[slot:slot + 1].reshape(())
+
+    # -- capture and its check -----------------------------------------------------------
+    def _state(self):
+        arrays = [self.model.params, self.model.grads]
+        if self.optimizer is not None:
+            arrays.append(self.optimizer.v)
+        return arrays
+
+    def _capture(self, it):
+        """Run step ``it`` eagerly, capture it from the same state, replay, and compare."""
+        before = [a.copy() for a in self._state()]
+        with self.backend.allocating():
+            eager = self._compute()
+            after = [a.copy() for a in self._state()] + [eager[0].copy(), eager[1].copy()]
+            for target, value in zip(self._state(), before):
+                target[...] = value
+            graph, outputs = self.backend.capture(self._compute)
+        if self.backend.captures_run():                 # the stand-in ran what it captured
+            for target, value in zip(self._state(), before):
+                target[...] = value
+        self.graph, self.outputs = graph, outputs
+        self._keep = _held_arrays([layer for _, layer in self.model.layers] +
+                                  ([self.optimizer] if self.optimizer is not None else []), self.xp)
+        self.backend.launch(graph)
+        replayed = self._state() + [outputs[0], outputs[1]]
+        names = ["weights", "gradients", "momentum"][:len(self._state())] + ["loss", "correct count"]
+        differ = [name for name, a, b in zip(names, after, replayed)
+                  if not bool(self.xp.array_equal(a, b))]
+        if differ:
+            message = (f"the CUDA graph's replay of step {it} differs from the eager step in "
+                       f"its {', '.join(differ)}")
+            if self.strict:
+                raise GraphMismatch(message)
+            self.off, self.graph, self.outputs = message, None, None
+            for target, value in zip(self._state(), after):
+                target[...] = value
+            return self._record(after[-2], after[-1])
+        self.replays += 1
+        return self._record(*outputs)
+
+
+def capture_signature(recorder, run, steps=2):
+    """Run ``run(i)`` for i in range(steps) on the recording stand-in and return, per step,
+    the signature of its launches: (kind, name, operands) with arrays named by memory (a
+    buffer made in the step by its order of making) and numbers by value. A CUDA graph
+    replays the first; any difference from it is a value or buffer it would get wrong."""
+    out = []
+    for i in range(steps):
+        recorder.begin_step()
+        run(i)
+        out.append([s for s in recorder.signatures if s[0] in recorder.launch_kinds])
+    return out

@@ -1,0 +1,210 @@
+"""CUDA graphs (``--cuda-graphs``) checked without a GPU, on the recording stand-in for CuPy.
+
+There a captured "graph" is the list of recorded launches, replayed on the same memory
+with the same arguments, which is what a CUDA graph does. So a value of the step passed
+as an argument (baked in at capture), a buffer made outside the step, a transfer or a
+host read inside it show up here as they would on a GPU. The reference is the same run
+without graphs: eager steps on the stand-in.
+"""
+import numpy as np
+import pytest
+
+from ringnet import graphs, models, optim
+from ringnet.bench import budget
+from ringnet.layers import _cuda_ops, _gemm, activation
+from ringnet.parallel.base import DataParallelStrategy
+from ringnet.parallel.single import SingleStrategy
+
+MODELS = ["lenet", "cifar10_quick", "carnet"]      # carnet has a Dropout
+
+
+@pytest.fixture(autouse=True)
+def _gemm_route():
+    _gemm.enable(False)
+    yield
+    _gemm.enable(False)
+
+
+def _policy():
+    return optim.LRPolicy("inv", 0.01, gamma=0.1, power=0.75)     # lr changes every step
+
+
+def _batches(model, steps, batch=8, seed=1):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(batch,) + model.input_shape).astype(np.float32),
+             rng.integers(0, model.num_classes, batch)) for _ in range(steps)]
+
+
+def _run(name, steps, use_graphs, strategy=SingleStrategy, strict=True, backend=None):
+    """Train ``steps`` steps on the stand-in; return (params, momentum, losses, GraphStep)."""
+    rec = budget.Recorder()
+    with budget.recording(rec):
+        model = models.build_model(name, xp=rec, seed=0)
+        model.params[...] += np.random.default_rng(3).normal(
+            scale=0.02, size=model.num_params).astype(np.float32)   # biases that matter
+        st = strategy(model, lambda n: optim.SGD(n, _policy(), momentum=0.9, weight_decay=5e-4,
+                                                 xp=rec, dtype=model.dtype), None)
+        st.stats.gpu = None                # the stand-in has no CUDA events to time with
+        _gemm.enable()                     # both runs multiply through the same route
+        if use_graphs:
+            st.graph_step((backend or graphs.StandinGraphs)(rec), strict=strict)
+        losses = []
+        for it, (x, y) in enumerate(_batches(model, steps)):
+            loss, correct = st.step(x, y, it)
+            losses.append((float(np.asarray(loss)), int(np.asarray(correct))))
+        return (np.array(model.params), np.array(st.engine.optimizer.v), losses, st.graphs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_replayed_steps_equal_eager_steps_bit_for_bit(name):
+    want = _run(name, 5, False)
+    got = _run(name, 5, True)
+    assert got[3].replays == 5 - graphs.WARMUP and got[3].off is None
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert got[2] == want[2]
+    assert len({loss for loss, _ in want[2]}) == 5        # every step's own loss came back
+
+
+def test_data_parallel_graph_leaves_the_update_to_the_exchange():
+    want = _run("lenet", 4, False, strategy=DataParallelStrategy)
+    got = _run("lenet", 4, True, strategy=DataParallelStrategy)
+    assert got[3].optimizer is None and got[3].replays == 4 - graphs.WARMUP
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[2] == want[2]
+
+
+def test_a_learning_rate_baked_into_the_graph_is_caught(monkeypatch):
+    def apply_with_host_lr(self, w, g):          # lr as a kernel argument, as before graphs
+        lr = self.dtype.type(float(np.asarray(self._lr)))
+        optim._fused_kernel(optim.get_array_module(w))(g, lr, self.momentum,
+                                                       self.weight_decay, w, self.v)
+    monkeypatch.setattr(optim.SGD, "apply", apply_with_host_lr)
+    want = _run("lenet", 5, False)
+    got = _run("lenet", 5, True)
+    assert not np.array_equal(got[0], want[0])   # the replays kept the capture step's lr
+
+
+def test_dropout_keys_passed_from_the_host_cannot_be_captured(monkeypatch):
+    def forward(self, x, train=True):
+        xp = activation.get_array_module(x)
+        keys = xp.asarray(np.array(activation.stream_keys((self.seed, self.step, 0)), np.uint64))
+        self._mask = _cuda_ops.dropout_mask(xp, x.shape, x.dtype, keys,
+                                            activation.keep_threshold(self.p), 2.0)
+        return x * self._mask
+    monkeypatch.setattr(activation.Dropout, "forward", forward)
+    with pytest.raises(budget.CaptureError, match="transfer inside captured work"):
+        _run("carnet", 3, True)
+
+
+class _LosingGraphs(graphs.StandinGraphs):
+    def launch(self, graph):          # a replay that drops the update kernel
+        self.recorder.replay([again for again in graph][:-2])
+
+
+def test_a_replay_that_differs_turns_graphs_off_under_auto_and_stops_a_run_under_on():
+    want = _run("lenet", 5, False)
+    got = _run("lenet", 5, True, strict=False, backend=_LosingGraphs)
+    assert "differs from the eager step" in got[3].off and "weights" in got[3].off
+    np.testing.assert_array_equal(got[0], want[0])       # the eager steps took over
+    assert got[2] == want[2]
+    with pytest.raises(graphs.GraphMismatch, match="replay of step 2 differs"):
+        _run("lenet", 5, True, strict=True, backend=_LosingGraphs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_two_consecutive_steps_issue_the_same_launches_on_the_same_buffers(name):
+    rec = budget.Recorder()
+    with budget.recording(rec):
+        model = models.build_model(name, xp=rec)
+        opt = optim.SGD(model.num_params, _policy(), momentum=0.9, xp=rec, dtype=model.dtype)
+        _gemm.enable()
+        step = graphs.GraphStep(model, opt, graphs.StandinGraphs(rec))
+        batches = _batches(model, 4)
+        for it in range(2):                                   # warm-up: buffers made
+            step._load(*batches[it], it)
+            step._compute()
+
+        def one(i):
+            step._load(*batches[2 + i], 2 + i)
+            rec.begin_step()                                  # the captured part only
+            step._compute()
+        first, second = graphs.capture_signature(rec, one)
+    assert len(first) > 20
+    for a, b in zip(first, second):
+        assert a == b, f"{a[:2]} differs between consecutive steps"
+    assert len(first) == len(second)
+
+
+def test_the_signature_names_a_value_that_changes_between_steps(monkeypatch):
+    def step_with_host_lr(self, w, g, it):                    # the update before graphs
+        optim._fused_kernel(optim.get_array_module(w))(
+            g, self.dtype.type(self.lr_policy(it)), self.momentum, self.weight_decay, w, self.v)
+    rec = budget.Recorder()
+    with budget.recording(rec):
+        model = models.build_model("lenet", xp=rec)
+        opt = optim.SGD(model.num_params, _policy(), xp=rec, dtype=model.dtype)
+        monkeypatch.setattr(optim.SGD, "step", step_with_host_lr)
+        x, y = _batches(model, 1)[0]
+
+        def one(i):
+            model.loss_and_grad(rec.asarray(x), rec.asarray(y))
+            opt.step(model.params, model.grads, i)
+        one(0)                                                    # warm-up: buffers made
+        first, second = graphs.capture_signature(rec, lambda i: one(1 + i))
+    differ = [(a, b) for a, b in zip(first, second) if a != b]
+    assert [a[1] for a, _ in differ] == ["ringnet_sgd_update"]
+
+
+def test_graphs_are_unavailable_on_the_cpu_and_for_split_fc():
+    class SplitLike:
+        name, graph_step = "split-fc", None
+    assert graphs.unavailable(np, object()) == "the arrays live on the CPU"
+    assert "split-fc" in graphs.unavailable(budget.Recorder(), SplitLike())
+
+
+# --- the GEMM route that captures -------------------------------------------------
+
+def _layouts(rng, rows, cols):
+    """The matrix (rows, cols) in memories cuBLAS takes without a copy, and one it does not."""
+    base = rng.normal(size=(rows, cols))
+    wide = np.zeros((rows, cols + 3))
+    wide[:, :cols] = base
+    tall = np.zeros((cols, rows + 2))
+    tall[:, :rows] = base.T
+    return [("row-major", base.copy()), ("column-major", np.asfortranarray(base)),
+            ("row-major, ld > cols", wide[:, :cols]), ("transposed, ld > rows", tall[:, :rows].T)]
+
+
+@pytest.mark.parametrize("m,k,n", [(5, 7, 3), (1, 4, 6), (6, 1, 2), (3, 5, 1), (1, 1, 1)])
+def test_the_gemm_plan_computes_the_product_in_every_layout(m, k, n):
+    rng = np.random.default_rng(m * 100 + k * 10 + n)
+    for na, a in _layouts(rng, m, k):
+        for nb, b in _layouts(rng, k, n):
+            for nc, c in _layouts(rng, m, n):
+                c[...] = np.nan
+                steps = _gemm.plan(a, b, c)
+                assert steps is not None, (na, nb, nc)
+                transa, transb, mm, nn, kk, first, lda, second, ldb, ldc = steps
+                _gemm.emulate(transa, transb, mm, nn, kk, first, lda, second, ldb, c, ldc)
+                np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12,
+                                           err_msg=f"{na} @ {nb} -> {nc}")
+
+
+def test_the_gemm_plan_refuses_memory_that_is_neither_orientation_and_matmul_copies_it():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(8, 10))[::2, ::2]                   # both strides > 1
+    b = rng.normal(size=(5, 3))
+    assert _gemm.plan(a, b, np.empty((4, 3))) is None
+    with pytest.raises(ValueError, match="gemm shapes"):
+        _gemm.plan(a, b.T, np.empty((4, 3)))
+    rec = budget.Recorder()
+    with budget.recording(rec):
+        _gemm.enable()
+        out = rec.empty((4, 3))
+        _gemm.matmul(rec, rec.asarray(a), rec.asarray(b), out=out.T.T)
+        np.testing.assert_allclose(out, a @ b, rtol=1e-12)
+        wrong = rec.empty((3, 4)).T[::1, ::1]
+        _gemm.matmul(rec, rec.asarray(a), rec.asarray(b), out=wrong)
+        np.testing.assert_allclose(wrong, a @ b, rtol=1e-12)
+    assert [e[1] for e in rec.events].count("cublas gemm") == 2
