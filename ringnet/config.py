@@ -71,6 +71,7 @@ class TrainConfig:
     weight_decay: float = None
     seed: int = None
     device: str = "auto"
+    cuda_graphs: str = "auto"
     dtype: str = None             # None: float32, or the checkpoint's under --resume
     transport: str = "auto"
     topology: str = "auto"
@@ -147,6 +148,11 @@ class TrainConfig:
             raise UsageError(f"--dtype must be float32 or float64, got {cfg.dtype!r}")
         if cfg.device not in ("auto", "cpu", "gpu"):
             raise UsageError(f"--device must be auto, cpu or gpu, got {cfg.device!r}")
+        if cfg.cuda_graphs not in ("auto", "on", "off"):
+            raise UsageError(f"--cuda-graphs must be auto, on or off, got {cfg.cuda_graphs!r}")
+        if cfg.cuda_graphs == "on" and cfg.device == "cpu":
+            raise UsageError("--cuda-graphs on needs the GPU path; --device cpu runs NumPy "
+                             "(use --cuda-graphs auto or off)")
         if cfg.transport not in ("auto", "mpi", "nccl"):
             raise UsageError(f"--transport must be auto, mpi or nccl, got {cfg.transport!r}")
         if cfg.topology not in ("auto", "flat", "hierarchical"):
@@ -308,6 +314,13 @@ def build_parser():
     g.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="where layers run (default auto: gpu with CuPy when available, else cpu "
                         "with NumPy)")
+    g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="on a GPU, capture each step's device work once as a CUDA graph and "
+                        "replay it (one launch instead of dozens). The step is captured after 2 "
+                        "eager steps and its replay checked against the eager step bit for bit. "
+                        "Default auto: on where it captures (not split-fc, not on the CPU) and "
+                        "off, saying why, if the replay differs; on: the same, but either case "
+                        "stops the run")
     g.add_argument("--check-every", type=int, default=0, metavar="K",
                    help="compare a checksum of the weights across ranks every K steps (default 0: "
                         "only at the end)")

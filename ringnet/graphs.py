@@ -42,19 +42,20 @@ import contextlib
 
 import numpy as np
 
+from ringnet.errors import TrainingError, UsageError
 from ringnet.layers import Dropout, _cuda, _cuda_ops, _gemm
 from ringnet.stats import GPU_LOSS_EVERY
 
 __all__ = ["CHOICES", "WARMUP", "GraphStep", "GraphMismatch", "CudaGraphs", "StandinGraphs",
-           "unavailable", "capture_signature"]
+           "unavailable", "setup", "status", "capture_signature"]
 
 CHOICES = ("auto", "on", "off")
 WARMUP = 2                      # eager steps before the capture
 RING = 2 * GPU_LOSS_EVERY       # device slots of the per-step loss and correct count
 
 
-class GraphMismatch(RuntimeError):
-    """The replayed step differed from the eager step it was captured from."""
+class GraphMismatch(TrainingError):
+    """The replayed step differed from the eager step it was captured from (``on``)."""
 
 
 def unavailable(xp, strategy):
@@ -64,6 +65,36 @@ def unavailable(xp, strategy):
     if getattr(strategy, "graph_step", None) is None:
         return f"{strategy.name} exchanges activations inside its step"
     return None
+
+
+def setup(choice, strategy, xp):
+    """Apply ``--cuda-graphs choice`` (auto, on, off) to ``strategy``, whose arrays live on
+    ``xp``; return what the run header says of it. ``on`` where graphs cannot run is a
+    UsageError naming why."""
+    if choice not in CHOICES:
+        raise UsageError(f"--cuda-graphs must be auto, on or off, got {choice!r}")
+    if choice == "off":
+        return "off (asked for)"
+    why = unavailable(xp, strategy)
+    if why is not None:
+        if choice == "on":
+            raise UsageError(f"--cuda-graphs on: {why}; use --cuda-graphs auto or off")
+        return f"off (auto: {why})"
+    strategy.graph_step(CudaGraphs(xp), strict=choice == "on")
+    what = "forward, backward and update" if strategy.graphs.optimizer is not None else \
+        "forward and backward; the exchange and update outside"
+    return f"on ({'asked for' if choice == 'on' else 'auto'}: {what}, captured after " \
+           f"{WARMUP} eager steps)"
+
+
+def status(strategy):
+    """What the run's summary says of its graphs: "on (N steps replayed)", or "off (why)"."""
+    step = getattr(strategy, "graphs", None)
+    if step is None:                      # never on: what setup said
+        return getattr(getattr(strategy, "placement", None), "graphs", None) or "off"
+    if step.off is not None:
+        return f"off ({step.off})"
+    return f"on ({step.replays} steps replayed)"
 
 
 class CudaGraphs:

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ringnet import backend, resume
+from ringnet import backend, graphs, resume
 from ringnet.blas import blas_threads_in_use
 from ringnet.environment import check_environment, run_knobs
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
@@ -150,6 +150,7 @@ def setup(cfg, world):
                           compensation=cfg.delay_compensation, warmup=cfg.warmup_steps,
                           topology=cfg.topology, inter_link=cfg.inter_link)
     strategy.placement = placement
+    placement.graphs = graphs.setup(cfg.cuda_graphs, strategy, xp)
     loader = ShardedLoader(dataset.train, cfg.batch_size, rank=rank, size=size, seed=cfg.seed,
                            shuffle=cfg.shuffle, xp=xp, dtype=cfg.dtype, mean=dataset.mean,
                            std=dataset.std, augment=cfg.augment)
@@ -524,7 +525,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
         "nodes": strategy.placement.nodes, "rank_nodes": strategy.placement.rank_nodes,
         "rank_local_ranks": strategy.placement.rank_local_ranks,
         "mpi_path": strategy.placement.mpi_path, "progress": strategy.placement.progress,
-        "topology": strategy.placement.topology,
+        "topology": strategy.placement.topology, "cuda_graphs": graphs.status(strategy),
         "dtype": cfg.dtype, "batch_size": cfg.batch_size, "steps": step,
         "epochs": round(step / spe, 3), "test_accuracy": test_acc, "test_loss": test_loss,
         "train_loss": train_loss,

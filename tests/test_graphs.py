@@ -208,3 +208,42 @@ def test_the_gemm_plan_refuses_memory_that_is_neither_orientation_and_matmul_cop
         _gemm.matmul(rec, rec.asarray(a), rec.asarray(b), out=wrong)
         np.testing.assert_allclose(wrong, a @ b, rtol=1e-12)
     assert [e[1] for e in rec.events].count("cublas gemm") == 2
+
+
+def test_setup_says_why_graphs_are_off_and_refuses_on_where_they_cannot_run():
+    class Strategy:
+        name, graphs, graph_step = "split-fc", None, None
+    assert graphs.setup("off", Strategy(), budget.Recorder()) == "off (asked for)"
+    assert graphs.setup("auto", Strategy(), np) == "off (auto: the arrays live on the CPU)"
+    assert graphs.setup("auto", Strategy(), budget.Recorder()) == \
+        "off (auto: split-fc exchanges activations inside its step)"
+    with pytest.raises(graphs.UsageError, match="--cuda-graphs on: split-fc exchanges"):
+        graphs.setup("on", Strategy(), budget.Recorder())
+    with pytest.raises(graphs.UsageError, match="must be auto, on or off"):
+        graphs.setup("yes", Strategy(), np)
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--cuda-graphs", "on", "--device", "cpu"], "--cuda-graphs on needs the GPU path"),
+    (["--cuda-graphs", "on"], "--cuda-graphs on: the arrays live on the CPU"),
+])
+def test_the_cli_refuses_graphs_on_the_cpu_in_one_line(flags, line):
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "ringnet.train", "--model", "digits", "--steps",
+                          "2", "--no-eval", "--device", "cpu"][:-2] + flags,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0, run.stderr
+    assert line in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("name", ["lenet", "carnet"])
+def test_a_graphed_step_is_one_graph_and_one_copy_of_its_loss(name):
+    eager = budget.step_budget(name, batch_size=8)
+    graphed = budget.graph_budget(name, batch_size=8)
+    outside = graphed["outside"]
+    assert graphed["captured"] == eager["launches"] and graphed["replays"] == 2
+    assert outside["launches"] == 1 and outside["kernel"] == 1          # step_record
+    assert outside["host_waits"] == 0 and outside["allocations"] == 0
+    # inputs, labels, the learning rate, each Dropout's keys: copies outside the graph
+    assert outside["transfers"] == 3 + (name == "carnet")

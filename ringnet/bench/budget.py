@@ -43,7 +43,8 @@ from ringnet.cli import ArgumentParser
 from ringnet.layers import _cuda, activation, conv, linear, loss, pool
 from ringnet import models, optim
 
-__all__ = ["DeviceArray", "Recorder", "CaptureError", "recording", "step_budget", "main"]
+__all__ = ["DeviceArray", "Recorder", "CaptureError", "recording", "step_budget", "graph_budget",
+           "main"]
 
 LAUNCHES = ("kernel", "ufunc", "reduction", "gemm", "copy")
 _ACTIVE = []                   # the recorder counting now (innermost last)
@@ -464,6 +465,32 @@ def step_budget(name, batch_size=64, dtype="float32", seed=0):
             "events": [list(e) for e in events]}
 
 
+def graph_budget(name, batch_size=64, dtype="float32", seed=0):
+    """Return what one single-mode step launches under ``--cuda-graphs`` on the stand-in:
+    {"model", "captured": launches inside the graph, "outside": totals (see
+    :meth:`Recorder.totals`) of what the step issues besides the graph's one launch}."""
+    from ringnet import graphs
+    from ringnet.layers import _gemm
+    recorder = Recorder()
+    with recording(recorder):
+        model = models.build_model(name, dtype=dtype, xp=recorder, seed=seed)
+        opt = optim.SGD(model.num_params, 0.01, momentum=0.9, weight_decay=5e-4,
+                        xp=recorder, dtype=model.dtype)
+        rng = np.random.default_rng(seed)
+        x = rng.normal(size=(batch_size,) + model.input_shape).astype(model.dtype)
+        y = rng.integers(0, model.num_classes, size=batch_size)
+        was = _gemm.enabled()
+        try:
+            step = graphs.GraphStep(model, opt, graphs.StandinGraphs(recorder))
+            for it in range(graphs.WARMUP + 2):            # warm-up, capture, one replay
+                recorder.events.clear()
+                step.step(x, y, it)
+        finally:
+            _gemm.enable(was)
+    return {"model": name, "batch_size": batch_size, "dtype": dtype, "captured": len(step.graph),
+            "replays": step.replays, "outside": recorder.totals()}
+
+
 def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench budget", description=__doc__.split("\n\n")[0],
                        epilog="Counts come from a stand-in for CuPy, on NumPy: no GPU needed.")
@@ -481,10 +508,11 @@ def main(argv=None):
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     run = machine.begin(out=sys.stderr if args.json else None)
     results = [step_budget(name, args.batch_size, args.dtype) for name in args.model or models.MODELS]
+    graphed = [graph_budget(name, args.batch_size, args.dtype) for name in args.model or models.MODELS]
     if args.json:
         run.end(out=sys.stderr)
-        print(json.dumps({"batch_size": args.batch_size, "dtype": args.dtype, "models": results}
-                         | run.facts()))
+        print(json.dumps({"batch_size": args.batch_size, "dtype": args.dtype, "models": results,
+                          "cuda_graphs": graphed} | run.facts()))
         return 0
     head = f"{'':16s} {'launches':>8s} {'kernel':>6s} {'ufunc':>6s} {'reduce':>6s} " \
            f"{'gemm':>5s} {'copy':>5s} {'allocs':>6s} {'host waits':>10s} {'transfers':>9s}"
@@ -501,6 +529,10 @@ def main(argv=None):
         if args.phases:
             for where, totals in result["phases"].items():
                 row("  " + where, totals)
+    print("with --cuda-graphs, once captured: one graph launch, and besides it")
+    for result in graphed:
+        row(result["model"], result["outside"])
+        print(f"{'':16s} (the graph holds {result['captured']} launches)")
     run.end()
     return 0
 

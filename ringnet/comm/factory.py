@@ -79,6 +79,7 @@ class Placement:
     mpi_path: str = None        # the path MPI's messages take (MPICH ofi (tcp), ...)
     progress: str = None        # CPU streams' progress: "poll (auto: the ranks span 2 nodes)"
     topology: str = None        # "flat (auto: ...)", "hierarchical (asked for)"; None: no choice made
+    graphs: str = None          # --cuda-graphs on a GPU: "on (auto: ...)", "off (...)"
 
     def locate(self, layout, progress=None):
         """Fill the node fields from a :class:`~ringnet.nodes.NodeLayout`; return self."""
@@ -94,6 +95,8 @@ class Placement:
 
     def describe(self):
         where = "CPU" if self.device == "cpu" else self.gpu
+        if self.graphs and self.device != "cpu":
+            where += f", CUDA graphs {self.graphs}"
         if self.transport is None:
             return where
         text = f"{where}, transport {self.transport} ({self.reason})"

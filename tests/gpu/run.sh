@@ -7,7 +7,9 @@
 # Stages (none may fail silently):
 #   gpu-n1      single-process GPU tests: single mode on the GPU equals the CPU run (float64),
 #               NCCL and MPI with CuPy buffers through every communicator at N=1, the fused
-#               CUDA kernels (pooling, col2im, dropout masks) against the NumPy layers
+#               CUDA kernels (pooling, col2im, dropout masks) against the NumPy layers, CUDA
+#               graphs (the cuBLAS route and its capture, replayed steps equal to eager steps
+#               bit for bit, a run with --cuda-graphs on)
 #   gpu-n2      2 ranks sharing the GPU(s), MPI transport with CuPy buffers: ring/tree/master
 #               at delay 0 and 1, split-fc at delay 0 and 1 against single / the recurrence;
 #               NCCL refused when ranks share a GPU
@@ -21,8 +23,9 @@
 #   auto-shared the CLI with --transport auto on ranks that share a GPU: MPI, and it says why
 #   quickstart  the README's main job (mpirun -np 4 python -m ringnet.train) on the GPU: it
 #               picks the GPU by itself, learns (test accuracy >= 95%), times compute
-#   step-times  each model's GPU step time beside PyTorch's CUDA step (when torch has CUDA),
-#               and per layer the host time of its calls beside its device time
+#   step-times  each model's GPU step time, eager and replayed as a CUDA graph, beside
+#               PyTorch's CUDA step (when torch has CUDA; the graph's target is <= 0.5x), and
+#               per layer the host time of its calls beside its device time
 #   ddp-gpu     a host with G >= 2 GPUs: `bench scaling --vs ddp --device gpu`, ring delay 1
 #               over NCCL beside PyTorch DDP over NCCL on the same problem, at N = 2 and, with
 #               4 or more GPUs, N = 4. One line and skipped on one GPU (one GPU cannot host
@@ -245,7 +248,7 @@ EOF
 export -f nccl_shared auto_shared quickstart cpu_cores model_validation multi_gpu ddp_gpu
 export WORK GPUS CORES MPIRUN
 PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi"
-stage gpu-n1 90 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
+stage gpu-n1 90 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py tests/gpu/test_gpu_graphs.py \
     tests/layers/test_cuda_kernels.py tests/layers/test_loss_kernel.py
 stage gpu-n2 60 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_comm.py \
     tests/gpu/test_gpu_comm_auto.py tests/gpu/test_gpu_modes.py tests/test_gpu_train.py

@@ -3,8 +3,12 @@
 Usage: python tests/gpu/step_vs_torch.py [--iters N] [--layers] [--out FILE]
        (needs a GPU; torch optional)
 
-Both steps are timed interleaved (forward, backward, SGD with momentum), each ended by a
-device synchronisation; medians in ms and their ratio. Before timing, both nets give the
+Three steps are timed interleaved (forward, backward, SGD with momentum), each ended by a
+device synchronisation: ours eager (``--cuda-graphs off``), ours replayed as a CUDA graph
+(``--cuda-graphs on``: :class:`ringnet.graphs.GraphStep`, whose capture is checked bit for
+bit against the eager step, or the run fails) and PyTorch's eager CUDA step; medians in ms
+and the ratios to PyTorch's. None of the three reads its loss on the host inside the step:
+each leaves it on the device and the synchronisation ends the step. Before timing, both nets give the
 same loss on the same weights and batch (float32, relative 1e-4), or the run fails.
 
 ``--layers`` adds, per layer, the host time its forward and backward calls take (Python
@@ -18,8 +22,10 @@ import time
 
 import numpy as np
 
+from ringnet import graphs
 from ringnet.backend import check_gpu, cupy, gpu_available
 from ringnet.bench.layers import torch_model
+from ringnet.layers import _gemm
 from ringnet.models import MODELS, build_model
 from ringnet.optim import SGD, LRPolicy
 
@@ -67,25 +73,43 @@ def time_model(name, iters, batch_size=64, lr=0.001):
         result["torch"] = why
 
     def step_ours(it):
+        _gemm.enable(False)                              # CuPy's matmul, as graphs off
         model.loss_and_grad(xg, yg)
         sgd.step(model.params, model.grads, it)
         cupy.cuda.get_current_stream().synchronize()
 
-    ours, theirs = [], []
-    for it in range(iters + 3):          # three warm-up rounds (kernel compilation), not kept
+    gmodel = build_model(name, dtype="float32", seed=0, xp=cupy)
+    gsgd = SGD(gmodel.num_params, LRPolicy("fixed", lr), momentum=0.9, xp=cupy, dtype="float32")
+    graph = graphs.GraphStep(gmodel, gsgd, graphs.CudaGraphs(cupy), strict=True)
+
+    def step_graph(it):
+        _gemm.enable(True)
+        graph.step(xg, yg, it)
+        cupy.cuda.get_current_stream().synchronize()
+
+    ours, replayed, theirs = [], [], []
+    warm = graphs.WARMUP + 3             # kernel compilation and the capture, not kept
+    for it in range(iters + warm):
         t0 = time.perf_counter()
         step_ours(it)
         t1 = time.perf_counter()
+        step_graph(it)
+        t2 = time.perf_counter()
         if step_torch is not None:
             step_torch()
-        t2 = time.perf_counter()
-        if it >= 3:
+        t3 = time.perf_counter()
+        if it >= warm:
             ours.append(t1 - t0)
-            theirs.append(t2 - t1)
+            replayed.append(t2 - t1)
+            theirs.append(t3 - t2)
+    _gemm.enable(False)
     result["step_ms"] = 1e3 * float(np.median(ours))
+    result["graph_step_ms"] = 1e3 * float(np.median(replayed))
+    result["graph_replays"] = graph.replays
     if step_torch is not None:
         result["torch_step_ms"] = 1e3 * float(np.median(theirs))
         result["ratio_vs_torch"] = result["step_ms"] / result["torch_step_ms"]
+        result["graph_ratio_vs_torch"] = result["graph_step_ms"] / result["torch_step_ms"]
     return result
 
 
@@ -138,8 +162,10 @@ def main(argv=None):
     results = [time_model(name, args.iters) for name in MODELS]
     for r in results:
         ratio = f"{r['ratio_vs_torch']:.2f}" if "ratio_vs_torch" in r else r.get("torch", "")
-        print(f"{r['model']:>14}  ringnet {r['step_ms']:8.2f} ms  "
-              f"torch {r.get('torch_step_ms', float('nan')):8.2f} ms  ratio {ratio}")
+        gratio = f"{r['graph_ratio_vs_torch']:.2f}" if "graph_ratio_vs_torch" in r else ""
+        print(f"{r['model']:>14}  ringnet {r['step_ms']:8.2f} ms  graphs on "
+              f"{r['graph_step_ms']:8.2f} ms  torch {r.get('torch_step_ms', float('nan')):8.2f} ms"
+              f"  ratio {ratio}  graphs on {gratio} (target <= 0.5)")
     if args.layers:
         for r in results:
             r["layers"] = layer_profile(r["model"], args.iters)
