@@ -247,3 +247,62 @@ def test_a_graphed_step_is_one_graph_and_one_copy_of_its_loss(name):
     assert outside["host_waits"] == 0 and outside["allocations"] == 0
     # inputs, labels, the learning rate, each Dropout's keys: copies outside the graph
     assert outside["transfers"] == 3 + (name == "carnet")
+
+
+class _FakeCublas:
+    """cublasSgemm_v2 / cublasDgemm_v2 on host memory, with cuBLAS's C argument order."""
+
+    def __init__(self):
+        self.calls = []
+        self.cublasSgemm_v2 = lambda *a: self._gemm(np.float32, *a)
+        self.cublasDgemm_v2 = lambda *a: self._gemm(np.float64, *a)
+
+    def _gemm(self, dtype, handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        import ctypes
+        self.calls.append((transa, transb, m, n, k, lda, ldb, ldc))
+        item = np.dtype(dtype).itemsize
+
+        def matrix(ptr, rows, cols, ld):
+            span = ld * (cols - 1) + rows
+            ctype = ctypes.c_float if dtype is np.float32 else ctypes.c_double
+            flat = np.ctypeslib.as_array((ctype * span).from_address(ptr.value))
+            return np.lib.stride_tricks.as_strided(flat, (rows, cols), (item, ld * item))
+        ma = matrix(a, k if transa else m, m if transa else k, lda)
+        mb = matrix(b, n if transb else k, k if transb else n, ldb)
+        out = matrix(c, m, n, ldc)
+        out[...] = alpha._obj.value * ((ma.T if transa else ma) @ (mb.T if transb else mb)) + \
+            beta._obj.value * np.nan_to_num(out)
+        return 0
+
+
+class _OnDevice:
+    """A host array dressed as a CuPy array for the handle: ``.data.ptr`` and ``.dtype``."""
+
+    def __init__(self, array):
+        from types import SimpleNamespace
+        self.array, self.dtype = array, array.dtype
+        self.data = SimpleNamespace(ptr=array.ctypes.data)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_cublas_call_passes_the_plan_in_cublas_argument_order(dtype):
+    import ctypes
+    handle = _gemm._Handle.__new__(_gemm._Handle)
+    handle.lib = lib = _FakeCublas()
+    handle.ptr, handle.stream = ctypes.c_void_p(1), 7
+    handle.cupy = type("cupy", (), {"cuda": type("cuda", (), {
+        "get_current_stream": staticmethod(lambda: type("s", (), {"ptr": 7})())})})
+    handle.one = {np.dtype(np.float32): ctypes.c_float(1.0), np.dtype(np.float64): ctypes.c_double(1.0)}
+    handle.zero = {np.dtype(np.float32): ctypes.c_float(0.0), np.dtype(np.float64): ctypes.c_double(0.0)}
+    handle.fn = {np.dtype(np.float32): lib.cublasSgemm_v2, np.dtype(np.float64): lib.cublasDgemm_v2}
+    rng = np.random.default_rng(4)
+    for _, a in _layouts(rng, 6, 4):
+        for _, b in _layouts(rng, 4, 5):
+            for _, c in _layouts(rng, 6, 5):
+                a, b, c = (np.asarray(v, dtype=dtype) if v.dtype != dtype else v for v in (a, b, c))
+                c[...] = np.nan
+                steps = list(_gemm.plan(a, b, c))
+                steps[5], steps[7] = _OnDevice(steps[5]), _OnDevice(steps[7])
+                handle.gemm(tuple(steps), _OnDevice(c))
+                np.testing.assert_allclose(c, a @ b, rtol=1e-5)
+    assert len(lib.calls) == 64 and {call[:2] for call in lib.calls} >= {(0, 0), (1, 1)}

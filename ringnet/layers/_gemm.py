@@ -166,9 +166,10 @@ class _Handle:
             return
         self._check(self.lib.cublasSetStream_v2(self.ptr, ctypes.c_void_p(stream_ptr)),
                     "cublasSetStream")
-        self._check(self.lib.cublasSetWorkspace_v2(self.ptr, ctypes.c_void_p(self.workspace.data.ptr),
-                                                   ctypes.c_size_t(WORKSPACE_BYTES)),
-                    "cublasSetWorkspace")
+        set_workspace = getattr(self.lib, "cublasSetWorkspace_v2", None)   # cuBLAS >= 11.4
+        if set_workspace is not None:
+            self._check(set_workspace(self.ptr, ctypes.c_void_p(self.workspace.data.ptr),
+                                      ctypes.c_size_t(WORKSPACE_BYTES)), "cublasSetWorkspace")
         self.stream = stream_ptr
 
     def gemm(self, steps, c):
