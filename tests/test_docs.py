@@ -365,6 +365,8 @@ STATIC = {
     ("variable", "default", "read by", "what it does"):
         "tests/test_docs_pages.py (every variable the code reads)",
     ("exit code", "meaning"): "tests/test_docs_pages.py (the codes of ringnet.errors)",
+    ("mode", "inside the graph", "outside it"):
+        "tests/test_graphs.py (what GraphStep captures per strategy)",
 }
 # Measured tables whose benchmark prints them as text, assembled into Markdown by hand:
 # none (every benchmark table comes from its command's --markdown).
