@@ -26,8 +26,9 @@ freed:
 
 **Checked before use.** The capture step is also run eagerly from the same state; the
 replay must give the same loss, correct count, weights, gradients and momentum bit for
-bit, or graphs are turned off with one line saying where they differed (``auto``) or
-the run stops (``on``). The data-parallel modes capture the forward and backward and
+bit. If it does not, or the capture itself fails, graphs are turned off for the rest of
+the run, the eager result kept and the reason in the summary (``auto``), or the run stops
+with one line saying so (``on``). The data-parallel modes capture the forward and backward and
 run their exchange and update outside the graph, ordered on the stream as before (a
 delay-0 exchange then starts after the whole backward instead of bucket by bucket);
 split-fc exchanges activations inside its step and runs without graphs.
@@ -271,7 +272,11 @@ class GraphStep:
             after = [a.copy() for a in self._state()] + [eager[0].copy(), eager[1].copy()]
             for target, value in zip(self._state(), before):
                 target[...] = value
-            graph, outputs = self.backend.capture(self._compute)
+            try:
+                graph, outputs = self.backend.capture(self._compute)
+            except Exception as exc:                    # CUDA or CuPy refused the capture
+                return self._fall_back(f"step {it} could not be captured "
+                                       f"({type(exc).__name__}: {exc})", after)
         if self.backend.captures_run():                 # the stand-in ran what it captured
             for target, value in zip(self._state(), before):
                 target[...] = value
@@ -282,18 +287,22 @@ class GraphStep:
         replayed = self._state() + [outputs[0], outputs[1]]
         names = ["weights", "gradients", "momentum"][:len(self._state())] + ["loss", "correct count"]
         differ = [name for name, a, b in zip(names, after, replayed)
-                  if not bool(self.xp.array_equal(a, b))]
+                  if not bool(self.xp.array_equal(a, b, equal_nan=True))]
         if differ:
-            message = (f"the CUDA graph's replay of step {it} differs from the eager step in "
-                       f"its {', '.join(differ)}")
-            if self.strict:
-                raise GraphMismatch(message)
-            self.off, self.graph, self.outputs = message, None, None
-            for target, value in zip(self._state(), after):
-                target[...] = value
-            return self._record(after[-2], after[-1])
+            return self._fall_back(f"the CUDA graph's replay of step {it} differs from the "
+                                   f"eager step in its {', '.join(differ)}", after)
         self.replays += 1
         return self._record(*outputs)
+
+    def _fall_back(self, message, after):
+        """``on``: raise GraphMismatch(message). ``auto``: eager steps from now on, this one's
+        result the eager step's (``after``: the state, then the loss and the count)."""
+        if self.strict:
+            raise GraphMismatch(message)
+        self.off, self.graph, self.outputs, self._keep = message, None, None, []
+        for target, value in zip(self._state(), after):
+            target[...] = value
+        return self._record(after[-2], after[-1])
 
 
 def capture_signature(recorder, run, steps=2):

@@ -112,6 +112,22 @@ def test_a_replay_that_differs_turns_graphs_off_under_auto_and_stops_a_run_under
         _run("lenet", 5, True, strict=True, backend=_LosingGraphs)
 
 
+class _RefusingGraphs(graphs.StandinGraphs):
+    def capture(self, fn):            # as CuPy refuses a cuBLAS stream change while capturing
+        raise NotImplementedError("calling cuBLAS API during stream capture is unsupported")
+
+
+def test_a_capture_that_fails_turns_graphs_off_under_auto_and_stops_a_run_under_on():
+    want = _run("lenet", 4, False)
+    got = _run("lenet", 4, True, strict=False, backend=_RefusingGraphs)
+    assert got[3].off == ("step 2 could not be captured (NotImplementedError: calling cuBLAS "
+                          "API during stream capture is unsupported)")
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[2] == want[2] and got[3].replays == 0
+    with pytest.raises(graphs.GraphMismatch, match="could not be captured"):
+        _run("lenet", 4, True, strict=True, backend=_RefusingGraphs)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_two_consecutive_steps_issue_the_same_launches_on_the_same_buffers(name):
     rec = budget.Recorder()
