@@ -45,6 +45,12 @@ class LRPolicy:
                 f"stepsize={self.stepsize}, power={self.power})")
 
 
+# On the CPU the update runs this many elements at a time (128 KiB of float32 per array):
+# its six passes over w, g, v and a scratch block then stay in the core's L2 cache, where
+# over LeNet's whole 431 K parameters each pass went to memory (0.64-0.67 -> 0.46-0.50 ms,
+# after a cache-flushing read; the same arithmetic element by element).
+CPU_BLOCK = 32768
+
 _FUSED = {}
 
 
@@ -101,17 +107,20 @@ class SGD:
             return lr
         lr = self.lr_policy(it) * self.lr_scale
         if self._scratch is None:
-            self._scratch = np.empty(self.size, dtype=self.dtype)
-        t = self._scratch
-        if self.weight_decay:
-            np.multiply(w, self.dtype.type(self.weight_decay), out=t)
-            t += g                                              # g + wd * w
-            t *= self.dtype.type(lr)
-        else:
-            np.multiply(g, self.dtype.type(lr), out=t)
-        self.v *= self.dtype.type(self.momentum)
-        self.v += t
-        w -= self.v
+            self._scratch = np.empty(min(self.size, CPU_BLOCK), dtype=self.dtype)
+        decay, momentum, rate = (self.dtype.type(v) for v in (self.weight_decay, self.momentum, lr))
+        for lo in range(0, self.size, CPU_BLOCK):       # the six passes on one block in cache
+            hi = min(lo + CPU_BLOCK, self.size)
+            ws, gs, vs, t = w[lo:hi], g[lo:hi], self.v[lo:hi], self._scratch[:hi - lo]
+            if self.weight_decay:
+                np.multiply(ws, decay, out=t)
+                t += gs                                          # g + wd * w
+                t *= rate
+            else:
+                np.multiply(gs, rate, out=t)
+            vs *= momentum
+            vs += t
+            ws -= vs
         return lr
 
     def set_lr(self, xp, it):

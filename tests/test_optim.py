@@ -49,6 +49,26 @@ def test_sgd_matches_the_documented_formula():
     np.testing.assert_allclose(opt.state_dict()["momentum"], v_ref, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("decay", [0.0, 5e-4])
+def test_the_blocked_cpu_update_equals_the_whole_array_formula_bit_for_bit(dtype, decay):
+    from ringnet.optim import CPU_BLOCK
+    n = 2 * CPU_BLOCK + 123                             # two whole blocks and a part
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=n).astype(dtype)
+    opt = SGD(n, LRPolicy("inv", 0.05, gamma=0.1, power=0.75), momentum=0.9,
+              weight_decay=decay, dtype=dtype)
+    w_ref, v_ref = w.copy(), np.zeros(n, dtype)
+    for it in range(3):
+        g = rng.normal(size=n).astype(dtype)
+        lr = opt.step(w, g, it)
+        t = (w_ref * dtype(decay) + g) * dtype(lr) if decay else g * dtype(lr)
+        v_ref = v_ref * dtype(0.9) + t
+        w_ref = w_ref - v_ref
+    np.testing.assert_array_equal(w, w_ref)
+    np.testing.assert_array_equal(opt.v, v_ref)
+
+
 def test_slice_updates_equal_whole_buffer_update():
     rng = np.random.default_rng(1)
     size, cut = 41, 17                                  # uneven shards
