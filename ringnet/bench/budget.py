@@ -40,8 +40,8 @@ import numpy as np
 
 from ringnet.bench import machine
 from ringnet.cli import ArgumentParser
-from ringnet.layers import _cuda, activation, conv, linear, loss, pool
-from ringnet import models, optim
+from ringnet.layers import _cuda, _gemm, activation, conv, linear, loss, pool
+from ringnet import graphs, models, optim
 
 __all__ = ["DeviceArray", "Recorder", "CaptureError", "recording", "step_budget", "graph_budget",
            "main"]
@@ -421,6 +421,18 @@ def recording(recorder):
             setattr(module, attr, value)
 
 
+def _training(recorder, name, batch_size, dtype, seed):
+    """Return (model, SGD, x, y): model ``name`` on the stand-in with the budgets' optimizer
+    and one seeded batch (host arrays)."""
+    model = models.build_model(name, dtype=dtype, xp=recorder, seed=seed)
+    opt = optim.SGD(model.num_params, 0.01, momentum=0.9, weight_decay=5e-4,
+                    xp=recorder, dtype=model.dtype)
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch_size,) + model.input_shape).astype(model.dtype)
+    y = rng.integers(0, model.num_classes, size=batch_size)
+    return model, opt, x, y
+
+
 def step_budget(name, batch_size=64, dtype="float32", seed=0):
     """Return the counts of one single-mode training step of model ``name`` on the stand-in:
     {"model", "batch_size", totals (see :meth:`Recorder.totals`), "phases": {phase: totals},
@@ -428,12 +440,7 @@ def step_budget(name, batch_size=64, dtype="float32", seed=0):
     ("conv1 forward"), "loss", "update" or "input"."""
     recorder = Recorder()
     with recording(recorder):
-        model = models.build_model(name, dtype=dtype, xp=recorder, seed=seed)
-        opt = optim.SGD(model.num_params, 0.01, momentum=0.9, weight_decay=5e-4,
-                        xp=recorder, dtype=model.dtype)
-        rng = np.random.default_rng(seed)
-        x = rng.normal(size=(batch_size,) + model.input_shape).astype(model.dtype)
-        y = rng.integers(0, model.num_classes, size=batch_size)
+        model, opt, x, y = _training(recorder, name, batch_size, dtype, seed)
         names = [n for n, _ in model.layers]
 
         def hook(phase, index):            # called after each layer: name what comes next
@@ -469,16 +476,9 @@ def graph_budget(name, batch_size=64, dtype="float32", seed=0):
     """Return what one single-mode step launches under ``--cuda-graphs`` on the stand-in:
     {"model", "captured": launches inside the graph, "outside": totals (see
     :meth:`Recorder.totals`) of what the step issues besides the graph's one launch}."""
-    from ringnet import graphs
-    from ringnet.layers import _gemm
     recorder = Recorder()
     with recording(recorder):
-        model = models.build_model(name, dtype=dtype, xp=recorder, seed=seed)
-        opt = optim.SGD(model.num_params, 0.01, momentum=0.9, weight_decay=5e-4,
-                        xp=recorder, dtype=model.dtype)
-        rng = np.random.default_rng(seed)
-        x = rng.normal(size=(batch_size,) + model.input_shape).astype(model.dtype)
-        y = rng.integers(0, model.num_classes, size=batch_size)
+        model, opt, x, y = _training(recorder, name, batch_size, dtype, seed)
         was = _gemm.enabled()
         try:
             step = graphs.GraphStep(model, opt, graphs.StandinGraphs(recorder))
