@@ -259,16 +259,17 @@ class DataParallelStrategy(Strategy):
         with self._exchange_step(it):
             with self.stats.span("compute", phase="forward_backward"):
                 if self.graphs is not None:
-                    return self.graphs.step(x, labels, it)
-                loss, correct = self.model.loss_and_grad(x, labels)
+                    loss, correct = self.graphs.step(x, labels, it)
+                else:
+                    loss, correct = self.model.loss_and_grad(x, labels)
         return loss, correct
 
-    def graph_step(self, backend, strict=False):
-        """Run the forward and backward of every later step as a replayed CUDA graph
-        (:class:`ringnet.graphs.GraphStep`; the exchange and the update stay outside it);
-        return it."""
+    def graph_step(self, backend, strict=False, optimizer=None):
+        """Run every later step's forward and backward (and, with ``optimizer``, its update)
+        as a replayed CUDA graph (:class:`ringnet.graphs.GraphStep`; the exchange, and the
+        update without ``optimizer``, stay outside it); return it."""
         from ringnet.graphs import GraphStep
-        self.graphs = GraphStep(self.model, None, backend, strict=strict)
+        self.graphs = GraphStep(self.model, optimizer, backend, strict=strict)
         return self.graphs
 
     def drain(self):

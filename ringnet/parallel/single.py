@@ -18,10 +18,7 @@ class SingleStrategy(DataParallelStrategy):
             with self.stats.span("compute", phase="forward_backward_update"):
                 return self.graphs.step(x, labels, it)
 
-    def graph_step(self, backend, strict=False):
+    def graph_step(self, backend, strict=False, optimizer=None):
         """As the data-parallel modes', with the SGD update inside the graph (delay 0)."""
-        if self.delay or self.engine.lookahead is not None:
-            return super().graph_step(backend, strict)
-        from ringnet.graphs import GraphStep
-        self.graphs = GraphStep(self.model, self.engine.optimizer, backend, strict=strict)
-        return self.graphs
+        inside = not self.delay and self.engine.lookahead is None
+        return super().graph_step(backend, strict, self.engine.optimizer if inside else None)
