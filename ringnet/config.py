@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from ringnet import graphs
 from ringnet.errors import TransportUnavailable, UsageError
 from ringnet.cli import ArgumentParser
 from ringnet.parallel import MODES, delayed_update
@@ -148,7 +149,7 @@ class TrainConfig:
             raise UsageError(f"--dtype must be float32 or float64, got {cfg.dtype!r}")
         if cfg.device not in ("auto", "cpu", "gpu"):
             raise UsageError(f"--device must be auto, cpu or gpu, got {cfg.device!r}")
-        if cfg.cuda_graphs not in ("auto", "on", "off"):
+        if cfg.cuda_graphs not in graphs.CHOICES:
             raise UsageError(f"--cuda-graphs must be auto, on or off, got {cfg.cuda_graphs!r}")
         if cfg.cuda_graphs == "on" and cfg.device == "cpu":
             raise UsageError("--cuda-graphs on needs the GPU path; --device cpu runs NumPy "
@@ -314,7 +315,7 @@ def build_parser():
     g.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="where layers run (default auto: gpu with CuPy when available, else cpu "
                         "with NumPy)")
-    g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+    g.add_argument("--cuda-graphs", choices=graphs.CHOICES, default="auto",
                    help="on a GPU, capture each step's device work once as a CUDA graph and "
                         "replay it (one launch instead of dozens). The step is captured after 2 "
                         "eager steps and its replay checked against the eager step bit for bit. "

@@ -128,12 +128,10 @@ class CudaGraphs:
         current.wait_event(self.stream.record())
         return graph, out
 
+    captures_run = False                    # captured work is recorded, not run
+
     def launch(self, graph):
         graph.launch(self.cupy.cuda.get_current_stream())
-
-    @staticmethod
-    def captures_run():
-        return False                        # captured work is recorded, not run
 
 
 class StandinGraphs:
@@ -150,12 +148,10 @@ class StandinGraphs:
             out = fn()
         return graph, out
 
+    captures_run = True                     # NumPy computes while it records
+
     def launch(self, graph):
         self.recorder.replay(graph)
-
-    @staticmethod
-    def captures_run():
-        return True                         # NumPy computes while it records
 
 
 def _held_arrays(objects, xp):
@@ -277,7 +273,7 @@ class GraphStep:
             except Exception as exc:                    # CUDA or CuPy refused the capture
                 return self._fall_back(f"step {it} could not be captured "
                                        f"({type(exc).__name__}: {exc})", after)
-        if self.backend.captures_run():                 # the stand-in ran what it captured
+        if self.backend.captures_run:                   # the stand-in ran what it captured
             for target, value in zip(self._state(), before):
                 target[...] = value
         self.graph, self.outputs = graph, outputs

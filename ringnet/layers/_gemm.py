@@ -103,26 +103,21 @@ def matmul(xp, a, b, out=None):
         out = xp.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
     if a.dtype != out.dtype or b.dtype != out.dtype:
         raise TypeError(f"gemm of {a.dtype} @ {b.dtype} -> {out.dtype}")
-    steps = plan(a, b, out)
-    if steps is None:
-        target = out if _layout(*out.shape, *_strides(out)) is not None else \
-            xp.empty(out.shape, dtype=out.dtype)
-        steps = plan(xp.ascontiguousarray(a), xp.ascontiguousarray(b), target)
-        if target is not out:
-            _run(xp, steps, target)
-            out[...] = target
-            return out
-    _run(xp, steps, out)
+    target = out if _layout(*out.shape, *_strides(out)) is not None else \
+        xp.empty(out.shape, dtype=out.dtype)
+    steps = plan(a, b, target) or plan(xp.ascontiguousarray(a), xp.ascontiguousarray(b), target)
+    _run(xp, steps, target)
+    if target is not out:
+        out[...] = target
     return out
 
 
-def _run(xp, steps, c):
-    if hasattr(xp, "cuda"):                       # CuPy
+def _run(module, steps, c):
+    if hasattr(module, "cuda"):                   # CuPy
         _handle().gemm(steps, c)
     else:                                         # a stand-in array module: NumPy memory
         transa, transb, m, n, k, first, lda, second, ldb, ldc = steps
-        standin = xp
-        standin.gemm_call(emulate, (transa, transb, m, n, k, first, lda, second, ldb, c, ldc))
+        module.gemm_call(emulate, (transa, transb, m, n, k, first, lda, second, ldb, c, ldc))
 
 
 # --- cuBLAS through ctypes -------------------------------------------------------

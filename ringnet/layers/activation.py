@@ -100,15 +100,14 @@ class Dropout(Layer):
     def __repr__(self):
         return f"Dropout(p={self.p})"
 
-    def set_keys(self, xp, step=None):
-        """Write the stream keys of step ``step`` (default ``self.step``) into the device
-        array the GPU kernel reads them from (allocated on first use): outside a CUDA graph,
-        so that its replay draws this step's masks."""
+    def set_keys(self, xp):
+        """Write the stream keys of step ``self.step`` into the device array the GPU kernel
+        reads them from (allocated on first use): outside a CUDA graph, so that its replay
+        draws this step's masks."""
         if self._keys is None:
             self._keys = xp.zeros(2, dtype=np.uint64)
-        step = self.step if step is None else step
-        _cuda_ops.upload(xp, self._keys, np.array(stream_keys((self.seed, step, self.layer_index)),
-                                                  dtype=np.uint64))
+        keys = stream_keys((self.seed, self.step, self.layer_index))
+        _cuda_ops.upload(xp, self._keys, np.array(keys, dtype=np.uint64))
 
     def forward(self, x, train=True):
         if not train or self.p == 0.0:
