@@ -29,9 +29,11 @@ replay must give the same loss, correct count, weights, gradients and momentum b
 bit. If it does not, or the capture itself fails, graphs are turned off for the rest of
 the run, the eager result kept and the reason in the summary (``auto``), or the run stops
 with one line saying so (``on``). The data-parallel modes capture the forward and backward and
-run their exchange and update outside the graph, ordered on the stream as before (a
-delay-0 exchange then starts after the whole backward instead of bucket by bucket);
-split-fc exchanges activations inside its step and runs without graphs.
+run their exchange and update outside the graph, ordered on the stream as before. At delay
+0 with buckets the step is captured as one graph per bucket span, cut after the backward of
+each layer that completes a bucket; the replay launches them in turn and starts that
+bucket's exchange between them, so it overlaps the rest of the backward as in an eager
+step. split-fc exchanges activations inside its step and runs without graphs.
 
 The same class runs on the recording stand-in for CuPy (:mod:`ringnet.bench.budget`),
 where a "graph" is the list of recorded launches replayed on the same memory: CI checks
@@ -82,8 +84,14 @@ def setup(choice, strategy, xp):
             raise UsageError(f"--cuda-graphs on: {why}; use --cuda-graphs auto or off")
         return f"off (auto: {why})"
     strategy.graph_step(CudaGraphs(xp), strict=choice == "on")
-    what = "forward, backward and update" if strategy.graphs.optimizer is not None else \
-        "forward and backward; the exchange and update outside"
+    step = strategy.graphs
+    if step.optimizer is not None:
+        what = "forward, backward and update"
+    elif step.splits:
+        what = (f"forward and backward as {len(step.splits) + 1} graphs, one per delay-0 "
+                f"bucket span, each bucket's exchange started between them; the update outside")
+    else:
+        what = "forward and backward; the exchange and update outside"
     return f"on ({'asked for' if choice == 'on' else 'auto'}: {what}, captured after " \
            f"{WARMUP} eager steps)"
 
@@ -98,7 +106,21 @@ def status(strategy):
     return f"on ({step.replays} steps replayed)"
 
 
-class CudaGraphs:
+class _Backend:
+    """What both backends share: one graph, or several cut where the captured work says."""
+
+    def capture(self, fn):
+        """Return (graph, fn()) with fn's device work captured, not run."""
+        segments, out = self.capture_segments(lambda cut: fn())
+        return segments[0], out
+
+    def capture_segments(self, fn):
+        """Return ([graph, ...], fn(cut)): fn's device work captured as consecutive graphs,
+        a new one begun at each call of ``cut()``; launched in order they do fn's work."""
+        raise NotImplementedError
+
+
+class CudaGraphs(_Backend):
     """Capture and replay with CuPy: a side stream to capture on (the legacy default stream
     cannot capture), a private memory pool, replays on the current stream."""
 
@@ -110,23 +132,27 @@ class CudaGraphs:
     def allocating(self):
         return self.cupy.cuda.using_allocator(self.pool.malloc)
 
-    def capture(self, fn):
-        """Return (graph, fn()) with fn's device work captured, not run."""
+    def capture_segments(self, fn):
         cuda = self.cupy.cuda
         current = cuda.get_current_stream()
         self.stream.wait_event(current.record())
+        segments = []
+
+        def cut():
+            segments.append(self.stream.end_capture())
+            self.stream.begin_capture()
         with self.stream:
             _gemm.bind()                    # the handle on this stream before capturing
             self.stream.begin_capture()
             try:
-                out = fn()
+                out = fn(cut)
             except BaseException:
                 with contextlib.suppress(Exception):
                     self.stream.end_capture()
                 raise
-            graph = self.stream.end_capture()
+            segments.append(self.stream.end_capture())
         current.wait_event(self.stream.record())
-        return graph, out
+        return segments, out
 
     captures_run = False                    # captured work is recorded, not run
 
@@ -134,7 +160,7 @@ class CudaGraphs:
         graph.launch(self.cupy.cuda.get_current_stream())
 
 
-class StandinGraphs:
+class StandinGraphs(_Backend):
     """Capture and replay on the recording stand-in: the "graph" is the recorded launches."""
 
     def __init__(self, recorder):
@@ -143,10 +169,16 @@ class StandinGraphs:
     def allocating(self):
         return contextlib.nullcontext()
 
-    def capture(self, fn):
-        with self.recorder.capturing() as graph:
-            out = fn()
-        return graph, out
+    def capture_segments(self, fn):
+        recorder, segments = self.recorder, []
+
+        def cut():
+            segments.append(recorder.captured)
+            recorder.captured = []
+        with recorder.capturing():
+            out = fn(cut)
+            segments.append(recorder.captured)
+        return segments, out
 
     captures_run = True                     # NumPy computes while it records
 
@@ -174,12 +206,23 @@ class GraphStep:
     updates); ``backend``: :class:`CudaGraphs` or :class:`StandinGraphs`; ``strict``:
     raise :class:`GraphMismatch` when the replay differs from the eager step (``on``),
     else fall back to eager steps (``auto``), saying why in ``self.off``.
+
+    ``splits``: layer indices (last first) after whose backward the step is cut into
+    another graph, and ``at_split(index)`` runs between the graphs of a replay (a delay-0
+    bucket's exchange starting); ``self.graph`` is the list of graphs (one without
+    splits). The eager steps (warm-up, and after a fall-back) run the model's own
+    ``layer_hook``.
     """
 
-    def __init__(self, model, optimizer, backend, warmup=WARMUP, strict=False):
+    def __init__(self, model, optimizer, backend, warmup=WARMUP, strict=False, splits=(),
+                 at_split=None):
         self.model, self.optimizer, self.backend = model, optimizer, backend
         self.xp = model.xp
         self.warmup, self.strict = int(warmup), strict
+        self.splits = tuple(sorted(splits, reverse=True))
+        if self.splits and at_split is None:
+            raise ValueError("GraphStep: splits need an at_split to run between the graphs")
+        self.at_split = at_split
         self.dropouts = [layer for _, layer in model.layers if isinstance(layer, Dropout)]
         for layer in self.dropouts:
             layer.keys_preset = True         # their keys come from _load, outside the graph
@@ -199,15 +242,22 @@ class GraphStep:
         static = self._load(x, labels, it)
         self.steps += 1
         if not static or self.off is not None:
-            return self._record(*self._compute())
+            return self._record(*self._compute(self.model.layer_hook))
         if self.graph is None:
             if self.steps <= self.warmup:
                 with self.backend.allocating():
-                    return self._record(*self._compute())
+                    return self._record(*self._compute(self.model.layer_hook))
             return self._capture(it)
-        self.backend.launch(self.graph)
+        self._launch(between=True)
         self.replays += 1
         return self._record(*self.outputs)
+
+    def _launch(self, between):
+        """Replay the step: its graphs in order, ``at_split`` after each cut (``between``)."""
+        for k, graph in enumerate(self.graph):
+            self.backend.launch(graph)
+            if between and k < len(self.splits):
+                self.at_split(self.splits[k])
 
     def _load(self, x, labels, it):
         """Copy the inputs into the static buffers and write the step's device scalars;
@@ -233,10 +283,11 @@ class GraphStep:
         self._batch = (self.x, self.labels)
         return True
 
-    def _compute(self):
-        """The captured work: forward, loss, backward (and the update)."""
+    def _compute(self, hook=None):
+        """The captured work: forward, loss, backward (and the update), with ``hook`` as
+        the model's layer hook meanwhile (None: no exchange starts in here)."""
         model = self.model
-        hook, model.layer_hook = model.layer_hook, None      # no exchange starts in here
+        hook, model.layer_hook = model.layer_hook, hook
         try:
             loss, correct = model.loss_and_grad(*self._batch)
             if self.optimizer is not None:
@@ -244,6 +295,15 @@ class GraphStep:
         finally:
             model.layer_hook = hook
         return loss, correct
+
+    def _cut_compute(self, cut):
+        """:meth:`_compute` cut into another graph after the backward of each split layer."""
+        splits = set(self.splits)
+
+        def hook(phase, index):
+            if phase == "backward" and index in splits:
+                cut()
+        return self._compute(hook)
 
     def _record(self, loss, correct):
         """Copy this step's loss and count into their ring slots; return the slots."""
@@ -269,17 +329,20 @@ class GraphStep:
             for target, value in zip(self._state(), before):
                 target[...] = value
             try:
-                graph, outputs = self.backend.capture(self._compute)
+                graph, outputs = self.backend.capture_segments(self._cut_compute)
             except Exception as exc:                    # CUDA or CuPy refused the capture
                 return self._fall_back(f"step {it} could not be captured "
                                        f"({type(exc).__name__}: {exc})", after)
+            if len(graph) != len(self.splits) + 1:
+                return self._fall_back(f"step {it} was captured as {len(graph)} graphs, "
+                                       f"not one per bucket span ({len(self.splits) + 1})", after)
         if self.backend.captures_run:                   # the stand-in ran what it captured
             for target, value in zip(self._state(), before):
                 target[...] = value
         self.graph, self.outputs = graph, outputs
         self._keep = _held_arrays([layer for _, layer in self.model.layers] +
                                   ([self.optimizer] if self.optimizer is not None else []), self.xp)
-        self.backend.launch(graph)
+        self._launch(between=False)                     # every bucket starts after it
         replayed = self._state() + [outputs[0], outputs[1]]
         names = ["weights", "gradients", "momentum"][:len(self._state())] + ["loss", "correct count"]
         differ = [name for name, a, b in zip(names, after, replayed)

@@ -13,7 +13,9 @@ from ringnet import graphs, models, optim
 from ringnet.bench import budget
 from ringnet.layers import _cuda_ops, _gemm, activation
 from ringnet.parallel.base import DataParallelStrategy
+from ringnet.parallel.ring import RingStrategy
 from ringnet.parallel.single import SingleStrategy
+from ringnet.parallel.tree import TreeStrategy
 
 MODELS = ["lenet", "cifar10_quick", "carnet"]      # carnet has a Dropout
 
@@ -116,7 +118,7 @@ def test_a_replay_that_differs_turns_graphs_off_under_auto_and_stops_a_run_under
 
 
 class _RefusingGraphs(graphs.StandinGraphs):
-    def capture(self, fn):            # as CuPy refuses a cuBLAS stream change while capturing
+    def capture_segments(self, fn):   # as CuPy refuses a cuBLAS stream change while capturing
         raise NotImplementedError("calling cuBLAS API during stream capture is unsupported")
 
 
@@ -129,6 +131,135 @@ def test_a_capture_that_fails_turns_graphs_off_under_auto_and_stops_a_run_under_
     assert got[2] == want[2] and got[3].replays == 0
     with pytest.raises(graphs.GraphMismatch, match="could not be captured"):
         _run("lenet", 4, True, strict=True, backend=_RefusingGraphs)
+
+
+class _Done:
+    def wait(self, timeout=None):
+        return None
+
+
+class _InOrderComm:
+    """One rank: a stream that runs each submitted exchange at once, collectives that only
+    log their size, so ``log`` is the order of graph launches and bucket exchanges."""
+    rank, size, transport = 0, 1, None
+
+    def __init__(self):
+        self.log = []
+
+    def shard_bounds(self, length):
+        return [(0, length)]
+
+    def new_stream(self):
+        comm = self
+
+        class Stream:
+            def submit(self, fn, *args):
+                fn(*args)
+                return _Done()
+
+            def close(self):
+                comm.log.append("closed")
+        return Stream()
+
+    def reduce_scatter(self, buf, op="sum", bounds=None):
+        self.log.append(("reduce", buf.size))
+
+    def reduce(self, buf, root=0, op="sum"):
+        self.log.append(("reduce", buf.size))
+
+    def allgather(self, buf, bounds=None):
+        pass
+
+    def bcast(self, buf, root=0):
+        pass
+
+
+class _LoggedGraphs(graphs.StandinGraphs):
+    def __init__(self, recorder, log):
+        super().__init__(recorder)
+        self.log = log
+
+    def launch(self, graph):
+        self.log.append("graph")
+        super().launch(graph)
+
+
+def _bucketed_strategy(rec, comm, strategy_class):
+    """LeNet at delay 0 with one bucket per parameter layer, on the stand-in."""
+    model = models.build_model("lenet", xp=rec, seed=0)
+    model.params[...] += np.random.default_rng(3).normal(
+        scale=0.02, size=model.num_params).astype(np.float32)
+    st = strategy_class(model, lambda n: optim.SGD(n, _policy(), momentum=0.9,
+                                                   weight_decay=5e-4, xp=rec, dtype=model.dtype),
+                        None, comm, delay=0, bucket_size=1)
+    st.stats.gpu = None
+    _gemm.enable()
+    return st
+
+
+def test_the_run_header_says_the_step_is_a_graph_per_bucket_span(monkeypatch):
+    monkeypatch.setattr(graphs, "CudaGraphs", graphs.StandinGraphs)
+    rec = budget.Recorder()
+    with budget.recording(rec):
+        st = _bucketed_strategy(rec, _InOrderComm(), RingStrategy)
+        said = graphs.setup("auto", st, rec)
+    assert st.graphs.splits == tuple(sorted((layer for _, _, layer in st.buckets[:-1]),
+                                            reverse=True))
+    assert said == ("on (auto: forward and backward as 4 graphs, one per delay-0 bucket span, "
+                    "each bucket's exchange started between them; the update outside, "
+                    "captured after 2 eager steps)")
+
+
+def _bucketed(strategy_class, steps, use_graphs, early=False):
+    """Delay 0, one bucket per parameter layer, on the stand-in; return (params, momentum,
+    losses, GraphStep, the log of the last step, the bucket sizes in exchange order)."""
+    rec, comm = budget.Recorder(), _InOrderComm()
+    with budget.recording(rec):
+        st = _bucketed_strategy(rec, comm, strategy_class)
+        model = st.model
+        if use_graphs:
+            st.graph_step(_LoggedGraphs(rec, comm.log), strict=True)
+            if early:        # start the next bucket at each cut: one graph too soon
+                starts = st.graphs.splits[1:] + (0,)
+                st.graphs.at_split = lambda layer: st.layer_done(
+                    "backward", starts[st.graphs.splits.index(layer)])
+        losses = []
+        for it, (x, y) in enumerate(_batches(model, steps)):
+            del comm.log[:]
+            loss, correct = st.step(x, y, it)
+            losses.append((float(np.asarray(loss)), int(np.asarray(correct))))
+        sizes = [hi - lo for lo, hi, _ in st.buckets]
+        return (np.array(model.params), np.array(st.optimizer.v), losses, st.graphs,
+                list(comm.log), sizes)
+
+
+@pytest.mark.parametrize("strategy_class", [RingStrategy, TreeStrategy])
+def test_delay0_buckets_are_exchanged_between_the_graphs_of_a_replay(strategy_class):
+    """One graph per bucket span: a replayed step launches a graph, starts the bucket its
+    backward completed, launches the next; the result equals the eager bucketed run."""
+    want = _bucketed(strategy_class, 5, False)
+    got = _bucketed(strategy_class, 5, True)
+    sizes = want[5]
+    assert len(sizes) == 4                              # lenet: conv1, conv2, ip1, ip2
+    step = got[3]
+    assert step.off is None and step.replays == 5 - graphs.WARMUP and len(step.graph) == 4
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert got[2] == want[2]
+    # the eager step exchanges the buckets last layers first; the replay the same buckets,
+    # each right after the graph that wrote its gradient (the first layer's after the last)
+    assert [entry for entry in want[4] if entry != "graph"] == [("reduce", n) for n in sizes]
+    assert got[4] == ["graph", ("reduce", sizes[0]), "graph", ("reduce", sizes[1]),
+                      "graph", ("reduce", sizes[2]), "graph", ("reduce", sizes[3])]
+
+
+def test_a_bucket_started_before_its_graph_ran_changes_the_result():
+    """The comparison above can fail: a bucket exchanged one graph too soon, before the
+    backward of its last layer, is updated with a stale gradient."""
+    want = _bucketed(RingStrategy, 4, False)
+    early = _bucketed(RingStrategy, 4, True, early=True)
+    assert early[3].off is None
+    assert not np.array_equal(early[0], want[0])
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -267,9 +267,13 @@ class DataParallelStrategy(Strategy):
     def graph_step(self, backend, strict=False, optimizer=None):
         """Run every later step's forward and backward (and, with ``optimizer``, its update)
         as a replayed CUDA graph (:class:`ringnet.graphs.GraphStep`; the exchange, and the
-        update without ``optimizer``, stay outside it); return it."""
+        update without ``optimizer``, stay outside it); return it. With delay-0 buckets the
+        step is one graph per bucket span, and each bucket's exchange starts between them
+        (the first layer's bucket: after the last graph, as in an eager step)."""
         from ringnet.graphs import GraphStep
-        self.graphs = GraphStep(self.model, optimizer, backend, strict=strict)
+        splits = [layer for layer in self._bucket_at if layer > 0]
+        self.graphs = GraphStep(self.model, optimizer, backend, strict=strict, splits=splits,
+                                at_split=lambda layer: self.layer_done("backward", layer))
         return self.graphs
 
     def drain(self):

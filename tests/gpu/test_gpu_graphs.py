@@ -87,3 +87,21 @@ def test_a_training_run_with_graphs_on_learns_as_without(cupy):
     assert on.summary["cuda_graphs"] == "on (28 steps replayed)", on.summary["cuda_graphs"]
     assert off.summary["cuda_graphs"] == "off (asked for)"
     assert abs(on.summary["train_loss"] - off.summary["train_loss"]) < 1e-3
+
+
+def test_a_bucketed_delay0_ring_with_graphs_on_learns_as_without(cupy, monkeypatch):
+    """One graph per bucket span, each bucket's exchange started between them (N = 1)."""
+    from mpi4py import MPI
+    from ringnet.config import TrainConfig
+    from ringnet.train import train
+    monkeypatch.setenv("RINGNET_BUCKET_BYTES", "1")          # a bucket per parameter layer
+    base = dict(mode="ring", delay=0, model="lenet", dataset="synthetic", batch_size=32,
+                steps=20, seed=2, progress=False, quiet=True, eval_every_epoch=False,
+                device="gpu")
+    on = train(TrainConfig(cuda_graphs="on", **base), world=MPI.COMM_SELF)
+    off = train(TrainConfig(cuda_graphs="off", **base), world=MPI.COMM_SELF)
+    for run in (on, off):
+        run.strategy.close()
+    assert len(on.strategy.graphs.graph) == 4 and on.strategy.graphs.splits
+    assert on.summary["cuda_graphs"] == "on (18 steps replayed)", on.summary["cuda_graphs"]
+    assert abs(on.summary["train_loss"] - off.summary["train_loss"]) < 1e-3
