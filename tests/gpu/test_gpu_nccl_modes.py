@@ -4,7 +4,9 @@ Run by ``tests/gpu/run.sh`` (stage ``multi-gpu``) under ``mpirun -np G`` on a ho
 G >= 2 GPUs; skipped with fewer GPUs than ranks, with one rank, or without CuPy's NCCL.
 
 * delay 0 (ring, tree, master, split-fc): the same weights as ``single`` on the CPU over
-  the same global batches, float64, relative difference <= 1e-9;
+  the same global batches, float64, relative difference <= 1e-9; ring, tree and master
+  also with a bucket per parameter layer under ``--cuda-graphs on`` (a graph per bucket
+  span, each bucket's exchange started between them);
 * delay 1 (ring, tree, master): the one-process simulation of the recurrence from
   ``tests/parallel/test_parallel_mpi.py``; split-fc delay 1, with and without the activation
   stream (three NCCL communicators busy on each GPU): its recurrence from
@@ -69,12 +71,12 @@ def _only_this_ranks_gpu():
         f"rank {RANK} has CUDA contexts on GPUs {_contexts()}, its own is {cupy.cuda.Device().id}"
 
 
-def _trained(mode, delay):
+def _trained(mode, delay, **more):
     from ringnet.config import TrainConfig
     from ringnet.train import train
     # delay 1: the compensated recurrence from step 0 (no warm-up), as dp._simulate_delay1
     result = train(TrainConfig(mode=mode, delay=delay, device="gpu", transport="nccl",
-                               warmup_steps=0 if delay else None, **dp.BASE), world=WORLD)
+                               warmup_steps=0 if delay else None, **dp.BASE, **more), world=WORLD)
     params = flat_params(result.strategy)
     summary = result.summary
     result.strategy.close()
@@ -88,6 +90,17 @@ def test_delay0_over_nccl_equals_single_on_the_cpu(mode):
     reference, _ = dp._single_reference()
     assert summary["device"] == "gpu" and summary["transport"] == "nccl", summary
     assert rel_error(params, reference) <= 1e-9, f"{mode} over NCCL differs from single"
+
+
+@pytest.mark.parametrize("mode", ["ring", "tree", "master"])
+def test_delay0_graphs_per_bucket_span_over_nccl_equal_single_on_the_cpu(mode, monkeypatch):
+    """A bucket per parameter layer, CUDA graphs on: one graph per bucket span, each
+    bucket's NCCL exchange started between them."""
+    monkeypatch.setenv("RINGNET_BUCKET_BYTES", "1")
+    params, summary = _trained(mode, 0, cuda_graphs="on")
+    reference, _ = dp._single_reference()
+    assert summary["cuda_graphs"].startswith("on ("), summary["cuda_graphs"]
+    assert rel_error(params, reference) <= 1e-9, f"{mode} graphed over NCCL differs from single"
 
 
 @pytest.mark.parametrize("mode", ["ring", "tree", "master"])
