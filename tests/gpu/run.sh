@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU acceptance run, for a machine with at least one CUDA GPU (about 3-5 minutes on one
-# H200; every stage has its own limit, 660 s in all, and 390 s more for multi-gpu and ddp-gpu
+# H200; every stage has its own limit, 690 s in all, and 390 s more for multi-gpu and ddp-gpu
 # on a host with two or more GPUs).
 # Usage: bash tests/gpu/run.sh   (repository root or anywhere; ringnet, mpi4py and CuPy installed)
 #
@@ -11,12 +11,14 @@
 #               graphs (the cuBLAS route and its capture, replayed steps equal to eager steps
 #               bit for bit, a run with --cuda-graphs on)
 #   gpu-n2      2 ranks sharing the GPU(s), MPI transport with CuPy buffers: ring/tree/master
-#               at delay 0 and 1, split-fc at delay 0 and 1 against single / the recurrence;
+#               at delay 0 and 1, split-fc at delay 0 and 1 against single / the recurrence,
+#               ring/tree/master at delay 0 as CUDA graphs per bucket span against single;
 #               NCCL refused when ranks share a GPU
 #   gpu-n4      the same modes at 4 ranks
 #   multi-gpu   a host with G >= 2 GPUs, one rank per GPU over NCCL (mpirun -np G): every mode
-#               (ring/tree/master delay 0 and 1, split-fc delay 0 and 1 with and without
-#               its activation stream) against single / the recurrence, each rank with a CUDA
+#               (ring/tree/master delay 0 and 1, also delay 0 as CUDA graphs per bucket span,
+#               split-fc delay 0 and 1 with and without its activation stream) against
+#               single / the recurrence, each rank with a CUDA
 #               context on its own GPU only; then `bench comm --transport nccl`, every
 #               algorithm's all-reduce right at every size. One line and skipped on one GPU.
 #   nccl-shared the CLI with --transport nccl on ranks that share a GPU: exit 2, one line
@@ -250,9 +252,9 @@ export WORK GPUS CORES MPIRUN
 PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi"
 stage gpu-n1 120 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py tests/gpu/test_gpu_graphs.py \
     tests/layers/test_cuda_kernels.py tests/layers/test_loss_kernel.py
-stage gpu-n2 60 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_comm.py \
+stage gpu-n2 75 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_comm.py \
     tests/gpu/test_gpu_comm_auto.py tests/gpu/test_gpu_modes.py tests/test_gpu_train.py
-stage gpu-n4 60 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
+stage gpu-n4 75 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
 stage multi-gpu 300 bash -c multi_gpu
 stage ddp-gpu 90 bash -c ddp_gpu
 stage nccl-shared 25 bash -c nccl_shared

@@ -97,7 +97,7 @@ def test_a_bucketed_delay0_ring_with_graphs_on_learns_as_without(cupy, monkeypat
     monkeypatch.setenv("RINGNET_BUCKET_BYTES", "1")          # a bucket per parameter layer
     base = dict(mode="ring", delay=0, model="lenet", dataset="synthetic", batch_size=32,
                 steps=20, seed=2, progress=False, quiet=True, eval_every_epoch=False,
-                device="gpu")
+                device="gpu", transport="mpi")
     on = train(TrainConfig(cuda_graphs="on", **base), world=MPI.COMM_SELF)
     off = train(TrainConfig(cuda_graphs="off", **base), world=MPI.COMM_SELF)
     for run in (on, off):

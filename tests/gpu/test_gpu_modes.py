@@ -3,7 +3,9 @@
 Run by ``tests/gpu/run.sh`` under ``mpirun -np 2`` and ``-np 4``; skipped without a GPU.
 
 * delay 0 (ring, tree, master, split-fc): the same weights as ``single`` on the CPU over
-  the same global batches, float64, relative difference <= 1e-9;
+  the same global batches, float64, relative difference <= 1e-9; ring, tree and master
+  also with a bucket per parameter layer under ``--cuda-graphs on`` (a graph per bucket
+  span, each bucket's exchange started between them);
 * delay 1 (ring, tree, master): the one-process simulation of
   ``w[t+1] = upd(w[t], G_t(w[t-1]))`` from ``tests/parallel/test_parallel_mpi.py``;
 * split-fc delay 1, with and without the activation stream: the one-process simulation of
@@ -30,12 +32,12 @@ WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 
 
-def _trained(mode, delay):
+def _trained(mode, delay, **more):
     from ringnet.config import TrainConfig
     from ringnet.train import train
     # delay 1: the compensated recurrence from step 0 (no warm-up), as dp._simulate_delay1
     result = train(TrainConfig(mode=mode, delay=delay, device="gpu", transport="mpi",
-                               warmup_steps=0 if delay else None, **dp.BASE), world=WORLD)
+                               warmup_steps=0 if delay else None, **dp.BASE, **more), world=WORLD)
     params = flat_params(result.strategy)
     summary = result.summary
     result.strategy.close()
@@ -48,6 +50,17 @@ def test_delay0_on_the_gpu_equals_single_on_the_cpu(mode):
     reference, _ = dp._single_reference()
     assert summary["device"] == "gpu" and summary["transport"] == "mpi"
     assert rel_error(params, reference) <= 1e-9, f"{mode} on the GPU differs from single"
+
+
+@pytest.mark.parametrize("mode", ["ring", "tree", "master"])
+def test_delay0_graphs_per_bucket_span_on_the_gpu_equal_single_on_the_cpu(mode, monkeypatch):
+    """A bucket per parameter layer, CUDA graphs on: one graph per bucket span, each
+    bucket's exchange started between them."""
+    monkeypatch.setenv("RINGNET_BUCKET_BYTES", "1")
+    params, summary = _trained(mode, 0, cuda_graphs="on")
+    reference, _ = dp._single_reference()
+    assert summary["cuda_graphs"].startswith("on ("), summary["cuda_graphs"]
+    assert rel_error(params, reference) <= 1e-9, f"{mode} graphed on the GPU differs from single"
 
 
 @pytest.mark.parametrize("mode", ["ring", "tree", "master"])
