@@ -6,6 +6,9 @@ as an argument (baked in at capture), a buffer made outside the step, a transfer
 host read inside it show up here as they would on a GPU. The reference is the same run
 without graphs: eager steps on the stand-in.
 """
+import os
+import sys
+
 import numpy as np
 import pytest
 
@@ -16,6 +19,9 @@ from ringnet.parallel.base import DataParallelStrategy
 from ringnet.parallel.ring import RingStrategy
 from ringnet.parallel.single import SingleStrategy
 from ringnet.parallel.tree import TreeStrategy
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "parallel"))
+from test_overlap import _RecordingComm  # noqa: E402  (a one-rank communicator that logs)
 
 MODELS = ["lenet", "cifar10_quick", "carnet"]      # carnet has a Dropout
 
@@ -133,45 +139,26 @@ def test_a_capture_that_fails_turns_graphs_off_under_auto_and_stops_a_run_under_
         _run("lenet", 4, True, strict=True, backend=_RefusingGraphs)
 
 
-class _Done:
+class _AtOnce:
+    """A stream that runs each operation when it is submitted, and is its own done handle."""
+
+    def submit(self, fn, *args):
+        fn(*args)
+        return self
+
     def wait(self, timeout=None):
         return None
 
+    def close(self):
+        return None
 
-class _InOrderComm:
-    """One rank: a stream that runs each submitted exchange at once, collectives that only
-    log their size, so ``log`` is the order of graph launches and bucket exchanges."""
-    rank, size, transport = 0, 1, None
 
-    def __init__(self):
-        self.log = []
-
-    def shard_bounds(self, length):
-        return [(0, length)]
+class _InOrderComm(_RecordingComm):
+    """One rank whose exchanges run when submitted, so ``log`` is the exact order of graph
+    launches and bucket exchanges."""
 
     def new_stream(self):
-        comm = self
-
-        class Stream:
-            def submit(self, fn, *args):
-                fn(*args)
-                return _Done()
-
-            def close(self):
-                comm.log.append("closed")
-        return Stream()
-
-    def reduce_scatter(self, buf, op="sum", bounds=None):
-        self.log.append(("reduce", buf.size))
-
-    def reduce(self, buf, root=0, op="sum"):
-        self.log.append(("reduce", buf.size))
-
-    def allgather(self, buf, bounds=None):
-        pass
-
-    def bcast(self, buf, root=0):
-        pass
+        return _AtOnce()
 
 
 class _LoggedGraphs(graphs.StandinGraphs):
@@ -248,9 +235,10 @@ def test_delay0_buckets_are_exchanged_between_the_graphs_of_a_replay(strategy_cl
     assert got[2] == want[2]
     # the eager step exchanges the buckets last layers first; the replay the same buckets,
     # each right after the graph that wrote its gradient (the first layer's after the last)
-    assert [entry for entry in want[4] if entry != "graph"] == [("reduce", n) for n in sizes]
-    assert got[4] == ["graph", ("reduce", sizes[0]), "graph", ("reduce", sizes[1]),
-                      "graph", ("reduce", sizes[2]), "graph", ("reduce", sizes[3])]
+    def exchange(n):
+        return [("reduce", n), ("distribute", n)]
+    assert [entry for entry in want[4] if entry != "graph"] == sum(map(exchange, sizes), [])
+    assert got[4] == sum((["graph"] + exchange(n) for n in sizes), [])
 
 
 def test_a_bucket_started_before_its_graph_ran_changes_the_result():
