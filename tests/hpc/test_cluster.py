@@ -9,8 +9,10 @@ link, mount, daemon or file of it is left. Each bad input is one line, a non-zer
 and nothing made. Starting a cluster needs root and SLURM; those tests skip saying why.
 """
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -116,11 +118,24 @@ def test_a_node_named_as_this_machine_is_refused(settings):
 def test_without_root_it_says_so(settings):
     args = ["start", "--nodes", "2", "--prefix", settings["prefix"], "--subnet", settings["subnet"]]
     if os.geteuid() == 0:
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", CLUSTER, *args]
+        # The checkout may sit where only root can enter (a clone in /root, a mktemp -d
+        # folder): the unprivileged user runs a copy from a folder it can reach.
+        reachable = tempfile.mkdtemp(prefix="ringnet-cluster-")
+        try:
+            os.chmod(reachable, 0o755)
+            copy = os.path.join(reachable, "cluster.sh")
+            shutil.copyfile(CLUSTER, copy)
+            os.chmod(copy, 0o755)
+            cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", copy, *args]
+            before = snapshot(settings["state"])
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=settings["env"],
+                                  timeout=60, cwd=reachable)
+        finally:
+            shutil.rmtree(reachable)
     else:
-        cmd = ["bash", CLUSTER, *args]
-    before = snapshot(settings["state"])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=settings["env"], timeout=60)
+        before = snapshot(settings["state"])
+        proc = subprocess.run(["bash", CLUSTER, *args], capture_output=True, text=True,
+                              env=settings["env"], timeout=60)
     assert "--nodes 2 needs root" in one_line_error(proc)
     assert snapshot(settings["state"]) == before
 
