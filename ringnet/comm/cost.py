@@ -1,4 +1,8 @@
-"""The cost model of auto's all-reduce algorithms: which one is fastest for a message size and N.
+"""The one cost model of ringnet's exchanges: which of auto's all-reduce algorithms is fastest
+for a message size and N (below), and what an exchange costs over a placement of ranks on
+nodes, flat or hierarchical (:func:`exchange_cost`, :func:`between_nodes`: what
+``--topology auto``, the multi-channel exchange's choice between nodes and ``bench model``
+all price with).
 
 Every algorithm is built from the transport's point-to-point calls, like the ring:
 
@@ -49,11 +53,14 @@ own Python cost) picked. Where the launcher put more ranks on a node than it has
 that once, when the communicator is made, so every rank computes the same choice from
 (n, N) and that flag (:func:`constants`); ties go to the earlier of :data:`CHOICES`.
 """
+import math
 
 __all__ = ["ALGORITHMS", "NATIVE", "CHOICES", "ALPHA", "BETA", "GAMMA", "ALPHA_OVERSUBSCRIBED",
            "NATIVE_ALPHA", "NATIVE_BETA", "NATIVE_ALPHA_OVERSUBSCRIBED", "NATIVE_BETA_OVERSUBSCRIBED",
            "NATIVE_TINY_BYTES",
-           "constants", "terms", "cost", "fit", "fit_native", "choose", "thresholds", "pow2_below"]
+           "constants", "terms", "cost", "fit", "fit_native", "choose", "thresholds", "pow2_below",
+           "INTRA", "INTER", "BETWEEN_NODES", "heap_levels", "between_phases", "between_nodes",
+           "exchange_cost"]
 
 ALGORITHMS = ("rd", "direct", "rhd", "ring")     # built from point-to-point messages
 NATIVE = "native"                                # the MPI library's own all-reduce
@@ -186,3 +193,108 @@ def _next_switch(nbytes, n, algorithm, max_bytes, candidates, constants):
             high = mid
     return high
 
+
+
+# -- exchanges over a placement: flat, through one leader per node, or in channels ----------
+# (alpha s per message, beta s per byte) of a hop within a node (the shared-memory constants
+# above) and between nodes: 10 Gbit/s Ethernet, 1.25 GB/s per direction, with ~40 us per
+# message (TCP through the kernel stack, ~25 us, and the Python-level send/wait).
+INTRA = (ALPHA, BETA)
+INTER = (40e-6, 1 / 1.25e9)
+# The algorithms of the step between nodes of the multi-channel exchange (ringnet.comm.channels).
+BETWEEN_NODES = ("ring", "rhd")
+
+
+def heap_levels(n):
+    """Depth of a binary heap of ``n`` ranks (rounds of a tree reduce)."""
+    return max(0, math.ceil(math.log2(n + 1)) - 1)
+
+
+def _is_pow2(n):
+    return n > 0 and n & (n - 1) == 0
+
+
+def between_phases(algorithm, nbytes, nodes):
+    """The reduce-scatter between ``nodes`` nodes of a channel's ``nbytes`` as phases:
+    [(messages, bytes per message, bytes added)], one entry per step, in order ("ring":
+    M-1 steps of nbytes/M; "rhd": log2 M halving steps of nbytes/2, nbytes/4, ...). The
+    all-gather is the same steps reversed, without the adds."""
+    if nodes <= 1:
+        return []
+    if algorithm == "ring":
+        return [(1, nbytes / nodes, nbytes / nodes)] * (nodes - 1)
+    if algorithm == "rhd":
+        if not _is_pow2(nodes):
+            raise ValueError(f"recursive halving needs a power-of-two node count, got {nodes}")
+        steps, part = [], nbytes
+        while part * nodes > nbytes * 1.0000001:
+            part /= 2
+            steps.append((1, part, part))
+        return steps
+    raise ValueError(f"unknown algorithm between nodes {algorithm!r}: choose {', '.join(BETWEEN_NODES)}")
+
+
+def between_nodes(nbytes, nodes, link=INTER, gamma=GAMMA, share=1.0):
+    """Return (algorithm, seconds) of the cheapest exchange (reduce-scatter + all-gather)
+    of a channel's ``nbytes`` between ``nodes`` nodes over ``link`` (alpha, beta), where
+    ``share`` channels share each link (1: a link per rank). Both algorithms move the same
+    bytes; rhd takes 2 log2 M messages against the ring's 2(M-1), where M is a power of
+    two (ties: the ring)."""
+    best = None
+    for algorithm in BETWEEN_NODES:
+        if algorithm == "rhd" and not _is_pow2(nodes):
+            continue
+        phases = between_phases(algorithm, nbytes, nodes)
+        seconds = sum(2 * m * link[0] + 2 * b * link[1] * share + a * gamma for m, b, a in phases)
+        if best is None or seconds < best[1]:
+            best = (algorithm, seconds)
+    return best
+
+
+def _time(link, messages, nbytes):
+    return messages * link[0] + nbytes * link[1]
+
+
+def exchange_cost(route, topology, nbytes, per_node, intra=INTRA, inter=INTER, gamma=GAMMA,
+                  links_per_node=None):
+    """Modelled seconds of one exchange (reduce and distribution) of ``nbytes`` on ``route``
+    ("ring": reduce-scatter + all-gather; "tree": reduce + broadcast) over nodes holding
+    ``per_node`` ranks each, flat or hierarchical: what ``--topology auto`` compares and
+    what ``bench model`` predicts (:func:`ringnet.bench.model.topology.hierarchical_items`
+    follows the same phases).
+
+    Flat ring: 2(N-1) lockstep steps of n/N bytes, each as slow as the ring's slowest hop
+    (between nodes when there are several). Flat tree: per heap level both children's n
+    bytes into a rank, over a hop between nodes when there are several. Hierarchical ring
+    with L ranks on every node (:mod:`ringnet.comm.channels`): a ring reduce-scatter and
+    all-gather within the node over L regions, and each of the L channels' exchange of n/L
+    bytes between the M nodes by :func:`between_nodes`, the channels sharing a node's
+    ``links_per_node`` links (None: one per rank). Hierarchical with nodes of different
+    sizes, and the hierarchical tree: the busiest node's L-1 ranks send n to their leader
+    and get n back (plus their shards for the ring), and the leaders run the same structure
+    over M nodes between nodes.
+    """
+    n, nodes, local = sum(per_node), len(per_node), max(per_node)
+    if n <= 1:
+        return 0.0
+    link = inter if nodes > 1 else intra
+    if topology == "flat" or nodes == 1 or nodes == n:
+        if route == "ring":
+            return _time(link, 2 * (n - 1), 2 * (n - 1) * nbytes / n) + (n - 1) / n * nbytes * gamma
+        depth = heap_levels(n)
+        return 2 * _time(link, depth, 2 * depth * nbytes) + 2 * depth * nbytes * gamma
+    if route == "ring" and len(set(per_node)) == 1:
+        within = 2 * _time(intra, local - 1, (local - 1) / local * nbytes) \
+            + (local - 1) / local * nbytes * gamma
+        share = local / min(local, links_per_node) if links_per_node else 1.0
+        return within + between_nodes(nbytes / local, nodes, inter, gamma, share)[1]
+    inside = (local - 1) * nbytes
+    within = 2 * _time(intra, local - 1, inside) + inside * gamma
+    if route == "ring":
+        within += 2 * _time(intra, local - 1, inside / n)
+        between = _time(inter, 2 * (nodes - 1), 2 * (nodes - 1) * nbytes / nodes) \
+            + (nodes - 1) / nodes * nbytes * gamma
+    else:
+        depth = heap_levels(nodes)
+        between = 2 * _time(inter, depth, 2 * depth * nbytes) + 2 * depth * nbytes * gamma
+    return within + between

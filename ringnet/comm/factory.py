@@ -10,8 +10,8 @@ from mpi4py import MPI
 
 from ringnet import backend
 from ringnet.comm.auto import AutoCommunicator
-from ringnet.comm.hierarchical import (TOPOLOGIES, HierarchicalRingCommunicator,
-                                       HierarchicalTreeCommunicator)
+from ringnet.comm.channels import MultiChannelRingCommunicator
+from ringnet.comm.hierarchical import TOPOLOGIES, HierarchicalTreeCommunicator
 from ringnet.comm.master_slave import MasterSlaveCommunicator
 from ringnet.comm.mpi_transport import MpiTransport
 from ringnet.comm.nccl_transport import NCCL_INSTALL, NcclTransport, nccl_module
@@ -33,7 +33,7 @@ COMMUNICATORS = {
 
 # The communicators with a hierarchical variant (``create(..., topology="hierarchical")``).
 HIERARCHICAL = {
-    "ring": HierarchicalRingCommunicator,
+    "ring": MultiChannelRingCommunicator,
     "tree": HierarchicalTreeCommunicator,
 }
 
@@ -205,7 +205,7 @@ def create(name, transport="auto", mpi_comm=None, device="auto", topology="flat"
     ``transport`` is a name for :func:`make_transport` or a Transport instance; ``device``
     says where the buffers live: ``cpu`` for NumPy (never touches CUDA), ``gpu`` for CuPy,
     ``auto`` the GPU when every rank has one; ``topology``: ``flat`` or ``hierarchical``
-    (ring and tree: through one leader per node, :data:`HIERARCHICAL`). ``options`` go to
+    (:data:`HIERARCHICAL`: the ring in channels, the tree through one leader per node). ``options`` go to
     the communicator (e.g. ``chunk_bytes`` for the ring and the rooted ones, ``algorithm``
     to force one of auto's, ``layout`` to give the node layout).
     """

@@ -1,7 +1,9 @@
-"""Hierarchical exchanges across nodes: within each node to one leader, between the leaders,
-back within the node; and the cost model that says when they beat the flat structures.
+"""Hierarchical exchanges across nodes through one leader per node, and ``--topology auto``.
 
-* :class:`HierarchicalRingCommunicator` (ring mode): a reduce-scatter is a reduce of the
+The ring mode's hierarchical exchange is the multi-channel one of :mod:`ringnet.comm.channels`
+wherever every node holds the same number of ranks; these are its fall-back and the tree's.
+
+* :class:`HierarchicalRingCommunicator` (ring mode, nodes of different sizes): a reduce-scatter is a reduce of the
   whole buffer to the node's leader (its lowest rank: buffer + the node's other ranks, in
   rank order), a ring reduce-scatter between the leaders over the node regions (a node's
   region: its ranks' shards), and each rank's shard from its leader; an all-gather is the
@@ -12,30 +14,24 @@ back within the node; and the cost model that says when they beat the flat struc
   leaders (a binary heap over the leaders, the root's node first) and passes the sum up;
   the broadcast runs down the same tree.
 
-:func:`choose_topology` is ``--topology auto``: the alpha-beta cost (:func:`exchange_cost`,
-with :data:`INTRA` links within a node and :data:`INTER` between nodes) of the flat and the
-hierarchical exchange of the model's bytes over the placement; flat on one node and with
-one rank per node, where the two are the same exchange.
+:func:`choose_topology` is ``--topology auto``: the alpha-beta cost
+(:func:`ringnet.comm.cost.exchange_cost`, with :data:`~ringnet.comm.cost.INTRA` links within
+a node and :data:`~ringnet.comm.cost.INTER` between nodes) of the flat and the hierarchical
+exchange of the model's bytes over the placement; flat on one node and with one rank per node, where the two are the same exchange.
 """
 import math
 from typing import Any, Dict, List, Tuple
 
 from ringnet.comm.base import pipeline_pieces
-from ringnet.comm.cost import ALPHA, BETA, GAMMA
+from ringnet.comm.cost import exchange_cost, heap_levels
 from ringnet.comm.ring import RingCommunicator
 from ringnet.comm.schedules import ring_steps
 from ringnet.comm.tree import TreeCommunicator
 
 __all__ = ["HierarchicalRingCommunicator", "HierarchicalTreeCommunicator", "TOPOLOGIES",
-           "INTRA", "INTER", "exchange_cost", "choose_topology", "heap_levels", "parse_inter_link"]
+           "choose_topology", "parse_inter_link"]
 
 TOPOLOGIES = ("auto", "flat", "hierarchical")
-
-# (alpha s per message, beta s per byte) of a hop within a node (the shared-memory constants
-# of ringnet.comm.cost) and between nodes: 10 Gbit/s Ethernet, 1.25 GB/s per direction, with
-# ~40 us per message (TCP through the kernel stack, ~25 us, and the Python-level send/wait).
-INTRA = (ALPHA, BETA)
-INTER = (40e-6, 1 / 1.25e9)
 
 
 def parse_inter_link(text: str) -> Tuple[float, float]:
@@ -194,49 +190,7 @@ class HierarchicalTreeCommunicator(TreeCommunicator):
             nodes.ranks_on(i) > 1 for i in range(nodes.nodes) if i != nodes.rank_node_index[0]))
 
 
-# -- the cost model of --topology auto ---------------------------------------------------
-def heap_levels(n: int) -> int:
-    """Depth of a binary heap of ``n`` ranks (rounds of a tree reduce)."""
-    return max(0, math.ceil(math.log2(n + 1)) - 1)
-
-
-def _time(link, messages, nbytes):
-    return messages * link[0] + nbytes * link[1]
-
-
-def exchange_cost(route: str, topology: str, nbytes: float, per_node: List[int],
-                  intra=INTRA, inter=INTER, gamma: float = GAMMA) -> float:
-    """Modelled seconds of one exchange (reduce and distribution) of ``nbytes`` on ``route``
-    ("ring": reduce-scatter + all-gather; "tree": reduce + broadcast) over nodes holding
-    ``per_node`` ranks each, flat or hierarchical.
-
-    Flat ring: 2(N-1) lockstep steps of n/N bytes, each as slow as the ring's slowest hop
-    (between nodes when there are several). Flat tree: per heap level both children's n
-    bytes into a rank, over a hop between nodes when there are several. Hierarchical: the
-    busiest node's L-1 ranks send n to their leader and get n back (plus their shards for
-    the ring), and the leaders run the same structure over M nodes between nodes.
-    """
-    n, nodes, local = sum(per_node), len(per_node), max(per_node)
-    if n <= 1:
-        return 0.0
-    link = inter if nodes > 1 else intra
-    if topology == "flat" or nodes == 1 or nodes == n:
-        if route == "ring":
-            return _time(link, 2 * (n - 1), 2 * (n - 1) * nbytes / n) + (n - 1) / n * nbytes * gamma
-        depth = heap_levels(n)
-        return 2 * _time(link, depth, 2 * depth * nbytes) + 2 * depth * nbytes * gamma
-    inside = (local - 1) * nbytes
-    within = 2 * _time(intra, local - 1, inside) + inside * gamma
-    if route == "ring":
-        within += 2 * _time(intra, local - 1, inside / n)
-        between = _time(inter, 2 * (nodes - 1), 2 * (nodes - 1) * nbytes / nodes) \
-            + (nodes - 1) / nodes * nbytes * gamma
-    else:
-        depth = heap_levels(nodes)
-        between = 2 * _time(inter, depth, 2 * depth * nbytes) + 2 * depth * nbytes * gamma
-    return within + between
-
-
+# -- --topology auto ----------------------------------------------------------------------
 def choose_topology(route: str, nbytes: float, per_node: List[int], asked: str = "auto",
                     **links) -> Tuple[str, str]:
     """Return (topology, why) for ``--topology asked`` of an exchange of ``nbytes`` on

@@ -122,6 +122,10 @@ def create(mode: str, model, make_optimizer, world, delay: int = 0,
                                    topology=chosen)
     communicator.topology = chosen
     if getattr(transport, "placement", None) is not None:
-        transport.placement.topology = f"{chosen} ({why})"
+        shape = ""
+        if chosen == "hierarchical" and hasattr(communicator, "describe"):
+            size, _ = spec.strategy.exchange_region(model)
+            shape = f"; {communicator.describe(size * model.dtype.itemsize)}"
+        transport.placement.topology = f"{chosen} ({why}{shape})"
     return spec.strategy(model, make_optimizer, world, communicator, delay=delay,
                          lookahead=lookahead)

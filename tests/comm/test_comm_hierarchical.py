@@ -13,7 +13,8 @@ import pytest
 from mpi4py import MPI
 
 from ringnet import comm as ringcomm
-from ringnet.comm.hierarchical import choose_topology, exchange_cost
+from ringnet.comm.cost import exchange_cost
+from ringnet.comm.hierarchical import choose_topology
 from ringnet.nodes import group
 
 WORLD = MPI.COMM_WORLD
@@ -61,11 +62,14 @@ def test_auto_topology_follows_the_cost_model():
 
 
 def test_inter_link_prices_the_link_between_nodes():
-    """--inter-link: a 1 Gbit/s link (100 us, 125 MB/s) makes auto take the hierarchical
-    ring for LeNet at 2 nodes x 2 ranks, where the default 10 Gbit/s Ethernet keeps it flat
-    (as measured on the 1 Gbit/s cluster: the hierarchical ring sends a third less between
-    nodes); the choice equals the cheaper of exchange_cost with those constants."""
-    from ringnet.comm.hierarchical import INTER, parse_inter_link
+    """--inter-link prices the link between nodes: the choice equals the cheaper of
+    exchange_cost with those constants. At 2 nodes x 2 ranks the channel ring sends 2
+    messages of a quarter of LeNet's bytes between nodes where the flat ring sends 6, so
+    auto takes it on the default 10 Gbit/s Ethernet and on 1 Gbit/s (100 us, 125 MB/s);
+    the leader ring of 2 + 1 ranks sends its node's whole gradient and loses to the flat
+    ring on the default link."""
+    from ringnet.comm.cost import INTER
+    from ringnet.comm.hierarchical import parse_inter_link
     from ringnet.models import build_model
     from ringnet.parallel import topology_choice
     assert parse_inter_link("100,125") == pytest.approx((100e-6, 1 / 125e6))
@@ -75,7 +79,11 @@ def test_inter_link_prices_the_link_between_nodes():
             parse_inter_link(bad)
     model, layout = build_model("lenet"), fake("block", 4, 0)
     nbytes = model.num_params * model.dtype.itemsize
-    assert topology_choice("ring", model, layout)[0] == "flat"
+    assert topology_choice("ring", model, layout)[0] == "hierarchical"
+    uneven = fake("cyclic", 3, 0)
+    costs = {t: exchange_cost("ring", t, nbytes, [2, 1]) for t in ("flat", "hierarchical")}
+    assert costs["flat"] < costs["hierarchical"]
+    assert topology_choice("ring", model, uneven)[0] == "flat"
     picked, why = topology_choice("ring", model, layout, inter_link="100,125")
     slow = (100e-6, 1 / 125e6)
     costs = {t: exchange_cost("ring", t, nbytes, [2, 2], inter=slow) for t in ("flat", "hierarchical")}
@@ -179,3 +187,107 @@ def test_create_refuses_a_hierarchical_master():
     with pytest.raises(ValueError, match="no hierarchical variant"):
         ringcomm.create("master", transport="mpi", mpi_comm=MPI.COMM_SELF, device="cpu",
                         topology="hierarchical")
+
+
+# -- the multi-channel hierarchical ring (ringnet.comm.channels) --------------------------------
+def _channels_ring(pattern, between=None):
+    return ringcomm.create("ring", transport="mpi", mpi_comm=WORLD, device="cpu",
+                           topology="hierarchical", layout=fake(pattern), between=between)
+
+
+def test_channels_follow_the_placement():
+    """Channel j is local rank j of every node, in node order; nodes of different sizes
+    have none (the leader fall-back)."""
+    from ringnet.comm.channels import channels_of
+    assert channels_of(fake("block", 4, 0)) == [[0, 2], [1, 3]]
+    assert channels_of(fake("cyclic", 4, 0)) == [[0, 1], [2, 3]]
+    assert channels_of(fake("cyclic", 6, 0)) == [[0, 1], [2, 3], [4, 5]]
+    assert channels_of(fake("uneven", 3, 0)) is None
+    assert channels_of(fake("cyclic", 3, 0)) is None        # 2 + 1
+    names = [f"n{r // 2}" for r in range(16)]               # 8 nodes of 2
+    assert channels_of(group(names, names, 0)) == [list(range(0, 16, 2)), list(range(1, 16, 2))]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("between", [None, "ring", "rhd"])
+@pytest.mark.parametrize("pattern", ["cyclic", "block", "uneven"])
+@pytest.mark.parametrize("length", [1, 23, 1000])
+def test_channel_ring_equals_the_sum(pattern, between, length):
+    """Against the closed-form sum: any bounds (uneven, an empty shard), mean and sum, on a
+    stream; every rank ends with the same bits; uneven placements say they fall back."""
+    from ringnet.comm.channels import channels_of
+    layout = fake(pattern)
+    even = channels_of(layout) is not None
+    if between == "rhd" and even and layout.nodes & (layout.nodes - 1):
+        pytest.skip("recursive halving needs a power-of-two node count")
+    ring = _channels_ring(pattern, between)
+    if not even or layout.nodes == 1 or layout.nodes == SIZE:
+        if not even:
+            assert ring.shape.startswith("one leader per node (uneven placement")
+    else:
+        assert ring.shape == f"{SIZE // layout.nodes} channels x {layout.nodes} nodes"
+    _check_ring(ring, length)
+    buf = _values(length, RANK)
+    ring.allreduce(buf)
+    everyone = WORLD.allgather(buf.tobytes())
+    assert all(b == everyone[0] for b in everyone)
+    stream = ring.new_stream()
+    try:
+        buf = _values(length, RANK, np.float32)
+        ring.allreduce(buf, op="mean", stream=stream).wait()
+        expected = sum(_values(length, r, np.float32) for r in range(SIZE)) / SIZE
+        assert np.allclose(buf, expected, rtol=1e-5)
+    finally:
+        stream.close()
+
+
+def test_between_nodes_is_log_depth_where_it_can_be():
+    """The choice between nodes: the ring and rhd move the same bytes, rhd in 2 log2 M
+    messages where M is a power of two; phases sum to the channel's (M-1)/M."""
+    from ringnet.comm.cost import between_nodes, between_phases
+    link = (10e-6, 1e-9)
+    for nodes in (2, 3, 4, 8, 128):
+        for algorithm in ("ring", "rhd"):
+            if algorithm == "rhd" and nodes & (nodes - 1):
+                with pytest.raises(ValueError, match="power-of-two"):
+                    between_phases(algorithm, 1e6, nodes)
+                continue
+            phases = between_phases(algorithm, 1e6, nodes)
+            assert sum(b for _, b, _ in phases) == pytest.approx(1e6 * (nodes - 1) / nodes)
+            assert len(phases) == (nodes - 1 if algorithm == "ring" else nodes.bit_length() - 1)
+    assert between_nodes(1e6, 2, link)[0] == "ring"              # one step either way: a tie
+    assert between_nodes(1e6, 3, link)[0] == "ring"
+    assert between_nodes(1e3, 128, link)[0] == "rhd"
+    ring_s = 2 * 127 * link[0] + 2 * 127 / 128 * 1e3 * link[1] + 127 / 128 * 1e3 * 0.25e-9
+    assert between_nodes(1e3, 128, link, share=1.0)[1] < ring_s
+
+
+@pytest.mark.mpi
+def test_channel_ring_sends_each_rank_its_share():
+    """Bytes each rank sends, counted by a transport that records them: within the node
+    2 (L-1)/L of the buffer, between nodes 2 (M-1)/M of its channel's 1/L; rhd and the ring
+    between nodes send the same."""
+    if SIZE != 4:
+        pytest.skip("written for 2 nodes x 2 ranks")
+    sent = {}
+    for between in ("ring", "rhd"):
+        ring = _channels_ring("block", between)
+        counted = {"intra": 0, "inter": 0}
+        inner = ring.transport.isendrecv
+        nodes = fake("block").rank_node_index
+
+        def counting(out, to, got, source, _inner=inner, _counted=counted):
+            if out is not None and to is not None:
+                _counted["intra" if nodes[to] == nodes[RANK] else "inter"] += out.nbytes
+            return _inner(out, to, got, source)
+
+        ring.transport.isendrecv = counting
+        try:
+            buf = _values(1000, RANK)
+            ring.allreduce(buf)
+        finally:
+            del ring.transport.isendrecv
+        sent[between] = counted
+    assert sent["ring"] == sent["rhd"]
+    assert sent["ring"]["intra"] == 2 * 500 * 8          # (L-1)/L of 1000 float64, twice
+    assert sent["ring"]["inter"] == 2 * 250 * 8          # (M-1)/M of the channel's 500, twice

@@ -5,6 +5,8 @@ sit on 2 nodes placed cyclically (rank r on node r mod 2, as ``srun --distributi
   weights of ``single`` on the same global batches (float64, relative 1e-9), every replica
   bit-identical, and the ring's neighbours are each node's ranks together;
 * delay 1: the hierarchical ring runs the same recurrence (the one-process simulation);
+  at N = 4 (2 x 2) the hierarchical ring is the multi-channel one, at N = 3 (2 + 1) the
+  one-leader fall-back, and the header names which;
 * the placement says which topology ran and why.
 """
 import numpy as np
@@ -65,6 +67,13 @@ def test_across_nodes_equals_single(cyclic_nodes, monkeypatch, mode, topology):
         assert comm.right == order[(place + 1) % SIZE] and comm.left == order[(place - 1) % SIZE]
         # rank r still owns shard r: the update work is divided 1/N
         assert strategy.owned == slice(*comm.shard_bounds(len(params))[RANK])
+        if ran == "hierarchical":      # the shape that ran is in the header
+            shape = ("2 channels x 2 nodes, ring between nodes" if SIZE == 4 else
+                     "one leader per node (uneven placement 2+1: no channels)" if SIZE == 3 else
+                     None)
+            if shape:
+                assert comm.describe(1) == shape
+                assert strategy.placement.topology.endswith(f"; {shape})")
 
 
 @pytest.mark.mpi

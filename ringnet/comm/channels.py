@@ -1,0 +1,215 @@
+"""The multi-channel hierarchical ring: every rank of a node takes part in the exchange
+between nodes, as NCCL's and Horovod's hierarchical all-reduces do.
+
+With M nodes of L ranks each, local rank j of every node forms *channel* j (M ranks, one
+per node). Channel j's region is the union of its ranks' shards. A reduce-scatter is
+
+1. within each node, a ring reduce-scatter over the L channel regions: local rank j holds
+   the node's sum of channel j's region ((L-1)/L of the buffer sent per rank, on the
+   links within the node);
+2. within each channel, a reduce-scatter between the nodes over the channel's M shards:
+   each rank holds the global sum of its own shard. All L channels run at once, each on
+   its own rank's link; a channel moves (M-1)/M of its region, 1/L of the buffer.
+
+An all-gather is the reverse (between the nodes within each channel, then within the
+node), so rank r still owns shard r and the ring mode's update stays divided 1/N per rank.
+
+The step between the nodes is the algorithm :func:`ringnet.comm.cost.between_nodes` picks
+for the channel's bytes and the node count: the ring (2(M-1) messages) or, where M is a
+power of two, recursive halving (reduce-scatter) and doubling (all-gather), 2 log2 M
+messages. Each shard's sum is formed once, by its owner, so every rank ends with the same
+bits.
+
+Placements where nodes hold different numbers of ranks (3 ranks on 2 nodes, 2 + 1) have
+no channels: they run the exchange through one leader per node
+(:class:`~ringnet.comm.hierarchical.HierarchicalRingCommunicator`), and :attr:`shape`
+says so.
+"""
+from typing import Any, Optional
+
+from ringnet.comm import cost
+from ringnet.comm.hierarchical import HierarchicalRingCommunicator
+from ringnet.comm.schedules import ring_steps
+
+__all__ = ["MultiChannelRingCommunicator", "channels_of"]
+
+
+def channels_of(layout):
+    """Return the channels of a node layout (channel j: local rank j of every node, in node
+    order), or None when its nodes hold different numbers of ranks."""
+    per_node = [layout.ranks_of(i) for i in range(layout.nodes)]
+    if len({len(ranks) for ranks in per_node}) != 1:
+        return None
+    return [[ranks[j] for ranks in per_node] for j in range(len(per_node[0]))]
+
+
+class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
+    """The ring's reduce-scatter, all-gather and all-reduce as a multi-channel hierarchy.
+
+    Same contract as :class:`~ringnet.comm.ring.RingCommunicator` (any bounds, one per rank;
+    outside its own shard a rank's buffer is scratch after a reduce-scatter). ``between``:
+    "ring" or "rhd" to fix the algorithm between the nodes (default: the cost model's
+    choice per call, from the bytes, the node count and ``inter``, the (alpha, beta) of a
+    link between nodes). :attr:`shape` names the shape that runs.
+    """
+
+    def __init__(self, transport: Any = "auto", mpi_comm: Any = None, chunk_bytes=None,
+                 pipeline: bool = True, layout: Any = None, between: Optional[str] = None,
+                 inter=None):
+        super().__init__(transport, mpi_comm, chunk_bytes, pipeline, layout)
+        nodes = self.layout
+        self.channels = channels_of(nodes)
+        self.inter = cost.INTER if inter is None else tuple(inter)
+        if between not in (None,) + cost.BETWEEN_NODES:
+            raise ValueError(f"unknown algorithm between nodes {between!r}: choose "
+                             f"{', '.join(cost.BETWEEN_NODES)}")
+        if between == "rhd" and self.channels is not None and not _pow2(nodes.nodes):
+            raise ValueError(f"recursive halving between nodes needs a power-of-two node count, "
+                             f"got {nodes.nodes} nodes")
+        self.between = between
+        if self.channels is None:
+            counts = "+".join(str(nodes.ranks_on(i)) for i in range(nodes.nodes))
+            self.shape = f"one leader per node (uneven placement {counts}: no channels)"
+            return
+        local = len(self.channels)
+        self.local_index = nodes.ranks_of(self.node_index).index(self.rank)
+        self.node_peers = nodes.ranks_of(self.node_index)       # the ring within the node
+        self.channel = self.channels[self.local_index]           # the ranks between nodes
+        self.shape = f"{local} channel{'s' if local > 1 else ''} x {nodes.nodes} nodes"
+
+    def describe(self, nbytes):
+        """The shape and, with channels, the algorithm between nodes for ``nbytes``: what
+        the run header prints after the topology."""
+        if self.channels is None:
+            return self.shape
+        return f"{self.shape}, {self.between_for(nbytes)} between nodes"
+
+    # -- the algorithm between the nodes ------------------------------------------------
+    def between_for(self, nbytes):
+        """The algorithm between the nodes for an exchange of ``nbytes`` (the whole buffer)."""
+        if self.between is not None:
+            return self.between
+        return cost.between_nodes(nbytes / len(self.channels), self.layout.nodes, self.inter)[0]
+
+    # -- the collectives ----------------------------------------------------------------
+    def _reduce_scatter(self, buf, op, bounds):
+        if self.channels is None:
+            return super()._reduce_scatter(buf, op, bounds)
+        if self.size > 1:
+            regions = [self._ranges(channel, bounds) for channel in self.channels]
+            self._ring(buf, self.node_peers, self.local_index, regions, reduce=True)
+            shards = [[bounds[r]] for r in self.channel]
+            if self.between_for(buf.nbytes) == "rhd":
+                self._halving(buf, shards)
+            else:
+                self._ring(buf, self.channel, self.node_index, shards, reduce=True)
+        if op == "mean":
+            a, b = bounds[self.rank]
+            self._divide(buf[a:b])
+        return None
+
+    def _allgather(self, buf, bounds):
+        if self.channels is None:
+            return super()._allgather(buf, bounds)
+        if self.size == 1:
+            return None
+        shards = [[bounds[r]] for r in self.channel]
+        if self.between_for(buf.nbytes) == "rhd":
+            self._doubling(buf, shards)
+        else:
+            self._ring(buf, self.channel, self.node_index, shards, reduce=False)
+        regions = [self._ranges(channel, bounds) for channel in self.channels]
+        self._ring(buf, self.node_peers, self.local_index, regions, reduce=False)
+        return None
+
+    # -- the pieces -----------------------------------------------------------------------
+    @staticmethod
+    def _ranges(ranks, bounds):
+        """The element ranges of ``ranks``' shards, in buffer order, adjacent ones merged."""
+        merged = []
+        for a, b in sorted(bounds[r] for r in ranks):
+            if b <= a:
+                continue
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        return merged
+
+    def _swap(self, buf, out_ranges, to, in_ranges, source, reduce):
+        """Send ``buf``'s ``out_ranges`` to rank ``to`` while receiving ``in_ranges`` from
+        ``source``, added into them (``reduce``) or copied."""
+        out = self._packed(buf, out_ranges, slot=10) if out_ranges else None
+        size = sum(b - a for a, b in in_ranges)
+        direct = not reduce and len(in_ranges) == 1
+        if direct:
+            got = buf[in_ranges[0][0]:in_ranges[0][1]]
+        else:
+            got = self._scratch_for(buf, size, 11) if size else None
+        if out is None and got is None:
+            return
+        self.transport.isendrecv(out, to if out is not None else None,
+                                 got, source if got is not None else None).wait()
+        if direct or got is None:
+            return
+        at = 0
+        for a, b in in_ranges:
+            if reduce:
+                self._add_from(buf[a:b], got[at:at + b - a])
+            else:
+                buf[a:b] = got[at:at + b - a]
+            at += b - a
+
+    def _ring(self, buf, peers, place, regions, reduce):
+        """A ring over ``peers`` (this rank at ``place``) where place i owns ``regions[i]``:
+        a reduce-scatter (``reduce``) or an all-gather."""
+        count = len(peers)
+        if count == 1:
+            return
+        right, left = peers[(place + 1) % count], peers[(place - 1) % count]
+        for out_place, in_place in ring_steps(place, count)[0 if reduce else 1]:
+            self._swap(buf, regions[out_place], right, regions[in_place], left, reduce)
+
+    def _halving(self, buf, shards):
+        """Recursive halving over the channel (a power of two of nodes): each step keeps the
+        half of the current block of places that holds this rank's place, sends the other
+        half to the partner across it and adds the partner's copy of the kept half."""
+        place, lo, hi = self.node_index, 0, len(self.channel)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            keep, give = ((lo, mid), (mid, hi)) if place < mid else ((mid, hi), (lo, mid))
+            partner = self.channel[place + (mid - lo) if place < mid else place - (mid - lo)]
+            self._swap(buf, self._places(shards, give), partner, self._places(shards, keep),
+                       partner, reduce=True)
+            lo, hi = keep
+
+    def _doubling(self, buf, shards):
+        """Recursive doubling over the channel: the reverse of :meth:`_halving`, each step
+        swapping the block this rank holds for the partner's block next to it."""
+        count, place = len(self.channel), self.node_index
+        width = 1
+        while width < count:
+            lo = place - place % width
+            block = lo // width
+            other = lo + width if block % 2 == 0 else lo - width
+            partner = self.channel[place + width if block % 2 == 0 else place - width]
+            self._swap(buf, self._places(shards, (lo, lo + width)), partner,
+                       self._places(shards, (other, other + width)), partner, reduce=False)
+            width *= 2
+
+    @staticmethod
+    def _places(shards, span):
+        """The merged element ranges of the shards at places ``span`` = [start, stop)."""
+        merged = []
+        for a, b in sorted(r for i in range(*span) for r in shards[i]):
+            if b <= a:
+                continue
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        return merged
+
+
+def _pow2(n):
+    return n > 0 and n & (n - 1) == 0
