@@ -4,15 +4,17 @@ between nodes, as NCCL's and Horovod's hierarchical all-reduces do.
 With M nodes of L ranks each, local rank j of every node forms *channel* j (M ranks, one
 per node). Channel j's region is the union of its ranks' shards. A reduce-scatter is
 
-1. within each node, a ring reduce-scatter over the L channel regions: local rank j holds
-   the node's sum of channel j's region ((L-1)/L of the buffer sent per rank, on the
-   links within the node);
+1. within each node, a direct reduce-scatter over the L channel regions: every rank sends
+   each other local rank its copy of that rank's region at once, and local rank j sums
+   the L copies of channel j's region in one pass, in local-rank order ((L-1)/L of the
+   buffer sent per rank, on the links within the node; one add where a ring would take
+   L-1, each a kernel launch on a GPU);
 2. within each channel, a reduce-scatter between the nodes over the channel's M shards:
    each rank holds the global sum of its own shard. All L channels run at once, each on
    its own rank's link; a channel moves (M-1)/M of its region, 1/L of the buffer.
 
-An all-gather is the reverse (between the nodes within each channel, then within the
-node), so rank r still owns shard r and the ring mode's update stays divided 1/N per rank.
+An all-gather is the reverse (between the nodes within each channel, then every rank's
+region to the other local ranks at once), so rank r still owns shard r and the ring mode's update stays divided 1/N per rank.
 
 The step between the nodes is the algorithm :func:`ringnet.comm.cost.between_nodes` picks
 for the channel's bytes and the node count: the ring (2(M-1) messages) or, where M is a
@@ -27,11 +29,12 @@ says so.
 """
 from typing import Any, Optional
 
+from ringnet.backend import get_array_module
 from ringnet.comm import cost
 from ringnet.comm.hierarchical import HierarchicalRingCommunicator
 from ringnet.comm.schedules import ring_steps
 
-__all__ = ["MultiChannelRingCommunicator", "channels_of"]
+__all__ = ["MultiChannelRingCommunicator", "channels_of", "between_algorithm"]
 
 
 def channels_of(layout):
@@ -41,6 +44,13 @@ def channels_of(layout):
     if len({len(ranks) for ranks in per_node}) != 1:
         return None
     return [[ranks[j] for ranks in per_node] for j in range(len(per_node[0]))]
+
+
+def between_algorithm(nbytes, per_node, inter=cost.INTER):
+    """The algorithm between the nodes for an exchange of ``nbytes`` (the whole buffer) over
+    full nodes of ``per_node`` ranks: :func:`ringnet.comm.cost.between_nodes` for one
+    channel's share on ``inter``, the (alpha, beta) of a link between nodes."""
+    return cost.between_nodes(nbytes / per_node[0], len(per_node), inter)[0]
 
 
 class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
@@ -89,7 +99,7 @@ class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
         """The algorithm between the nodes for an exchange of ``nbytes`` (the whole buffer)."""
         if self.between is not None:
             return self.between
-        return cost.between_nodes(nbytes / len(self.channels), self.layout.nodes, self.inter)[0]
+        return between_algorithm(nbytes, [len(self.channels)] * self.layout.nodes, self.inter)
 
     # -- the collectives ----------------------------------------------------------------
     def _reduce_scatter(self, buf, op, bounds):
@@ -97,7 +107,7 @@ class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
             return super()._reduce_scatter(buf, op, bounds)
         if self.size > 1:
             regions = [self._ranges(channel, bounds) for channel in self.channels]
-            self._ring(buf, self.node_peers, self.local_index, regions, reduce=True)
+            self._direct_reduce(buf, regions)
             shards = [[bounds[r]] for r in self.channel]
             if self.between_for(buf.nbytes) == "rhd":
                 self._halving(buf, shards)
@@ -119,7 +129,7 @@ class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
         else:
             self._ring(buf, self.channel, self.node_index, shards, reduce=False)
         regions = [self._ranges(channel, bounds) for channel in self.channels]
-        self._ring(buf, self.node_peers, self.local_index, regions, reduce=False)
+        self._direct_gather(buf, regions)
         return None
 
     # -- the pieces -----------------------------------------------------------------------
@@ -159,6 +169,80 @@ class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
             else:
                 buf[a:b] = got[at:at + b - a]
             at += b - a
+
+    def _post(self, pairs):
+        """Post [(out, to, got, source)] at once and wait for all (one at a time where
+        transfers of GPU buffers share a staging buffer)."""
+        if pairs and self._one_at_a_time(pairs[0][0] if pairs[0][0] is not None else pairs[0][2]):
+            for out, to, got, source in pairs:
+                self.transport.isendrecv(out, to, got, source).wait()
+            return
+        for pending in [self.transport.isendrecv(*pair) for pair in pairs]:
+            pending.wait()
+
+    def _direct_reduce(self, buf, regions):
+        """Within the node: every local rank's copy of region j to local rank j at once;
+        this rank sums the L copies of its own region (local-rank order, one pass)."""
+        peers, place = self.node_peers, self.local_index
+        count = len(peers)
+        if count == 1:
+            return
+        mine = regions[place]
+        size = sum(b - a for a, b in mine)
+        stack = self._scratch_for(buf, count * size, slot=12).reshape(count, size)
+        pairs = []
+        for k in range(1, count):
+            to, source = (place + k) % count, (place - k) % count
+            out = self._packed(buf, regions[to], slot=20 + k) if regions[to] else None
+            got = stack[source] if size else None
+            pairs.append((out, peers[to] if out is not None else None,
+                          got, peers[source] if got is not None else None))
+        pairs = [p for p in pairs if p[0] is not None or p[2] is not None]
+        if size:
+            at = 0
+            for a, b in mine:
+                stack[place, at:at + b - a] = buf[a:b]
+                at += b - a
+        self._post(pairs)
+        if not size:
+            return
+        xp = get_array_module(buf)
+        total = self._scratch_for(buf, size, slot=13)
+        xp.sum(stack, axis=0, out=total)
+        at = 0
+        for a, b in mine:
+            buf[a:b] = total[at:at + b - a]
+            at += b - a
+
+    def _direct_gather(self, buf, regions):
+        """Within the node: this rank's region to every other local rank at once, theirs
+        into place."""
+        peers, place = self.node_peers, self.local_index
+        count = len(peers)
+        if count == 1:
+            return
+        out = self._packed(buf, regions[place], slot=10) if regions[place] else None
+        pairs, unpack = [], []
+        for k in range(1, count):
+            to, source = (place + k) % count, (place - k) % count
+            ranges = regions[source]
+            if len(ranges) == 1:
+                got = buf[ranges[0][0]:ranges[0][1]]
+            elif ranges:
+                got = self._scratch_for(buf, sum(b - a for a, b in ranges), slot=20 + k)
+                unpack.append((got, ranges))
+            else:
+                got = None
+            if out is None and got is None:
+                continue
+            pairs.append((out, peers[to] if out is not None else None,
+                          got, peers[source] if got is not None else None))
+        self._post(pairs)
+        for got, ranges in unpack:
+            at = 0
+            for a, b in ranges:
+                buf[a:b] = got[at:at + b - a]
+                at += b - a
 
     def _ring(self, buf, peers, place, regions, reduce):
         """A ring over ``peers`` (this rank at ``place``) where place i owns ``regions[i]``:

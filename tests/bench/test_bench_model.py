@@ -893,8 +893,10 @@ def test_cli_json_has_the_documented_shape(gpu_profile):
     assert len(lines) == 1
     out = json.loads(lines[0])
     assert set(out) == {"predictions", "validation", "paper"}
-    keys = {"model", "mode", "delay", "np", "profile", "step_ms", "speedup", "efficiency"}
+    keys = {"model", "mode", "delay", "np", "profile", "topology", "between", "step_ms", "speedup",
+            "efficiency", "floor_ms", "residual_ms"}
     assert all(set(r) == keys for r in out["predictions"])
+    assert {r["topology"] for r in out["predictions"]} == {"flat"}     # no N spans nodes here
     # 2 models x 2 profiles x (single + 5 modes x 4 N)
     assert len(out["predictions"]) == 2 * 2 * (1 + 5 * 4)
     assert out["validation"] == []

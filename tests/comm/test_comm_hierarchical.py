@@ -23,13 +23,16 @@ RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 
 def fake(pattern, size=SIZE, rank=RANK):
     """A node layout of ``size`` ranks: "cyclic" (rank r on node r mod 2), "block" (first half
-    on node a), "one" (one node), "uneven" (rank 0 alone on node a)."""
+    on node a), "one" (one node), "uneven" (rank 0 alone on node a), "four" (rank r on node
+    r mod 4)."""
     if pattern == "cyclic":
         names = ["a" if r % 2 == 0 else "b" for r in range(size)]
     elif pattern == "block":
         names = ["a" if r < (size + 1) // 2 else "b" for r in range(size)]
     elif pattern == "uneven":
         names = ["a"] + ["b"] * (size - 1)
+    elif pattern == "four":     # rank r on node r mod 4: up to 4 nodes of one rank
+        names = ["abcd"[r % 4] for r in range(size)]
     else:
         names = ["a"] * size
     return group(names, names, rank)
@@ -210,7 +213,7 @@ def test_channels_follow_the_placement():
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("between", [None, "ring", "rhd"])
-@pytest.mark.parametrize("pattern", ["cyclic", "block", "uneven"])
+@pytest.mark.parametrize("pattern", ["cyclic", "block", "uneven", "four"])
 @pytest.mark.parametrize("length", [1, 23, 1000])
 def test_channel_ring_equals_the_sum(pattern, between, length):
     """Against the closed-form sum: any bounds (uneven, an empty shard), mean and sum, on a
@@ -221,11 +224,11 @@ def test_channel_ring_equals_the_sum(pattern, between, length):
     if between == "rhd" and even and layout.nodes & (layout.nodes - 1):
         pytest.skip("recursive halving needs a power-of-two node count")
     ring = _channels_ring(pattern, between)
-    if not even or layout.nodes == 1 or layout.nodes == SIZE:
-        if not even:
-            assert ring.shape.startswith("one leader per node (uneven placement")
+    if not even:
+        assert ring.shape.startswith("one leader per node (uneven placement")
     else:
-        assert ring.shape == f"{SIZE // layout.nodes} channels x {layout.nodes} nodes"
+        local = SIZE // layout.nodes
+        assert ring.shape == f"{local} channel{'s' if local > 1 else ''} x {layout.nodes} nodes"
     _check_ring(ring, length)
     buf = _values(length, RANK)
     ring.allreduce(buf)

@@ -169,10 +169,11 @@ def _validation(args, models, nps):
     return validation_rows(record), record
 
 
-def _print_json(predictions, validation, paper):
-    keys = ("model", "mode", "delay", "np", "profile", "step_ms", "speedup", "efficiency")
+def _print_json(predictions, validation, paper, hierarchical=()):
+    keys = ("model", "mode", "delay", "np", "profile", "topology", "between", "step_ms", "speedup",
+            "efficiency", "floor_ms", "residual_ms")
     print(json.dumps({
-        "predictions": [{k: r[k] for k in keys} for r in predictions],
+        "predictions": [{k: r[k] for k in keys} for r in list(predictions) + list(hierarchical)],
         "validation": [{k: r[k] for k in ("model", "mode", "delay", "np", "predicted_ms",
                                           "measured_ms")} for r in validation],
         "paper": [{"model": r["model"], "np": r["np"], "predicted_speedup": r["speedup"],
@@ -214,7 +215,7 @@ def main(argv=None):
         print(tables[args.table]())
         return 0
     if args.json:
-        _print_json(predictions, validation, paper)
+        _print_json(predictions, validation, paper, hierarchical)
         return 0
     print_report(args, compute, profiles, calibration, nps, predictions, allreduces, crosses,
                  paper, paper_compute)

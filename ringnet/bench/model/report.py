@@ -128,9 +128,22 @@ def print_hierarchical(rows, batch, scaling, nps):
         cols = _hierarchical_columns(table)
         per = "per rank" if scaling == "weak" else "global"
         print(f"\n# {name}, profile {profile}, {scaling} scaling, batch {batch} {per}, hierarchical "
-              "topology (reduce within each node, leaders exchange, broadcast within the node) where "
-              "the ranks span nodes: step ms / speedup / efficiency, * faster than flat")
+              "topology where the ranks span nodes (ring: every rank of a node in its channel between "
+              "nodes; tree: one leader per node): step ms / speedup / efficiency, * faster than flat")
         _print_rows(table, cols, nps, " hier", lambda r: "*" if r["step_ms"] < r["flat_ms"] else " ")
+        print("# each row's floor (one rank's step alone, no exchange), what the exchange leaves on "
+              "the step, and the algorithm between nodes")
+        for n in nps:
+            cells = [table.get((md[0], md[1], n)) for md in cols]
+            if any(cells):
+                print(f"# {n:>5}: floor {cells[0]['floor_ms'] if cells[0] else 0:.3g} ms; " + "; ".join(
+                    f"{_label(*md)} +{c['residual_ms']:.3g} ms ({c['between']})"
+                    for md, c in zip(cols, cells) if c))
+        print("# assumed: alpha per message as the profile's links (spec-sheet latency + the stated "
+              "software cost), one link between nodes per rank (the channels do not share a link), "
+              "delay 1 overlapping the whole exchange with the next step's compute, and each add of "
+              "the exchange a kernel on the compute's device; a node link shared by its ranks, or "
+              "an exchange slower than the compute, breaks the delay-1 rows")
 
 
 def markdown_hierarchical(rows, nps):

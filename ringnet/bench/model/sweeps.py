@@ -2,13 +2,13 @@
 from ringnet.bench.model.prediction import predict
 from ringnet.bench.model.profiling import compute_profile
 from ringnet.bench.model.system import make_system
-from ringnet.bench.model.topology import HIERARCHICAL_MODES, spans_nodes
+from ringnet.bench.model.topology import HIERARCHICAL_MODES, between_choice, spans_nodes
 from ringnet.models import build_model
 from ringnet.parallel import MODES as REGISTRY
 
 __all__ = ["MODES", "DEFAULT_MODELS", "DEFAULT_NP", "DEFAULT_PROFILES", "PAPER", "PAPER_NP",
            "sweep", "crossovers", "paper_rows", "communicates", "fits",
-           "REFERENCE", "hierarchical_rows"]
+           "REFERENCE", "hierarchical_rows", "between_label"]
 
 DEFAULT_MODELS = ("lenet", "cifar10_quick")
 DEFAULT_NP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -49,8 +49,19 @@ PAPER_NP = 4
 
 def sweep(system, model, nps, batch, scaling, modes=MODES, topology="flat"):
     """Return prediction rows for every (mode, delay) and N; speedup over single at N=1.
-    ``topology`` "hierarchical": only the N where the ranks span nodes (rows say "topology")."""
+    ``topology`` "hierarchical": only the N where the ranks span nodes. Every row names its
+    ``topology`` and the exchange's algorithm ``between`` nodes (:func:`between_label`),
+    and gives its ``floor_ms`` (the step of one rank alone at its share of the batch: the
+    compute, with no exchange) and ``residual_ms`` (what the exchange leaves on the step)."""
     base = predict(system, model, REFERENCE, 0, 1, batch).step_s
+    floors = {}
+
+    def floor(n):
+        if n not in floors:
+            per_rank = batch if scaling == "weak" else max(1, batch // n)
+            floors[n] = predict(system, model, REFERENCE, 0, 1, per_rank).step_s
+        return floors[n]
+
     rows = []
     for mode, delay in modes:
         for n in nps:
@@ -69,10 +80,28 @@ def sweep(system, model, nps, batch, scaling, modes=MODES, topology="flat"):
             rows.append({"model": model.name, "mode": mode, "delay": delay, "np": n,
                          "profile": system.name, "step_ms": pred.step_s * 1e3,
                          "speedup": speedup, "efficiency": speedup / n,
-                         "comm_ms": pred.comm_s * 1e3, "bytes_per_rank": pred.bytes_mean})
-            if topology != "flat":
-                rows[-1]["topology"] = topology
+                         "comm_ms": pred.comm_s * 1e3, "bytes_per_rank": pred.bytes_mean,
+                         "topology": topology,
+                         "between": between_label(system.at(n), model, mode, n, topology),
+                         "floor_ms": floor(n) * 1e3,
+                         "residual_ms": (pred.step_s - floor(n)) * 1e3})
     return rows
+
+
+def between_label(system, model, mode, n, topology):
+    """The exchange between nodes a row's prediction runs: for the hierarchical ring on full
+    nodes the cost model's algorithm (ring or rhd) over the channels; "leaders" where one
+    leader per node exchanges; on one node "-"; flat, the mode's own structure."""
+    local = min(n, system.ranks_per_node)
+    if n <= local or not communicates(mode):
+        return "-"
+    if topology == "flat":
+        return REGISTRY[mode].communicator or "-"
+    if mode == "ring" and n % local == 0:
+        size, _ = REGISTRY[mode].strategy.exchange_region(model)
+        nbytes = size * model.dtype.itemsize
+        return between_choice(system, n, nbytes / local)[0]
+    return "leaders"
 
 
 def hierarchical_rows(system, model, nps, batch, scaling):

@@ -42,6 +42,7 @@ class System:
     imbalance: dict = None           # local, a core per rank: model -> slowest rank's step / mean
     msg_wait_s: float = 0.0          # each blocking message's wait for them
     placed_per_node: int = None      # local on a cluster: the ranks per node as placed
+    links_per_node: int = None       # links between nodes per node (None: one per rank)
 
     def hop(self, a, b):
         """Return the Link between ranks a and b (ranks fill nodes in order)."""

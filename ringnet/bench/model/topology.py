@@ -1,14 +1,24 @@
 """Timing rule of the hierarchical exchanges (``--topology hierarchical``), where the ranks
-span nodes: the node-local phases on the intra-node link, the leaders' on the inter-node one.
+span nodes: the node-local phases on the intra-node link, the phases between nodes on the
+inter-node one.
 
-The model places ranks in blocks of ``ranks_per_node`` (L per node, M nodes); node j's
-leader is its first rank. As ``ringnet/comm/hierarchical.py`` runs them:
+The model places ranks in blocks of ``ranks_per_node`` (L per node, M nodes). As the code
+runs them:
 
-* ring: the leader receives the L-1 other gradients at once (one wait, (L-1) P bytes on its
-  link) and adds them; M-1 lockstep steps of a node region (its L shards) between the
-  leaders, each with its add; each rank's shard back from its leader; the update of one
-  shard; the shards to the leader; M-1 steps of the leaders' all-gather; the whole weights
-  to the node's ranks at once.
+* ring, every node full (:mod:`ringnet.comm.channels`): the direct reduce-scatter within
+  the node, L-1 messages of a channel region (1/L of the gradient) and one add of the L
+  copies; the channel's reduce-scatter
+  between the nodes in the steps of :func:`ringnet.comm.cost.between_phases` for the
+  algorithm :func:`ringnet.comm.cost.between_nodes` picks (the same call the communicator
+  makes), each with its add; the update of one shard; the same steps back without adds,
+  and the region to the node's other ranks.
+  The L channels run at once, each on its rank's own link (``links_per_node`` None) or
+  sharing the node's links.
+* ring, a node part-full: the leader receives the L-1 other gradients at once (one wait,
+  (L-1) P bytes on its link) and adds them; M-1 lockstep steps of a node region (its L
+  shards) between the leaders, each with its add; each rank's shard back from its leader;
+  the update of one shard; the shards to the leader; M-1 steps of the leaders' all-gather;
+  the whole weights to the node's ranks at once.
 * tree: the node reduce as above, then the tree's heap over the M leaders (the flat tree's
   rule with every hop between nodes); the root updates all P; the broadcast down the heap,
   then to each node's ranks at once.
@@ -17,8 +27,9 @@ import dataclasses
 import math
 
 from ringnet.bench.model.exchange import _message, _tree_time, _without_latency
+from ringnet.comm.cost import between_nodes, between_phases
 
-__all__ = ["HIERARCHICAL_MODES", "spans_nodes", "hierarchical_items"]
+__all__ = ["HIERARCHICAL_MODES", "spans_nodes", "hierarchical_items", "between_choice"]
 
 # (mode, delay) rows the hierarchical tables print: the modes with a hierarchical exchange
 HIERARCHICAL_MODES = (("ring", 1), ("ring", 0), ("tree", 0))
@@ -35,7 +46,54 @@ def _node_of(system, n):
     return local, math.ceil(n / local)
 
 
+def _channel_link(system):
+    """The link one channel sees between nodes: the rank's own, or a share of the node's."""
+    local = system.ranks_per_node
+    links = getattr(system, "links_per_node", None)
+    share = local / min(local, links) if links else 1.0
+    if share == 1.0:
+        return system.inter
+    return dataclasses.replace(system.inter, beta_Bps=system.inter.beta_Bps / share)
+
+
+def between_choice(system, n, region_bytes):
+    """(algorithm, seconds) between the nodes for a channel's ``region_bytes``: the cost
+    model's choice (:func:`ringnet.comm.cost.between_nodes`) on the channel's link."""
+    local, nodes = _node_of(system, n)
+    link = _channel_link(system)
+    return between_nodes(region_bytes, nodes, (link.alpha_s, 1.0 / link.beta_Bps))
+
+
+def _channel_items(system, n, transfers, update_s):
+    reduce = next(t for t in transfers if t.phase == "reduce")
+    bounds, itemsize = reduce.bounds, reduce.itemsize
+    local, nodes = _node_of(system, n)
+    sizes = [b - a for a, b in bounds]
+    region = max(sum(sizes[j::local]) for j in range(local))
+    peer, cp = system.msg_wait_s, system.compute
+    link = _channel_link(system)
+    algorithm, _ = between_choice(system, n, region * itemsize)
+    phases = between_phases(algorithm, region * itemsize, nodes)
+    items = []
+    for _ in range(local - 1):          # the direct reduce-scatter: one message per peer
+        items += _message(system.intra, region * itemsize, peer)
+    if local > 1:
+        items.append(("cpu", cp.add((local - 1) * region)))    # one pass over the L copies
+    for _, nbytes, added in phases:
+        items += _message(link, nbytes, peer)
+        items.append(("cpu", cp.add(added / itemsize)))
+    items.append(("cpu", update_s))
+    for _, nbytes, _ in reversed(phases):
+        items += _message(link, nbytes, peer)
+    for _ in range(local - 1):
+        items += _message(system.intra, region * itemsize, peer)
+    return items
+
+
 def _ring_items(system, n, transfers, update_s):
+    local, nodes = _node_of(system, n)
+    if local * nodes == n:
+        return _channel_items(system, n, transfers, update_s)
     reduce = next(t for t in transfers if t.phase == "reduce")
     bounds, itemsize = reduce.bounds, reduce.itemsize
     local, nodes = _node_of(system, n)
