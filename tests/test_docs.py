@@ -678,6 +678,8 @@ COMMANDS = {
     "python -m ringnet.bench faults --markdown": doc_table,
     "python -m ringnet.bench model --compute h100 --profile nvlink4/ib-hdr --np 1 8 64 1024 "
     "--table predictions --markdown": doc_table,
+    "python -m ringnet.bench model --compute h100 --profile nvlink4/ib-hdr --np 8 64 1024 "
+    "--table hierarchical --markdown": doc_table,
     "python -m ringnet.bench model --compute k40 --np 4 --table paper --markdown": doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation.json --table validation --markdown": doc_table,

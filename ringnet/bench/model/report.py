@@ -156,11 +156,14 @@ def markdown_hierarchical(rows, nps):
         for n in nps:
             cells = [table.get((md[0], md[1], n)) for md in cols]
             if any(cells):
-                out.append([name, profile, n] + [
-                    f"{_ms(c['step_ms'])} ms, {c['efficiency']:.2f} ({c['step_ms'] / c['flat_ms']:.2f}x flat)"
+                floor = next(c for c in cells if c)["floor_ms"]
+                out.append([name, profile, n, f"{_ms(floor)} ms"] + [
+                    f"{_ms(c['step_ms'])} ms, {c['efficiency']:.2f} ({c['step_ms'] / c['flat_ms']:.2f}x "
+                    f"flat; +{_ms(c['residual_ms'])} ms, {c['between']})"
                     if c else "\u2013" for c in cells])
-    return markdown(["model", "profile", "N"] + [f"{_label(*md)} hierarchical (step, efficiency)"
-                                                 for md in cols], out)
+    return markdown(["model", "profile", "N", "floor"]
+                    + [f"{_label(*md)} hierarchical (step, efficiency; residual, between nodes)"
+                       for md in cols], out)
 
 
 def plot(rows, path, title):
