@@ -162,8 +162,10 @@ def inter_node_bytes(mode, model, rank_nodes, batch, delay=0, topology="flat"):
 
     Flat: every collective's sends (:func:`ringnet.parallel.step_traffic`), each counted
     where sender and receiver are on different nodes; the ring runs in node order. A
-    hierarchical ring sends 2 (M-1) node regions per leader, a hierarchical tree the whole
-    exchange up and down each of the M-1 edges of the leaders' heap: 2 (M-1) times it."""
+    hierarchical ring sends 2 (M-1) P in all: over channels each of the N ranks sends 2
+    (M-1)/M of its channel's P/L (ring or halving-doubling alike), through one leader per
+    node each leader 2 (M-1) node regions. A hierarchical tree sends the whole exchange up
+    and down each of the M-1 edges of the leaders' heap: 2 (M-1) times it."""
     from ringnet.parallel import step_traffic
     n = len(rank_nodes)
     names = list(dict.fromkeys(rank_nodes))
