@@ -340,6 +340,16 @@ def test_bench_bad_values_are_one_line(bench, args, needle):
     one_line_error(proc, needle)
 
 
+def test_an_unknown_benchmark_is_one_line_naming_it():
+    """A mistyped benchmark name: one line naming it and the nearest name, exit 2, not the
+    whole list of benchmarks."""
+    proc = run([sys.executable, "-m", "ringnet.bench", "scalng"], timeout=60)
+    one_line_error(proc, "unknown benchmark 'scalng' (did you mean 'scaling'?)")
+    assert proc.stdout == ""
+    proc = run([sys.executable, "-m", "ringnet.bench", "xyzzy"], timeout=60)
+    one_line_error(proc, "unknown benchmark 'xyzzy'; choose one of layers, comm")
+
+
 def test_every_bench_refuses_a_bad_flag_in_one_line():
     """Each benchmark's parser reports a wrong flag or value in one line (no usage dump)."""
     from ringnet.bench.__main__ import COMMANDS

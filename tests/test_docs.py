@@ -640,6 +640,7 @@ COMMANDS = {
     "pip install -e .": INSTALL,
     'pip install -e ".[images]"': INSTALL,
     'pip install -e ".[bench]"': INSTALL,
+    'pip install -e ".[plot]"': INSTALL,
     "python -m ringnet.train --model lenet --dataset synthetic --steps 50": learns_synthetic,
     "python -m ringnet.train --model cifar10_quick --dataset synthetic --steps 150 --lr 0.01":
         learns_synthetic,

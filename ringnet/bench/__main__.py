@@ -4,6 +4,7 @@ import sys
 
 from ringnet.allocator import configure_allocator
 from ringnet.blas import configure_blas_threads
+from ringnet.errors import UsageError
 
 if __name__ == "__main__":     # the program: pin BLAS threads before a benchmark loads NumPy
     configure_blas_threads()
@@ -28,14 +29,25 @@ COMMANDS = {
 }
 
 
+def _unknown(name):
+    """The one line for a benchmark name that is not one: the nearest name, and the list."""
+    import difflib
+    near = difflib.get_close_matches(name, list(COMMANDS), n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return (f"unknown benchmark {name!r}{hint}; choose one of {', '.join(COMMANDS)} "
+            "(python -m ringnet.bench --help says what each does)")
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        raise UsageError(_unknown(argv[0]))
+    if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m ringnet.bench {layers,comm,scaling,overlap,model,curves,delay,elastic,soak,faults,budget} [options]\n")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:8s} {text}")
         print("\n`python -m ringnet.bench NAME --help` lists each benchmark's options.")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return 0 if argv else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
     if argv[0] != "model":      # every other benchmark prints its machine lines itself
         return module.main(argv[1:])

@@ -390,6 +390,8 @@ def _print_table(rows, n, transport_name, args, run, load_line):
     print(f"# all-reduce, {n} ranks, transport {transport_name}, dtype {args.dtype}, "
           f"median of {args.iters} (after {args.warmup} warm-up), slowest rank per iteration; "
           f"load average {load}")
+    print(f"# target: auto's busbw over native's, ok (at least it) or below; ok: the result "
+          f"equals the closed-form sum, checked before and after the timed calls")
     print(f"# {'bytes':>10} {'count':>10} {'dtype':>8} {'algo':>7} {'picked':>6} {'time_us':>11} "
           f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'x native':>8} {'target':>11} {'ok':>3}")
     for row in rows:

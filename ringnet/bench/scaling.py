@@ -362,7 +362,9 @@ def main(argv=None):
             "images_per_sec": round(args.batch_size / step_ms * 1000, 1),
             "speedup": round(speedup, 3), "efficiency": round(speedup / n, 3),
             # how far apart the rounds' step times are: a speedup gap smaller than this is noise
-            "spread": round((max(times) - min(times)) / step_ms, 3) if step_ms else None,
+            # (none from one round: "-", not 0%)
+            "spread": round((max(times) - min(times)) / step_ms, 3)
+            if step_ms and len(times) > 1 else None,
             "exposed_comm_ms": round(1000 * med("comm_wait_s") / max(1, results[0]["steps"]), 3),
             "overlap": round(med("overlap"), 3),
             "bytes_per_step": int(med("bytes_per_step")),
@@ -420,7 +422,7 @@ def main(argv=None):
         return 0
     print(f"# model {args.model}, data {args.dataset}, global batch {args.batch_size}, "
           f"{args.steps} steps, median of {args.repeats} interleaved rounds, 1 BLAS thread/rank; "
-          f"spread = (slowest - fastest round) / median step")
+          f"spread = (slowest - fastest round) / median step, - with one round")
     header = (f"{'mode':>8} {'delay':>5} {'N':>3} {'step ms':>9} {'spread':>7} {'img/s':>8} {'speedup':>8} "
               f"{'effic.':>7} {'exposed comm ms':>16} {'overlap':>8} {'bytes/step':>12} "
               f"{'FC params/rank':>15}")

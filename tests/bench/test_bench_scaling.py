@@ -52,6 +52,20 @@ def test_plain_table_prints_the_spread(monkeypatch):
     assert lines[("ring", "0", "2")][column] == "0%"
 
 
+def test_one_round_has_no_spread(monkeypatch):
+    """--repeats 1: the spread is unknown ("-" and null), not 0%."""
+    monkeypatch.setattr(scaling, "run_config", _runs(TIMES))
+    out = _main_output(scaling.main, ["--np", "1", "2", "--modes", "ring", "--repeats", "1"])
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["mode"])
+    column = header.split().index("spread") - 1
+    cells = [line.split()[column] for line in out.splitlines()
+             if line.split()[:1] in (["single"], ["ring"])]
+    assert cells and all(c == "-" for c in cells)
+    monkeypatch.setattr(scaling, "run_config", _runs(TIMES))
+    out = _main_output(scaling.main, ["--np", "1", "2", "--modes", "ring", "--repeats", "1", "--json"])
+    assert all(r["spread"] is None for r in json.loads(out.strip().splitlines()[-1])["rows"])
+
+
 # single at the global batch and at each N's per-rank batch, by round; and a parallel row
 CEILING_TIMES = {("single", 64): [100.0, 120.0, 90.0], ("single", 32): [60.0, 55.0, 50.0],
                  ("single", 16): [40.0, 30.0, 35.0], ("ring", 2): [70.0, 70.0, 65.0],
