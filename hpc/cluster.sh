@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A SLURM on this machine, for trying the hpc/*.sbatch scripts and for CI: one node, or K
 # nodes made of network namespaces joined by shaped links.
-# Usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--prefix NAME] [--subnet A.B.C.0/24]
+# Usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--cpus-per-node C] [--prefix NAME]
+#                            [--subnet A.B.C.0/24]
 #        hpc/cluster.sh stop|status|env|fail-node NAME|revive-node NAME
 #   start   no flags (or --nodes 1): start munged, slurmctld and slurmd (no systemd needed) and
 #           wait for an idle node; does nothing when they already run.
@@ -12,18 +13,26 @@
 #           namespace. --link RATE shapes every link in both directions with
 #           `tc qdisc ... tbf rate RATE` (e.g. 1gbit, 10gbit; no --link: unshaped). Writes
 #           the hosts file and the launcher that mpirun needs to reach the nodes (see env).
+#           --cpus-per-node C: every process of a node (its slurmd and the jobs it starts,
+#           and what mpirun starts there through the launcher) runs in a control group of
+#           the node's own, ringnet-NAME, held to C cores by CFS bandwidth (cgroup v1's cpu
+#           controller: cpu.cfs_quota_us of every cpu.cfs_period_us; cgroup v2: cpu.max);
+#           C may be fractional (0.5: 5 ms of every 10 ms). Default: this machine's cores
+#           (nproc) / K. C*K may not exceed nproc.
 #           A bad value, a name or address already taken, or a step that fails: one line,
 #           exit 2, and whatever this start made is removed again.
 #   stop    stop the daemons this script started (by the PIDs in their PID files); with K
-#           nodes also remove every namespace, link, mount and file start made.
+#           nodes also remove every namespace, link, mount, control group and file start
+#           made (what still runs in a node's group is killed first).
 #           Exit 3 when nothing runs.
 #   status  say which daemons run and show sinfo (with K nodes: each node's address, host
-#           name, link state and rate); exit 0 only when everything runs and every link is up
+#           name, link state and rate, CPU quota and the CPU time its group used); exit 0
+#           only when everything runs, every link is up and every node has its group
 #   fail-node NAME   with K nodes: the node NAME crashes: every process in its namespace
 #           (its slurmd and the job's ranks) is killed with SIGKILL and its link goes down,
 #           so neither SLURM nor mpirun reaches it any more
-#   revive-node NAME the crashed node comes back: its link up, its slurmd started again
-#           (SLURM returns it to service when it registers)
+#   revive-node NAME the crashed node comes back: its link up, its slurmd started again in
+#           the node's control group (SLURM returns it to service when it registers)
 #   env     print the lines that point sbatch/srun/sinfo (and, with K nodes, mpirun and MPI)
 #           at this cluster in your shell: eval "$(hpc/cluster.sh env)"
 # Needs Debian's packages: apt-get install slurmctld slurmd slurm-client munge.
@@ -225,8 +234,119 @@ shape() {  # shape NETNS-OR-"" DEVICE RATE: tbf on the device's egress
   fi
 }
 
-start_nodes() {  # start_nodes K RATE PREFIX SUBNET
-  local k=$1 rate=$2 prefix=$3 subnet=$4
+# -- CPU quotas: a control group per node ----------------------------------------------------
+
+# find_cpu_controller: set CG_KIND (v1 or v2), CG_CPU (the cpu controller's hierarchy) and
+# CG_ACCT (v1: the cpuacct hierarchy that counts a group's CPU time, when it is mounted;
+# v2: the same as CG_CPU); fail when there is no cpu controller to use.
+find_cpu_controller() {
+  local dev mnt type opts rest o v1cpu="" v1acct="" v2=""
+  while read -r dev mnt type opts rest; do
+    case "$type" in
+      cgroup)
+        for o in ${opts//,/ }; do
+          [ "$o" != cpu ] || v1cpu=$mnt
+          [ "$o" != cpuacct ] || v1acct=$mnt
+        done ;;
+      cgroup2) [ -n "$v2" ] || v2=$mnt ;;
+    esac
+  done < /proc/mounts
+  if [ -n "$v1cpu" ] && [ -e "$v1cpu/cpu.cfs_quota_us" ]; then
+    CG_KIND=v1 CG_CPU=$v1cpu CG_ACCT=""
+    [ -z "$v1acct" ] || [ ! -e "$v1acct/cpuacct.usage" ] || CG_ACCT=$v1acct
+    return 0
+  fi
+  if [ -n "$v2" ] && grep -qw cpu "$v2/cgroup.controllers" 2>/dev/null; then
+    CG_KIND=v2 CG_CPU=$v2 CG_ACCT=$v2
+    return 0
+  fi
+  return 1
+}
+
+quota_of() {  # quota_of C: "QUOTA PERIOD" in microseconds for C cores (at least 1 ms a period)
+  awk -v c="$1" 'BEGIN {
+    p = 10000; q = int(c * p + 0.5)
+    if (q < 1000) { p = int(1000 / c + 0.5); q = 1000 }
+    if (p > 1000000) exit 1
+    print q, p }'
+}
+
+group_dirs() {  # group_dirs NAME: node NAME's control groups (cpu, then cpuacct if apart)
+  echo "$CG_CPU/ringnet-$1"
+  if [ -n "$CG_ACCT" ] && [ "$CG_ACCT" != "$CG_CPU" ]; then echo "$CG_ACCT/ringnet-$1"; fi
+}
+
+make_group() {  # make_group NAME QUOTA PERIOD: node NAME's groups, with the quota
+  local name=$1 quota=$2 period=$3 dir
+  for dir in $(group_dirs "$name"); do
+    try "cannot make control group $dir" mkdir "$dir"
+    made "cgroup $dir"
+  done
+  dir=$CG_CPU/ringnet-$name
+  if [ "$CG_KIND" = v1 ]; then
+    try "cannot set the CPU period of $dir" sh -c "echo $period > '$dir/cpu.cfs_period_us'"
+    try "cannot set the CPU quota of $dir" sh -c "echo $quota > '$dir/cpu.cfs_quota_us'"
+  else
+    try "cannot set the CPU quota of $dir" sh -c "echo '$quota $period' > '$dir/cpu.max'"
+  fi
+}
+
+# in_group NAME COMMAND...: run COMMAND in node NAME's control groups. The (sub)shell that
+# runs it moves itself there first, so COMMAND and every process it starts belong to them:
+# call it only from a subshell (as try and daemon do).
+in_group() {
+  local name=$1 dir
+  shift
+  for dir in $(group_dirs "$name"); do
+    if ! echo "$BASHPID" > "$dir/cgroup.procs"; then
+      echo "cannot enter control group $dir" >&2
+      return 1
+    fi
+  done
+  "$@"
+}
+
+group_pids() {  # group_pids NAME: the processes in node NAME's groups
+  local dir
+  for dir in $(group_dirs "$1"); do cat "$dir/cgroup.procs" 2>/dev/null || true; done | sort -un
+}
+
+remove_group() {  # remove_group DIR: kill what still runs in it, then remove it
+  local dir=$1 i pids
+  [ -d "$dir" ] || return 0
+  for i in $(seq 1 100); do
+    pids=$(cat "$dir/cgroup.procs" 2>/dev/null || true)
+    [ -n "$pids" ] || break
+    kill -9 $pids 2>/dev/null || true
+    sleep 0.05
+  done
+  for i in $(seq 1 50); do
+    rmdir "$dir" 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "hpc/cluster.sh: cannot remove control group $dir" >&2
+}
+
+group_usage() {  # group_usage NAME: "QUOTA-TEXT, S s of CPU used" from node NAME's group
+  local cpu=$CG_CPU/ringnet-$1 acct=${CG_ACCT:+$CG_ACCT/ringnet-$1} quota period used=""
+  [ -d "$cpu" ] || return 1
+  if [ "$CG_KIND" = v1 ]; then
+    quota=$(cat "$cpu/cpu.cfs_quota_us") period=$(cat "$cpu/cpu.cfs_period_us")
+    [ -z "$acct" ] || used=$(awk '{printf "%.2f", $1 / 1e9}' "$acct/cpuacct.usage" 2>/dev/null)
+  else
+    read -r quota period < "$cpu/cpu.max"
+    used=$(awk '$1 == "usage_usec" {printf "%.2f", $2 / 1e6}' "$cpu/cpu.stat" 2>/dev/null)
+  fi
+  if [ "$quota" = -1 ] || [ "$quota" = max ]; then
+    printf 'no CPU quota'
+  else
+    awk -v q="$quota" -v p="$period" 'BEGIN {c = q / p; printf "CPU quota %g core%s (%d of every %d us)", c, (c == 1 ? "" : "s"), q, p}'
+  fi
+  printf ', %s s of CPU used' "${used:-?}"
+}
+
+start_nodes() {  # start_nodes K RATE PREFIX SUBNET CPUS-PER-NODE (empty: nproc / K)
+  local k=$1 rate=$2 prefix=$3 subnet=$4 cpus=$5
   [[ $prefix =~ ^[a-z][a-z0-9-]{0,7}$ && ! $prefix =~ [0-9]$ ]] ||
     die "--prefix $prefix: 1 to 8 lower-case letters, digits or '-', starting with a letter and not ending in a digit"
   [[ $subnet =~ ^(10|172\.(1[6-9]|2[0-9]|3[01])|192\.168)\.[0-9]+(\.[0-9]+)?\.0/24$ ]] &&
@@ -236,10 +356,25 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET
   for o in ${base//./ }; do [ "$o" -le 255 ] || die "--subnet $subnet: not an IPv4 network"; done
   local max=253   # A.B.C.2 .. A.B.C.254
   [ "$k" -le "$max" ] || die "--nodes $k: at most $max nodes fit in $subnet (one address each)"
-  [ "$(id -u)" -eq 0 ] || die "--nodes $k needs root (network namespaces, links and tc); run it as root"
+  local cores quota period q
+  cores=$(nproc)
+  if [ -z "$cpus" ]; then
+    cpus=$(awk -v n="$cores" -v k="$k" 'BEGIN {printf "%.6g", n / k}')
+    q=$(quota_of "$cpus") ||
+      die "--nodes $k: this machine's $cores cores make less than 0.001 core a node; give --cpus-per-node"
+  else
+    q=$(quota_of "$cpus") ||
+      die "--cpus-per-node $cpus: give 0.001 cores or more (a quota of at least 1 ms a second)"
+    awk -v c="$cpus" -v k="$k" -v n="$cores" 'BEGIN {exit !(c * k > n + 1e-9)}' &&
+      die "--cpus-per-node $cpus: $k nodes of $cpus cores are $(awk -v c="$cpus" -v k="$k" 'BEGIN {printf "%g", c * k}') cores, more than this machine's $cores"
+  fi
+  read -r quota period <<<"$q"
+  [ "$(id -u)" -eq 0 ] || die "--nodes $k needs root (network namespaces, links, tc and control groups); run it as root"
   for cmd in ip tc nsenter unshare; do
     command -v "$cmd" >/dev/null || die "$cmd not found: apt-get install iproute2 util-linux"
   done
+  find_cpu_controller ||
+    die "no cpu controller to hold each node to its cores: neither cgroup v1's cpu hierarchy nor cgroup v2 with cpu is mounted (see /proc/mounts)"
   need_slurm
 
   if multi; then die "a $(node_count)-node cluster already runs in $STATE: hpc/cluster.sh stop it first"; fi
@@ -247,13 +382,16 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET
     die "a single-node SLURM runs in $STATE: stop it (hpc/cluster.sh stop), or give this cluster its own RINGNET_SLURM_DIR and RINGNET_SLURM_PORT"
   fi
   # Clashes: nothing is made before every name, address and port is known to be free.
-  local host i name bridge=$prefix-br names=()
+  local host i name dir bridge=$prefix-br names=()
   host=$(hostname -s)
   for i in $(seq 1 "$k"); do names+=("$prefix$i"); done
   for name in "${names[@]}"; do
     [ "$name" != "$host" ] || die "node name $name is this machine's host name: choose another --prefix"
     [ ! -e "/run/netns/$name" ] || die "network namespace $name exists already: choose another --prefix"
     ! ip link show "$name-h" >/dev/null 2>&1 || die "link $name-h exists already: choose another --prefix"
+    for dir in $(group_dirs "$name"); do
+      [ ! -e "$dir" ] || die "control group $dir exists already: choose another --prefix"
+    done
   done
   ! ip link show "$bridge" >/dev/null 2>&1 || die "link $bridge exists already: choose another --prefix"
   local taken
@@ -280,6 +418,10 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET
   made "link $bridge"
   try "cannot address bridge $bridge" ip addr add "$BRIDGE_ADDR/24" dev "$bridge"
   try "cannot bring up bridge $bridge" ip link set "$bridge" up
+  if [ "$CG_KIND" = v2 ] && ! grep -qw cpu "$CG_CPU/cgroup.subtree_control"; then
+    # the groups below the root get the cpu controller (left on: other groups may use it)
+    try "cannot give control groups the cpu controller" sh -c "echo +cpu > '$CG_CPU/cgroup.subtree_control'"
+  fi
   mkdir -p "$STATE/uts"
   local lines=() addr
   for i in $(seq 1 "$k"); do
@@ -287,6 +429,7 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET
     addr=$base.$((i + 1))
     try "cannot make network namespace $name" ip netns add "$name"
     made "netns $name"
+    make_group "$name" "$quota" "$period"
     try "cannot make link $name-h" ip link add "$name-h" type veth peer name eth0 netns "$name"
     made "link $name-h"
     try "cannot attach $name-h to $bridge" ip link set "$name-h" master "$bridge" up
@@ -312,6 +455,10 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET
     echo "subnet=$subnet"
     echo "bridge=$bridge"
     echo "bridge_addr=$BRIDGE_ADDR"
+    echo "cpus=$cpus"
+    echo "CG_KIND=$CG_KIND"
+    echo "CG_CPU=$CG_CPU"
+    echo "CG_ACCT=$CG_ACCT"
   } > "$STATE/cluster"
 
   write_config "${lines[@]}"
@@ -322,7 +469,7 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET
   for name in "${names[@]}"; do
     made "daemon slurmd $STATE/slurmd-$name.pid"
     daemon "slurmd of $name" "$STATE/log/slurmd-$name.log" \
-      nsenter --net="/run/netns/$name" --uts="$STATE/uts/$name" -- \
+      in_group "$name" nsenter --net="/run/netns/$name" --uts="$STATE/uts/$name" -- \
       env SLURM_CONF="$CONF" slurmd -f "$CONF" -N "$name"
   done
   local states="" up
@@ -340,13 +487,16 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET
   trap - INT TERM
   local shaped="unshaped links"
   [ -z "$rate" ] || shaped="links of $rate each way (tbf)"
-  echo "SLURM running: $k nodes ${names[0]}..${names[$((k - 1))]} ($base.2-$((k + 1))), $CPUS CPUs each, $shaped (SLURM_CONF=$CONF)"
+  echo "SLURM running: $k nodes ${names[0]}..${names[$((k - 1))]} ($base.2-$((k + 1))), $CPUS CPUs each on a quota of $cpus core(s) ($quota of every $period us), $shaped (SLURM_CONF=$CONF)"
 }
 
 write_node_exec() {
   # mpirun's launcher in place of ssh: hydra calls it as `ssh [options] HOST COMMAND...`;
-  # it runs COMMAND in the node's network and UTS namespaces (hydra's proxy then changes to
-  # the job's folder itself).
+  # it runs COMMAND in the node's network and UTS namespaces and control groups (hydra's
+  # proxy then changes to the job's folder itself).
+  local groups
+  groups=$(group_dirs @HOST@ | sed 's|$|/cgroup.procs|' | tr '\n' ' ')
+  groups=${groups//@HOST@/\$host}
   cat > "$NODE_EXEC" <<EOF
 #!/usr/bin/env bash
 # Written by hpc/cluster.sh: runs a command on a node of the cluster in $STATE, as ssh would.
@@ -363,6 +513,12 @@ if [ ! -e "/run/netns/\$host" ] || [ ! -e "$STATE/uts/\$host" ]; then
   echo "node-exec: \$host is not a node of the cluster in $STATE" >&2
   exit 255
 fi
+for group in $groups; do
+  if ! echo \$\$ > "\$group" 2>/dev/null; then
+    echo "node-exec: cannot enter \${group%/cgroup.procs}: \$host's processes run there" >&2
+    exit 255
+  fi
+done
 exec nsenter --net="/run/netns/\$host" --uts="$STATE/uts/\$host" -- /bin/sh -c "\$*"
 EOF
   chmod 755 "$NODE_EXEC"
@@ -384,6 +540,7 @@ teardown() {  # undo every line of $MADE, last first; then the record itself
         rm -f "$file"
         echo "stopped $what ($pid)" ;;
       mount) umount "$what" 2>/dev/null || umount -l "$what" 2>/dev/null || true ;;
+      cgroup) remove_group "$what" ;;
       file) rm -f "$what" ;;
       netns)
         # Processes still inside (a job's ranks) would keep the namespace alive.
@@ -430,7 +587,7 @@ stop() {
     k=$(node_count)
     [ "$(id -u)" -eq 0 ] || die "stopping the $k-node cluster in $STATE needs root"
     teardown
-    echo "removed the $k-node cluster (namespaces, links, mounts and files in $STATE)"
+    echo "removed the $k-node cluster (namespaces, links, mounts, control groups and files in $STATE)"
     return 0
   fi
   if ! pid_of munged >/dev/null && ! pid_of slurmctld >/dev/null && ! pid_of slurmd >/dev/null; then
@@ -454,11 +611,10 @@ status() {
     if [ "$rc" -eq 0 ]; then SLURM_CONF=$CONF sinfo; fi
     return "$rc"
   fi
-  local rate="" bridge="" bridge_addr="" subnet="" addr link state shaped uts_host
-  # shellcheck disable=SC1090
-  . "$STATE/cluster"
+  local rate="" bridge="" bridge_addr="" subnet="" cpus="" addr link state shaped uts_host cpu
+  load_cluster
   echo "cluster of $(node_count) nodes in $STATE: bridge $bridge ($bridge_addr, $subnet)," \
-       "links ${rate:-unshaped}"
+       "links ${rate:-unshaped}${cpus:+, $cpus core(s) a node}"
   for name in munged slurmctld; do
     if pid=$(pid_of "$name"); then echo "$name running ($pid)"; else echo "$name not running"; rc=3; fi
   done
@@ -469,10 +625,20 @@ status() {
     [ -z "$shaped" ] || shaped=" (tbf $shaped to the node, $(rate_of "$name" eth0 || true) from it)"
     uts_host=$(nsenter --uts="$STATE/uts/$name" hostname 2>/dev/null || echo "?")
     if pid=$(pid_of slurmd "$STATE/slurmd-$name.pid"); then pid="slurmd running ($pid)"; else pid="slurmd not running"; rc=3; fi
-    echo "node $name: address $addr, host name $uts_host, link $link $state$shaped, $pid"
+    cpu=""
+    if [ -n "$CG_CPU" ]; then
+      if cpu=$(group_usage "$name"); then cpu=", $cpu"; else cpu=", control group missing"; rc=3; fi
+    fi
+    echo "node $name: address $addr, host name $uts_host, link $link $state$shaped, $pid$cpu"
   done < "$NODES_FILE"
   if pid_of slurmctld >/dev/null; then SLURM_CONF=$CONF sinfo -N -l | tail -n +2; fi
   return "$rc"
+}
+
+load_cluster() {  # the settings start wrote for the K-node cluster (CG_* empty before groups)
+  CG_KIND="" CG_CPU="" CG_ACCT=""
+  # shellcheck disable=SC1090
+  . "$STATE/cluster"
 }
 
 check_node() {  # check_node NAME COMMAND: die unless NAME is a node of the running K-node cluster
@@ -487,7 +653,11 @@ fail_node() {
   check_node "$name" fail-node
   read -r name addr link <<<"$(awk -v n="$name" '$1 == n' "$NODES_FILE")"
   ip link set "$link" down
-  for pid in $(ip netns pids "$name"); do kill -9 "$pid" 2>/dev/null || true; done
+  load_cluster
+  local pids
+  pids=$(ip netns pids "$name")
+  if [ -n "$CG_CPU" ]; then pids+=" $(group_pids "$name")"; fi
+  for pid in $pids; do kill -9 "$pid" 2>/dev/null || true; done
   rm -f "$STATE/slurmd-$name.pid"
   echo "node $name failed: its processes killed, link $link down"
 }
@@ -500,11 +670,13 @@ revive_node() {
     die "revive-node $name: its slurmd runs; the node has not failed"
   fi
   ip link set "$link" up
-  local out
-  out=$(nsenter --net="/run/netns/$name" --uts="$STATE/uts/$name" -- \
+  load_cluster
+  local out run=()
+  if [ -n "$CG_CPU" ]; then run=(in_group "$name"); fi
+  out=$("${run[@]}" nsenter --net="/run/netns/$name" --uts="$STATE/uts/$name" -- \
         env SLURM_CONF="$CONF" slurmd -f "$CONF" -N "$name" 2>&1) ||
     die "revive-node $name: slurmd did not start ($(printf '%s' "$out" | tail -1))"
-  echo "node $name back: link $link up, slurmd started"
+  echo "node $name back: link $link up, slurmd started${run:+ in its control group}"
 }
 
 env_lines() {
@@ -522,19 +694,20 @@ cmd=${1:-}
 [ "$#" -gt 0 ] && shift
 case "$cmd" in
   start)
-    nodes="" rate="" prefix=node subnet=10.27.0.0/24
+    nodes="" rate="" cpus="" prefix=node subnet=10.27.0.0/24
     while [ "$#" -gt 0 ]; do
       case "$1" in
-        --nodes|--link|--prefix|--subnet)
+        --nodes|--link|--cpus-per-node|--prefix|--subnet)
           [ "$#" -ge 2 ] || die "$1 needs a value"
           case "$1" in
             --nodes) nodes=$2 ;;
             --link) rate=$2 ;;
+            --cpus-per-node) cpus=$2 ;;
             --prefix) prefix=$2 ;;
             --subnet) subnet=$2 ;;
           esac
           shift 2 ;;
-        *) die "start: unknown option $1 (start [--nodes K] [--link RATE] [--prefix NAME] [--subnet A.B.C.0/24])" ;;
+        *) die "start: unknown option $1 (start [--nodes K] [--link RATE] [--cpus-per-node C] [--prefix NAME] [--subnet A.B.C.0/24])" ;;
       esac
     done
     if [ -n "$nodes" ]; then
@@ -545,15 +718,21 @@ case "$cmd" in
     if [ -n "$rate" ] && [ "${nodes:-1}" -lt 2 ]; then
       die "--link $rate shapes the links between nodes: give --nodes 2 or more"
     fi
+    if [ -n "$cpus" ]; then
+      [[ $cpus =~ ^([0-9]+(\.[0-9]*)?|\.[0-9]+)$ ]] ||
+        die "--cpus-per-node $cpus: give a number of cores, such as 1 or 0.5"
+      awk -v c="$cpus" 'BEGIN {exit !(c + 0 > 0)}' || die "--cpus-per-node $cpus: give more than 0 cores"
+      [ "${nodes:-1}" -ge 2 ] || die "--cpus-per-node $cpus gives each node of a cluster its own cores: give --nodes 2 or more"
+    fi
     if [ "$prefix$subnet" != node10.27.0.0/24 ] && [ "${nodes:-1}" -lt 2 ]; then
       die "--prefix and --subnet name the nodes and their addresses: give --nodes 2 or more"
     fi
-    if [ "${nodes:-1}" -eq 1 ]; then start; else start_nodes "$nodes" "$rate" "$prefix" "$subnet"; fi ;;
+    if [ "${nodes:-1}" -eq 1 ]; then start; else start_nodes "$nodes" "$rate" "$prefix" "$subnet" "$cpus"; fi ;;
   stop) stop ;;
   status) status ;;
   env) env_lines ;;
   fail-node|revive-node)
     [ "$#" -eq 1 ] || die "$cmd: give one node name"
     if [ "$cmd" = fail-node ]; then fail_node "$1"; else revive_node "$1"; fi ;;
-  *) echo "usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--prefix NAME] [--subnet A.B.C.0/24]|stop|status|env|fail-node NAME|revive-node NAME" >&2; exit 2 ;;
+  *) echo "usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--cpus-per-node C] [--prefix NAME] [--subnet A.B.C.0/24]|stop|status|env|fail-node NAME|revive-node NAME" >&2; exit 2 ;;
 esac

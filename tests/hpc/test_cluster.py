@@ -3,11 +3,13 @@
 A cluster is started here in a temporary folder with its own node names, addresses and
 port, so it runs beside any other (CI's single node included). Checked against the
 system's own view, not the script's: the namespaces (`ip netns`), the addresses and host
-names inside them, the tbf on both ends of each link (`tc`), SLURM's nodes (`srun
-hostname`), mpirun through the cluster's launcher, and, after stop, that no namespace,
-link, mount, daemon or file of it is left. Each bad input is one line, a non-zero exit,
-and nothing made. Starting a cluster needs root and SLURM; those tests skip saying why.
+names inside them, the tbf on both ends of each link (`tc`), each node's control group and
+its CPU quota (the cgroup files), SLURM's nodes (`srun hostname`), mpirun through the
+cluster's launcher, and, after stop, that no namespace, link, mount, control group, daemon
+or file of it is left. Each bad input is one line, a non-zero exit, and nothing made.
+Starting a cluster needs root and SLURM; those tests skip saying why.
 """
+import glob
 import os
 import shutil
 import subprocess
@@ -24,7 +26,8 @@ needs_a_cluster = pytest.mark.skipif(WHY_NOT is not None, reason=f"no cluster he
 
 
 def snapshot(state):
-    """What a start could leave behind: links, namespaces, mounts, processes, files."""
+    """What a start could leave behind: links, namespaces, mounts, processes, files, control
+    groups."""
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     with open("/proc/mounts") as f:
@@ -42,7 +45,36 @@ def snapshot(state):
         if os.path.exists(state) else None
     return {"links": sorted(l.split(":")[1].strip().split("@")[0] for l in links.splitlines()),
             "netns": sorted(netns.split()), "mounts": mounts, "procs": sorted(procs),
-            "files": files, "run-netns": os.path.isdir("/run/netns")}
+            "files": files, "run-netns": os.path.isdir("/run/netns"), "cgroups": cgroups()}
+
+
+def cgroups():
+    """The nodes' control groups on this machine (cgroup v1 hierarchies, or v2's root)."""
+    return sorted(glob.glob("/sys/fs/cgroup/*/ringnet-*") + glob.glob("/sys/fs/cgroup/ringnet-*"))
+
+
+def cpu_group(name):
+    """Node ``name``'s group of the cpu controller (v1's cpu hierarchy, or v2)."""
+    for path in (f"/sys/fs/cgroup/cpu/ringnet-{name}", f"/sys/fs/cgroup/cpu,cpuacct/ringnet-{name}",
+                 f"/sys/fs/cgroup/ringnet-{name}"):
+        if os.path.isdir(path):
+            return path
+    raise AssertionError(f"no control group of node {name}: {cgroups()}")
+
+
+def quota_of(group):
+    """(quota, period) in microseconds, from the group's own files."""
+    if os.path.exists(f"{group}/cpu.max"):
+        with open(f"{group}/cpu.max") as f:
+            quota, period = f.read().split()
+        return int(quota), int(period)
+    with open(f"{group}/cpu.cfs_quota_us") as q, open(f"{group}/cpu.cfs_period_us") as p:
+        return int(q.read()), int(p.read())
+
+
+def group_pids(group):
+    with open(f"{group}/cgroup.procs") as f:
+        return {int(pid) for pid in f.read().split()}
 
 
 @pytest.fixture
@@ -76,6 +108,19 @@ def _start(s, *extra):
     (["--nodes", "2", "--prefix", "Node_"], "--prefix Node_: 1 to 8 lower-case letters"),
     (["--nodes", "2", "--subnet", "8.8.8.0/24"], "--subnet 8.8.8.0/24: give a private /24"),
     (["--nodes", "2", "--colour", "red"], "start: unknown option --colour"),
+    (["--nodes", "2", "--cpus-per-node", "0"], "--cpus-per-node 0: give more than 0 cores"),
+    (["--nodes", "2", "--cpus-per-node", "0.000"], "--cpus-per-node 0.000: give more than 0 cores"),
+    (["--nodes", "2", "--cpus-per-node", "-1"], "--cpus-per-node -1: give a number of cores"),
+    (["--nodes", "2", "--cpus-per-node", "half"], "--cpus-per-node half: give a number of cores"),
+    (["--nodes", "2", "--cpus-per-node", "1e-1"], "--cpus-per-node 1e-1: give a number of cores"),
+    (["--nodes", "2", "--cpus-per-node", "0.0001"],
+     "--cpus-per-node 0.0001: give 0.001 cores or more"),
+    (["--nodes", "2", "--cpus-per-node", str(len(os.sched_getaffinity(0)))],
+     f"--cpus-per-node {len(os.sched_getaffinity(0))}: 2 nodes of {len(os.sched_getaffinity(0))} "
+     f"cores are {2 * len(os.sched_getaffinity(0))} cores, more than this machine's "
+     f"{len(os.sched_getaffinity(0))}"),
+    (["--cpus-per-node", "1"],
+     "--cpus-per-node 1 gives each node of a cluster its own cores: give --nodes 2 or more"),
 ])
 def test_bad_values_are_one_line_and_make_nothing(settings, args, needle):
     before = snapshot(settings["state"])
@@ -113,6 +158,44 @@ def test_a_node_named_as_this_machine_is_refused(settings):
                           capture_output=True, text=True, env=settings["env"], timeout=60)
     assert f"node name {clash} is this machine's host name" in one_line_error(proc)
     assert snapshot(settings["state"]) == before
+
+
+def cpu_hierarchy():
+    """Where the cpu controller's groups are made: v1's cpu hierarchy, else v2's root."""
+    with open("/proc/mounts") as f:
+        mounts = [line.split() for line in f]
+    for _, where, kind, options, *_ in mounts:
+        if kind == "cgroup" and "cpu" in options.split(","):
+            return where
+    return next(where for _, where, kind, *_ in mounts if kind == "cgroup2")
+
+
+@needs_a_cluster
+def test_without_a_cpu_controller_it_says_so(settings):
+    """No hierarchy offers the cpu controller (every cgroup file system unmounted, in a mount
+    namespace of the start's own): one line, and nothing made."""
+    before = snapshot(settings["state"])
+    unmount = ("awk '$3 == \"cgroup\" || $3 == \"cgroup2\" {print $2}' /proc/mounts | tac | "
+               'while read -r m; do umount "$m" || exit 1; done && exec bash "$0" "$@"')
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", unmount,
+                           CLUSTER, "start", "--nodes", "2", "--prefix", settings["prefix"],
+                           "--subnet", settings["subnet"]],
+                          capture_output=True, text=True, env=settings["env"], timeout=60)
+    assert "no cpu controller to hold each node to its cores" in one_line_error(proc)
+    assert snapshot(settings["state"]) == before
+
+
+@needs_a_cluster
+def test_a_control_group_taken_is_refused(settings):
+    taken = os.path.join(cpu_hierarchy(), f"ringnet-{settings['prefix']}2")
+    os.mkdir(taken)
+    try:
+        before = snapshot(settings["state"])
+        line = one_line_error(_start(settings, "--nodes", "2"))
+        assert f"control group {taken} exists already: choose another --prefix" in line, line
+        assert snapshot(settings["state"]) == before
+    finally:
+        os.rmdir(taken)
 
 
 def test_without_root_it_says_so(settings):
@@ -179,6 +262,15 @@ def test_start_makes_the_nodes_and_stop_removes_all_of_it(settings, tmp_path):
                           _sh("tc", "-n", name, "qdisc", "show", "dev", "eth0")):
                 assert "tbf" in qdisc and "rate 10Gbit" in qdisc, qdisc
             assert f"{name}-h" in _sh("ip", "link", "show", "master", f"{s['prefix']}-br")
+            # its control group: this machine's cores shared out (no --cpus-per-node), and
+            # every process in the node's namespace (its slurmd) runs in it
+            group = cpu_group(name)
+            cores = len(os.sched_getaffinity(0))
+            quota, period = quota_of(group)
+            assert period == 10000 and abs(quota - cores / k * period) <= 1, (quota, period)
+            in_netns = {int(p) for p in _sh("ip", "netns", "pids", name).split()}
+            assert in_netns and in_netns <= group_pids(group), (in_netns, group_pids(group))
+            assert f"CPU quota {quota / period:g} cores ({quota} of every 10000 us), " in status.stdout
         env = dict(os.environ, **parse_env(script("env", env=s["env"]).stdout))
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
         # SLURM runs a task on every node, each in its own namespace
