@@ -350,6 +350,12 @@ def test_an_unknown_benchmark_is_one_line_naming_it():
     one_line_error(proc, "unknown benchmark 'xyzzy'; choose one of layers, comm")
 
 
+def test_bench_comm_on_one_rank_says_how_to_start_several():
+    proc = run([sys.executable, "-m", "ringnet.bench", "comm", "--sizes", "8"], timeout=60)
+    one_line_error(proc, "this run has one", "mpirun -np 4 python -m ringnet.bench comm")
+    assert proc.stdout == ""
+
+
 def test_every_bench_refuses_a_bad_flag_in_one_line():
     """Each benchmark's parser reports a wrong flag or value in one line (no usage dump)."""
     from ringnet.bench.__main__ import COMMANDS

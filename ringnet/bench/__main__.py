@@ -49,6 +49,8 @@ def main(argv=None):
         print("\n`python -m ringnet.bench NAME --help` lists each benchmark's options.")
         return 0 if argv else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
+    if hasattr(module, "check_ranks"):      # a benchmark between ranks, started on one
+        module.check_ranks(argv[1:])
     if argv[0] != "model":      # every other benchmark prints its machine lines itself
         return module.main(argv[1:])
     from ringnet.bench import machine

@@ -277,8 +277,18 @@ def _run_size(comms, transport, algos, xp, dtype, count, iters, warmup):
             for i, a in enumerate(names)}
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def check_ranks(argv):
+    """The command on one rank (mpirun forgotten): after the flags and values are checked,
+    one line saying how to start several. (``main`` itself runs on one rank in tests, with
+    a scripted clock.)"""
+    _checked(build_parser().parse_args(argv))
+    if MPI.COMM_WORLD.Get_size() == 1:
+        raise UsageError("bench comm times all-reduces between ranks and this run has one: "
+                         "start it under MPI, e.g. mpirun -np 4 python -m ringnet.bench comm")
+
+
+def _checked(args):
+    """(algorithms, sizes) of the parsed ``args``; a UsageError for a bad value."""
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     unknown = [a for a in algos if a not in ALGOS + EXTRA]
     if unknown or not algos:
@@ -291,6 +301,12 @@ def main(argv=None):
         raise UsageError(f"--sizes names no size, got {args.sizes!r}")
     if args.chunk_bytes is not None and args.chunk_bytes < 1:
         raise UsageError(f"--chunk-bytes must be >= 1, got {args.chunk_bytes}")
+    return algos, sizes
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    algos, sizes = _checked(args)
     if args.plot:
         from ringnet.bench.plot import check_writable
         from ringnet.control import collective
