@@ -14,6 +14,7 @@ from ringnet.data import download as _download
 from ringnet.data.hdf5 import SPLITS, validate_file, verify_file
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser, run_main
+from ringnet.outputs import check_distinct, check_output
 
 __all__ = ["main", "info"]
 
@@ -164,6 +165,10 @@ def main(argv=None):
         else:
             default_name = getattr(args, "name", None) or args.format
         out = args.out or os.fspath(_download.download_dir() / f"{default_name}.h5")
+        # before reading anything: the output can be written whole and is not the source
+        check_output("--out", out, f"{default_name}.h5")
+        check_distinct([("src", f"{args.format} source {args.src}", "source", "input", args.src),
+                        ("--out", f"--out {out}", "output", "output", out)])
         if args.format == "mnist":
             _convert.convert_mnist(args.src, out, name=args.name)
         elif args.format == "cifar10":

@@ -1,6 +1,7 @@
 """Open data sets by name or path: the ringnet HDF5 layout, or synthetic data."""
 import hashlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from ringnet.data.synthetic import make_synthetic
 from ringnet.errors import InputError
 
 __all__ = ["NAMED", "DOWNLOADABLE", "IN_MEMORY_BYTES", "in_memory_bytes", "Split", "Dataset",
-           "default_data_dir", "data_dirs", "find_dataset", "open_dataset",
+           "default_data_dir", "data_dirs", "find_dataset", "open_dataset", "is_dataset_name",
            "check_compatible", "channel_stats"]
 
 NAMED = ("digits", "mnist", "cifar10", "synthetic")
@@ -195,10 +196,27 @@ def _looks_like_path(name):
     return name.endswith((".h5", ".hdf5")) or os.sep in name or name.startswith("~")
 
 
-def find_dataset(name, data_dir=None):
-    """Return the path of data set ``name`` (a known name or an .h5 path) or raise InputError."""
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def is_dataset_name(name):
+    """Return True when ``name`` is a data set name (``mnist``, ``fashion-mnist``), which is
+    only looked up as ``<name>.h5`` in :func:`data_dirs`, not a path."""
+    return (isinstance(name, str) and _NAME.fullmatch(name) is not None
+            and not _looks_like_path(name))
+
+
+def find_dataset(name, data_dir=None, names_only=False):
+    """Return the path of data set ``name`` (a known name or an .h5 path) or raise InputError.
+
+    ``names_only``: ``name`` came from a file, not from the user: it must be a name
+    (:func:`is_dataset_name`), looked up in the data folders only, never opened as a path.
+    """
+    if names_only and not is_dataset_name(name):
+        raise InputError(f"data set {name!r} is not a data set name (a path read from a file "
+                         f"is not opened)")
     path = Path(os.path.expanduser(str(name)))
-    if _looks_like_path(name) or (name not in NAMED and path.is_file()):
+    if not names_only and (_looks_like_path(name) or (name not in NAMED and path.is_file())):
         if path.is_dir():
             raise InputError(f"data set {path} is a folder, not a ringnet .h5 file (an image "
                              f"folder converts with: python -m ringnet.datasets convert "
@@ -237,7 +255,7 @@ def _open_file(path, label, in_memory):
                                   labels)
         classes = [c.decode() if isinstance(c, bytes) else str(c) for c in f.attrs["classes"]]
         attrs = {k: f.attrs[k] for k in f.attrs if k != "classes"}
-    except (OSError, KeyError, ValueError, TypeError) as exc:
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError, MemoryError) as exc:
         f.close()
         raise InputError(f"{path} is corrupt ({exc})") from None
     except BaseException:
@@ -253,14 +271,16 @@ def _open_file(path, label, in_memory):
 
 
 def open_dataset(name, seed=0, data_dir=None, input_shape=None, num_classes=None,
-                 synthetic_size=(2048, 512), in_memory=None):
+                 synthetic_size=(2048, 512), in_memory=None, names_only=False):
     """Open data set ``name`` ("digits", "mnist", "cifar10", "synthetic" or an .h5 path).
 
     Named sets are ``<dir>/<name>.h5`` in ``data_dir``, then ``$RINGNET_DATA``, then
     the ``datasets/`` folder next to the package. "synthetic" needs ``input_shape``
     and ``num_classes`` and is reproducible from ``seed``. ``in_memory`` forces
     (True) or forbids (False) reading the images into memory; by default files up
-    to ``IN_MEMORY_BYTES`` of images are read. Problems raise :class:`~ringnet.errors.InputError`.
+    to ``IN_MEMORY_BYTES`` of images are read. ``names_only``: ``name`` was read from a
+    file (a checkpoint): see :func:`find_dataset`. Problems raise
+    :class:`~ringnet.errors.InputError`.
     """
     if name == "synthetic":
         if input_shape is None or num_classes is None:
@@ -273,7 +293,7 @@ def open_dataset(name, seed=0, data_dir=None, input_shape=None, num_classes=None
         return Dataset("synthetic", Split(*arrays[:2]), Split(*arrays[2:]),
                        [str(c) for c in range(num_classes)],
                        attrs={"name": "synthetic", "source": f"ringnet synthetic, seed {seed}"})
-    path = find_dataset(name, data_dir)
+    path = find_dataset(name, data_dir, names_only=names_only)
     label = name if name in NAMED else path.stem
     return _open_file(path, label, in_memory)
 

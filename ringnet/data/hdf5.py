@@ -9,15 +9,17 @@ Layout (documented in ``datasets/README.md``)::
     attrs: classes (array of str, length num_classes), name, source, licence
 """
 import os
+import stat
 import tempfile
 
 import h5py
 import numpy as np
 
 from ringnet.errors import InputError
+from ringnet.outputs import file_kind
 
 __all__ = ["SPLITS", "write_dataset", "atomic_output", "validate_file", "image_chunks", "file_mode",
-           "verify_file", "FileImages"]
+           "verify_file", "FileImages", "member", "open_regular"]
 
 SPLITS = ("train", "test")
 
@@ -80,10 +82,12 @@ class atomic_output:
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        elif os.path.exists(self.tmp):
-            os.remove(self.tmp)
+        try:
+            if exc_type is None:
+                os.replace(self.tmp, self.path)
+        finally:
+            if os.path.exists(self.tmp):        # failed, or the rename itself failed
+                os.remove(self.tmp)
         return False
 
 
@@ -133,32 +137,96 @@ def _classes(path, f):
     return [c.decode() if isinstance(c, bytes) else str(c) for c in classes]
 
 
-def _dataset(path, f, name):
-    """Return the h5py data set ``name`` of ``f`` or raise InputError (missing, or a group)."""
-    obj = f.get(name)
-    if obj is None:
-        raise InputError(f"{path}: missing data set /{name}")
-    if not isinstance(obj, h5py.Dataset):
-        raise InputError(f"{path}: /{name} must be a data set, got a {type(obj).__name__}")
+def open_regular(path, what):
+    """Open ``path`` read-only with h5py after checking it is a regular file (a FIFO would
+    block the open, a device is no file); InputError names ``what`` (``data set file``)."""
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise InputError(f"{what} {path} does not exist") from None
+    except OSError as exc:
+        raise InputError(f"{what} {path} cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{what} {path} is not a readable HDF5 file: it is "
+                         f"{file_kind(st.st_mode)}")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise InputError(f"{what} {path} is not a readable HDF5 file ({exc})") from None
+
+
+_LINK_KINDS = {h5py.SoftLink: "a soft link", h5py.ExternalLink: "an external link (to another file)"}
+
+
+def member(f, name, where, kind=h5py.Dataset):
+    """Return the object ``name`` ("train/images") of open file ``f``, reached through hard
+    links only, and of ``kind`` (h5py.Dataset or h5py.Group); a data set must hold its data
+    in this file (not virtual, no external storage).
+
+    Raises InputError starting with ``where`` (the file): a ringnet file holds its data
+    itself, so soft links (which may loop) and external links or storage (which name other
+    files) are refused, not followed.
+    """
+    parts = [p for p in name.split("/") if p]
+    obj = f
+    for i, part in enumerate(parts):
+        here = "/" + "/".join(parts[:i + 1])
+        if not isinstance(obj, h5py.Group):
+            raise InputError(f"{where}: {here.rsplit('/', 1)[0]} must be a group")
+        try:
+            link = obj.get(part, getlink=True)
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise InputError(f"{where}: {here} cannot be read ({exc})") from None
+        if link is None:
+            what = "data set" if kind is h5py.Dataset else "group"
+            raise InputError(f"{where}: missing {what} /{'/'.join(parts)}")
+        if not isinstance(link, h5py.HardLink):
+            raise InputError(f"{where}: {here} is {_LINK_KINDS.get(type(link), 'a link')}; a "
+                             f"ringnet file holds its data itself and such links are not followed")
+        try:
+            obj = obj[part]
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise InputError(f"{where}: {here} cannot be read ({exc})") from None
+    if not isinstance(obj, kind):
+        want = "data set" if kind is h5py.Dataset else "group"
+        raise InputError(f"{where}: /{'/'.join(parts)} must be a {want}, got a {type(obj).__name__}")
+    if kind is h5py.Dataset:
+        try:
+            virtual, external = obj.is_virtual, obj.external
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise InputError(f"{where}: /{'/'.join(parts)} cannot be read ({exc})") from None
+        if virtual or external:
+            raise InputError(f"{where}: /{'/'.join(parts)} keeps its data in other files "
+                             f"({'a virtual data set' if virtual else 'external storage'}); a "
+                             f"ringnet file holds its data itself")
     return obj
+
+
+def _dataset(path, f, name):
+    """Return the h5py data set ``name`` of ``f`` or raise InputError (missing, a group, a link)."""
+    return member(f, name, path)
+
+
+_TEXT_ATTRS = ("name", "source", "licence")
 
 
 def validate_file(path):
     """Open ``path`` read-only and check the layout; return the open h5py.File.
 
-    Checks the structure, dtypes and shapes, that labels are integers within the
-    classes, and reads every label. Raises :class:`~ringnet.errors.InputError` naming the file and the
-    problem. :func:`verify_file` also reads every image chunk.
+    Checks the structure (hard links only, data kept in this file), dtypes and shapes, the
+    text attributes, that labels are integers within the classes, and reads every label.
+    Raises :class:`~ringnet.errors.InputError` naming the file and the problem.
+    :func:`verify_file` also reads every image chunk.
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise InputError(f"data set file {path} does not exist")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        raise InputError(f"{path} is not a readable HDF5 file ({exc})") from None
+    f = open_regular(path, "data set file")
     try:
         num_classes = len(_classes(path, f))
+        for key in _TEXT_ATTRS:
+            if key in f.attrs and not isinstance(f.attrs[key], (str, bytes)):
+                raise InputError(f"{path}: attribute '{key}' must be text, got "
+                                 f"{type(f.attrs[key]).__name__}")
         shape = None
         for split in SPLITS:
             images = _dataset(path, f, f"{split}/images")
@@ -181,7 +249,8 @@ def validate_file(path):
     except InputError:
         f.close()
         raise
-    except (OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError,
+            MemoryError) as exc:
         f.close()
         raise InputError(f"{path} is corrupt ({exc})") from None
     return f
