@@ -23,8 +23,16 @@ one. SIGTERM and SIGINT during the write remove the temporary file; temporaries 
 a killed process (``kill -9``) left behind are swept by the next save to the same
 target. :func:`check_writable` tries a real write and compares the free space with
 the checkpoint's size before training, not after it.
+
+Reading: a checkpoint is input from outside. :func:`load_checkpoint` checks every field
+before it returns it (the required attributes present, each attribute of its type and
+range, the arrays floating point with the same names and shapes in every group, finite,
+reached through hard links only); a bad one is an InputError naming the file and the
+field. Nothing a checkpoint holds is opened as a path here (its ``dataset`` is the
+caller's to judge: :func:`ringnet.data.catalog.find_dataset` with ``names_only``).
 """
 import json
+import math
 import os
 import shutil
 import signal
@@ -42,7 +50,7 @@ from ringnet.control import fault_point
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_lookahead_base", "check_writable",
            "checkpoint_bytes", "stale_temporaries", "temporaries_guard", "resume_settings",
-           "stored_step",
+           "stored_step", "read_attributes", "check_replaceable",
            "HYPERPARAMETERS", "FORMAT"]
 
 FORMAT = "ringnet-checkpoint"
@@ -290,60 +298,240 @@ def _write(path, params, momentum, prev_params, lookahead_base, attrs):
     return path
 
 
+# -- reading: every field is checked before use ---------------------------------------
+GROUPS = ("params", "momentum", "prev_params", "lookahead_base")
+VERSIONS = (1, 2)
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _choices(*names):
+    return (lambda v: isinstance(v, str) and v in names, f"one of {', '.join(names)}")
+
+
+def _models():
+    from ringnet.models import MODELS
+    return sorted(MODELS)
+
+
+def _modes():
+    from ringnet.parallel import MODES
+    return list(MODES)
+
+
+def _compensations():
+    from ringnet.parallel.delayed_update import COMPENSATIONS
+    return list(COMPENSATIONS)
+
+
+# attribute -> (required, test, what the test asks for); a callable returning (test, text)
+# is resolved when first needed (the model and mode lists import their packages).
+_ATTRIBUTES = {
+    "version": (True, lambda v: _is_int(v) and v in VERSIONS,
+                f"a version this ringnet reads ({', '.join(map(str, VERSIONS))})"),
+    "model": (True, lambda: _choices(*_models())),
+    "mode": (True, lambda: _choices(*_modes())),
+    "delay": (True, lambda v: _is_int(v) and v in (0, 1), "0 or 1"),
+    "delay_compensation": (False, lambda: _choices(*_compensations())),
+    "ranks": (True, lambda v: _is_int(v) and v >= 1, "a whole number >= 1"),
+    "step": (True, lambda v: _is_int(v) and v >= 0, "a whole number >= 0"),
+    "epoch": (True, lambda v: _is_int(v) and v >= 0, "a whole number >= 0"),
+    "dtype": (True, lambda: _choices("float32", "float64")),
+    "batch_size": (False, lambda v: _is_int(v) and v >= 1, "a whole number >= 1"),
+    "lr": (False, lambda v: _is_number(v) and v > 0, "a finite number > 0"),
+    "lr_policy": (False, lambda: _choices("fixed", "step", "inv")),
+    "gamma": (False, _is_number, "a finite number"),
+    "stepsize": (False, lambda v: _is_int(v) and v >= 1, "a whole number >= 1"),
+    "power": (False, _is_number, "a finite number"),
+    "momentum": (False, lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "weight_decay": (False, lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+    "seed": (False, lambda v: _is_int(v) and v >= 0, "a whole number >= 0"),
+    "warmup_steps": (False, lambda v: _is_int(v) and v >= 0, "a whole number >= 0"),
+    "shuffle": (False, lambda v: isinstance(v, bool), "true or false"),
+    "augment": (False, lambda v: isinstance(v, bool), "true or false"),
+    "dataset": (False, lambda v: isinstance(v, str), "a data set name or path"),
+    "data_content": (False, lambda v: isinstance(v, str), "text"),
+}
+
+
+def _plain(value):
+    """An attribute as a Python value: NumPy scalars become numbers, bytes text."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _read_attributes(f, path):
+    """Return the validated attributes of open checkpoint ``f`` (InputError names the field)."""
+    try:
+        fmt = _plain(f.attrs.get("format"))
+    except (OSError, RuntimeError, TypeError, ValueError, UnicodeDecodeError):
+        fmt = None
+    if fmt != FORMAT:
+        raise InputError(f"{path} is not a ringnet checkpoint (no format={FORMAT} attribute)")
+    attrs = {}
+    try:
+        names = list(f.attrs)
+    except (OSError, RuntimeError, TypeError, ValueError) as exc:
+        raise InputError(f"checkpoint {path} is corrupt: its attributes cannot be read "
+                         f"({exc})") from None
+    for key in names:
+        try:
+            attrs[key] = _plain(f.attrs[key])
+        except (OSError, RuntimeError, TypeError, ValueError, UnicodeDecodeError) as exc:
+            raise InputError(f"checkpoint {path}: attribute {key} cannot be read ({exc})") from None
+    for key, rule in _ATTRIBUTES.items():
+        required, test, *text = rule
+        if not text:
+            test, text = test()
+        else:
+            text = text[0]
+        if key not in attrs:
+            if required:
+                raise InputError(f"checkpoint {path}: attribute {key} is missing")
+            continue
+        value = attrs[key]
+        if not required and isinstance(value, str) and value == "":
+            continue        # written for a setting that was None
+        if not test(value):
+            raise InputError(f"checkpoint {path}: attribute {key} must be {text}, got {value!r}")
+    if attrs.get("rng"):
+        try:
+            attrs["rng"] = json.loads(attrs["rng"])
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"checkpoint {path}: attribute rng is not JSON ({exc})") from None
+    else:
+        attrs["rng"] = None
+    return attrs
+
+
+def _read_group(f, path, group_name, required=False, read=True):
+    """Return {name: array} of group ``group_name`` (None where absent and not required):
+    hard links only, floating-point arrays of at least one dimension. ``read=False``:
+    {name: shape}, nothing read."""
+    from ringnet.data.hdf5 import member
+    where = f"checkpoint {path}"
+    try:
+        present = f.get(group_name, getlink=True) is not None
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise InputError(f"{where}: /{group_name} cannot be read ({exc})") from None
+    if not present:
+        if required:
+            raise InputError(f"{where}: missing group /{group_name}")
+        return None
+    group = member(f, group_name, where, kind=h5py.Group)
+    arrays = {}
+    try:
+        names = list(group)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise InputError(f"{where}: /{group_name} cannot be listed ({exc})") from None
+    for name in names:
+        ds = member(f, f"{group_name}/{name}", where)
+        if ds.dtype.kind != "f" or ds.dtype.itemsize not in (4, 8) or ds.ndim < 1:
+            raise InputError(f"{where}: {group_name}/{name} must be an array of float32 or "
+                             f"float64, got {ds.dtype} of shape {ds.shape}")
+        if not read:
+            arrays[name] = ds.shape
+            continue
+        try:
+            arrays[name] = ds[()]
+        except (OSError, RuntimeError, ValueError, TypeError, MemoryError) as exc:
+            raise InputError(f"{where}: {group_name}/{name} cannot be read ({exc})") from None
+    return arrays
+
+
+def _check_alike(path, params, groups):
+    """Every group holds the arrays of ``params``: the same names and shapes."""
+    for group_name, arrays in groups:
+        if arrays is None:
+            continue
+        if set(arrays) != set(params):
+            odd = sorted(set(arrays) ^ set(params))
+            raise InputError(f"checkpoint {path}: /{group_name} and /params hold different "
+                             f"arrays ({', '.join(odd[:3])}{', ...' if len(odd) > 3 else ''})")
+        for name, array in arrays.items():
+            have, want = getattr(array, "shape", array), getattr(params[name], "shape", params[name])
+            if have != want:
+                raise InputError(f"checkpoint {path}: {group_name}/{name} has shape "
+                                 f"{have}, params/{name} {want}")
+
+
+def _open_checkpoint(path):
+    from ringnet.data.hdf5 import open_regular
+    return open_regular(path, "checkpoint")
+
+
 def load_checkpoint(path):
     """Return ``(params, momentum or None, prev_params or None, attrs)`` read from ``path``.
 
+    Every field is checked before it is returned: the attributes (required ones present,
+    each of its type and range; :data:`_ATTRIBUTES`), the arrays (reached through hard
+    links only, floating point, the same names and shapes in every group, finite).
     ``attrs["rng"]`` is a version-1 file's dict of former Dropout stream states (None
-    otherwise; unused).
-    Raises :class:`~ringnet.errors.InputError` when the file is missing, unreadable, not a checkpoint,
-    or holds non-finite values.
+    otherwise; unused). Raises :class:`~ringnet.errors.InputError` naming the file and the
+    field when the file is missing, not a regular file, unreadable, not a checkpoint, or
+    holds a field it cannot use.
     """
-    try:
-        f = h5py.File(path, "r")
-    except FileNotFoundError:
-        raise InputError(f"checkpoint {path} does not exist") from None
-    except OSError as exc:
-        raise InputError(f"checkpoint {path} is not a readable HDF5 file ({exc})") from None
-    with f:
-        if f.attrs.get("format") != FORMAT or "params" not in f:
-            raise InputError(f"{path} is not a ringnet checkpoint")
-        try:
-            groups = {}
-            for group_name in ("params", "momentum", "prev_params"):
-                groups[group_name] = ({name: ds[()] for name, ds in f[group_name].items()}
-                                      if group_name in f else None)
-            attrs = {key: (value.item() if isinstance(value, np.generic) else
-                           value.decode() if isinstance(value, bytes) else value)
-                     for key, value in f.attrs.items()}
-            attrs["rng"] = json.loads(attrs["rng"]) if attrs.get("rng") else None
-        except (OSError, KeyError, ValueError, AttributeError) as exc:
-            raise InputError(f"checkpoint {path} is corrupt ({exc})") from None
-    _check_finite(path, groups.items())
-    return groups["params"], groups["momentum"], groups["prev_params"], attrs
+    with _open_checkpoint(path) as f:
+        attrs = _read_attributes(f, path)
+        params = _read_group(f, path, "params", required=True)
+        groups = [(name, _read_group(f, path, name)) for name in GROUPS[1:3]]
+    _check_alike(path, params, groups)
+    _check_finite(path, [("params", params)] + groups)
+    return params, groups[0][1], groups[1][1], attrs
+
+
+def read_attributes(path):
+    """Return the validated attributes of checkpoint ``path`` (no arrays are read); raise
+    InputError as :func:`load_checkpoint` does."""
+    with _open_checkpoint(path) as f:
+        return _read_attributes(f, path)
 
 
 def stored_step(path):
     """Return the step of the ringnet checkpoint at ``path`` (attributes only), or None when
-    there is no file or it is not a readable checkpoint."""
+    there is no file or it is not a readable, valid checkpoint."""
     try:
-        with h5py.File(path, "r") as f:
-            if f.attrs.get("format") != FORMAT:
-                return None
-            step = f.attrs.get("step")
-            return int(step) if step is not None else 0
-    except (OSError, ValueError, TypeError):
+        return read_attributes(path)["step"]
+    except InputError:
         return None
 
 
-def load_lookahead_base(path):
-    """Return the named ``/lookahead_base`` arrays of checkpoint ``path``, or None if it has none."""
+def check_replaceable(path):
+    """Raise InputError unless the file at ``path`` (a --save target) may be replaced by a
+    checkpoint: nothing there, an empty file, or a ringnet checkpoint (of any validity).
+    Any other file (a data set, a summary) is left alone."""
+    try:
+        if os.path.getsize(path) == 0:
+            return
+    except OSError:
+        return
     try:
         with h5py.File(path, "r") as f:
-            if "lookahead_base" not in f:
-                return None
-            base = {name: ds[()] for name, ds in f["lookahead_base"].items()}
-    except (OSError, KeyError, ValueError) as exc:
-        raise InputError(f"checkpoint {path} is corrupt ({exc})") from None
+            if _plain(f.attrs.get("format")) == FORMAT:
+                return
+    except (OSError, RuntimeError, TypeError, ValueError, UnicodeDecodeError):
+        pass
+    raise InputError(f"{path} exists and is not a ringnet checkpoint, which a save would "
+                     f"replace; remove it or choose another path")
+
+
+def load_lookahead_base(path):
+    """Return the named ``/lookahead_base`` arrays of checkpoint ``path``, or None if it has
+    none (checked as :func:`load_checkpoint` checks every group)."""
+    with _open_checkpoint(path) as f:
+        base = _read_group(f, path, "lookahead_base")
+        params = (_read_group(f, path, "params", required=True, read=False)
+                  if base is not None else None)
+    if base is None:
+        return None
+    _check_alike(path, params, [("lookahead_base", base)])
     _check_finite(path, (("lookahead_base", base),))
     return base
 

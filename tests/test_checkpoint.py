@@ -17,6 +17,12 @@ from ringnet.errors import InputError, SetupError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(2, np.float32)}
+# The attributes every checkpoint a run writes has (load_checkpoint requires them).
+ATTRS = dict(model="digits", mode="single", delay=0, ranks=1, step=1, epoch=0, dtype="float32")
+
+
+def with_attrs(**changed):
+    return dict(ATTRS, **changed)
 
 
 def _tmp_files(folder):
@@ -26,7 +32,7 @@ def _tmp_files(folder):
 @pytest.mark.parametrize("sig", ["TERM", "INT"])
 def test_signal_during_write_removes_the_temporary_and_keeps_the_old_file(tmp_path, sig):
     path = tmp_path / "ck.h5"
-    save_checkpoint(path, PARAMS, step=1)
+    save_checkpoint(path, PARAMS, **ATTRS)
     before = path.read_bytes()
     script = textwrap.dedent(f"""
         import numpy as np
@@ -52,7 +58,7 @@ def test_kill9_temporary_is_swept_by_the_next_save(tmp_path):
     for f in (stale, live, other):
         f.write_bytes(b"half a checkpoint")
     assert stale_temporaries(path) == [str(stale)]
-    save_checkpoint(path, PARAMS, step=1)
+    save_checkpoint(path, PARAMS, **ATTRS)
     assert not stale.exists() and live.exists() and other.exists()
     load_checkpoint(path)
 
@@ -93,7 +99,7 @@ def test_non_finite_weights_are_refused_on_save_and_load(tmp_path, bad):
     assert not (tmp_path / "a.h5").exists()
     import h5py
     path = tmp_path / "b.h5"
-    save_checkpoint(path, PARAMS, PARAMS)
+    save_checkpoint(path, PARAMS, PARAMS, **ATTRS)
     with h5py.File(path, "r+") as f:
         f["momentum/w"][0, 0] = bad
     with pytest.raises(InputError, match="momentum/w holds 1 NaN"):
@@ -105,7 +111,7 @@ def test_checkpoint_holds_no_stream_state_and_version_1_files_still_load(tmp_pat
     ``rng`` attribute; a version-1 file, which stored NumPy stream states there, loads."""
     import h5py
     path = tmp_path / "ck.h5"
-    save_checkpoint(path, PARAMS, step=3, seed=5)
+    save_checkpoint(path, PARAMS, **with_attrs(step=3, seed=5))
     with h5py.File(path, "r") as f:
         assert f.attrs["version"] == 2 and "rng" not in f.attrs
     assert load_checkpoint(path)[3]["rng"] is None
@@ -185,8 +191,8 @@ def test_a_save_through_a_symlink_writes_its_target(tmp_path):
     link = tmp_path / "latest.h5"
     link.symlink_to(target)                     # dangling until the first save
     check_writable(str(link), 1 << 10)
-    save_checkpoint(str(link), PARAMS)
-    save_checkpoint(str(link), {k: v + 1 for k, v in PARAMS.items()})
+    save_checkpoint(str(link), PARAMS, **ATTRS)
+    save_checkpoint(str(link), {k: v + 1 for k, v in PARAMS.items()}, **ATTRS)
     assert link.is_symlink() and os.readlink(link) == str(target)
     assert np.array_equal(load_checkpoint(target)[0]["w"], PARAMS["w"] + 1)
     assert _tmp_files(tmp_path) == [] and _tmp_files(tmp_path / "runs") == []
@@ -213,7 +219,8 @@ def test_sigterm_during_a_background_periodic_save_leaves_no_temporary(tmp_path)
         from ringnet import checkpoint
         from ringnet.autosave import PeriodicSaver
         params = {{"w": np.full((256, 256), 1.0, np.float32)}}
-        write = lambda state, step: checkpoint.save_checkpoint({str(path)!r}, state, step=step)
+        write = lambda state, step: checkpoint.save_checkpoint({str(path)!r}, state, model="digits",
+            mode="single", delay=0, ranks=1, step=step, epoch=0, dtype="float32")
         saver = PeriodicSaver(MPI.COMM_SELF, 1, lambda: params, write, background=True)
         saver.save(1, wait=True)
         params = {{"w": np.full((256, 256), 2.0, np.float32)}}
