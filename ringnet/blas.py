@@ -3,7 +3,7 @@ and say which BLAS ran (:func:`describe`, :func:`describe_line`)."""
 import os
 
 __all__ = ["local_ranks_on_node", "slurm_tasks_per_node", "blas_threads_for_rank",
-           "configure_blas_threads", "blas_threads_in_use",
+           "check_blas_threads", "configure_blas_threads", "blas_threads_in_use",
            "openblas_coretype", "configure_blas_kernels", "KERNEL_VARS", "describe",
            "describe_line"]
 
@@ -89,6 +89,16 @@ def blas_threads_for_rank(environ=None, cores=None):
     if per_task and in_step:
         return max(1, min(per_task, share))
     return share
+
+
+def check_blas_threads(environ=None):
+    """Raise ValueError naming ``RINGNET_BLAS_THREADS`` unless it is unset, empty or a whole
+    number >= 1 (what :func:`configure_blas_threads` can use; it ignores any other value,
+    since it runs before an entry point can report one)."""
+    env = os.environ if environ is None else environ
+    value = env.get("RINGNET_BLAS_THREADS")
+    if value is not None and value.strip() and _positive(value) is None:
+        raise ValueError(f"RINGNET_BLAS_THREADS={value!r} is not a whole number of threads >= 1")
 
 
 def configure_blas_threads():

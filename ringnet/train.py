@@ -9,6 +9,7 @@ if __name__ == "__main__":     # the program, not a library import: pin BLAS thr
     configure_allocator()
 
 import collections
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -18,15 +19,16 @@ import time
 import numpy as np
 
 from ringnet import backend, graphs, resume
-from ringnet.blas import blas_threads_in_use
+from ringnet.blas import blas_threads_in_use, check_blas_threads
 from ringnet.environment import check_environment, run_knobs
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
 from ringnet.errors import (EXIT_STOPPED, USER_ERRORS, InputError, RunInputError,
-                            SetupError, StallError, TrainingError, TransportUnavailable, UsageError)
+                            StallError, TrainingError, TransportUnavailable, UsageError)
 from ringnet.control import (Deadline, agree, collective, current_phase, import_mpi, set_phase,
                              stall_error, watchdog)
 from ringnet.cli import run_main
 from ringnet.layers import Dropout
+from ringnet.outputs import CheckpointLock, check_distinct, check_output, lock_path
 from ringnet.progress import Progress, interactive, print_summary, progress_interval, write_summary
 from ringnet.stats import GPU_LOSS_EVERY, LossReads
 from ringnet.stopping import StopSignals
@@ -73,14 +75,18 @@ def _place(cfg, world, device):
         raise UsageError(str(exc)) from None
 
 
-def setup(cfg, world):
+def setup(cfg, world, dataset_from=None):
     """Resolve the config, pick the device, open the data, build model and strategy.
 
     Returns ``(cfg, xp, dataset, model, strategy, loader)``: what ``python -m ringnet.train``
     trains with, for a program that runs its steps itself (the performance model's profile).
+    ``dataset_from``: the checkpoint ``cfg.dataset`` was read from (None: the user named
+    it): then it must be a data set name, looked up in the data folders, not a path.
+    Checks every file the run reads and writes (:func:`check_run_files`) on rank 0.
     """
     dataset_given = cfg.dataset is not None
     from ringnet.data import ShardedLoader, check_compatible, open_dataset
+    from ringnet.data.catalog import is_dataset_name
     from ringnet.models import MODELS, build_model
     from ringnet.optim import SGD, LRPolicy
     from ringnet import parallel
@@ -88,6 +94,7 @@ def setup(cfg, world):
     rank, size = world.Get_rank(), world.Get_size()
     cfg = collective(world, cfg.resolved, size)
     collective(world, check_environment)      # a bad RINGNET_* value: one line, before any work
+    collective(world, _check_blas_threads)
     # Before anything whose control flow depends on the settings: every rank runs the same.
     check_same_run(world, config_fingerprint(cfg))
 
@@ -103,10 +110,15 @@ def setup(cfg, world):
     spec = MODELS[cfg.model]
 
     def open_data():
+        if dataset_from is not None and not is_dataset_name(cfg.dataset):
+            raise UsageError(f"checkpoint {dataset_from}: attribute dataset is {cfg.dataset!r}, "
+                             f"a path; a path read from a file is not opened: pass --dataset "
+                             f"with the data set to continue on")
         try:
             ds = open_dataset(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir,
                               input_shape=spec.input_shape, num_classes=spec.num_classes,
-                              synthetic_size=cfg.synthetic_size)
+                              synthetic_size=cfg.synthetic_size,
+                              names_only=dataset_from is not None)
         except InputError as exc:
             if dataset_given:
                 raise
@@ -126,10 +138,9 @@ def setup(cfg, world):
     prints = collective(world, dataset.fingerprint)
     check_same_run(world, prints)
     dataset.content = prints["data set content"]     # recorded in checkpoints
-    for flag, path, example in (("--trace", cfg.trace, "trace.json"),
-                                ("--json-file", cfg.json_file, "summary.json")):
-        if path:        # collective() runs the check now, on every rank (rank 0 checks)
-            collective(world, lambda: _check_output(flag, path, example) if rank == 0 else None)
+    # Rank 0 writes every output: it checks them against each other and its inputs.
+    data_file = (cfg.dataset, dataset.path) if dataset.path is not None else None
+    collective(world, lambda: check_run_files(cfg, data_file) if rank == 0 else None)
 
     model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed,
                         num_classes=dataset.num_classes)
@@ -157,14 +168,70 @@ def setup(cfg, world):
     return cfg, xp, dataset, model, strategy, loader
 
 
-def _check_output(flag, path, example):
-    """Raise UsageError naming ``flag`` unless ``path``, a file the run writes at its end
-    (named like ``example``), can be made."""
-    from ringnet.trace import check_trace_path
+def _check_blas_threads():
     try:
-        check_trace_path(path, example)
-    except SetupError as exc:
-        raise UsageError(f"{flag} {exc}") from None
+        check_blas_threads()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _outputs(cfg):
+    """``(flag, path, noun, example)`` of every file the run writes (rank 0), path None where unset."""
+    from ringnet.autosave import HEARTBEAT_ENV
+    return (("--save", cfg.save, "checkpoint", "ck.h5"),
+            ("--json-file", cfg.json_file, "summary", "summary.json"),
+            ("--trace", cfg.trace, "trace", "trace.json"),
+            (HEARTBEAT_ENV, os.environ.get(HEARTBEAT_ENV) or None, "heartbeat file", "heartbeat"))
+
+
+def check_run_files(cfg, data_file=None):
+    """Raise UsageError (one line) unless the run's outputs can be written and none of its
+    files is another: each output a regular file or nothing yet in a writable folder
+    (:func:`ringnet.outputs.check_output`), no two of the data set (``data_file``: its
+    name and path, None when unknown or synthetic), the checkpoint resumed from, the
+    outputs and the checkpoint's lock file one file (``--resume`` and ``--save`` may be),
+    and an existing ``--save`` file a checkpoint (or empty), not something else a save
+    would replace."""
+    from ringnet.autosave import HEARTBEAT_ENV
+    from ringnet.checkpoint import check_replaceable
+    files = []
+    if data_file is not None:
+        name, path = data_file
+        shown = f"--dataset {name}" + ("" if os.fspath(path) == os.fspath(name) else f" ({path})")
+        files.append(("--dataset", shown, "data set", "input", path))
+    if cfg.resume and cfg.resume != "auto":
+        files.append(("--resume", f"--resume {cfg.resume}", "checkpoint resumed from", "input",
+                      cfg.resume))
+    for flag, path, noun, example in _outputs(cfg):
+        if path:
+            # the heartbeat is written in place and may fail without harm: its kind only
+            check_output(flag, path, example, folder=flag != HEARTBEAT_ENV,
+                         label=f"cannot write checkpoint {path} (--save)" if flag == "--save"
+                         else None)
+            shown = f"{flag}={path}" if flag == HEARTBEAT_ENV else f"{flag} {path}"
+            files.append((flag, shown, noun, "output", path))
+    if cfg.save:
+        lock = lock_path(cfg.save)
+        files.append(("lock", f"the lock file {lock} of --save", "checkpoint's lock file",
+                      "output", lock))
+    check_distinct(files, may_share=[("--resume", "--save")])
+    if cfg.save:
+        try:
+            check_replaceable(cfg.save)
+        except InputError as exc:
+            raise UsageError(f"--save {exc}") from None
+
+
+def _named_data_file(cfg):
+    """(name, path) of the data set the user named with --dataset, or None (not given,
+    synthetic, not found: opening it says why later)."""
+    from ringnet.data import find_dataset
+    if cfg.dataset in (None, "synthetic"):
+        return None
+    try:
+        return cfg.dataset, find_dataset(cfg.dataset, cfg.data_dir)
+    except InputError:
+        return None
 
 
 # Settings that may differ between ranks: where files are and what is printed.
@@ -328,11 +395,12 @@ def train(cfg=None, world=None, **overrides):
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
     try:
-        with StopSignals() as stopper:      # a signal in the set-up stops at the first step
+        # held: the checkpoint's lock, released when the run ends (or with the process)
+        with StopSignals() as stopper, contextlib.ExitStack() as held:
             set_phase("setup")
             deadline = collective(world, Deadline)
             stopper.attach(world, lambda: deadline.seconds)
-            return _train(cfg, world, deadline, rank, size, t_start, stopper)
+            return _train(cfg, world, deadline, rank, size, t_start, stopper, held)
     except CommTimeoutError as exc:
         raise _stalled(world, exc, deadline) from None
     except USER_ERRORS as exc:
@@ -345,22 +413,37 @@ def train(cfg=None, world=None, **overrides):
         raise RunInputError(f"{phase}: {exc}") from None
 
 
-def _train(cfg, world, deadline, rank, size, t_start, stopper):
-    """The run once the deadline is known (see :func:`train`)."""
+def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
+    """The run once the deadline is known (see :func:`train`); ``held``: an ExitStack that
+    releases what the run holds (its checkpoint's lock) when it ends."""
     asked_batch = cfg.batch_size
     checkpoint = resume_note = resumed = None
     auto_note = None
+    auto = cfg.resume == "auto"
     # Communicator creation blocks inside MPI: a watchdog bounds the whole setup.
     with watchdog("setup", 2 * deadline.ceiling + 10):
-        if cfg.resume == "auto":
+        # Before anything reads or writes: the outputs, against the inputs named so far
+        # (checked again with the data set found), then the lock on the checkpoint.
+        collective(world, lambda: check_run_files(cfg, _named_data_file(cfg)) if rank == 0
+                   else None)
+        if cfg.save:
+            lock = collective(world, lambda: CheckpointLock(cfg.save) if rank == 0 else None)
+            if lock is not None:
+                held.callback(lock.release)
+        if auto:
             if not cfg.save:
                 collective(world, cfg.resolved, size)       # says what --resume auto needs
             cfg, auto_note = resume.auto(cfg, world)
         if cfg.resume:
             cfg, checkpoint, (resume_note, resumed) = resume.settings(cfg, world)
-        cfg, xp, dataset, model, strategy, loader = setup(cfg, world)
+        dataset_from = (cfg.resume if resumed is not None and "dataset" in resumed["from_checkpoint"]
+                        else None)
+        cfg, xp, dataset, model, strategy, loader = setup(cfg, world, dataset_from=dataset_from)
         spe = loader.steps_per_epoch
         total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * spe
+        if auto and checkpoint is not None and checkpoint[3]["step"] >= total_steps:
+            return _finished(cfg, world, size, dataset, strategy, checkpoint[3]["step"],
+                             total_steps, resumed)
         step = (resume.restore(cfg, world, strategy, checkpoint, total_steps, dataset, resumed)
                 if checkpoint else 0)
         if cfg.save:
@@ -561,6 +644,24 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper):
     if cfg.json_file and rank == 0:
         write_summary(cfg.json_file, summary)
     if cfg.json and rank == 0:
+        print_summary(summary)
+    return TrainResult(summary, strategy, cfg)
+
+
+def _finished(cfg, world, size, dataset, strategy, done, total_steps, resumed):
+    """``--resume auto`` of a run whose checkpoint already holds its last step: nothing to
+    run, and the same command on every requeue is fine: say so, exit 0. The --json-file of
+    the run that finished is left as it wrote it."""
+    asked = (f"--steps {cfg.steps}" if cfg.steps is not None else
+             f"--epochs {cfg.epochs} ({total_steps} steps)")
+    _log(cfg, world, f"--resume auto: checkpoint {cfg.save} is at step {done} and this run "
+                     f"asks for {asked}: the run is finished, nothing to do")
+    summary = {"mode": cfg.mode, "delay": cfg.delay, "ranks": size, "model": cfg.model,
+               "dataset": dataset.name, "steps": done,
+               "finished": {"checkpoint": str(cfg.save), "step": done,
+                            "steps_asked": total_steps},
+               "resumed": resumed}
+    if cfg.json and world.Get_rank() == 0:
         print_summary(summary)
     return TrainResult(summary, strategy, cfg)
 

@@ -242,15 +242,17 @@ def test_sigterm_during_a_background_periodic_save_leaves_no_temporary(tmp_path)
 def test_a_resume_continues_with_the_checkpoints_data_and_flags(tmp_path, capsys):
     """--no-shuffle, --augment, --dtype and the data set shape the trajectory: the checkpoint
     keeps them, a resume without the flags continues the same run, and flags given anyway
-    are listed as overridden."""
+    are listed as overridden. The data set is a name found in --data-dir (a checkpoint's data
+    set path is never opened: tests/test_untrusted.py)."""
     import shutil
     from mpi4py import MPI
     from ringnet.config import TrainConfig
     from ringnet.train import train
-    data = tmp_path / "d.h5"
+    data = tmp_path / "mydigits.h5"
     shutil.copy(os.path.join(REPO, "datasets", "digits.h5"), data)
-    quiet = dict(progress=False, quiet=True, eval_every_epoch=False, batch_size=16)
-    run = dict(dataset=str(data), shuffle=False, augment=True, dtype="float64", **quiet)
+    quiet = dict(progress=False, quiet=True, eval_every_epoch=False, batch_size=16,
+                 data_dir=str(tmp_path))
+    run = dict(dataset="mydigits", shuffle=False, augment=True, dtype="float64", **quiet)
 
     def weights(result):
         w = np.array(result.strategy.eval_model().params)
@@ -263,7 +265,7 @@ def test_a_resume_continues_with_the_checkpoints_data_and_flags(tmp_path, capsys
     resumed = train(TrainConfig(**quiet), world=MPI.COMM_SELF, steps=6, resume=ck)
     taken = resumed.summary["resumed"]["from_checkpoint"]
     assert (taken["dataset"], taken["shuffle"], taken["augment"], taken["dtype"]) == \
-        (str(data), False, True, "float64")
+        ("mydigits", False, True, "float64")
     assert np.array_equal(weights(resumed), expected)
     other = train(TrainConfig(shuffle=True, **dict(quiet)), world=MPI.COMM_SELF, steps=6, resume=ck)
     assert other.summary["resumed"]["overridden"]["shuffle"] == {"checkpoint": False, "given": True}
@@ -277,6 +279,33 @@ def test_a_resume_continues_with_the_checkpoints_data_and_flags(tmp_path, capsys
         train(TrainConfig(**quiet), world=MPI.COMM_SELF, steps=6, resume=ck)
     assert stopped.value.code == 2
     assert "the data changed; pass --dataset" in capsys.readouterr().err
-    given = train(TrainConfig(dataset=str(data), **quiet), world=MPI.COMM_SELF, steps=6, resume=ck)
+    given = train(TrainConfig(dataset="mydigits", **quiet), world=MPI.COMM_SELF, steps=6, resume=ck)
     assert set(given.summary["resumed"]["overridden"]) == {"data_content"}
     weights(given)
+
+
+def test_a_finished_run_requeued_with_resume_auto_exits_0_and_writes_nothing(tmp_path):
+    """The same command on every requeue: once its checkpoint holds the last step, `--resume
+    auto` says the run is finished and exits 0, leaving the checkpoint and the --json-file as
+    the finished run wrote them; an explicit --resume of it is still refused (exit 2)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
+    command = [sys.executable, "-m", "ringnet.train", "--steps", "3", "--batch-size", "16",
+               "--no-progress", "--save", "ck.h5", "--resume", "auto", "--json-file", "s.json"]
+
+    def run(*extra):
+        return subprocess.run(command + list(extra), capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=120)
+    first = run()
+    assert first.returncode == 0, first.stderr
+    saved, summary = (tmp_path / "ck.h5").read_bytes(), (tmp_path / "s.json").read_text()
+    for again in (run(), run("--json")):
+        assert again.returncode == 0, again.stderr
+        assert "--resume auto: checkpoint ck.h5 is at step 3 and this run asks for --steps 3: " \
+               "the run is finished, nothing to do" in again.stdout + again.stderr
+        assert (tmp_path / "ck.h5").read_bytes() == saved
+        assert (tmp_path / "s.json").read_text() == summary
+    record = json.loads(again.stdout.strip().splitlines()[-1])
+    assert record["finished"] == {"checkpoint": "ck.h5", "step": 3, "steps_asked": 3}
+    explicit = subprocess.run(command[:-4] + ["--resume", "ck.h5"], capture_output=True,
+                              text=True, env=env, cwd=tmp_path, timeout=120)
+    assert explicit.returncode == 2 and "already at step 3" in explicit.stderr
