@@ -21,6 +21,7 @@ fail or destroy something is found here first, on the rank that writes them:
   normally removes the lock file, one that was killed leaves it, empty of meaning (the
   next run takes it over).
 """
+import errno
 import os
 import socket
 import stat
@@ -31,6 +32,8 @@ __all__ = ["check_output", "file_kind", "check_distinct", "same_file_key", "Chec
            "LOCK_SUFFIX"]
 
 LOCK_SUFFIX = ".lock"
+# flock's errors on a file system that cannot lock files: the run goes on unlocked
+_NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}
 
 
 def file_kind(mode):
@@ -153,13 +156,16 @@ class CheckpointLock:
     The lock file holds ``host H, process P`` of its holder. It is created if missing and
     removed by :meth:`release`; a process that takes the lock checks that the file it
     locked is still the one at the path (a releasing holder may have removed it in
-    between), and starts again if not.
+    between), and starts again if not. On a file system that cannot lock files (``flock``
+    fails with ENOSYS, EOPNOTSUPP or ENOLCK: Lustre mounted without ``flock``) nothing is
+    held and :attr:`note` says so.
     """
 
     def __init__(self, checkpoint, what="--save"):
         import fcntl
         self.path = lock_path(checkpoint)
         self.fd = None
+        self.note = None        # why the checkpoint is not locked, where the file system cannot
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         from ringnet.data.hdf5 import file_mode
         while True:
@@ -179,6 +185,12 @@ class CheckpointLock:
                                  f"another {what} path") from None
             except OSError as exc:
                 os.close(fd)
+                if exc.errno in _NO_LOCKS:
+                    # a file system without locks (Lustre mounted without flock): run unlocked
+                    self.note = (f"note: {what} {checkpoint}: the file system does not lock "
+                                 f"files ({exc.strerror or exc}), so a second run with this "
+                                 f"{what} is not refused")
+                    return
                 raise UsageError(f"{what} {checkpoint}: cannot lock {self.path} "
                                  f"({exc.strerror or exc})") from None
             mine = os.fstat(fd)

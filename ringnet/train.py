@@ -430,6 +430,8 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
             lock = collective(world, lambda: CheckpointLock(cfg.save) if rank == 0 else None)
             if lock is not None:
                 held.callback(lock.release)
+                if lock.note:
+                    _log(cfg, world, lock.note)
         if auto:
             if not cfg.save:
                 collective(world, cfg.resolved, size)       # says what --resume auto needs

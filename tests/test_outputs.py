@@ -282,3 +282,15 @@ def test_a_failed_rename_leaves_no_temporary(tmp_path):
         write_dataset(tmp_path / "taken", images, np.zeros(2, np.int64), images,
                       np.zeros(2, np.int64), classes=["a"])
     assert os.listdir(tmp_path) == ["taken"]
+
+
+def test_a_file_system_without_locks_runs_unlocked_and_says_so(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = CheckpointLock(tmp_path / "ck.h5")
+    assert lock.fd is None and "does not lock files" in lock.note
+    lock.release()
