@@ -39,6 +39,12 @@
 # Everything (config, keys, logs, spool) lives in $RINGNET_SLURM_DIR (default
 # /tmp/ringnet-slurm); the daemons and jobs run as the user who runs this script. Two
 # clusters at once need their own RINGNET_SLURM_DIR and RINGNET_SLURM_PORT each.
+# Jobs: each start numbers its jobs from a block of 10000 ids of its own (FirstJobId ..
+# MaxJobId), the next one of a counter all clusters here share ($RINGNET_SLURM_JOBIDS,
+# default /tmp/ringnet-slurm-jobids), so neither two clusters nor a cluster started again
+# reuse an id. As a job ends, its epilog removes the MPICH shared memory
+# (/dev/shm/mpich_shm_*) its ranks made and left: killed ranks leave it, and a later job of
+# the same id would fail in MPI_Init. A finished job's record: log/jobcomp.log (sacct -c).
 set -euo pipefail
 STATE=${RINGNET_SLURM_DIR:-/tmp/ringnet-slurm}
 CONF=$STATE/slurm.conf
@@ -50,6 +56,12 @@ MADE=$STATE/made                   # K nodes: what start made, one line each, in
 NODES_FILE=$STATE/nodes            # K nodes: "NAME ADDRESS HOST-SIDE-LINK" per node
 HOSTS=$STATE/hosts                 # K nodes: mpirun's hosts file
 NODE_EXEC=$STATE/node-exec         # K nodes: mpirun's launcher (in place of ssh)
+# Job ids: each start numbers its jobs from a block of ids of its own, taken from a counter
+# that all clusters on this machine share, so that no two clusters, and no cluster started
+# again, give the same id twice (an id names a job's MPI shared memory, see write_scripts).
+JOBIDS=${RINGNET_SLURM_JOBIDS:-/tmp/ringnet-slurm-jobids}
+BLOCK=10000                        # ids a block holds: block B is B*BLOCK .. B*BLOCK+BLOCK-1
+BLOCKS=6703                        # SLURM's ids end at 67043328
 # What makes MPICH go over the links between namespaces: its TCP path through libfabric,
 # and no shared memory between ranks of one node (the namespaces share one kernel, so a
 # shared-memory or UCX path would cross "nodes" without touching the links).
@@ -71,11 +83,62 @@ running() { pid_of munged >/dev/null && pid_of slurmctld >/dev/null && pid_of sl
 multi() { [ -e "$MADE" ]; }      # a K-node cluster was started here (and not stopped)
 node_count() { wc -l < "$NODES_FILE" 2>/dev/null || echo 0; }
 
+job_block() {  # take the next block of job ids from the counter (seeded from the clock)
+  local b
+  if ! b=$( (
+      flock -w 10 9 || exit 1
+      last=$(head -c 20 "$JOBIDS" 2>/dev/null || true)
+      [[ $last =~ ^[0-9]+$ ]] || last=$(( $(date +%s) / 10 % BLOCKS ))
+      next=$(( last % BLOCKS + 1 ))
+      echo "$next" > "$JOBIDS" || exit 1
+      echo "$next"
+    ) 9>>"$JOBIDS" 2>/dev/null ); then
+    b=$(( $(date +%s) % BLOCKS + 1 ))   # a counter this user cannot write: the clock picks
+  fi
+  chmod 666 "$JOBIDS" 2>/dev/null || true
+  echo "$b"
+}
+
+write_scripts() {  # the prolog and epilog SLURM runs on a node as a job starts and ends there
+  cat > "$STATE/prolog" <<EOF
+#!/bin/sh
+# Written by hpc/cluster.sh: SLURM runs it on a node as a job starts there. It notes the time
+# in a file of the job's, for the epilog.
+mkdir -p "$STATE/jobs" && : > "$STATE/jobs/\$SLURM_JOB_ID-\$SLURMD_NODENAME"
+exit 0
+EOF
+  cat > "$STATE/epilog" <<EOF
+#!/bin/bash
+# Written by hpc/cluster.sh: SLURM runs it on a node as a job ends there. MPICH's shared
+# memory segments (/dev/shm/mpich_shm_*) outlive ranks that were killed, and a later job
+# whose segment takes the same name then fails in MPI_Init; this removes those the job's
+# user made since the job started on the node that no process has open or mapped any more.
+# (It exits 0 whatever happens: a failed epilog would drain the node.)
+stamp="$STATE/jobs/\$SLURM_JOB_ID-\$SLURMD_NODENAME"
+[ -e "\$stamp" ] || exit 0
+left=\$(find /dev/shm -maxdepth 1 -name 'mpich_shm_*' -user "\$SLURM_JOB_UID" -newer "\$stamp" 2>/dev/null)
+if [ -n "\$left" ]; then
+  used=\$( { find /proc/[0-9]*/fd -lname '/dev/shm/mpich_shm_*' -printf '%l\\n'
+             grep -ho '/dev/shm/mpich_shm_[^ ]*' /proc/[0-9]*/maps; } 2>/dev/null | sort -u)
+  for f in \$left; do
+    grep -qxF "\$f" <<<"\$used" && continue
+    rm -f "\$f" && echo "\$(date '+%F %T') job \$SLURM_JOB_ID on \$SLURMD_NODENAME: removed \$f" \\
+      "(made during the job, open or mapped by no process)" >> "$STATE/log/epilog.log"
+  done
+fi
+rm -f "\$stamp"
+exit 0
+EOF
+  chmod 755 "$STATE/prolog" "$STATE/epilog"
+}
+
 write_config() {  # write_config HOST_LINES...: slurm.conf; one node when no lines are given
-  local host user
+  local host user block
   host=$(hostname -s)
   user=$(id -un)
   mkdir -p "$STATE/munge" "$STATE/ctld" "$STATE/spool" "$STATE/log"
+  write_scripts
+  block=$(job_block)
   chmod 700 "$STATE/munge"
   if [ ! -s "$STATE/munge/munge.key" ]; then
     head -c 1024 /dev/urandom > "$STATE/munge/munge.key"
@@ -113,8 +176,19 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
 ReturnToService=2
-# sbatch --wait polls for the finished job: a small MinJobAge lets it return quickly.
+# sbatch --wait polls for the finished job every 2 s while MinJobAge is 5 or less, and
+# otherwise after 2, 8, then every 32 s (at 300 a 12 s job returned after 42 s): a finished
+# job leaves squeue and scontrol after 4 s, and its record is in JobCompLoc.
 MinJobAge=4
+JobCompType=jobcomp/filetxt
+JobCompLoc=$STATE/log/jobcomp.log
+# This start's own block of job ids (no other cluster here, or start, numbers from it).
+FirstJobId=$(( block * BLOCK ))
+MaxJobId=$(( block * BLOCK + BLOCK - 1 ))
+# A job's node notes when it started there; as it ends, the epilog removes what its ranks
+# left in /dev/shm.
+Prolog=$STATE/prolog
+Epilog=$STATE/epilog
 KillWait=5
 InactiveLimit=0
 SlurmdParameters=config_overrides
@@ -559,6 +633,7 @@ teardown() {  # undo every line of $MADE, last first; then the record itself
   grep -qx "dir $STATE" "$MADE" && created=1
   rm -rf "$STATE/uts" "$STATE/ctld" "$STATE/spool" "$STATE/log" "$STATE/munge" \
     "$STATE/slurm.conf" "$STATE/cluster" "$NODES_FILE" "$HOSTS" "$NODE_EXEC" \
+    "$STATE/prolog" "$STATE/epilog" "$STATE/jobs" \
     "$STATE"/slurmd-*.pid "$STATE/slurmctld.pid" "$STATE/munged.pid"
   rm -f "$MADE"
   if [ "$created" -eq 1 ]; then rmdir "$STATE" 2>/dev/null || true; fi
