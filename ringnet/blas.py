@@ -92,13 +92,14 @@ def blas_threads_for_rank(environ=None, cores=None):
 
 
 def check_blas_threads(environ=None):
-    """Raise ValueError naming ``RINGNET_BLAS_THREADS`` unless it is unset, empty or a whole
+    """Raise UsageError naming ``RINGNET_BLAS_THREADS`` unless it is unset, empty or a whole
     number >= 1 (what :func:`configure_blas_threads` can use; it ignores any other value,
     since it runs before an entry point can report one)."""
     env = os.environ if environ is None else environ
     value = env.get("RINGNET_BLAS_THREADS")
     if value is not None and value.strip() and _positive(value) is None:
-        raise ValueError(f"RINGNET_BLAS_THREADS={value!r} is not a whole number of threads >= 1")
+        from ringnet.errors import UsageError
+        raise UsageError(f"RINGNET_BLAS_THREADS={value!r} is not a whole number of threads >= 1")
 
 
 def configure_blas_threads():

@@ -31,7 +31,8 @@ from ringnet.errors import EXIT_USAGE, USER_ERRORS, StallError, TrainingError, U
 from ringnet.nodes import ranks_text
 from ringnet.shutdown import abort, print_error, sleep_backoff, world
 
-__all__ = ["agree", "collective", "Deadline", "watchdog", "stall_error", "comm_timeout",
+__all__ = ["agree", "collective", "check_same_run", "stalled", "Deadline", "watchdog",
+           "stall_error", "comm_timeout",
            "default_timeout", "MAX_TIMEOUT_S", "current_phase", "set_phase", "fault_point",
            "import_mpi"]
 
@@ -275,6 +276,39 @@ def collective(comm, fn, *args, phase=None, timeout=None, **kwargs):
         if kind == "usage":
             print_error(message)
     raise SystemExit(EXIT_USAGE)
+
+
+def check_same_run(world, fingerprint):
+    """Exit 2 on every rank, naming the fields and the ranks, unless all ranks sent the same
+    ``fingerprint`` ({field: value}; the start-up agreement of ``python -m ringnet.train``)."""
+    prints = agree(world, fingerprint, phase="setup")
+    problems = []
+    for field in sorted(set().union(*prints)):
+        values = [p.get(field) for p in prints]
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        if differ:
+            problems.append(f"{field} is {values[0]} on rank 0 but {values[differ[0]]} on rank(s) "
+                            f"{', '.join(str(r) for r in differ)}")
+    if problems:
+        raise UsageError("ranks were started with different settings or data: " + "; ".join(problems)
+                         + " (every rank must run the same command on the same data)")
+
+
+def stalled(world, exc, deadline):
+    """Turn a transfer timeout ``exc`` into the error naming the rank(s) that stopped answering.
+
+    The ranks that are alive also time out (each waits on the chain that leads to the
+    stalled one) and meet here; those that do not arrive are the ones at fault.
+    """
+    phase = current_phase()
+    try:
+        agree(world, phase, phase="stall check", timeout=0.5 * deadline.seconds + 2.0)
+    except StallError as stall:
+        return stall_error(stall.missing, phase, deadline.seconds, detail=f"here: {exc}",
+                           speaker=stall.speaker, comm=world)
+    except TrainingError as other:
+        return other
+    return TrainingError(f"{phase}: {exc}")
 
 
 class watchdog:

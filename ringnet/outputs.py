@@ -28,8 +28,8 @@ import stat
 
 from ringnet.errors import UsageError
 
-__all__ = ["check_output", "file_kind", "check_distinct", "same_file_key", "CheckpointLock", "lock_path",
-           "LOCK_SUFFIX"]
+__all__ = ["check_output", "file_kind", "check_distinct", "same_file_key", "check_run_files",
+           "CheckpointLock", "lock_path", "LOCK_SUFFIX"]
 
 LOCK_SUFFIX = ".lock"
 # flock's errors on a file system that cannot lock files: the run goes on unlocked
@@ -134,6 +134,42 @@ def check_distinct(files, may_share=()):
         seen.append((name, shown, noun, role, key))
 
 
+def check_run_files(save=None, json_file=None, trace=None, heartbeat=None, resume=None,
+                    data_file=None):
+    """Raise UsageError (one line) unless a training run's outputs can be written and none
+    of its files is another.
+
+    The outputs (``--save``, ``--json-file``, ``--trace`` and ``heartbeat``, the file
+    ``$RINGNET_HEARTBEAT`` names) pass :func:`check_output` (the heartbeat, written in place
+    and allowed to fail, only its kind); no two of the data set (``data_file``: its name as
+    given and its path, None when unknown or synthetic), the checkpoint resumed from
+    (``resume``), the outputs and the checkpoint's lock file are one file, except
+    ``--resume`` and ``--save``.
+    """
+    files = []
+    if data_file is not None:
+        name, path = data_file
+        shown = f"--dataset {name}" + ("" if os.fspath(path) == os.fspath(name) else f" ({path})")
+        files.append(("--dataset", shown, "data set", "input", path))
+    if resume:
+        files.append(("--resume", f"--resume {resume}", "checkpoint resumed from", "input", resume))
+    for flag, path, noun, example in (("--save", save, "checkpoint", "ck.h5"),
+                                      ("--json-file", json_file, "summary", "summary.json"),
+                                      ("--trace", trace, "trace", "trace.json")):
+        if path:
+            check_output(flag, path, example, label=(f"cannot write checkpoint {path} (--save)"
+                                                     if flag == "--save" else None))
+            files.append((flag, f"{flag} {path}", noun, "output", path))
+    if heartbeat:
+        check_output("RINGNET_HEARTBEAT", heartbeat, "heartbeat", folder=False)
+        files.append(("RINGNET_HEARTBEAT", f"RINGNET_HEARTBEAT={heartbeat}", "heartbeat file",
+                      "output", heartbeat))
+    if save:
+        files.append(("lock", f"the lock file {lock_path(save)} of --save",
+                      "checkpoint's lock file", "output", lock_path(save)))
+    check_distinct(files, may_share=[("--resume", "--save")])
+
+
 def lock_path(checkpoint):
     """Return the lock file of ``checkpoint``: its resolved path (a link's target, which is
     what is written) with :data:`LOCK_SUFFIX` added."""
@@ -167,10 +203,9 @@ class CheckpointLock:
         self.fd = None
         self.note = None        # why the checkpoint is not locked, where the file system cannot
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        from ringnet.data.hdf5 import file_mode
         while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, file_mode())
+            try:        # the mode of a plain open(): 0666 less the umask
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
             except OSError as exc:
                 raise UsageError(f"{what} {checkpoint}: cannot create its lock file "
                                  f"{self.path} ({exc.strerror or exc})") from None

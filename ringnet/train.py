@@ -23,12 +23,12 @@ from ringnet.blas import blas_threads_in_use, check_blas_threads
 from ringnet.environment import check_environment, run_knobs
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
 from ringnet.errors import (EXIT_STOPPED, USER_ERRORS, InputError, RunInputError,
-                            StallError, TrainingError, TransportUnavailable, UsageError)
-from ringnet.control import (Deadline, agree, collective, current_phase, import_mpi, set_phase,
-                             stall_error, watchdog)
+                            TrainingError, TransportUnavailable, UsageError)
+from ringnet.control import (Deadline, agree, check_same_run, collective, current_phase,
+                             import_mpi, set_phase, stalled, watchdog)
 from ringnet.cli import run_main
 from ringnet.layers import Dropout
-from ringnet.outputs import CheckpointLock, check_distinct, check_output, lock_path
+from ringnet.outputs import CheckpointLock, check_run_files
 from ringnet.progress import Progress, interactive, print_summary, progress_interval, write_summary
 from ringnet.stats import GPU_LOSS_EVERY, LossReads
 from ringnet.stopping import StopSignals
@@ -80,9 +80,8 @@ def setup(cfg, world, dataset_from=None):
 
     Returns ``(cfg, xp, dataset, model, strategy, loader)``: what ``python -m ringnet.train``
     trains with, for a program that runs its steps itself (the performance model's profile).
-    ``dataset_from``: the checkpoint ``cfg.dataset`` was read from (None: the user named
-    it): then it must be a data set name, looked up in the data folders, not a path.
-    Checks every file the run reads and writes (:func:`check_run_files`) on rank 0.
+    ``dataset_from``: the checkpoint ``cfg.dataset`` was read from, if it was (then only a
+    name is looked up, never a path). Rank 0 checks the run's files (:func:`_check_files`).
     """
     dataset_given = cfg.dataset is not None
     from ringnet.data import ShardedLoader, check_compatible, open_dataset
@@ -94,7 +93,7 @@ def setup(cfg, world, dataset_from=None):
     rank, size = world.Get_rank(), world.Get_size()
     cfg = collective(world, cfg.resolved, size)
     collective(world, check_environment)      # a bad RINGNET_* value: one line, before any work
-    collective(world, _check_blas_threads)
+    collective(world, check_blas_threads)
     # Before anything whose control flow depends on the settings: every rank runs the same.
     check_same_run(world, config_fingerprint(cfg))
 
@@ -140,7 +139,7 @@ def setup(cfg, world, dataset_from=None):
     dataset.content = prints["data set content"]     # recorded in checkpoints
     # Rank 0 writes every output: it checks them against each other and its inputs.
     data_file = (cfg.dataset, dataset.path) if dataset.path is not None else None
-    collective(world, lambda: check_run_files(cfg, data_file) if rank == 0 else None)
+    collective(world, lambda: _check_files(cfg, data_file) if rank == 0 else None)
 
     model = build_model(cfg.model, dtype=cfg.dtype, xp=xp, seed=cfg.seed,
                         num_classes=dataset.num_classes)
@@ -168,53 +167,14 @@ def setup(cfg, world, dataset_from=None):
     return cfg, xp, dataset, model, strategy, loader
 
 
-def _check_blas_threads():
-    try:
-        check_blas_threads()
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _outputs(cfg):
-    """``(flag, path, noun, example)`` of every file the run writes (rank 0), path None where unset."""
-    from ringnet.autosave import HEARTBEAT_ENV
-    return (("--save", cfg.save, "checkpoint", "ck.h5"),
-            ("--json-file", cfg.json_file, "summary", "summary.json"),
-            ("--trace", cfg.trace, "trace", "trace.json"),
-            (HEARTBEAT_ENV, os.environ.get(HEARTBEAT_ENV) or None, "heartbeat file", "heartbeat"))
-
-
-def check_run_files(cfg, data_file=None):
-    """Raise UsageError (one line) unless the run's outputs can be written and none of its
-    files is another: each output a regular file or nothing yet in a writable folder
-    (:func:`ringnet.outputs.check_output`), no two of the data set (``data_file``: its
-    name and path, None when unknown or synthetic), the checkpoint resumed from, the
-    outputs and the checkpoint's lock file one file (``--resume`` and ``--save`` may be),
-    and an existing ``--save`` file a checkpoint (or empty), not something else a save
-    would replace."""
+def _check_files(cfg, data_file):
+    """Rank 0: :func:`ringnet.outputs.check_run_files` of ``cfg``'s files, and an existing
+    ``--save`` file must be a checkpoint (or empty), not something else a save would replace."""
     from ringnet.autosave import HEARTBEAT_ENV
     from ringnet.checkpoint import check_replaceable
-    files = []
-    if data_file is not None:
-        name, path = data_file
-        shown = f"--dataset {name}" + ("" if os.fspath(path) == os.fspath(name) else f" ({path})")
-        files.append(("--dataset", shown, "data set", "input", path))
-    if cfg.resume and cfg.resume != "auto":
-        files.append(("--resume", f"--resume {cfg.resume}", "checkpoint resumed from", "input",
-                      cfg.resume))
-    for flag, path, noun, example in _outputs(cfg):
-        if path:
-            # the heartbeat is written in place and may fail without harm: its kind only
-            check_output(flag, path, example, folder=flag != HEARTBEAT_ENV,
-                         label=f"cannot write checkpoint {path} (--save)" if flag == "--save"
-                         else None)
-            shown = f"{flag}={path}" if flag == HEARTBEAT_ENV else f"{flag} {path}"
-            files.append((flag, shown, noun, "output", path))
-    if cfg.save:
-        lock = lock_path(cfg.save)
-        files.append(("lock", f"the lock file {lock} of --save", "checkpoint's lock file",
-                      "output", lock))
-    check_distinct(files, may_share=[("--resume", "--save")])
+    check_run_files(save=cfg.save, json_file=cfg.json_file, trace=cfg.trace,
+                    heartbeat=os.environ.get(HEARTBEAT_ENV) or None,
+                    resume=None if cfg.resume == "auto" else cfg.resume, data_file=data_file)
     if cfg.save:
         try:
             check_replaceable(cfg.save)
@@ -223,13 +183,12 @@ def check_run_files(cfg, data_file=None):
 
 
 def _named_data_file(cfg):
-    """(name, path) of the data set the user named with --dataset, or None (not given,
-    synthetic, not found: opening it says why later)."""
+    """(name, path) of a data set given with --dataset; None if not given, synthetic or not
+    found (opening it says why later)."""
     from ringnet.data import find_dataset
-    if cfg.dataset in (None, "synthetic"):
-        return None
     try:
-        return cfg.dataset, find_dataset(cfg.dataset, cfg.data_dir)
+        return (cfg.dataset, find_dataset(cfg.dataset, cfg.data_dir)) if cfg.dataset not in \
+            (None, "synthetic") else None
     except InputError:
         return None
 
@@ -250,43 +209,11 @@ def config_fingerprint(cfg):
     return prints
 
 
-def check_same_run(world, fingerprint):
-    """Exit 2 on every rank, naming the fields and the ranks, unless all ranks sent the same."""
-    prints = agree(world, fingerprint, phase="setup")
-    problems = []
-    for field in sorted(set().union(*prints)):
-        values = [p.get(field) for p in prints]
-        differ = [r for r, v in enumerate(values) if v != values[0]]
-        if differ:
-            problems.append(f"{field} is {values[0]} on rank 0 but {values[differ[0]]} on rank(s) "
-                            f"{', '.join(str(r) for r in differ)}")
-    if problems:
-        raise UsageError("ranks were started with different settings or data: " + "; ".join(problems)
-                         + " (every rank must run the same command on the same data)")
-
-
 def _transport_deadline(strategy, seconds):
     """Bound every transfer of ``strategy``'s transport by ``seconds``."""
     transport = getattr(strategy, "transport", None)
     if transport is not None and hasattr(transport, "timeout_s"):
         transport.timeout_s = seconds
-
-
-def _stalled(world, exc, deadline):
-    """Turn a transfer timeout into a message naming the rank(s) that stopped answering.
-
-    The ranks that are alive also time out (each waits on the chain that leads to the
-    stalled one) and meet here; those that do not arrive are the ones at fault.
-    """
-    phase = current_phase()
-    try:
-        agree(world, phase, phase="stall check", timeout=0.5 * deadline.seconds + 2.0)
-    except StallError as stall:
-        return stall_error(stall.missing, phase, deadline.seconds, detail=f"here: {exc}",
-                           speaker=stall.speaker, comm=world)
-    except TrainingError as other:
-        return other
-    return TrainingError(f"{phase}: {exc}")
 
 
 def evaluate(strategy, dataset, cfg, world, xp, batch_size=256, deadline=None):
@@ -339,23 +266,6 @@ def _log(cfg, world, text):
             out.flush()
 
 
-def _check_data_file(dataset, cfg, world, epoch, started):
-    """At each epoch start: a data file replaced, rewritten or removed under the running job
-    stops a run that reads from it (it would train on a mix of old and new samples); a run
-    holding the whole set in memory goes on, and says so once."""
-    what = dataset.changed_on_disk()
-    if what is None or getattr(dataset, "_change_noted", False):
-        return
-    if dataset.file_backed:
-        raise RunInputError(f"data set file {dataset.path} was {what} under the running job "
-                            f"(seen at the start of epoch {epoch + 1}); restart, or --resume, "
-                            f"once it is final")
-    dataset._change_noted = True
-    _log(cfg, world, f"note: data set file {dataset.path} was {what} on disk"
-                     f"{' during the run' if started else ''}; this run trains on the copy it "
-                     f"read at the start")
-
-
 def _took(read, recent, epoch_losses, spe, bar):
     """Record the losses ``read`` ([(step, loss)]); return the epoch's (first step, [loss])."""
     for step, loss in read:
@@ -402,7 +312,7 @@ def train(cfg=None, world=None, **overrides):
             stopper.attach(world, lambda: deadline.seconds)
             return _train(cfg, world, deadline, rank, size, t_start, stopper, held)
     except CommTimeoutError as exc:
-        raise _stalled(world, exc, deadline) from None
+        raise stalled(world, exc, deadline) from None
     except USER_ERRORS as exc:
         # Set-up and save errors are agreed by every rank; what a rank meets while training
         # or evaluating (a corrupt chunk of a file-backed data set) only it knows: it speaks
@@ -424,8 +334,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
     with watchdog("setup", 2 * deadline.ceiling + 10):
         # Before anything reads or writes: the outputs, against the inputs named so far
         # (checked again with the data set found), then the lock on the checkpoint.
-        collective(world, lambda: check_run_files(cfg, _named_data_file(cfg)) if rank == 0
-                   else None)
+        collective(world, lambda: _check_files(cfg, _named_data_file(cfg)) if rank == 0 else None)
         if cfg.save:
             lock = collective(world, lambda: CheckpointLock(cfg.save) if rank == 0 else None)
             if lock is not None:
@@ -507,7 +416,9 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
             t_step = time.perf_counter()
             while step < total_steps:
                 epoch, offset = divmod(step, spe)
-                _check_data_file(dataset, cfg, world, epoch, step > first_step)
+                note = dataset.check_unchanged(epoch, step > first_step)
+                if note:
+                    _log(cfg, world, note)
                 batches = loader.epoch(epoch, start_step=offset)
                 for x, labels in timed(batches, totals=fetched):
                     set_phase(f"step {step}")
@@ -651,18 +562,15 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
 
 
 def _finished(cfg, world, size, dataset, strategy, done, total_steps, resumed):
-    """``--resume auto`` of a run whose checkpoint already holds its last step: nothing to
-    run, and the same command on every requeue is fine: say so, exit 0. The --json-file of
-    the run that finished is left as it wrote it."""
+    """``--resume auto`` of a run whose checkpoint holds its last step already: the same
+    command on every requeue is fine, so say so and exit 0 (its --json-file is left as is)."""
     asked = (f"--steps {cfg.steps}" if cfg.steps is not None else
              f"--epochs {cfg.epochs} ({total_steps} steps)")
     _log(cfg, world, f"--resume auto: checkpoint {cfg.save} is at step {done} and this run "
                      f"asks for {asked}: the run is finished, nothing to do")
     summary = {"mode": cfg.mode, "delay": cfg.delay, "ranks": size, "model": cfg.model,
-               "dataset": dataset.name, "steps": done,
-               "finished": {"checkpoint": str(cfg.save), "step": done,
-                            "steps_asked": total_steps},
-               "resumed": resumed}
+               "dataset": dataset.name, "steps": done, "resumed": resumed,
+               "finished": {"checkpoint": str(cfg.save), "step": done, "steps_asked": total_steps}}
     if cfg.json and world.Get_rank() == 0:
         print_summary(summary)
     return TrainResult(summary, strategy, cfg)

@@ -18,7 +18,7 @@ from conftest import ENV, assert_one_line_error
 from ringnet.blas import check_blas_threads
 from ringnet.checkpoint import load_checkpoint, load_lookahead_base, read_attributes, stored_step
 from ringnet.data import open_dataset
-from ringnet.errors import InputError
+from ringnet.errors import InputError, UsageError
 
 REPO = Path(__file__).resolve().parent.parent
 DIGITS = REPO / "datasets" / "digits.h5"
@@ -233,5 +233,5 @@ def test_blas_thread_values():
     for good in (None, "", "1", " 3 ", "16"):
         check_blas_threads({} if good is None else {"RINGNET_BLAS_THREADS": good})
     for bad in ("abc", "0", "-2", "1.5", "+2", "2 threads"):
-        with pytest.raises(ValueError, match="RINGNET_BLAS_THREADS"):
+        with pytest.raises(UsageError, match="RINGNET_BLAS_THREADS"):
             check_blas_threads({"RINGNET_BLAS_THREADS": bad})

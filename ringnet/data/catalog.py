@@ -10,7 +10,7 @@ import numpy as np
 import ringnet
 from ringnet.data.hdf5 import FileImages, validate_file
 from ringnet.data.synthetic import make_synthetic
-from ringnet.errors import InputError
+from ringnet.errors import InputError, RunInputError
 
 __all__ = ["NAMED", "DOWNLOADABLE", "IN_MEMORY_BYTES", "in_memory_bytes", "Split", "Dataset",
            "default_data_dir", "data_dirs", "find_dataset", "open_dataset", "is_dataset_name",
@@ -172,6 +172,23 @@ class Dataset:
         if (now.st_size, now.st_mtime_ns) != (self._stat.st_size, self._stat.st_mtime_ns):
             return "rewritten"
         return None
+
+    def check_unchanged(self, epoch, started):
+        """At the start of ``epoch`` (0-based): a data file replaced, rewritten or removed
+        under the running job stops a run that reads from it (RunInputError: it would train
+        on a mix of old and new samples); a run holding the whole set in memory goes on, and
+        the note to say so is returned once (``started``: training had begun). None otherwise."""
+        what = self.changed_on_disk()
+        if what is None or getattr(self, "_change_noted", False):
+            return None
+        if self.file_backed:
+            raise RunInputError(f"data set file {self.path} was {what} under the running job "
+                                f"(seen at the start of epoch {epoch + 1}); restart, or "
+                                f"--resume, once it is final")
+        self._change_noted = True
+        return (f"note: data set file {self.path} was {what} on disk"
+                f"{' during the run' if started else ''}; this run trains on the copy it "
+                f"read at the start")
 
     def close(self):
         """Close the underlying file, if any."""
