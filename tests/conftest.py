@@ -51,7 +51,8 @@ def simulate_delay1(model, batches, optimizer, delayed=None, lookahead=None, war
     ``1 - (1 - mu)/k`` and lr ``lr/k``: ``v <- mu' v + lr' (g + wd w)``, ``w <- w - v``.
     ``warmup`` W (with ``lookahead``): steps t < W are synchronous with mu and lr (the
     delayed part computes at ``c_t``), step W computes at ``c_W`` too, and the compensated
-    recurrence continues from the momentum the warm-up left.
+    recurrence continues from the momentum the warm-up left, the delayed part's divided by
+    k (what it still carries the weights kept, ringnet.parallel.delayed_update).
     """
     n = model.num_params if delayed is None else delayed
     c_prev2 = c_prev = c_cur = model.params[:n].copy()
@@ -73,6 +74,8 @@ def simulate_delay1(model, batches, optimizer, delayed=None, lookahead=None, war
             optimizer.step(w, model.grads.copy(), t)
         else:
             m, s = (optimizer.momentum, 1.0) if t < warmup else (mu, scale)
+            if t == warmup > 0:     # the switch: the delayed part's momentum times 1/k
+                v[:n] *= (1 - mu[:n]) / (1 - optimizer.momentum)
             v = m * v + s * optimizer.lr_policy(t) * (model.grads + optimizer.weight_decay * w)
             w = w - v
         c_prev2, c_prev, c_cur, rest = c_prev, c_cur, w[:n], w[n:]
