@@ -2,7 +2,9 @@
 and say which BLAS ran (:func:`describe`, :func:`describe_line`)."""
 import os
 
-__all__ = ["local_ranks_on_node", "slurm_tasks_per_node", "blas_threads_for_rank",
+from ringnet.placement import local_ranks_on_node
+
+__all__ = ["blas_threads_for_rank",
            "check_blas_threads", "configure_blas_threads", "blas_threads_in_use",
            "openblas_coretype", "configure_blas_kernels", "KERNEL_VARS", "describe",
            "describe_line"]
@@ -10,15 +12,6 @@ __all__ = ["local_ranks_on_node", "slurm_tasks_per_node", "blas_threads_for_rank
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
-# Environment variables MPI launchers set to the number of ranks on this node.
-_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS",              # MPICH / Hydra
-                    "OMPI_COMM_WORLD_LOCAL_SIZE",   # Open MPI
-                    "MV2_COMM_WORLD_LOCAL_SIZE",    # MVAPICH2
-                    "PMI_LOCAL_SIZE")
-# What srun says of the tasks per node, most specific first: the step's own layout, the
-# allocation's, and --ntasks-per-node (which SLURM sets only when it was given). The first
-# two are lists, one entry per node, "2(x3),1" for 2, 2, 2, 1; SLURM_NODEID picks this node's.
-_SLURM_TASK_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
 # srun's --cpu-bind kinds that give each task cores of its own (its affinity is then the
 # task's, not the node's to share).
 _SLURM_BINDINGS = ("mask_cpu", "map_cpu", "mask_ldom", "map_ldom", "cores", "threads",
@@ -29,33 +22,6 @@ def _positive(text):
     """``text`` as a positive int, or None (unset, empty, not a number, 0 or less)."""
     text = (text or "").strip()
     return int(text) if text.isdigit() and int(text) > 0 else None
-
-
-def slurm_tasks_per_node(text, node=0):
-    """Return node ``node``'s entry of a SLURM tasks-per-node list ("2(x3),1"), or None."""
-    counts = []
-    for item in (text or "").split(","):
-        count, _, repeat = item.strip().partition("(x")
-        count, repeat = _positive(count), _positive(repeat.rstrip(")")) if repeat else 1
-        if count is None or repeat is None:
-            return None
-        counts += [count] * repeat
-    return counts[node] if 0 <= node < len(counts) else None
-
-
-def local_ranks_on_node(environ=None):
-    """Return the number of ranks the launcher put on this node (1 when unknown)."""
-    env = os.environ if environ is None else environ
-    for var in _LOCAL_SIZE_VARS:
-        if _positive(env.get(var)):
-            return _positive(env.get(var))
-    node_id = env.get("SLURM_NODEID", "").strip()
-    node = int(node_id) if node_id.isdigit() else 0
-    for var in _SLURM_TASK_VARS:
-        count = slurm_tasks_per_node(env.get(var), node)
-        if count:
-            return count
-    return 1
 
 
 def _affinity():
@@ -70,7 +36,8 @@ def blas_threads_for_rank(environ=None, cores=None):
 
     ``RINGNET_BLAS_THREADS`` wins. Otherwise this rank's share of the cores: its own CPU
     affinity where srun bound each task to cores of its own, else the node's usable cores
-    (the affinity) divided evenly among its ranks (:func:`local_ranks_on_node`), at least 1;
+    (the affinity) divided evenly among its ranks
+    (:func:`ringnet.placement.local_ranks_on_node`), at least 1;
     under srun at most ``SLURM_CPUS_PER_TASK``, the cores the allocation gave each task
     (never more than the share: a node that claims more CPUs than it has must not be
     oversubscribed). ``cores``: the affinity's size (read when None).

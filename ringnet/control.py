@@ -28,7 +28,7 @@ import threading
 import time
 
 from ringnet.errors import EXIT_USAGE, USER_ERRORS, StallError, TrainingError, UsageError
-from ringnet.nodes import ranks_text
+from ringnet.placement import ranks_text
 from ringnet.shutdown import abort, print_error, sleep_backoff, world
 
 __all__ = ["agree", "collective", "check_same_run", "stalled", "Deadline", "watchdog",

@@ -14,8 +14,9 @@ import re
 import subprocess
 import threading
 
-__all__ = ["JobNodes", "PROBE_TIMEOUT_S", "hydra_hosts", "slurm_tasks_alive",
-           "slurm_tasks_per_node"]
+from ringnet.placement import allocation_tasks_per_node
+
+__all__ = ["JobNodes", "PROBE_TIMEOUT_S", "hydra_hosts", "slurm_tasks_alive"]
 
 # Seconds a node has to run one task when probed. A node that lost its slurmd answers
 # srun with an error in seconds; one behind a cut link may never answer.
@@ -42,15 +43,6 @@ def slurm_tasks_alive(job_id, tasks_per_node, run=subprocess.run):
     if out.returncode != 0 or not match:
         return None
     return int(match.group(1)) * tasks_per_node
-
-
-def slurm_tasks_per_node(env):
-    """Tasks per node of the allocation: SLURM_NTASKS_PER_NODE, else the first of SLURM_TASKS_PER_NODE."""
-    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
-        match = re.match(r"\d+", env.get(name, ""))
-        if match:
-            return int(match.group(0))
-    return None
 
 
 def _read_host_file(path):
@@ -136,7 +128,7 @@ class JobNodes:
             if not env.get("SLURM_JOB_ID"):
                 return None
             names = _slurm_nodes(env, run)
-            per_node = slurm_tasks_per_node(env)
+            per_node = allocation_tasks_per_node(env)
             launcher = list(launch_cmd)
         elif name in ("mpiexec", "mpirun", "mpiexec.hydra"):
             launcher, names = hydra_hosts(launch_cmd, env)

@@ -54,7 +54,8 @@ from ringnet.autosave import HEARTBEAT_ENV, read_heartbeat
 from ringnet.checkpoint import stored_step as checkpoint_step
 from ringnet.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USAGE, UsageError
 from ringnet.cli import ArgumentParser
-from ringnet.hosts import JobNodes, slurm_tasks_alive, slurm_tasks_per_node
+from ringnet.hosts import JobNodes, slurm_tasks_alive
+from ringnet.placement import allocation_tasks_per_node
 
 __all__ = ["main", "relaunch_size", "Attempt", "Launcher", "slurm_tasks_alive"]
 
@@ -572,7 +573,7 @@ def main(argv=None):
                          "pip install mpich (or load your MPI), or pass --launcher CMD")
     available = lambda: None     # noqa: E731
     if os.path.basename(launch_cmd[0]) == "srun" and env.get("SLURM_JOB_ID"):
-        per_node = slurm_tasks_per_node(env)
+        per_node = allocation_tasks_per_node(env)
         if per_node:
             available = lambda: slurm_tasks_alive(env["SLURM_JOB_ID"], per_node)  # noqa: E731
     def terminated(signum, frame):  # SIGTERM, SIGUSR1: a graceful stop; SIGHUP: stop; no relaunch

@@ -60,7 +60,7 @@ def _place(cfg, world, device):
         if cfg.mode != "single":
             transport = ringcomm.make_transport(cfg.transport, world, device=device)
             return transport.placement, transport
-        from ringnet.nodes import layout
+        from ringnet.placement import layout
         if device == "cpu":
             if cfg.transport == "nccl" and os.environ.get("RINGNET_NCCL", "") != "standin":
                 # the check a parallel mode's transport makes, so one process is told the same
@@ -298,7 +298,7 @@ def train(cfg=None, world=None, **overrides):
     """Run one training job on ``world`` (default MPI.COMM_WORLD); return a TrainResult."""
     cfg = dataclasses.replace(cfg or TrainConfig(), **overrides)
     if world is None:
-        from ringnet.slurm import check_world_size
+        from ringnet.placement import check_world_size
         world = import_mpi().COMM_WORLD
         check_world_size(world.Get_size())
     from ringnet.comm.transport import CommTimeoutError     # after import_mpi(): needs mpi4py

@@ -15,8 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ringnet"
 # Bottom up. A module's layer is that of the longest prefix listed here.
 LAYERS = [
     ("foundation", ["ringnet", "ringnet.errors", "ringnet.blas", "ringnet.backend",
-                    "ringnet.stats", "ringnet.progress", "ringnet.shutdown", "ringnet.nodes",
-                    "ringnet.slurm", "ringnet.shards"]),
+                    "ringnet.stats", "ringnet.progress", "ringnet.shutdown", "ringnet.placement",
+                    "ringnet.shards"]),
     ("control plane", ["ringnet.control", "ringnet.cli", "ringnet.trace"]),
     ("compute", ["ringnet.layers", "ringnet.models", "ringnet.optim", "ringnet.graphs"]),
     ("communication", ["ringnet.comm"]),
@@ -98,5 +98,5 @@ def test_the_checks_catch_an_upward_import_and_a_long_module(tmp_path):
     imports = _imports(fake)
     assert all(_layer(t) <= _layer("ringnet.errors") for _, t in imports)
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from ringnet import nodes\n    from ringnet.train import train\n")
-    assert [t for _, t in _imports(probe)] == ["ringnet.nodes", "ringnet.train"]
+    probe.write_text("def f():\n    from ringnet import placement\n    from ringnet.train import train\n")
+    assert [t for _, t in _imports(probe)] == ["ringnet.placement", "ringnet.train"]

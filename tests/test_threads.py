@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ringnet.blas import blas_threads_for_rank, local_ranks_on_node, slurm_tasks_per_node
+from ringnet.blas import blas_threads_for_rank
+from ringnet.placement import local_ranks_on_node, slurm_tasks_per_node
 
 ROOT = Path(__file__).resolve().parents[1]
 

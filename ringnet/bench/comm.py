@@ -28,7 +28,7 @@ from ringnet.bench import machine, paired_quartiles
 from ringnet.comm import COMMUNICATORS, create, make_transport
 from ringnet.comm.cost import ALGORITHMS as AUTO_ALGORITHMS, fit, fit_native, thresholds
 from ringnet.comm.schedules import eager_cuts
-from ringnet.comm.topology import lean_spins
+from ringnet.placement import lean_spins
 from ringnet.config import transport_usage_error
 from ringnet.errors import TransportUnavailable, UsageError
 from ringnet.cli import ArgumentParser

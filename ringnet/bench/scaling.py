@@ -458,7 +458,7 @@ def main(argv=None):
     if peer:
         print("# vs DDP = DDP's step time at the same N / this row's (above 1: faster than "
               "PyTorch DistributedDataParallel on the same model, data, batch and ranks)")
-    from ringnet.comm.topology import node_cores
+    from ringnet.placement import node_cores
     cores = node_cores()
     for n, c in sorted(ceiling.items()):
         shared = (f"; {n} ranks share this machine's {cores} cores, so the ranks' compute "

@@ -23,7 +23,7 @@ from ringnet.comm import mpi_transport as _mpi_transport, stream as _stream
 from ringnet.comm.mpi_transport import YIELD_ROUNDS, NativeWatch
 from ringnet.comm.schedules import (direct_peers, direct_slot, eager_cuts, ring_steps, step_pieces,
                                     sum_in_rank_order)
-from ringnet.comm.topology import lean_spins
+from ringnet.placement import lean_spins
 from ringnet.shards import shard_bounds
 
 __all__ = ["LeanPath", "Bound", "free_persistent"]

@@ -3,7 +3,7 @@
 The algorithms (``rd``, ``direct``, ``rhd``, ``ring``, and ``native``: the MPI library's
 own MPI_Allreduce, where that is cheaper), their cost table and the choice between them
 are in :mod:`ringnet.comm.cost`; the node's cores and how long a rank polls
-before yielding in :mod:`ringnet.comm.topology`. Every rank computes the same choice from
+before yielding in :mod:`ringnet.placement`. Every rank computes the same choice from
 (n, N) and whether the ranks agreed, when the communicator was made, that some node holds
 more ranks than cores (``oversubscribed``: it then chooses with
 :data:`~ringnet.comm.cost.ALPHA_OVERSUBSCRIBED`).
@@ -79,7 +79,7 @@ from ringnet.comm.ring import RingCommunicator
 from ringnet.comm.schedules import Fold, direct_peers, direct_slot, sum_in_rank_order
 from ringnet.comm.mpi_transport import NativeWatch
 from ringnet.comm.stream import CpuStream, Handle, _local as _stream_local
-from ringnet.comm.topology import crowded
+from ringnet.placement import crowded
 
 __all__ = ["AutoCommunicator"]
 

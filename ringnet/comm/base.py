@@ -61,10 +61,10 @@ class CommunicatorBase:
     def __init__(self, transport: Any = "auto", mpi_comm: Any = None, layout: Any = None):
         """``transport``: a :class:`~ringnet.comm.transport.Transport` or its name ("auto",
         "mpi", "nccl"); ``mpi_comm``: the mpi4py communicator a named transport spans
-        (default ``MPI.COMM_WORLD``); ``layout``: the :class:`~ringnet.nodes.NodeLayout`
-        of the ranks (default: the transport's, :func:`ringnet.nodes.layout_of`)."""
+        (default ``MPI.COMM_WORLD``); ``layout``: the :class:`~ringnet.placement.NodeLayout`
+        of the ranks (default: the transport's, :func:`ringnet.placement.layout_of`)."""
         from ringnet.comm.factory import make_transport  # noqa: WPS433 - avoids an import cycle
-        from ringnet.nodes import layout_of
+        from ringnet.placement import layout_of
         if isinstance(transport, str):
             transport = make_transport(transport, mpi_comm=mpi_comm)
         self.transport = transport

@@ -48,7 +48,7 @@ processes (load average ~27) every extra message costs a meeting of two ranks th
 scheduler delays: at 64 KiB rd and direct, even through the slower transport path, measured
 1.6-4x faster there than the lean rhd and ring that a small alpha (4 us, the lean path's
 own Python cost) picked. Where the launcher put more ranks on a node than it has cores
-(:func:`ringnet.comm.topology.node_cores`), on any node, the communicator chooses with
+(:func:`ringnet.placement.node_cores`), on any node, the communicator chooses with
 :data:`ALPHA_OVERSUBSCRIBED` instead (``alpha``, ``oversubscribed``): the ranks agree on
 that once, when the communicator is made, so every rank computes the same choice from
 (n, N) and that flag (:func:`constants`); ties go to the earlier of :data:`CHOICES`.

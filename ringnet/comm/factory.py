@@ -1,7 +1,7 @@
 """Making transports and communicators: :func:`make_transport` chooses the transport for
 the device (and says why in :class:`Placement`), :func:`create` a communicator by name from
-:data:`COMMUNICATORS` over it; :func:`local_rank` and :func:`bind_gpu` place a rank on its
-node and GPU. Re-exported by :mod:`ringnet.comm`, whose table describes the names.
+:data:`COMMUNICATORS` over it (:func:`local_rank` and :func:`bind_gpu`, which place a rank on its
+node and GPU, are :mod:`ringnet.placement`'s). Re-exported by :mod:`ringnet.comm`, whose table describes the names.
 """
 import os
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ from ringnet.comm.nccl_transport import NCCL_INSTALL, NcclTransport, nccl_module
 from ringnet.comm.ring import RingCommunicator
 from ringnet.comm.tree import TreeCommunicator
 from ringnet.errors import TransportUnavailable
+from ringnet.placement import bind_gpu, local_rank
 
 __all__ = ["create", "make_transport", "local_rank", "bind_gpu", "Placement", "COMMUNICATORS",
            "TRANSPORTS", "HIERARCHICAL"]
@@ -43,22 +44,11 @@ TRANSPORTS = {
 }
 
 
-def local_rank(mpi_comm=None):
-    """Return (rank among the ranks on this node, number of ranks on this node); collective.
-
-    From :func:`ringnet.nodes.layout`, not a shared-memory split alone: where shared
-    memory between ranks is turned off (``MPIR_CVAR_NOLOCAL=1``) every rank would be its
-    own group, local rank 0, and all ranks of a node would bind GPU 0."""
-    from ringnet.nodes import layout
-    placed = layout(MPI.COMM_WORLD if mpi_comm is None else mpi_comm)
-    return placed.local_rank, placed.local_size
-
-
 @dataclass
 class Placement:
     """Where a rank computes and how its bytes move: what the run header and --json report.
 
-    The node fields come from :func:`ringnet.nodes.layout` (:meth:`locate`; until
+    The node fields come from :func:`ringnet.placement.layout` (:meth:`locate`; until
     then one node is assumed): ``nodes``, this rank's ``node`` (its host name),
     ``local_rank`` and ``local_size`` on it, and for every rank (index = rank)
     ``rank_nodes`` and ``rank_local_ranks``. Across nodes ``mpi_path`` says which path MPI
@@ -82,8 +72,8 @@ class Placement:
     graphs: str = None          # --cuda-graphs on a GPU: "on (auto: ...)", "off (...)"
 
     def locate(self, layout, progress=None):
-        """Fill the node fields from a :class:`~ringnet.nodes.NodeLayout`; return self."""
-        from ringnet.nodes import mpi_path
+        """Fill the node fields from a :class:`~ringnet.placement.NodeLayout`; return self."""
+        from ringnet.placement import mpi_path
         self.nodes, self.node = layout.nodes, layout.node
         self.local_rank, self.local_size = layout.local_rank, layout.local_size
         self.rank_nodes, self.rank_local_ranks = list(layout.rank_nodes), list(layout.rank_local_ranks)
@@ -101,7 +91,7 @@ class Placement:
             return where
         text = f"{where}, transport {self.transport} ({self.reason})"
         if self.nodes > 1 and self.rank_nodes:
-            from ringnet.nodes import group
+            from ringnet.placement import group
             text += f", {group(self.rank_nodes, list(range(len(self.rank_nodes)))).describe()}"
             if self.mpi_path:
                 text += f", MPI over {self.mpi_path}"
@@ -110,18 +100,6 @@ class Placement:
             if self.topology:
                 text += f", topology {self.topology}"
         return text
-
-
-def bind_gpu(mpi_comm=None):
-    """Bind this rank's GPU (node-local rank modulo visible devices), check it runs; collective.
-
-    Returns (device id, PCI bus id, [(host, bus id) of every rank]).
-    """
-    comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    device_id = backend.bind_device(local_rank(comm)[0])
-    backend.check_gpu()
-    bus_id = backend.pci_bus_id(device_id)
-    return device_id, bus_id, comm.allgather((MPI.Get_processor_name(), bus_id))
 
 
 def _shared_gpu(places):
@@ -149,7 +127,7 @@ def make_transport(name="auto", mpi_comm=None, timeout_s=None, device="auto"):
     if device not in ("auto", "cpu", "gpu"):
         raise ValueError(f"unknown device {device!r}: choose auto, cpu or gpu")
     comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    from ringnet.nodes import layout as node_layout  # noqa: WPS433
+    from ringnet.placement import layout as node_layout  # noqa: WPS433
     layout = node_layout(comm)
     standin = os.environ.get("RINGNET_NCCL", "") == "standin"
     if device == "auto":

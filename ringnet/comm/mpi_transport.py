@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from ringnet import trace
 from ringnet.backend import cupy, is_gpu_array
-from ringnet import nodes as _nodes
+from ringnet import placement as _nodes
 from ringnet.comm.stream import (CpuStream, current_stream, current_tag, progress_all, progress_mode,
                                  progress_setting)
 from ringnet.comm.transport import CommTimeoutError, Transport, describe
@@ -228,7 +228,7 @@ class _Pending:
 class MpiTransport(Transport):
     """Transfers over MPI: NumPy buffers directly, CuPy buffers direct or host-staged.
 
-    ``layout``: the :class:`~ringnet.nodes.NodeLayout` of ``mpi_comm`` when the caller
+    ``layout``: the :class:`~ringnet.placement.NodeLayout` of ``mpi_comm`` when the caller
     has it (None: found here, collectively). ``nodes`` is its node count: CPU streams
     progress by ``RINGNET_CPU_PROGRESS`` resolved for it (``auto``: they poll when the
     ranks span nodes), and timeout messages name each peer's node.

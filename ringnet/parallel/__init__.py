@@ -116,7 +116,7 @@ def create(mode: str, model, make_optimizer, world, delay: int = 0,
     from ringnet import comm as ringcomm    # late: loading mpi4py initialises MPI
     if isinstance(transport, str):
         transport = ringcomm.make_transport(transport, mpi_comm=world)
-    from ringnet.nodes import layout_of
+    from ringnet.placement import layout_of
     chosen, why = topology_choice(mode, model, layout_of(transport), topology, inter_link)
     communicator = ringcomm.create(spec.communicator, transport=transport, mpi_comm=world,
                                    topology=chosen)

@@ -1170,7 +1170,7 @@ def test_a_calibration_across_nodes_prints_the_inter_link_for_train():
     prints none."""
     from ringnet.bench.model.text import inter_link_hint
     from ringnet.comm.hierarchical import parse_inter_link
-    from ringnet.nodes import group
+    from ringnet.placement import group
     from ringnet.parallel import topology_choice
     with open(os.path.join(ROOT, "docs", "bench-model-validation-1gbit.json")) as f:
         rnd = json.load(f)["rounds"][0]

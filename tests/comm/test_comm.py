@@ -356,7 +356,7 @@ def test_lean_spins_yield_early_where_ranks_outnumber_cores(monkeypatch):
     """auto polls LEAN_SPINS times while each rank on the node has a core (the affinity,
     or the machine's cores for a rank bound to one), OVERSUBSCRIBED_SPINS times where the
     launcher put more."""
-    from ringnet.comm import topology
+    from ringnet import placement as topology
     assert topology.lean_spins(ranks_here=2, cores=2) == topology.LEAN_SPINS
     assert topology.lean_spins(ranks_here=1, cores=16) == topology.LEAN_SPINS
     assert topology.lean_spins(ranks_here=3, cores=2) == topology.OVERSUBSCRIBED_SPINS

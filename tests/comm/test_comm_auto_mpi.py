@@ -110,10 +110,10 @@ def test_ranks_agree_on_a_crowded_node_and_so_on_the_algorithm(monkeypatch, crow
     rank chooses with the crowded node's constants (a rank choosing alone would run another
     algorithm than its peers), and 400 KB then goes to MPI's own all-reduce on every rank
     (without a crowded rank too, but for the ring at N = 3)."""
-    from ringnet import blas
-    from ringnet.comm import cost, topology
-    monkeypatch.setattr(blas, "local_ranks_on_node", lambda: 4)
-    monkeypatch.setattr(topology, "node_cores", lambda: 2 if RANK in crowded else 64)
+    from ringnet import placement
+    from ringnet.comm import cost
+    monkeypatch.setattr(placement, "local_ranks_on_node", lambda: 4)
+    monkeypatch.setattr(placement, "node_cores", lambda: 2 if RANK in crowded else 64)
     comm = AutoCommunicator(transport := MpiTransport(WORLD))
     agreed = WORLD.allgather((comm.oversubscribed, tuple(sorted(comm.constants.items()))))
     nbytes, ok = 400_000, None      # N = 2, 3, 4: above ALPHA's switch, below the other's

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from ringnet import comm as ringcomm
 from ringnet.comm.cost import exchange_cost
 from ringnet.comm.hierarchical import choose_topology
-from ringnet.nodes import group
+from ringnet.placement import group
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

@@ -1,4 +1,4 @@
-"""Nodes and progress (ringnet.nodes, ringnet.comm.stream), without a cluster.
+"""Nodes and progress (ringnet.placement, ringnet.comm.stream), without a cluster.
 
 * ranks are grouped by node from what MPI says: the shared-memory group or the processor
   name, either one (shared memory turned off makes every rank its own group);
@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from ringnet import comm as ringcomm
 from ringnet.comm.mpi_transport import MpiTransport
-from ringnet.nodes import group, layout, mpi_path, ranks_text, where
+from ringnet.placement import group, layout, mpi_path, ranks_text, where
 from ringnet.comm.stream import CpuStream, progress_mode, resolve_progress
 from ringnet.comm.transport import CommTimeoutError
 
@@ -56,7 +56,7 @@ def test_layout_text_and_rank_names():
 
 @pytest.mark.mpi
 def test_ranks_are_named_with_the_world_s_nodes_only_for_the_world_s_ranks(monkeypatch):
-    import ringnet.nodes as nodes
+    import ringnet.placement as nodes
     monkeypatch.setattr(nodes, "_WORLD", group(["n1", "n2"] * WORLD.Get_size(),
                                                list(range(2 * WORLD.Get_size()))))
     assert ranks_text([1]) == "rank 1 (node n2)"

@@ -84,8 +84,9 @@ def test_cli_refuses_nccl_on_the_cpu_in_one_line():
 
 
 def test_bench_comm_refuses_nccl_on_the_cpu_in_one_line():
-    run = subprocess.run([sys.executable, "-m", "ringnet.bench", "comm", "--transport", "nccl",
-                          "--sizes", "8"], capture_output=True, text=True, timeout=120,
+    run = subprocess.run(["mpirun", "-np", "2", sys.executable, "-m", "ringnet.bench", "comm",
+                          "--transport", "nccl", "--sizes", "8"], capture_output=True, text=True,
+                         timeout=120,
                          env={**__import__("os").environ, "RINGNET_NCCL": ""})
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines() == [

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from ringnet.errors import EXIT_USAGE, UsageError
-from ringnet.slurm import check_world_size
+from ringnet.placement import check_world_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = os.path.join(ROOT, "hpc", "cluster.sh")

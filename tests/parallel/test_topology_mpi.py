@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import ringnet.nodes as nodes
+import ringnet.placement as nodes
 from ringnet.config import TrainConfig
 from ringnet.train import train
 

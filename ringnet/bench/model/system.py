@@ -98,8 +98,8 @@ def scheduling_wait(n, cores, slice_s):
 def usable_cores():
     """The cores the job's ranks on this node share: this process's CPU affinity, or the
     machine's cores where the launcher bound each rank to one of its own
-    (:func:`ringnet.comm.topology.node_cores`)."""
-    from ringnet.comm.topology import node_cores
+    (:func:`ringnet.placement.node_cores`)."""
+    from ringnet.placement import node_cores
     return node_cores()
 
 

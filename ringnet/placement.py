@@ -1,4 +1,6 @@
-"""Where the ranks run: their nodes, node-local ranks, and the path MPI takes between nodes.
+"""Where the ranks run, the one home of every such question: their nodes and node-local
+ranks, what SLURM says of them, the cores a node's ranks share, the GPU a rank binds, and
+the path MPI takes between nodes.
 
 :func:`layout` (collective) groups the ranks of a communicator by node: two ranks share a
 node when MPI puts them in one shared-memory group (``MPI_COMM_TYPE_SHARED``) or when
@@ -8,6 +10,12 @@ come from MPI; the second is needed where shared memory is turned off
 numbered by their lowest rank; a rank's node-local rank is its position among its node's
 ranks in rank order.
 
+Before MPI is up, or for a launcher: :func:`slurm_task_counts` reads SLURM's tasks-per-node
+lists (``2(x3),1``), :func:`slurm_rank_nodes` places each task of a step on its node (block
+or ``--distribution=cyclic``), :func:`local_ranks_on_node` counts this node's ranks from
+the launcher's variables, :func:`node_cores` the cores they share and :func:`crowded`
+whether they outnumber them.
+
 :func:`mpi_path` says which path MPI's messages take, from the settings the MPI library
 reads (MPICH: ``MPIR_CVAR_CH4_NETMOD``, ``FI_PROVIDER``, ``UCX_TLS``, ``MPIR_CVAR_NOLOCAL``).
 """
@@ -16,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 __all__ = ["NodeLayout", "layout", "mpi_path", "ranks_text", "world_layout", "where", "one_node",
-           "layout_of"]
+           "layout_of", "group", "local_rank", "bind_gpu", "slurm_task_counts", "slurm_tasks_per_node",
+           "slurm_rank_nodes", "allocation_tasks_per_node", "local_ranks_on_node", "check_world_size",
+           "node_cores", "crowded", "lean_spins", "LEAN_SPINS", "OVERSUBSCRIBED_SPINS"]
 
 
 @dataclass
@@ -241,3 +251,181 @@ def mpi_path(environ=None) -> str:
     if env.get("MPIR_CVAR_NOLOCAL", "") in ("1", "yes", "true"):
         path += ", no shared memory within a node (MPIR_CVAR_NOLOCAL=1)"
     return path
+
+
+def local_rank(mpi_comm=None):
+    """Return (rank among the ranks on this node, number of ranks on this node); collective.
+
+    From :func:`layout`, not a shared-memory split alone: where shared memory between ranks
+    is turned off (``MPIR_CVAR_NOLOCAL=1``) every rank would be its own group, local rank 0,
+    and all ranks of a node would bind GPU 0."""
+    from mpi4py import MPI
+    placed = layout(MPI.COMM_WORLD if mpi_comm is None else mpi_comm)
+    return placed.local_rank, placed.local_size
+
+
+def bind_gpu(mpi_comm=None):
+    """Bind this rank's GPU (node-local rank modulo visible devices), check it runs; collective.
+
+    Returns (device id, PCI bus id, [(host, bus id) of every rank]).
+    """
+    from mpi4py import MPI
+    from ringnet import backend
+    comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    device_id = backend.bind_device(local_rank(comm)[0])
+    backend.check_gpu()
+    bus_id = backend.pci_bus_id(device_id)
+    return device_id, bus_id, comm.allgather((MPI.Get_processor_name(), bus_id))
+
+
+# -- what SLURM and the launchers say, before MPI is up --------------------------------------
+# Environment variables MPI launchers set to the number of ranks on this node.
+_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS",              # MPICH / Hydra
+                    "OMPI_COMM_WORLD_LOCAL_SIZE",   # Open MPI
+                    "MV2_COMM_WORLD_LOCAL_SIZE",    # MVAPICH2
+                    "PMI_LOCAL_SIZE")
+# What srun says of the tasks per node, most specific first: the step's own layout, the
+# allocation's, and --ntasks-per-node (which SLURM sets only when it was given). The first
+# two are lists, one entry per node, "2(x3),1" for 2, 2, 2, 1; SLURM_NODEID picks this node's.
+_SLURM_TASK_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+
+
+def _positive(text):
+    """``text`` as a positive int, or None (unset, empty, not a number, 0 or less)."""
+    text = (text or "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def slurm_task_counts(text):
+    """Return the counts of a SLURM tasks-per-node list, one per node ("2(x3),1" ->
+    [2, 2, 2, 1]; "4" -> [4]), or None where ``text`` is not one."""
+    counts = []
+    for item in (text or "").split(","):
+        count, sep, repeat = item.strip().partition("(x")
+        if sep and not repeat.endswith(")"):
+            return None
+        count, repeat = _positive(count), _positive(repeat[:-1]) if sep else 1
+        if count is None or repeat is None:
+            return None
+        counts += [count] * repeat
+    return counts or None
+
+
+def slurm_tasks_per_node(text, node=0):
+    """Return node ``node``'s entry of a SLURM tasks-per-node list ("2(x3),1"), or None."""
+    counts = slurm_task_counts(text)
+    return counts[node] if counts and 0 <= node < len(counts) else None
+
+
+def _step_counts(env):
+    for var in _SLURM_TASK_VARS:
+        counts = slurm_task_counts(env.get(var))
+        if counts:
+            return var, counts
+    return None, None
+
+
+def slurm_rank_nodes(environ=None):
+    """Return the node index (0 = the step's first node) of every task of this SLURM step,
+    or None outside one: block placement fills each node with its count in turn; with
+    ``--distribution=cyclic`` (``SLURM_DISTRIBUTION`` starting "cyclic") tasks go round
+    the nodes one at a time, skipping a node once it holds its count."""
+    env = os.environ if environ is None else environ
+    var, counts = _step_counts(env)
+    if counts is None:
+        return None
+    if var == "SLURM_NTASKS_PER_NODE":          # one count for every node of the allocation
+        nodes = _positive(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES")) or 1
+        counts = counts * nodes
+    total = _positive(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")) or sum(counts)
+    if (env.get("SLURM_DISTRIBUTION") or "").startswith("cyclic"):
+        placed, left = [], list(counts)
+        while len(placed) < total and any(left):
+            for node, remaining in enumerate(left):
+                if remaining and len(placed) < total:
+                    placed.append(node)
+                    left[node] -= 1
+        return placed
+    return [node for node, count in enumerate(counts) for _ in range(count)][:total]
+
+
+def allocation_tasks_per_node(environ=None):
+    """The most tasks SLURM put on one node (the step's, else the allocation's list, else
+    ``--ntasks-per-node``), or None outside SLURM: what a relaunch may place on a node."""
+    env = os.environ if environ is None else environ
+    _, counts = _step_counts(env)
+    return max(counts) if counts else None
+
+
+def local_ranks_on_node(environ=None):
+    """Return the number of ranks the launcher put on this node (1 when unknown)."""
+    env = os.environ if environ is None else environ
+    for var in _LOCAL_SIZE_VARS:
+        if _positive(env.get(var)):
+            return _positive(env.get(var))
+    node_id = env.get("SLURM_NODEID", "").strip()
+    node = int(node_id) if node_id.isdigit() else 0
+    for var in _SLURM_TASK_VARS:
+        count = slurm_tasks_per_node(env.get(var), node)
+        if count:
+            return count
+    return 1
+
+
+def check_world_size(size, environ=None):
+    """Raise UsageError when ``srun`` started several tasks but MPI sees a world of one.
+
+    That happens when srun and the MPI library share no process-management interface
+    (PMI): every task then starts as its own one-rank MPI job and would train alone.
+    Only task 0 reports it, so the job log holds one line; the other tasks exit 2 quietly.
+    """
+    from ringnet.errors import EXIT_USAGE, UsageError
+    environ = os.environ if environ is None else environ
+    try:
+        tasks = int(environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    except ValueError:
+        return
+    if size != 1 or tasks <= 1:
+        return
+    if environ.get("SLURM_PROCID", "0") != "0":
+        raise SystemExit(EXIT_USAGE)
+    raise UsageError(f"srun started {tasks} tasks but MPI sees a world of 1 rank in each: srun "
+                     "and this MPI library share no PMI; use `srun --mpi=pmi2` (MPICH) or "
+                     "`--mpi=pmix` (Open MPI), or MpiDefault in slurm.conf")
+
+
+# -- the cores a node's ranks share -----------------------------------------------------------
+# Polls of MPI_Testall before a wait is handed to the transport (which yields the core,
+# then sleeps, and raises CommTimeoutError at its deadline). A small message completes
+# within a few polls while every rank has a core. Where the launcher put more ranks on
+# the node than they have cores (:func:`node_cores`), the awaited peer is usually descheduled,
+# and polling only delays it: yield after OVERSUBSCRIBED_SPINS (measured with 3 and 4
+# ranks on 2 cores: 64 polls 0.30-0.46x native at 8 B, 2 polls 0.57-0.95x).
+LEAN_SPINS = 64
+OVERSUBSCRIBED_SPINS = 2
+
+
+def node_cores():
+    """The cores the node's ranks share: this process's CPU affinity, or, where the launcher
+    bound it to a single core (each rank to its own), the machine's."""
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = 0
+    return affinity if affinity > 1 else (os.cpu_count() or 1)
+
+
+def crowded(ranks_here=None, cores=None):
+    """Whether this node holds more ranks (:func:`local_ranks_on_node`) than cores
+    (:func:`node_cores`)."""
+    if ranks_here is None:
+        ranks_here = local_ranks_on_node()
+    if cores is None:
+        cores = node_cores()
+    return ranks_here > cores
+
+
+def lean_spins(ranks_here=None, cores=None):
+    """Testall polls before yielding: LEAN_SPINS while each of the node's ranks has a core,
+    else OVERSUBSCRIBED_SPINS (:func:`crowded`)."""
+    return OVERSUBSCRIBED_SPINS if crowded(ranks_here, cores) else LEAN_SPINS
