@@ -42,6 +42,7 @@ the same launches on the same buffers with the same arguments
 (:func:`capture_signature`).
 """
 import contextlib
+import gc
 
 import numpy as np
 
@@ -134,16 +135,17 @@ class CudaGraphs(_Backend):
 
     def capture_segments(self, fn):
         cuda = self.cupy.cuda
+        relaxed = cuda.runtime.streamCaptureModeRelaxed   # other threads may call CUDA meanwhile
         current = cuda.get_current_stream()
         self.stream.wait_event(current.record())
         segments = []
 
         def cut():
             segments.append(self.stream.end_capture())
-            self.stream.begin_capture()
+            self.stream.begin_capture(mode=relaxed)
         with self.stream:
             _gemm.bind()                    # the handle on this stream before capturing
-            self.stream.begin_capture()
+            self.stream.begin_capture(mode=relaxed)
             try:
                 out = fn(cut)
             except BaseException:
@@ -159,15 +161,24 @@ class CudaGraphs(_Backend):
     def launch(self, graph):
         graph.launch(self.cupy.cuda.get_current_stream())
 
+    def close(self):
+        """After the graphs are dropped: wait for the capture stream, and give the pool's
+        blocks nobody holds back to CUDA."""
+        if self.stream is not None:
+            self.stream.synchronize()
+            self.stream = None
+        self.pool.free_all_blocks()
+
 
 class StandinGraphs(_Backend):
     """Capture and replay on the recording stand-in: the "graph" is the recorded launches."""
 
     def __init__(self, recorder):
         self.recorder = recorder
+        self.pool = recorder.cuda.MemoryPool()
 
     def allocating(self):
-        return contextlib.nullcontext()
+        return self.recorder.cuda.using_allocator(self.pool.malloc)
 
     def capture_segments(self, fn):
         recorder, segments = self.recorder, []
@@ -184,6 +195,9 @@ class StandinGraphs(_Backend):
 
     def launch(self, graph):
         self.recorder.replay(graph)
+
+    def close(self):
+        self.pool.free_all_blocks()
 
 
 def _held_arrays(objects, xp):
@@ -233,12 +247,39 @@ class GraphStep:
         self.replays = 0
         self._keep = []
         self._ring = (self.xp.zeros(RING, dtype=model.dtype), self.xp.zeros(RING, dtype=np.int64))
-        _gemm.enable()
+        self.closed = False
+        # The buffers the layers make in the warm-up come from the backend's private pool
+        # and hold it only weakly (as CuPy's pool arrays do): the model keeps the pool for
+        # as long as it keeps them, also after this step is closed and gone.
+        pool = getattr(backend, "pool", None)
+        if pool is not None:
+            model.__dict__.setdefault("_graph_pools", []).append(pool)
+
+    def close(self):
+        """Drop the graphs and every array kept for them, and give the private pool's
+        blocks nobody holds back (the layers' buffers stay); no step may follow. The
+        strategy's ``close`` calls it, so a finished run frees its graphs here, on this
+        thread, and not whenever the garbage collector gets to them."""
+        if self.closed:
+            return
+        self.closed = True
+        self.graph = self.outputs = None
+        self._keep, self._batch, self.x, self.labels = [], None, None, None
+        self.at_split = None
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
     # -- one step ----------------------------------------------------------------------
     def step(self, x, labels, it):
         """Run step ``it`` on the batch (host or device arrays); return (loss, correct) as
         0-d device arrays of this step alone."""
+        if self.closed:
+            raise RuntimeError("GraphStep.step after close()")
+        with _gemm.routed():                 # the eager steps multiply as the graph does
+            return self._step(x, labels, it)
+
+    def _step(self, x, labels, it):
         static = self._load(x, labels, it)
         self.steps += 1
         if not static or self.off is not None:
@@ -328,6 +369,9 @@ class GraphStep:
             after = [a.copy() for a in self._state()] + [eager[0].copy(), eager[1].copy()]
             for target, value in zip(self._state(), before):
                 target[...] = value
+            # Collect now, as torch.cuda.graph does: a collection inside the capture could
+            # free device memory or destroy CUDA objects, which a capturing stream refuses.
+            gc.collect()
             try:
                 graph, outputs = self.backend.capture_segments(self._cut_compute)
             except Exception as exc:                    # CUDA or CuPy refused the capture

@@ -388,15 +388,35 @@ def test_a_graphed_step_is_one_graph_and_one_copy_of_its_loss(name):
 
 
 class _FakeCublas:
-    """cublasSgemm_v2 / cublasDgemm_v2 on host memory, with cuBLAS's C argument order."""
+    """cublasSgemm_v2 / cublasDgemm_v2 on host memory, with cuBLAS's C argument order; with
+    ``memory`` (the stand-in's :class:`~ringnet.bench.budget.DeviceMemory`), each GEMM uses
+    the workspace last set, as cuBLAS does, and fails where that memory is freed."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, memory=None):
+        self.calls, self.memory, self.workspace, self.live = [], memory, None, 0
         self.cublasSgemm_v2 = lambda *a: self._gemm(np.float32, *a)
         self.cublasDgemm_v2 = lambda *a: self._gemm(np.float64, *a)
 
+    def cublasCreate_v2(self, handle):
+        self.live += 1
+        return 0
+
+    def cublasDestroy_v2(self, handle):
+        self.live -= 1
+        return 0
+
+    def cublasSetStream_v2(self, handle, stream):
+        self.workspace = None                     # cuBLAS goes back to its own workspace
+        return 0
+
+    def cublasSetWorkspace_v2(self, handle, ptr, size):
+        self.workspace = (ptr.value, size.value)
+        return 0
+
     def _gemm(self, dtype, handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         import ctypes
+        if self.memory is not None and self.workspace is not None:
+            self.memory.check(*self.workspace, what="cuBLAS's gemm (its workspace)")
         self.calls.append((transa, transb, m, n, k, lda, ldb, ldc))
         item = np.dtype(dtype).itemsize
 
@@ -444,3 +464,173 @@ def test_the_cublas_call_passes_the_plan_in_cublas_argument_order(dtype):
                 handle.gemm(tuple(steps), _OnDevice(c))
                 np.testing.assert_allclose(c, a @ b, rtol=1e-5)
     assert len(lib.calls) == 64 and {call[:2] for call in lib.calls} >= {(0, 0), (1, 1)}
+
+
+# --- lifetimes: the cuBLAS workspace, the private pool, the graph step ------------------
+
+def _gemm_on(handle, rec, lib):
+    a, b = np.ones((4, 3), np.float32), np.ones((3, 2), np.float32)
+    c = np.zeros((4, 2), np.float32)
+    steps = list(_gemm.plan(a, b, c))
+    steps[5], steps[7] = _OnDevice(steps[5]), _OnDevice(steps[7])
+    handle.gemm(tuple(steps), _OnDevice(c))
+    return c
+
+
+def test_memory_of_a_collected_pool_is_refused_by_the_stand_in():
+    """The stand-in's pools free what they gave out when collected, as CuPy's do: a launch
+    on such an array raises instead of reading whatever the GPU put there since."""
+    import gc
+    rec = budget.Recorder()
+    with budget.recording(rec):
+        pool = rec.cuda.MemoryPool()
+        with rec.cuda.using_allocator(pool.malloc):
+            kept = rec.zeros(8)
+        outside = rec.zeros(8)
+        del pool
+        gc.collect()
+        assert np.isnan(np.asarray(kept, np.float64).view(np.float64)).all()     # poison
+        with pytest.raises(budget.FreedMemoryError, match="memory pool that was collected"):
+            kept + 1.0
+        outside + 1.0                                                  # not the pool's
+
+
+def test_the_cublas_workspace_outlives_the_pool_its_handle_was_made_under():
+    """The first GEMM (which makes the handle) runs inside the graph step's private pool;
+    the workspace must not come from it: after that pool is collected, the handle still
+    hands the workspace to cuBLAS."""
+    import gc
+    rec = budget.Recorder()
+    lib = _FakeCublas(rec.memory)
+    pool = rec.cuda.MemoryPool()
+    with rec.cuda.using_allocator(pool.malloc):
+        handle = _gemm._Handle(rec, lib=lib)
+        handle.bind(7)
+        np.testing.assert_array_equal(_gemm_on(handle, rec, lib), 3.0)
+    del pool
+    gc.collect()
+    handle.stream = None                          # a new stream: the workspace set again
+    handle.bind(8)
+    np.testing.assert_array_equal(_gemm_on(handle, rec, lib), 3.0)
+    workspace = lib.workspace
+    handle.close()                                # the handle's own: freed with it
+    assert lib.live == 0 and handle.workspace is None
+    with pytest.raises(budget.FreedMemoryError, match="runtime.free"):
+        rec.memory.check(*workspace)
+
+
+def test_the_cublas_library_is_the_versioned_one_of_the_runtime_in_use():
+    assert _gemm.library_name(12040) == "libcublas.so.12"
+    assert _gemm.library_name(13000) == "libcublas.so.13"
+
+
+def test_the_capture_mode_is_passed_explicitly():
+    from types import SimpleNamespace
+    modes = []
+
+    class Stream:
+        def __init__(self, non_blocking=False):
+            self.ptr = 5
+
+        def wait_event(self, event):
+            pass
+
+        def record(self):
+            return None
+
+        def begin_capture(self, mode=None):
+            modes.append(mode)
+
+        def end_capture(self):
+            return "graph"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+    cuda = SimpleNamespace(MemoryPool=object, Stream=Stream, get_current_stream=lambda: Stream(),
+                           runtime=SimpleNamespace(streamCaptureModeRelaxed=2))
+    backend = graphs.CudaGraphs(SimpleNamespace(cuda=cuda))
+    bound = []
+    saved, _gemm.bind = _gemm.bind, lambda: bound.append(True)
+    try:
+        segments, _ = backend.capture_segments(lambda cut: cut())
+    finally:
+        _gemm.bind = saved
+    assert segments == ["graph", "graph"] and modes == [2, 2] and bound == [True]
+
+
+def test_the_cublas_route_ends_with_the_graph_step():
+    """A graph step routes its GEMMs through cuBLAS; after it, the same process multiplies
+    with the array module's matmul again (an eager run after a graphed one is eager)."""
+    _gemm.enable(False)
+    rec = budget.Recorder()
+    with budget.recording(rec):
+        model = models.build_model("lenet", xp=rec, seed=0)
+        opt = optim.SGD(model.num_params, _policy(), momentum=0.9, xp=rec, dtype=model.dtype)
+        step = graphs.GraphStep(model, opt, graphs.StandinGraphs(rec))
+        (x, y), = _batches(model, 1)
+        rec.events.clear()
+        step.step(x, y, 0)
+        assert "cublas gemm" in [e[1] for e in rec.events]
+        assert not _gemm.enabled()
+        rec.events.clear()
+        model.loss_and_grad(rec.asarray(x), rec.asarray(y))
+        names = [e[1] for e in rec.events if e[0] == "gemm"]
+        assert names and "cublas gemm" not in names, names
+
+
+def test_a_capture_begins_after_a_garbage_collection(monkeypatch):
+    rec = budget.Recorder()
+    seen = []
+    monkeypatch.setattr(graphs.gc, "collect", lambda *a: seen.append(rec.captured is None))
+    with budget.recording(rec):
+        model = models.build_model("lenet", xp=rec, seed=0)
+        opt = optim.SGD(model.num_params, _policy(), momentum=0.9, xp=rec, dtype=model.dtype)
+        step = graphs.GraphStep(model, opt, graphs.StandinGraphs(rec))
+        for it, (x, y) in enumerate(_batches(model, graphs.WARMUP + 1)):
+            step.step(x, y, it)
+    assert step.graph is not None and seen == [True]
+
+
+@pytest.mark.parametrize("closed", [True, False])
+@pytest.mark.parametrize("strategy", [SingleStrategy, RingStrategy])
+def test_close_frees_the_graph_step_without_the_cyclic_collector(strategy, closed):
+    """strategy.close() drops the graphs and gives the pool's free blocks back; the graph
+    step is then freed by reference counting alone: no cycle through the strategy, also
+    for a strategy never closed (a run that raised)."""
+    import gc
+    import weakref
+    rec = budget.Recorder()
+    gc.collect()
+    gc.disable()
+    try:
+        with budget.recording(rec):
+            if strategy is RingStrategy:                  # a graph per bucket span
+                st = _bucketed_strategy(rec, _InOrderComm(), RingStrategy)
+                _gemm.enable(False)
+            else:
+                st = strategy(models.build_model("lenet", xp=rec, seed=0),
+                              lambda n: optim.SGD(n, _policy(), momentum=0.9, xp=rec,
+                                                  dtype=np.float32), None)
+                st.stats.gpu = None
+            model = st.model
+            step = st.graph_step(graphs.StandinGraphs(rec), strict=True)
+            pool = step.backend.pool
+            for it, (x, y) in enumerate(_batches(model, graphs.WARMUP + 2)):
+                st.step(x, y, it)
+            assert step.replays == 2
+            held = pool.used_blocks()
+            if closed:
+                st.close()
+                assert step.closed and step.graph is None and step._keep == []
+                assert pool.used_blocks() < held       # the static inputs, what only graphs held
+                with pytest.raises(RuntimeError, match="after close"):
+                    step.step(x, y, 9)
+            ref = weakref.ref(step)
+            del step, st
+            assert ref() is None, "the graph step outlived close() and its strategy"
+            model.loss_and_grad(rec.asarray(x), rec.asarray(y))   # the layers' buffers still valid
+    finally:
+        gc.enable()

@@ -35,6 +35,8 @@ import collections
 import contextlib
 import json
 import sys
+import types
+import weakref
 
 import numpy as np
 
@@ -43,8 +45,8 @@ from ringnet.cli import ArgumentParser
 from ringnet.layers import _cuda, _gemm, activation, conv, linear, loss, pool
 from ringnet import graphs, models, optim
 
-__all__ = ["DeviceArray", "Recorder", "CaptureError", "recording", "step_budget", "graph_budget",
-           "main"]
+__all__ = ["DeviceArray", "Recorder", "CaptureError", "FreedMemoryError", "DeviceMemory",
+           "recording", "step_budget", "graph_budget", "main"]
 
 LAUNCHES = ("kernel", "ufunc", "reduction", "gemm", "copy")
 _ACTIVE = []                   # the recorder counting now (innermost last)
@@ -86,6 +88,148 @@ def _shares(result, inputs):
 
 class CaptureError(RuntimeError):
     """Work that a CUDA graph cannot capture ran while the stand-in was capturing."""
+
+
+class FreedMemoryError(RuntimeError):
+    """Device memory was used after it went back to CUDA (its pool gone, or freed)."""
+
+
+class DeviceMemory:
+    """Who owns the stand-in's device memory, and when it goes back to CUDA.
+
+    As in CuPy, a buffer made under ``cuda.using_allocator(pool.malloc)`` belongs to that
+    :class:`MemoryPool` and holds it only weakly: when the pool is collected, every buffer
+    it gave out is freed, whoever still holds the array. ``cuda.runtime.malloc`` memory is
+    freed by ``cuda.runtime.free`` only. Freed bytes read as poison (0xFF: NaN), and any
+    launch, GEMM or :meth:`check` that touches them raises :class:`FreedMemoryError`.
+    """
+
+    def __init__(self):
+        self.allocators = []      # the using_allocator stack: the pool of each, or None
+        self.freed = []           # (lo, hi, why, ref to the array still holding the bytes)
+        self.raw = {}             # runtime.malloc pointer -> its array
+
+    # -- allocation
+    def made(self, array):
+        """Note a new buffer: it belongs to the pool of the allocator in use, if any."""
+        pool = self.allocators[-1] if self.allocators else None
+        if pool is not None:
+            pool._blocks.append(weakref.ref(array))
+
+    def release(self, arrays, why):
+        """Give ``arrays``' memory back to CUDA: poison it, and refuse every later use."""
+        for array in arrays:
+            lo = array.__array_interface__["data"][0]
+            if array.flags.writeable and array.flags.c_contiguous:
+                array.reshape(-1).view(np.uint8)[...] = 0xFF
+            self.freed.append((lo, lo + max(array.nbytes, 1), why, weakref.ref(array)))
+
+    # -- use
+    def check(self, ptr, nbytes=1, what="an operation"):
+        """Raise :class:`FreedMemoryError` when [ptr, ptr + nbytes) lies in freed memory
+        (while the freed bytes are still held: otherwise NumPy may have reused the address)."""
+        if not self.freed:
+            return
+        live = []
+        for entry in self.freed:
+            lo, hi, why, ref = entry
+            if ref() is None:
+                continue
+            live.append(entry)
+            if lo < ptr + max(nbytes, 1) and ptr < hi:
+                self.freed = live + [e for e in self.freed[len(live):] if e[3]() is not None]
+                raise FreedMemoryError(f"{what} uses device memory at {ptr:#x} that {why}: "
+                                       f"on a GPU it may hold anything by now")
+        self.freed = live
+
+    def check_operands(self, operands, what):
+        for operand in operands:
+            if isinstance(operand, np.ndarray):
+                self.check(operand.__array_interface__["data"][0], operand.nbytes, what)
+            elif isinstance(operand, (tuple, list)):
+                self.check_operands(operand, what)
+
+
+class MemoryPool:
+    """``cupy.cuda.MemoryPool`` on the stand-in: what it gives out dies with it."""
+
+    def __init__(self, memory):
+        self._memory = memory
+        self._blocks = []                          # weak references to its buffers
+        weakref.finalize(self, MemoryPool._gone, memory, self._blocks)
+
+    @staticmethod
+    def _gone(memory, blocks):
+        memory.release([a for a in (ref() for ref in blocks) if a is not None],
+                       "belonged to a memory pool that was collected")
+
+    def malloc(self, nbytes):
+        """A block of ``nbytes`` from this pool (``.ptr``), as CuPy's ``MemoryPointer``."""
+        block = np.empty(max(int(nbytes), 1), np.uint8)
+        self._blocks.append(weakref.ref(block))
+        return _Pointer(block)
+
+    def used_blocks(self):
+        """How many of its buffers are still held."""
+        return sum(ref() is not None for ref in self._blocks)
+
+    def free_all_blocks(self):
+        """Return the blocks nobody holds to CUDA (the held ones stay, as in CuPy)."""
+        self._blocks[:] = [ref for ref in self._blocks if ref() is not None]
+
+    def total_bytes(self):
+        return sum(a.nbytes for a in (ref() for ref in self._blocks) if a is not None)
+
+
+class _Pointer:
+    """A ``MemoryPointer``: ``.ptr``; the block lives while the pointer does."""
+
+    def __init__(self, block):
+        self.mem, self.ptr = block, block.__array_interface__["data"][0]
+
+
+def _cuda_standin(recorder):
+    """The part of ``cupy.cuda`` the graph step and the cuBLAS handle use, on the stand-in."""
+    memory = recorder.memory
+
+    @contextlib.contextmanager
+    def using_allocator(allocator=None):
+        pool = getattr(allocator, "__self__", None)
+        memory.allocators.append(pool if isinstance(pool, MemoryPool) else None)
+        try:
+            yield
+        finally:
+            memory.allocators.pop()
+
+    def alloc(nbytes):                            # the current allocator's block
+        pool = memory.allocators[-1] if memory.allocators else None
+        if pool is not None:
+            return pool.malloc(nbytes)
+        return _Pointer(np.empty(max(int(nbytes), 1), np.uint8))
+
+    def malloc(nbytes):
+        block = np.empty(max(int(nbytes), 1), np.uint8)
+        ptr = block.__array_interface__["data"][0]
+        memory.raw[ptr] = block
+        return ptr
+
+    def free(ptr):
+        block = memory.raw.pop(int(ptr), None)
+        if block is None:
+            raise FreedMemoryError(f"runtime.free({int(ptr):#x}): not a runtime.malloc pointer "
+                                   "still allocated")
+        memory.release([block], "was freed with runtime.free")
+        memory.graveyard.append(block)            # keep the address from being reused
+
+    stream = types.SimpleNamespace(ptr=0)
+    runtime = types.SimpleNamespace(malloc=malloc, free=free, getDevice=lambda: 0,
+                                    deviceSynchronize=lambda: None,
+                                    runtimeGetVersion=lambda: 12040)
+    memory.graveyard = []
+    return types.SimpleNamespace(
+        MemoryPool=lambda: MemoryPool(memory), using_allocator=using_allocator,
+        memory=types.SimpleNamespace(alloc=alloc), runtime=runtime,
+        get_current_stream=lambda: stream)
 
 
 class DeviceArray(np.ndarray):
@@ -265,8 +409,13 @@ class Recorder:
         self.captured = None   # while capturing: the again() of each launch, in order
         self.signatures = []   # (kind, name, operands described) of each event
         self._fresh = []       # (first byte, end byte) of each buffer made since begin_step
+        self.memory = DeviceMemory()
+        self.cuda = _cuda_standin(self)
 
     def record(self, kind, name, alloc=0, again=None, operands=(), result=None):
+        self.memory.check_operands(operands, f"{name} in {self.where}")
+        if alloc and isinstance(result, np.ndarray):
+            self.memory.made(result)
         self.events.append((kind, name, alloc, self.where))
         if self.captured is not None:
             if kind in ("host_wait", "transfer"):

@@ -11,18 +11,29 @@ capture begins, so no call made while capturing changes the handle.
 copying operands that are row-major or transposed views (cuBLAS takes either orientation):
 it is a pure function of shapes and strides, checked on the CPU against NumPy through an
 emulated column-major GEMM (:func:`emulate`). :func:`matmul` runs the plan: through cuBLAS
-for CuPy arrays once :func:`enable` is called (the CUDA-graph runs), ``xp.matmul`` before.
+for CuPy arrays inside :func:`routed` (a CUDA-graph step) or after :func:`enable`,
+``xp.matmul`` otherwise. The route is scoped: a run with graphs off after one with graphs
+on in the same process multiplies with CuPy's ``matmul`` again.
+
+The handle's workspace is raw device memory the handle owns (``cudaMalloc``, freed by
+:func:`release` with the handle), never an array of a CuPy memory pool: the first GEMM
+runs while a graph step allocates from its private pool, and a pool array holds its pool
+only weakly, so the bytes would go back to CUDA when that pool is collected while the
+handle still hands the address to cuBLAS.
 """
+import contextlib
 import ctypes
 import importlib
 import threading
 
 import numpy as np
 
-__all__ = ["plan", "emulate", "matmul", "enable", "enabled", "bind", "CublasError"]
+__all__ = ["plan", "emulate", "matmul", "enable", "enabled", "routed", "bind", "release",
+           "CublasError"]
 
 WORKSPACE_BYTES = 32 << 20       # per device: what cuBLAS asks for on Hopper, with room
 _STATE = {"on": False}
+_ROUTED = threading.local()      # depth of routed() blocks on this thread
 _LOCK = threading.Lock()
 _HANDLES = {}                    # device id -> _Handle
 
@@ -85,19 +96,32 @@ def emulate(transa, transb, m, n, k, first, lda, second, ldb, c_first, ldc):
 
 
 def enable(on=True):
-    """Route the GPU GEMMs through :func:`matmul`'s own cuBLAS handle (a CUDA-graph run)."""
+    """Route every thread's GPU GEMMs through :func:`matmul`'s own cuBLAS handle until
+    ``enable(False)`` (tests; a run uses :func:`routed`)."""
     _STATE["on"] = bool(on)
 
 
 def enabled():
-    return _STATE["on"]
+    """Whether this thread's GEMMs take the cuBLAS route now."""
+    return _STATE["on"] or getattr(_ROUTED, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def routed():
+    """The GEMMs of this thread inside the block take the cuBLAS route (a CUDA-graph step,
+    its eager steps included); after it, CuPy's ``matmul`` again."""
+    _ROUTED.depth = getattr(_ROUTED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _ROUTED.depth -= 1
 
 
 def matmul(xp, a, b, out=None):
     """``a @ b`` of 2-D arrays into ``out`` (made when None); returns it. NumPy and, until
     :func:`enable`, CuPy: ``xp.matmul``; CuPy after it: one cuBLAS gemm on the current
     stream (operands neither row- nor column-major are copied first)."""
-    if xp is np or not _STATE["on"]:
+    if xp is np or not enabled():
         return xp.matmul(a, b, out=out)
     if out is None:
         out = xp.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
@@ -113,17 +137,19 @@ def matmul(xp, a, b, out=None):
 
 
 def _run(module, steps, c):
-    if hasattr(module, "cuda"):                   # CuPy
-        _handle().gemm(steps, c)
-    else:                                         # a stand-in array module: NumPy memory
+    if hasattr(module, "gemm_call"):              # a stand-in array module: NumPy memory
         transa, transb, m, n, k, first, lda, second, ldb, ldc = steps
         module.gemm_call(emulate, (transa, transb, m, n, k, first, lda, second, ldb, c, ldc))
+    else:                                         # CuPy
+        _handle().gemm(steps, c)
 
 
 # --- cuBLAS through ctypes -------------------------------------------------------
 
-def _library():
-    """The libcublas CuPy loaded (found in this process's memory map)."""
+def _library(cupy):
+    """The libcublas CuPy loaded (found in this process's memory map); else the one of the
+    CUDA major version CuPy runs on (``libcublas.so.<major>``: pip's and the runtime-only
+    installs have no unversioned ``libcublas.so``)."""
     importlib.import_module("cupy_backends.cuda.libs.cublas")     # loads libcublas
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -131,18 +157,28 @@ def _library():
             name = path.rsplit("/", 1)[-1]
             if name.startswith("libcublas.so"):
                 return ctypes.CDLL(path)
-    return ctypes.CDLL("libcublas.so")
+    return ctypes.CDLL(library_name(cupy.cuda.runtime.runtimeGetVersion()))
+
+
+def library_name(runtime_version):
+    """``libcublas.so.<major>`` of a CUDA runtime version as CUDA reports it (12040: 12)."""
+    return f"libcublas.so.{int(runtime_version) // 1000}"
 
 
 class _Handle:
-    """A cuBLAS handle of one device with a workspace of its own."""
+    """A cuBLAS handle of one device with a workspace of its own: ``WORKSPACE_BYTES`` of raw
+    device memory (``runtime.malloc``, outside every memory pool), freed by :meth:`close`."""
 
-    def __init__(self, cupy):
+    def __init__(self, cupy, lib=None):
         self.cupy = cupy
-        self.lib = _library()
+        self.lib = _library(cupy) if lib is None else lib
         self.ptr = ctypes.c_void_p()
         self._check(self.lib.cublasCreate_v2(ctypes.byref(self.ptr)), "cublasCreate")
-        self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=np.uint8)
+        try:
+            self.workspace = cupy.cuda.runtime.malloc(WORKSPACE_BYTES)
+        except BaseException:
+            self.lib.cublasDestroy_v2(self.ptr)
+            raise
         self.stream = None
         self.one = {np.dtype(np.float32): ctypes.c_float(1.0), np.dtype(np.float64): ctypes.c_double(1.0)}
         self.zero = {np.dtype(np.float32): ctypes.c_float(0.0), np.dtype(np.float64): ctypes.c_double(0.0)}
@@ -163,7 +199,7 @@ class _Handle:
                     "cublasSetStream")
         set_workspace = getattr(self.lib, "cublasSetWorkspace_v2", None)   # cuBLAS >= 11.4
         if set_workspace is not None:
-            self._check(set_workspace(self.ptr, ctypes.c_void_p(self.workspace.data.ptr),
+            self._check(set_workspace(self.ptr, ctypes.c_void_p(self.workspace),
                                       ctypes.c_size_t(WORKSPACE_BYTES)), "cublasSetWorkspace")
         self.stream = stream_ptr
 
@@ -177,6 +213,16 @@ class _Handle:
                                    ctypes.byref(self.zero[dtype]), ctypes.c_void_p(c.data.ptr), ldc),
                     "cublas gemm")
 
+    def close(self):
+        """Destroy the handle, then free its workspace (the device synchronised first: a
+        GEMM still queued may use it)."""
+        if self.workspace is None:
+            return
+        self.cupy.cuda.runtime.deviceSynchronize()
+        self._check(self.lib.cublasDestroy_v2(self.ptr), "cublasDestroy")
+        self.cupy.cuda.runtime.free(self.workspace)
+        self.workspace, self.stream = None, None
+
 
 def _handle():
     import cupy
@@ -186,6 +232,18 @@ def _handle():
         if handle is None:
             handle = _HANDLES[device] = _Handle(cupy)
     return handle
+
+
+def release():
+    """Destroy every device's handle and free its workspace (each on its own device); the
+    next routed GEMM makes a new one."""
+    import cupy
+    with _LOCK:
+        handles = list(_HANDLES.items())
+        _HANDLES.clear()
+    for device, handle in handles:
+        with cupy.cuda.Device(device):
+            handle.close()
 
 
 def bind(stream_ptr=None):

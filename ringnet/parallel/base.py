@@ -8,6 +8,7 @@ on this rank's samples, then :class:`~ringnet.parallel.delayed_update.DelayedUpd
 the exchange (delay 0: blocking; delay 1: on the communication stream, the delayed
 model update of DESIGN.md).
 """
+import weakref
 import zlib
 from contextlib import contextmanager
 from typing import Callable, Dict, Optional, Tuple
@@ -272,8 +273,11 @@ class DataParallelStrategy(Strategy):
         (the first layer's bucket: after the last graph, as in an eager step)."""
         from ringnet.graphs import GraphStep
         splits = [layer for layer in self._bucket_at if layer > 0]
+        # Weakly: the strategy holds the graph step, and a closure over the strategy would
+        # make the two a cycle that only the garbage collector frees, at a random time.
+        done = weakref.WeakMethod(self.layer_done)
         self.graphs = GraphStep(self.model, optimizer, backend, strict=strict, splits=splits,
-                                at_split=lambda layer: self.layer_done("backward", layer))
+                                at_split=lambda layer: done()("backward", layer))
         return self.graphs
 
     def drain(self):
@@ -300,6 +304,8 @@ class DataParallelStrategy(Strategy):
 
     def close(self):
         self.drain()
+        if self.graphs is not None:          # its graphs and pool freed now, on this thread
+            self.graphs.close()
         if self.engine.stream is not None:
             self.engine.stream.close()
             self.engine.stream = None

@@ -9,7 +9,9 @@ device synchronisation: ours eager (``--cuda-graphs off``), ours replayed as a C
 bit against the eager step, or the run fails) and PyTorch's eager CUDA step; medians in ms
 and the ratios to PyTorch's. None of the three reads its loss on the host inside the step:
 each leaves it on the device and the synchronisation ends the step. Before timing, both nets give the
-same loss on the same weights and batch (float32, relative 1e-4), or the run fails.
+same loss on the same weights and batch (float32, relative 1e-4), or the run fails. TF32 is
+off in PyTorch for the whole script (its convolutions use TF32 by default on Ampere and
+later, about 1e-3 relative), so both compute in float32; each result says so (``torch_tf32``).
 
 ``--layers`` adds, per layer, the host time its forward and backward calls take (Python
 and kernel launches) beside the device time between CUDA events around them: where the
@@ -37,6 +39,8 @@ def _torch_cuda():
         return None, "torch not installed"
     if not torch.cuda.is_available():
         return None, f"torch {torch.__version__} has no CUDA"
+    torch.backends.cuda.matmul.allow_tf32 = False        # float32 as ours, not TF32
+    torch.backends.cudnn.allow_tf32 = False
     return torch, None
 
 
@@ -59,6 +63,8 @@ def time_model(name, iters, batch_size=64, lr=0.001):
             theirs = float(torch.nn.functional.cross_entropy(net(xt), yt))
         ours, _ = model.evaluate(xg, yg, batch_size=batch_size)
         result["loss"], result["torch_loss"] = float(ours), theirs
+        result["torch_tf32"] = "off" if not (torch.backends.cuda.matmul.allow_tf32 or
+                                             torch.backends.cudnn.allow_tf32) else "on"
         if not abs(float(ours) - theirs) <= 1e-4 * max(1.0, abs(theirs)):
             raise RuntimeError(f"{name}: loss {ours} differs from PyTorch's {theirs}")
         net.train()
@@ -73,7 +79,7 @@ def time_model(name, iters, batch_size=64, lr=0.001):
         result["torch"] = why
 
     def step_ours(it):
-        _gemm.enable(False)                              # CuPy's matmul, as graphs off
+        assert not _gemm.enabled()                       # CuPy's matmul, as graphs off
         model.loss_and_grad(xg, yg)
         sgd.step(model.params, model.grads, it)
         cupy.cuda.get_current_stream().synchronize()
@@ -83,8 +89,7 @@ def time_model(name, iters, batch_size=64, lr=0.001):
     graph = graphs.GraphStep(gmodel, gsgd, graphs.CudaGraphs(cupy), strict=True)
 
     def step_graph(it):
-        _gemm.enable(True)
-        graph.step(xg, yg, it)
+        graph.step(xg, yg, it)                           # the cuBLAS route inside it
         cupy.cuda.get_current_stream().synchronize()
 
     ours, replayed, theirs = [], [], []
@@ -102,7 +107,7 @@ def time_model(name, iters, batch_size=64, lr=0.001):
             ours.append(t1 - t0)
             replayed.append(t2 - t1)
             theirs.append(t3 - t2)
-    _gemm.enable(False)
+    graph.close()
     result["step_ms"] = 1e3 * float(np.median(ours))
     result["graph_step_ms"] = 1e3 * float(np.median(replayed))
     result["graph_replays"] = graph.replays
@@ -165,7 +170,8 @@ def main(argv=None):
         gratio = f"{r['graph_ratio_vs_torch']:.2f}" if "graph_ratio_vs_torch" in r else ""
         print(f"{r['model']:>14}  ringnet {r['step_ms']:8.2f} ms  graphs on "
               f"{r['graph_step_ms']:8.2f} ms  torch {r.get('torch_step_ms', float('nan')):8.2f} ms"
-              f"  ratio {ratio}  graphs on {gratio} (target <= 0.5)")
+              f"  ratio {ratio}  graphs on {gratio} (target <= 0.5)"
+              + (f"  torch TF32 {r['torch_tf32']}" if "torch_tf32" in r else ""))
     if args.layers:
         for r in results:
             r["layers"] = layer_profile(r["model"], args.iters)

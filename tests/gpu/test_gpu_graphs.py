@@ -15,9 +15,9 @@ pytestmark = [pytest.mark.gpu,
 def cupy():
     import cupy
     from ringnet.layers import _gemm
-    _gemm.enable()
-    yield cupy
     _gemm.enable(False)
+    yield cupy
+    assert not _gemm.enabled(), "the cuBLAS route outlived the graph step"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -29,7 +29,8 @@ def test_the_cublas_route_multiplies_every_layout_as_cupy_does(cupy, dtype):
     for left in (a, cupy.asfortranarray(a), cupy.asarray(rng.normal(size=(53, 37)).astype(dtype)).T):
         for right in (b, cupy.asfortranarray(b), b[:, :29]):
             for out in (cupy.empty((37, 29), dtype), cupy.empty((29, 37), dtype).T):
-                _gemm.matmul(cupy, left, right, out=out)
+                with _gemm.routed():
+                    _gemm.matmul(cupy, left, right, out=out)
                 want = cupy.matmul(left, right)
                 tol = 1e-4 if dtype == "float32" else 1e-12
                 np.testing.assert_allclose(cupy.asnumpy(out), cupy.asnumpy(want), rtol=tol, atol=tol)
@@ -41,8 +42,9 @@ def test_a_captured_gemm_replays_on_new_contents(cupy):
     a = cupy.ones((16, 8), dtype=np.float32)
     b = cupy.ones((8, 4), dtype=np.float32)
     out = cupy.zeros((16, 4), dtype=np.float32)
-    _gemm.matmul(cupy, a, b, out=out)                    # the handle made before capturing
-    graph, _ = backend.capture(lambda: _gemm.matmul(cupy, a, b, out=out))
+    with _gemm.routed():
+        _gemm.matmul(cupy, a, b, out=out)                # the handle made before capturing
+        graph, _ = backend.capture(lambda: _gemm.matmul(cupy, a, b, out=out))
     a[...] = 2.0
     backend.launch(graph)
     cupy.cuda.get_current_stream().synchronize()
@@ -100,8 +102,27 @@ def test_a_bucketed_delay0_ring_with_graphs_on_learns_as_without(cupy, monkeypat
                 device="gpu", transport="mpi")
     on = train(TrainConfig(cuda_graphs="on", **base), world=MPI.COMM_SELF)
     off = train(TrainConfig(cuda_graphs="off", **base), world=MPI.COMM_SELF)
+    assert len(on.strategy.graphs.graph) == 4 and on.strategy.graphs.splits
     for run in (on, off):
         run.strategy.close()
-    assert len(on.strategy.graphs.graph) == 4 and on.strategy.graphs.splits
     assert on.summary["cuda_graphs"] == "on (18 steps replayed)", on.summary["cuda_graphs"]
     assert abs(on.summary["train_loss"] - off.summary["train_loss"]) < 1e-3
+
+
+def test_the_cublas_workspace_outlives_the_graph_steps_pool(cupy):
+    """The handle is made by the first GEMM, inside a graph step's private pool; once that
+    step is closed and collected, the handle's GEMMs still run right."""
+    import gc
+    from ringnet.layers import _gemm
+    _gemm.release()                                      # the next routed GEMM makes the handle
+    _run(cupy, "lenet", graphs.WARMUP + 2, off=False)[2].close()
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    junk = cupy.full(64 << 20, 7, dtype=np.uint8)        # reuse whatever went back to CUDA
+    a = cupy.ones((256, 128), dtype=np.float32)
+    out = cupy.zeros((256, 64), dtype=np.float32)
+    with _gemm.routed():
+        _gemm.matmul(cupy, a, cupy.ones((128, 64), dtype=np.float32), out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    assert float(out.min()) == float(out.max()) == 128.0
+    del junk
