@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# The GPU acceptance run, for a machine with at least one CUDA GPU (about 3-5 minutes on one
-# H200; every stage has its own limit, 690 s in all, and 390 s more for multi-gpu and ddp-gpu
-# on a host with two or more GPUs).
-# Usage: bash tests/gpu/run.sh   (repository root or anywhere; ringnet, mpi4py and CuPy installed)
+# The GPU acceptance run, for a machine with at least one CUDA GPU.
+# Usage: bash tests/gpu/run.sh [--stages gpu|cpu|all|NAME,...] [--report-dir DIR]
+#                              [--wheelhouse DIR]          (repository root or anywhere)
+#   --stages      gpu (default): the GPU stages, whose limits add up to 360 s on one GPU
+#                 (multi-gpu and ddp-gpu, 390 s more, run only with two or more GPUs);
+#                 cpu: the CPU stages (cpu-cores, model-valid; 280 s, no GPU needed);
+#                 all; or stage names separated by commas.
+#   --report-dir  each stage's row is appended to DIR/report.jsonl as soon as it ends (and
+#                 the logs so far to DIR/gpu-logs.tar.gz), so a run killed at its limit
+#                 still leaves what finished; at the end DIR/report.json has everything
+#                 (the per-layer step tables too).
+#   --wheelhouse  where the pre-check installs missing pieces from (default
+#                 dist/gpu-wheelhouse, built by tests/gpu/wheelhouse.sh).
+# Pre-check, before any stage: `from mpi4py import MPI`, `mpirun -np 2 true` and pytest-mpi
+# must work (what is missing is installed from the wheelhouse first, offline); otherwise one
+# line naming what is missing, exit 1.
 #
 # Stages (none may fail silently):
 #   gpu-n1      single-process GPU tests: single mode on the GPU equals the CPU run (float64),
@@ -45,13 +57,51 @@
 #               mode at N = 1, 2, 4, LeNet and cifar10_quick, predicted beside measured) with a
 #               core per rank; the report counts the rows within 15%, the record is kept in
 #               the logs (bench-model-validation.json). Skipped on fewer than 4 cores.
-# The last line is one JSON report. Exit 0: every stage passed; 1: a stage failed;
-# 77 (the "skipped" code of automake and meson): no usable GPU here, one line, nothing run.
+# Under mpirun a rank whose test fails aborts the job (tests/gpu/mpi_abort.py), so a stage
+# whose other ranks wait in a collective ends at once with that rank's error in its row.
+# The last line is one JSON report (under 8,000 characters). Exit 0: every stage passed; 1: a
+# stage failed, or the pre-check; 2: bad arguments; 77 (the "skipped" code of automake and
+# meson): GPU stages asked for and no usable GPU here, one line, nothing run.
 # GPU_RUN_LOGS=DIR keeps each stage's full log there as DIR/gpu-logs.tar.gz.
 set -u
 cd "$(dirname "$0")/../.."
-# This checkout's ringnet, also in the scripts and under mpirun.
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
+GPU_STAGES="gpu-n1 gpu-n2 gpu-n4 multi-gpu ddp-gpu nccl-shared auto-shared quickstart step-times"
+CPU_STAGES="cpu-cores model-valid"
+SELECT=gpu REPORT_DIR="" WHEELHOUSE="$PWD/dist/gpu-wheelhouse"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --stages) SELECT=${2:-}; shift 2 || { echo "run.sh: --stages needs a value" >&2; exit 2; } ;;
+    --report-dir) REPORT_DIR=${2:-}; shift 2 || { echo "run.sh: --report-dir needs a folder" >&2; exit 2; } ;;
+    --wheelhouse) WHEELHOUSE=${2:-}; shift 2 || { echo "run.sh: --wheelhouse needs a folder" >&2; exit 2; } ;;
+    -h|--help) sed -n '2,/^set -u/p' "$0" | sed 's/^# \{0,1\}//' | sed '$d'; exit 0 ;;
+    *) echo "run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+SELECTED=""
+for item in ${SELECT//,/ }; do
+  case "$item" in
+    gpu) SELECTED="$SELECTED $GPU_STAGES" ;;
+    cpu) SELECTED="$SELECTED $CPU_STAGES" ;;
+    all) SELECTED="$SELECTED $GPU_STAGES $CPU_STAGES" ;;
+    *) case " $GPU_STAGES $CPU_STAGES " in
+         *" $item "*) SELECTED="$SELECTED $item" ;;
+         *) echo "run.sh: --stages: unknown stage '$item' (gpu, cpu, all or one of:" \
+                 "$GPU_STAGES $CPU_STAGES)" >&2; exit 2 ;;
+       esac ;;
+  esac
+done
+[ -n "$SELECTED" ] || { echo "run.sh: --stages names no stage" >&2; exit 2; }
+selected() { case " $SELECTED " in *" $1 "*) return 0 ;; esac; return 1; }
+needs_gpu=false
+for name in $GPU_STAGES; do selected "$name" && needs_gpu=true; done
+if [ -n "$REPORT_DIR" ]; then
+  mkdir -p "$REPORT_DIR" || { echo "run.sh: cannot make --report-dir $REPORT_DIR" >&2; exit 2; }
+  REPORT_DIR=$(cd "$REPORT_DIR" && pwd)
+  : > "$REPORT_DIR/report.jsonl"
+fi
+
+# This checkout's ringnet, also in the scripts and under mpirun; tests/gpu for mpi_abort.
+export PYTHONPATH="$PWD:$PWD/tests/gpu${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 MPIRUN=${MPIRUN:-mpirun}
 WORK=$(mktemp -d)
 keep_logs() {
@@ -59,8 +109,53 @@ keep_logs() {
   rm -rf "$WORK"
 }
 trap keep_logs EXIT
+# shellcheck source=tests/gpu/stage.sh
+. tests/gpu/stage.sh
+if ! command -v python >/dev/null && command -v python3 >/dev/null; then
+  mkdir -p "$WORK/bin" && ln -s "$(command -v python3)" "$WORK/bin/python"
+  export PATH="$WORK/bin:$PATH"
+fi
 
-if ! why=$(python - 2>&1 <<'EOF'
+# Pre-check: what every stage needs; the missing pieces from the wheelhouse, offline.
+missing() {
+  local out=""
+  python -c "import pytest" 2>/dev/null || out="$out, pytest"
+  python -c "import pytest_mpi" 2>/dev/null || out="$out, pytest-mpi"
+  python -c "from mpi4py import MPI" 2>/dev/null || out="$out, a working 'from mpi4py import MPI'"
+  timeout 60 "$MPIRUN" -np 2 true >/dev/null 2>&1 || out="$out, a working '$MPIRUN -np 2 true'"
+  echo "${out#, }"
+}
+lacking=$(missing)
+if [ -n "$lacking" ] && [ -d "$WHEELHOUSE" ]; then
+  wants=""
+  case "$lacking" in *pytest-mpi*) wants="$wants pytest-mpi" ;; esac
+  case "$lacking" in *mpi4py*|*"-np 2"*) wants="$wants mpich" ;; esac
+  if [ -n "$wants" ]; then
+    echo "== pre-check: installing$wants from $WHEELHOUSE"
+    # shellcheck disable=SC2086  # a list of names
+    python -m pip install --no-index --no-deps --find-links "$WHEELHOUSE" $wants \
+        > "$WORK/pip.log" 2>&1 || tail -n 3 "$WORK/pip.log" > "$WORK/pip.tail"
+    scripts=$(python -c "import sysconfig; print(sysconfig.get_path('scripts'))")
+    export PATH="$scripts:$PATH"
+    hash -r
+    lacking=$(missing)
+  fi
+fi
+if [ -n "$lacking" ]; then
+  where="no wheelhouse at $WHEELHOUSE (build it with: bash tests/gpu/wheelhouse.sh)"
+  [ -d "$WHEELHOUSE" ] && where="not in, or not working from, the wheelhouse $WHEELHOUSE"
+  [ -s "$WORK/pip.tail" ] && where="$where (pip: $(tr '\n' ' ' < "$WORK/pip.tail"))"
+  echo "tests/gpu/run.sh: missing $lacking; $where; no stage was run" >&2
+  if [ -n "$REPORT_DIR" ]; then
+    python -c 'import json, sys; print(json.dumps({"stage": "pre-check", "passed": False, "missing": sys.argv[1]}))' \
+        "$lacking" >> "$REPORT_DIR/report.jsonl"
+  fi
+  exit 1
+fi
+
+GPUS=0
+if $needs_gpu; then
+  if ! why=$(python - 2>&1 <<'EOF'
 import sys
 try:
     from ringnet.backend import check_gpu, gpu_available
@@ -73,24 +168,14 @@ try:
 except RuntimeError as exc:
     sys.exit(str(exc))
 EOF
-); then
-  echo "tests/gpu/run.sh needs a CUDA GPU and CuPy: ${why##*$'\n'}; no GPU test was run" >&2
-  exit 77
+  ); then
+    echo "tests/gpu/run.sh needs a CUDA GPU and CuPy: ${why##*$'\n'}; no GPU test was run" >&2
+    exit 77
+  fi
+  GPUS=$(python -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
 fi
-
-GPUS=$(python -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
 # the cores this job may use (the CPU stages need one per rank, 4 ranks)
 CORES=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
-
-# stage NAME LIMIT_S CMD...: run CMD under a time limit, keep its output, record rc and time.
-stage() {
-  local name=$1 limit=$2; shift 2
-  echo "== $name: $*"
-  local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$WORK/$name.log"
-  local rc=${PIPESTATUS[0]}
-  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" >> "$WORK/stages.tsv"
-}
 
 # --transport nccl with ranks sharing a GPU must end with exit 2 and one error line.
 nccl_shared() {
@@ -232,9 +317,8 @@ EOF
 
 # Every mode over NCCL with one rank per GPU, and bench comm over NCCL: two or more GPUs.
 multi_gpu() {
-  if [ "$GPUS" -lt 2 ]; then echo "skipped: $GPUS GPU here, the NCCL stage needs two or more"; return 0; fi
-  "$MPIRUN" -np "$GPUS" python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi \
-      -m "gpu and mpi" tests/gpu/test_gpu_nccl_modes.py || return 1
+  "$MPIRUN" -np "$GPUS" python -m pytest -q -x -rfEs --tb=short -p no:cacheprovider -p mpi_abort \
+      --with-mpi -m "gpu and mpi" tests/gpu/test_gpu_nccl_modes.py || return 1
   "$MPIRUN" -np "$GPUS" python -m ringnet.bench comm --transport nccl \
       --algos ring,tree,master,auto,native --iters 10 --json > "$WORK/comm-nccl.json" || return 1
   tail -n 1 "$WORK/comm-nccl.json"
@@ -249,54 +333,28 @@ EOF
 
 export -f nccl_shared auto_shared quickstart cpu_cores model_validation multi_gpu ddp_gpu
 export WORK GPUS CORES MPIRUN
-PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider --with-mpi"
-stage gpu-n1 120 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py tests/gpu/test_gpu_graphs.py \
-    tests/layers/test_cuda_kernels.py tests/layers/test_loss_kernel.py
-stage gpu-n2 75 "$MPIRUN" -np 2 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_comm.py \
+PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider -p mpi_abort --with-mpi"
+# Under mpirun: stop at the first failure (mpi_abort then ends every rank at once).
+MPYTEST="$PYTEST -x"
+# One GPU: 100 + 70 + 70 + 20 + 25 + 40 + 35 = 360 s of limits.
+selected gpu-n1 && stage gpu-n1 100 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
+    tests/gpu/test_gpu_graphs.py tests/layers/test_cuda_kernels.py tests/layers/test_loss_kernel.py
+selected gpu-n2 && stage gpu-n2 70 "$MPIRUN" -np 2 $MPYTEST -m "gpu and mpi" tests/gpu/test_gpu_comm.py \
     tests/gpu/test_gpu_comm_auto.py tests/gpu/test_gpu_modes.py tests/test_gpu_train.py
-stage gpu-n4 75 "$MPIRUN" -np 4 $PYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
-stage multi-gpu 300 bash -c multi_gpu
-stage ddp-gpu 90 bash -c ddp_gpu
-stage nccl-shared 25 bash -c nccl_shared
-stage auto-shared 25 bash -c auto_shared
-stage quickstart 45 bash -c quickstart
-stage step-times 45 python tests/gpu/step_vs_torch.py --layers --out "$WORK/steps.json"
-stage cpu-cores 130 bash -c cpu_cores
-stage model-valid 150 bash -c model_validation
+selected gpu-n4 && stage gpu-n4 70 "$MPIRUN" -np 4 $MPYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
+if selected multi-gpu; then
+  if [ "$GPUS" -ge 2 ]; then stage multi-gpu 300 bash -c multi_gpu
+  else skip_stage multi-gpu "$GPUS GPU here, the NCCL stage needs two or more"; fi
+fi
+if selected ddp-gpu; then
+  if [ "$GPUS" -ge 2 ]; then stage ddp-gpu 90 bash -c ddp_gpu
+  else skip_stage ddp-gpu "$GPUS GPU here; one GPU cannot host two NCCL ranks"; fi
+fi
+selected nccl-shared && stage nccl-shared 20 bash -c nccl_shared
+selected auto-shared && stage auto-shared 25 bash -c auto_shared
+selected quickstart && stage quickstart 40 bash -c quickstart
+selected step-times && stage step-times 35 python tests/gpu/step_vs_torch.py --layers --out "$WORK/steps.json"
+selected cpu-cores && stage cpu-cores 130 bash -c cpu_cores
+selected model-valid && stage model-valid 150 bash -c model_validation
 
-python - "$WORK" <<'EOF'
-import json, os, re, sys
-work = sys.argv[1]
-stages, ok = [], True
-for line in open(os.path.join(work, "stages.tsv")):
-    name, rc, seconds, command = line.rstrip("\n").split("\t")
-    log = open(os.path.join(work, name + ".log"), errors="replace").read().splitlines()
-    summary = next((l for l in reversed(log) if re.search(r"\d+ (passed|failed|error)", l)), None)
-    passed = rc == "0"
-    ok &= passed
-    stages.append({"stage": name, "passed": passed, "exit": int(rc), "seconds": int(seconds),
-                   "timed_out": rc == "124", "pytest": summary, "command": command})
-report = {"passed": ok, "stages": stages}
-try:
-    import cupy
-    from ringnet.comm.nccl_transport import nccl_module
-    from ringnet.comm.mpi_transport import mpi_cuda_aware
-    nccl = nccl_module("cupy")
-    report["environment"] = {
-        "cupy": cupy.__version__, "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
-        "gpus": [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode()
-                 for i in range(cupy.cuda.runtime.getDeviceCount())],
-        "nccl": nccl.get_version() if nccl is not None else None,
-        "cuda_aware_mpi": list(mpi_cuda_aware())}
-except Exception as exc:  # noqa: BLE001 - the report still comes out
-    report["environment"] = {"error": str(exc)}
-steps = os.path.join(work, "steps.json")
-if os.path.exists(steps):
-    report["step_times"] = json.load(open(steps))
-for key in ("cpu-cores", "model-validation", "ddp-gpu"):
-    path = os.path.join(work, key + ".json")
-    if os.path.exists(path):
-        report[key.replace("-", "_")] = json.load(open(path))
-print(json.dumps(report))
-sys.exit(0 if ok else 1)
-EOF
+python tests/gpu/report.py final "$WORK" "$REPORT_DIR"
