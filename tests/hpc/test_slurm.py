@@ -278,14 +278,19 @@ def test_progress_interval_from_the_environment():
 
 
 def _stepd_alive(job):
-    """Whether a slurmstepd of ``job`` still runs on this machine."""
+    """Whether a slurmstepd of ``job`` still runs on this machine. Its title "slurmstepd:
+    [JOB.STEP]" is cut to the length of its command line, so a long job id shows only in
+    part: a title that is the start of this job's counts (erring towards alive)."""
+    title = f"slurmstepd: [{job}.".encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().startswith(f"slurmstepd: [{job}.".encode()):
-                    return True
+                shown = f.read().split(b"\0")[0]
         except OSError:
-            pass
+            continue
+        if shown.startswith(b"slurmstepd: [") and len(shown) > len(b"slurmstepd: [") and (
+                shown.startswith(title) or title.startswith(shown)):
+            return True
     return False
 
 
@@ -294,6 +299,43 @@ def _job_state(job):
     state = re.search(r"JobState=(\S+)", out)
     restarts = re.search(r"Restarts=(\d+)", out)
     return (state.group(1) if state else None), int(restarts.group(1)) if restarts else 0
+
+
+@needs_slurm
+def test_scancel_stops_train_sbatch_for_good_with_the_checkpoint_written(tmp_path):
+    """scancel JOB (SIGTERM): the ranks stop at a step boundary with the checkpoint written,
+    the script says it does not requeue, and the job ends without a restart (it requeued
+    itself on SIGTERM too, going back to pending)."""
+    from ringnet.checkpoint import stored_step
+    flags = ["--steps", "100000", "--no-eval", "--no-progress", "--save", "ck.h5",
+             "--save-every", "100000"]
+    os.symlink(os.path.join(ROOT, "hpc"), tmp_path / "hpc")
+    proc = run(["sbatch", "--parsable", os.path.join("hpc", "train.sbatch"), *flags],
+               cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    log = tmp_path / _directive("train.sbatch", "output").replace("%j", job)
+    try:
+        end = time.monotonic() + 240
+        while time.monotonic() < end and not (log.exists() and "ringnet: ring" in log.read_text()):
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert run(["scancel", job], timeout=30).returncode == 0
+        end = time.monotonic() + 120
+        while time.monotonic() < end and "not requeueing" not in log.read_text():
+            time.sleep(0.5)
+        time.sleep(3.0)         # a requeue (the old behaviour) would show by now
+        state, restarts = _job_state(job)
+    finally:
+        if _job_state(job)[0] not in ("COMPLETED", "FAILED", "CANCELLED", None):
+            run(["scancel", "--signal=KILL", job], timeout=30)
+    out = log.read_text()
+    assert restarts == 0 and state != "PENDING", (state, restarts, out[-3000:])
+    stops = re.findall(r"^stopped by SIGTERM at step (\d+) of 100000", out, re.M)
+    assert len(stops) == 1, out[-3000:]
+    assert f"not requeueing job {job}" in out and "requeueing job" not in out.replace(
+        "not requeueing job", ""), out[-3000:]
+    assert stored_step(tmp_path / "ck.h5") == int(stops[0])
 
 
 @needs_slurm
