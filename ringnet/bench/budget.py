@@ -111,10 +111,15 @@ class DeviceMemory:
 
     # -- allocation
     def made(self, array):
-        """Note a new buffer: it belongs to the pool of the allocator in use, if any."""
+        """Note a new buffer: it belongs to the pool of the allocator in use, if any, and,
+        where the NCCL stand-in is in use, to the device current on this thread."""
         pool = self.allocators[-1] if self.allocators else None
         if pool is not None:
             pool._blocks.append(weakref.ref(array))
+        devices = sys.modules.get("ringnet.comm._nccl_standin.devices")
+        if devices is not None:
+            from ringnet.comm._nccl_standin import memory
+            memory.note_made(array, devices._current())
 
     def release(self, arrays, why):
         """Give ``arrays``' memory back to CUDA: poison it, and refuse every later use."""

@@ -571,3 +571,23 @@ def test_split_fc_activation_stream_through_the_standin(delay):
     reference = run(MpiTransport(WORLD))
     params = run(NcclTransport(WORLD, timeout_s=30, nccl="standin"))
     np.testing.assert_array_equal(params, reference)
+
+
+def test_a_buffer_made_before_the_rank_binds_its_device_is_refused():
+    """A model built before ``bind`` lives on device 0 (where a thread that selected no
+    device is): NCCL on the rank's device cannot use it, so the stand-in refuses it."""
+    from ringnet.bench import budget
+    from ringnet.models import build_model
+    rec = budget.Recorder()
+    early = []
+    with budget.recording(rec):
+        # a thread that never selected a device, as the training thread before bind
+        thread = threading.Thread(target=lambda: early.append(build_model("digits", xp=rec)))
+        thread.start()
+        thread.join()
+        device = nccl.bind()
+        late = build_model("digits", xp=rec)
+    with pytest.raises(nccl.NcclRuleError, match=f"made on device 0, but this rank's device "
+                                                 f"is {device}"):
+        nccl.host_pointer(early[0].params)
+    assert int(nccl.host_pointer(late.params)) == late.params.ctypes.data

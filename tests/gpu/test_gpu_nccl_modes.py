@@ -118,12 +118,12 @@ def test_split_fc_delay1_over_nccl_equals_the_recurrence(overlap):
     from ringnet.optim import SGD, LRPolicy
     from ringnet.parallel.split_fc import SplitFCStrategy
     steps = 4
+    bind_gpu(WORLD)                          # first: the model's buffers on this rank's GPU
     model = build_model("digits", dtype="float64", seed=3, xp=cupy)
 
     def make_optimizer(n):
         return SGD(n, LRPolicy("fixed", sf.LR), momentum=sf.MOMENTUM, weight_decay=sf.DECAY,
                    xp=cupy, dtype="float64")
-    bind_gpu(WORLD)
     transport = NcclTransport(WORLD)
     strategy = SplitFCStrategy(model, make_optimizer, WORLD, create("ring", transport=transport),
                                delay=1, overlap=overlap)

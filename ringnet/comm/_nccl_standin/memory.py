@@ -11,9 +11,41 @@ class _HostPointer(int):
     """A host address that keeps the array it points into alive (``owner``)."""
 
 
+_made_on = []       # (first byte, end byte, device, ref to the buffer) of noted buffers
+
+
+def note_made(array, device):
+    """Note that ``array`` (a new device buffer of the recording CuPy stand-in,
+    :mod:`ringnet.bench.budget`) was made while ``device`` was current: that is where CUDA
+    puts it."""
+    import weakref
+    lo = array.__array_interface__["data"][0]
+    with _lock:
+        _made_on[:] = [m for m in _made_on if m[3]() is not None]
+        _made_on.append((lo, lo + max(array.nbytes, 1), device, weakref.ref(array)))
+
+
+def made_on(ptr):
+    """The device a noted buffer holding ``ptr`` was made on, or None."""
+    with _lock:
+        for lo, hi, device, ref in reversed(_made_on):
+            if lo <= ptr < hi and ref() is not None:
+                return device
+    return None
+
+
 def host_pointer(array):
-    """Return ``array``'s address for the NCCL calls, holding the array while it is tracked."""
+    """Return ``array``'s address for the NCCL calls, holding the array while it is tracked.
+    A buffer made on another device than the rank's (a model built before the rank bound
+    its device: on device 0) is refused, as NCCL cannot use it from the rank's GPU."""
+    from ringnet.comm._nccl_standin import devices
     ptr = _HostPointer(array.ctypes.data)
+    device = made_on(int(ptr))
+    if device is not None and devices._rank_device is not None and device != devices._rank_device:
+        raise NcclRuleError(
+            f"a buffer at {int(ptr):#x} was made on device {device}, but this rank's device is "
+            f"{devices._rank_device} (bind the rank's device before building the model or "
+            "its buffers)")
     ptr.owner = array
     return ptr
 
