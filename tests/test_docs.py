@@ -695,6 +695,10 @@ COMMANDS = {
     "pip install scikit-learn": INSTALL,
     "mpirun -np N python -m pytest --with-mpi -m mpi tests": SUITE,
     "bash tests/gpu/run.sh": "tests/test_cli.py::test_gpu_script_without_a_gpu_exits_77",
+    "bash tests/gpu/wheelhouse.sh": "run where a GPU machine is lent (docs/devices.md); "
+                                    "tests/gpu/test_gpu_run_script.py checks the pre-check it feeds",
+    'bash tests/gpu/run.sh --report-dir "$OUT"':
+        "tests/gpu/test_gpu_run_script.py::test_each_stage_row_is_written_when_the_stage_ends_and_a_limit_holds",
     "python -m ringnet.train": "tests/test_train.py::test_default_run_reaches_95_percent_and_reports_json",
     "python -m ringnet.bench …": "a template; the bench commands run above",
     "python -m ringnet.bench": "a template; the bench commands run above",
