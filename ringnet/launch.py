@@ -36,11 +36,13 @@ The job reports its progress through ``$RINGNET_HEARTBEAT`` (see ``ringnet.autos
 with ``--stall-timeout S`` a job whose step count has not moved for S seconds is
 stopped and relaunched like one that lost a rank.
 """
+if __name__ == "__main__":     # the program: note stop signals from its first line
+    from ringnet.early_signals import hold
+    hold()
+
 import argparse
-import collections
 import dataclasses
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -50,10 +52,12 @@ import tempfile
 import threading
 import time
 
+from ringnet import early_signals
 from ringnet.autosave import HEARTBEAT_ENV, read_heartbeat
 from ringnet.checkpoint import stored_step as checkpoint_step
 from ringnet.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USAGE, UsageError
 from ringnet.cli import ArgumentParser
+from ringnet.attempt import Attempt, pump
 from ringnet.hosts import JobNodes, slurm_tasks_alive
 from ringnet.placement import allocation_tasks_per_node
 
@@ -100,67 +104,6 @@ def relaunch_size(previous, batch_size, min_ranks=1, shrink=False, available=Non
         if batch_size % n == 0 and usable(n):
             return n
     return None
-
-
-# -- one launch of the job --------------------------------------------------------------
-class Attempt:
-    """One run of the job: its command, exit code, last step, and the lines that explain a failure."""
-
-    def __init__(self, ranks, command, resume_step):
-        self.ranks = ranks
-        self.command = command
-        self.resume_step = resume_step       # step the job starts from
-        self.returncode = None
-        self.reached = None                  # steps finished when it ended (heartbeat)
-        self.stalled = False
-        self.interrupted = False
-        self.started = None
-        self.ended = None
-        self.first_step_at = None            # when the first new step was finished
-        self.lost = None                     # steps finished after the checkpoint resumed from
-        self.relaunch_s = None               # seconds from the previous failure to a new step
-        self.errors = collections.deque(maxlen=20)   # job lines that explain a failure
-
-    def reason(self):
-        """Say in a few words why the job ended: a killed process first, then the job's error."""
-        if self.stalled:
-            return f"no step finished for {self.stalled:g} s (a rank stalled)"
-        for line in self.errors:
-            match = (re.search(r"EXIT STRING: (.*signal.*)", line)
-                     or re.search(r"srun: error: .*(task \d+: .*)", line))
-            if match:
-                return f"a rank ended: {match.group(1).strip()}"
-        for line in reversed(self.errors):
-            if "ringnet: error:" in line:
-                return line.strip()
-        code = self.returncode
-        if code is not None and code < 0:
-            return f"killed by signal {-code}"
-        if code is not None and code > 128:
-            return f"a rank was killed by signal {code - 128} (exit {code})"
-        return f"exit code {code}"
-
-
-_EXPLAINS = re.compile(r"error|EXIT STRING|killed|signal|MPI_Abort", re.IGNORECASE)
-
-
-def _pump(stream, out, keep):
-    """Copy the job's output to ``out`` as it comes (progress bars too); keep the lines that
-    explain a failure."""
-    partial = b""
-    while True:
-        chunk = os.read(stream.fileno(), 65536)
-        if not chunk:
-            break
-        out.write(chunk)
-        out.flush()
-        lines = re.split(rb"[\r\n]", partial + chunk)
-        partial = lines.pop()[-4096:]
-        for line in lines:
-            text = line.decode(errors="replace")
-            if _EXPLAINS.search(text):
-                keep.append(text)
-    stream.close()
 
 
 class Launcher:
@@ -321,10 +264,10 @@ class Launcher:
                                     bufsize=0, env=env, **_OWN_PROCESS_GROUP)
         except OSError as exc:
             raise UsageError(f"cannot start {attempt.command[0]}: {exc.strerror}") from None
-        pumps = [threading.Thread(target=_pump, args=(proc.stdout, _binary(sys.stdout), attempt.errors), daemon=True),
-                 threading.Thread(target=_pump, args=(proc.stderr, _binary(sys.stderr), attempt.errors), daemon=True)]
-        for pump in pumps:
-            pump.start()
+        pumps = [threading.Thread(target=pump, args=(proc.stdout, _binary(sys.stdout), attempt.errors), daemon=True),
+                 threading.Thread(target=pump, args=(proc.stderr, _binary(sys.stderr), attempt.errors), daemon=True)]
+        for thread in pumps:
+            thread.start()
         last, moved = None, time.monotonic()
         try:
             while True:
@@ -354,8 +297,8 @@ class Launcher:
         except KeyboardInterrupt:
             attempt.interrupted = "SIGINT"
             self._interrupt(proc)
-        for pump in pumps:
-            pump.join(timeout=10)
+        for thread in pumps:
+            thread.join(timeout=10)
         attempt.returncode = proc.returncode
         attempt.reached = read_heartbeat(heartbeat)
         attempt.ended = time.monotonic()
@@ -580,6 +523,11 @@ def main(argv=None):
         raise Terminated(signum)
     for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(signum, terminated)
+    early = early_signals.take()
+    if early is not None:       # stopped before the job started: no step taken, nothing to save
+        print(f"ringnet.launch: stopped by {early} before the job started: no step taken, "
+              "nothing to save; the same command starts it", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
     launcher = Launcher(args.ranks, [*train_args, *pins], launch_cmd=launch_cmd, batch_size=batch,
                         checkpoint=cfg.save, resume=cfg.resume, min_ranks=args.min_ranks,
                         max_restarts=args.max_restarts, shrink=args.shrink,
@@ -596,4 +544,8 @@ if __name__ == "__main__":
         code = EXIT_USAGE
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
+    except Terminated:          # a stop signal between the job's end and here
+        code = EXIT_STOPPED
+    early_signals.hold()        # the exit code stands, whatever signal comes while exiting
+    early_signals.settle()
     sys.exit(code)

@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 
+from ringnet import early_signals
 from ringnet.control import current_phase
 from ringnet.errors import TrainingError
 
@@ -33,8 +34,10 @@ class StopSignals:
     """Note SIGTERM and SIGUSR1 while active (``with``); :meth:`agreed` says when to stop.
 
     The handlers are installed on ``with``, before the ranks can agree on anything, so a
-    signal in the set-up is noted too; :meth:`attach` then gives the ranks their own
-    communicator for the rounds (without one, or on one rank, no agreement is needed).
+    signal in the set-up is noted too, and one noted before (by the program's first line,
+    :mod:`ringnet.early_signals`, or by an outer StopSignals) counts as if it came now;
+    :meth:`attach` then gives the ranks their own communicator for the rounds (without one,
+    or on one rank, no agreement is needed).
     ``timeout``: a callable giving the seconds a round may take (the run's deadline). Nested,
     the inner one hands the signals back to the outer one when it ends: a run that is
     complete notes a late signal and ends as it would have.
@@ -67,12 +70,20 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._note)
+        # a signal the program noted before this (ringnet.early_signals), or an outer
+        # StopSignals noted while the run was being set up: as if it came now
+        outer = getattr(self._previous.get(signal.SIGTERM), "__self__", None)
+        early = early_signals.take()
+        if self.received is None:
+            self.received = (outer.received if isinstance(outer, StopSignals) else None) or early
         return self
 
     def __exit__(self, exc_type, *exc):
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
+        if self.received is not None and early_signals.held():
+            early_signals.take()    # (noted here: not to be taken again by a later run)
         if exc_type is None:        # on an error the job is aborted: no rank waits for a round
             self._cancel()
             if self._comm is not None:

@@ -131,3 +131,66 @@ def _ranks_of(path):
         if b"ringnet.train" in argv and path.encode() in argv:
             found.append(pid)
     return found
+
+
+def _signal_after(cmd, delay, tmp_path, second=False, signum=signal.SIGTERM):
+    """Start ``cmd`` in ``tmp_path``, send ``signum`` to it after ``delay`` s (and, with
+    ``second``, again every 20 ms from the moment it says it stopped until it has exited);
+    return (exit code, stderr+stdout)."""
+    import threading
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    time.sleep(delay)
+    proc.send_signal(signum)
+    out = []
+
+    def keep_signalling():
+        while proc.poll() is None:
+            try:
+                proc.send_signal(signum)
+            except OSError:
+                return
+            time.sleep(0.02)
+    for line in proc.stdout:
+        out.append(line)
+        if second and line.startswith("stopped by"):
+            threading.Thread(target=keep_signalling, daemon=True).start()
+            second = False
+    return proc.wait(timeout=240), "".join(out)
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.6])
+def test_a_signal_in_the_first_second_is_a_graceful_stop(tmp_path, delay):
+    """SIGTERM to mpirun while the ranks still import NumPy and mpi4py and MPI starts: the
+    ranks note it from their first line and stop at a step boundary with the checkpoint
+    written, exit 75 (the default action killed them: MPICH's BAD TERMINATION, exit 15)."""
+    cmd = ["mpirun", "-np", "2", *TRAIN, "--model", "lenet", "--dataset", "synthetic",
+           "--steps", "400", "--no-progress", "--no-eval", "--save", "ck.h5", "--save-every", "100"]
+    code, out = _signal_after(cmd, delay, tmp_path)
+    assert code == 75, out[-2000:]
+    assert "BAD TERMINATION" not in out, out[-2000:]
+    stopped = [l for l in out.splitlines() if l.startswith("stopped by SIGTERM at step")]
+    assert len(stopped) == 1, out[-2000:]
+    assert stored_step(tmp_path / "ck.h5") == int(stopped[0].split()[5])
+
+
+def test_a_second_signal_after_the_stop_keeps_exit_75(tmp_path):
+    """Signals that keep coming after the stop's save, while the ranks exit, change
+    nothing: 75 still (it was 15, and SLURM does not requeue a job that ended so)."""
+    cmd = ["mpirun", "-np", "2", *TRAIN, "--model", "lenet", "--dataset", "synthetic",
+           "--steps", "400", "--no-eval", "--no-progress", "--save", "ck.h5", "--save-every", "100"]
+    code, out = _signal_after(cmd, 1.5, tmp_path, second=True)
+    assert code == 75, out[-2000:]
+    assert "stopped by SIGTERM at step" in out
+
+
+def test_a_signal_to_the_launcher_before_its_job_starts_is_a_stop(tmp_path):
+    """ringnet.launch signalled while it still imports: exit 75 (it was 143 or 15), saying
+    that no step was taken, or, where the job had started, its ranks' graceful stop."""
+    cmd = [sys.executable, "-m", "ringnet.launch", "-n", "2", "--", "--model", "lenet",
+           "--dataset", "synthetic", "--steps", "400", "--no-eval", "--no-progress",
+           "--save", "ck.h5", "--save-every", "100"]
+    code, out = _signal_after(cmd, 0.15, tmp_path, signum=signal.SIGUSR1)
+    assert code == 75, out[-2000:]
+    assert ("stopped by SIGUSR1 before the job started" in out
+            or "stopped by SIGUSR1 at step" in out), out[-2000:]
