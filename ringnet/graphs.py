@@ -35,7 +35,7 @@ each layer that completes a bucket; the replay launches them in turn and starts 
 bucket's exchange between them, so it overlaps the rest of the backward as in an eager
 step. split-fc exchanges activations inside its step and runs without graphs.
 
-The same class runs on the recording stand-in for CuPy (:mod:`ringnet.bench.budget`),
+The same class runs on the recording stand-in for CuPy (:mod:`ringnet.testing.recording_cupy`),
 where a "graph" is the list of recorded launches replayed on the same memory: CI checks
 there that the replayed steps equal the eager ones and that two consecutive steps issue
 the same launches on the same buffers with the same arguments

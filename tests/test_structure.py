@@ -23,8 +23,9 @@ LAYERS = [
     ("strategies", ["ringnet.parallel"]),
     ("data and state", ["ringnet.data", "ringnet.checkpoint", "ringnet.autosave"]),
     ("runs", ["ringnet.config", "ringnet.environment", "ringnet.stopping", "ringnet.resume",
-              "ringnet.hosts"]),
+              "ringnet.hosts", "ringnet.attempt"]),
     ("programs", ["ringnet.train", "ringnet.launch", "ringnet.datasets", "ringnet.data.__main__"]),
+    ("testing", ["ringnet.testing"]),
     ("benchmarks", ["ringnet.bench"]),
 ]
 MAX_LINES = 600

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ringnet.bench import budget
+from ringnet.testing import recording_cupy
 from ringnet.layers import _cuda
 from ringnet.models import build_model
 from ringnet.optim import SGD
@@ -61,7 +62,7 @@ def test_the_stand_in_step_computes_what_the_numpy_step_computes(name):
             opt.step(model.params, model.grads, 0)
             ref.step(params, grads, 0)
         np.testing.assert_allclose(model.params, params, rtol=1e-5, atol=1e-7)
-    assert _cuda.launch is not None and budget._ACTIVE == []
+    assert _cuda.launch is not None and recording_cupy._ACTIVE == []
 
 
 def test_the_stand_in_counts_each_kind_of_operation():
@@ -81,7 +82,7 @@ def test_the_stand_in_counts_each_kind_of_operation():
     t = rec.totals()
     assert (t["transfers"], t["ufunc"], t["reduction"], t["gemm"]) == (1, 2, 1, 1)
     assert t["copy"] == 4 and t["host_waits"] == 2 and t["launches"] == 8
-    assert float(s[0]) == 3 * 2 * 4 + 3 and not budget._ACTIVE    # no counting outside
+    assert float(s[0]) == 3 * 2 * 4 + 3 and not recording_cupy._ACTIVE    # no counting outside
 
 
 def test_bench_budget_prints_a_table_and_json(capsys):

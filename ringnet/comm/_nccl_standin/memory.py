@@ -16,7 +16,7 @@ _made_on = []       # (first byte, end byte, device, ref to the buffer) of noted
 
 def note_made(array, device):
     """Note that ``array`` (a new device buffer of the recording CuPy stand-in,
-    :mod:`ringnet.bench.budget`) was made while ``device`` was current: that is where CUDA
+    :mod:`ringnet.testing.recording_cupy`) was made while ``device`` was current: that is where CUDA
     puts it."""
     import weakref
     lo = array.__array_interface__["data"][0]

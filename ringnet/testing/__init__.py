@@ -1,0 +1,3 @@
+"""What exists to check ringnet, beside the library (as ``numpy.testing`` sits beside
+NumPy): :mod:`ringnet.testing.recording_cupy`, the recording stand-in for CuPy that the
+launch budget and the GPU path's tests run on."""
