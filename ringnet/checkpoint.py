@@ -31,6 +31,7 @@ reached through hard links only); a bad one is an InputError naming the file and
 field. Nothing a checkpoint holds is opened as a path here (its ``dataset`` is the
 caller's to judge: :func:`ringnet.data.catalog.find_dataset` with ``names_only``).
 """
+import hashlib
 import json
 import math
 import os
@@ -48,8 +49,8 @@ from ringnet.data.hdf5 import file_mode
 from ringnet.errors import InputError, SetupError
 from ringnet.control import fault_point
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_lookahead_base", "check_writable",
-           "checkpoint_bytes", "stale_temporaries", "temporaries_guard", "resume_settings",
+__all__ = ["save_checkpoint", "load_checkpoint", "content_fingerprint", "load_lookahead_base",
+           "check_writable", "checkpoint_bytes", "stale_temporaries", "temporaries_guard", "resume_settings",
            "stored_step", "read_attributes", "check_replaceable",
            "HYPERPARAMETERS", "FORMAT"]
 
@@ -485,6 +486,20 @@ def load_checkpoint(path):
     _check_alike(path, params, groups)
     _check_finite(path, [("params", params)] + groups)
     return params, groups[0][1], groups[1][1], attrs
+
+
+def content_fingerprint(*groups):
+    """Return a short hex digest of the arrays in ``groups`` (dicts {name: array}, or None):
+    their names, dtypes, shapes and bytes. Two checkpoints whose loaded weights give one
+    fingerprint hold the same state, wherever their files are."""
+    digest = hashlib.sha256()
+    for i, arrays in enumerate(groups):
+        digest.update(f"group {i}: {'none' if arrays is None else len(arrays)}\n".encode())
+        for name in sorted(arrays or ()):
+            array = np.ascontiguousarray(arrays[name])
+            digest.update(f"{name} {array.dtype.str} {array.shape}\n".encode())
+            digest.update(memoryview(array).cast("B"))
+    return digest.hexdigest()[:16]
 
 
 def read_attributes(path):

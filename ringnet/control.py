@@ -31,7 +31,7 @@ from ringnet.errors import EXIT_USAGE, USER_ERRORS, StallError, TrainingError, U
 from ringnet.placement import ranks_text
 from ringnet.shutdown import abort, print_error, sleep_backoff, world
 
-__all__ = ["agree", "collective", "check_same_run", "stalled", "Deadline", "watchdog",
+__all__ = ["agree", "collective", "check_same_run", "differences", "stalled", "Deadline", "watchdog",
            "stall_error", "comm_timeout",
            "default_timeout", "MAX_TIMEOUT_S", "current_phase", "set_phase", "fault_point",
            "import_mpi"]
@@ -278,10 +278,9 @@ def collective(comm, fn, *args, phase=None, timeout=None, **kwargs):
     raise SystemExit(EXIT_USAGE)
 
 
-def check_same_run(world, fingerprint):
-    """Exit 2 on every rank, naming the fields and the ranks, unless all ranks sent the same
-    ``fingerprint`` ({field: value}; the start-up agreement of ``python -m ringnet.train``)."""
-    prints = agree(world, fingerprint, phase="setup")
+def differences(prints):
+    """Return what differs between the ranks' ``prints`` ([{field: value}], by rank), one
+    text per field: 'FIELD is A on rank 0 but B on rank(s) 2, 3'."""
     problems = []
     for field in sorted(set().union(*prints)):
         values = [p.get(field) for p in prints]
@@ -289,6 +288,14 @@ def check_same_run(world, fingerprint):
         if differ:
             problems.append(f"{field} is {values[0]} on rank 0 but {values[differ[0]]} on rank(s) "
                             f"{', '.join(str(r) for r in differ)}")
+    return problems
+
+
+def check_same_run(world, fingerprint):
+    """Exit 2 on every rank, naming the fields and the ranks, unless all ranks sent the same
+    ``fingerprint`` ({field: value}; the start-up agreement of ``python -m ringnet.train``)."""
+    prints = agree(world, fingerprint, phase="setup")
+    problems = differences(prints)
     if problems:
         raise UsageError("ranks were started with different settings or data: " + "; ".join(problems)
                          + " (every rank must run the same command on the same data)")

@@ -11,10 +11,10 @@ import os
 from ringnet.autosave import PeriodicSaver
 from ringnet import checkpoint as checkpoints
 from ringnet.checkpoint import HYPERPARAMETERS, resume_settings
-from ringnet.control import agree, collective
+from ringnet.control import agree, collective, differences
 from ringnet.errors import UsageError
 
-__all__ = ["auto", "settings", "check_not_behind", "restore", "saver"]
+__all__ = ["check_same_start", "auto", "settings", "check_not_behind", "restore", "saver"]
 
 
 def _compensation_after(cfg, size):
@@ -41,6 +41,65 @@ def _setting_text(name, value, bare=False):
             return "shuffle on" if on else "--no-shuffle"
         return "--augment" if on else "augment off"
     return str(value) if bare else f"--{name.replace('_', '-')} {value}"
+
+
+_SAME = ("every rank must resume the same checkpoint; copies of one may sit at different "
+         "paths, as on node-local disks")
+
+
+def _ranks(ranks):
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _resumed_text(every):
+    """'rank 0 resumed a.h5 (step 20), rank 1 b.h5 (step 25)': what each rank resumed, ranks
+    that resumed the same grouped. ``every``: by rank, (text of what it resumed, key)."""
+    groups = {}
+    for rank, (text, key) in enumerate(every):
+        groups.setdefault((key, text), []).append(rank)
+    parts = [f"{_ranks(ranks)} {text}" for (_, text), ranks in groups.items()]
+    return "ranks resumed different checkpoints: " + "; ".join(parts) + f" ({_SAME})"
+
+
+def check_same_start(cfg, world):
+    """Refuse, on every rank and before any rank acts on it, ranks that were asked to start
+    differently: ``--resume`` on some ranks only (or ``auto`` on some, a path on others), or
+    ``--save`` on some only. The error names the ranks and what each resumes (its path and
+    the step its checkpoint holds). Collective."""
+    asked = cfg.resume
+    step = None
+    if asked not in (None, "auto"):
+        step = checkpoints.stored_step(asked)
+    mine = ("none" if asked is None else "auto" if asked == "auto" else "path",
+            None if asked in (None, "auto") else str(asked), step, cfg.save is not None)
+    every = agree(world, mine, phase="setup")
+    if len({kind for kind, *_ in every}) > 1:
+        def text(kind, path, step):
+            if kind == "none":
+                return "nothing (no --resume: it starts at step 0)"
+            if kind == "auto":
+                return "--resume auto"
+            return f"{path} ({'step ' + str(step) if step is not None else 'not a readable checkpoint'})"
+        raise UsageError(_resumed_text([(text(k, p, s), (k, p, s)) for k, p, s, _ in every]))
+    problems = differences([{"--save": "given" if saved else "not given"}
+                            for *_, saved in every])
+    if problems:
+        raise UsageError("ranks were started with different settings or data: "
+                         + "; ".join(problems) + " (every rank must run the same command)")
+
+
+def _check_same_checkpoint(cfg, world, checkpoint):
+    """Refuse checkpoints that differ between the ranks: their steps or their content (a
+    fingerprint of the loaded arrays), naming each rank's path and step. Collective."""
+    params, momentum, prev, attrs = checkpoint
+    mine = (str(cfg.resume), int(attrs.get("step", 0)),
+            checkpoints.content_fingerprint(params, momentum, prev))
+    every = agree(world, mine, phase="setup")
+    if len({(step, content) for _, step, content in every}) > 1:
+        contents = len({content for *_, content in every}) > 1
+        raise UsageError(_resumed_text([
+            (f"{path} (step {step}" + (f", content {content}" if contents else "") + ")",
+             (step, content)) for path, step, content in every]))
 
 
 def auto(cfg, world):
@@ -81,6 +140,7 @@ def settings(cfg, world):
     record say which were taken, which a flag overrode, and what followed the mode.
     """
     checkpoint = collective(world, checkpoints.load_checkpoint, cfg.resume)
+    _check_same_checkpoint(cfg, world, checkpoint)     # before any rank acts on what it read
     attrs = checkpoint[3]
     size = world.Get_size()
     done = int(attrs.get("step", 0))

@@ -332,6 +332,8 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
     auto = cfg.resume == "auto"
     # Communicator creation blocks inside MPI: a watchdog bounds the whole setup.
     with watchdog("setup", 2 * deadline.ceiling + 10):
+        # Before any rank branches on --resume or --save: every rank was asked the same.
+        resume.check_same_start(cfg, world)
         # Before anything reads or writes: the outputs, against the inputs named so far
         # (checked again with the data set found), then the lock on the checkpoint.
         collective(world, lambda: _check_files(cfg, _named_data_file(cfg)) if rank == 0 else None)
