@@ -15,7 +15,8 @@ class Attempt:
         self.ranks = ranks
         self.command = command
         self.resume_step = resume_step       # step the job starts from
-        self.returncode = None
+        self.returncode = None               # the ranks' own, where they noted one (see shutdown.note_exit)
+        self.launcher_code = None            # the launcher's code, where it differed
         self.reached = None                  # steps finished when it ended (heartbeat)
         self.stalled = False
         self.interrupted = False

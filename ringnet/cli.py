@@ -7,7 +7,7 @@ import traceback
 
 from ringnet.control import current_phase
 from ringnet.errors import EXIT_FAILURE, EXIT_USAGE, USER_ERRORS, TrainingError, UsageError
-from ringnet.shutdown import abort, interrupted, print_error, quiet_broken_pipe, world
+from ringnet.shutdown import abort, interrupted, note_exit, print_error, quiet_broken_pipe, world
 
 __all__ = ["run_main", "ArgumentParser", "SPEAKER_WAIT_S"]
 
@@ -29,6 +29,7 @@ def run_main(main, argv=None):
         comm = world()
         if comm is None or comm.Get_rank() == 0:
             print_error(str(exc))
+        note_exit(EXIT_USAGE)
         sys.exit(EXIT_USAGE)
     except SystemExit:
         raise
@@ -66,6 +67,7 @@ def run_main(main, argv=None):
         sys.stdout.flush()
     except BrokenPipeError:
         quiet_broken_pipe()
+    note_exit(code)
     sys.exit(code or 0)
 
 

@@ -21,8 +21,10 @@ It does not relaunch a job that failed on bad input (exit code 2: a bad flag, a
 missing or corrupt file, an unwritable checkpoint), a job whose loss became NaN or
 infinite (exit code 3: the same weights and batches diverge again), or a failure that
 recurs at the step where the previous launch failed (a bad sample): those stop at once
-with the job's own message and exit code. At each relaunch it says what was lost
-(the steps since the last checkpoint) and why.
+with the job's own message and exit code. The code is the ranks' own, noted beside the
+heartbeat (:func:`ringnet.shutdown.note_exit`), where srun reports another (137 for the
+task it killed after a rank's MPI_Abort). At each relaunch it says what was lost (the
+steps since the last checkpoint) and why.
 
 SIGTERM or SIGUSR1 (a time limit, scancel, SLURM's ``--signal``) is passed on to the job:
 its ranks stop at the next step boundary, write the checkpoint and exit 75, and the
@@ -59,6 +61,7 @@ from ringnet.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_U
 from ringnet.cli import ArgumentParser
 from ringnet.attempt import Attempt, pump
 from ringnet.hosts import JobNodes, slurm_tasks_alive
+from ringnet.shutdown import noted_exit
 from ringnet.placement import allocation_tasks_per_node
 
 __all__ = ["main", "relaunch_size", "Attempt", "Launcher", "slurm_tasks_alive"]
@@ -300,6 +303,11 @@ class Launcher:
         for thread in pumps:
             thread.join(timeout=10)
         attempt.returncode = proc.returncode
+        # the ranks' own verdict where it forbids a relaunch (bad input, divergence, a
+        # stop), whatever srun made of their exit codes (137 after one rank's MPI_Abort)
+        noted = noted_exit(heartbeat)
+        if noted in (EXIT_USAGE, EXIT_DIVERGED, EXIT_STOPPED) and proc.returncode not in (0, noted):
+            attempt.launcher_code, attempt.returncode = proc.returncode, noted
         attempt.reached = read_heartbeat(heartbeat)
         attempt.ended = time.monotonic()
 

@@ -20,12 +20,47 @@ import time
 from ringnet.errors import EXIT_FAILURE, EXIT_INTERRUPTED
 
 __all__ = ["abort", "interrupted", "print_error", "one_line", "world", "started_mpi",
+           "note_exit", "noted_exit", "EXIT_RECORD_AT",
            "sleep_backoff", "flush", "wait_until_read", "unread_bytes", "quiet_broken_pipe", "ABORT_GRACE_S", "DRAIN_LIMIT_S",
            "FINALIZE_LIMIT_S"]
 
 ABORT_GRACE_S = 0.25  # seconds between the error line leaving the pipe and MPI_Abort (see abort)
 DRAIN_LIMIT_S = 10.0  # at most this long for the launcher to read the error line (see abort)
 FINALIZE_LIMIT_S = 10.0  # an interrupted rank waits this long for the others (see interrupted)
+# Where in ``$RINGNET_HEARTBEAT`` (after the step count's record) a rank notes the exit code
+# it ends the job with (see note_exit).
+EXIT_RECORD_AT = 24
+
+
+def note_exit(code):
+    """Note the exit code this rank ends the job with in ``$RINGNET_HEARTBEAT`` (when set).
+
+    srun gives the launcher its own code for a job whose rank aborted (137 for a rank it
+    killed after another's MPI_Abort), so a diverged run (3) or bad input (2) would look
+    like a lost rank and be relaunched; the launcher reads this record instead
+    (:func:`noted_exit`). Best effort: a file that cannot be written changes nothing."""
+    path = os.environ.get("RINGNET_HEARTBEAT")
+    if not path or code in (None, 0):
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, f"{int(code):7d}\n".encode(), EXIT_RECORD_AT)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def noted_exit(path):
+    """The exit code a rank noted in the heartbeat file ``path`` (:func:`note_exit`), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(EXIT_RECORD_AT)
+            text = f.read(8)
+        return int(text) if text.strip() else None
+    except (OSError, ValueError):
+        return None
 
 
 def world():
@@ -58,6 +93,7 @@ def one_line(message):
 
 def abort(message=None, code=EXIT_FAILURE):
     """Print ``message`` (once, from this rank) and abort the whole MPI job."""
+    note_exit(code)
     comm = world()
     if message:
         prefix = f"[rank {comm.Get_rank()}] " if comm is not None and comm.Get_size() > 1 else ""

@@ -259,3 +259,25 @@ def test_readme_launch_example_runs_as_written(tmp_path):
     steps = int(args[args.index("--steps") + 1])
     with h5py.File(tmp_path / args[args.index("--save") + 1], "r") as f:
         assert f.attrs["step"] == steps and f.attrs["mode"] == "ring"
+
+
+def test_the_exit_noted_beside_the_heartbeat(tmp_path, monkeypatch):
+    """A rank notes the code it ends the job with after the heartbeat's step record; the
+    step count stays readable, no file or a 0 notes nothing."""
+    from ringnet.autosave import Heartbeat, read_heartbeat
+    from ringnet.shutdown import note_exit, noted_exit
+    path = tmp_path / "hb"
+    monkeypatch.setenv("RINGNET_HEARTBEAT", str(path))
+    beat = Heartbeat(0)
+    beat.beat(17)
+    assert noted_exit(path) is None
+    note_exit(0)
+    assert noted_exit(path) is None
+    note_exit(3)
+    beat.beat(18)
+    beat.close()
+    assert read_heartbeat(path) == 18 and noted_exit(path) == 3
+    assert noted_exit(tmp_path / "none") is None
+    monkeypatch.delenv("RINGNET_HEARTBEAT")
+    note_exit(2)                            # no heartbeat file named: nothing written
+    assert noted_exit(path) == 3

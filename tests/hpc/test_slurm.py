@@ -391,3 +391,16 @@ def test_a_signalled_train_sbatch_saves_requeues_and_ends_as_an_uninterrupted_ru
     assert re.search(rf"^resuming from ck.h5 at step {stops[0]}", out, re.M), out[-3000:]
     got, want = load_checkpoint(tmp_path / "ck.h5")[0], load_checkpoint(straight)[0]
     assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+@needs_slurm
+def test_a_diverged_run_under_srun_is_not_relaunched(tmp_path):
+    """srun makes a diverged run's exit 137 (the other task killed after rank 0's MPI_Abort);
+    the ranks note their own verdict (3) beside the heartbeat, so ringnet.launch neither
+    relaunches it nor ends as a crash: exit 3 and its divergence line."""
+    proc = run([sys.executable, "-m", "ringnet.launch", "-n", "2", "--launcher", "srun --mpi=pmi2",
+                "--", "--model", "lenet", "--dataset", "synthetic", "--steps", "60", "--lr", "1e3",
+                "--no-progress", "--save", "ck.h5", "--save-every", "1"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "the training diverged (exit 3)" in proc.stderr
+    assert "relaunch 1 of" not in proc.stderr, proc.stderr[-3000:]
