@@ -266,6 +266,15 @@ def _log(cfg, world, text):
             out.flush()
 
 
+def _one_rank_note(cfg):
+    """The note of a parallel mode started on one rank (mpirun forgotten): it exchanges
+    nothing; how to start N."""
+    alone = ("it trains as --mode single" if not cfg.delay else
+             f"it trains alone, with the delay-{cfg.delay} update")
+    return (f"ringnet: note: mode {cfg.mode} on 1 rank exchanges nothing ({alone}); start N "
+            f"ranks with mpirun -np N python -m ringnet.train --mode {cfg.mode} ...")
+
+
 def _took(read, recent, epoch_losses, spe, bar):
     """Record the losses ``read`` ([(step, loss)]); return the epoch's (first step, [loss])."""
     for step, loss in read:
@@ -394,6 +403,8 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
                      f"({model.num_params:,} parameters, {model.num_classes} outputs: one per class "
                      f"of the data), data {dataset.name} ({len(dataset.train)} train / "
                      f"{len(dataset.test)} test), {batch_text}, lr {cfg.lr:g}, {steps_text}")
+    if size == 1 and cfg.mode != "single" and not cfg.quiet:
+        print(_one_rank_note(cfg), file=sys.stderr, flush=True)     # once: the only rank
 
     bar = None
     interval = collective(world, progress_interval)

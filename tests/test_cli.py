@@ -467,3 +467,21 @@ def test_a_progress_bar_under_mpirun_in_a_terminal():
     piped = run(cmd.split())
     assert piped.returncode == 0 and "step/s" not in piped.stderr + piped.stdout
     assert re.search(r"^step 44/44  epoch 2\.00", piped.stderr, re.M), piped.stderr
+
+
+def test_a_parallel_mode_on_one_rank_says_it_exchanges_nothing():
+    """mpirun forgotten: one note on stderr says so and how to start N ranks; the run goes on."""
+    for mode, alone in (("ring", "it trains alone, with the delay-1 update"),
+                        ("split-fc", "it trains as --mode single")):
+        proc = train_cli("--steps", "2", "--no-progress", "--mode", mode)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        notes = [l for l in proc.stderr.splitlines() if l.startswith("ringnet: note:")]
+        assert notes == [f"ringnet: note: mode {mode} on 1 rank exchanges nothing ({alone}); "
+                         f"start N ranks with mpirun -np N python -m ringnet.train --mode {mode} ..."], \
+            proc.stderr
+    # --quiet promises nothing but errors; single and a real world have nothing to note
+    quiet = train_cli("--steps", "2", "--mode", "ring", "--quiet")
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == "", quiet.stderr
+    for args, np_ in ((["--mode", "single"], None), (["--mode", "ring"], 2)):
+        proc = train_cli("--steps", "2", "--no-progress", *args, np_=np_)
+        assert proc.returncode == 0 and "note:" not in proc.stderr + proc.stdout, proc.stderr
