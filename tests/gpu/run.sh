@@ -337,10 +337,10 @@ PYTEST="python -m pytest -q -rfEs --tb=short -p no:cacheprovider -p mpi_abort --
 # Under mpirun: stop at the first failure (mpi_abort then ends every rank at once).
 MPYTEST="$PYTEST -x"
 # One GPU: 100 + 70 + 70 + 20 + 25 + 40 + 35 = 360 s of limits.
-selected gpu-n1 && stage gpu-n1 100 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/test_gpu_train.py \
+selected gpu-n1 && stage gpu-n1 100 $PYTEST -m gpu tests/gpu/test_gpu_comm.py tests/gpu/test_gpu_train.py \
     tests/gpu/test_gpu_graphs.py tests/layers/test_cuda_kernels.py tests/layers/test_loss_kernel.py
 selected gpu-n2 && stage gpu-n2 70 "$MPIRUN" -np 2 $MPYTEST -m "gpu and mpi" tests/gpu/test_gpu_comm.py \
-    tests/gpu/test_gpu_comm_auto.py tests/gpu/test_gpu_modes.py tests/test_gpu_train.py
+    tests/gpu/test_gpu_comm_auto.py tests/gpu/test_gpu_modes.py tests/gpu/test_gpu_train.py
 selected gpu-n4 && stage gpu-n4 70 "$MPIRUN" -np 4 $MPYTEST -m "gpu and mpi" tests/gpu/test_gpu_modes.py
 if selected multi-gpu; then
   if [ "$GPUS" -ge 2 ]; then stage multi-gpu 300 bash -c multi_gpu
