@@ -5,10 +5,13 @@ Without a terminal (a SLURM job, output piped to a file) a bar would be noise, s
 :class:`Progress` prints one line at the end of every epoch and, on long epochs, one
 every ``RINGNET_PROGRESS_SECONDS`` (default 60) seconds::
 
-    step 120/440  epoch 5.45  loss 0.4123  2510 images/s  ETA 0:00:31
+    step 120/440  epoch 5.45  loss 0.4123 (rank 0, mean of last 20 steps)  2510 images/s  ETA 0:00:31
 
-(``epoch`` counts epochs done; ``loss`` is rank 0's mean since the previous line;
-``images/s`` is the global rate since the previous line.)
+(``epoch`` counts epochs done; ``loss`` is the mean training loss of the steps since the
+previous line, as the label says: on one rank that rank's, under several ranks rank 0's
+alone (its share of the global batch), so it is not the epoch line's mean over every rank
+of the whole epoch; ``images/s`` is the global rate since the previous line.) The bar shows
+the loss of the last step (rank 0's), labelled the same way.
 """
 import json
 import os
@@ -43,8 +46,9 @@ class Progress:
     """Report steps done out of ``total``; a bar when ``interactive``, else lines to ``file``."""
 
     def __init__(self, total, initial, batch_size, steps_per_epoch, interactive,
-                 interval=None, file=None, clock=time.perf_counter):
+                 interval=None, file=None, clock=time.perf_counter, ranks=1):
         self.total, self.batch_size, self.steps_per_epoch = total, batch_size, steps_per_epoch
+        self.ranks = ranks      # more than one: the losses are rank 0's, and the line says so
         self.file = file or sys.stderr
         self.interval = progress_interval() if interval is None else interval
         self.clock = clock
@@ -61,8 +65,8 @@ class Progress:
         """Record that ``step`` steps are done, the last one with training loss ``loss``."""
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(epoch=(step - 1) // self.steps_per_epoch + 1,  # 1-based, running
-                                 loss=f"{loss:.4f}", refresh=False)
+            self.bar.set_postfix({"epoch": (step - 1) // self.steps_per_epoch + 1,  # 1-based, running
+                                  f"loss ({self.loss_label(1)})": f"{loss:.4f}"}, refresh=False)
             return
         self.losses.append(loss)
         now = self.clock()
@@ -76,9 +80,16 @@ class Progress:
         per_step = (now - self.start_time) / max(1, step - self.start_step)
         eta = _clock(per_step * (self.total - step))
         loss = sum(self.losses) / len(self.losses)
-        print(f"step {step}/{self.total}  epoch {step / self.steps_per_epoch:.2f}  loss {loss:.4f}  "
-              f"{rate:.0f} images/s  ETA {eta}", file=self.file, flush=True)
+        print(f"step {step}/{self.total}  epoch {step / self.steps_per_epoch:.2f}  loss {loss:.4f} "
+              f"({self.loss_label(len(self.losses))})  {rate:.0f} images/s  ETA {eta}",
+              file=self.file, flush=True)
         self.mark_step, self.mark_time, self.losses = step, now, []
+
+    def loss_label(self, steps):
+        """What a line's loss over ``steps`` steps is: 'mean of last 20 steps', 'last step',
+        with 'rank 0, ' before it under several ranks."""
+        what = "last step" if steps == 1 else f"mean of last {steps} steps"
+        return f"rank 0, {what}" if self.ranks > 1 else what
 
     def close(self):
         if self.bar is not None:

@@ -295,9 +295,12 @@ def _epoch_line(world, epoch, spe, losses, test_acc, test_loss, deadline):
     every = agree(world, (float(np.sum(list(mine))), len(mine)), phase="epoch statistics",
                   timeout=deadline.seconds)
     mean = sum(total for total, _ in every) / max(1, sum(n for _, n in every))
-    line = (f"epoch {epoch:3d}  train loss {mean:.4f}  test loss {test_loss:.4f}  "
-            f"test acc {100 * test_acc:6.2f}%")
     start = (epoch - 1) * spe
+    # What the train loss is: the epoch's mean (over every rank); after a resume inside the
+    # epoch, the mean of the steps this run made, which the end of the line names.
+    label = "" if first > start else " (epoch mean" + (", all ranks)" if len(every) > 1 else ")")
+    line = (f"epoch {epoch:3d}  train loss {mean:.4f}{label}  test loss {test_loss:.4f}  "
+            f"test acc {100 * test_acc:6.2f}%")
     if first > start:
         line += f"  (train loss of steps {first}-{start + spe - 1} of {start}-{start + spe - 1}: resumed)"
     return line
@@ -409,7 +412,8 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
     bar = None
     interval = collective(world, progress_interval)
     if rank == 0 and cfg.progress and not cfg.quiet:
-        bar = Progress(total_steps, step, cfg.batch_size, spe, interactive(), interval)
+        bar = Progress(total_steps, step, cfg.batch_size, spe, interactive(), interval,
+                       ranks=size)
 
     tracer = Tracer(world, cfg.trace) if cfg.trace else None
     recent = collections.deque(maxlen=spe)    # local losses of the last epoch's worth of steps

@@ -485,3 +485,41 @@ def test_a_parallel_mode_on_one_rank_says_it_exchanges_nothing():
     for args, np_ in ((["--mode", "single"], None), (["--mode", "ring"], 2)):
         proc = train_cli("--steps", "2", "--no-progress", *args, np_=np_)
         assert proc.returncode == 0 and "note:" not in proc.stderr + proc.stdout, proc.stderr
+
+
+def _progress_lines(proc):
+    return [l for l in proc.stderr.splitlines() if l.startswith("step ")]
+
+
+def _progress_loss(line):
+    found = re.search(r"  loss (\d+\.\d{4}) \(([^)]*)\)  ", line)
+    assert found, line
+    return float(found.group(1)), found.group(2)
+
+
+def test_progress_and_epoch_lines_say_which_losses_they_average():
+    """The progress line's loss is the mean of the steps since the previous line (rank 0's
+    under several ranks), the epoch line's the epoch's mean over every rank; each says so,
+    and the values are what the labels say."""
+    no_terminal = dict(start_new_session=True, env=dict(ENV, RINGNET_PROGRESS_SECONDS="1000"))
+    for np_, progress_label, epoch_label in ((None, "mean of last 22 steps", "(epoch mean)"),
+                                             (2, "rank 0, mean of last 22 steps",
+                                              "(epoch mean, all ranks)")):
+        proc = train_cli("--epochs", "1", "--json", np_=np_, **no_terminal)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        summary = json.loads(proc.stdout.splitlines()[-1])     # train_loss: the epoch's steps
+        [line] = _progress_lines(proc)
+        loss, label = _progress_loss(line)
+        assert line.startswith("step 22/22  ") and label == progress_label, line
+        epoch = next(l for l in proc.stderr.splitlines() if l.startswith("epoch   1"))
+        assert f"train loss {summary['train_loss']:.4f} {epoch_label}  " in epoch, epoch
+        if np_ is None:     # one rank: the progress line's 22 steps are the epoch's
+            assert f"{loss:.4f}" == f"{summary['train_loss']:.4f}", (line, epoch)
+    # a line every step: each gives that step's loss, and their mean is the run's train loss
+    proc = train_cli("--steps", "3", "--json", start_new_session=True,
+                     env=dict(ENV, RINGNET_PROGRESS_SECONDS="0"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [_progress_loss(l) for l in _progress_lines(proc)]
+    assert [label for _, label in losses] == ["last step"] * 3, proc.stderr
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert abs(np.mean([loss for loss, _ in losses]) - summary["train_loss"]) < 1e-4

@@ -199,3 +199,22 @@ def test_losses_are_read_every_k_steps_and_checked_at_the_read():
                                             r"steps 20-22 read together\)"):
         reads.add(22, held[2])
     assert reads.add(23, held[3]) == [] and reads.read() == [(23, 0.25)] and reads.read() == []
+
+
+def test_progress_lines_under_several_ranks_say_the_loss_is_rank_0s():
+    """Rank 0 prints the lines from its own losses: its share of the global batch, not the
+    mean over every rank of the epoch line, and the label says so."""
+    import io
+    from ringnet.progress import Progress
+    out = io.StringIO()
+    p = Progress(total=5, initial=0, batch_size=8, steps_per_epoch=5, interactive=False,
+                 interval=1e9, file=out, clock=iter(range(100)).__next__, ranks=2)
+    for step, loss in zip(range(1, 6), (1.0, 2.0, 3.0, 4.0, 6.0)):
+        p.update(step, loss)
+    [line] = out.getvalue().splitlines()
+    assert "  loss 3.2000 (rank 0, mean of last 5 steps)  " in line, line
+    out = io.StringIO()
+    p = Progress(total=2, initial=0, batch_size=8, steps_per_epoch=5, interactive=False,
+                 interval=0, file=out, clock=iter(range(100)).__next__, ranks=2)
+    p.update(1, 0.5)
+    assert "  loss 0.5000 (rank 0, last step)  " in out.getvalue(), out.getvalue()

@@ -243,9 +243,11 @@ def test_progress_lines_with_a_clock():
     # at each epoch end (7, 14), at the last step, and when 10 s passed since the last line
     steps = [int(l.split()[1].split("/")[0]) for l in lines]
     assert steps == [4, 7, 11, 14, 18, 20], lines
-    assert lines[0] == "step 4/20  epoch 0.57  loss 2.5000  3 images/s  ETA 0:00:48"
+    assert lines[0] == ("step 4/20  epoch 0.57  loss 2.5000 (mean of last 4 steps)  3 images/s  "
+                        "ETA 0:00:48")
     # step 7: losses 5..7, 3 steps * 8 images / 9 s; 3 s/step * 13 steps left
-    assert lines[1] == "step 7/20  epoch 1.00  loss 6.0000  3 images/s  ETA 0:00:39"
+    assert lines[1] == ("step 7/20  epoch 1.00  loss 6.0000 (mean of last 3 steps)  3 images/s  "
+                        "ETA 0:00:39")
     assert lines[-1].endswith("ETA 0:00:00")
 
 
@@ -263,7 +265,8 @@ def test_progress_without_a_terminal_prints_a_line_per_epoch():
     lines = [l for l in proc.stderr.splitlines() if l.startswith("step ")]
     assert [l.split()[1] for l in lines] == ["22/50", "44/50", "50/50"], proc.stderr
     assert [l.split()[3] for l in lines] == ["1.00", "2.00", "2.27"]
-    assert all(re.search(r"loss \d+\.\d{4}  \d+ images/s  ETA \d:\d\d:\d\d$", l) for l in lines)
+    assert all(re.search(r"loss \d+\.\d{4} \(mean of last \d+ steps\)  \d+ images/s  "
+                         r"ETA \d:\d\d:\d\d$", l) for l in lines)
     assert "\r" not in proc.stderr                 # no bar redrawn into the log
 
 
