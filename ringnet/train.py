@@ -2,7 +2,9 @@
 
 ``train(cfg, world)`` is the same run as a function (tests and benchmarks call it).
 """
-if __name__ == "__main__":     # the program, not a library import: pin BLAS threads before NumPy loads
+if __name__ == "__main__":     # the program, not a library import: note stop signals from the
+    from ringnet.early_signals import hold          # first line, pin BLAS threads before NumPy loads
+    hold()
     from ringnet.allocator import configure_allocator
     from ringnet.blas import configure_blas_threads
     configure_blas_threads()
@@ -18,12 +20,13 @@ import time
 
 import numpy as np
 
-from ringnet import backend, graphs, resume
+from ringnet import backend, early_signals, graphs, resume
 from ringnet.blas import blas_threads_in_use, check_blas_threads
 from ringnet.environment import check_environment, run_knobs
+from ringnet.evaluation import check_replicas, evaluate
 from ringnet.config import DEFAULTS, TrainConfig, config_from_args, transport_usage_error
 from ringnet.errors import (EXIT_STOPPED, USER_ERRORS, InputError, RunInputError,
-                            TrainingError, TransportUnavailable, UsageError)
+                            TransportUnavailable, UsageError)
 from ringnet.control import (Deadline, agree, check_same_run, collective, current_phase,
                              import_mpi, set_phase, stalled, watchdog)
 from ringnet.cli import run_main
@@ -214,46 +217,6 @@ def _transport_deadline(strategy, seconds):
     transport = getattr(strategy, "transport", None)
     if transport is not None and hasattr(transport, "timeout_s"):
         transport.timeout_s = seconds
-
-
-def evaluate(strategy, dataset, cfg, world, xp, batch_size=256, deadline=None):
-    """Return (test accuracy, mean test loss) over the whole test set, summed over ranks.
-
-    Returns (None, None) when the data set has no test split.
-    """
-    from ringnet.data import iterate_eval
-    if len(dataset.test) == 0:
-        return None, None
-    set_phase("evaluation")
-    t0 = time.perf_counter()
-    model = strategy.eval_model()
-    loss_sum, correct = 0.0, 0
-    for x, labels in iterate_eval(dataset.test, batch_size, rank=world.Get_rank(),
-                                  size=world.Get_size(), xp=xp, dtype=cfg.dtype,
-                                  mean=dataset.mean, std=dataset.std):
-        mean_loss, c = model.evaluate(x, labels)
-        loss_sum += float(mean_loss) * len(labels)
-        correct += int(c)
-    # Peers evaluate as many samples as this rank: allow twice its own time beyond the deadline.
-    local_s = time.perf_counter() - t0
-    parts = agree(world, (loss_sum, correct), phase="evaluation",
-                  timeout=_timeout(deadline) + 2 * local_s)
-    n = len(dataset.test)
-    return sum(c for _, c in parts) / n, sum(loss for loss, _ in parts) / n
-
-
-def _timeout(deadline):
-    return deadline.seconds if deadline is not None else None
-
-
-def check_replicas(strategy, world, step, deadline=None):
-    """Abort when the ranks' weights are not bit-identical (names the ranks that differ)."""
-    sums = agree(world, strategy.checksum(), phase=f"replica check after step {step}",
-                 timeout=_timeout(deadline))
-    differ = [r for r, s in enumerate(sums) if s != sums[0]]
-    if differ:
-        raise TrainingError(f"replicas diverged at step {step}: weights on rank(s) "
-                            f"{', '.join(map(str, differ))} differ from rank 0")
 
 
 def _log(cfg, world, text):
@@ -610,6 +573,7 @@ def main(argv=None):
         # Drains the last exchange (under the transport deadline); then every rank arrives.
         result.strategy.close()
         agree(import_mpi().COMM_WORLD, None, phase="shutdown")
+    early_signals.settle()      # the exit code stands, whatever signal comes while exiting
     return EXIT_STOPPED if result.summary.get("stopped") else 0
 
 

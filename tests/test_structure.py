@@ -23,7 +23,7 @@ LAYERS = [
     ("strategies", ["ringnet.parallel"]),
     ("data and state", ["ringnet.data", "ringnet.checkpoint", "ringnet.autosave"]),
     ("runs", ["ringnet.config", "ringnet.environment", "ringnet.stopping", "ringnet.resume",
-              "ringnet.hosts", "ringnet.attempt"]),
+              "ringnet.hosts", "ringnet.attempt", "ringnet.evaluation"]),
     ("programs", ["ringnet.train", "ringnet.launch", "ringnet.datasets", "ringnet.data.__main__"]),
     ("testing", ["ringnet.testing"]),
     ("benchmarks", ["ringnet.bench"]),
