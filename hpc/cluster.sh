@@ -431,7 +431,7 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET CPUS-PER-NODE (empty: nproc 
   local max=253   # A.B.C.2 .. A.B.C.254
   [ "$k" -le "$max" ] || die "--nodes $k: at most $max nodes fit in $subnet (one address each)"
   local cores quota period q
-  cores=$(nproc)
+  cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)   # nproc honours OMP_NUM_THREADS
   if [ -z "$cpus" ]; then
     cpus=$(awk -v n="$cores" -v k="$k" 'BEGIN {printf "%.6g", n / k}')
     q=$(quota_of "$cpus") ||

@@ -146,6 +146,6 @@ def test_tables_print_hierarchical_rows_only_where_ranks_span_nodes(capsys):
     assert rows == ["16"]
     cli.main(args + ["--np", "1", "2", "4", "8", "16", "--markdown", "--table", "hierarchical"])
     markdown = capsys.readouterr().out
-    assert "ring d1 hierarchical (step, efficiency)" in markdown and "x flat)" in markdown
+    assert "ring d1 hierarchical (step, efficiency; residual, between nodes)" in markdown and "x flat; +" in markdown
     cli.main(args + ["--np", "1", "2", "4", "8", "16", "--markdown"])
     assert "hierarchical" not in capsys.readouterr().out      # the predictions table as it was
