@@ -695,6 +695,8 @@ COMMANDS = {
     "pip install scikit-learn": INSTALL,
     "mpirun -np N python -m pytest --with-mpi -m mpi tests": SUITE,
     "bash tests/gpu/run.sh": "tests/test_cli.py::test_gpu_script_without_a_gpu_exits_77",
+    "python tests/hpc/test_cluster_cpus.py --nodes 4 --cpus-per-node 0.5":
+        "tests/hpc/test_cluster_cpus.py::test_a_step_on_one_node_takes_as_long_when_the_other_is_busy",
     "bash tests/gpu/wheelhouse.sh": "run where a GPU machine is lent (docs/devices.md); "
                                     "tests/gpu/test_gpu_run_script.py checks the pre-check it feeds",
     'bash tests/gpu/run.sh --report-dir "$OUT"':
