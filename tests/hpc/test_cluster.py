@@ -232,6 +232,19 @@ def test_stop_with_nothing_started_says_so(settings):
 
 # -- a cluster, checked from outside, and what stop leaves ---------------------------------
 
+def _settled(state, limit=15.0):
+    """The snapshot once two taken 0.5 s apart agree (a job's epilog ends on its own time)."""
+    import time
+    last, end = snapshot(state), time.monotonic() + limit
+    while time.monotonic() < end:
+        time.sleep(0.5)
+        now = snapshot(state)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def _sh(*cmd):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, (cmd, proc.stderr)
@@ -286,7 +299,8 @@ def test_start_makes_the_nodes_and_stop_removes_all_of_it(settings, tmp_path):
         assert env["MPIR_CVAR_CH4_NETMOD"] == "ofi" and env["MPIR_CVAR_NOLOCAL"] == "1"
 
         # taken already: this cluster's node names, its subnet, its port; and start twice
-        running = snapshot(s["state"])
+        # (the snapshot once the srun job's epilog, which runs after srun returns, is done)
+        running = _settled(s["state"])
         other = dict(s["env"], RINGNET_SLURM_DIR=str(tmp_path / "other"),
                      RINGNET_SLURM_PORT=str(s["port"] + 2))
         clash = script("start", "--nodes", "2", "--prefix", s["prefix"], "--subnet",
@@ -301,7 +315,7 @@ def test_start_makes_the_nodes_and_stop_removes_all_of_it(settings, tmp_path):
         assert f"a {k}-node cluster already runs in {state}" in one_line_error(again)
         again = script("start", env=s["env"])
         assert f"a {k}-node cluster runs in {state}" in one_line_error(again)
-        assert snapshot(s["state"]) == running
+        assert _settled(s["state"]) == running
         assert not os.path.exists(tmp_path / "other")
         assert script("status", env=s["env"]).returncode == 0
     finally:
