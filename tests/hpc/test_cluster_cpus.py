@@ -219,7 +219,7 @@ def step_ms(cluster, name, steps, ranks=2):
     return 1000 * summary["train_s"] / summary["steps"]
 
 
-def isolation(cluster, rounds=6, steps=100, ranks=2):
+def isolation(cluster, rounds=4, steps=60, ranks=2):
     """The step of ``ranks`` ranks on the first node with the others idle and with every
     other node running busy loops (twice the machine's cores on each), after one warm-up
     run, in rounds of one of each (idle first in even rounds, busy first in odd ones, so a
@@ -305,8 +305,8 @@ def main():
                                      "for it (as root).")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--cpus-per-node", type=float, default=0.5)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--ranks", type=int, default=2, help="ranks on the first node")
     args = parser.parse_args()
     why = missing_for_a_cluster()
