@@ -283,7 +283,8 @@ def test_start_makes_the_nodes_and_stop_removes_all_of_it(settings, tmp_path):
             assert period == 10000 and abs(quota - cores / k * period) <= 1, (quota, period)
             in_netns = {int(p) for p in _sh("ip", "netns", "pids", name).split()}
             assert in_netns and in_netns <= group_pids(group), (in_netns, group_pids(group))
-            assert f"CPU quota {quota / period:g} cores ({quota} of every 10000 us), " in status.stdout
+            assert f"CPU quota {quota / period:g} cores ({quota} of every 10000 us), " \
+                in status.stdout
         env = dict(os.environ, **parse_env(script("env", env=s["env"]).stdout))
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
         # SLURM runs a task on every node, each in its own namespace

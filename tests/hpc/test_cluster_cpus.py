@@ -8,9 +8,9 @@ the machine left to what runs outside it):
   through the cluster's launcher, a command of the launcher itself (``/proc/self/cgroup``);
 * a node is held to its quota: busy loops, twice as many as the machine has cores, use C
   cores of CPU time (the group's cpuacct.usage), and ``status`` shows the time;
-* isolation: a LeNet step of an srun task on the first node takes as long whether the second
-  node idles or runs busy loops, twice as many as the machine has cores (medians of
-  interleaved rounds, within 10%);
+* isolation: the LeNet step of an srun task on the first node takes as long whether the
+  second node idles or runs a job of busy loops, twice as many as the machine has cores
+  (the median of interleaved rounds' ratios, within 10%);
 * a node that failed and came back runs in its group again.
 
 Run as a script, the same isolation measurement prints the figure docs/clusters.md shows on
@@ -40,13 +40,13 @@ from test_cluster_runs import (Cluster, free_settings, missing_for_a_cluster,  #
 
 CORES = len(os.sched_getaffinity(0))
 # Half the machine to the two nodes: CFS runs the groups in turns within each period on the
-# cores they share, and a node held to its quota gets it in full only with cores to spare
-# (on 2 cores, 2 nodes of 1 core: the first node's step 0-20% slower with the second busy;
-# of 0.5 core: within 2% on a quiet machine).
+# cores they share, and a node gets its quota in full only with cores to spare (on 2 cores,
+# 2 nodes of 1 core: the first node's step 0-20% slower with the second busy; 2 nodes of
+# 0.5 core: within 5%).
 CPUS = min(1.0, CORES / 4)
-# a step of the first node's task: LeNet on synthetic data, one thread
+# the first node's training: LeNet on synthetic data, one thread a rank
 STEP = ["-m", "ringnet.train", "--model", "lenet", "--dataset", "synthetic", "--no-eval",
-        "--quiet", "--json", "--mode", "ring", "--delay", "0"]
+        "--quiet", "--json"]
 
 
 def start_cluster(state, nodes, cpus):
@@ -208,21 +208,22 @@ def test_a_node_is_held_to_its_quota(cluster):
 
 # -- isolation ------------------------------------------------------------------------------
 
-def step_ms(cluster, name, steps, ranks=2):
-    """``ranks`` srun tasks on node ``name`` train LeNet ``steps`` steps in the ring (delay 0):
-    the mean step, in ms (the training's time over its steps: its median step leaves out
-    the steps another process's turn on the core fell in)."""
+def step_ms(cluster, name, steps, ranks=1):
+    """``ranks`` srun tasks on node ``name`` train LeNet ``steps`` steps (more than one: in
+    the ring, delay 0): the mean step, in ms (the training's time over its steps: its median
+    step would leave out the steps another process's turn on the core fell in)."""
+    mode = ["--mode", "ring", "--delay", "0"] if ranks > 1 else []
     proc = cluster.run(["srun", "-w", name, "-n", str(ranks), "--mpi=pmi2", sys.executable,
-                        *STEP, "--steps", str(steps)], timeout=300)
+                        *STEP, *mode, "--steps", str(steps)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
     return 1000 * summary["train_s"] / summary["steps"]
 
 
-def isolation(cluster, rounds=4, steps=60, ranks=2):
+def isolation(cluster, rounds=4, steps=60, ranks=1):
     """The step of ``ranks`` ranks on the first node with the others idle and with every
-    other node running busy loops (twice the machine's cores on each), after one warm-up
-    run, in rounds of one of each (idle first in even rounds, busy first in odd ones, so a
+    other node running a job of busy loops (twice the machine's cores on each), after one
+    warm-up run, in rounds of one of each (idle first in even rounds, busy first in odd ones, so a
     drift of the machine falls on both alike). Returns (idle steps, busy steps, cores used
     outside the nodes' groups meanwhile)."""
     first, others = cluster.names[0], cluster.names[1:]
@@ -300,14 +301,14 @@ def test_a_revived_node_runs_in_its_group_again(cluster):
 # -- the figure for docs/clusters.md --------------------------------------------------------
 
 def main():
-    parser = argparse.ArgumentParser(description="The step of LeNet ranks on the first node "
+    parser = argparse.ArgumentParser(description="The LeNet step of ranks on the first node "
                                      "with the other nodes idle and busy, on a cluster started "
                                      "for it (as root).")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--cpus-per-node", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--ranks", type=int, default=2, help="ranks on the first node")
+    parser.add_argument("--ranks", type=int, default=1, help="ranks on the first node")
     args = parser.parse_args()
     why = missing_for_a_cluster()
     if why:
@@ -320,12 +321,13 @@ def main():
             script("stop", env=env)
     a, b = statistics.median(idle), statistics.median(busy)
     ratio = busy_over_idle(idle, busy)
-    print(f"{args.nodes} nodes of {args.cpus_per_node:g} core(s) on {CORES} cores: the step of "
-          f"{args.ranks} LeNet ranks (ring) on the first node, median of {args.rounds} rounds "
-          f"of {args.steps} steps")
+    print(f"{args.nodes} nodes of {args.cpus_per_node:g} core(s) on {CORES} cores: the LeNet "
+          f"step of {args.ranks} rank(s) on the first node, {args.rounds} rounds of "
+          f"{args.steps} steps")
     print(f"  other nodes idle: {a:.1f} ms  ({', '.join(f'{x:.1f}' for x in idle)})")
     print(f"  other nodes busy: {b:.1f} ms  ({', '.join(f'{x:.1f}' for x in busy)})")
-    print(f"  busy / idle, the median of the rounds' ratios: {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+    print(f"  busy / idle, the median of the rounds' ratios: {ratio:.3f} "
+          f"({(ratio - 1) * 100:+.1f}%)")
     print(f"  CPU used outside the cluster meanwhile: {outside:.2f} cores")
 
 

@@ -107,7 +107,8 @@ class Job:
     def started(self, timeout=90):
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            rows = [l.split() for l in self.out.read_text().splitlines() if re.match(r"\d+ \d+ ", l)]
+            rows = [l.split() for l in self.out.read_text().splitlines()
+                    if re.match(r"\d+ \d+ ", l)]
             if len(rows) == 2:
                 self.rows = rows
                 return self
