@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from ringnet.backend import get_array_module
 from ringnet.comm import cost
-from ringnet.comm.hierarchical import HierarchicalRingCommunicator
+from ringnet.comm.hierarchical import HierarchicalRingCommunicator, merged_ranges
 from ringnet.comm.schedules import ring_steps
 
 __all__ = ["MultiChannelRingCommunicator", "channels_of", "between_algorithm"]
@@ -73,7 +73,7 @@ class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
         if between not in (None,) + cost.BETWEEN_NODES:
             raise ValueError(f"unknown algorithm between nodes {between!r}: choose "
                              f"{', '.join(cost.BETWEEN_NODES)}")
-        if between == "rhd" and self.channels is not None and not _pow2(nodes.nodes):
+        if between == "rhd" and self.channels is not None and not cost.is_pow2(nodes.nodes):
             raise ValueError(f"recursive halving between nodes needs a power-of-two node count, "
                              f"got {nodes.nodes} nodes")
         self.between = between
@@ -136,15 +136,7 @@ class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
     @staticmethod
     def _ranges(ranks, bounds):
         """The element ranges of ``ranks``' shards, in buffer order, adjacent ones merged."""
-        merged = []
-        for a, b in sorted(bounds[r] for r in ranks):
-            if b <= a:
-                continue
-            if merged and merged[-1][1] == a:
-                merged[-1] = (merged[-1][0], b)
-            else:
-                merged.append((a, b))
-        return merged
+        return merged_ranges(bounds[r] for r in ranks)
 
     def _swap(self, buf, out_ranges, to, in_ranges, source, reduce):
         """Send ``buf``'s ``out_ranges`` to rank ``to`` while receiving ``in_ranges`` from
@@ -160,15 +152,8 @@ class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
             return
         self.transport.isendrecv(out, to if out is not None else None,
                                  got, source if got is not None else None).wait()
-        if direct or got is None:
-            return
-        at = 0
-        for a, b in in_ranges:
-            if reduce:
-                self._add_from(buf[a:b], got[at:at + b - a])
-            else:
-                buf[a:b] = got[at:at + b - a]
-            at += b - a
+        if not direct and got is not None:
+            self._unpack(buf, in_ranges, got, reduce)
 
     def _post(self, pairs):
         """Post [(out, to, got, source)] at once and wait for all (one at a time where
@@ -209,10 +194,7 @@ class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
         xp = get_array_module(buf)
         total = self._scratch_for(buf, size, slot=13)
         xp.sum(stack, axis=0, out=total)
-        at = 0
-        for a, b in mine:
-            buf[a:b] = total[at:at + b - a]
-            at += b - a
+        self._unpack(buf, mine, total, reduce=False)
 
     def _direct_gather(self, buf, regions):
         """Within the node: this rank's region to every other local rank at once, theirs
@@ -239,10 +221,7 @@ class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
                           got, peers[source] if got is not None else None))
         self._post(pairs)
         for got, ranges in unpack:
-            at = 0
-            for a, b in ranges:
-                buf[a:b] = got[at:at + b - a]
-                at += b - a
+            self._unpack(buf, ranges, got, reduce=False)
 
     def _ring(self, buf, peers, place, regions, reduce):
         """A ring over ``peers`` (this rank at ``place``) where place i owns ``regions[i]``:
@@ -284,16 +263,4 @@ class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
     @staticmethod
     def _places(shards, span):
         """The merged element ranges of the shards at places ``span`` = [start, stop)."""
-        merged = []
-        for a, b in sorted(r for i in range(*span) for r in shards[i]):
-            if b <= a:
-                continue
-            if merged and merged[-1][1] == a:
-                merged[-1] = (merged[-1][0], b)
-            else:
-                merged.append((a, b))
-        return merged
-
-
-def _pow2(n):
-    return n > 0 and n & (n - 1) == 0
+        return merged_ranges(r for i in range(*span) for r in shards[i])

@@ -59,7 +59,7 @@ __all__ = ["ALGORITHMS", "NATIVE", "CHOICES", "ALPHA", "BETA", "GAMMA", "ALPHA_O
            "NATIVE_ALPHA", "NATIVE_BETA", "NATIVE_ALPHA_OVERSUBSCRIBED", "NATIVE_BETA_OVERSUBSCRIBED",
            "NATIVE_TINY_BYTES",
            "constants", "terms", "cost", "fit", "fit_native", "choose", "thresholds", "pow2_below",
-           "INTRA", "INTER", "BETWEEN_NODES", "heap_levels", "between_phases", "between_nodes",
+           "INTRA", "INTER", "BETWEEN_NODES", "heap_levels", "is_pow2", "between_phases", "between_nodes",
            "exchange_cost"]
 
 ALGORITHMS = ("rd", "direct", "rhd", "ring")     # built from point-to-point messages
@@ -210,7 +210,8 @@ def heap_levels(n):
     return max(0, math.ceil(math.log2(n + 1)) - 1)
 
 
-def _is_pow2(n):
+def is_pow2(n):
+    """True when ``n`` is a power of two (1, 2, 4, ...)."""
     return n > 0 and n & (n - 1) == 0
 
 
@@ -224,7 +225,7 @@ def between_phases(algorithm, nbytes, nodes):
     if algorithm == "ring":
         return [(1, nbytes / nodes, nbytes / nodes)] * (nodes - 1)
     if algorithm == "rhd":
-        if not _is_pow2(nodes):
+        if not is_pow2(nodes):
             raise ValueError(f"recursive halving needs a power-of-two node count, got {nodes}")
         steps, part = [], nbytes
         while part * nodes > nbytes * 1.0000001:
@@ -242,7 +243,7 @@ def between_nodes(nbytes, nodes, link=INTER, gamma=GAMMA, share=1.0):
     two (ties: the ring)."""
     best = None
     for algorithm in BETWEEN_NODES:
-        if algorithm == "rhd" and not _is_pow2(nodes):
+        if algorithm == "rhd" and not is_pow2(nodes):
             continue
         phases = between_phases(algorithm, nbytes, nodes)
         seconds = sum(2 * m * link[0] + 2 * b * link[1] * share + a * gamma for m, b, a in phases)

@@ -23,13 +23,13 @@ import math
 from typing import Any, Dict, List, Tuple
 
 from ringnet.comm.base import pipeline_pieces
-from ringnet.comm.cost import exchange_cost, heap_levels
+from ringnet.comm.cost import exchange_cost
 from ringnet.comm.ring import RingCommunicator
 from ringnet.comm.schedules import ring_steps
 from ringnet.comm.tree import TreeCommunicator
 
 __all__ = ["HierarchicalRingCommunicator", "HierarchicalTreeCommunicator", "TOPOLOGIES",
-           "choose_topology", "parse_inter_link"]
+           "choose_topology", "parse_inter_link", "merged_ranges"]
 
 TOPOLOGIES = ("auto", "flat", "hierarchical")
 
@@ -48,6 +48,20 @@ def parse_inter_link(text: str) -> Tuple[float, float]:
     if not (math.isfinite(micros) and math.isfinite(mbytes)) or micros < 0 or mbytes <= 0:
         raise ValueError(f"--inter-link {text}: the microseconds must be >= 0 and the MB/s > 0")
     return micros * 1e-6, 1.0 / (mbytes * 1e6)
+
+
+def merged_ranges(ranges):
+    """``ranges`` ((start, stop) element ranges) in buffer order, empty ones dropped and
+    adjacent ones merged."""
+    merged = []
+    for a, b in sorted(ranges):
+        if b <= a:
+            continue
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
 
 
 class HierarchicalRingCommunicator(RingCommunicator):
@@ -110,15 +124,18 @@ class HierarchicalRingCommunicator(RingCommunicator):
 
     def _region(self, node, bounds):
         """The element ranges of ``node``'s shards, adjacent ones merged."""
-        merged = []
-        for a, b in sorted(bounds[r] for r in self.node_ranks[node]):
-            if b <= a:
-                continue
-            if merged and merged[-1][1] == a:
-                merged[-1] = (merged[-1][0], b)
+        return merged_ranges(bounds[r] for r in self.node_ranks[node])
+
+    def _unpack(self, buf, ranges, got, reduce):
+        """``got`` (the ``ranges`` of ``buf`` packed end to end) added into them (``reduce``)
+        or copied there."""
+        at = 0
+        for a, b in ranges:
+            if reduce:
+                self._add_from(buf[a:b], got[at:at + b - a])
             else:
-                merged.append((a, b))
-        return merged
+                buf[a:b] = got[at:at + b - a]
+            at += b - a
 
     def _leader_steps(self, buf, bounds, reduce):
         """The ring between the leaders over the node regions: a reduce-scatter (``reduce``,
@@ -134,15 +151,8 @@ class HierarchicalRingCommunicator(RingCommunicator):
             direct = not reduce and len(in_ranges) == 1
             got = buf[in_ranges[0][0]:in_ranges[0][1]] if direct else self._scratch_for(buf, size, 11)
             self.transport.isendrecv(out, self.leader_right, got, self.leader_left).wait()
-            if direct:
-                continue
-            at = 0
-            for a, b in in_ranges:
-                if reduce:
-                    self._add_from(buf[a:b], got[at:at + b - a])
-                else:
-                    buf[a:b] = got[at:at + b - a]
-                at += b - a
+            if not direct:
+                self._unpack(buf, in_ranges, got, reduce)
 
     def _packed(self, buf, ranges, slot):
         """``buf``'s ``ranges`` as one contiguous array (a view when there is one range)."""
