@@ -304,6 +304,22 @@ def _job_state(job):
     return (state.group(1) if state else None), int(restarts.group(1)) if restarts else 0
 
 
+def _submit_train_sbatch(tmp_path, flags):
+    """Submit hpc/train.sbatch with ``flags`` from ``tmp_path``; return (job id, its log)
+    once the run has printed its header (and a second more)."""
+    os.symlink(os.path.join(ROOT, "hpc"), tmp_path / "hpc")
+    proc = run(["sbatch", "--parsable", os.path.join("hpc", "train.sbatch"), *flags],
+               cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    log = tmp_path / _directive("train.sbatch", "output").replace("%j", job)
+    end = time.monotonic() + 240
+    while time.monotonic() < end and not (log.exists() and "ringnet: ring" in log.read_text()):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    return job, log
+
+
 @needs_slurm
 def test_scancel_stops_train_sbatch_for_good_with_the_checkpoint_written(tmp_path):
     """scancel JOB (SIGTERM): the ranks stop at a step boundary with the checkpoint written,
@@ -312,17 +328,8 @@ def test_scancel_stops_train_sbatch_for_good_with_the_checkpoint_written(tmp_pat
     from ringnet.checkpoint import stored_step
     flags = ["--steps", "100000", "--no-eval", "--no-progress", "--save", "ck.h5",
              "--save-every", "100000"]
-    os.symlink(os.path.join(ROOT, "hpc"), tmp_path / "hpc")
-    proc = run(["sbatch", "--parsable", os.path.join("hpc", "train.sbatch"), *flags],
-               cwd=tmp_path, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    job = proc.stdout.strip().split(";")[0]
-    log = tmp_path / _directive("train.sbatch", "output").replace("%j", job)
+    job, log = _submit_train_sbatch(tmp_path, flags)
     try:
-        end = time.monotonic() + 240
-        while time.monotonic() < end and not (log.exists() and "ringnet: ring" in log.read_text()):
-            time.sleep(0.2)
-        time.sleep(1.0)
         assert run(["scancel", job], timeout=30).returncode == 0
         end = time.monotonic() + 120
         while time.monotonic() < end and "not requeueing" not in log.read_text():
@@ -357,17 +364,8 @@ def test_a_signalled_train_sbatch_saves_requeues_and_ends_as_an_uninterrupted_ru
                           *flags[:-3], str(straight), *flags[-2:]],
                          capture_output=True, text=True, env=env, timeout=300)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    os.symlink(os.path.join(ROOT, "hpc"), tmp_path / "hpc")
-    proc = run(["sbatch", "--parsable", os.path.join("hpc", "train.sbatch"), *flags],
-               cwd=tmp_path, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    job = proc.stdout.strip().split(";")[0]
-    log = tmp_path / _directive("train.sbatch", "output").replace("%j", job)
+    job, log = _submit_train_sbatch(tmp_path, flags)
     try:
-        end = time.monotonic() + 240
-        while time.monotonic() < end and not (log.exists() and "ringnet: ring" in log.read_text()):
-            time.sleep(0.2)
-        time.sleep(1.0)
         assert run(["scancel", "--signal=USR1", "--batch", job], timeout=30).returncode == 0
         end = time.monotonic() + 240
         while time.monotonic() < end:
