@@ -26,7 +26,7 @@ reaches the nodes) and ``--nodes 1 2 4 2x2`` place the ranks: K nodes of
 ``--ranks-per-node`` ranks (``KxR``: R ranks on each of K nodes), in blocks. Each row then
 names its nodes and the topology that ran (``--topologies flat,hierarchical`` runs the ring
 and the tree with each), and gives the bytes one step sends between nodes as the plan
-counts them on the run's own placement (``inter-node``, :func:`ringnet.bench.cluster.inter_node_bytes`)
+counts them on the run's own placement (``inter-node``, :func:`ringnet.cluster.inter_node_bytes`)
 beside what the nodes' links carried per step (``link``, the cluster's veth counters:
 TCP/IP headers and the run's set-up included).
 
@@ -41,12 +41,14 @@ import shutil
 import statistics
 import sys
 
-from ringnet.bench import cluster, machine, run_json
+from ringnet import cluster
+from ringnet.bench import machine
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
+from ringnet.jobs import job_env, job_launch, recipe_flags, run_json, train_run
 from ringnet.parallel import MODES
 
-__all__ = ["main", "run_config", "default_delays", "vs_ddp", "markdown_table"]
+__all__ = ["main", "run_config", "default_delays", "vs_ddp", "markdown_table", "global_batch"]
 
 
 def default_delays():
@@ -73,7 +75,12 @@ def build_parser():
     p.add_argument("--model", default="cifar10_quick",
                    help="model to train (default cifar10_quick)")
     p.add_argument("--dataset", default="synthetic", help="data set (default synthetic)")
-    p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="global batch (default 64); with --scaling weak the batch of each rank")
+    p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
+                   help="strong (default): the same global batch at every N, speedup = single's step "
+                        "time / the row's; weak: every rank keeps --batch-size (a global batch of N "
+                        "times it), speedup = the row's images/s / single's at --batch-size")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--lr", type=float, default=None,
@@ -147,34 +154,11 @@ def run_config(args, mode, delay, nranks, length=None, extra=(), batch=None):
     one-off, timed by ``bench delay --speed``); ``extra``: further train arguments;
     ``batch``: the global batch, if not ``--batch-size``.
     """
-    timing = length is None
-    if length is None:
-        length = ["--steps", str(args.steps)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", RINGNET_BLAS_THREADS="1")
-    launch = cluster.launch_prefix(getattr(args, "launcher", None) or args.mpirun, nranks)
-    if mode == "ddp":
-        return run_json(_ddp_command(args, launch, length, batch), f"ddp at N={nranks}",
-                        env=env, timeout=args.timeout)
-    cmd = [*launch, sys.executable, "-m", "ringnet.train",
-           "--model", args.model, "--dataset", args.dataset, "--mode", mode,
-           "--batch-size", str(batch or args.batch_size), *length,
-           "--transport", args.transport, "--device", args.device,
-           "--json", "--quiet", "--no-progress", "--no-eval", *_recipe_flags(args)]
-    if mode != "single":
-        cmd += ["--delay", str(delay)]
-        if delay and getattr(args, "delay_compensation", None):
-            cmd += ["--delay-compensation", args.delay_compensation]
-        if delay and timing:
-            cmd += ["--warmup-steps", "0"]
-    cmd += list(extra)
-    links = cluster.LinkCounters() if isinstance(nranks, cluster.Shape) else None
-    before = links.read() if links else None
-    result = run_json(cmd, f"{mode} delay {delay} at N={cluster.nodes_text(nranks)}", env=env,
-                      timeout=args.timeout)
-    after = links.read() if links else None
-    if before is not None and after is not None:
-        result["link_bytes"] = after - before
-    return result
+    if mode != "ddp":
+        return train_run(args, mode, delay, nranks, length, extra, batch)
+    length = ["--steps", str(args.steps)] if length is None else length
+    return run_json(_ddp_command(args, job_launch(args, nranks), length, batch),
+                    f"ddp at N={nranks}", env=job_env(), timeout=args.timeout)
 
 
 def _require_peer():
@@ -183,23 +167,13 @@ def _require_peer():
     require_torch()
 
 
-def _recipe_flags(args):
-    """The training flags ringnet's runs and the peer's share: --lr (None: the model's
-    default of python -m ringnet.train), --seed, --data-dir, where given."""
-    flags = ["--lr", str(args.lr)] if args.lr is not None else []
-    for flag in ("seed", "data_dir"):
-        if getattr(args, flag, None) is not None:
-            flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    return flags
-
-
 def _ddp_command(args, launch, length, batch=None):
     """The command line of the peer's run under ``launch``: ``ringnet.bench.ddp`` with
     train's flags."""
     return [*launch, sys.executable, "-m", "ringnet.bench.ddp",
             "--model", args.model, "--dataset", args.dataset,
             "--batch-size", str(batch or args.batch_size), *length, "--device", args.device,
-            "--json", "--quiet", "--no-eval", "--timeout", str(args.timeout), *_recipe_flags(args)]
+            "--json", "--quiet", "--no-eval", "--timeout", str(args.timeout), *recipe_flags(args)]
 
 
 def _check(args):
@@ -228,7 +202,7 @@ def _check(args):
 
 def _shapes(args):
     """Return (the rank counts to run, the topologies to run the ring and the tree with):
-    ``--np``'s, or with ``--nodes`` each a :class:`~ringnet.bench.cluster.Shape`, checked
+    ``--np``'s, or with ``--nodes`` each a :class:`~ringnet.cluster.Shape`, checked
     against the nodes the launcher reaches."""
     topologies = [None]
     if args.topologies is not None:
@@ -264,7 +238,7 @@ def _across_nodes(args, model, mode, delay, n, results):
         planned = 0
     elif mode != "ddp" and nodes:
         planned = cluster.inter_node_bytes(mode, model, nodes,
-                                           args.batch_size, delay, ran)
+                                           global_batch(args, n), delay, ran)
     link = [r["link_bytes"] / max(1, r.get("steps") or steps) for r in results if "link_bytes" in r]
     return {"nodes": getattr(n, "nodes", 1), "ranks_per_node": getattr(n, "per_node", int(n)),
             "topology": ran if mode in ("ring", "tree") else None,
@@ -290,13 +264,16 @@ def main(argv=None):
             raise UsageError(f"unknown mode {m!r} in --modes; choose from {', '.join(per_mode)}")
     if any(n < 1 for n in nps):
         raise UsageError("--np values must be >= 1")
-    bad = [int(n) for n in nps if args.batch_size % n]
+    bad = [int(n) for n in nps if args.batch_size % n and args.scaling == "strong"]
     if bad:
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by N = {bad}")
     if args.to_accuracy is not None and not 0 < args.to_accuracy <= 1:
         raise UsageError(f"--to-accuracy is a fraction in (0, 1], got {args.to_accuracy}")
     if args.epochs < 1 or args.eval_every < 1:
         raise UsageError("--epochs and --eval-every must be >= 1")
+    if args.ceiling and args.scaling == "weak":
+        raise UsageError("--ceiling is strong scaling's (a split of one batch); weak scaling's ceiling "
+                         "is N itself")
     if args.ceiling and args.to_accuracy is not None:
         raise UsageError("--ceiling times steps; it does not combine with --to-accuracy")
     if args.lr is None and args.to_accuracy is None:
@@ -336,7 +313,8 @@ def main(argv=None):
                 what = f"single batch {args.batch_size // n}"
             else:
                 extra = ["--topology", topology] if topology else []
-                runs[config].append(run_config(args, mode, delay, n, length=length, extra=extra))
+                runs[config].append(run_config(args, mode, delay, n, length=length, extra=extra,
+                                               batch=global_batch(args, n)))
                 what = f"{mode} delay {delay} N={cluster.nodes_text(n)}" + (
                     f" {topology}" if topology else "")
             done += 1
@@ -356,10 +334,12 @@ def main(argv=None):
         times = [r["step_ms"] for r in results]
         step_ms = statistics.median(times)
         med = lambda key: statistics.median(r.get(key, 0) or 0 for r in results)  # noqa: E731
-        speedup = base_ms / step_ms
+        batch = global_batch(args, n)
+        # images/s against single's at --batch-size: base_ms / step_ms for one global batch
+        speedup = base_ms / step_ms * batch / args.batch_size
         rows.append({
             "mode": mode, "delay": delay, "np": int(n), "step_ms": round(step_ms, 3),
-            "images_per_sec": round(args.batch_size / step_ms * 1000, 1),
+            "batch": batch, "images_per_sec": round(batch / step_ms * 1000, 1),
             "speedup": round(speedup, 3), "efficiency": round(speedup / n, 3),
             # how far apart the rounds' step times are: a speedup gap smaller than this is noise
             # (none from one round: "-", not 0%)
@@ -391,7 +371,7 @@ def main(argv=None):
     vs_ddp(rows, args.to_accuracy is not None)
     if args.plot:
         from ringnet.bench.plot import plot_scaling
-        plot_scaling(rows, args.plot, title=f"{args.model}, global batch {args.batch_size}, "
+        plot_scaling(rows, args.plot, title=f"{args.model}, {_batch_text(args).split(', speedup')[0]}, "
                                             f"{args.device}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
@@ -399,7 +379,8 @@ def main(argv=None):
             writer.writeheader()
             writer.writerows(rows)
     if args.json:
-        doc = {"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
+        doc = {"model": args.model, "batch_size": args.batch_size, "scaling": args.scaling,
+               "steps": args.steps,
                "repeats": args.repeats, "to_accuracy": args.to_accuracy, "rows": rows}
         if ceilings:
             doc["ceiling"] = [{"np": n, "batch_per_rank": args.batch_size // n,
@@ -420,7 +401,7 @@ def main(argv=None):
         _print_to_accuracy(args, rows)
         print(end_line)
         return 0
-    print(f"# model {args.model}, data {args.dataset}, global batch {args.batch_size}, "
+    print(f"# model {args.model}, data {args.dataset}, {_batch_text(args)}, "
           f"{args.steps} steps, median of {args.repeats} interleaved rounds, 1 BLAS thread/rank; "
           f"spread = (slowest - fastest round) / median step, - with one round")
     header = (f"{'mode':>8} {'delay':>5} {'N':>3} {'step ms':>9} {'spread':>7} {'img/s':>8} {'speedup':>8} "
@@ -471,6 +452,19 @@ def main(argv=None):
     return 0
 
 
+def global_batch(args, n):
+    """The global batch of a run on ``n`` ranks: ``--batch-size``, or with ``--scaling weak``
+    N times it (every rank keeps ``--batch-size``)."""
+    return args.batch_size * int(n) if getattr(args, "scaling", "strong") == "weak" else args.batch_size
+
+
+def _batch_text(args):
+    if getattr(args, "scaling", "strong") == "weak":
+        return (f"weak scaling: {args.batch_size} images per rank (global batch N x {args.batch_size}), "
+                f"speedup = images/s / single's")
+    return f"global batch {args.batch_size}"
+
+
 def _cell(value, spec, missing="-"):
     """``value`` formatted by ``spec``, or ``missing`` where it was not measured (None)."""
     return missing if value is None else format(value, spec)
@@ -498,7 +492,7 @@ def _mb(nbytes):
 
 def markdown_table(args, rows):
     """Return the README's Markdown table of ``rows`` (the timing or the time-to-accuracy table)."""
-    from ringnet.bench.tables import markdown
+    from ringnet.tables import markdown
     peer = any("vs_ddp" in r for r in rows)
     if args.to_accuracy is None and args.nodes:
         return markdown(["mode", "delay", "nodes x ranks", "topology", "step ms", "speedup",
@@ -531,7 +525,7 @@ def markdown_table(args, rows):
 
 def _print_to_accuracy(args, rows):
     a = args.to_accuracy
-    print(f"# model {args.model}, data {args.dataset}, global batch {args.batch_size}, "
+    print(f"# model {args.model}, data {args.dataset}, {_batch_text(args)}, "
           f"lr {args.lr or 'default'}, "
           f"up to {args.epochs} epochs, test set every {args.eval_every} steps, median of "
           f"{args.repeats} interleaved rounds; time = training wall time, evaluations excluded")

@@ -140,3 +140,54 @@ def test_a_ceiling_run_is_launched_at_the_per_rank_batch(monkeypatch):
     scaling.run_config(args, "single", 0, 1, batch=16)
     scaling.run_config(args, "ring", 1, 2)
     assert [cmd[cmd.index("--batch-size") + 1] for cmd in seen] == ["16", "64"]
+
+
+def test_weak_scaling_keeps_the_per_rank_batch(monkeypatch):
+    """--scaling weak: each run at N ranks gets a global batch of N x --batch-size, and its
+    speedup is its images/s over single's at --batch-size (N x t_single / t_row)."""
+    launched = []
+    weak = {("single", 16): [100.0, 110.0, 90.0], ("ring", 2): [120.0, 110.0, 130.0],
+            ("ring", 4): [140.0, 150.0, 130.0]}
+
+    def run_config(args, mode, delay, n, batch=None, **kw):
+        launched.append((mode, int(n), batch or args.batch_size))
+        key = (mode, batch) if mode == "single" else (mode, int(n))
+        return {"step_ms": weak[key][sum(1 for m, k, _ in launched if (m, k) == (mode, int(n))) - 1],
+                "comm_wait_s": 0.0, "steps": 30, "overlap": 0.0, "bytes_per_step": 0,
+                "fc_params_per_rank": None}
+    monkeypatch.setattr(scaling, "run_config", run_config)
+    out = _main_output(scaling.main, ["--np", "1", "2", "4", "--modes", "ring", "--delays", "1",
+                                      "--batch-size", "16", "--scaling", "weak", "--repeats", "3",
+                                      "--json"])
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert doc["scaling"] == "weak"
+    assert sorted(set(launched)) == [("ring", 2, 32), ("ring", 4, 64), ("single", 1, 16)]
+    rows = {(r["mode"], r["np"]): r for r in doc["rows"]}
+    assert rows[("ring", 4)]["batch"] == 64
+    assert rows[("ring", 4)]["images_per_sec"] == pytest.approx(64 / 140.0 * 1000, abs=0.1)
+    assert rows[("ring", 4)]["speedup"] == pytest.approx(4 * 100.0 / 140.0 + 0, abs=1e-3)
+    assert rows[("ring", 2)]["efficiency"] == pytest.approx(100.0 / 120.0, abs=1e-3)
+    assert rows[("single", 1)]["speedup"] == pytest.approx(1.0)
+
+
+def test_weak_scaling_bad_input():
+    """Weak scaling has no --ceiling (its ceiling is N); an unknown --scaling is one line."""
+    from ringnet.errors import UsageError
+    with pytest.raises(UsageError, match="--ceiling is strong scaling's"):
+        scaling.main(["--np", "1", "2", "--scaling", "weak", "--ceiling"])
+    with pytest.raises(UsageError, match="--scaling: invalid choice: 'sideways'"):
+        scaling.main(["--np", "1", "2", "--scaling", "sideways"])
+
+
+def test_weak_scaling_needs_no_divisible_batch(monkeypatch):
+    """Strong scaling splits --batch-size over N, weak scaling does not: 10 at N = 4 runs."""
+    monkeypatch.setattr(scaling, "run_config", lambda args, mode, delay, n, batch=None, **kw: {
+        "step_ms": 10.0 * (batch or args.batch_size) / 10, "comm_wait_s": 0.0, "steps": 30,
+        "overlap": 0.0, "bytes_per_step": 0, "fc_params_per_rank": None})
+    doc = json.loads(_main_output(scaling.main, ["--np", "1", "4", "--modes", "ring", "--delays", "0",
+                                                 "--batch-size", "10", "--scaling", "weak", "--repeats",
+                                                 "1", "--json"]).strip().splitlines()[-1])
+    assert {r["np"]: r["batch"] for r in doc["rows"]} == {1: 10, 4: 40}
+    from ringnet.errors import UsageError
+    with pytest.raises(UsageError, match="not divisible by N"):
+        scaling.main(["--np", "1", "4", "--modes", "ring", "--batch-size", "10", "--repeats", "1"])
