@@ -100,9 +100,9 @@ class AutoCommunicator(CommunicatorBase):
 
     name = "auto"
 
-    def __init__(self, transport: Any = "auto", mpi_comm: Any = None,
-                 algorithm: Optional[str] = None, chunk_bytes: Optional[int] = None):
-        super().__init__(transport, mpi_comm)
+    def __init__(self, transport: Any, algorithm: Optional[str] = None,
+                 chunk_bytes: Optional[int] = None):
+        super().__init__(transport)
         if algorithm is not None and algorithm not in CHOICES:
             raise ValueError(f"unknown all-reduce algorithm {algorithm!r}: "
                              f"choose {', '.join(CHOICES)}")

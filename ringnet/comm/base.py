@@ -58,15 +58,15 @@ class CommunicatorBase:
     name = "base"
     topology = "flat"           # "hierarchical": through one leader per node (comm.hierarchical)
 
-    def __init__(self, transport: Any = "auto", mpi_comm: Any = None, layout: Any = None):
-        """``transport``: a :class:`~ringnet.comm.transport.Transport` or its name ("auto",
-        "mpi", "nccl"); ``mpi_comm``: the mpi4py communicator a named transport spans
-        (default ``MPI.COMM_WORLD``); ``layout``: the :class:`~ringnet.placement.NodeLayout`
-        of the ranks (default: the transport's, :func:`ringnet.placement.layout_of`)."""
-        from ringnet.comm.factory import make_transport  # noqa: WPS433 - avoids an import cycle
+    def __init__(self, transport: Any, layout: Any = None):
+        """``transport``: the :class:`~ringnet.comm.transport.Transport` to run over (one by
+        name: :func:`ringnet.comm.create`, or :func:`ringnet.comm.make_transport`);
+        ``layout``: the :class:`~ringnet.placement.NodeLayout` of the ranks (default: the
+        transport's, :func:`ringnet.placement.layout_of`)."""
         from ringnet.placement import layout_of
         if isinstance(transport, str):
-            transport = make_transport(transport, mpi_comm=mpi_comm)
+            raise TypeError(f"{type(self).__name__} takes a Transport, got the name {transport!r}: "
+                            "make it with ringnet.comm.make_transport, or use ringnet.comm.create")
         self.transport = transport
         self.rank = transport.rank
         self.size = transport.size
@@ -219,9 +219,8 @@ class RootedCommunicator(CommunicatorBase):
     so that a rank forwards piece k while piece k+1 still arrives.
     """
 
-    def __init__(self, transport: Any = "auto", mpi_comm: Any = None,
-                 chunk_bytes: Optional[int] = None, layout: Any = None):
-        super().__init__(transport, mpi_comm, layout)
+    def __init__(self, transport: Any, chunk_bytes: Optional[int] = None, layout: Any = None):
+        super().__init__(transport, layout)
         if chunk_bytes is not None and int(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
         self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)

@@ -63,10 +63,9 @@ class MultiChannelRingCommunicator(HierarchicalRingCommunicator):
     link between nodes). :attr:`shape` names the shape that runs.
     """
 
-    def __init__(self, transport: Any = "auto", mpi_comm: Any = None, chunk_bytes=None,
-                 pipeline: bool = True, layout: Any = None, between: Optional[str] = None,
-                 inter=None):
-        super().__init__(transport, mpi_comm, chunk_bytes, pipeline, layout)
+    def __init__(self, transport: Any, chunk_bytes=None, pipeline: bool = True,
+                 layout: Any = None, between: Optional[str] = None, inter=None):
+        super().__init__(transport, chunk_bytes, pipeline, layout)
         nodes = self.layout
         self.channels = channels_of(nodes)
         self.inter = cost.INTER if inter is None else tuple(inter)

@@ -197,4 +197,4 @@ def create(name, transport="auto", mpi_comm=None, device="auto", topology="flat"
     if isinstance(transport, str):
         transport = make_transport(transport, mpi_comm=mpi_comm, device=device)
     table = HIERARCHICAL if topology == "hierarchical" else COMMUNICATORS
-    return table[name](transport, mpi_comm=mpi_comm, **options)
+    return table[name](transport, **options)

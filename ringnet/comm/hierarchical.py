@@ -73,9 +73,9 @@ class HierarchicalRingCommunicator(RingCommunicator):
 
     topology = "hierarchical"
 
-    def __init__(self, transport: Any = "auto", mpi_comm: Any = None, chunk_bytes=None,
-                 pipeline: bool = True, layout: Any = None):
-        super().__init__(transport, mpi_comm, chunk_bytes, pipeline, layout)
+    def __init__(self, transport: Any, chunk_bytes=None, pipeline: bool = True,
+                 layout: Any = None):
+        super().__init__(transport, chunk_bytes, pipeline, layout)
         nodes = self.layout
         self.node_index = nodes.rank_node_index[self.rank]
         self.node_ranks = [nodes.ranks_of(i) for i in range(nodes.nodes)]

@@ -21,9 +21,9 @@ class RingCommunicator(CommunicatorBase):
 
     name = "ring"
 
-    def __init__(self, transport: Any = "auto", mpi_comm: Any = None,
-                 chunk_bytes: Optional[int] = None, pipeline: bool = True, layout: Any = None):
-        super().__init__(transport, mpi_comm, layout)
+    def __init__(self, transport: Any, chunk_bytes: Optional[int] = None, pipeline: bool = True,
+                 layout: Any = None):
+        super().__init__(transport, layout)
         if chunk_bytes is not None and int(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
         self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)

@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 
 from ringnet.backend import to_numpy
-from ringnet.comm import RingCommunicator, shard_bounds
+from ringnet.comm import RingCommunicator, make_transport, shard_bounds
 from ringnet.config import TrainConfig
 from ringnet.data import ShardedLoader, open_dataset
 from ringnet.models import build_model
@@ -238,7 +238,7 @@ def test_delay1_hides_a_slow_exchange_that_delay0_exposes():
             time.sleep(compute_s)               # a long forward/backward that releases the GIL
             return compute(x, y)
         model.loss_and_grad = slow_compute
-        ring = _SlowRing(transport="mpi", mpi_comm=WORLD)
+        ring = _SlowRing(make_transport("mpi", mpi_comm=WORLD))
         strategy = RingStrategy(model, lambda n: SGD(n, LRPolicy("fixed", 0.01), dtype="float64"),
                                 WORLD, ring, delay=delay, bucket_size=0)
         batches = loader.epoch(0)
