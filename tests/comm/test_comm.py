@@ -23,6 +23,12 @@ def test_unknown_names_raise_value_error(transport):
         make_transport("bogus", mpi_comm=MPI.COMM_SELF)
 
 
+def test_a_communicator_takes_a_transport_not_its_name():
+    """Transports are made by name in the factory only (create, make_transport)."""
+    with pytest.raises(TypeError, match="make_transport"):
+        RingCommunicator("mpi")
+
+
 @pytest.mark.parametrize("length,size", [(0, 3), (2, 4), (10, 4), (100003, 3), (7, 1)])
 def test_shard_bounds_contiguous_and_balanced(length, size):
     bounds = shard_bounds(length, size)
