@@ -405,14 +405,80 @@ LEAN_SPINS = 64
 OVERSUBSCRIBED_SPINS = 2
 
 
+def cpu_quota(proc_cgroup="/proc/self/cgroup", mounts="/proc/self/mounts"):
+    """The cores this process's control group may use by its CFS bandwidth quota (cgroup v1's
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, cgroup v2's ``cpu.max``; the tightest of
+    the group and its parents), as a float, or None where no quota holds it (or nothing
+    can be read). ``hpc/cluster.sh start --cpus-per-node C`` holds each node to C cores
+    this way, as container runtimes and SLURM's cgroup plugin can."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+        with open(mounts) as f:
+            table = [line.split() for line in f]
+    except OSError:
+        return None
+    roots = {}
+    for fields in table:
+        if len(fields) < 4:
+            continue
+        kind, where, options = fields[2], fields[1], fields[3].split(",")
+        if kind == "cgroup" and "cpu" in options:
+            roots.setdefault("v1", where)
+        elif kind == "cgroup2":
+            roots.setdefault("v2", where)
+    quotas = []
+    for _, controllers, path in lines:
+        if "cpu" in controllers.split(",") and "v1" in roots:
+            quotas += _walk(roots["v1"], path, _v1_quota)
+        elif controllers == "" and "v2" in roots:
+            quotas += _walk(roots["v2"], path, _v2_quota)
+    return min(quotas) if quotas else None
+
+
+def _walk(root, path, read):
+    """The quotas of the group at ``path`` under ``root`` and of each parent (None left out)."""
+    parts = [p for p in path.split("/") if p]
+    found = []
+    for depth in range(len(parts), -1, -1):
+        q = read(os.path.join(root, *parts[:depth]))
+        if q is not None:
+            found.append(q)
+    return found
+
+
+def _v1_quota(folder):
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _v2_quota(folder):
+    try:
+        with open(os.path.join(folder, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return int(quota) / int(period) if quota != "max" and int(period) > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
 def node_cores():
     """The cores the node's ranks share: this process's CPU affinity, or, where the launcher
-    bound it to a single core (each rank to its own), the machine's."""
+    bound it to a single core (each rank to its own), the machine's; fewer where a CPU quota
+    (:func:`cpu_quota`) holds the node to less (a fraction of a core counts as one, the
+    quota itself is :func:`cpu_quota`'s)."""
     try:
         affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         affinity = 0
-    return affinity if affinity > 1 else (os.cpu_count() or 1)
+    cores = affinity if affinity > 1 else (os.cpu_count() or 1)
+    quota = cpu_quota()
+    return cores if quota is None else max(1, min(cores, int(quota)))
 
 
 def crowded(ranks_here=None, cores=None):
