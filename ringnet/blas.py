@@ -1,13 +1,14 @@
 """Pin BLAS/OpenMP threads per MPI rank (and OpenBLAS's kernels) before NumPy is imported,
 and say which BLAS ran (:func:`describe`, :func:`describe_line`)."""
 import os
+import sys
 
 from ringnet.placement import local_ranks_on_node
 
 __all__ = ["blas_threads_for_rank",
            "check_blas_threads", "configure_blas_threads", "blas_threads_in_use",
            "openblas_coretype", "configure_blas_kernels", "KERNEL_VARS", "describe",
-           "describe_line"]
+           "describe_line", "pin_one_thread"]
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -87,6 +88,20 @@ def configure_blas_threads():
             os.environ[var] = n
     configure_blas_kernels()
     return int(n)
+
+
+def pin_one_thread():
+    """One BLAS thread (and ringnet's allocator settings), fixed before NumPy is first
+    imported: what a program that times compute core for core calls first. Returns whether
+    it pinned them; when NumPy is already loaded (imported as a library) the caller's
+    setting stays."""
+    if "numpy" in sys.modules:
+        return False
+    os.environ["RINGNET_BLAS_THREADS"] = "1"
+    from ringnet.allocator import configure_allocator
+    configure_blas_threads()
+    configure_allocator()
+    return True
 
 
 def blas_threads_in_use():

@@ -1,4 +1,5 @@
-"""Benchmarks on a cluster of nodes: where the ranks go, and the bytes between the nodes.
+"""Runs on a cluster of nodes (the benchmarks', the performance model's calibration): where
+the ranks go, and the bytes between the nodes.
 
 * :class:`Shape`: a rank count that also says how many nodes it spans (``2x2``: 2 nodes x
   2 ranks); :func:`parse_nodes` reads ``--nodes 1 2 4 2x2``.

@@ -325,7 +325,7 @@ def doc_tables():
 def _tables_placed(text):
     """Return [(header, rows, the paragraph just above, whether that paragraph directly
     follows another table)] for every table of one Markdown text."""
-    from ringnet.bench.tables import parse_markdown
+    from ringnet.tables import parse_markdown
     lines = text.splitlines()
     tables, i = [], 0
     while i < len(lines):
@@ -445,11 +445,12 @@ def _table_output(command, tmp_path):
     argv = args[args.index("ringnet.bench") + 2:]
     with pytest.MonkeyPatch.context() as mp:
         if bench == "model":            # stated GPU profiles and a saved record: quick as written
-            from ringnet.bench import model
+            from ringnet import perfmodel as model
             mp.chdir(ROOT)
             return _main_output(model.main, argv)
         if bench == "scaling":
-            from ringnet.bench import cluster, scaling
+            from ringnet import cluster
+            from ringnet.bench import scaling
             mp.setattr(scaling, "run_config", lambda a, mode, delay, n, extra=(), **kw:
                        _fake_summary(mode, delay, n, extra=extra))
             mp.setattr(cluster, "available_nodes", lambda launcher: 4)    # hpc/cluster.sh's 4
@@ -471,7 +472,7 @@ def _delay_outputs(command):
     """What ``bench delay ... --markdown`` prints when every run ends ok, diverged, or without
     learning (its own code and formatting; the runs are stood in for): [(header, rows)]."""
     from ringnet.bench import delay
-    from ringnet.bench.tables import parse_markdown
+    from ringnet.tables import parse_markdown
     args = shlex.split(command)
     argv = args[args.index("ringnet.bench") + 2:]
     outputs = []
@@ -508,7 +509,7 @@ def doc_delay_table(command, tmp_path, text=None):
 def doc_curves_table(command, tmp_path):
     """The table under ``bench curves --from-csv F --markdown`` is exactly what that
     command prints from the CSV kept in the repository (no training: it runs here as written)."""
-    from ringnet.bench.tables import parse_markdown
+    from ringnet.tables import parse_markdown
     assert parse_markdown(run(command).stdout) == _doc_table_of(command)
 
 
@@ -558,7 +559,7 @@ def doc_table(command, tmp_path, text=None):
     """The tables under ``command`` are those it prints: the same number, each with
     the columns the command prints, each of its rows the form of a row the command prints
     (labels equal, numbers anywhere), and the text between them the command's."""
-    from ringnet.bench.tables import parse_markdown_tables
+    from ringnet.tables import parse_markdown_tables
     shown = _doc_tables_of(command, text)
     printed = parse_markdown_tables(_table_output(command, tmp_path))
     assert len(shown) == len(printed), (command, [t[1] for t in shown], [t[1] for t in printed])
@@ -611,7 +612,7 @@ def test_table_check_fails_on_a_changed_column():
     print is caught."""
     command = "python -m ringnet.bench faults --markdown"
     header, rows = _doc_table_of(command)
-    from ringnet.bench.tables import parse_markdown
+    from ringnet.tables import parse_markdown
     out_header, out_rows = parse_markdown(_table_output(command, None))
     assert header == out_header
     assert tuple(map(_shape, ["SIGSTOP in setup (8)", "1.0 / 2.0 / 3.0"])) in \
@@ -995,7 +996,7 @@ def test_the_scaling_page_s_validation_figures_are_the_record_s():
     (tests/bench/test_bench_model.py checks the README's summary of them)."""
     import copy
     import statistics
-    from ringnet.bench import model as pm
+    from ringnet import perfmodel as pm
     record = json.loads(page("docs/bench-model-validation.json"))
     even = copy.deepcopy(record)
     for rnd in even["rounds"]:

@@ -16,16 +16,19 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ringnet"
 LAYERS = [
     ("foundation", ["ringnet", "ringnet.errors", "ringnet.blas", "ringnet.backend",
                     "ringnet.stats", "ringnet.progress", "ringnet.shutdown", "ringnet.placement",
-                    "ringnet.shards"]),
+                    "ringnet.shards", "ringnet.tables"]),
     ("control plane", ["ringnet.control", "ringnet.cli", "ringnet.trace"]),
     ("compute", ["ringnet.layers", "ringnet.models", "ringnet.optim", "ringnet.graphs"]),
     ("communication", ["ringnet.comm"]),
     ("strategies", ["ringnet.parallel"]),
     ("data and state", ["ringnet.data", "ringnet.checkpoint", "ringnet.autosave"]),
     ("runs", ["ringnet.config", "ringnet.environment", "ringnet.stopping", "ringnet.resume",
-              "ringnet.hosts", "ringnet.attempt", "ringnet.evaluation"]),
+              "ringnet.hosts", "ringnet.attempt", "ringnet.evaluation", "ringnet.cluster",
+              "ringnet.jobs"]),
     ("programs", ["ringnet.train", "ringnet.launch", "ringnet.datasets", "ringnet.data.__main__"]),
     ("testing", ["ringnet.testing"]),
+    # the performance model: a package of its own that uses the library, never a benchmark
+    ("performance model", ["ringnet.perfmodel"]),
     ("benchmarks", ["ringnet.bench"]),
 ]
 MAX_LINES = 600
@@ -95,6 +98,7 @@ def test_the_checks_catch_an_upward_import_and_a_long_module(tmp_path):
     importing an error type is not."""
     assert _layer("ringnet.errors") < _layer("ringnet.comm.transport") < _layer("ringnet.train")
     assert _layer("ringnet.data.__main__") > _layer("ringnet.data.loader")
+    assert _layer("ringnet.train") < _layer("ringnet.perfmodel.profiling") < _layer("ringnet.bench")
     fake = PACKAGE / "errors.py"
     imports = _imports(fake)
     assert all(_layer(t) <= _layer("ringnet.errors") for _, t in imports)

@@ -16,7 +16,7 @@ COMMANDS = {
     "scaling": ("ringnet.bench.scaling", "launches mpirun at several N and prints speedup per mode"),
     "overlap": ("ringnet.bench.overlap", "interleaved runs of each way to overlap communication on the "
                                          "CPU: delay 1 vs 0, stream progress, delay-0 buckets"),
-    "model": ("ringnet.bench.model", "predicted step time, speedup and efficiency per mode, N = 1..1024"),
+    "model": ("ringnet.perfmodel", "predicted step time, speedup and efficiency per mode, N = 1..1024"),
     "delay": ("ringnet.bench.delay", "delay-1 compensations side by side in one process (accuracy, stability)"),
     "curves": ("ringnet.bench.curves", "test accuracy vs epoch and wall time for every mode: CSV + plot"),
     "elastic": ("ringnet.bench.elastic", "cost of --save-every, and of a rank killed under ringnet.launch"),

@@ -130,7 +130,7 @@ def _seconds(t):
 
 def summary_table(rows):
     """Return the ``--markdown`` summary: a row per run, accuracy after chosen epochs."""
-    from ringnet.bench.tables import markdown
+    from ringnet.tables import markdown
     labels = list(dict.fromkeys(r["label"] for r in rows))
     epochs = sorted({r["epoch"] for r in rows})
     last = epochs[-1]

@@ -64,7 +64,7 @@ import numpy as np
 from ringnet.data import ShardedLoader, iterate_eval, open_dataset
 from ringnet.data.catalog import Split
 from ringnet.bench import machine
-from ringnet.bench.tables import markdown
+from ringnet.tables import markdown
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
 from ringnet.models import MODELS, build_model

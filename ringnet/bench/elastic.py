@@ -21,8 +21,9 @@ import sys
 import tempfile
 import time
 
-from ringnet.bench import machine, run_json
-from ringnet.bench.tables import markdown
+from ringnet.bench import machine
+from ringnet.jobs import run_json
+from ringnet.tables import markdown
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
 

@@ -356,7 +356,7 @@ def _phase(case):
 
 def markdown_table(outcomes):
     """Return the README's table: per group of cases, (count) and min / median / max time to exit."""
-    from ringnet.bench.tables import markdown
+    from ringnet.tables import markdown
     rows = []
     for label, member in GROUPS:
         seconds = sorted(o.seconds for o in outcomes if member(o.case))

@@ -4,16 +4,9 @@ import os
 import sys
 import time
 
-# One BLAS thread, fixed before NumPy is first imported (the comparison is core for core).
-# When NumPy is already loaded (imported as a library) the caller's setting stays.
-_PINNED = "numpy" not in sys.modules
-if _PINNED:
-    os.environ["RINGNET_BLAS_THREADS"] = "1"
-    from ringnet.allocator import configure_allocator
-    from ringnet.blas import configure_blas_threads
+from ringnet.blas import pin_one_thread
 
-    configure_blas_threads()
-    configure_allocator()
+_PINNED = pin_one_thread()      # the comparison is core for core
 
 import numpy as np  # noqa: E402
 
@@ -24,8 +17,9 @@ from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool
                             ReLU)
 from ringnet.models import MODELS, build_model  # noqa: E402
 from ringnet.optim import SGD, LRPolicy  # noqa: E402
+from ringnet.perfmodel.profiling import layer_times  # noqa: E402
 
-__all__ = ["main", "torch_model", "layer_times", "step_times", "step_flops", "layer_floors",
+__all__ = ["main", "torch_model", "step_times", "step_flops", "layer_floors",
            "sgemm_rate", "memory_rate"]
 
 DEFAULT_MODELS = ("lenet", "cifar10_quick")
@@ -40,27 +34,6 @@ def _batch(model, batch_size, seed):
     x = rng.normal(size=(batch_size,) + model.input_shape).astype(model.dtype)
     y = rng.integers(0, model.num_classes, size=batch_size)
     return x, y
-
-
-def layer_times(model, x, iters, clock=time.perf_counter):
-    """Return [(name, forward ms, backward ms)] medians over ``iters`` passes (``clock``:
-    wall time by default, ``time.process_time`` for CPU time). Layers run as in a training
-    step: a ReLU that its neighbouring pool applies (on the CPU) takes next to no time, and
-    the pool's time includes it."""
-    fwd = {name: [] for name, _ in model.layers}
-    bwd = {name: [] for name, _ in model.layers}
-    for _ in range(iters):
-        a = model.as_input(x)
-        for index, (name, layer) in enumerate(model.layers):
-            t0 = clock()
-            a = model.forward_layer(index, a, True)
-            fwd[name].append(clock() - t0)
-        d = np.ones_like(a) / a.size
-        for name, layer in reversed(model.layers):
-            t0 = clock()
-            d = layer.backward(d)
-            bwd[name].append(clock() - t0)
-    return [(name, _median_ms(fwd[name]), _median_ms(bwd[name])) for name, _ in model.layers]
 
 
 def _gemm_flops(layer, shape, batch_size):

@@ -146,14 +146,9 @@ def first_reaching(evals, accuracy):
 
 
 def run_config(args, mode, delay, nranks, length=None, extra=(), batch=None):
-    """Run one training job under mpirun; return its --json summary dict.
-
-    ``length``: the train arguments that say how long to run (default ``--steps S``: a
-    timing run, where delay 1 runs without the lookahead compensation's synchronous
-    warm-up, ``--warmup-steps 0``, so that its steps are the delayed ones; the warm-up is a
-    one-off, timed by ``bench delay --speed``); ``extra``: further train arguments;
-    ``batch``: the global batch, if not ``--batch-size``.
-    """
+    """Run one training job under mpirun; return its --json summary dict: ringnet's
+    (:func:`ringnet.jobs.train_run`, which says what ``length``, ``extra`` and ``batch``
+    are), or with ``mode`` ``ddp`` the peer's."""
     if mode != "ddp":
         return train_run(args, mode, delay, nranks, length, extra, batch)
     length = ["--steps", str(args.steps)] if length is None else length

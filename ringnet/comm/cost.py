@@ -261,7 +261,7 @@ def exchange_cost(route, topology, nbytes, per_node, intra=INTRA, inter=INTER, g
     """Modelled seconds of one exchange (reduce and distribution) of ``nbytes`` on ``route``
     ("ring": reduce-scatter + all-gather; "tree": reduce + broadcast) over nodes holding
     ``per_node`` ranks each, flat or hierarchical: what ``--topology auto`` compares and
-    what ``bench model`` predicts (:func:`ringnet.bench.model.topology.hierarchical_items`
+    what ``bench model`` predicts (:func:`ringnet.perfmodel.topology.hierarchical_items`
     follows the same phases).
 
     Flat ring: 2(N-1) lockstep steps of n/N bytes, each as slow as the ring's slowest hop

@@ -59,29 +59,31 @@ a message is a wait (latency α) and a copy (bytes / β) that the rank's own cor
 inside an MPI call: with driven progress that call is the training thread's test at a
 layer boundary, so the copy delays the compute (on a GPU the copy engine moves it).
 """
-import ringnet.bench.layers  # noqa: F401  first: pins BLAS threads before NumPy loads
+from ringnet.blas import pin_one_thread
 
-from ringnet.bench.model.calibration import calibrate  # noqa: E402
-from ringnet.bench.model.cli import build_parser, main  # noqa: E402
-from ringnet.bench.model.codefacts import (BOUNDARY_PASSES, OLD_FACTS, SGD_PASSES,  # noqa: E402
+pin_one_thread()     # first: the model times compute core for core
+
+from ringnet.perfmodel.calibration import calibrate  # noqa: E402
+from ringnet.perfmodel.cli import build_parser, main  # noqa: E402
+from ringnet.perfmodel.codefacts import (BOUNDARY_PASSES, OLD_FACTS, SGD_PASSES,  # noqa: E402
                                            boundary_s, code_facts, facts)
-from ringnet.bench.model.compute import (ISOLATED_LAYERS, TRAINING_STEPS,  # noqa: E402
+from ringnet.perfmodel.compute import (ISOLATED_LAYERS, TRAINING_STEPS,  # noqa: E402
                                          ComputeProfile, compute_from_json, load_compute,
                                          profile_method)
-from ringnet.bench.model.exchange import allreduce_rows, allreduce_time  # noqa: E402
-from ringnet.bench.model.links import LINKS, Link  # noqa: E402
-from ringnet.bench.model.prediction import Prediction, predict  # noqa: E402
-from ringnet.bench.model.profiling import isolated_compute, measure_compute  # noqa: E402
-from ringnet.bench.model.report import (markdown_paper, markdown_predictions,  # noqa: E402
+from ringnet.perfmodel.exchange import allreduce_rows, allreduce_time  # noqa: E402
+from ringnet.perfmodel.links import LINKS, Link  # noqa: E402
+from ringnet.perfmodel.prediction import Prediction, predict  # noqa: E402
+from ringnet.perfmodel.profiling import isolated_compute, measure_compute  # noqa: E402
+from ringnet.perfmodel.report import (markdown_paper, markdown_predictions,  # noqa: E402
                                         markdown_validation, plot)
-from ringnet.bench.model.roofline import GPUS, roofline_compute  # noqa: E402
-from ringnet.bench.model.sends import (buckets, messages, ring_phase_bytes,  # noqa: E402
+from ringnet.perfmodel.roofline import GPUS, roofline_compute  # noqa: E402
+from ringnet.perfmodel.sends import (buckets, messages, ring_phase_bytes,  # noqa: E402
                                        split_fc_plan, traffic)
-from ringnet.bench.model.simulate import Timeline  # noqa: E402
-from ringnet.bench.model.sweeps import MODES, crossovers, paper_rows, sweep  # noqa: E402
-from ringnet.bench.model.system import System, make_system, scheduling_wait, usable_cores  # noqa: E402
-from ringnet.bench.model.validation import diagnose, validate, validation_rows  # noqa: E402
-from ringnet.bench.model.worker import LOADED_EXCHANGES  # noqa: E402
+from ringnet.perfmodel.simulate import Timeline  # noqa: E402
+from ringnet.perfmodel.sweeps import MODES, crossovers, paper_rows, sweep  # noqa: E402
+from ringnet.perfmodel.system import System, make_system, scheduling_wait, usable_cores  # noqa: E402
+from ringnet.perfmodel.validation import diagnose, validate, validation_rows  # noqa: E402
+from ringnet.perfmodel.worker import LOADED_EXCHANGES  # noqa: E402
 
 __all__ = ["Link", "LINKS", "GPUS", "System", "ComputeProfile", "measure_compute",
            "roofline_compute", "load_compute", "ring_phase_bytes", "traffic", "messages",

@@ -8,13 +8,13 @@ import sys
 
 import numpy as np
 
-from ringnet.bench import run_json
-from ringnet.bench.model.compute import _ZERO_COMPUTE
-from ringnet.bench.model.exchange import _master_time, _tree_time
-from ringnet.bench.model.links import Link
-from ringnet.bench.model.system import System, scheduling_wait, usable_cores
-from ringnet.bench.model.worker import LOADED_EXCHANGES
+from ringnet.perfmodel.compute import _ZERO_COMPUTE
+from ringnet.perfmodel.exchange import _master_time, _tree_time
+from ringnet.perfmodel.links import Link
+from ringnet.perfmodel.system import System, scheduling_wait, usable_cores
+from ringnet.perfmodel.worker import LOADED_EXCHANGES
 from ringnet.errors import UsageError
+from ringnet.jobs import run_json
 
 __all__ = ["calibrate", "calibration_record", "describe_contention"]
 
@@ -75,7 +75,7 @@ def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300, models=(), ba
     scaling) with every rank busy. ``mpirun``: the launcher's command line (``srun
     --mpi=pmi2`` on a cluster); ``per_node``: the ranks placed that many to a node (None: as
     the launcher likes)."""
-    from ringnet.bench.cluster import launch_prefix, placed
+    from ringnet.cluster import launch_prefix, placed
     if shutil.which(shlex.split(mpirun)[0]) is None:
         raise UsageError(f"launcher {mpirun!r} not found; `pip install mpich` or pass --mpirun")
     by_np = {}
@@ -158,7 +158,7 @@ def shaped_links(environ=None):
     """The rate the cluster's links are shaped to (``hpc/cluster.sh``'s ``cluster`` file
     beside ``$SLURM_CONF`` or ``$HYDRA_HOST_FILE``: ``rate=1gbit``), or None: unshaped, or
     no cluster."""
-    from ringnet.bench.cluster import cluster_files
+    from ringnet.cluster import cluster_files
     for path in cluster_files("cluster", environ):
         try:
             with open(path) as f:

@@ -4,20 +4,20 @@ import json
 import os
 import sys
 
-from ringnet.bench.model.calibration import calibrate
-from ringnet.bench.model.exchange import allreduce_rows
-from ringnet.bench.model.links import LINKS
-from ringnet.bench.model.profiling import compute_profile
-from ringnet.bench.model.report import (MARKDOWN_TABLES, markdown_hierarchical, markdown_paper,
+from ringnet.perfmodel.calibration import calibrate
+from ringnet.perfmodel.exchange import allreduce_rows
+from ringnet.perfmodel.links import LINKS
+from ringnet.perfmodel.profiling import compute_profile
+from ringnet.perfmodel.report import (MARKDOWN_TABLES, markdown_hierarchical, markdown_paper,
                                         markdown_predictions, markdown_validation, plot,
                                         print_hierarchical)
-from ringnet.bench.model.roofline import GPUS
-from ringnet.bench.model.sweeps import (DEFAULT_MODELS, DEFAULT_NP, DEFAULT_PROFILES, PAPER_NP,
+from ringnet.perfmodel.roofline import GPUS
+from ringnet.perfmodel.sweeps import (DEFAULT_MODELS, DEFAULT_NP, DEFAULT_PROFILES, PAPER_NP,
                                         crossovers, hierarchical_rows, paper_rows, sweep)
-from ringnet.bench.model.system import make_system
-from ringnet.bench.model.text import print_report, print_validation
-from ringnet.bench.model.validation import VALIDATION_NP, validate, validation_rows
-from ringnet.bench.model.worker import calibrate_worker
+from ringnet.perfmodel.system import make_system
+from ringnet.perfmodel.text import print_report, print_validation
+from ringnet.perfmodel.validation import VALIDATION_NP, validate, validation_rows
+from ringnet.perfmodel.worker import calibrate_worker
 from ringnet.cli import ArgumentParser
 from ringnet.errors import UsageError
 from ringnet.models import MODELS, build_model

@@ -4,7 +4,7 @@ and auto's all-reduce algorithms by the shared cost table (``ringnet.comm.cost.t
 import dataclasses
 import math
 
-from ringnet.bench.model.codefacts import rooted_concurrent as _rooted_concurrent
+from ringnet.perfmodel.codefacts import rooted_concurrent as _rooted_concurrent
 from ringnet.comm.cost import ALGORITHMS, choose, terms
 from ringnet.parallel.traffic import heap_children as _tree_children, rooted_pieces
 from ringnet.shards import shard_bounds as _shard_bounds

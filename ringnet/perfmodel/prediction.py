@@ -4,11 +4,11 @@ import dataclasses
 
 import numpy as np
 
-from ringnet.bench.model import sends
-from ringnet.bench.model.codefacts import boundary_s, code_facts
-from ringnet.bench.model.exchange import RING_KINDS, _exchange_items, _ring_time
-from ringnet.bench.model.simulate import _layer_timeline, _progress, _simulate
-from ringnet.bench.model.topology import hierarchical_items, spans_nodes
+from ringnet.perfmodel import sends
+from ringnet.perfmodel.codefacts import boundary_s, code_facts
+from ringnet.perfmodel.exchange import RING_KINDS, _exchange_items, _ring_time
+from ringnet.perfmodel.simulate import _layer_timeline, _progress, _simulate
+from ringnet.perfmodel.topology import hierarchical_items, spans_nodes
 from ringnet.parallel import MODES as REGISTRY
 from ringnet.parallel.fc_slices import fc_blocks
 from ringnet.shards import shard_bounds as _shard_bounds
@@ -33,7 +33,7 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
     """Predict one step of ``mode`` at N ranks; ``batch`` is the global batch (B/N per rank).
 
     ``topology`` "hierarchical": the exchange through one leader per node
-    (:mod:`~ringnet.bench.model.topology`) where the ranks span nodes; flat elsewhere."""
+    (:mod:`~ringnet.perfmodel.topology`) where the ranks span nodes; flat elsewhere."""
     if mode not in REGISTRY:
         raise ValueError(f"unknown mode {mode!r}")
     if REGISTRY[mode].communicator is None:       # one process

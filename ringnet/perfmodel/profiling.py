@@ -1,16 +1,36 @@
 """Compute profiles measured here: layers timed inside real training steps, or alone."""
-from ringnet.bench.layers import layer_times  # first: pins BLAS threads before NumPy loads
+import time
 
-import time  # noqa: E402
+import numpy as np
 
-import numpy as np  # noqa: E402
+from ringnet.perfmodel.compute import (ISOLATED_LAYERS, TRAINING_STEPS, ComputeProfile,
+                                       _fit, _median_time, load_compute)
+from ringnet.perfmodel.roofline import GPUS, roofline_compute
+from ringnet.models import build_model
 
-from ringnet.bench.model.compute import (ISOLATED_LAYERS, TRAINING_STEPS, ComputeProfile,  # noqa: E402
-                                         _fit, _median_time, load_compute)
-from ringnet.bench.model.roofline import GPUS, roofline_compute  # noqa: E402
-from ringnet.models import build_model  # noqa: E402
+__all__ = ["measure_compute", "isolated_compute", "compute_profile", "layer_times"]
 
-__all__ = ["measure_compute", "isolated_compute", "compute_profile"]
+
+def layer_times(model, x, iters, clock=time.perf_counter):
+    """Return [(name, forward ms, backward ms)] medians over ``iters`` passes (``clock``:
+    wall time by default, ``time.process_time`` for CPU time). Layers run as in a training
+    step: a ReLU that its neighbouring pool applies (on the CPU) takes next to no time, and
+    the pool's time includes it."""
+    fwd = {name: [] for name, _ in model.layers}
+    bwd = {name: [] for name, _ in model.layers}
+    for _ in range(iters):
+        a = model.as_input(x)
+        for index, (name, layer) in enumerate(model.layers):
+            t0 = clock()
+            a = model.forward_layer(index, a, True)
+            fwd[name].append(clock() - t0)
+        d = np.ones_like(a) / a.size
+        for name, layer in reversed(model.layers):
+            t0 = clock()
+            d = layer.backward(d)
+            bwd[name].append(clock() - t0)
+    return [(name, 1e3 * float(np.median(fwd[name])), 1e3 * float(np.median(bwd[name])))
+            for name, _ in model.layers]
 
 
 def _training_steps(name, batch, dtype, seed):

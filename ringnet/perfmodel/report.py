@@ -1,8 +1,8 @@
 """The model's output: Markdown tables (the README's), the text tables, and the plot."""
 import math
 
-from ringnet.bench.model.sweeps import MODES, _label
-from ringnet.bench.model.validation import row_error
+from ringnet.perfmodel.sweeps import MODES, _label
+from ringnet.perfmodel.validation import row_error
 from ringnet.errors import UsageError
 
 __all__ = ["MARKDOWN_TABLES", "PAPER_LABELS", "markdown_predictions", "markdown_paper",
@@ -25,7 +25,7 @@ def _ms(seconds_ms):
 def markdown_predictions(rows, nps):
     """The predictions as one Markdown table: step ms and efficiency per mode, a row per
     (model, profile, N)."""
-    from ringnet.bench.tables import markdown
+    from ringnet.tables import markdown
     cols = [md for md in MODES if any((r["mode"], r["delay"]) == md for r in rows)]
     table = {}
     for r in rows:
@@ -43,7 +43,7 @@ def markdown_predictions(rows, nps):
 
 def markdown_paper(rows):
     """The research's setting: predicted speedup per mode beside the reported one."""
-    from ringnet.bench.tables import markdown
+    from ringnet.tables import markdown
     by = {}
     for r in rows:
         by.setdefault((r["model"], r["batch_per_gpu"]), {})[(r["mode"], r["delay"])] = r
@@ -61,7 +61,7 @@ def markdown_paper(rows):
 def markdown_validation(rows):
     """Predicted / measured ms (error) per model and mode, a column per N; the error is the
     median of the rounds' paired errors."""
-    from ringnet.bench.tables import markdown
+    from ringnet.tables import markdown
     nps = sorted({r["np"] for r in rows})
     by = {}
     for r in rows:
@@ -117,7 +117,7 @@ def _by_table(rows):
 
 
 def _hierarchical_columns(table):
-    from ringnet.bench.model.topology import HIERARCHICAL_MODES
+    from ringnet.perfmodel.topology import HIERARCHICAL_MODES
     return [md for md in HIERARCHICAL_MODES if any(k[:2] == md for k in table)]
 
 
@@ -149,7 +149,7 @@ def print_hierarchical(rows, batch, scaling, nps):
 def markdown_hierarchical(rows, nps):
     """The hierarchical exchange as a Markdown table: step ms, efficiency and the step against
     the flat exchange's, a row per (model, profile, N) where the ranks span nodes."""
-    from ringnet.bench.tables import markdown
+    from ringnet.tables import markdown
     out, cols = [], []
     for (name, profile), table in _by_table(rows).items():
         cols = cols or _hierarchical_columns(table)

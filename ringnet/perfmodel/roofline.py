@@ -1,7 +1,7 @@
 """Stated GPU profiles (``--compute k40`` / ``h100``): per layer max(FLOPs / peak, bytes / bandwidth)."""
 import numpy as np
 
-from ringnet.bench.model.compute import ComputeProfile
+from ringnet.perfmodel.compute import ComputeProfile
 from ringnet.models import build_model
 
 __all__ = ["GPUS", "GEMM_EFFICIENCY", "MEMORY_EFFICIENCY", "KERNEL_S", "roofline_compute"]

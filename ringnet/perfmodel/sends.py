@@ -3,9 +3,9 @@
 Every strategy says what one step sends, from the bounds it runs with (the plans'
 shard bounds, split-fc's FC blocks and conversion layer): the model reads that here and
 adds only the delay-0 buckets of the code it models (:func:`buckets`, from
-:func:`~ringnet.bench.model.codefacts.code_facts`).
+:func:`~ringnet.perfmodel.codefacts.code_facts`).
 """
-from ringnet.bench.model.codefacts import code_facts, rooted_concurrent
+from ringnet.perfmodel.codefacts import code_facts, rooted_concurrent
 from ringnet.parallel import step_traffic
 from ringnet.parallel.plans import backward_buckets
 from ringnet.parallel.traffic import ring_phase_bytes

@@ -1,7 +1,7 @@
 """One step laid out layer by layer (:class:`Timeline`) and the stream's work walked beside it."""
 import dataclasses
 
-from ringnet.bench.model.codefacts import code_facts
+from ringnet.perfmodel.codefacts import code_facts
 
 __all__ = ["Timeline"]
 

@@ -1,8 +1,8 @@
 """Prediction rows over N for every (mode, delay), crossovers, and the research's setting."""
-from ringnet.bench.model.prediction import predict
-from ringnet.bench.model.profiling import compute_profile
-from ringnet.bench.model.system import make_system
-from ringnet.bench.model.topology import HIERARCHICAL_MODES, between_choice, spans_nodes
+from ringnet.perfmodel.prediction import predict
+from ringnet.perfmodel.profiling import compute_profile
+from ringnet.perfmodel.system import make_system
+from ringnet.perfmodel.topology import HIERARCHICAL_MODES, between_choice, spans_nodes
 from ringnet.models import build_model
 from ringnet.parallel import MODES as REGISTRY
 

@@ -2,8 +2,8 @@
 import dataclasses
 import math
 
-from ringnet.bench.model.compute import ComputeProfile
-from ringnet.bench.model.links import LINKS, Link, tbf_burst_bytes
+from ringnet.perfmodel.compute import ComputeProfile
+from ringnet.perfmodel.links import LINKS, Link, tbf_burst_bytes
 from ringnet.errors import UsageError
 
 __all__ = ["System", "scheduling_wait", "usable_cores", "make_system"]
@@ -106,7 +106,7 @@ def usable_cores():
 def make_system(spec, compute, ranks_per_node, calibration=None):
     """Return the System for a profile string ``INTRA[/INTER]`` or ``local``."""
     if spec == "local":
-        from ringnet.bench.model.calibration import calibration_record  # late: it times with System
+        from ringnet.perfmodel.calibration import calibration_record  # late: it times with System
         if calibration is None:
             raise UsageError("profile 'local' needs a calibration (--calibrate or --calibration FILE)")
         # from the raw timings when present, so a saved calibration follows this code

@@ -3,13 +3,13 @@ setting and the validation, as ``python -m ringnet.bench model`` prints them."""
 import os
 import statistics
 
-from ringnet.bench.model.calibration import calibration_record, describe_contention
-from ringnet.bench.model.codefacts import OLD_FACTS, code_facts, describe_facts
-from ringnet.bench.model.compute import profile_method
-from ringnet.bench.model.links import LINKS
-from ringnet.bench.model.report import markdown_validation, print_tables
-from ringnet.bench.model.sweeps import PAPER_NP, _label
-from ringnet.bench.model.validation import diagnose, row_error
+from ringnet.perfmodel.calibration import calibration_record, describe_contention
+from ringnet.perfmodel.codefacts import OLD_FACTS, code_facts, describe_facts
+from ringnet.perfmodel.compute import profile_method
+from ringnet.perfmodel.links import LINKS
+from ringnet.perfmodel.report import markdown_validation, print_tables
+from ringnet.perfmodel.sweeps import PAPER_NP, _label
+from ringnet.perfmodel.validation import diagnose, row_error
 
 __all__ = ["print_report", "print_validation"]
 

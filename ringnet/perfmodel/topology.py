@@ -26,7 +26,7 @@ runs them:
 import dataclasses
 import math
 
-from ringnet.bench.model.exchange import _message, _tree_time, _without_latency
+from ringnet.perfmodel.exchange import _message, _tree_time, _without_latency
 from ringnet.comm.cost import between_nodes, between_phases
 
 __all__ = ["HIERARCHICAL_MODES", "spans_nodes", "hierarchical_items", "between_choice"]
@@ -136,7 +136,7 @@ def _tree_items(system, n, transfers, update_s):
 
 def hierarchical_items(system, n, part, update_s, after_idle=False):
     """The hierarchical exchange of one part of the plan (a :class:`~ringnet.parallel.traffic.Part`)
-    as the stream runs it, in the kinds of :func:`~ringnet.bench.model.exchange._exchange_items`
+    as the stream runs it, in the kinds of :func:`~ringnet.perfmodel.exchange._exchange_items`
     (``after_idle`` is not modelled here: a token bucket's burst is left out)."""
     if n == 1 or not part.transfers:
         return [("cpu", update_s)]

@@ -1,16 +1,17 @@
 """Validation: the model's prediction beside ``ringnet.train`` measured on this machine."""
+import argparse
 import dataclasses
 import os
 import statistics
 import sys
 
-from ringnet.bench.model.calibration import calibrate
-from ringnet.bench.model.codefacts import OLD_FACTS, code_facts, facts
-from ringnet.bench.model.compute import compute_from_json
-from ringnet.bench.model.prediction import predict
-from ringnet.bench.model.profiling import measure_compute
-from ringnet.bench.model.sweeps import MODES, REFERENCE, _label, communicates, fits
-from ringnet.bench.model.system import make_system
+from ringnet.perfmodel.calibration import calibrate
+from ringnet.perfmodel.codefacts import OLD_FACTS, code_facts, facts
+from ringnet.perfmodel.compute import compute_from_json
+from ringnet.perfmodel.prediction import predict
+from ringnet.perfmodel.profiling import measure_compute
+from ringnet.perfmodel.sweeps import MODES, REFERENCE, _label, communicates, fits
+from ringnet.perfmodel.system import make_system
 from ringnet.models import build_model
 
 __all__ = ["VALIDATION_NP", "VALIDATION_MODES", "validate", "validation_rows", "row_error",
@@ -23,17 +24,20 @@ VALIDATION_MODES = tuple(md for md in MODES if communicates(md[0]))
 def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=600,
              nps=VALIDATION_NP, per_node=None):
     """Measure, in each of ``repeats`` rounds: the compute profile, the local calibration, and
-    ``python -m ringnet.train`` (through ``bench scaling``) for every mode at each N.
+    ``python -m ringnet.train`` (as ``bench scaling`` runs it) for every mode at each N.
 
     Returns a record that :func:`validation_rows` turns into predicted-beside-measured rows;
     each round's prediction uses that round's inputs (a shared machine's speed drifts).
     ``mpirun`` is the launcher's command line; ``per_node``: the calibration's and the
     runs' ranks placed that many to a node (``srun --mpi=pmi2`` on a cluster; None: as the
     launcher likes)."""
-    from ringnet.bench import scaling
-    from ringnet.bench.cluster import placed
-    args = scaling.build_parser().parse_args([])
-    args.batch_size, args.steps, args.mpirun, args.timeout = batch, steps, mpirun, timeout
+    from ringnet.cluster import placed
+    from ringnet.jobs import train_run
+    # bench scaling's defaults: the synthetic data set on the CPU, train's own recipe
+    args = argparse.Namespace(model=None, dataset="synthetic", batch_size=batch, steps=steps,
+                              transport="auto", device="cpu", mpirun=mpirun, launcher=None,
+                              timeout=timeout, lr=None, seed=None, data_dir=None,
+                              delay_compensation=None)
     configs = [(m, REFERENCE, 0, 1) for m in models]
     configs += [(m, mode, delay, n) for m in models for n in nps for mode, delay in VALIDATION_MODES
                 if fits(mode, build_model(m), n)]
@@ -45,7 +49,7 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
         measured = []
         for i, (name, mode, delay, n) in enumerate(configs):
             args.model = name
-            result = scaling.run_config(args, mode, delay, placed(n, per_node))
+            result = train_run(args, mode, delay, placed(n, per_node))
             steps_run = max(int(result.get("steps") or steps), 1)
             measured.append({"model": name, "mode": mode, "delay": delay, "np": n,
                              "step_ms": result["step_ms"], "nodes": result.get("nodes", 1),

@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 
-from ringnet.bench.model.compute import _median_time
-from ringnet.bench.model.system import usable_cores
+from ringnet.perfmodel.compute import _median_time
+from ringnet.perfmodel.system import usable_cores
 from ringnet.models import build_model
 
 __all__ = ["calibrate_worker", "CALIBRATION_SIZES", "STREAM_SIZES", "LOADED_EXCHANGES",

@@ -246,7 +246,7 @@ def _curve(label, accs, seconds=10.0):
 
 def test_curves_summary_table_from_rows():
     rows = _curve("single", [0.80, 0.85, 0.86, 0.90, 0.88, 0.89]) + _curve("ring d1", [0.7, 0.9])
-    from ringnet.bench.tables import parse_markdown
+    from ringnet.tables import parse_markdown
     header, body = parse_markdown(curves.summary_table(rows))
     # first, second, middle (3 of 6) and last evaluated epochs
     assert header == ["run", "epoch 1", "epoch 2", "epoch 3", "epoch 6", "best (epoch)", "training s"]
@@ -259,7 +259,7 @@ def test_a_short_curves_run_reads_in_round_epochs_and_real_seconds():
     rows = [{"label": "single", "mode": "single", "delay": 0, "np": 1, "step": s,
              "epoch": round(s / 22, 4), "train_s": 0.02 * s, "test_accuracy": 0.5 + s / 100}
             for s in (5, 10, 15, 20)]
-    from ringnet.bench.tables import parse_markdown
+    from ringnet.tables import parse_markdown
     header, body = parse_markdown(curves.summary_table(rows))
     # first, second, middle (the second again) and last
     assert header == ["run", "epoch 0.23", "epoch 0.45", "epoch 0.91", "best (epoch)", "training s"]

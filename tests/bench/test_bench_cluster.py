@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from ringnet.bench import cluster, scaling
+from ringnet import cluster
+from ringnet.bench import scaling
 from ringnet.errors import UsageError
 from ringnet.models import build_model
 from ringnet.parallel import step_traffic
@@ -138,7 +139,7 @@ def _tbf_ring_times(n, alpha, rate, fast, burst):
     """Ring RS+AG times of each calibration size through a token bucket: each rank's
     2(N-1) messages, the first ``burst`` bytes at the wire's ``fast`` speed, the rest at
     ``rate``."""
-    from ringnet.bench.model.worker import CALIBRATION_SIZES
+    from ringnet.perfmodel.worker import CALIBRATION_SIZES
     out = []
     for size in CALIBRATION_SIZES:
         sent = 2 * (n - 1) / n * size
@@ -148,7 +149,7 @@ def _tbf_ring_times(n, alpha, rate, fast, burst):
 
 
 def test_a_shaped_link_is_fitted_at_its_rate_not_its_burst():
-    from ringnet.bench.model.calibration import _fit_link, _fit_shaped_link, calibration_record
+    from ringnet.perfmodel.calibration import _fit_link, _fit_shaped_link, calibration_record
     times = _tbf_ring_times(2, 40e-6, 125e6, 2e9, 125_000)
     straight = _fit_link(2, times, 0.0)[1]
     alpha, beta = _fit_shaped_link(2, times, 0.0)
@@ -164,7 +165,7 @@ def test_a_shaped_link_is_fitted_at_its_rate_not_its_burst():
 
 
 def test_the_cluster_file_says_whether_links_are_shaped(tmp_path):
-    from ringnet.bench.model.calibration import shaped_links
+    from ringnet.perfmodel.calibration import shaped_links
     (tmp_path / "cluster").write_text("rate=1gbit\nprefix=sc\n")
     assert shaped_links({"SLURM_CONF": str(tmp_path / "slurm.conf")}) == "1gbit"
     (tmp_path / "cluster").write_text("rate=\nprefix=sc\n")
@@ -174,10 +175,10 @@ def test_the_cluster_file_says_whether_links_are_shaped(tmp_path):
 
 def test_ranks_across_nodes_progress_as_the_code_does_there():
     import dataclasses
-    from ringnet.bench.model.codefacts import facts
-    from ringnet.bench.model.simulate import _progress
-    from ringnet.bench.model.system import System
-    from ringnet.bench.model.links import Link
+    from ringnet.perfmodel.codefacts import facts
+    from ringnet.perfmodel.simulate import _progress
+    from ringnet.perfmodel.system import System
+    from ringnet.perfmodel.links import Link
     link = Link("x", 1e-4, 1e8)
     system = System("local", link, link, 1 << 30, None, cores=2)
     placed = dataclasses.replace(system, placed_per_node=1)
@@ -192,7 +193,7 @@ def test_ranks_across_nodes_progress_as_the_code_does_there():
 
 def test_bench_model_places_its_ranks_with_the_launcher(monkeypatch, tmp_path):
     from types import SimpleNamespace
-    from ringnet.bench.model import calibration, cli
+    from ringnet.perfmodel import calibration, cli
     seen = {}
 
     def fake_validate(models, batch, steps, repeats, mpirun, iters, nps, **kw):

@@ -97,7 +97,7 @@ def test_the_table_has_a_ddp_row_per_n_and_each_row_s_ratio_to_it(monkeypatch):
     # interleaved: every round runs each configuration once, DDP beside ringnet at each N
     assert launched[:4] == launched[4:8] == [("single", 0, 1), ("ddp", 0, 1), ("ring", 1, 2),
                                              ("ddp", 0, 2)]
-    from ringnet.bench.tables import parse_markdown
+    from ringnet.tables import parse_markdown
     header, table = parse_markdown(_main_output(scaling.main, argv + ["--markdown"]))
     assert header[-1] == "DDP step / step"
     shown = {(r[0], r[2]): r[-1] for r in table}
@@ -126,7 +126,7 @@ def test_time_to_accuracy_has_ddp_s_row_and_the_ratio_of_seconds(monkeypatch):
     assert rows[("single", 1)]["vs_ddp_to_acc"] == pytest.approx(6.0 / 16.0, abs=1e-3)
     assert rows[("ddp", 2)]["seconds_to_acc"] is None            # DDP did not get there at N=2
     assert rows[("ring", 2)]["vs_ddp_to_acc"] is None
-    from ringnet.bench.tables import parse_markdown
+    from ringnet.tables import parse_markdown
     header, table = parse_markdown(_main_output(scaling.main, argv + ["--markdown"]))
     assert header[-1] == "DDP s / s to 90%"
     assert [r[-1] for r in table] == [f"{6.0 / 16.0:.2f}", "1.00", "–", "–"]
@@ -135,8 +135,10 @@ def test_time_to_accuracy_has_ddp_s_row_and_the_ratio_of_seconds(monkeypatch):
 def test_the_ddp_run_gets_the_problem_of_the_ringnet_runs(monkeypatch):
     """run_config launches the driver under the same mpirun with the same model, data,
     batch, length, lr, seed and device."""
+    from ringnet import jobs
     seen = []
     monkeypatch.setattr(scaling, "run_json", lambda cmd, *a, **kw: seen.append(cmd) or {})
+    monkeypatch.setattr(jobs, "run_json", lambda cmd, *a, **kw: seen.append(cmd) or {})
     args = scaling.build_parser().parse_args(["--model", "lenet", "--batch-size", "32", "--steps",
                                               "7", "--lr", "0.02", "--seed", "3", "--vs", "ddp"])
     scaling.run_config(args, "ddp", 0, 2)

@@ -24,8 +24,8 @@ import types
 import numpy as np
 import pytest
 
-from ringnet.bench import model as pm
-from ringnet.bench.model import (calibration, cli, codefacts, compute as compute_profiles,
+from ringnet import perfmodel as pm
+from ringnet.perfmodel import (calibration, cli, codefacts, compute as compute_profiles,
                                  exchange, profiling, roofline, sends, simulate, worker)
 from ringnet.models import build_model
 from ringnet.shards import shard_bounds
@@ -296,7 +296,7 @@ def test_a_full_token_bucket_passes_its_burst_at_the_wire_s_speed():
 @pytest.mark.parametrize("rate", ["1gbit", "10gbit", "100mbit", "2.5gbit", "500kbps", "fast"])
 def test_tbf_burst_is_the_cluster_s(rate):
     """The burst the model assumes for a shaped link is the one hpc/cluster.sh gives tc."""
-    from ringnet.bench.model.links import tbf_burst_bytes
+    from ringnet.perfmodel.links import tbf_burst_bytes
     script = os.path.join(ROOT, "hpc", "cluster.sh")
     shell = subprocess.run(["bash", "-c", f"eval \"$(sed -n '/^burst_of()/,/^}}/p' {script})\"; "
                            f"burst_of {rate}"], capture_output=True, text=True, check=True)
@@ -1097,7 +1097,7 @@ def test_delay1_boundary_passes_are_charged_on_the_training_thread():
 
 
 def test_markdown_tables_have_a_row_per_configuration():
-    from ringnet.bench.tables import parse_markdown
+    from ringnet.tables import parse_markdown
     rows = [{"model": "lenet", "mode": mode, "delay": d, "np": n, "predicted_ms": 11.0,
              "measured_ms": 10.0 if n == 1 else 12.5} for mode, d in (("single", 0), ("ring", 1))
             for n in (1, 2) if mode != "single" or n == 1]
@@ -1168,7 +1168,7 @@ def test_a_calibration_across_nodes_prints_the_inter_link_for_train():
     printed --inter-link pair reads back as the fitted link, and with it --topology auto
     takes the hierarchical ring for LeNet at 2 nodes x 2 ranks; a calibration on one node
     prints none."""
-    from ringnet.bench.model.text import inter_link_hint
+    from ringnet.perfmodel.text import inter_link_hint
     from ringnet.comm.hierarchical import parse_inter_link
     from ringnet.placement import group
     from ringnet.parallel import topology_choice

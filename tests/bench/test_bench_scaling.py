@@ -134,8 +134,9 @@ def test_the_ceiling_table_names_shared_cores(monkeypatch):
 
 def test_a_ceiling_run_is_launched_at_the_per_rank_batch(monkeypatch):
     """run_config's batch reaches train's command line."""
+    from ringnet import jobs
     seen = []
-    monkeypatch.setattr(scaling, "run_json", lambda cmd, *a, **kw: seen.append(cmd) or {})
+    monkeypatch.setattr(jobs, "run_json", lambda cmd, *a, **kw: seen.append(cmd) or {})
     args = scaling.build_parser().parse_args(["--batch-size", "64"])
     scaling.run_config(args, "single", 0, 1, batch=16)
     scaling.run_config(args, "ring", 1, 2)

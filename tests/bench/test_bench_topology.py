@@ -14,10 +14,10 @@ import dataclasses
 
 import pytest
 
-from ringnet.bench import model as pm
-from ringnet.bench.model import cli
-from ringnet.bench.model.prediction import predict
-from ringnet.bench.model.topology import hierarchical_items, spans_nodes
+from ringnet import perfmodel as pm
+from ringnet.perfmodel import cli
+from ringnet.perfmodel.prediction import predict
+from ringnet.perfmodel.topology import hierarchical_items, spans_nodes
 from ringnet.models import build_model
 from ringnet.parallel.traffic import Part, Transfer
 from ringnet.shards import shard_bounds
@@ -75,7 +75,7 @@ def test_hierarchical_ring_of_a_part_full_node_by_hand():
 def test_the_model_and_the_communicator_choose_alike():
     """One choice between nodes: the model's (for a channel's bytes on its link) is the
     communicator's, both cost.between_nodes, and exchange_cost prices the channel ring with it."""
-    from ringnet.bench.model.topology import between_choice
+    from ringnet.perfmodel.topology import between_choice
     from ringnet.comm.channels import between_algorithm
     from ringnet.comm.cost import between_nodes, exchange_cost
     for nodes in (2, 3, 4, 8, 128):
@@ -99,7 +99,7 @@ def test_the_targets_at_scale():
     channels at 64 and 1,024 GPUs (nodes of 8), weak scaling at 64 images per GPU, reaches
     the efficiencies the multi-channel exchange is built for, where the leader ring made
     0.15 and 0.09 at 1,024."""
-    from ringnet.bench.model.sweeps import hierarchical_rows
+    from ringnet.perfmodel.sweeps import hierarchical_rows
     compute = pm.roofline_compute("h100", ("lenet", "cifar10_quick"))
     system = pm.make_system("nvlink4/ib-hdr", compute, 8)
     targets = {("cifar10_quick", 64): 0.95, ("cifar10_quick", 1024): 0.9,

@@ -295,5 +295,5 @@ def test_channel_ring_sends_each_rank_its_share():
     assert sent["ring"]["intra"] == 2 * 500 * 8          # (L-1)/L of 1000 float64, twice
     assert sent["ring"]["inter"] == 2 * 250 * 8          # (M-1)/M of the channel's 500, twice
     # in all, what bench scaling counts on the cluster's links for the hierarchical ring
-    # (ringnet.bench.cluster.inter_node_bytes): 2 (M-1) P, as through one leader per node
+    # (ringnet.cluster.inter_node_bytes): 2 (M-1) P, as through one leader per node
     assert WORLD.allreduce(sent["ring"]["inter"]) == 2 * (2 - 1) * 1000 * 8
