@@ -35,15 +35,15 @@ from ringnet.errors import UsageError
 from ringnet.progress import write_json
 from ringnet.control import agree, comm_timeout, stall_error
 
-__all__ = ["Tracer", "load", "check_trace_path", "active", "span", "timed", "align_clocks"]
+__all__ = ["Tracer", "load", "check_trace_path", "active", "recording", "span", "timed", "align_clocks"]
 
-_active = 0                         # Tracers recording now
+recording = 0                       # Tracers recording now (read it, never set it)
 _NULL = contextlib.nullcontext()
 
 
 def active():
     """Return True while a Tracer records (fine-grained spans are skipped otherwise)."""
-    return _active > 0
+    return recording > 0
 
 
 def span(name, **args):
@@ -52,7 +52,7 @@ def span(name, **args):
     For spans too frequent to time in every run (one per layer, one per transfer):
     the no-op costs a function call, a timed span several microseconds.
     """
-    return stats.span(name, **args) if _active else _NULL
+    return stats.span(name, **args) if recording else _NULL
 
 
 def timed(batches, name="data", totals=None):
@@ -208,8 +208,8 @@ class Tracer:
         self._syncs = [align_clocks(world, origin=time.perf_counter())]
         self.t0 = self._syncs[0].origin
         self._unsubscribe = stats.subscribe(self._record)
-        global _active
-        _active += 1
+        global recording
+        recording += 1
 
     def _record(self, event):
         with self._lock:
@@ -253,11 +253,11 @@ class Tracer:
 
     def stop(self):
         """Stop collecting (idempotent; not collective)."""
-        global _active
+        global recording
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-            _active -= 1
+            recording -= 1
 
     def close(self, metadata=None):
         """Stop collecting; rank 0 gathers every rank's events and writes the file (collective)."""

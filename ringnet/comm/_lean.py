@@ -124,7 +124,7 @@ class LeanPath:
         return space[:length]
 
     def run(self, buf, algorithm):
-        if trace._active:       # tracing: the generic path, which records every transfer
+        if trace.recording:       # tracing: the generic path, which records every transfer
             self.transport_path(buf, algorithm)
             return
         plan = self.plan(buf, algorithm)
@@ -146,7 +146,7 @@ class LeanPath:
             self.transport._count(self.sent, self.received)
 
     def transport_path(self, buf, algorithm):
-        self.auto._allreduce(buf, "sum", algorithm)
+        self.auto.allreduce_now(buf, "sum", algorithm)
 
     # -- the short path: rd (power-of-two N) and direct in whole steps --------------------
     def plan(self, buf, algorithm):
@@ -221,7 +221,7 @@ class LeanPath:
                 _sched_yield()
                 if test(requests):
                     return
-            if _stream._driven:
+            if _stream.driven_streams:
                 _stream.progress_all()
             if _perf_counter() - start > spin_s:
                 break

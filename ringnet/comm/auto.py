@@ -73,12 +73,12 @@ from ringnet import trace
 from ringnet.backend import get_array_module
 from ringnet.comm import stream as _stream
 from ringnet.comm._lean import LeanPath
-from ringnet.comm.base import Array, CommunicatorBase, _DTYPES
+from ringnet.comm.base import DTYPES, Array, CommunicatorBase
 from ringnet.comm.cost import ALGORITHMS, CHOICES, NATIVE, choose, constants, thresholds
 from ringnet.comm.ring import RingCommunicator
 from ringnet.comm.schedules import Fold, direct_peers, direct_slot, sum_in_rank_order
 from ringnet.comm.mpi_transport import NativeWatch
-from ringnet.comm.stream import CpuStream, Handle, _local as _stream_local
+from ringnet.comm.stream import CpuStream, Handle
 from ringnet.placement import crowded
 
 __all__ = ["AutoCommunicator"]
@@ -162,7 +162,7 @@ class AutoCommunicator(CommunicatorBase):
         Returns None, or a Handle when queued on ``stream``.
         """
         if buf is self._native_buf and stream is None and op == "sum" \
-                and "tag" not in _stream_local.__dict__:
+                and "tag" not in _stream.thread_local.__dict__:
             # the array native ran on last off a stream thread (only those set a tag),
             # checked then: a 1-D C-contiguous ndarray of a size auto delegates. Nothing
             # else to check (native records no trace spans) and nothing to mark: the
@@ -175,16 +175,16 @@ class AutoCommunicator(CommunicatorBase):
             # the array whose persistent requests were bound last (a 1-D C-contiguous
             # ndarray of its plan's size, checked when it came in): fewer checks
             plan = lean.hot_plan
-            if plan[0] is buf.dtype and op == "sum" and not trace._active \
-                    and not _stream._local.__dict__.get("tag"):
+            if plan[0] is buf.dtype and op == "sum" and not trace.recording \
+                    and not _stream.thread_local.__dict__.get("tag"):
                 self.last_algorithm = plan[1]
                 plan[2](buf, plan)
                 return None
         if lean is not None and stream is None and type(buf) is np.ndarray:
             plan = lean.plans.get(buf.nbytes)     # the short path: a plan for this size
             if plan is not None and plan[0] is buf.dtype and op == "sum" and buf.ndim == 1 \
-                    and buf.flags.c_contiguous and not trace._active \
-                    and not _stream._local.__dict__.get("tag"):
+                    and buf.flags.c_contiguous and not trace.recording \
+                    and not _stream.thread_local.__dict__.get("tag"):
                 self.last_algorithm = plan[1]
                 plan[2](buf, plan)
                 return None
@@ -192,9 +192,9 @@ class AutoCommunicator(CommunicatorBase):
         # stream module's thread-local (a plain dict lookup: getattr with a default costs
         # ~0.4 us when the attribute is missing, a fifth of a whole small all-reduce).
         if lean is not None and stream is None and type(buf) is np.ndarray and buf.ndim == 1 \
-                and buf.flags.c_contiguous and not _stream._local.__dict__.get("tag") \
+                and buf.flags.c_contiguous and not _stream.thread_local.__dict__.get("tag") \
                 and (op == "sum" or (op == "mean" and buf.dtype.kind == "f")) \
-                and buf.dtype.type in _DTYPES:
+                and buf.dtype.type in DTYPES:
             nbytes = buf.nbytes
             algorithm = self.algorithm or self._choices.get(nbytes) or self.choose(nbytes)
             self.last_algorithm = algorithm
@@ -204,21 +204,23 @@ class AutoCommunicator(CommunicatorBase):
                     np.divide(buf, buf.dtype.type(self.size), out=buf)
             return None
         self._check(buf, op)
-        on_stream = stream is not None or bool(_stream._local.__dict__.get("tag"))
+        on_stream = stream is not None or bool(_stream.thread_local.__dict__.get("tag"))
         algorithm = self.choose(buf.nbytes, on_stream=on_stream)
         if algorithm == NATIVE and on_stream:
             raise ValueError("the native all-reduce runs off a stream only (on one it would "
                              "race the other streams' MPI calls)")
         self.last_algorithm = algorithm
-        return self._launch(self._allreduce, (buf, op, algorithm), stream)
+        return self._launch(self.allreduce_now, (buf, op, algorithm), stream)
 
     # -- implementation: the transport path -------------------------------------------------
-    def _allreduce(self, buf, op, algorithm):
+    def allreduce_now(self, buf, op, algorithm):
+        """The all-reduce of a checked ``buf`` by ``algorithm``, blocking, on this thread
+        (what :meth:`allreduce` runs or queues; the lean path's fallback)."""
         if self.size > 1 and buf.size:
             if algorithm == NATIVE:
                 self.transport.allreduce_native(buf)
             elif algorithm == "ring":
-                self.ring._allreduce(buf, "sum", self.ring.shard_bounds(buf.size))
+                self.ring.allreduce_now(buf, "sum", self.ring.shard_bounds(buf.size))
             elif algorithm == "direct":
                 self._direct(buf)
             else:

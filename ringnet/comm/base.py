@@ -14,7 +14,7 @@ from ringnet.comm.stream import CpuStream, Handle, current_tag
 from ringnet.shards import shard_bounds
 
 __all__ = ["CommunicatorBase", "RootedCommunicator", "shard_bounds", "OPS", "pipeline_pieces",
-           "PIPELINE_MIN_BYTES", "PIPELINE_MAX_BYTES", "Array", "Bounds"]
+           "PIPELINE_MIN_BYTES", "PIPELINE_MAX_BYTES", "Array", "Bounds", "DTYPES"]
 
 Array = Any                               # numpy.ndarray or cupy.ndarray, flat and contiguous
 Bounds = Sequence[Tuple[int, int]]
@@ -48,8 +48,9 @@ def pipeline_pieces(length: int, itemsize: int,
     return [(a, min(a + step, length)) for a in range(0, length, step)]
 
 
-_DTYPES = (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
-           np.uint8, np.uint16, np.uint32, np.uint64)
+# the element types a collective takes
+DTYPES = (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
+          np.uint8, np.uint16, np.uint32, np.uint64)
 
 
 class CommunicatorBase:
@@ -110,7 +111,7 @@ class CommunicatorBase:
         if getattr(buf, "ndim", None) != 1 or not buf.flags.c_contiguous:
             raise ValueError("buffer must be a flat (1-D) C-contiguous NumPy/CuPy array, "
                              f"got {type(buf).__name__} with shape {getattr(buf, 'shape', None)}")
-        if buf.dtype.type not in _DTYPES:
+        if buf.dtype.type not in DTYPES:
             raise ValueError(f"unsupported dtype {buf.dtype}: use float16/32/64 or an integer type")
         if op not in OPS:
             raise ValueError(f"unknown op {op!r}: choose sum or mean")
@@ -269,7 +270,7 @@ class RootedCommunicator(CommunicatorBase):
         Returns None, or a Handle when queued on ``stream``.
         """
         self._check(buf, op)
-        return self._launch(self._allreduce, (buf, op), stream)
+        return self._launch(self.allreduce_now, (buf, op), stream)
 
     def _reduce(self, buf, root, op):
         raise NotImplementedError
@@ -277,6 +278,8 @@ class RootedCommunicator(CommunicatorBase):
     def _bcast(self, buf, root):
         raise NotImplementedError
 
-    def _allreduce(self, buf, op):
+    def allreduce_now(self, buf, op):
+        """The all-reduce of a checked ``buf``, blocking, on this thread (what :meth:`allreduce`
+        runs or queues; another communicator that already checked ``buf`` may call it)."""
         self._reduce(buf, 0, op)
         self._bcast(buf, 0)

@@ -65,7 +65,7 @@ class RingCommunicator(CommunicatorBase):
         """
         self._check(buf, op)
         bounds = self.shard_bounds(buf.size)
-        return self._launch(self._allreduce, (buf, op, bounds), stream)
+        return self._launch(self.allreduce_now, (buf, op, bounds), stream)
 
     # -- implementation -----------------------------------------------------------------
     def _bounds(self, buf, bounds):
@@ -122,6 +122,8 @@ class RingCommunicator(CommunicatorBase):
                 self.transport.isendrecv(buf[sa:sb][a:b], self.right,
                                          buf[ra:rb][a:b], self.left).wait()
 
-    def _allreduce(self, buf, op, bounds):
+    def allreduce_now(self, buf, op, bounds):
+        """The all-reduce of a checked ``buf`` over ``bounds``, blocking, on this thread
+        (what :meth:`allreduce` runs or queues; auto's ring runs it)."""
         self._reduce_scatter(buf, op, bounds)
         self._allgather(buf, bounds)

@@ -30,9 +30,11 @@ from typing import Any, Callable, Optional
 from ringnet.backend import cupy, gpu_available
 
 __all__ = ["Handle", "CpuStream", "GpuStream", "current_tag", "current_stream", "PROGRESS_MODES",
-           "progress_mode", "progress_setting", "resolve_progress", "progress_all"]
+           "progress_mode", "progress_setting", "resolve_progress", "progress_all", "thread_local",
+           "driven_streams"]
 
-_local = threading.local()
+# what a stream's thread has set on itself (tag, stream): the hot paths read it directly
+thread_local = threading.local()
 
 # The ways a CPU stream's thread can wait on a transfer, then the setting that picks one.
 PROGRESS_MODES = ("driven", "poll", "block", "auto")
@@ -65,12 +67,12 @@ def progress_mode(nodes: int = 1) -> str:
 
 def current_tag() -> int:
     """Return the message tag of the stream running on this thread (0 off-stream)."""
-    return getattr(_local, "tag", 0)
+    return getattr(thread_local, "tag", 0)
 
 
 def current_stream() -> Optional["CpuStream"]:
     """Return the stream whose thread is the calling thread (None off-stream)."""
-    return getattr(_local, "stream", None)
+    return getattr(thread_local, "stream", None)
 
 
 class Handle:
@@ -150,7 +152,7 @@ class CpuStream:
         self._completed = False
         if self.driven:
             with _driven_lock:
-                _driven.append(self)
+                driven_streams.append(self)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-{tag}", daemon=True)
         self._thread.start()
 
@@ -166,8 +168,8 @@ class CpuStream:
         return None
 
     def _loop(self):
-        _local.tag = self.tag
-        _local.stream = self
+        thread_local.tag = self.tag
+        thread_local.stream = self
         self._enter()
         while True:
             item = self._queue.get()
@@ -259,8 +261,8 @@ class CpuStream:
             self._queue.put(None)
             self._thread.join()
             with _driven_lock:
-                if self in _driven:
-                    _driven.remove(self)
+                if self in driven_streams:
+                    driven_streams.remove(self)
 
     def __enter__(self):
         return self
@@ -271,7 +273,7 @@ class CpuStream:
 
 # A thread that waits on a driven stream polls at most this long between tests.
 _DRIVE_MAX_PAUSE_S = 0.0002
-_driven = []
+driven_streams = []                 # the driven CPU streams of this process
 _driven_lock = threading.Lock()
 
 
@@ -281,7 +283,7 @@ def progress_all() -> None:
     The strategies call it at layer boundaries; blocking transfers off-stream call it
     while they wait, so a stream never sleeps while its rank is busy elsewhere in MPI.
     """
-    for stream in tuple(_driven):
+    for stream in tuple(driven_streams):
         stream.progress()
 
 
