@@ -40,7 +40,7 @@ auto       (all-reduce table only) the algorithm ``ringnet.comm.cost`` picks,
 Delay 1 runs the exchange on the communication stream beside the next step's compute;
 delay 0 runs it in the code's buckets (``backward_buckets``), each starting when the
 backward of its first layer ends. The step is laid out layer by layer (``Timeline``)
-and the stream's transfers, adds and update are walked beside it (``_simulate``): on a
+and the stream's transfers, adds and update are walked beside it (``simulate_ops``): on a
 GPU transfers overlap and the adds/update share the device; on the CPU with driven
 progress a transfer is noticed at the next layer boundary (the training thread tests
 it there), and with a polling thread the exchange moves at a measured fraction ρ of its

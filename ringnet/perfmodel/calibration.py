@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 
-from ringnet.perfmodel.compute import _ZERO_COMPUTE
-from ringnet.perfmodel.exchange import _master_time, _tree_time
+from ringnet.perfmodel.compute import ZERO_COMPUTE
+from ringnet.perfmodel.exchange import master_time, tree_time
 from ringnet.perfmodel.links import Link
 from ringnet.perfmodel.system import System, scheduling_wait, usable_cores
 from ringnet.perfmodel.worker import LOADED_EXCHANGES
@@ -95,11 +95,11 @@ def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300, models=(), ba
 
 def _fit_rooted(mode, n, sizes_s, add_s_per_elem):
     """Fit (alpha, beta) of tree or master reduce+broadcast times with the model's own formulas."""
-    timing = _tree_time if mode == "tree" else _master_time
+    timing = tree_time if mode == "tree" else master_time
 
     def coefficient(alpha, beta, size):
         link = Link("fit", alpha, beta)
-        system = System("fit", link, link, 1 << 30, _ZERO_COMPUTE)
+        system = System("fit", link, link, 1 << 30, ZERO_COMPUTE)
         return sum(timing(system, n, size, size // 4))
     rows, rhs = [], []
     for size, seconds in sizes_s:

@@ -87,7 +87,7 @@ def profile_method(data):
     return data.get("method") or ISOLATED_LAYERS
 
 
-_ZERO_COMPUTE = ComputeProfile("zero", "cpu", {}, {}, 0.0, 0.0, 0.0, 0.0, "no compute (link fits)")
+ZERO_COMPUTE = ComputeProfile("zero", "cpu", {}, {}, 0.0, 0.0, 0.0, 0.0, "no compute (link fits)")
 
 
 def compute_from_json(data, source=""):
@@ -120,7 +120,7 @@ def load_compute(path):
                          "write one with `python -m ringnet.bench model --save-compute FILE`") from None
 
 
-def _fit(batches, times):
+def fit_batch_times(batches, times):
     """Least-squares (a, b) of t = a + b * batch, with a >= 0 and b >= 0."""
     slope, icept = np.polyfit(np.asarray(batches, float), np.asarray(times, float), 1)
     if slope < 0:
@@ -130,7 +130,7 @@ def _fit(batches, times):
     return float(icept), float(slope)
 
 
-def _median_time(fn, iters):
+def median_time(fn, iters):
     samples = []
     for _ in range(iters):
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ def _pieces(length, itemsize, route, n):
     return rooted_pieces(route, length, itemsize, n)
 
 
-def _ring_time(system, bounds, itemsize, kind, after_idle=False):
+def ring_time(system, bounds, itemsize, kind, after_idle=False):
     """Seconds of one ring reduce-scatter ("rs", with adds) or all-gather ("ag") over
     ``bounds``; ``after_idle``: the collective follows compute, so a shaped link's token
     bucket is full when it starts."""
@@ -45,13 +45,13 @@ def _ring_items(system, bounds, itemsize, kind, after_idle=False):
     for _ in range(n - 1):
         covered = min(tokens, shard * itemsize)
         tokens -= covered
-        items += _message(hop, shard * itemsize, system.msg_wait_s, covered)
+        items += message_time(hop, shard * itemsize, system.msg_wait_s, covered)
         if kind == "rs":
             items.append(("cpu", system.compute.add(shard)))
     return items
 
 
-def _message(link, nbytes, peer_s=0.0, burst=0.0):
+def message_time(link, nbytes, peer_s=0.0, burst=0.0):
     """One message as the stream meets it: a wait for the peer ("msg", the latency), the
     copy of its bytes ("copy", bytes / beta, less the ``burst`` bytes a full token bucket
     passes at the wire's speed), and where ranks outnumber the cores the wait for a
@@ -62,14 +62,14 @@ def _message(link, nbytes, peer_s=0.0, burst=0.0):
         ([("peer", peer_s)] if peer_s else [])
 
 
-def _without_latency(system):
+def without_latency(system):
     """The same system with every hop's latency zero (what remains: bytes and adds)."""
     def flat(link):
         return dataclasses.replace(link, alpha_s=0.0)
     return dataclasses.replace(system, intra=flat(system.intra), inter=flat(system.inter))
 
 
-def _tree_time(system, n, nbytes, elems):
+def tree_time(system, n, nbytes, elems):
     """Seconds of a tree reduce (to the root) plus broadcast (to the last leaf).
 
     Heap of the code (children 2v+1, 2v+2). With the pipelined communicator every rank
@@ -116,7 +116,7 @@ def _tree_time(system, n, nbytes, elems):
     return reduce, max(h[-1] for h in have)
 
 
-def _master_time(system, n, nbytes, elems):
+def master_time(system, n, nbytes, elems):
     """Seconds of the master's reduce (N-1 gradients into the root) and broadcast.
 
     Pipelined communicator: the root posts every worker's piece j at once (they share its
@@ -160,7 +160,7 @@ def allreduce_time(system, algorithm, nbytes, n, itemsize=4):
     elems = max(1, nbytes // itemsize)
     if algorithm == "ring":
         bounds = _shard_bounds(elems, n)
-        return _ring_time(system, bounds, itemsize, "rs") + _ring_time(system, bounds, itemsize, "ag")
+        return ring_time(system, bounds, itemsize, "rs") + ring_time(system, bounds, itemsize, "ag")
     rounds, sent, added = terms(algorithm, nbytes, n)
     link = system.intra if n <= system.ranks_per_node else system.inter
     cp = system.compute
@@ -186,11 +186,11 @@ def allreduce_rows(system, model, nps):
 
 
 # route -> the timing of a rooted reduce and broadcast on it
-ROOTED_TIMES = {"tree": _tree_time, "master": _master_time}
+ROOTED_TIMES = {"tree": tree_time, "master": master_time}
 RING_KINDS = {"reduce_scatter": "rs", "allgather": "ag"}
 
 
-def _exchange_items(system, n, part, update_s, after_idle=False):
+def flat_items(system, n, part, update_s, after_idle=False):
     """The exchange of one part of the plan at N ranks (a :class:`~ringnet.parallel.traffic.Part`),
     as the stream runs it: [("msg", seconds) for each wait on a transfer, ("copy", seconds) for
     its bytes, ("cpu", seconds) for adds and the update].
@@ -225,7 +225,7 @@ def _rooted_items(system, n, transfer, update_s):
         system = dataclasses.replace(system, intra=link, inter=link)
     timing = ROOTED_TIMES[route]
     reduce, bcast = timing(system, n, elems * itemsize, elems)
-    moved = timing(_without_latency(system), n, elems * itemsize, elems)
+    moved = timing(without_latency(system), n, elems * itemsize, elems)
     waits = _rooted_waits(route, n, elems, itemsize)
 
     peer = [("peer", system.msg_wait_s)] if system.msg_wait_s else []

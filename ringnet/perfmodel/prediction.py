@@ -6,8 +6,8 @@ import numpy as np
 
 from ringnet.perfmodel import sends
 from ringnet.perfmodel.codefacts import boundary_s, code_facts
-from ringnet.perfmodel.exchange import RING_KINDS, _exchange_items, _ring_time
-from ringnet.perfmodel.simulate import _layer_timeline, _progress, _simulate
+from ringnet.perfmodel.exchange import RING_KINDS, flat_items, ring_time
+from ringnet.perfmodel.simulate import layer_timeline, progress_of, simulate_ops
 from ringnet.perfmodel.topology import hierarchical_items, spans_nodes
 from ringnet.parallel import MODES as REGISTRY
 from ringnet.parallel.fc_slices import fc_blocks
@@ -47,7 +47,7 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
     region = whole.region
     sent = whole.sent()
     bytes_mean, bytes_max = float(np.mean(sent)), int(max(sent))
-    progress = _progress(system, n)
+    progress = progress_of(system, n)
     layers = range(len(model.layers))
 
     if whole.activations:                       # split FC layers: activations collectives
@@ -71,7 +71,7 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
         act = 0.0
         for transfer in whole.activations:
             # each follows a layer's compute: a shaped link's token bucket has refilled
-            t = _ring_time(system, transfer.bounds, transfer.itemsize, RING_KINDS[transfer.op],
+            t = ring_time(system, transfer.bounds, transfer.itemsize, RING_KINDS[transfer.op],
                            after_idle=True)
             block = transfer.beside
             act += max(0.0, t - hidden.get(block, 0.0)) if block else t
@@ -79,7 +79,7 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
         segments = ([("fwd", i, local, 1.0) for i in layers[:fc_start]]
                     + [("dense", fc_compute + act + fc_update)]
                     + [("bwd", i, local, 1.0) for i in reversed(layers[:fc_start])])
-        timeline = _layer_timeline(cp, model, segments, slow)
+        timeline = layer_timeline(cp, model, segments, slow)
         compute = timeline.end - act - fc_update
         fixed = fc_update
     else:
@@ -87,14 +87,14 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
         segments = ([("fwd", i, local, 1.0) for i in layers]
                     + [("dense", cp.overhead_s(name, local) * slow)]
                     + [("bwd", i, local, 1.0) for i in reversed(layers)])
-        timeline = _layer_timeline(cp, model, segments, slow)
+        timeline = layer_timeline(cp, model, segments, slow)
         compute, act, fixed = timeline.end, 0.0, 0.0
 
     def update_of(part):
         """The update of the busiest rank's share of a part (the plan says whose it is)."""
         return cp.update(part.updated) * slow
 
-    exchange_items = _exchange_items
+    exchange_items = flat_items
     if topology == "hierarchical" and spans_nodes(system, n):
         exchange_items = hierarchical_items
     (everything,) = whole.parts
@@ -117,7 +117,7 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
                 exchange_items(system, n, part, update_of(part), after_idle=not k))
                for k, ((_, _, layer), part) in enumerate(zip(bucket_list, bucketed.parts))]
     if ops:
-        step, shift = _simulate(system, timeline, ops, progress)
+        step, shift = simulate_ops(system, timeline, ops, progress)
         compute += shift                # the stream's work the compute waited for on its core
     else:
         step = timeline.end + sum(t for _, t in exchange)

@@ -4,7 +4,7 @@ import time
 import numpy as np
 
 from ringnet.perfmodel.compute import (ISOLATED_LAYERS, TRAINING_STEPS, ComputeProfile,
-                                       _fit, _median_time, load_compute)
+                                       fit_batch_times, median_time, load_compute)
 from ringnet.perfmodel.roofline import GPUS, roofline_compute
 from ringnet.models import build_model
 
@@ -140,10 +140,10 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
                 model = runs[batches[0]][0]
                 n = len(model.layers)
                 med = {b: _step_medians(kept[b]) for b in batches}
-                layers[name] = [(model.layers[i][0], _fit(batches, [med[b][i] for b in batches]),
-                                 _fit(batches, [med[b][n + i] for b in batches]))
+                layers[name] = [(model.layers[i][0], fit_batch_times(batches, [med[b][i] for b in batches]),
+                                 fit_batch_times(batches, [med[b][n + i] for b in batches]))
                                 for i in range(n)]
-                overhead[name] = _fit(batches, [med[b][2 * n] for b in batches])
+                overhead[name] = fit_batch_times(batches, [med[b][2 * n] for b in batches])
                 updates.append((model.num_params,
                                 float(np.median([med[b][2 * n + 1] for b in batches]))))
                 steps_ms[name] = {b: 1e3 * med[b][2 * n + 2] for b in batches}
@@ -155,8 +155,8 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
     for n in (big, small):
         w, g = np.ones(n, np.dtype(dtype)), np.full(n, 1e-3, np.dtype(dtype))
         sgd = SGD(n, LRPolicy("fixed", 1e-3), momentum=0.9, weight_decay=5e-4, dtype=dtype)
-        costs[("upd", n)] = _median_time(lambda: sgd.step(w, g, 0), 24)
-        costs[("add", n)] = _median_time(lambda: np.add(w, g, out=w), 24)
+        costs[("upd", n)] = median_time(lambda: sgd.step(w, g, 0), 24)
+        costs[("add", n)] = median_time(lambda: np.add(w, g, out=w), 24)
     per_add = max((costs[("add", big)] - costs[("add", small)]) / (big - small), 0.0)
     per_call = max(costs[("upd", small)] - small * max(
         (costs[("upd", big)] - costs[("upd", small)]) / (big - small), 0.0), 0.0)
@@ -204,19 +204,19 @@ def isolated_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0)
                 losses[batch].append(time.perf_counter() - t0)
         rows = []
         for i, (lname, _, _) in enumerate(passes[batches[0]][0]):
-            fwd = _fit(batches, [np.median([p[i][1] for p in passes[b]]) / 1e3 for b in batches])
-            bwd = _fit(batches, [np.median([p[i][2] for p in passes[b]]) / 1e3 for b in batches])
+            fwd = fit_batch_times(batches, [np.median([p[i][1] for p in passes[b]]) / 1e3 for b in batches])
+            bwd = fit_batch_times(batches, [np.median([p[i][2] for p in passes[b]]) / 1e3 for b in batches])
             rows.append((lname, fwd, bwd))
         layers[name] = rows
-        overhead[name] = _fit(batches, [float(np.median(losses[b])) for b in batches])
+        overhead[name] = fit_batch_times(batches, [float(np.median(losses[b])) for b in batches])
     # update and add: one large and one small call give per element and per call
     big, small = 1 << 20, 1 << 10
     costs = {}
     for n in (big, small):
         w, g = np.ones(n, np.dtype(dtype)), np.full(n, 1e-3, np.dtype(dtype))
         sgd = SGD(n, LRPolicy("fixed", 1e-3), momentum=0.9, weight_decay=5e-4, dtype=dtype)
-        costs[("upd", n)] = _median_time(lambda: sgd.step(w, g, 0), 3 * iters)
-        costs[("add", n)] = _median_time(lambda: np.add(w, g, out=w), 3 * iters)
+        costs[("upd", n)] = median_time(lambda: sgd.step(w, g, 0), 3 * iters)
+        costs[("add", n)] = median_time(lambda: np.add(w, g, out=w), 3 * iters)
     per_upd = (costs[("upd", big)] - costs[("upd", small)]) / (big - small)
     per_add = (costs[("add", big)] - costs[("add", small)]) / (big - small)
     return ComputeProfile(

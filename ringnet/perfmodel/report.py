@@ -1,7 +1,7 @@
 """The model's output: Markdown tables (the README's), the text tables, and the plot."""
 import math
 
-from ringnet.perfmodel.sweeps import MODES, _label
+from ringnet.perfmodel.sweeps import MODES, mode_label
 from ringnet.perfmodel.validation import row_error
 from ringnet.errors import UsageError
 
@@ -37,7 +37,7 @@ def markdown_predictions(rows, nps):
             if any(cells):
                 out.append([name, profile, n] + [f"{_ms(c['step_ms'])} ms, {c['efficiency']:.2f}"
                                                  if c else "\u2013" for c in cells])
-    return markdown(["model", "profile", "N"] + [f"{_label(*md)} (step, efficiency)" for md in cols],
+    return markdown(["model", "profile", "N"] + [f"{mode_label(*md)} (step, efficiency)" for md in cols],
                     out)
 
 
@@ -65,7 +65,7 @@ def markdown_validation(rows):
     nps = sorted({r["np"] for r in rows})
     by = {}
     for r in rows:
-        by.setdefault((r["model"], _label(r["mode"], r["delay"])), {})[r["np"]] = r
+        by.setdefault((r["model"], mode_label(r["mode"], r["delay"])), {})[r["np"]] = r
     out = []
     for (name, label), got in by.items():
         cells = []
@@ -98,7 +98,7 @@ def _print_rows(table, cols, nps, tag, mark):
     """A text table's column header and its rows: step ms, speedup, efficiency per column
     (``tag`` after each column's label, ``mark(row)`` after each cell)."""
     width = 22 + len(mark({"step_ms": 0, "flat_ms": 0})) if cols else 22
-    print(f"{'N':>5} " + " ".join(f"{_label(*md) + tag:>{width}}" for md in cols))
+    print(f"{'N':>5} " + " ".join(f"{mode_label(*md) + tag:>{width}}" for md in cols))
     for n in nps:
         cells = []
         for md in cols:
@@ -137,7 +137,7 @@ def print_hierarchical(rows, batch, scaling, nps):
             cells = [table.get((md[0], md[1], n)) for md in cols]
             if any(cells):
                 print(f"# {n:>5}: floor {cells[0]['floor_ms'] if cells[0] else 0:.3g} ms; " + "; ".join(
-                    f"{_label(*md)} +{c['residual_ms']:.3g} ms ({c['between']})"
+                    f"{mode_label(*md)} +{c['residual_ms']:.3g} ms ({c['between']})"
                     for md, c in zip(cols, cells) if c))
         print("# assumed: alpha per message as the profile's links (spec-sheet latency + the stated "
               "software cost), one link between nodes per rank (the channels do not share a link), "
@@ -162,7 +162,7 @@ def markdown_hierarchical(rows, nps):
                     f"flat; +{_ms(c['residual_ms'])} ms, {c['between']})"
                     if c else "\u2013" for c in cells])
     return markdown(["model", "profile", "N", "floor"]
-                    + [f"{_label(*md)} hierarchical (step, efficiency; residual, between nodes)"
+                    + [f"{mode_label(*md)} hierarchical (step, efficiency; residual, between nodes)"
                        for md in cols], out)
 
 
@@ -177,7 +177,7 @@ def plot(rows, path, title):
     models = list(dict.fromkeys(r["model"] for r in rows))
     profiles = list(dict.fromkeys(r["profile"] for r in rows))
     styles = ["-", "--", ":", "-."]
-    colors = dict(zip([_label(*md) for md in MODES], plt.cm.tab10.colors))
+    colors = dict(zip([mode_label(*md) for md in MODES], plt.cm.tab10.colors))
     fig, axes = plt.subplots(len(models), 3, figsize=(15, 4.2 * len(models)), squeeze=False)
     for i, name in enumerate(models):
         for j, (key, ylabel) in enumerate((("step_ms", "step time (ms)"), ("speedup", "speedup"),
@@ -190,8 +190,8 @@ def plot(rows, path, title):
                     if len(pts) < 2:
                         continue
                     xs, ys = zip(*pts)
-                    ax.plot(xs, ys, styles[k % len(styles)], color=colors[_label(*md)],
-                            marker=".", label=f"{_label(*md)}, {profile}")
+                    ax.plot(xs, ys, styles[k % len(styles)], color=colors[mode_label(*md)],
+                            marker=".", label=f"{mode_label(*md)}, {profile}")
             ax.set_xscale("log", base=2)
             if key != "efficiency":
                 ax.set_yscale("log")

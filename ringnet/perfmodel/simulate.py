@@ -6,7 +6,7 @@ from ringnet.perfmodel.codefacts import code_facts
 __all__ = ["Timeline"]
 
 
-def _progress(system, n=1):
+def progress_of(system, n=1):
     """How the stream's transfers progress beside the compute: gpu, driven, poll or block;
     N ranks placed on several nodes (``placed_per_node``) progress as the code does there."""
     if system.cores is None:
@@ -41,7 +41,7 @@ class Timeline:
         return min(later) if later else t
 
 
-def _layer_timeline(cp, model, segments, slow):
+def layer_timeline(cp, model, segments, slow):
     """Build a Timeline from [("fwd"|"bwd", layer index, batch, share) | ("dense", seconds)]."""
     t, points, dense, ready = 0.0, [], [], {}
     for seg in segments:
@@ -58,7 +58,7 @@ def _layer_timeline(cp, model, segments, slow):
     return Timeline(points, dense, ready, t)
 
 
-def _simulate(system, timeline, ops, progress):
+def simulate_ops(system, timeline, ops, progress):
     """Step time when ``ops`` [(ready time, items)] run in order on the stream beside the compute.
 
     A transfer is a wait ("msg") and a copy ("copy"); together they take its blocking time.

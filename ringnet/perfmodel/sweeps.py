@@ -147,13 +147,13 @@ def crossovers(system, model, batch, scaling, max_np, modes=MODES):
                             lo_n = mid
                     winner, loser = (a, b) if sign else (b, a)
                     found.append({"model": model.name, "profile": system.name,
-                                  "faster": _label(*winner), "than": _label(*loser),
+                                  "faster": mode_label(*winner), "than": mode_label(*loser),
                                   "from_np": hi_n})
                 prev = sign
     return found
 
 
-def _label(mode, delay):
+def mode_label(mode, delay):
     return f"{mode} d{delay}"
 
 

@@ -26,7 +26,7 @@ runs them:
 import dataclasses
 import math
 
-from ringnet.perfmodel.exchange import _message, _tree_time, _without_latency
+from ringnet.perfmodel.exchange import message_time, tree_time, without_latency
 from ringnet.comm.cost import between_nodes, between_phases
 
 __all__ = ["HIERARCHICAL_MODES", "spans_nodes", "hierarchical_items", "between_choice"]
@@ -76,17 +76,17 @@ def _channel_items(system, n, transfers, update_s):
     phases = between_phases(algorithm, region * itemsize, nodes)
     items = []
     for _ in range(local - 1):          # the direct reduce-scatter: one message per peer
-        items += _message(system.intra, region * itemsize, peer)
+        items += message_time(system.intra, region * itemsize, peer)
     if local > 1:
         items.append(("cpu", cp.add((local - 1) * region)))    # one pass over the L copies
     for _, nbytes, added in phases:
-        items += _message(link, nbytes, peer)
+        items += message_time(link, nbytes, peer)
         items.append(("cpu", cp.add(added / itemsize)))
     items.append(("cpu", update_s))
     for _, nbytes, _ in reversed(phases):
-        items += _message(link, nbytes, peer)
+        items += message_time(link, nbytes, peer)
     for _ in range(local - 1):
-        items += _message(system.intra, region * itemsize, peer)
+        items += message_time(system.intra, region * itemsize, peer)
     return items
 
 
@@ -101,17 +101,17 @@ def _ring_items(system, n, transfers, update_s):
     elems, shard = sum(sizes), max(sizes)
     region = max(sum(sizes[j * local:(j + 1) * local]) for j in range(nodes))
     peer, cp = system.msg_wait_s, system.compute
-    items = _message(system.intra, (local - 1) * elems * itemsize, peer)
+    items = message_time(system.intra, (local - 1) * elems * itemsize, peer)
     items.append(("cpu", (local - 1) * cp.add(elems)))
     for _ in range(nodes - 1):
-        items += _message(system.inter, region * itemsize, peer)
+        items += message_time(system.inter, region * itemsize, peer)
         items.append(("cpu", cp.add(region)))
-    items += _message(system.intra, (local - 1) * shard * itemsize, peer)
+    items += message_time(system.intra, (local - 1) * shard * itemsize, peer)
     items.append(("cpu", update_s))
-    items += _message(system.intra, (local - 1) * shard * itemsize, peer)
+    items += message_time(system.intra, (local - 1) * shard * itemsize, peer)
     for _ in range(nodes - 1):
-        items += _message(system.inter, region * itemsize, peer)
-    items += _message(system.intra, (local - 1) * elems * itemsize, peer)
+        items += message_time(system.inter, region * itemsize, peer)
+    items += message_time(system.intra, (local - 1) * elems * itemsize, peer)
     return items
 
 
@@ -122,21 +122,21 @@ def _tree_items(system, n, transfers, update_s):
     local, nodes = _node_of(system, n)
     peer, cp = system.msg_wait_s, system.compute
     leaders = dataclasses.replace(system, intra=system.inter, ranks_per_node=1)
-    up, down = _tree_time(leaders, nodes, nbytes, elems)
-    moved_up, moved_down = _tree_time(_without_latency(leaders), nodes, nbytes, elems)
+    up, down = tree_time(leaders, nodes, nbytes, elems)
+    moved_up, moved_down = tree_time(without_latency(leaders), nodes, nbytes, elems)
 
     def between(total, copied):
         return [("msg", max(0.0, total - copied)), ("copy", copied)] + ([("peer", peer)] if peer else [])
 
-    items = _message(system.intra, (local - 1) * nbytes, peer)
+    items = message_time(system.intra, (local - 1) * nbytes, peer)
     items.append(("cpu", (local - 1) * cp.add(elems)))
     items += between(up, moved_up) + [("cpu", update_s)] + between(down, moved_down)
-    return items + _message(system.intra, (local - 1) * nbytes, peer)
+    return items + message_time(system.intra, (local - 1) * nbytes, peer)
 
 
 def hierarchical_items(system, n, part, update_s, after_idle=False):
     """The hierarchical exchange of one part of the plan (a :class:`~ringnet.parallel.traffic.Part`)
-    as the stream runs it, in the kinds of :func:`~ringnet.perfmodel.exchange._exchange_items`
+    as the stream runs it, in the kinds of :func:`~ringnet.perfmodel.exchange.flat_items`
     (``after_idle`` is not modelled here: a token bucket's burst is left out)."""
     if n == 1 or not part.transfers:
         return [("cpu", update_s)]

@@ -10,7 +10,7 @@ from ringnet.perfmodel.codefacts import OLD_FACTS, code_facts, facts
 from ringnet.perfmodel.compute import compute_from_json
 from ringnet.perfmodel.prediction import predict
 from ringnet.perfmodel.profiling import measure_compute
-from ringnet.perfmodel.sweeps import MODES, REFERENCE, _label, communicates, fits
+from ringnet.perfmodel.sweeps import MODES, REFERENCE, mode_label, communicates, fits
 from ringnet.perfmodel.system import make_system
 from ringnet.models import build_model
 
@@ -145,4 +145,4 @@ def diagnose(row, rows):
         floor = (max(ones) - min(ones)) / statistics.median(ones)
         words.append(f"same-work N=1 rows of {row['model']} differ by {100 * floor:.0f}%")
     words.append(f"rounds of this row differ by {100 * row['spread']:.0f}%")
-    return f"{_label(row['mode'], row['delay'])} N={row['np']} {100 * err:+.0f}%: " + "; ".join(words)
+    return f"{mode_label(row['mode'], row['delay'])} N={row['np']} {100 * err:+.0f}%: " + "; ".join(words)

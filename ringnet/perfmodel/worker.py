@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from ringnet.perfmodel.compute import _median_time
+from ringnet.perfmodel.compute import median_time
 from ringnet.perfmodel.system import usable_cores
 from ringnet.models import build_model
 
@@ -73,9 +73,9 @@ def calibrate_worker(iters, models=(), batch=0):
     for _ in range(iters):
         idle_barrier()
         if rank == 0:
-            solo.append(_median_time(work, 1))
+            solo.append(median_time(work, 1))
         idle_barrier()
-        together.append(slowest(_median_time(work, 1)))
+        together.append(slowest(median_time(work, 1)))
     # each model's own step at its per-rank batch: one rank alone (the others sleep), then
     # every rank at once (training's compute time is the mean over ranks)
     steps = {}
@@ -87,7 +87,7 @@ def calibrate_worker(iters, models=(), batch=0):
         net.loss_and_grad(xb, yb)
         # steps back to back for at least STEPS_TIMED_S: several scheduler slices, so ranks
         # that share a core share it as in training (one short step may run unshared)
-        calls = world.bcast(max(1, math.ceil(STEPS_TIMED_S / _median_time(
+        calls = world.bcast(max(1, math.ceil(STEPS_TIMED_S / median_time(
             lambda: net.loss_and_grad(xb, yb), 1))) if rank == 0 else None, root=0)
 
         def each_step():

@@ -176,7 +176,7 @@ def test_the_cluster_file_says_whether_links_are_shaped(tmp_path):
 def test_ranks_across_nodes_progress_as_the_code_does_there():
     import dataclasses
     from ringnet.perfmodel.codefacts import facts
-    from ringnet.perfmodel.simulate import _progress
+    from ringnet.perfmodel.simulate import progress_of
     from ringnet.perfmodel.system import System
     from ringnet.perfmodel.links import Link
     link = Link("x", 1e-4, 1e8)
@@ -184,11 +184,11 @@ def test_ranks_across_nodes_progress_as_the_code_does_there():
     placed = dataclasses.replace(system, placed_per_node=1)
     with facts({"progress": "driven", "progress_nodes": "poll", "bucket_bytes": 0,
                 "rooted_concurrent": True}):
-        assert _progress(system, 2) == "driven"         # one node, as before
-        assert _progress(placed, 1) == "driven"
-        assert _progress(placed, 2) == "poll"           # the ranks span 2 nodes
+        assert progress_of(system, 2) == "driven"         # one node, as before
+        assert progress_of(placed, 1) == "driven"
+        assert progress_of(placed, 2) == "poll"           # the ranks span 2 nodes
     with facts({"progress": "driven", "bucket_bytes": 0, "rooted_concurrent": True}):
-        assert _progress(placed, 2) == "driven"         # a record that did not say
+        assert progress_of(placed, 2) == "driven"         # a record that did not say
 
 
 def test_bench_model_places_its_ranks_with_the_launcher(monkeypatch, tmp_path):

@@ -268,10 +268,10 @@ def test_ring_time_hand_computed():
     system = _system()
     bounds = shard_bounds(1000, 4)             # 250 elements = 1000 bytes per step
     step = ALPHA + 1000 / BETA
-    assert exchange._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * step)
+    assert exchange.ring_time(system, bounds, 4, "ag") == pytest.approx(3 * step)
     add = _system(add=1e-6)                       # + 250 adds of 1 us each per step
-    assert exchange._ring_time(add, bounds, 4, "rs") == pytest.approx(3 * (step + 250e-6))
-    assert exchange._ring_time(system, shard_bounds(1000, 1), 4, "rs") == 0.0
+    assert exchange.ring_time(add, bounds, 4, "rs") == pytest.approx(3 * (step + 250e-6))
+    assert exchange.ring_time(system, shard_bounds(1000, 1), 4, "rs") == 0.0
 
 
 def test_a_full_token_bucket_passes_its_burst_at_the_wire_s_speed():
@@ -284,12 +284,12 @@ def test_a_full_token_bucket_passes_its_burst_at_the_wire_s_speed():
     bucket = dataclasses.replace(system.intra, burst_bytes=1500)
     shaped = dataclasses.replace(system, intra=bucket, inter=bucket)
     full = 3 * (ALPHA + 1000 / BETA)
-    assert exchange._ring_time(shaped, bounds, 4, "ag") == pytest.approx(full)
+    assert exchange.ring_time(shaped, bounds, 4, "ag") == pytest.approx(full)
     # 1000 + 500 bytes within the burst, 500 + 1000 at the rate
-    assert exchange._ring_time(shaped, bounds, 4, "ag", after_idle=True) == \
+    assert exchange.ring_time(shaped, bounds, 4, "ag", after_idle=True) == \
         pytest.approx(3 * ALPHA + 1500 / BETA)
     big = dataclasses.replace(bucket, burst_bytes=1 << 20)
-    assert exchange._ring_time(dataclasses.replace(shaped, intra=big, inter=big), bounds, 4,
+    assert exchange.ring_time(dataclasses.replace(shaped, intra=big, inter=big), bounds, 4,
                                "ag", after_idle=True) == pytest.approx(3 * ALPHA)
 
 
@@ -308,9 +308,9 @@ def test_inter_node_hop_sets_the_ring_pace():
     system = _system(ranks_per_node=2)
     system.inter = slow
     bounds = shard_bounds(1000, 4)
-    assert exchange._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * slow.time(1000))
+    assert exchange.ring_time(system, bounds, 4, "ag") == pytest.approx(3 * slow.time(1000))
     system.ranks_per_node = 4
-    assert exchange._ring_time(system, bounds, 4, "ag") == pytest.approx(3 * (ALPHA + 1000 / BETA))
+    assert exchange.ring_time(system, bounds, 4, "ag") == pytest.approx(3 * (ALPHA + 1000 / BETA))
 
 
 def test_tree_and_master_times_hand_computed(monkeypatch):
@@ -320,31 +320,31 @@ def test_tree_and_master_times_hand_computed(monkeypatch):
     # serial communicators, heap of 4: 0 <- {1, 2}, 1 <- {3}. Reduce: 1 gets 3 (h), 0 gets 1
     # (2h) then 2 (3h). Broadcast: 0 sends to 1 and 2 at once (alpha + 2 S/beta), 1 then to 3.
     monkeypatch.setattr(exchange, "_rooted_concurrent", lambda: False)
-    reduce, bcast = exchange._tree_time(system, 4, nbytes, 1000)
+    reduce, bcast = exchange.tree_time(system, 4, nbytes, 1000)
     assert reduce == pytest.approx(3 * h)
     assert bcast == pytest.approx(2 * ALPHA + 3 * nbytes / BETA)
-    reduce, bcast = exchange._master_time(system, 4, nbytes, 1000)
+    reduce, bcast = exchange.master_time(system, 4, nbytes, 1000)
     assert reduce == pytest.approx(3 * h)                      # one after the other
     assert bcast == pytest.approx(ALPHA + 3 * nbytes / BETA)   # three copies share one link
     # concurrent receives, one piece: 1 gets 3 (h); 0 gets 1 and 2 at once on its link
     monkeypatch.setattr(exchange, "_rooted_concurrent", lambda: True)
     monkeypatch.setattr(exchange, "_pieces", lambda length, itemsize, mode, n: [(0, length)])
-    reduce, bcast = exchange._tree_time(system, 4, nbytes, 1000)
+    reduce, bcast = exchange.tree_time(system, 4, nbytes, 1000)
     assert reduce == pytest.approx(h + ALPHA + 2 * nbytes / BETA)
     assert bcast == pytest.approx(2 * ALPHA + 3 * nbytes / BETA)
-    reduce, bcast = exchange._master_time(system, 4, nbytes, 1000)
+    reduce, bcast = exchange.master_time(system, 4, nbytes, 1000)
     assert reduce == pytest.approx(ALPHA + 3 * nbytes / BETA)  # three at once share one link
     # four pieces of 250 elements: a chain 0 <- 1 (N=2 heap is one edge) streams them
     quarter = ALPHA + nbytes / 4 / BETA
     monkeypatch.setattr(exchange, "_pieces", lambda length, itemsize, mode, n: [(a, a + length // 4)
                                                                  for a in range(0, length, length // 4)])
-    reduce, bcast = exchange._tree_time(system, 2, nbytes, 1000)
+    reduce, bcast = exchange.tree_time(system, 2, nbytes, 1000)
     assert reduce == pytest.approx(4 * quarter) and bcast == pytest.approx(4 * quarter)
     # heap of 3 pipelined: the root's link takes both children's piece j at once
-    reduce, bcast = exchange._tree_time(system, 3, nbytes, 1000)
+    reduce, bcast = exchange.tree_time(system, 3, nbytes, 1000)
     assert reduce == pytest.approx(4 * (ALPHA + 2 * nbytes / 4 / BETA))
     add = _system(add=1e-6)                                    # + two adds of 250 per piece
-    reduce, _ = exchange._tree_time(add, 3, nbytes, 1000)
+    reduce, _ = exchange.tree_time(add, 3, nbytes, 1000)
     assert reduce == pytest.approx(4 * (ALPHA + 2 * nbytes / 4 / BETA) + 2 * 250e-6)
 
 
@@ -380,13 +380,13 @@ def test_polled_stream_overlap_hand_computed():
     ops = [(0.0, [("msg", 2.0), ("cpu", 0.25)])]
     # exchange of 2 s needs 4 s beside the compute, which it slows by 0.5 * 4 s
     long = pm.Timeline([], [], {}, 10.0)
-    assert simulate._simulate(system, long, ops, "poll")[0] == pytest.approx(10.0 + 2.0 + 0.25)
+    assert simulate.simulate_ops(system, long, ops, "poll")[0] == pytest.approx(10.0 + 2.0 + 0.25)
     # a 1 s compute stretches to 2 s; 1 s of exchange done, 1 s left at full speed
     short = pm.Timeline([], [], {}, 1.0)
-    assert simulate._simulate(system, short, ops, "poll")[0] == pytest.approx(2.0 + 1.0 + 0.25)
+    assert simulate.simulate_ops(system, short, ops, "poll")[0] == pytest.approx(2.0 + 1.0 + 0.25)
     # a spare core takes the update off the compute's core
     system.ranks_here = 1
-    assert simulate._simulate(system, long, ops, "poll")[0] == pytest.approx(12.0)
+    assert simulate.simulate_ops(system, long, ops, "poll")[0] == pytest.approx(12.0)
 
 
 def test_driven_stream_waits_for_layer_boundaries():
@@ -396,14 +396,14 @@ def test_driven_stream_waits_for_layer_boundaries():
     # the first transfer is noticed at the boundary at 1; the add delays the compute by
     # 0.1, so the next boundaries are 2.1, 3.1, 4.1; the second transfer is seen at 2.1
     layers = pm.Timeline([1.0, 2.0, 3.0, 4.0], [], {}, 4.0)
-    assert simulate._simulate(system, layers, ops, "driven") == pytest.approx((4.1, 0.1))
+    assert simulate.simulate_ops(system, layers, ops, "driven") == pytest.approx((4.1, 0.1))
     # after the compute the waiting thread drives: at blocking speed
     one = pm.Timeline([1.0], [], {}, 1.0)
-    assert simulate._simulate(system, one, ops, "driven")[0] == pytest.approx(1.0 + 0.1 + 0.5)
+    assert simulate.simulate_ops(system, one, ops, "driven")[0] == pytest.approx(1.0 + 0.1 + 0.5)
     # inside a blocking collective the thread progresses all along
     dense = pm.Timeline([], [(0.0, 4.0)], {}, 4.0)
-    assert simulate._simulate(system, dense, [(0.0, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.0)
-    assert simulate._simulate(system, dense, [(3.9, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.4)
+    assert simulate.simulate_ops(system, dense, [(0.0, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.0)
+    assert simulate.simulate_ops(system, dense, [(3.9, [("msg", 0.5)])], "driven")[0] == pytest.approx(4.4)
 
 
 def test_driven_copy_delays_the_compute_and_moves_at_the_calibrated_rate():
@@ -412,18 +412,18 @@ def test_driven_copy_delays_the_compute_and_moves_at_the_calibrated_rate():
     layers = pm.Timeline([1.0, 2.0, 3.0, 4.0], [], {}, 4.0)
     # one message: a 0.1 wait (seen at the boundary at 1), then a 0.3 copy the training
     # thread makes inside its test: the compute ends 0.3 later (4.3)
-    ops = [(0.0, exchange._message(pm.Link("x", 0.1, 1.0), 0.3))]
+    ops = [(0.0, exchange.message_time(pm.Link("x", 0.1, 1.0), 0.3))]
     assert ops[0][1] == [("msg", 0.1), ("copy", 0.3)]
-    step, shift = simulate._simulate(system, layers, ops, "driven")
+    step, shift = simulate.simulate_ops(system, layers, ops, "driven")
     assert shift == pytest.approx(0.3) and step == pytest.approx(4.3)
     # at a calibrated rate of 0.25 a message takes 4x as long beside compute: the wait is
     # seen at 1, the copy (1.2; +0.3 on the compute, boundaries now 1.3, 2.3, ...) at 2.3
     system.rate = 0.25
     late = [(0.0, [("msg", 0.1), ("copy", 0.3), ("msg", 0.1)])]
     # the second wait starts at 2.3 and takes 0.4 beside compute: seen at the boundary 3.3
-    assert simulate._simulate(system, layers, late, "driven") == pytest.approx((4.3, 0.3))
+    assert simulate.simulate_ops(system, layers, late, "driven") == pytest.approx((4.3, 0.3))
     # a GPU's copy engine moves it: nothing added to the compute
-    assert simulate._simulate(system, layers, ops, "gpu") == pytest.approx((4.0, 0.0))
+    assert simulate.simulate_ops(system, layers, ops, "gpu") == pytest.approx((4.0, 0.0))
 
 
 def test_ranks_beyond_the_cores_share_them(monkeypatch):
@@ -515,13 +515,13 @@ def test_calibrated_waits_set_the_step_s_wait_and_each_message_s():
     plain = pm.System("local", None, None, 1 << 30, _system().compute,
                       calibrated={4: dict(record, slice_s=0.0, msg_slice_s=0.0)}).at(4)
     bounds = shard_bounds(lenet.num_params, 4)
-    both = [exchange._ring_time(s, bounds, 4, "rs") + exchange._ring_time(s, bounds, 4, "ag") for s in (at4, plain)]
+    both = [exchange.ring_time(s, bounds, 4, "rs") + exchange.ring_time(s, bounds, 4, "ag") for s in (at4, plain)]
     assert both[0] - both[1] == pytest.approx(6 * 2e-4)
     # the tree's and the master's waits too, one per wait on their critical path
     from ringnet.parallel.plans import RootedPlan
     for mode in ("tree", "master"):
         part = RootedPlan.traffic(1000, 4, lenet.dtype.itemsize, [(0, 1000)], mode)[0]
-        items = [exchange._exchange_items(s, 4, part, 0.0) for s in (at4, plain)]
+        items = [exchange.flat_items(s, 4, part, 0.0) for s in (at4, plain)]
         peers = [sec for kind, sec in items[0] if kind == "peer"]
         assert peers and all(p == pytest.approx(2e-4) for p in peers)
         assert [i for i in items[0] if i[0] != "peer"] == items[1]
@@ -546,12 +546,12 @@ def test_peer_wait_beside_compute_is_in_the_calibrated_rate():
     system = _system()
     system.cores, system.ranks_here = 1.0, 1
     layers = pm.Timeline([1.0, 2.0, 3.0, 4.0], [], {}, 4.0)
-    assert exchange._message(pm.Link("x", 0.1, 1.0), 0.3, 0.5) == [("msg", 0.1), ("copy", 0.3), ("peer", 0.5)]
+    assert exchange.message_time(pm.Link("x", 0.1, 1.0), 0.3, 0.5) == [("msg", 0.1), ("copy", 0.3), ("peer", 0.5)]
     beside = [(0.0, [("msg", 0.1), ("peer", 5.0)])]
-    assert simulate._simulate(system, layers, beside, "driven") == pytest.approx((4.0, 0.0))
-    assert simulate._simulate(system, layers, beside, "poll") == pytest.approx((4.0, 0.0))
+    assert simulate.simulate_ops(system, layers, beside, "driven") == pytest.approx((4.0, 0.0))
+    assert simulate.simulate_ops(system, layers, beside, "poll") == pytest.approx((4.0, 0.0))
     after = [(4.0, [("msg", 0.1), ("peer", 0.5)])]
-    assert simulate._simulate(system, layers, after, "driven") == pytest.approx((4.6, 0.0))
+    assert simulate.simulate_ops(system, layers, after, "driven") == pytest.approx((4.6, 0.0))
 
 
 def test_wait_for_peers_is_paid_once_per_step():
@@ -844,8 +844,8 @@ def test_link_fit_recovers_alpha_beta():
 @pytest.mark.parametrize("mode", ["tree", "master"])
 def test_rooted_link_fit_recovers_alpha_beta(mode):
     n, link = 4, pm.Link("true", 2e-3, 3e8)
-    system = pm.System("true", link, link, 1 << 30, compute_profiles._ZERO_COMPUTE)
-    timing = exchange._tree_time if mode == "tree" else exchange._master_time
+    system = pm.System("true", link, link, 1 << 30, compute_profiles.ZERO_COMPUTE)
+    timing = exchange.tree_time if mode == "tree" else exchange.master_time
     times = [(s, sum(timing(system, n, s, s // 4))) for s in (4096, 65536, 1 << 20)]
     alpha, beta = calibration._fit_rooted(mode, n, times, 0.0)
     assert alpha == pytest.approx(2e-3, rel=1e-6)
