@@ -32,6 +32,9 @@ LAYERS = [
     ("benchmarks", ["ringnet.bench"]),
 ]
 MAX_LINES = 600
+# The one import up the layers: the NCCL transport loads the stand-in of CUDA and NCCL
+# (testing code, as numpy.testing is) lazily, and only when RINGNET_NCCL=standin asks for it.
+ALLOWED_UP = {("ringnet.comm.nccl_transport", "ringnet.testing.nccl_standin")}
 
 
 def _module(path):
@@ -83,7 +86,8 @@ def test_imports_go_down_the_layers(path):
     name = _module(path)
     mine = _layer(name)
     upward = [f"line {line}: {target} ({LAYERS[_layer(target)][0]})"
-              for line, target in _imports(path) if _layer(target) > mine]
+              for line, target in _imports(path)
+              if _layer(target) > mine and (name, target) not in ALLOWED_UP]
     assert not upward, f"{name} ({LAYERS[mine][0]}) imports from above: " + "; ".join(upward)
 
 

@@ -26,7 +26,7 @@ NCCL's rules, and how this transport keeps them:
   A host wait blocks on a CUDA event (no polling); the watchdog bounds it.
 
 ``nccl`` picks the library: None reads ``RINGNET_NCCL`` (``standin`` selects the strict
-stand-in of CUDA and NCCL in :mod:`ringnet.comm._nccl_standin`, which moves NumPy arrays
+stand-in of CUDA and NCCL in :mod:`ringnet.testing.nccl_standin`, which moves NumPy arrays
 through this same code, streams, events and watchdog included, and lets CI check these
 rules without a GPU), ``"cupy"`` or ``"standin"`` pick explicitly.
 """
@@ -61,8 +61,8 @@ def nccl_module(kind=None):
     if kind not in NCCL_CHOICES:
         raise ValueError(f"RINGNET_NCCL={kind!r}: choose cupy or standin")
     if kind == "standin":
-        from ringnet.comm import _nccl_standin  # noqa: WPS433
-        return _nccl_standin
+        from ringnet.testing import nccl_standin  # noqa: WPS433  loaded only when asked for
+        return nccl_standin
     if cupy is None:
         return None
     try:

@@ -1,3 +1,4 @@
 """What exists to check ringnet, beside the library (as ``numpy.testing`` sits beside
 NumPy): :mod:`ringnet.testing.recording_cupy`, the recording stand-in for CuPy that the
-launch budget and the GPU path's tests run on."""
+launch budget and the GPU path's tests run on, and :mod:`ringnet.testing.nccl_standin`, the
+strict host emulation of CUDA and NCCL that ``RINGNET_NCCL=standin`` selects."""

@@ -2,7 +2,7 @@
 
 Run: ``mpirun -np N python -m pytest --with-mpi -m mpi tests/comm/test_nccl_readiness.py`` (N = 1..4).
 
-The stand-in (:mod:`ringnet.comm._nccl_standin`) puts world rank r on GPU ``1 + r % 7``,
+The stand-in (:mod:`ringnet.testing.nccl_standin`) puts world rank r on GPU ``1 + r % 7``,
 runs every stream on a thread of its own and reads a write as poison until an event
 orders the reader after it. Against it:
 
@@ -29,7 +29,7 @@ import pytest
 from mpi4py import MPI
 
 from ringnet.comm import NcclTransport, create
-from ringnet.comm import _nccl_standin as nccl
+from ringnet.testing import nccl_standin as nccl
 from ringnet.comm import nccl_transport
 from conftest import launcher_free_env
 

@@ -29,7 +29,7 @@ import pytest
 from mpi4py import MPI
 
 from ringnet.comm import COMMUNICATORS, MpiTransport, NcclTransport, create
-from ringnet.comm import _nccl_standin as nccl
+from ringnet.testing import nccl_standin as nccl
 
 pytestmark = pytest.mark.mpi
 

@@ -1,11 +1,11 @@
 """The stand-in's memory: what NCCL operations write, and which readers may see it yet
 (poison until an event or a wait orders them after the write; see
-:mod:`ringnet.comm._nccl_standin`)."""
+:mod:`ringnet.testing.nccl_standin`)."""
 import ctypes
 
 import numpy as np
 
-from ringnet.comm._nccl_standin.common import _NUMPY, POISON, NcclRuleError, _lock
+from ringnet.testing.nccl_standin.common import _NUMPY, POISON, NcclRuleError, _lock
 
 class _HostPointer(int):
     """A host address that keeps the array it points into alive (``owner``)."""
@@ -38,7 +38,7 @@ def host_pointer(array):
     """Return ``array``'s address for the NCCL calls, holding the array while it is tracked.
     A buffer made on another device than the rank's (a model built before the rank bound
     its device: on device 0) is refused, as NCCL cannot use it from the rank's GPU."""
-    from ringnet.comm._nccl_standin import devices
+    from ringnet.testing.nccl_standin import devices
     ptr = _HostPointer(array.ctypes.data)
     device = made_on(int(ptr))
     if device is not None and devices._rank_device is not None and device != devices._rank_device:

@@ -1,7 +1,7 @@
 """The stand-in's CUDA: devices (and the rule that a rank uses one), streams and events.
 
 Every stream runs what is enqueued on it on a thread of its own; see
-:mod:`ringnet.comm._nccl_standin`.
+:mod:`ringnet.testing.nccl_standin`.
 """
 import collections
 import itertools
@@ -11,9 +11,9 @@ import types
 
 from mpi4py import MPI
 
-from ringnet.comm._nccl_standin.common import (DEVICE_COUNT, NcclError, NcclRuleError, _local, _lock,
+from ringnet.testing.nccl_standin.common import (DEVICE_COUNT, NcclError, NcclRuleError, _local, _lock,
                                                _timeout)
-from ringnet.comm._nccl_standin.memory import _hide, _publish, _show
+from ringnet.testing.nccl_standin.memory import _hide, _publish, _show
 
 # -- devices ---------------------------------------------------------------------------
 _rank_device = None         # the device this process uses (the first it touched)

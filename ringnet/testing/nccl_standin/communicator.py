@@ -1,5 +1,5 @@
 """The stand-in's NCCL: groups, launching operations on streams in each device's launch
-order, and :class:`NcclCommunicator` with its rules; see :mod:`ringnet.comm._nccl_standin`."""
+order, and :class:`NcclCommunicator` with its rules; see :mod:`ringnet.testing.nccl_standin`."""
 import collections
 import itertools
 import secrets
@@ -9,12 +9,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ringnet.comm._nccl_standin.common import (
+from ringnet.testing.nccl_standin.common import (
     _ALLREDUCE, _HEADER_LEN, _HEADER_TAG, _JOIN_TAG, _KINDS, _MEMBERS_TAG, _NUMPY, _ORDER_WINDOW,
     _PAYLOAD_TAG, _RECV, _REDUCE, _SEND, _UNIQUE_ID_BYTES, NcclError, NcclRuleError, _local, _lock,
     _timeout)
-from ringnet.comm._nccl_standin.devices import _check, _current, _queue_of
-from ringnet.comm._nccl_standin.memory import _land, _outgoing, _release, _Write, _writes
+from ringnet.testing.nccl_standin.devices import _check, _current, _queue_of
+from ringnet.testing.nccl_standin.memory import _land, _outgoing, _release, _Write, _writes
 
 # -- groups (per thread, as in NCCL) -------------------------------------------------------
 def _group():

@@ -1,5 +1,5 @@
 """The stand-in's NCCL constants, its errors, its deadline and the lock over its shared
-state (see :mod:`ringnet.comm._nccl_standin`)."""
+state (see :mod:`ringnet.testing.nccl_standin`)."""
 import os
 import threading
 
