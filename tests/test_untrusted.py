@@ -229,6 +229,15 @@ def test_an_unusable_blas_thread_count_is_refused(tmp_path, value):
     assert_one_line_error(proc, f"RINGNET_BLAS_THREADS={value!r}", "whole number")
 
 
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_a_benchmark_refuses_an_unusable_blas_thread_count(tmp_path, value):
+    """docs/environment.md's promise holds for the benchmarks too (they set their ranks' own
+    count, but the variable is the user's)."""
+    proc = cli(tmp_path, "layers", "--model", "lenet", module="ringnet.bench",
+               env=dict(ENV, RINGNET_BLAS_THREADS=value))
+    assert_one_line_error(proc, f"RINGNET_BLAS_THREADS={value!r}", "whole number")
+
+
 def test_blas_thread_values():
     for good in (None, "", "1", " 3 ", "16"):
         check_blas_threads({} if good is None else {"RINGNET_BLAS_THREADS": good})

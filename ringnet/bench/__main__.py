@@ -48,6 +48,8 @@ def main(argv=None):
             print(f"  {name:8s} {text}")
         print("\n`python -m ringnet.bench NAME --help` lists each benchmark's options.")
         return 0 if argv else 2
+    from ringnet.blas import check_blas_threads
+    check_blas_threads()        # docs/environment.md: a bad value is one line and exit 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
     if hasattr(module, "check_ranks"):      # a benchmark between ranks, started on one
         module.check_ranks(argv[1:])
