@@ -58,8 +58,11 @@ class Machine:
     def header(self):
         """The first line a benchmark prints: the BLAS, and the load average now."""
         load = "unknown" if self.load_start is None else f"{self.load_start:.2f}"
+        busy = self.load_start is not None and self.load_start > self.busy_above
         return (f"{describe_line(self.blas, self.threads, self.per_rank)}; load average "
-                f"{load} at start ({self.cores} cores; busy above {self.busy_above:g})")
+                f"{load} at start ({self.cores} cores; busy above {self.busy_above:g})"
+                + ("; BUSY: other programs share the cores, timings taken now are not "
+                   "the machine's" if busy else ""))
 
     def end(self, out=None):
         """Record the load average at the end, print the load line to ``out`` (default

@@ -1,4 +1,5 @@
 """Compute profiles measured here: layers timed inside real training steps, or alone."""
+import sys
 import time
 
 import numpy as np
@@ -100,7 +101,8 @@ def _step_medians(rows):
     return [c * total / max(sum(cols), 1e-12) for c in cols] + [total]
 
 
-def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="float32", seed=0):
+def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="float32", seed=0,
+                    progress=None):
     """Time every layer inside real training steps here; fit the profile ``a + b * batch``.
 
     Each batch size runs its own single-mode training (``ringnet.train``'s set-up and
@@ -113,6 +115,8 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
     are scaled to add up to the median step. The update's cost per
     parameter comes from these steps' updates (every parameter, after the backward),
     its cost per call and the reduction's add from small and large calls timed alone.
+    ``progress``: a stream (stderr) that gets one updating line per model and round
+    (measuring takes seconds a model), or None.
     """
     from ringnet import stats
     from ringnet.optim import SGD, LRPolicy
@@ -129,7 +133,11 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
             for name in models:
                 runs = {batch: _training_steps(name, batch, dtype, seed) for batch in batches}
                 kept = {batch: [] for batch in batches}
-                for _ in range(rounds):
+                for r in range(rounds):
+                    if progress is not None:
+                        print(f"\rmeasuring the compute here: {name} "
+                              f"({list(models).index(name) + 1}/{len(models)}), round {r + 1}/{rounds} ",
+                              end="", file=progress, flush=True)
                     for batch, (model, step) in runs.items():
                         for k in range(steps):
                             spans.clear()
@@ -230,7 +238,9 @@ def isolated_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0)
 def compute_profile(spec, models, dtype):
     """Return the profile ``--compute`` names: here, here-isolated, a GPU of :data:`GPUS`, or a file."""
     if spec == "here":
-        return measure_compute(models, dtype=dtype)
+        profile = measure_compute(models, dtype=dtype, progress=sys.stderr)
+        print(file=sys.stderr)
+        return profile
     if spec == "here-isolated":
         return isolated_compute(models, dtype=dtype)
     if spec in GPUS:

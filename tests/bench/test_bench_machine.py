@@ -81,6 +81,14 @@ def test_no_verdict_while_busy_and_why(monkeypatch):
                                 "above 1.5 for 2 cores"
 
 
+def test_the_first_line_says_busy_when_the_machine_is(monkeypatch):
+    """A busy machine is said at the top, where a reader starts, not only in the footer."""
+    _loads(monkeypatch, 2.30, 0.5, cores=2)
+    assert "BUSY: other programs share the cores" in machine.begin(out=False).header()
+    _loads(monkeypatch, 1.50, 0.5, cores=2)          # not above 0.75 per core
+    assert "BUSY" not in machine.begin(out=False).header()
+
+
 def test_a_verdict_on_a_quiet_machine(monkeypatch):
     _loads(monkeypatch, 0.40, 1.50, cores=2)        # 1.5 is not above 0.75 per core
     run = machine.begin(out=False)
