@@ -9,7 +9,7 @@ from typing import Optional
 from ringnet import graphs
 from ringnet.errors import TransportUnavailable, UsageError
 from ringnet.cli import ArgumentParser
-from ringnet.parallel import MODES, delayed_update
+from ringnet.parallel import MODES, distributed_modes, hierarchical_modes
 from ringnet.parallel.delayed_update import COMPENSATIONS, WARMUP_SPANS, lookahead_warmup
 
 __all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "DEFAULTS", "build_parser", "config_from_args",
@@ -111,13 +111,12 @@ class TrainConfig:
             cfg.mode = "ring" if world_size > 1 else "single"
         if cfg.mode not in MODES:
             raise UsageError(f"unknown mode {cfg.mode!r}; choose one of {', '.join(MODES)}")
-        if MODES[cfg.mode].communicator is None and world_size > 1:
-            parallel = "|".join(m.name for m in MODES.values() if m.communicator)
-            raise UsageError(f"--mode {cfg.mode} runs on one process, but {world_size} ranks were "
-                             f"started; use --mode {parallel} or run without mpirun")
         mode = MODES[cfg.mode]
-        delayed_update.settle(cfg, mode.default_delay, mode.communicator is not None,
-                              [m.name for m in MODES.values() if m.communicator])
+        if not mode.distributed and world_size > 1:
+            raise UsageError(f"--mode {cfg.mode} runs on one process, but {world_size} ranks were "
+                             f"started; use --mode {'|'.join(distributed_modes())} or run without "
+                             "mpirun")
+        _settle_delay(cfg, mode)
         if cfg.lr is None:
             cfg.lr = defaults["lr"]
         for name, value in DEFAULTS.items():
@@ -140,7 +139,7 @@ class TrainConfig:
             raise UsageError(f"--lr must be positive, got {cfg.lr}")
         if not 0 <= cfg.momentum < 1:
             raise UsageError(f"--momentum must be in [0, 1), got {cfg.momentum}")
-        delayed_update.settle_warmup(cfg)
+        _settle_warmup(cfg)
         if cfg.weight_decay < 0:
             raise UsageError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
         if cfg.lr_policy not in ("fixed", "step", "inv"):
@@ -164,9 +163,10 @@ class TrainConfig:
                 parse_inter_link(cfg.inter_link)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
-        if cfg.topology == "hierarchical" and cfg.mode not in ("ring", "tree"):
+        if cfg.topology == "hierarchical" and not mode.hierarchical:
             raise UsageError(f"--topology hierarchical: mode {cfg.mode} has no hierarchical "
-                             "exchange; use --mode ring or tree, or --topology auto|flat")
+                             f"exchange; use --mode {' or '.join(hierarchical_modes())}, or "
+                             "--topology auto|flat")
         if cfg.save_every < 0:
             raise UsageError(f"--save-every must be >= 0, got {cfg.save_every}")
         if cfg.resume == "auto" and not cfg.save:
@@ -192,6 +192,36 @@ class TrainConfig:
             raise UsageError(f"--batch-size {cfg.batch_size} (the global batch) is not divisible "
                              f"by the {world_size} ranks; choose a multiple of {world_size}")
         return cfg
+
+
+def _settle_delay(cfg, mode):
+    """Fill in and check ``cfg.delay`` (the default: ``mode``'s, a :class:`~ringnet.parallel.Mode`)
+    and ``cfg.delay_compensation``. Raises UsageError."""
+    if cfg.delay is None:
+        cfg.delay = mode.default_delay
+    if cfg.delay not in (0, 1):
+        raise UsageError(f"--delay must be 0 or 1, got {cfg.delay}")
+    if not mode.distributed and cfg.delay != 0:
+        raise UsageError(f"--delay 1 needs a parallel mode ({', '.join(distributed_modes())})")
+    if cfg.delay_compensation is None:
+        cfg.delay_compensation = "lookahead" if cfg.delay else "none"
+    if cfg.delay_compensation not in COMPENSATIONS:
+        raise UsageError(f"--delay-compensation must be one of {', '.join(COMPENSATIONS)}, "
+                         f"got {cfg.delay_compensation!r}")
+    if cfg.delay_compensation != "none" and not cfg.delay:
+        raise UsageError(f"--delay-compensation {cfg.delay_compensation} applies to --delay 1 only")
+
+
+def _settle_warmup(cfg):
+    """Fill in and check ``cfg.warmup_steps`` (after ``cfg.momentum`` is checked)."""
+    if cfg.warmup_steps is None:
+        cfg.warmup_steps = (lookahead_warmup(cfg.momentum)
+                            if cfg.delay_compensation == "lookahead" else 0)
+    elif cfg.warmup_steps < 0:
+        raise UsageError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
+    elif cfg.warmup_steps and cfg.delay_compensation != "lookahead":
+        raise UsageError(f"--warmup-steps {cfg.warmup_steps} applies to --delay 1 with "
+                         f"--delay-compensation lookahead only")
 
 
 def _positive_int(text):

@@ -32,6 +32,7 @@ from ringnet.control import (Deadline, agree, check_same_run, collective, curren
 from ringnet.cli import run_main
 from ringnet.layers import Dropout
 from ringnet.outputs import CheckpointLock, check_run_files
+from ringnet.parallel import MODES
 from ringnet.progress import Progress, interactive, print_summary, progress_interval, write_summary
 from ringnet.stats import GPU_LOSS_EVERY, LossReads
 from ringnet.stopping import StopSignals
@@ -60,7 +61,7 @@ def _place(cfg, world, device):
     """
     from ringnet import comm as ringcomm
     try:
-        if cfg.mode != "single":
+        if MODES[cfg.mode].distributed:
             transport = ringcomm.make_transport(cfg.transport, world, device=device)
             return transport.placement, transport
         from ringnet.placement import layout
@@ -158,7 +159,7 @@ def setup(cfg, world, dataset_from=None):
                    xp=xp, dtype=cfg.dtype)
 
     strategy = collective(world, parallel.create, cfg.mode, model, make_optimizer,
-                          world if cfg.mode != "single" else None,
+                          world if MODES[cfg.mode].distributed else None,
                           delay=cfg.delay, transport=transport,
                           compensation=cfg.delay_compensation, warmup=cfg.warmup_steps,
                           topology=cfg.topology, inter_link=cfg.inter_link)
@@ -369,7 +370,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
                      f"({model.num_params:,} parameters, {model.num_classes} outputs: one per class "
                      f"of the data), data {dataset.name} ({len(dataset.train)} train / "
                      f"{len(dataset.test)} test), {batch_text}, lr {cfg.lr:g}, {steps_text}")
-    if size == 1 and cfg.mode != "single" and not cfg.quiet:
+    if size == 1 and MODES[cfg.mode].distributed and not cfg.quiet:
         print(_one_rank_note(cfg), file=sys.stderr, flush=True)     # once: the only rank
 
     bar = None

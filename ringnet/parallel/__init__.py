@@ -1,8 +1,9 @@
 """Training strategies: how one optimizer step uses the ranks, and the table of modes.
 
-:data:`MODES` is the one list of training modes: the configuration checks ``--mode``
-and picks the default delay from it, ``--help`` describes the modes from it, and the
-README's mode table is tested against it.
+:data:`MODES` is the one list of training modes: the configuration checks ``--mode``,
+``--delay`` and ``--topology`` against it and picks the default delay from it, ``--help``
+describes the modes from it, the training loop and the benchmarks ask it which modes
+are distributed, and the README's mode table is tested against it.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from ringnet.parallel.traffic import StepTraffic
 from ringnet.parallel.tree import TreeStrategy
 
 __all__ = ["Mode", "MODES", "COMPENSATIONS", "Lookahead", "create", "mode_table", "step_traffic",
-           "StepTraffic", "topology_choice"]
+           "StepTraffic", "topology_choice", "distributed_modes", "hierarchical_modes"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class Mode:
     default_delay: int
     per_step: str                   # what happens in one step (README table, --help)
     update_work: str                # which ranks run the optimizer and on how much
+    hierarchical: bool = False      # whether --topology hierarchical can run its exchange
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the mode runs over several ranks (it exchanges through a communicator)."""
+        return self.communicator is not None
 
 
 MODES = {mode.name: mode for mode in (
@@ -38,15 +45,26 @@ MODES = {mode.name: mode for mode in (
          "one process, whole batch", "whole model"),
     Mode("ring", RingStrategy, "ring", 1,
          "ring reduce-scatter of gradients, each rank updates its 1/N shard, ring all-gather",
-         "1/N per rank"),
+         "1/N per rank", hierarchical=True),
     Mode("tree", TreeStrategy, "tree", 0,
-         "binary-tree reduce to rank 0, rank 0 updates, tree broadcast", "rank 0"),
+         "binary-tree reduce to rank 0, rank 0 updates, tree broadcast", "rank 0",
+         hierarchical=True),
     Mode("master", MasterStrategy, "master", 0,
          "workers send gradients to rank 0, it updates and answers each", "rank 0"),
     Mode("split-fc", SplitFCStrategy, "ring", 0,
          "conv layers as `ring`; FC layers split by output neurons; activations gathered",
          "1/N per rank"),
 )}
+
+
+def distributed_modes():
+    """Return the names of the modes that run over several ranks, in :data:`MODES`' order."""
+    return [m.name for m in MODES.values() if m.distributed]
+
+
+def hierarchical_modes():
+    """Return the names of the modes whose exchange can run hierarchically, in order."""
+    return [m.name for m in MODES.values() if m.hierarchical]
 
 
 def mode_table():
@@ -77,13 +95,12 @@ def topology_choice(mode: str, model, layout, asked: str = "auto", inter_link=No
     ``layout`` for ``--topology asked``: flat for modes without a hierarchical exchange,
     else :func:`ringnet.comm.hierarchical.choose_topology` for the exchanged bytes, the link
     between nodes priced as ``inter_link`` (``--inter-link``'s text; None: the default)."""
-    from ringnet.comm.factory import HIERARCHICAL
     from ringnet.comm.hierarchical import choose_topology
     spec = _spec(mode)
-    if spec.communicator not in HIERARCHICAL or mode not in ("ring", "tree"):
+    if not spec.hierarchical:
         if asked == "hierarchical":
             raise ValueError(f"--topology hierarchical: mode {mode} has no hierarchical exchange "
-                             "(ring and tree have one)")
+                             f"({' and '.join(hierarchical_modes())} have one)")
         return "flat", "the mode's only exchange"
     size, _ = spec.strategy.exchange_region(model)
     per_node = [layout.ranks_on(i) for i in range(layout.nodes)]
@@ -111,7 +128,7 @@ def create(mode: str, model, make_optimizer, world, delay: int = 0,
     lookahead = lookahead_of(compensation)
     if warmup is not None and not lookahead.plain:
         lookahead = dataclasses.replace(lookahead, warmup=int(warmup))
-    if spec.communicator is None:
+    if not spec.distributed:
         return spec.strategy(model, make_optimizer, world, delay=delay)
     from ringnet import comm as ringcomm    # late: loading mpi4py initialises MPI
     if isinstance(transport, str):

@@ -1,10 +1,11 @@
 """The delayed model update: its recurrence, the compensation that keeps it stable, its rules.
 
-This module is the one home of the delayed update. The configuration checks
-``--delay``/``--delay-compensation``/``--warmup-steps`` with :func:`settle`, the
-strategies run :class:`DelayedUpdate`, checkpoints store what :meth:`DelayedUpdate.state`
-and :meth:`DelayedUpdate.lookahead_base` return, and the performance model counts the
-step boundary's work from :data:`BOUNDARY_PASSES`.
+This module is the one home of the delayed update. The configuration
+(:mod:`ringnet.config`) checks ``--delay``/``--delay-compensation``/``--warmup-steps``
+against :data:`COMPENSATIONS` and :func:`lookahead_warmup`, the strategies run
+:class:`DelayedUpdate`, checkpoints store what :meth:`DelayedUpdate.state` and
+:meth:`DelayedUpdate.lookahead_base` return, and the performance model counts the step
+boundary's work from :data:`BOUNDARY_PASSES`.
 
 The recurrence, on one region of the model's flat buffers (``upd`` is one SGD step,
 ``G_t`` the mean gradient of step t's global batch)::
@@ -64,9 +65,9 @@ from typing import Optional
 import numpy as np
 
 from ringnet.backend import get_array_module, to_numpy
-from ringnet.errors import InputError, UsageError
+from ringnet.errors import InputError
 
-__all__ = ["DelayedUpdate", "Lookahead", "COMPENSATIONS", "compensation", "settle",
+__all__ = ["DelayedUpdate", "Lookahead", "COMPENSATIONS", "compensation",
            "heavy_ball_bound", "lookahead_bound", "lookahead_k", "lookahead_warmup",
            "WARMUP_SPANS", "BOUNDARY_PASSES"]
 
@@ -165,40 +166,6 @@ def compensation(name):
 # params = (1 + c) back - c base in three passes (multiply, base *= c, params -= base) and
 # copies the gradient out.
 BOUNDARY_PASSES = {"none": 2, "lookahead": 4}
-
-
-# -- the rules of the command line ----------------------------------------------------
-def settle(cfg, default_delay, parallel, parallel_modes):
-    """Fill in and check ``cfg.delay``, ``cfg.delay_compensation`` and ``cfg.warmup_steps``.
-
-    ``default_delay``: the mode's; ``parallel``: whether the mode exchanges at all;
-    ``parallel_modes``: the names of those that do (for the message). Raises UsageError.
-    """
-    if cfg.delay is None:
-        cfg.delay = default_delay
-    if cfg.delay not in (0, 1):
-        raise UsageError(f"--delay must be 0 or 1, got {cfg.delay}")
-    if not parallel and cfg.delay != 0:
-        raise UsageError(f"--delay 1 needs a parallel mode ({', '.join(parallel_modes)})")
-    if cfg.delay_compensation is None:
-        cfg.delay_compensation = "lookahead" if cfg.delay else "none"
-    if cfg.delay_compensation not in COMPENSATIONS:
-        raise UsageError(f"--delay-compensation must be one of {', '.join(COMPENSATIONS)}, "
-                         f"got {cfg.delay_compensation!r}")
-    if cfg.delay_compensation != "none" and not cfg.delay:
-        raise UsageError(f"--delay-compensation {cfg.delay_compensation} applies to --delay 1 only")
-
-
-def settle_warmup(cfg):
-    """Fill in and check ``cfg.warmup_steps`` (after ``cfg.momentum`` is checked)."""
-    if cfg.warmup_steps is None:
-        cfg.warmup_steps = (lookahead_warmup(cfg.momentum)
-                            if cfg.delay_compensation == "lookahead" else 0)
-    elif cfg.warmup_steps < 0:
-        raise UsageError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
-    elif cfg.warmup_steps and cfg.delay_compensation != "lookahead":
-        raise UsageError(f"--warmup-steps {cfg.warmup_steps} applies to --delay 1 with "
-                         f"--delay-compensation lookahead only")
 
 
 # -- the engine -----------------------------------------------------------------------

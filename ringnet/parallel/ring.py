@@ -17,10 +17,5 @@ class RingStrategy(DataParallelStrategy):
     name = "ring"
     plan_type = ShardedPlan
 
-    def __init__(self, model, make_optimizer, world, comm, delay=1, lookahead=None,
-                 bucket_size=None):
-        super().__init__(model, make_optimizer, world, comm=comm, delay=delay, lookahead=lookahead,
-                         bucket_size=bucket_size)
-
     def _plan(self, size):
         return ShardedPlan(self.comm, size, op="mean")
