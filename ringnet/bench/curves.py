@@ -24,6 +24,7 @@ from ringnet.bench import machine
 from ringnet.bench.scaling import run_config
 from ringnet.errors import USER_ERRORS, UsageError
 from ringnet.cli import ArgumentParser
+from ringnet.parallel import MODES
 
 __all__ = ["main", "parse_runs", "read_csv", "summary_table", "DEFAULT_RUNS"]
 
@@ -37,15 +38,16 @@ def parse_runs(text, np_):
     for item in (t for t in text.split(",") if t):
         parts = item.split(":")
         mode = parts[0]
-        if mode not in ("single", "ring", "tree", "master", "split-fc") or len(parts) > 3:
+        if mode not in MODES or len(parts) > 3:
+            *names, last = MODES
             raise UsageError(f"bad run {item!r} in --runs: expected mode[:delay[:compensation]] with "
-                             "mode single, ring, tree, master or split-fc")
-        if mode == "single":
+                             f"mode {', '.join(names)} or {last}")
+        if not MODES[mode].distributed:
             if len(parts) > 1:
-                raise UsageError(f"bad run {item!r}: single takes no delay")
-            runs.append(("single", "single", 0, 1, []))
+                raise UsageError(f"bad run {item!r}: {mode} takes no delay")
+            runs.append((mode, mode, 0, 1, []))
             continue
-        delay = 0 if mode != "ring" else 1
+        delay = MODES[mode].default_delay
         if len(parts) > 1:
             if parts[1] not in ("0", "1"):
                 raise UsageError(f"bad run {item!r}: the delay is 0 or 1")

@@ -31,8 +31,8 @@ __all__ = ["main", "rank_pids", "kill_rank_after_first_checkpoint", "markdown_ta
 
 
 def _modes():
-    from ringnet.parallel import MODES
-    return [m.name for m in MODES.values() if m.communicator is not None]
+    from ringnet.parallel import distributed_modes
+    return distributed_modes()
 
 
 def build_parser():

@@ -4,12 +4,13 @@ import dataclasses
 import re
 
 from ringnet.errors import EXIT_STOPPED
+from ringnet.parallel import distributed_modes
 
 __all__ = ["Case", "Outcome", "MODES", "STOP_PHASES", "KILL_PHASES", "TRAIN", "DEFAULT_TIMEOUT",
            "all_cases", "quick_cases", "stop_case", "kill_case", "term_case", "mpmd_cases",
            "knob_cases", "bad_cases", "live_cases"]
 
-MODES = ("ring", "tree", "master", "split-fc")
+MODES = tuple(distributed_modes())     # every mode that runs on several ranks
 STOP_PHASES = ("setup", "step 3", "evaluation", "save", "save-write", "statistics", "shutdown")
 KILL_PHASES = ("setup", "step 3", "evaluation", "save-write")
 TRAIN = ["-m", "ringnet.train", "--steps", "6", "--batch-size", "16", "--no-eval",

@@ -26,6 +26,7 @@ from ringnet.bench import machine
 from ringnet.bench.scaling import run_config
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
+from ringnet.parallel import distributed_modes
 
 __all__ = ["main", "VARIANTS"]
 
@@ -34,7 +35,7 @@ VARIANTS = (
     (0, "driven", "0"), (0, "poll", None), (0, "driven", None),
     (1, "poll", None), (1, "block", None), (1, "driven", None),
 )
-MODES = ("ring", "tree", "master", "split-fc")
+MODES = tuple(distributed_modes())     # the modes --modes takes (single runs once, as the base)
 
 
 def build_parser():

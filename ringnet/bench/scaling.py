@@ -46,7 +46,7 @@ from ringnet.bench import machine
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
 from ringnet.jobs import job_env, job_launch, recipe_flags, run_json, train_run
-from ringnet.parallel import MODES
+from ringnet.parallel import MODES, hierarchical_modes
 
 __all__ = ["main", "run_config", "default_delays", "vs_ddp", "markdown_table", "global_batch"]
 
@@ -56,7 +56,7 @@ def default_delays():
     its default delay, and delay 0 beside it where the default is the delayed update
     (what the delay buys)."""
     return {m.name: (m.default_delay,) + ((0,) if m.default_delay else ())
-            for m in MODES.values() if m.communicator is not None}
+            for m in MODES.values() if m.distributed}
 
 
 def _delays_text():
@@ -236,7 +236,7 @@ def _across_nodes(args, model, mode, delay, n, results):
                                            global_batch(args, n), delay, ran)
     link = [r["link_bytes"] / max(1, r.get("steps") or steps) for r in results if "link_bytes" in r]
     return {"nodes": getattr(n, "nodes", 1), "ranks_per_node": getattr(n, "per_node", int(n)),
-            "topology": ran if mode in ("ring", "tree") else None,
+            "topology": ran if mode in hierarchical_modes() else None,
             "inter_node_bytes_per_step": planned,
             "link_bytes_per_step": int(statistics.median(link)) if link else None}
 
@@ -287,7 +287,7 @@ def main(argv=None):
             continue
         for m in modes:
             for d in (delays if delays is not None else per_mode[m]):
-                for topology in (topologies if m in ("ring", "tree") else [None]):
+                for topology in (topologies if m in hierarchical_modes() else [None]):
                     configs.append((m, d, n, topology))
     if args.vs == "ddp":        # the peer at every N, each right after ringnet's modes at it
         for n in sorted(set(nps)):
