@@ -489,20 +489,26 @@ def markdown_table(args, rows):
     """Return the README's Markdown table of ``rows`` (the timing or the time-to-accuracy table)."""
     from ringnet.tables import markdown
     peer = any("vs_ddp" in r for r in rows)
+    weak = getattr(args, "scaling", "strong") == "weak"
     if args.to_accuracy is None and args.nodes:
-        return markdown(["mode", "delay", "nodes x ranks", "topology", "step ms", "speedup",
+        return markdown(["mode", "delay", "nodes x ranks", "topology", "step ms"]
+                        + (["images/s"] if weak else []) + ["speedup",
                          "exposed comm ms", "inter-node MB/step", "link MB/step"]
                         + (["DDP step / step"] if peer else []),
                         [[r["mode"], r["delay"], f"{r['nodes']} x {r['ranks_per_node']}",
-                          r["topology"] or "–", f"{r['step_ms']:.1f}", f"{r['speedup']:.2f}",
+                          r["topology"] or "–", f"{r['step_ms']:.1f}"]
+                         + ([f"{r['images_per_sec']:.0f}"] if weak else [])
+                         + [f"{r['speedup']:.2f}",
                           _cell(r["exposed_comm_ms"], ".2f", "–"), _mb(r["inter_node_bytes_per_step"]),
                           _mb(r["link_bytes_per_step"])]
                          + ([_cell(r["vs_ddp"], ".2f", "–")] if peer else []) for r in rows])
     if args.to_accuracy is None:
-        return markdown(["mode", "delay", "N", "step ms", "speedup", "exposed comm ms"]
+        return markdown(["mode", "delay", "N", "step ms"] + (["images/s"] if weak else [])
+                        + ["speedup", "exposed comm ms"]
                         + (["DDP step / step"] if peer else []),
-                        [[r["mode"], r["delay"], r["np"], f"{r['step_ms']:.1f}", f"{r['speedup']:.2f}",
-                          _cell(r["exposed_comm_ms"], ".2f", "–")]
+                        [[r["mode"], r["delay"], r["np"], f"{r['step_ms']:.1f}"]
+                         + ([f"{r['images_per_sec']:.0f}"] if weak else [])
+                         + [f"{r['speedup']:.2f}", _cell(r["exposed_comm_ms"], ".2f", "–")]
                          + ([_cell(r["vs_ddp"], ".2f", "–")] if peer else []) for r in rows])
     target = f"{100 * args.to_accuracy:g}%"
     compensation = args.delay_compensation or "lookahead"       # train's default at delay 1

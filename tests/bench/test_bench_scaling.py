@@ -169,6 +169,15 @@ def test_weak_scaling_keeps_the_per_rank_batch(monkeypatch):
     assert rows[("ring", 4)]["speedup"] == pytest.approx(4 * 100.0 / 140.0 + 0, abs=1e-3)
     assert rows[("ring", 2)]["efficiency"] == pytest.approx(100.0 / 120.0, abs=1e-3)
     assert rows[("single", 1)]["speedup"] == pytest.approx(1.0)
+    # the Markdown table of a weak-scaling run has the images/s its speedup is made of
+    launched.clear()
+    out = _main_output(scaling.main, ["--np", "1", "2", "4", "--modes", "ring", "--delays", "1",
+                                      "--batch-size", "16", "--scaling", "weak", "--repeats", "3",
+                                      "--markdown"])
+    header = next(l for l in out.splitlines() if l.startswith("| mode"))
+    assert "| step ms | images/s | speedup |" in header
+    ring4 = next(l for l in out.splitlines() if l.startswith("| ring | 1 | 4 |"))
+    assert f"| {64 / 140.0 * 1000:.0f} | {4 * 100.0 / 140.0:.2f} |" in ring4
 
 
 def test_weak_scaling_bad_input():
