@@ -708,12 +708,12 @@ COMMANDS = {
     "python -m ringnet.datasets …": "a template; the datasets commands run above",
     'pip install -e ".[gpu-cuda12]"': INSTALL,
     'pip install -e ".[gpu-cuda13]"': INSTALL,
-    "python -m ringnet.bench model": "tests/bench/test_bench_model.py::test_cli_json_has_the_documented_shape",
+    "python -m ringnet.bench model": "tests/perfmodel/test_perfmodel_cli.py::test_cli_json_has_the_documented_shape",
     "python -m ringnet.bench model --compute h100 --profile pcie5/ib-hdr --profile nvlink4/ib-hdr "
-    "--plot docs/bench-model.png": "tests/bench/test_bench_model.py::test_cli_plot_writes_a_png",
+    "--plot docs/bench-model.png": "tests/perfmodel/test_perfmodel_cli.py::test_cli_plot_writes_a_png",
     "python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 4 "
     "--validate-steps 20 --validation docs/bench-model-validation.json":
-        "about 5 minutes on a quiet machine; its model parts are tests/bench/test_bench_model.py's",
+        "about 5 minutes on a quiet machine; its model parts are tests/perfmodel's",
     "python -m ringnet.datasets convert mnist /usr/share/datasets/fashion-mnist --name fashion-mnist":
         FASHION,
     "python -m ringnet.bench delay --model lenet --dataset fashion-mnist --epochs 2 --seeds 1 2 3":
@@ -993,7 +993,7 @@ def test_every_synopsis_shown_is_the_parsers():
 def test_the_scaling_page_s_validation_figures_are_the_record_s():
     """The figures docs/scaling.md gives in words beside its validation table are those of
     docs/bench-model-validation.json, reprinted with and without the slowest-rank term
-    (tests/bench/test_bench_model.py checks the README's summary of them)."""
+    (tests/perfmodel/test_perfmodel_validation.py checks the README's summary of them)."""
     import copy
     import statistics
     from ringnet import perfmodel as pm

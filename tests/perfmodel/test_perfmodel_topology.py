@@ -1,26 +1,26 @@
-"""bench model's hierarchical topology: its timing rule against sums written out by hand for
-links with round numbers, and where it is printed.
+"""The model's hierarchical topology (ringnet.perfmodel.topology): its timing rule against sums
+written out by hand for links with round numbers.
 
 * ring on full nodes: the channels (a direct exchange within the node, the cost model's
   algorithm between nodes); a part-full node and the tree: node-local phases on the
   intra-node link, the leaders' on the inter-node one;
 * the model, the communicator and exchange_cost make one choice between nodes, and the
   delayed ring meets its efficiency targets at 64 and 1,024 GPUs;
-* the hierarchical prediction equals the flat one where the ranks fill one node;
-* the tables print the hierarchical rows only where the ranks span nodes, after the
-  flat tables (which stay as they were).
+* the hierarchical prediction equals the flat one where the ranks fill one node.
+
+Where the tables print it: tests/perfmodel/test_perfmodel_report.py.
 """
 import dataclasses
 
 import pytest
 
 from ringnet import perfmodel as pm
-from ringnet.perfmodel import cli
 from ringnet.perfmodel.prediction import predict
 from ringnet.perfmodel.topology import hierarchical_items, spans_nodes
 from ringnet.models import build_model
 from ringnet.parallel.traffic import Part, Transfer
 from ringnet.shards import shard_bounds
+
 
 INTRA, INTER = pm.Link("intra", 1e-3, 1e9), pm.Link("inter", 1e-2, 1e8)
 
@@ -131,21 +131,3 @@ def test_one_node_predicts_the_flat_step(mode, delay):
         predict(system, lenet, mode, delay, 8, 512)
     assert predict(system, lenet, mode, delay, 16, 1024, "hierarchical") != \
         predict(system, lenet, mode, delay, 16, 1024)
-
-
-def test_tables_print_hierarchical_rows_only_where_ranks_span_nodes(capsys):
-    args = ["--compute", "k40", "--models", "lenet", "--profile", "pcie3/eth-10g"]
-    cli.main(args + ["--np", "1", "2", "4", "8"])
-    one_node = capsys.readouterr().out
-    assert "hierarchical topology" not in one_node
-    cli.main(args + ["--np", "1", "2", "4", "8", "16"])
-    spanning = capsys.readouterr().out
-    flat, _, hierarchical = spanning.partition("hierarchical topology")
-    assert "ring d1 hier" in hierarchical and "tree d0 hier" in hierarchical
-    rows = [line.split()[0] for line in hierarchical.splitlines()[1:] if line.strip()[:1].isdigit()]
-    assert rows == ["16"]
-    cli.main(args + ["--np", "1", "2", "4", "8", "16", "--markdown", "--table", "hierarchical"])
-    markdown = capsys.readouterr().out
-    assert "ring d1 hierarchical (step, efficiency; residual, between nodes)" in markdown and "x flat; +" in markdown
-    cli.main(args + ["--np", "1", "2", "4", "8", "16", "--markdown"])
-    assert "hierarchical" not in capsys.readouterr().out      # the predictions table as it was

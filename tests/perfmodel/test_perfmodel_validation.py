@@ -1,0 +1,73 @@
+"""Validation records (ringnet.perfmodel.validation): the reprint says where the model is off,
+a record is predicted as the code it measured ran, and the README's figures are those of
+docs/bench-model-validation.json."""
+import json
+import os
+
+from ringnet import perfmodel as pm
+
+from tests.perfmodel.helpers import ROOT, run_model_cli, validation_record
+
+
+def test_validation_reprint_says_where_the_model_is_off(tmp_path):
+    row = {"model": "lenet", "mode": "ring", "delay": 0, "np": 2, "step_ms": 100.0,
+           "compute_ms": 10.0, "exposed_ms": 85.0, "update_ms": 1.0, "data_ms": 4.0}
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(validation_record([row])))
+    rows = pm.validation_rows(json.loads(path.read_text()))
+    assert len(rows) == 1 and rows[0]["measured_ms"] == 100.0
+    predicted_exposed, measured_exposed = rows[0]["parts"]["exposed"]
+    assert measured_exposed == 85.0
+    text = pm.diagnose(rows[0], rows)
+    # the model's exchange of a 1.7 MB gradient on this link is far below 85 ms
+    assert predicted_exposed < 40 and "exposed communication" in text and "85.0 ms" in text
+    proc = run_model_cli("--compute", "k40", "--models", "lenet", "--profile", "pcie3", "--np", "1", "2",
+                         "--validation", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "where the model is off" in proc.stdout and "exposed communication" in proc.stdout
+    assert "the code measured: CPU streams poll, no delay-0 buckets" in proc.stdout
+
+
+def test_a_record_is_predicted_as_the_code_it_measured_ran():
+    row = {"model": "lenet", "mode": "ring", "delay": 1, "np": 2, "step_ms": 100.0}
+    old = pm.validation_rows(validation_record([row]))[0]["predicted_ms"]
+    assert pm.validation_rows(validation_record([row], pm.OLD_FACTS))[0]["predicted_ms"] == old
+    # the same record measured with driven progress: the exchange waits for layer boundaries
+    driven = dict(pm.OLD_FACTS, progress="driven")
+    assert pm.validation_rows(validation_record([row], driven))[0]["predicted_ms"] != old
+    with pm.facts(driven):
+        assert pm.code_facts() == driven
+
+
+def test_the_readme_s_validation_figures_are_the_record_s():
+    # docs/bench-model-validation.json reprinted with and without the slowest-rank term:
+    # the figures the README gives in words beside its table
+    import copy
+    import re
+    import statistics
+    with open(os.path.join(ROOT, "docs", "bench-model-validation.json")) as f:
+        record = json.load(f)
+    even = copy.deepcopy(record)
+    for rnd in even["rounds"]:
+        for c in rnd["calibration"]["by_np"].values():
+            for m in c["raw"].get("models", {}).values():
+                m.pop("imbalance", None)
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = re.sub(r"\s+", " ", f.read())
+
+    def summary(rows):
+        errors = [abs(r["error"]) for r in rows]
+        return statistics.median(errors), sum(e <= 0.15 for e in errors)
+    with_term, without = pm.validation_rows(record), pm.validation_rows(even)
+    (m1, k1), (m0, k0) = summary(with_term), summary(without)
+    assert f"Median |error| {100 * m1:.0f}%, {k1} of 32 rows within 15%" in text
+    assert f"goes from median {100 * m0:.1f}% and {k0} of 32 to {100 * m1:.1f}% and {k1} of 32" in text
+
+    def delay0_at_2(rows):
+        errors = [r["error"] for r in rows if r["np"] == 2 and not r["delay"]]
+        return 100 * statistics.mean(errors), 100 * min(errors), 100 * max(errors)
+    mean0, lo0, hi0 = delay0_at_2(without)
+    mean1, lo1, hi1 = delay0_at_2(with_term)
+    assert mean0 < 0 and abs(mean1) < abs(mean0)
+    assert (f"{-mean0:.1f}% too fast on average (−{-lo0:.0f}% to +{hi0:.0f}%), with it "
+            f"{abs(mean1):.1f}% (−{-lo1:.0f}% to +{hi1:.0f}%)") in text
