@@ -23,7 +23,7 @@ import numpy as np
 
 from ringnet.backend import cupy
 
-__all__ = ["KERNELS", "source", "launch"]
+__all__ = ["KERNELS", "declare_kernel", "lanes", "source", "launch"]
 
 THREADS = 256                   # threads per block; blocks stride over larger sizes
 MAX_BLOCKS = 32768
@@ -49,7 +49,7 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
 KERNELS = {}                    # name -> (params [(name, C type)], CUDA body, emulation)
 
 
-def _kernel(name, params, body):
+def declare_kernel(name, params, body):
     """Declare kernel ``name``: its parameters, CUDA body; decorates the NumPy emulation."""
     def register(emulation):
         KERNELS[name] = (tuple(params), body, emulation)
@@ -124,11 +124,12 @@ _DY_STRIDES = [("ds_c", "long long"), ("ds_h", "long long"), ("ds_w", "long long
                ("ds_b", "long long")]
 
 
-def _lanes(n):
+def lanes(n):
+    """The emulation's thread indices of a launch of ``n`` threads."""
     return np.arange(n, dtype=np.int64)
 
 
-@_kernel("maxpool_fwd",
+@declare_kernel("maxpool_fwd",
          [("x", "const T*"), ("y", "T*"), ("argmax", "unsigned char*"), ("n", "long long")]
          + _GEOMETRY + [("neg_inf", "T"), ("bias", "const T*"), ("has_bias", "int")], r"""
   FOR_EACH(idx, n) {
@@ -163,7 +164,7 @@ def _lanes(n):
 def _maxpool_fwd(x, y, argmax, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, neg_inf, bias,
                  has_bias):
     x, y, argmax = x.reshape(-1), y.reshape(-1), argmax.reshape(-1)
-    idx = _lanes(n)
+    idx = lanes(n)
     b = idx % B
     rest = idx // B
     ox = rest % Wo
@@ -189,7 +190,7 @@ def _maxpool_fwd(x, y, argmax, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, ne
     argmax[:] = arg.astype(np.uint8)
 
 
-@_kernel("maxpool_bwd",
+@declare_kernel("maxpool_bwd",
          [("dy", "const T*"), ("argmax", "const unsigned char*"), ("dx", "T*"),
           ("n", "long long")] + _GEOMETRY + _DY_STRIDES, r"""
   FOR_EACH(idx, n) {
@@ -220,7 +221,7 @@ def _maxpool_fwd(x, y, argmax, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, ne
 def _maxpool_bwd(dy, argmax, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
                  ds_c, ds_h, ds_w, ds_b):
     dy, argmax, dx = dy.reshape(-1), argmax.reshape(-1), dx.reshape(-1)
-    idx = _lanes(n)
+    idx = lanes(n)
     b = idx % B
     rest = idx // B
     q = rest % W
@@ -245,7 +246,7 @@ def _maxpool_bwd(dy, argmax, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
     dx[:] = acc
 
 
-@_kernel("avgpool_fwd",
+@declare_kernel("avgpool_fwd",
          [("x", "const T*"), ("inv", "const T*"), ("y", "T*"), ("n", "long long")]
          + _GEOMETRY, r"""
   FOR_EACH(idx, n) {
@@ -270,7 +271,7 @@ def _maxpool_bwd(dy, argmax, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
 """)
 def _avgpool_fwd(x, inv, y, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
     x, inv, y = x.reshape(-1), inv.reshape(-1), y.reshape(-1)
-    idx = _lanes(n)
+    idx = lanes(n)
     b = idx % B
     rest = idx // B
     ox = rest % Wo
@@ -289,7 +290,7 @@ def _avgpool_fwd(x, inv, y, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
     y[:] = acc * inv[oy * Wo + ox]
 
 
-@_kernel("avgpool_bwd",
+@declare_kernel("avgpool_bwd",
          [("dy", "const T*"), ("inv", "const T*"), ("dx", "T*"), ("n", "long long")]
          + _GEOMETRY + _DY_STRIDES, r"""
   FOR_EACH(idx, n) {
@@ -319,7 +320,7 @@ def _avgpool_fwd(x, inv, y, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
 def _avgpool_bwd(dy, inv, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
                  ds_c, ds_h, ds_w, ds_b):
     dy, inv, dx = dy.reshape(-1), inv.reshape(-1), dx.reshape(-1)
-    idx = _lanes(n)
+    idx = lanes(n)
     b = idx % B
     rest = idx // B
     q = rest % W
@@ -342,7 +343,7 @@ def _avgpool_bwd(dy, inv, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
     dx[:] = acc
 
 
-@_kernel("col2im",
+@declare_kernel("col2im",
          [("cols", "const T*"), ("dx", "T*"), ("n", "long long")] + _GEOMETRY, r"""
   FOR_EACH(idx, n) {
     int b = (int)(idx % B);
@@ -370,7 +371,7 @@ def _avgpool_bwd(dy, inv, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
 """)
 def _col2im(cols, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
     cols, dx = cols.reshape(-1), dx.reshape(-1)
-    idx = _lanes(n)
+    idx = lanes(n)
     b = idx % B
     rest = idx // B
     q = rest % W
@@ -393,7 +394,7 @@ def _col2im(cols, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
     dx[:] = acc
 
 
-@_kernel("im2col",
+@declare_kernel("im2col",
          [("x", "const T*"), ("cols", "T*"), ("n", "long long")] + _GEOMETRY
          + [("xs_c", "long long"), ("xs_h", "long long"), ("xs_w", "long long"),
             ("xs_b", "long long")], r"""
@@ -417,7 +418,7 @@ def _col2im(cols, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
 """)
 def _im2col(x, cols, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, xs_c, xs_h, xs_w, xs_b):
     x, cols = x.reshape(-1), cols.reshape(-1)
-    idx = _lanes(n)
+    idx = lanes(n)
     b = idx % B
     rest = idx // B
     ox = rest % Wo

@@ -4,7 +4,7 @@ which runs the CUDA kernel on CuPy arrays and its NumPy emulation on NumPy array
 import numpy as np
 
 from ringnet.layers import _cuda
-from ringnet.layers.base import _memory_order
+from ringnet.layers.base import memory_order
 
 __all__ = ["maxpool_forward", "maxpool_backward", "avgpool_forward", "avgpool_backward",
            "im2col", "col2im", "dropout_mask", "relu_forward", "relu_backward",
@@ -82,7 +82,7 @@ def _pool_backward(xp, name, dy, aux, in_shape, kernel, stride, padding):
 def _dense(xp, x):
     """Return (m, order): m a C-contiguous array over x's memory, x == m.transpose(inverse
     of order); x is copied to C order first only if its memory is not dense."""
-    order = _memory_order(x)
+    order = memory_order(x)
     m = x.transpose(order)
     if not m.flags.c_contiguous:
         order = list(range(x.ndim))

@@ -4,12 +4,12 @@ and its gradient). Declared as :mod:`ringnet.layers._cuda`'s kernels are, each w
 NumPy emulation, and registered in the same ``KERNELS``."""
 import numpy as np
 
-from ringnet.layers._cuda import _kernel, _lanes
+from ringnet.layers._cuda import declare_kernel, lanes
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-@_kernel("dropout_mask",
+@declare_kernel("dropout_mask",
          [("mask", "T*"), ("n", "long long"), ("first", "unsigned long long"),
           ("keys", "const unsigned long long*"), ("threshold", "unsigned long long"),
           ("scale", "T")], r"""
@@ -23,7 +23,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 """)
 def _dropout_mask(mask, n, first, keys, threshold, scale):
     mask = mask.reshape(-1)
-    idx = _lanes(n)
+    idx = lanes(n)
     v = (first + idx.astype(np.uint64)) * _GOLDEN + keys[0]
     v = _mix64(v)
     v ^= keys[1]
@@ -46,7 +46,7 @@ def _mix64(z):
 # NaN, -dy * 0 is -0), not a select. With ``has_bias`` the forward is max(x + bias, 0), the
 # bias of the layer before (its channel: memory is (outer, C, inner) around the channel
 # axis), so that layer skips its own pass adding it.
-@_kernel("relu_fwd", [("x", "const T*"), ("y", "T*"), ("n", "long long"), ("bias", "const T*"),
+@declare_kernel("relu_fwd", [("x", "const T*"), ("y", "T*"), ("n", "long long"), ("bias", "const T*"),
                       ("inner", "long long"), ("C", "int"), ("has_bias", "int")], r"""
   FOR_EACH(idx, n) {
     T v = x[idx];
@@ -56,14 +56,14 @@ def _mix64(z):
 """)
 def _relu_fwd(x, y, n, bias, inner, C, has_bias):
     x, y = x.reshape(-1), y.reshape(-1)
-    idx = _lanes(n)
+    idx = lanes(n)
     v = x[idx]
     if has_bias:
         v = v + bias[(idx // inner) % C]
     y[:] = np.where((v > 0) | (v != v), v, y.dtype.type(0))
 
 
-@_kernel("relu_bwd", [("dy", "const T*"), ("y", "const T*"), ("dx", "T*"), ("n", "long long")],
+@declare_kernel("relu_bwd", [("dy", "const T*"), ("y", "const T*"), ("dx", "T*"), ("n", "long long")],
          r"""
   FOR_EACH(idx, n) {
     dx[idx] = dy[idx] * (T)(y[idx] > (T)0);
@@ -71,7 +71,7 @@ def _relu_fwd(x, y, n, bias, inner, C, has_bias):
 """)
 def _relu_bwd(dy, y, dx, n):
     dy, y, dx = dy.reshape(-1), y.reshape(-1), dx.reshape(-1)
-    idx = _lanes(n)
+    idx = lanes(n)
     with np.errstate(invalid="ignore"):                      # inf * 0 is NaN, as in CUDA
         dx[:] = dy[idx] * (y[idx] > 0).astype(dx.dtype)
 
@@ -80,7 +80,7 @@ def _relu_bwd(dy, y, dx, n):
 # forward above added): one thread per channel c of (outer, C, inner) memory, which writes
 # the channel's dx and adds it up in memory order into dbias[c]. Meant for a Linear's
 # (B, K) output (outer B, inner 1), where consecutive threads read consecutive columns.
-@_kernel("relu_bwd_bias",
+@declare_kernel("relu_bwd_bias",
          [("dy", "const T*"), ("y", "const T*"), ("dx", "T*"), ("dbias", "T*"), ("n", "long long"),
           ("outer", "long long"), ("inner", "long long")], r"""
   FOR_EACH(c, n) {
@@ -98,7 +98,7 @@ def _relu_bwd(dy, y, dx, n):
 """)
 def _relu_bwd_bias(dy, y, dx, dbias, n, outer, inner):
     dy, y, dx = dy.reshape(-1), y.reshape(-1), dx.reshape(-1)
-    c = _lanes(n)
+    c = lanes(n)
     acc = np.zeros(n, dtype=dx.dtype)
     with np.errstate(invalid="ignore"):
         for o in range(outer):
@@ -118,7 +118,7 @@ def _relu_bwd_bias(dy, y, dx, dbias, n, outer, inner):
 # whose thread 0 adds the rows' losses and hits in sample order (no atomics: the same
 # sums every run) into two device scalars, and, with ``has_dbias``, whose thread k adds
 # column k of the gradient in sample order: the last layer's bias gradient.
-@_kernel("xent_rows",
+@declare_kernel("xent_rows",
          [("logits", "const T*"), ("labels", "const long long*"), ("grad", "T*"),
           ("row_loss", "T*"), ("hit", "unsigned char*"), ("n", "long long"), ("K", "int"),
           ("scale", "T"), ("invalid", "T"), ("bias", "const T*"), ("has_bias", "int")], r"""
@@ -162,7 +162,7 @@ def _relu_bwd_bias(dy, y, dx, dbias, n, outer, inner):
 """)
 def _xent_rows(logits, labels, grad, row_loss, hit, n, K, scale, invalid, bias, has_bias):
     logits, grad = logits.reshape(-1), grad.reshape(-1)
-    b = _lanes(n)
+    b = lanes(n)
     row = b * K
     for j in range(K):
         z = logits[row + j]
@@ -192,7 +192,7 @@ def _xent_rows(logits, labels, grad, row_loss, hit, n, K, scale, invalid, bias, 
         grad[row + j] = g * scale
 
 
-@_kernel("xent_total",
+@declare_kernel("xent_total",
          [("row_loss", "const T*"), ("hit", "const unsigned char*"), ("loss", "T*"),
           ("correct", "long long*"), ("n", "long long"), ("B", "int"), ("grad", "const T*"),
           ("dbias", "T*"), ("K", "int"), ("has_dbias", "int")], r"""
@@ -226,7 +226,7 @@ def _xent_total(row_loss, hit, loss, correct, n, B, grad, dbias, K, has_dbias):
     loss[0] = (acc / B)[0]
     correct[0] = count[0]
     if has_dbias:
-        idx = _lanes(n)
+        idx = lanes(n)
         column = np.zeros(n, dtype=loss.dtype)
         for b in range(B):
             column += grad[b * K + idx]
@@ -236,7 +236,7 @@ def _xent_total(row_loss, hit, loss, correct, n, B, grad, dbias, K, has_dbias):
 # A CUDA-graph run (:mod:`ringnet.graphs`): the step's loss and correct count, which the
 # replayed graph writes to the same place every step, copied into slot ``slot`` of two
 # rings, so that each step's values stay until the host reads them.
-@_kernel("step_record", [("loss", "const T*"), ("correct", "const long long*"),
+@declare_kernel("step_record", [("loss", "const T*"), ("correct", "const long long*"),
                          ("ring_loss", "T*"), ("ring_correct", "long long*"),
                          ("slot", "long long")], r"""
   FOR_EACH(idx, 1) {

@@ -3,7 +3,7 @@ import math
 
 import numpy as np
 
-__all__ = ["Layer", "init_array", "check_init", "empty_like_layout", "zeros_like_layout",
+__all__ = ["Layer", "init_array", "check_init", "empty_like_layout", "zeros_like_layout", "memory_order",
            "as_channel_rows", "batch_last", "copy_samples", "tap_ranges", "tap_slice", "as_pair", "window_geometry", "window_out_size", "window_repr"]
 
 
@@ -137,14 +137,14 @@ def window_repr(layer, *leading):
     return f"{type(layer).__name__}({', '.join(args)})"
 
 
-def _memory_order(x):
+def memory_order(x):
     """Return the axes of ``x`` from outermost to innermost in memory."""
     return sorted(range(x.ndim), key=lambda a: (-abs(x.strides[a]), -a))
 
 
 def empty_like_layout(xp, x, shape, dtype=None):
     """Return an empty array of logical ``shape`` whose memory order is ``x``'s."""
-    order = _memory_order(x)
+    order = memory_order(x)
     inverse = tuple(order.index(a) for a in range(x.ndim))
     buf = xp.empty([shape[a] for a in order], dtype=x.dtype if dtype is None else dtype)
     return buf.transpose(inverse)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ringnet.backend import gpu_available
-from ringnet.layers.base import _memory_order
+from ringnet.layers.base import memory_order
 from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, MaxPool2d, ReLU, _cuda, _cuda_ops,
                             activation, conv, linear, pool)
 
@@ -552,7 +552,7 @@ def test_conv_gpu_branch_equals_numpy_branch(monkeypatch, case, dtype):
             worst = np.max(err - bounds[name])
             assert worst <= 0, f"{name} {layout}: {np.max(err):.3g} off, past its bound by {worst:.3g}"
         assert got[0].strides == want[0].strides                  # (O, Ho, Wo, B) memory
-        assert _memory_order(got[1]) == _memory_order(want[1]) == [1, 2, 3, 0]
+        assert memory_order(got[1]) == memory_order(want[1]) == [1, 2, 3, 0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -682,7 +682,7 @@ def test_gpu_conv_equals_the_numpy_layer(case, dtype):
                                    **tol, err_msg=f"dW {layout}")
         np.testing.assert_allclose(cupy.asnumpy(dev.grads["bias"]), ref.grads["bias"],
                                    **tol, err_msg=f"db {layout}")
-        assert _memory_order(dx) == [1, 2, 3, 0]
+        assert memory_order(dx) == [1, 2, 3, 0]
 
 
 @pytest.mark.gpu
