@@ -2,6 +2,8 @@
 split telescopes to the step, the parts add up to the median step, the layer costs of a
 clock the test controls come back exactly, and the isolated profile keeps one model per batch.
 """
+import io
+
 import pytest
 
 from ringnet import perfmodel as pm
@@ -83,7 +85,11 @@ def test_compute_profile_recovers_the_layer_costs_of_a_controlled_clock(monkeypa
         return sgd_step(self, w, g, it)
     monkeypatch.setattr(optim.SGD, "step", update)
 
-    compute = pm.measure_compute(["lenet"], batches=(16, 32, 64), rounds=2, steps=3)
+    shown = io.StringIO()
+    compute = pm.measure_compute(["lenet"], batches=(16, 32, 64), rounds=2, steps=3, progress=shown)
+    # what it is measuring, as it goes: a line per model and round
+    assert shown.getvalue().split("\r")[1:] == [
+        f"measuring the compute here: lenet (1/1), round {r}/2 " for r in (1, 2)]
     model = build_model("lenet")
     assert [name for name, _, _ in compute.layers["lenet"]] == [name for name, _ in model.layers]
     for i, (_, fwd, bwd) in enumerate(compute.layers["lenet"]):
