@@ -18,7 +18,7 @@ freed:
 - the warm-up and the capture allocate from a **private memory pool**, so memory the
   graph uses never goes back to the pool the rest of the run allocates from; every
   device array the layers hold when the capture ends is kept for the graph's life;
-- the GEMMs go through a cuBLAS handle of ringnet's own (:mod:`ringnet.layers._gemm`):
+- the GEMMs go through a cuBLAS handle of ringnet's own (:mod:`ringnet.layers.gemm`):
   CuPy's ``matmul`` cannot be captured;
 - the loss and the correct count the graph writes each step are copied into a ring of
   device slots after each replay (one launch), so the losses the training loop reads
@@ -47,7 +47,7 @@ import gc
 import numpy as np
 
 from ringnet.errors import TrainingError, UsageError
-from ringnet.layers import Dropout, _cuda, _cuda_ops, _gemm
+from ringnet.layers import Dropout, cuda_kernels, cuda_ops, gemm
 from ringnet.stats import GPU_LOSS_EVERY
 
 __all__ = ["CHOICES", "WARMUP", "GraphStep", "GraphMismatch", "CudaGraphs", "StandinGraphs",
@@ -144,7 +144,7 @@ class CudaGraphs(_Backend):
             segments.append(self.stream.end_capture())
             self.stream.begin_capture(mode=relaxed)
         with self.stream:
-            _gemm.bind()                    # the handle on this stream before capturing
+            gemm.bind()                     # the handle on this stream before capturing
             self.stream.begin_capture(mode=relaxed)
             try:
                 out = fn(cut)
@@ -276,7 +276,7 @@ class GraphStep:
         0-d device arrays of this step alone."""
         if self.closed:
             raise RuntimeError("GraphStep.step after close()")
-        with _gemm.routed():                 # the eager steps multiply as the graph does
+        with gemm.routed():                  # the eager steps multiply as the graph does
             return self._step(x, labels, it)
 
     def _step(self, x, labels, it):
@@ -320,7 +320,7 @@ class GraphStep:
             if isinstance(value, xp.ndarray):                 # already on the device
                 target[...] = value.reshape(target.shape)
             else:
-                _cuda_ops.upload(xp, target, np.asarray(value).reshape(target.shape))
+                cuda_ops.upload(xp, target, np.asarray(value).reshape(target.shape))
         self._batch = (self.x, self.labels)
         return True
 
@@ -350,8 +350,8 @@ class GraphStep:
         """Copy this step's loss and count into their ring slots; return the slots."""
         slot = (self.steps - 1) % RING
         ring_loss, ring_correct = self._ring
-        _cuda.launch(self.xp, "step_record", self.model.dtype, 1,
-                     (loss, correct, ring_loss, ring_correct, np.int64(slot)))
+        cuda_kernels.launch(self.xp, "step_record", self.model.dtype, 1,
+                            (loss, correct, ring_loss, ring_correct, np.int64(slot)))
         return ring_loss[slot:slot + 1].reshape(()), ring_correct[slot:slot + 1].reshape(())
 
     # -- capture and its check -----------------------------------------------------------

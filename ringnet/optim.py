@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ringnet.backend import get_array_module, resolve_dtype, to_numpy
-from ringnet.layers._cuda_ops import upload
+from ringnet.layers.cuda_ops import upload
 
 __all__ = ["LRPolicy", "SGD"]
 

@@ -14,7 +14,7 @@ import pytest
 
 from ringnet import graphs, models, optim
 from ringnet.bench import budget
-from ringnet.layers import _cuda_ops, _gemm, activation
+from ringnet.layers import activation, cuda_ops, gemm
 from ringnet.parallel.base import DataParallelStrategy
 from ringnet.parallel.ring import RingStrategy
 from ringnet.parallel.single import SingleStrategy
@@ -28,9 +28,9 @@ MODELS = ["lenet", "cifar10_quick", "carnet"]      # carnet has a Dropout
 
 @pytest.fixture(autouse=True)
 def _gemm_route():
-    _gemm.enable(False)
+    gemm.enable(False)
     yield
-    _gemm.enable(False)
+    gemm.enable(False)
 
 
 def _policy():
@@ -53,7 +53,7 @@ def _run(name, steps, use_graphs, strategy=SingleStrategy, strict=True, backend=
         st = strategy(model, lambda n: optim.SGD(n, _policy(), momentum=0.9, weight_decay=5e-4,
                                                  xp=rec, dtype=model.dtype), None)
         st.stats.gpu = None                # the stand-in has no CUDA events to time with
-        _gemm.enable()                     # both runs multiply through the same route
+        gemm.enable()                      # both runs multiply through the same route
         if use_graphs:
             st.graph_step((backend or graphs.StandinGraphs)(rec), strict=strict)
         losses = []
@@ -97,8 +97,8 @@ def test_dropout_keys_passed_from_the_host_cannot_be_captured(monkeypatch):
     def forward(self, x, train=True):
         xp = activation.get_array_module(x)
         keys = xp.asarray(np.array(activation.stream_keys((self.seed, self.step, 0)), np.uint64))
-        self._mask = _cuda_ops.dropout_mask(xp, x.shape, x.dtype, keys,
-                                            activation.keep_threshold(self.p), 2.0)
+        self._mask = cuda_ops.dropout_mask(xp, x.shape, x.dtype, keys,
+                                           activation.keep_threshold(self.p), 2.0)
         return x * self._mask
     monkeypatch.setattr(activation.Dropout, "forward", forward)
     with pytest.raises(graphs.GraphMismatch, match="could not be captured .CaptureError: "
@@ -180,7 +180,7 @@ def _bucketed_strategy(rec, comm, strategy_class):
                                                    weight_decay=5e-4, xp=rec, dtype=model.dtype),
                         None, comm, delay=0, bucket_size=1)
     st.stats.gpu = None
-    _gemm.enable()
+    gemm.enable()
     return st
 
 
@@ -256,7 +256,7 @@ def test_two_consecutive_steps_issue_the_same_launches_on_the_same_buffers(name)
     with budget.recording(rec):
         model = models.build_model(name, xp=rec)
         opt = optim.SGD(model.num_params, _policy(), momentum=0.9, xp=rec, dtype=model.dtype)
-        _gemm.enable()
+        gemm.enable()
         step = graphs.GraphStep(model, opt, graphs.StandinGraphs(rec))
         batches = _batches(model, 4)
         for it in range(2):                                   # warm-up: buffers made
@@ -321,10 +321,10 @@ def test_the_gemm_plan_computes_the_product_in_every_layout(m, k, n):
         for nb, b in _layouts(rng, k, n):
             for nc, c in _layouts(rng, m, n):
                 c[...] = np.nan
-                steps = _gemm.plan(a, b, c)
+                steps = gemm.plan(a, b, c)
                 assert steps is not None, (na, nb, nc)
                 transa, transb, mm, nn, kk, first, lda, second, ldb, ldc = steps
-                _gemm.emulate(transa, transb, mm, nn, kk, first, lda, second, ldb, c, ldc)
+                gemm.emulate(transa, transb, mm, nn, kk, first, lda, second, ldb, c, ldc)
                 np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12,
                                            err_msg=f"{na} @ {nb} -> {nc}")
 
@@ -333,17 +333,17 @@ def test_the_gemm_plan_refuses_memory_that_is_neither_orientation_and_matmul_cop
     rng = np.random.default_rng(0)
     a = rng.normal(size=(8, 10))[::2, ::2]                   # both strides > 1
     b = rng.normal(size=(5, 3))
-    assert _gemm.plan(a, b, np.empty((4, 3))) is None
+    assert gemm.plan(a, b, np.empty((4, 3))) is None
     with pytest.raises(ValueError, match="gemm shapes"):
-        _gemm.plan(a, b.T, np.empty((4, 3)))
+        gemm.plan(a, b.T, np.empty((4, 3)))
     rec = budget.Recorder()
     with budget.recording(rec):
-        _gemm.enable()
+        gemm.enable()
         out = rec.empty((4, 3))
-        _gemm.matmul(rec, rec.asarray(a), rec.asarray(b), out=out.T.T)
+        gemm.matmul(rec, rec.asarray(a), rec.asarray(b), out=out.T.T)
         np.testing.assert_allclose(out, a @ b, rtol=1e-12)
         wrong = rec.empty((3, 4)).T[::1, ::1]
-        _gemm.matmul(rec, rec.asarray(a), rec.asarray(b), out=wrong)
+        gemm.matmul(rec, rec.asarray(a), rec.asarray(b), out=wrong)
         np.testing.assert_allclose(wrong, a @ b, rtol=1e-12)
     assert [e[1] for e in rec.events].count("cublas gemm") == 2
 
@@ -445,7 +445,7 @@ class _OnDevice:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_cublas_call_passes_the_plan_in_cublas_argument_order(dtype):
     import ctypes
-    handle = _gemm._Handle.__new__(_gemm._Handle)
+    handle = gemm._Handle.__new__(gemm._Handle)
     handle.lib = lib = _FakeCublas()
     handle.ptr, handle.stream = ctypes.c_void_p(1), 7
     handle.cupy = type("cupy", (), {"cuda": type("cuda", (), {
@@ -459,7 +459,7 @@ def test_the_cublas_call_passes_the_plan_in_cublas_argument_order(dtype):
             for _, c in _layouts(rng, 6, 5):
                 a, b, c = (np.asarray(v, dtype=dtype) if v.dtype != dtype else v for v in (a, b, c))
                 c[...] = np.nan
-                steps = list(_gemm.plan(a, b, c))
+                steps = list(gemm.plan(a, b, c))
                 steps[5], steps[7] = _OnDevice(steps[5]), _OnDevice(steps[7])
                 handle.gemm(tuple(steps), _OnDevice(c))
                 np.testing.assert_allclose(c, a @ b, rtol=1e-5)
@@ -471,7 +471,7 @@ def test_the_cublas_call_passes_the_plan_in_cublas_argument_order(dtype):
 def _gemm_on(handle, rec, lib):
     a, b = np.ones((4, 3), np.float32), np.ones((3, 2), np.float32)
     c = np.zeros((4, 2), np.float32)
-    steps = list(_gemm.plan(a, b, c))
+    steps = list(gemm.plan(a, b, c))
     steps[5], steps[7] = _OnDevice(steps[5]), _OnDevice(steps[7])
     handle.gemm(tuple(steps), _OnDevice(c))
     return c
@@ -504,7 +504,7 @@ def test_the_cublas_workspace_outlives_the_pool_its_handle_was_made_under():
     lib = _FakeCublas(rec.memory)
     pool = rec.cuda.MemoryPool()
     with rec.cuda.using_allocator(pool.malloc):
-        handle = _gemm._Handle(rec, lib=lib)
+        handle = gemm._Handle(rec, lib=lib)
         handle.bind(7)
         np.testing.assert_array_equal(_gemm_on(handle, rec, lib), 3.0)
     del pool
@@ -520,8 +520,8 @@ def test_the_cublas_workspace_outlives_the_pool_its_handle_was_made_under():
 
 
 def test_the_cublas_library_is_the_versioned_one_of_the_runtime_in_use():
-    assert _gemm.library_name(12040) == "libcublas.so.12"
-    assert _gemm.library_name(13000) == "libcublas.so.13"
+    assert gemm.library_name(12040) == "libcublas.so.12"
+    assert gemm.library_name(13000) == "libcublas.so.13"
 
 
 def test_the_capture_mode_is_passed_explicitly():
@@ -553,18 +553,18 @@ def test_the_capture_mode_is_passed_explicitly():
                            runtime=SimpleNamespace(streamCaptureModeRelaxed=2))
     backend = graphs.CudaGraphs(SimpleNamespace(cuda=cuda))
     bound = []
-    saved, _gemm.bind = _gemm.bind, lambda: bound.append(True)
+    saved, gemm.bind = gemm.bind, lambda: bound.append(True)
     try:
         segments, _ = backend.capture_segments(lambda cut: cut())
     finally:
-        _gemm.bind = saved
+        gemm.bind = saved
     assert segments == ["graph", "graph"] and modes == [2, 2] and bound == [True]
 
 
 def test_the_cublas_route_ends_with_the_graph_step():
     """A graph step routes its GEMMs through cuBLAS; after it, the same process multiplies
     with the array module's matmul again (an eager run after a graphed one is eager)."""
-    _gemm.enable(False)
+    gemm.enable(False)
     rec = budget.Recorder()
     with budget.recording(rec):
         model = models.build_model("lenet", xp=rec, seed=0)
@@ -574,7 +574,7 @@ def test_the_cublas_route_ends_with_the_graph_step():
         rec.events.clear()
         step.step(x, y, 0)
         assert "cublas gemm" in [e[1] for e in rec.events]
-        assert not _gemm.enabled()
+        assert not gemm.enabled()
         rec.events.clear()
         model.loss_and_grad(rec.asarray(x), rec.asarray(y))
         names = [e[1] for e in rec.events if e[0] == "gemm"]
@@ -609,7 +609,7 @@ def test_close_frees_the_graph_step_without_the_cyclic_collector(strategy, close
         with budget.recording(rec):
             if strategy is RingStrategy:                  # a graph per bucket span
                 st = _bucketed_strategy(rec, _InOrderComm(), RingStrategy)
-                _gemm.enable(False)
+                gemm.enable(False)
             else:
                 st = strategy(models.build_model("lenet", xp=rec, seed=0),
                               lambda n: optim.SGD(n, _policy(), momentum=0.9, xp=rec,

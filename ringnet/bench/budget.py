@@ -9,7 +9,7 @@ work on a GPU is counted where CuPy would launch it:
 =============  ==============================================================
 kind           counted for
 =============  ==============================================================
-``kernel``     a fused CUDA kernel (:func:`ringnet.layers._cuda.launch`, a CuPy
+``kernel``     a fused CUDA kernel (:func:`ringnet.layers.cuda_kernels.launch`, a CuPy
                ElementwiseKernel)
 ``ufunc``      an element-wise operation (``a + b``, ``xp.exp``, ``y += b``)
 ``reduction``  ``sum``, ``max``, ``argmax``, ``mean`` ...
@@ -40,7 +40,7 @@ import numpy as np
 from ringnet.bench import machine
 from ringnet.cli import ArgumentParser
 from ringnet import graphs, models, optim
-from ringnet.layers import _gemm
+from ringnet.layers import gemm
 from ringnet.testing.recording_cupy import (CaptureError, DeviceArray, DeviceMemory,
                                             FreedMemoryError, MemoryPool, Recorder, recording)
 
@@ -106,14 +106,14 @@ def graph_budget(name, batch_size=64, dtype="float32", seed=0):
     recorder = Recorder()
     with recording(recorder):
         model, opt, x, y = _training(recorder, name, batch_size, dtype, seed)
-        was = _gemm.enabled()
+        was = gemm.enabled()
         try:
             step = graphs.GraphStep(model, opt, graphs.StandinGraphs(recorder))
             for it in range(graphs.WARMUP + 2):            # warm-up, capture, one replay
                 recorder.events.clear()
                 step.step(x, y, it)
         finally:
-            _gemm.enable(was)
+            gemm.enable(was)
     return {"model": name, "batch_size": batch_size, "dtype": dtype,
             "captured": sum(len(graph) for graph in step.graph),   # single mode: one graph
             "replays": step.replays, "outside": recorder.totals()}

@@ -1,10 +1,10 @@
 """The element-wise fused CUDA kernels of the GPU path: dropout masks, ReLU (with the bias
 of the layer before, and its gradient), softmax cross-entropy (with the last layer's bias
-and its gradient). Declared as :mod:`ringnet.layers._cuda`'s kernels are, each with its
+and its gradient). Declared as :mod:`ringnet.layers.cuda_kernels`'s kernels are, each with its
 NumPy emulation, and registered in the same ``KERNELS``."""
 import numpy as np
 
-from ringnet.layers._cuda import declare_kernel, lanes
+from ringnet.layers.cuda_kernels import declare_kernel, lanes
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

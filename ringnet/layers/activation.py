@@ -4,7 +4,7 @@ import math
 import numpy as np
 
 from ringnet.backend import get_array_module, is_gpu_array
-from ringnet.layers import _cuda_ops
+from ringnet.layers import cuda_ops
 from ringnet.layers.base import Layer, zeros_like_layout
 
 __all__ = ["ReLU", "Dropout", "keep_mask", "hash_bits"]
@@ -34,7 +34,7 @@ class ReLU(Layer):
         which ``backward`` then writes (the sum of dx over all but the channel axis)."""
         self._passed = False
         if is_gpu_array(x):                   # one kernel, in x's memory order
-            y = _cuda_ops.relu_forward(get_array_module(x), x, bias=bias)
+            y = cuda_ops.relu_forward(get_array_module(x), x, bias=bias)
             self._y = y if train else None
             self._dbias = dbias
             return y
@@ -62,9 +62,9 @@ class ReLU(Layer):
             raise RuntimeError("ReLU.backward called without a forward(train=True)")
         if is_gpu_array(dy):                  # one kernel, in y's memory order
             if self._dbias is not None:
-                return _cuda_ops.relu_backward_bias(get_array_module(dy), dy, self._y,
-                                                    self._dbias)
-            return _cuda_ops.relu_backward(get_array_module(dy), dy, self._y)
+                return cuda_ops.relu_backward_bias(get_array_module(dy), dy, self._y,
+                                                   self._dbias)
+            return cuda_ops.relu_backward(get_array_module(dy), dy, self._y)
         xp = get_array_module(dy)
         return xp.multiply(dy, self._y > 0)
 
@@ -107,7 +107,7 @@ class Dropout(Layer):
         if self._keys is None:
             self._keys = xp.zeros(2, dtype=np.uint64)
         keys = stream_keys((self.seed, self.step, self.layer_index))
-        _cuda_ops.upload(xp, self._keys, np.array(keys, dtype=np.uint64))
+        cuda_ops.upload(xp, self._keys, np.array(keys, dtype=np.uint64))
 
     def forward(self, x, train=True):
         if not train or self.p == 0.0:
@@ -119,7 +119,7 @@ class Dropout(Layer):
             if not self.keys_preset:
                 self.set_keys(xp)
                 self.step += 1
-            self._mask = _cuda_ops.dropout_mask(
+            self._mask = cuda_ops.dropout_mask(
                 xp, x.shape, x.dtype, self._keys, keep_threshold(self.p), 1.0 / (1.0 - self.p),
                 first_sample=part * x.shape[0])
             return x * self._mask

@@ -7,7 +7,7 @@ import functools
 import numpy as np
 
 from ringnet.backend import get_array_module
-from ringnet.layers import _cuda_ops, _gemm, fft_conv, row_conv
+from ringnet.layers import cuda_ops, fft_conv, gemm, row_conv
 from ringnet.layers.base import (Layer, as_channel_rows, check_init, copy_samples,
                                  window_geometry, window_out_size, window_repr)
 
@@ -296,9 +296,9 @@ class Conv2d(Layer):
         k = c * kh * kw
         cols = self._buffer(xp, "gpu-cols-" + ("train" if train else "eval"),
                             (c, kh, kw, ho, wo, b), x.dtype)
-        _cuda_ops.im2col(xp, x, cols, self.stride, self.padding)
+        cuda_ops.im2col(xp, x, cols, self.stride, self.padding)
         y = xp.empty((o, ho * wo * b), dtype=x.dtype)            # (O, Ho*Wo*B)
-        _gemm.matmul(xp, self.params["weight"].reshape(o, k), cols.reshape(k, ho * wo * b), out=y)
+        gemm.matmul(xp, self.params["weight"].reshape(o, k), cols.reshape(k, ho * wo * b), out=y)
         if add_bias:
             y += self.params["bias"][:, None]
         self._cache = (x.shape, cols) if train else None
@@ -312,7 +312,7 @@ class Conv2d(Layer):
         dy2 = as_channel_rows(xp, dy)                            # (O, Ho*Wo*B)
         # dW = dy cols^T straight into the gradient buffer (cuBLAS takes either orientation
         # at one speed, where OpenBLAS wants the transposed one and a copy)
-        _gemm.matmul(xp, dy2, cols.reshape(k, ho * wo * b).T, out=self.grads["weight"].reshape(o, k))
+        gemm.matmul(xp, dy2, cols.reshape(k, ho * wo * b).T, out=self.grads["weight"].reshape(o, k))
         xp.sum(dy2, axis=1, out=self.grads["bias"])
         if not self.needs_dx:
             return None
@@ -321,13 +321,13 @@ class Conv2d(Layer):
             flipped = self.params["weight"].transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
             flipped = xp.ascontiguousarray(flipped).reshape(c, o * kh * kw)
             dcols = self._buffer(xp, "gpu-cols-dx", (o, kh, kw, h, w, b), dy.dtype)
-            _cuda_ops.im2col(xp, dy2.reshape(o, ho, wo, b).transpose(3, 0, 1, 2), dcols, (1, 1),
+            cuda_ops.im2col(xp, dy2.reshape(o, ho, wo, b).transpose(3, 0, 1, 2), dcols, (1, 1),
                          (kh - 1 - ph, kw - 1 - pw))
             dxc = xp.empty((c, h * w * b), dtype=dy.dtype)       # (C, H*W*B)
-            _gemm.matmul(xp, flipped, dcols.reshape(o * kh * kw, h * w * b), out=dxc)
+            gemm.matmul(xp, flipped, dcols.reshape(o * kh * kw, h * w * b), out=dxc)
             return dxc.reshape(c, h, w, b).transpose(3, 0, 1, 2)  # (B, C, H, W)
         # col2im: the column gradient overwrites the columns (no longer needed), then one
         # gather kernel adds every column entry back to its input pixel.
-        _gemm.matmul(xp, self.params["weight"].reshape(o, k).T, dy2, out=cols.reshape(k, ho * wo * b))
-        dxc = _cuda_ops.col2im(xp, cols, (h, w), self.stride, self.padding)
+        gemm.matmul(xp, self.params["weight"].reshape(o, k).T, dy2, out=cols.reshape(k, ho * wo * b))
+        dxc = cuda_ops.col2im(xp, cols, (h, w), self.stride, self.padding)
         return dxc.transpose(3, 0, 1, 2)                         # (B, C, H, W)

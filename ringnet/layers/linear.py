@@ -1,6 +1,6 @@
 """Linear (fully connected) and Flatten."""
 from ringnet.backend import get_array_module, is_gpu_array
-from ringnet.layers import _gemm
+from ringnet.layers import gemm
 from ringnet.layers.base import Layer, check_init, copy_samples, empty_like_layout
 
 __all__ = ["Linear", "Flatten"]
@@ -40,7 +40,7 @@ class Linear(Layer):
             raise ValueError(f"Linear expects (B, {self.in_features}), got {tuple(x.shape)}")
         if not (add_bias and bias_grad):
             self._gpu_only(xp, "add_bias=False / bias_grad=False")
-        y = _gemm.matmul(xp, x, self.params["weight"].T)         # (B, out)
+        y = gemm.matmul(xp, x, self.params["weight"].T)          # (B, out)
         if add_bias:
             y += self.params["bias"]
         self._x = x if train else None                           # (B, in)
@@ -52,12 +52,12 @@ class Linear(Layer):
         if self._x is None:
             raise RuntimeError("Linear.backward called without a forward(train=True)")
         xp = get_array_module(dy)
-        _gemm.matmul(xp, dy.T, self._x, out=self.grads["weight"])  # (out, in)
+        gemm.matmul(xp, dy.T, self._x, out=self.grads["weight"])   # (out, in)
         if self._bias_grad:                                      # else the next kernel's
             xp.sum(dy, axis=0, out=self.grads["bias"])            # (out,)
         if not self.needs_dx:
             return None
-        return _gemm.matmul(xp, dy, self.params["weight"])       # (B, in)
+        return gemm.matmul(xp, dy, self.params["weight"])        # (B, in)
 
 
 class Flatten(Layer):

@@ -1,6 +1,6 @@
 """SoftmaxCrossEntropy: mean cross-entropy of softmax(logits), via log-sum-exp."""
 from ringnet.backend import get_array_module, is_gpu_array
-from ringnet.layers import _cuda_ops
+from ringnet.layers import cuda_ops
 
 __all__ = ["SoftmaxCrossEntropy"]
 
@@ -28,8 +28,8 @@ class SoftmaxCrossEntropy:
         if labels.shape[0] != b:
             raise ValueError(f"{labels.shape[0]} labels for a batch of {b}")
         if is_gpu_array(logits):
-            loss, self.correct, grad = _cuda_ops.softmax_cross_entropy(xp, logits, labels,
-                                                                       bias, dbias)
+            loss, self.correct, grad = cuda_ops.softmax_cross_entropy(xp, logits, labels,
+                                                                      bias, dbias)
             self._cache = (grad, None)
             return loss
         if bias is not None or dbias is not None:

@@ -12,7 +12,7 @@ the chunk's channels of dx.
 import numpy as np
 
 from ringnet.backend import get_array_module
-from ringnet.layers import _cuda_ops
+from ringnet.layers import cuda_ops
 from ringnet.layers.base import Layer, batch_last, tap_ranges, window_geometry, window_out_size, window_repr
 
 __all__ = ["MaxPool2d", "AvgPool2d", "pool_output_size"]
@@ -305,7 +305,7 @@ class MaxPool2d(_Pool2d):
         pools x + bias, bit for bit what adding it first would give."""
         xp = get_array_module(x)
         if xp is not np:                                         # one fused CUDA kernel
-            y, argmax = _cuda_ops.maxpool_forward(xp, x, self.output_shape(x.shape[1:])[1:],
+            y, argmax = cuda_ops.maxpool_forward(xp, x, self.output_shape(x.shape[1:])[1:],
                                               self.kernel_size, self.stride, self.padding,
                                               bias=bias)
             self._cache = (x.shape, argmax, None, None) if train else None
@@ -354,7 +354,7 @@ class MaxPool2d(_Pool2d):
         shape, argmax, taps, covered = self._cached()
         xp = get_array_module(dy)
         if xp is not np:                                         # one fused CUDA kernel
-            return _cuda_ops.maxpool_backward(xp, dy, argmax, shape, self.kernel_size,
+            return cuda_ops.maxpool_backward(xp, dy, argmax, shape, self.kernel_size,
                                           self.stride, self.padding)
         dyc = batch_last(np, dy)                                 # (C, Ho, Wo, B)
         n = max(c1 - c0 for c0, c1 in self._chunks(shape, dy.dtype))
@@ -402,7 +402,7 @@ class AvgPool2d(_Pool2d):
         if xp is not np:                                         # one fused CUDA kernel
             inv = self._gpu_inv(xp, x.shape[2], x.shape[3], x.dtype)
             self._cache = (x.shape, inv, None, None, None) if train else None
-            return _cuda_ops.avgpool_forward(xp, x, inv, self.kernel_size, self.stride,
+            return cuda_ops.avgpool_forward(xp, x, inv, self.kernel_size, self.stride,
                                          self.padding)
         b, c, h, w = x.shape
         _, ho, wo = self.output_shape((c, h, w))
@@ -423,7 +423,7 @@ class AvgPool2d(_Pool2d):
         shape, inv, taps, covered, mask_by = self._cached()
         xp = get_array_module(dy)
         if xp is not np:                                         # one fused CUDA kernel
-            return _cuda_ops.avgpool_backward(xp, dy, inv, shape, self.kernel_size, self.stride,
+            return cuda_ops.avgpool_backward(xp, dy, inv, shape, self.kernel_size, self.stride,
                                           self.padding)
         g = batch_last(np, dy) * inv                             # (C, Ho, Wo, B)
 

@@ -16,7 +16,7 @@ import weakref
 
 import numpy as np
 
-from ringnet.layers import _cuda, activation, conv, linear, loss, pool
+from ringnet.layers import activation, conv, cuda_kernels, linear, loss, pool
 from ringnet import models, optim
 
 __all__ = ["DeviceArray", "Recorder", "CaptureError", "FreedMemoryError", "DeviceMemory",
@@ -450,7 +450,7 @@ class Recorder:
             again()
 
     def gemm_call(self, fn, args):
-        """One GEMM through :mod:`ringnet.layers._gemm`'s plan: ``fn(*args)`` on NumPy memory."""
+        """One GEMM through :mod:`ringnet.layers.gemm`'s plan: ``fn(*args)`` on NumPy memory."""
         plain = tuple(_plain(a) for a in args)
         fn(*plain)
         _record("gemm", "cublas gemm", again=lambda: fn(*plain), operands=plain)
@@ -523,7 +523,7 @@ def recording(recorder):
     def is_gpu_array(a):
         return isinstance(a, DeviceArray)
 
-    raw_launch = _cuda.launch
+    raw_launch = cuda_kernels.launch
 
     def launch(xp, name, dtype, n, args):
         plain = _plain(tuple(args))
@@ -531,7 +531,7 @@ def recording(recorder):
         _record("kernel", name, again=lambda: raw_launch(np, name, dtype, n, plain),
                 operands=(n,) + plain)
 
-    patches = [(_cuda, "launch", launch), (optim, "_FUSED", {})]
+    patches = [(cuda_kernels, "launch", launch), (optim, "_FUSED", {})]
     for module in (activation, conv, linear, loss, pool, models, optim):
         for attr, value in (("get_array_module", get_array_module),
                             ("is_gpu_array", is_gpu_array), ("to_numpy", recorder.asnumpy)):

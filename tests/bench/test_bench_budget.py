@@ -13,7 +13,7 @@ import pytest
 
 from ringnet.bench import budget
 from ringnet.testing import recording_cupy
-from ringnet.layers import _cuda
+from ringnet.layers import cuda_kernels
 from ringnet.models import build_model
 from ringnet.optim import SGD
 
@@ -62,7 +62,7 @@ def test_the_stand_in_step_computes_what_the_numpy_step_computes(name):
             opt.step(model.params, model.grads, 0)
             ref.step(params, grads, 0)
         np.testing.assert_allclose(model.params, params, rtol=1e-5, atol=1e-7)
-    assert _cuda.launch is not None and recording_cupy._ACTIVE == []
+    assert cuda_kernels.launch is not None and recording_cupy._ACTIVE == []
 
 
 def test_the_stand_in_counts_each_kind_of_operation():

@@ -14,37 +14,37 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture
 def cupy():
     import cupy
-    from ringnet.layers import _gemm
-    _gemm.enable(False)
+    from ringnet.layers import gemm
+    gemm.enable(False)
     yield cupy
-    assert not _gemm.enabled(), "the cuBLAS route outlived the graph step"
+    assert not gemm.enabled(), "the cuBLAS route outlived the graph step"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_the_cublas_route_multiplies_every_layout_as_cupy_does(cupy, dtype):
-    from ringnet.layers import _gemm
+    from ringnet.layers import gemm
     rng = np.random.default_rng(0)
     a = cupy.asarray(rng.normal(size=(37, 53)).astype(dtype))
     b = cupy.asarray(rng.normal(size=(53, 29)).astype(dtype))
     for left in (a, cupy.asfortranarray(a), cupy.asarray(rng.normal(size=(53, 37)).astype(dtype)).T):
         for right in (b, cupy.asfortranarray(b), b[:, :29]):
             for out in (cupy.empty((37, 29), dtype), cupy.empty((29, 37), dtype).T):
-                with _gemm.routed():
-                    _gemm.matmul(cupy, left, right, out=out)
+                with gemm.routed():
+                    gemm.matmul(cupy, left, right, out=out)
                 want = cupy.matmul(left, right)
                 tol = 1e-4 if dtype == "float32" else 1e-12
                 np.testing.assert_allclose(cupy.asnumpy(out), cupy.asnumpy(want), rtol=tol, atol=tol)
 
 
 def test_a_captured_gemm_replays_on_new_contents(cupy):
-    from ringnet.layers import _gemm
+    from ringnet.layers import gemm
     backend = graphs.CudaGraphs(cupy)
     a = cupy.ones((16, 8), dtype=np.float32)
     b = cupy.ones((8, 4), dtype=np.float32)
     out = cupy.zeros((16, 4), dtype=np.float32)
-    with _gemm.routed():
-        _gemm.matmul(cupy, a, b, out=out)                # the handle made before capturing
-        graph, _ = backend.capture(lambda: _gemm.matmul(cupy, a, b, out=out))
+    with gemm.routed():
+        gemm.matmul(cupy, a, b, out=out)                 # the handle made before capturing
+        graph, _ = backend.capture(lambda: gemm.matmul(cupy, a, b, out=out))
     a[...] = 2.0
     backend.launch(graph)
     cupy.cuda.get_current_stream().synchronize()
@@ -113,16 +113,16 @@ def test_the_cublas_workspace_outlives_the_graph_steps_pool(cupy):
     """The handle is made by the first GEMM, inside a graph step's private pool; once that
     step is closed and collected, the handle's GEMMs still run right."""
     import gc
-    from ringnet.layers import _gemm
-    _gemm.release()                                      # the next routed GEMM makes the handle
+    from ringnet.layers import gemm
+    gemm.release()                                       # the next routed GEMM makes the handle
     _run(cupy, "lenet", graphs.WARMUP + 2, off=False)[2].close()
     gc.collect()
     cupy.get_default_memory_pool().free_all_blocks()
     junk = cupy.full(64 << 20, 7, dtype=np.uint8)        # reuse whatever went back to CUDA
     a = cupy.ones((256, 128), dtype=np.float32)
     out = cupy.zeros((256, 64), dtype=np.float32)
-    with _gemm.routed():
-        _gemm.matmul(cupy, a, cupy.ones((128, 64), dtype=np.float32), out=out)
+    with gemm.routed():
+        gemm.matmul(cupy, a, cupy.ones((128, 64), dtype=np.float32), out=out)
     cupy.cuda.get_current_stream().synchronize()
     assert float(out.min()) == float(out.max()) == 128.0
     del junk

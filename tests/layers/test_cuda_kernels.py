@@ -1,4 +1,4 @@
-"""The fused CUDA kernels (ringnet/layers/_cuda.py) against the NumPy layers.
+"""The fused CUDA kernels (ringnet/layers/cuda_kernels.py) against the NumPy layers.
 
 Without a GPU: each kernel's NumPy emulation (the same index arithmetic, one NumPy lane
 per CUDA thread) run through the same host wrappers, and the layers' GPU branches run
@@ -16,8 +16,8 @@ import pytest
 
 from ringnet.backend import gpu_available
 from ringnet.layers.base import memory_order
-from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, MaxPool2d, ReLU, _cuda, _cuda_ops,
-                            activation, conv, linear, pool)
+from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, MaxPool2d, ReLU, activation, conv,
+                            cuda_kernels, cuda_ops, linear, pool)
 
 POOL_CASES = [  # (B, C, H, W, kernel, stride, padding)
     (2, 3, 8, 8, 2, 2, 0),             # non-overlapping
@@ -68,12 +68,12 @@ def test_emulated_maxpool_kernels_equal_the_numpy_layer_bit_for_bit(case, kind, 
     dy = np.random.default_rng(1).normal(size=y.shape).astype(dtype)
     dx = layer.backward(dy)
     out_hw = layer.output_shape((c, h, w))[1:]
-    ye, argmax_e = _cuda_ops.maxpool_forward(np, x, out_hw, layer.kernel_size, layer.stride,
+    ye, argmax_e = cuda_ops.maxpool_forward(np, x, out_hw, layer.kernel_size, layer.stride,
                                          layer.padding)
     np.testing.assert_array_equal(ye, y)
     np.testing.assert_array_equal(argmax_e, argmax)
     assert argmax_e.shape == argmax.shape and argmax_e.dtype == np.uint8
-    dxe = _cuda_ops.maxpool_backward(np, dy, argmax_e, x.shape, layer.kernel_size, layer.stride,
+    dxe = cuda_ops.maxpool_backward(np, dy, argmax_e, x.shape, layer.kernel_size, layer.stride,
                                  layer.padding)
     np.testing.assert_array_equal(dxe, dx)
     assert dxe.dtype == dtype and dxe.shape == x.shape
@@ -92,8 +92,8 @@ def test_a_bias_handed_to_the_maxpool_kernel_equals_adding_it_first(case, kind, 
     y = layer.forward(x + bias[:, None, None])
     argmax = layer._cache[1]
     out_hw = layer.output_shape((c, h, w))[1:]
-    ye, argmax_e = _cuda_ops.maxpool_forward(np, x, out_hw, layer.kernel_size, layer.stride,
-                                             layer.padding, bias=bias)
+    ye, argmax_e = cuda_ops.maxpool_forward(np, x, out_hw, layer.kernel_size, layer.stride,
+                                            layer.padding, bias=bias)
     np.testing.assert_array_equal(ye, y)
     np.testing.assert_array_equal(argmax_e, argmax)
 
@@ -111,11 +111,11 @@ def test_pool_backward_kernels_read_a_batch_first_dy_in_place(pool, dtype):
     dy = np.random.default_rng(5).normal(size=y.shape).astype(dtype)     # C-order: batch first
     want = layer.backward(np.ascontiguousarray(dy.transpose(1, 2, 3, 0)).transpose(3, 0, 1, 2))
     if pool is MaxPool2d:
-        got = _cuda_ops.maxpool_backward(np, dy, layer._cache[1], x.shape, layer.kernel_size,
-                                         layer.stride, layer.padding)
+        got = cuda_ops.maxpool_backward(np, dy, layer._cache[1], x.shape, layer.kernel_size,
+                                        layer.stride, layer.padding)
     else:
-        got = _cuda_ops.avgpool_backward(np, dy, layer._gpu_inv(np, h, w, dtype), x.shape,
-                                         layer.kernel_size, layer.stride, layer.padding)
+        got = cuda_ops.avgpool_backward(np, dy, layer._gpu_inv(np, h, w, dtype), x.shape,
+                                        layer.kernel_size, layer.stride, layer.padding)
     np.testing.assert_array_equal(got, want)
 
 
@@ -126,7 +126,7 @@ def test_emulated_maxpool_propagates_nan_like_numpy(dtype):
     x[1, 1, 4, 4] = np.nan
     layer = MaxPool2d(3, 2, 1)
     y = layer.forward(x)
-    ye, argmax_e = _cuda_ops.maxpool_forward(np, x, y.shape[2:], layer.kernel_size,
+    ye, argmax_e = cuda_ops.maxpool_forward(np, x, y.shape[2:], layer.kernel_size,
                                          layer.stride, layer.padding)
     assert np.isnan(y).sum() >= 2
     np.testing.assert_array_equal(ye, y)
@@ -143,8 +143,8 @@ def test_emulated_avgpool_kernels_equal_the_numpy_layer(case, dtype):
     dy = np.random.default_rng(2).normal(size=y.shape).astype(dtype)
     dx = layer.backward(dy)
     inv = layer._gpu_inv(np, h, w, dtype)
-    ye = _cuda_ops.avgpool_forward(np, x, inv, layer.kernel_size, layer.stride, layer.padding)
-    dxe = _cuda_ops.avgpool_backward(np, dy, inv, x.shape, layer.kernel_size, layer.stride,
+    ye = cuda_ops.avgpool_forward(np, x, inv, layer.kernel_size, layer.stride, layer.padding)
+    dxe = cuda_ops.avgpool_backward(np, dy, inv, x.shape, layer.kernel_size, layer.stride,
                                  layer.padding)
     # The kernels add in the NumPy layer's order: equal to the last bit.
     np.testing.assert_array_equal(ye, y)
@@ -177,7 +177,7 @@ def test_emulated_col2im_equals_the_numpy_col2im(monkeypatch, case, dtype):
     kh, kw = layer.kernel_size
     # The column gradient the NumPy col2im read is still in the column buffer.
     dcols = layer._buffers["cols-train"][2][:c * kh * kw * ho * wo * b]
-    dxe = _cuda_ops.col2im(np, dcols.reshape(c, kh, kw, ho, wo, b), (h, w), layer.stride,
+    dxe = cuda_ops.col2im(np, dcols.reshape(c, kh, kw, ho, wo, b), (h, w), layer.stride,
                        layer.padding)
     np.testing.assert_array_equal(dxe.transpose(3, 0, 1, 2), dx)
 
@@ -229,7 +229,7 @@ def test_emulated_im2col_equals_the_numpy_columns(monkeypatch, case, dtype):
     want = layer._buffers["cols-train"][2][:c * kh * kw * ho * wo * b].copy()
     for name, xl in _layouts(x).items():
         cols = np.full((c, kh, kw, ho, wo, b), np.nan, dtype)
-        _cuda_ops.im2col(np, xl, cols, layer.stride, layer.padding)
+        cuda_ops.im2col(np, xl, cols, layer.stride, layer.padding)
         np.testing.assert_array_equal(cols.reshape(-1), want, err_msg=name)
     # the flipped branch's columns: dy padded by k - 1 - p, read with stride 1
     dy = np.random.default_rng(7).normal(size=y.shape).astype(dtype)
@@ -239,7 +239,7 @@ def test_emulated_im2col_equals_the_numpy_columns(monkeypatch, case, dtype):
         dcols = np.full((o, kh, kw, h, w, b), np.nan, dtype)
         ph, pw = layer.padding
         for name, dyl in _layouts(dy).items():
-            _cuda_ops.im2col(np, dyl, dcols, (1, 1), (kh - 1 - ph, kw - 1 - pw))
+            cuda_ops.im2col(np, dyl, dcols, (1, 1), (kh - 1 - ph, kw - 1 - pw))
             np.testing.assert_array_equal(dcols.reshape(-1), want, err_msg=name)
     else:
         assert case in IM2COL_CASES[:len(CONV_CASES)] or s > 1 or p >= k
@@ -271,7 +271,7 @@ def test_emulated_relu_kernels_equal_numpy_bit_for_bit(dtype):
     x = _relu_data((3, 2, 5, 4), dtype)
     dy = _relu_data((3, 2, 5, 4), dtype, seed=9)[::-1].copy()   # NaN/inf/-0 against all y
     for name, xl in _layouts(x).items():
-        y = _cuda_ops.relu_forward(np, xl)
+        y = cuda_ops.relu_forward(np, xl)
         want = np.maximum(xl, 0)
         assert y.tobytes() == want.tobytes() or \
             np.ascontiguousarray(y).tobytes() == np.ascontiguousarray(want).tobytes(), name
@@ -279,7 +279,7 @@ def test_emulated_relu_kernels_equal_numpy_bit_for_bit(dtype):
         if name != "strided":
             assert y.strides == xl.strides, name                           # x's memory order
         for dname, dyl in _layouts(dy).items():
-            dx = _cuda_ops.relu_backward(np, dyl, y)
+            dx = cuda_ops.relu_backward(np, dyl, y)
             with np.errstate(invalid="ignore"):
                 want_dx = np.multiply(dyl, y > 0)
             assert np.ascontiguousarray(dx).tobytes() == \
@@ -298,14 +298,14 @@ def test_emulated_relu_kernels_with_the_bias_before_them(dtype):
         c = x.shape[1]
         bias = rng.normal(size=c).astype(dtype)
         shape = (1, c) + (1,) * (x.ndim - 2)
-        y = _cuda_ops.relu_forward(np, x, bias=bias)
+        y = cuda_ops.relu_forward(np, x, bias=bias)
         want = np.maximum(x + bias.reshape(shape), 0)
         assert np.ascontiguousarray(y).tobytes() == np.ascontiguousarray(want).tobytes()
         assert y.strides == x.strides
         dy = rng.normal(size=x.shape).astype(dtype)
         dbias = np.full(c, np.nan, dtype)
-        dx = _cuda_ops.relu_backward_bias(np, dy, y, dbias)
-        np.testing.assert_array_equal(dx, _cuda_ops.relu_backward(np, dy, y))
+        dx = cuda_ops.relu_backward_bias(np, dy, y, dbias)
+        np.testing.assert_array_equal(dx, cuda_ops.relu_backward(np, dy, y))
         axes = tuple(a for a in range(x.ndim) if a != 1)
         np.testing.assert_allclose(dbias, dx.sum(axis=axes, dtype=np.float64),
                                    rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
@@ -321,14 +321,14 @@ def test_emulated_relu_kernels_with_the_bias_before_them(dtype):
 def test_emulated_dropout_mask_equals_the_numpy_mask(shape, p, key, first, dtype):
     keep = activation.keep_mask(np, shape, p, key, first_sample=first)
     scale = 1.0 / (1.0 - p)
-    mask = _cuda_ops.dropout_mask(np, shape, dtype, activation.stream_keys(key),
+    mask = cuda_ops.dropout_mask(np, shape, dtype, activation.stream_keys(key),
                               activation.keep_threshold(p), scale, first_sample=first)
     np.testing.assert_array_equal(mask, keep.astype(dtype) * np.dtype(dtype).type(scale))
     assert mask.dtype == dtype and mask.shape == shape and 0 < keep.sum() < keep.size
 
 
 def test_kernel_parameters_and_emulations_agree():
-    for name, (params, body, emulation) in _cuda.KERNELS.items():
+    for name, (params, body, emulation) in cuda_kernels.KERNELS.items():
         assert [p for p, _ in params] == list(inspect.signature(emulation).parameters), name
         for pname, _ in params:
             assert pname in body, f"{name}: {pname} unused in the CUDA body"
@@ -372,13 +372,13 @@ ELEMENTWISE = {  # kernel -> the expressions its CUDA body and its emulation bot
 }
 
 
-@pytest.mark.parametrize("name", [k for k in _cuda.KERNELS
+@pytest.mark.parametrize("name", [k for k in cuda_kernels.KERNELS
                                   if k != "dropout_mask" and k not in ELEMENTWISE])
 def test_cuda_bodies_and_emulations_compute_the_same_expressions(name):
     # The emulation is what the CPU tests run against the NumPy layers; each expression of
     # the CUDA body must appear in it (casts, blanks, parentheses and operator spelling
     # aside), so an index typo in the CUDA source fails here, without a GPU.
-    params, body, emulation = _cuda.KERNELS[name]
+    params, body, emulation = cuda_kernels.KERNELS[name]
     source = inspect.getsource(emulation)                  # after the decorator, which
     emulated = _normal(source[source.index("\ndef "):])  # holds the CUDA body
     statements = list(_cuda_statements(body))
@@ -389,7 +389,7 @@ def test_cuda_bodies_and_emulations_compute_the_same_expressions(name):
 
 @pytest.mark.parametrize("name", list(ELEMENTWISE))
 def test_elementwise_bodies_and_emulations_compute_the_same_expressions(name):
-    params, body, emulation = _cuda.KERNELS[name]
+    params, body, emulation = cuda_kernels.KERNELS[name]
     source = inspect.getsource(emulation)
     emulated = _normal(source[source.index("\ndef "):])
     for expr in ELEMENTWISE[name]:
@@ -399,18 +399,18 @@ def test_elementwise_bodies_and_emulations_compute_the_same_expressions(name):
 
 def test_argument_types_are_checked_against_the_c_signature():
     x = np.zeros((1, 1, 4, 4), np.float32)
-    _cuda_ops.maxpool_forward(np, x, (2, 2), (2, 2), (2, 2), (0, 0))      # fine
+    cuda_ops.maxpool_forward(np, x, (2, 2), (2, 2), (2, 2), (0, 0))       # fine
     args = (np.zeros(16, np.float32), np.zeros(4, np.float32), np.zeros(4, np.uint8),
-            np.int64(4), *_cuda_ops._geometry(1, 4, 4, 1, 2, 2, (2, 2), (2, 2), (0, 0)),
+            np.int64(4), *cuda_ops._geometry(1, 4, 4, 1, 2, 2, (2, 2), (2, 2), (0, 0)),
             np.float32(-np.inf), np.zeros(1, np.float32), np.int32(0))
-    _cuda.launch(np, "maxpool_fwd", np.float32, 4, args)
+    cuda_kernels.launch(np, "maxpool_fwd", np.float32, 4, args)
     for i, bad in [(3, 4), (4, np.int64(1)), (1, np.zeros(4, np.float64)),
                    (2, np.zeros(4, np.int8)), (16, np.float64(-np.inf))]:
         broken = args[:i] + (bad,) + args[i + 1:]
         with pytest.raises(TypeError):
-            _cuda.launch(np, "maxpool_fwd", np.float32, 4, broken)
+            cuda_kernels.launch(np, "maxpool_fwd", np.float32, 4, broken)
     with pytest.raises(TypeError):
-        _cuda.launch(np, "maxpool_fwd", np.float32, 4, args[:-1])
+        cuda_kernels.launch(np, "maxpool_fwd", np.float32, 4, args[:-1])
 
 
 def _nvrtc():
@@ -426,10 +426,10 @@ def _nvrtc():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_sources_compile_with_nvrtc(dtype):
     nvrtc = _nvrtc()
-    for name in _cuda.KERNELS:
-        prog = nvrtc.createProgram(_cuda.source(name, dtype), name + ".cu", [], [])
+    for name in cuda_kernels.KERNELS:
+        prog = nvrtc.createProgram(cuda_kernels.source(name, dtype), name + ".cu", [], [])
         try:
-            nvrtc.compileProgram(prog, ["-arch=compute_70", *_cuda.OPTIONS])
+            nvrtc.compileProgram(prog, ["-arch=compute_70", *cuda_kernels.OPTIONS])
         except Exception as exc:  # noqa: BLE001
             pytest.fail(f"{name} ({np.dtype(dtype).name}): {exc}\n{nvrtc.getProgramLog(prog)}")
         ptx = nvrtc.getPTX(prog)
@@ -452,8 +452,8 @@ def _patch(m):
         m.setattr(module, "get_array_module", lambda *a: xp)
     m.setattr(activation, "is_gpu_array", lambda a: True)
     m.setattr(linear, "is_gpu_array", lambda a: True)
-    launch = _cuda.launch
-    m.setattr(_cuda, "launch", lambda _xp, *args: launch(np, *args))
+    launch = cuda_kernels.launch
+    m.setattr(cuda_kernels, "launch", lambda _xp, *args: launch(np, *args))
 
 
 def _layer_pair(make, dtype, in_shape=None):
@@ -698,7 +698,7 @@ def test_gpu_im2col_equals_the_emulation_bit_for_bit(case, dtype):
     kh, kw = layer.kernel_size
     x0 = np.random.default_rng(6).normal(size=(b, c, h, w)).astype(dtype)
     want = np.empty((c, kh, kw, ho, wo, b), dtype)
-    _cuda_ops.im2col(np, x0, want, layer.stride, layer.padding)
+    cuda_ops.im2col(np, x0, want, layer.stride, layer.padding)
     for name, xl in _layouts(x0).items():
         xd = cupy.asarray(xl)                  # asarray keeps C order: rebuild each layout
         if name == "batch-last":
@@ -712,7 +712,7 @@ def test_gpu_im2col_equals_the_emulation_bit_for_bit(case, dtype):
             wide[:, :, ::2] = cupy.asarray(x0)
             xd = wide[:, :, ::2]
         cols = cupy.full((c, kh, kw, ho, wo, b), np.nan, dtype)
-        _cuda_ops.im2col(cupy, xd, cols, layer.stride, layer.padding)
+        cuda_ops.im2col(cupy, xd, cols, layer.stride, layer.padding)
         np.testing.assert_array_equal(cupy.asnumpy(cols), want, err_msg=name)
 
 
@@ -778,9 +778,9 @@ def test_gpu_kernels_compile_once_per_dtype():
     x = cupy.asarray(_data((2, 3, 8, 8), np.float32, "normal"))
     layer = MaxPool2d(2, 2)
     layer.forward(x)
-    kernel = _cuda._compiled[("maxpool_fwd", "f")]
+    kernel = cuda_kernels._compiled[("maxpool_fwd", "f")]
     layer.forward(x)
     MaxPool2d(3, 2).forward(x)
-    assert _cuda._compiled[("maxpool_fwd", "f")] is kernel
+    assert cuda_kernels._compiled[("maxpool_fwd", "f")] is kernel
     layer.forward(x.astype(cupy.float64))
-    assert ("maxpool_fwd", "d") in _cuda._compiled
+    assert ("maxpool_fwd", "d") in cuda_kernels._compiled

@@ -1,5 +1,5 @@
 """The fused softmax cross-entropy kernels (``xent_rows``, ``xent_total`` in
-ringnet/layers/_cuda.py) against the NumPy SoftmaxCrossEntropy.
+ringnet/layers/cuda_kernels.py) against the NumPy SoftmaxCrossEntropy.
 
 Without a GPU: the kernels' NumPy emulation through the host wrapper, and the layer's GPU
 branch on NumPy under another name; with a GPU (marked ``gpu``): the real kernels. The
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ringnet.backend import gpu_available
-from ringnet.layers import SoftmaxCrossEntropy, _cuda_ops, loss as loss_module
+from ringnet.layers import SoftmaxCrossEntropy, cuda_ops, loss as loss_module
 
 DTYPES = [np.float32, np.float64]
 TOL = {np.float32: dict(rtol=2e-6, atol=2e-7), np.float64: dict(rtol=1e-13, atol=1e-15)}
@@ -47,7 +47,7 @@ def test_emulated_fused_loss_equals_the_numpy_layer(kind, b, k, dtype):
     if kind == "ties":                 # labels at the first, a later, and no maximum
         labels[: b // 2] = z[: b // 2].argmax(axis=1)
     want_loss, want_correct, want_grad = _reference(z, labels)
-    loss, correct, grad = _cuda_ops.softmax_cross_entropy(np, z, labels.astype(np.int64))
+    loss, correct, grad = cuda_ops.softmax_cross_entropy(np, z, labels.astype(np.int64))
     assert loss.shape == () and loss.dtype == dtype
     assert correct.shape == () and correct.dtype == np.int64
     assert grad.shape == (b, k) and grad.dtype == dtype
@@ -65,9 +65,9 @@ def test_the_loss_kernel_adds_the_last_bias_and_writes_its_gradient(kind, b, k, 
     z = _logits(kind, b, k, dtype)
     bias = np.random.default_rng(2).normal(size=k).astype(dtype)
     labels = np.random.default_rng(1).integers(0, k, size=b).astype(np.int64)
-    want = _cuda_ops.softmax_cross_entropy(np, z + bias, labels)
+    want = cuda_ops.softmax_cross_entropy(np, z + bias, labels)
     dbias = np.full(k, np.nan, dtype)
-    got = _cuda_ops.softmax_cross_entropy(np, z, labels, bias=bias, dbias=dbias)
+    got = cuda_ops.softmax_cross_entropy(np, z, labels, bias=bias, dbias=dbias)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     np.testing.assert_allclose(dbias, want[2].sum(axis=0, dtype=np.float64), **TOL[dtype])
@@ -78,14 +78,14 @@ def test_emulated_fused_loss_propagates_nan_and_inf(dtype):
     z = _logits("normal", 6, 10, dtype)
     labels = np.arange(6) % 10
     z[2, 3] = np.nan
-    loss, correct, grad = _cuda_ops.softmax_cross_entropy(np, z, labels)
+    loss, correct, grad = cuda_ops.softmax_cross_entropy(np, z, labels)
     assert np.isnan(float(loss)) and np.isnan(grad[2]).all() and np.isfinite(grad[[0, 1, 3]]).all()
     assert int(correct) == int((z.argmax(axis=1) == labels).sum())    # NaN wins the argmax
     z[2, 3] = np.inf
     with np.errstate(invalid="ignore"):
-        assert not np.isfinite(float(_cuda_ops.softmax_cross_entropy(np, z, labels)[0]))
+        assert not np.isfinite(float(cuda_ops.softmax_cross_entropy(np, z, labels)[0]))
     labels[4] = 10                                                    # not a class
-    assert np.isnan(float(_cuda_ops.softmax_cross_entropy(np, z[[0, 4]], labels[[0, 4]])[0]))
+    assert np.isnan(float(cuda_ops.softmax_cross_entropy(np, z[[0, 4]], labels[[0, 4]])[0]))
 
 
 class _StandIn:
@@ -107,8 +107,8 @@ def test_loss_layer_gpu_branch_runs_the_fused_kernel(monkeypatch, dtype):
     xp = _StandIn()
     monkeypatch.setattr(loss_module, "get_array_module", lambda *a: xp)
     monkeypatch.setattr(loss_module, "is_gpu_array", lambda a: True)
-    launch = _cuda_ops._cuda.launch
-    monkeypatch.setattr(_cuda_ops._cuda, "launch", lambda _xp, *args: launch(np, *args))
+    launch = cuda_ops.cuda_kernels.launch
+    monkeypatch.setattr(cuda_ops.cuda_kernels, "launch", lambda _xp, *args: launch(np, *args))
     loss = layer.forward(z, labels)
     assert isinstance(loss, np.ndarray) and loss.shape == ()      # a device scalar, not read
     assert int(layer.correct) == want_correct

@@ -13,7 +13,7 @@ argmax and dropout masks are bit-identical to the NumPy path, and the sums are t
 Each kernel is declared once: its parameter list (which also makes the CUDA signature),
 its CUDA body, and a NumPy *emulation* with the same parameters that performs the same
 index arithmetic for all threads at once, statement by statement (one NumPy lane per
-CUDA thread; ``continue`` becomes a lane mask). The host wrappers (:mod:`ringnet.layers._cuda_ops`) call
+CUDA thread; ``continue`` becomes a lane mask). The host wrappers (:mod:`ringnet.layers.cuda_ops`) call
 :func:`launch`, which runs the CUDA kernel for CuPy arrays and the emulation for NumPy
 arrays (checking every argument against the declared C types), so the CPU tests run
 the wrappers and the kernels' index logic against the NumPy layers. The layers call

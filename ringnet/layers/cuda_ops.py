@@ -1,9 +1,9 @@
-"""Host wrappers of the fused CUDA kernels (:mod:`ringnet.layers._cuda`): logical
-(B, C, H, W) arrays in, the NumPy layers' layouts out. Each calls :func:`~ringnet.layers._cuda.launch`,
+"""Host wrappers of the fused CUDA kernels (:mod:`ringnet.layers.cuda_kernels`): logical
+(B, C, H, W) arrays in, the NumPy layers' layouts out. Each calls :func:`~ringnet.layers.cuda_kernels.launch`,
 which runs the CUDA kernel on CuPy arrays and its NumPy emulation on NumPy arrays."""
 import numpy as np
 
-from ringnet.layers import _cuda
+from ringnet.layers import cuda_kernels
 from ringnet.layers.base import memory_order
 
 __all__ = ["maxpool_forward", "maxpool_backward", "avgpool_forward", "avgpool_backward",
@@ -35,9 +35,9 @@ def maxpool_forward(xp, x, out_hw, kernel, stride, padding, bias=None):
     y = xp.empty((c, ho, wo, b), dtype=x.dtype)
     argmax = xp.empty((c, ho, wo, b), dtype=np.uint8)
     n = c * ho * wo * b
-    _cuda.launch(xp, "maxpool_fwd", x.dtype, n,
-                 (xc, y, argmax, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding),
-                  x.dtype.type(-np.inf), *_bias_arg(xp, bias, xc)))
+    cuda_kernels.launch(xp, "maxpool_fwd", x.dtype, n,
+                        (xc, y, argmax, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding),
+                         x.dtype.type(-np.inf), *_bias_arg(xp, bias, xc)))
     return y.transpose(3, 0, 1, 2), argmax
 
 
@@ -54,8 +54,8 @@ def avgpool_forward(xp, x, inv, kernel, stride, padding):
     xc = xp.ascontiguousarray(x.transpose(1, 2, 3, 0))
     y = xp.empty((c, ho, wo, b), dtype=x.dtype)
     n = c * ho * wo * b
-    _cuda.launch(xp, "avgpool_fwd", x.dtype, n,
-                 (xc, inv, y, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
+    cuda_kernels.launch(xp, "avgpool_fwd", x.dtype, n,
+                        (xc, inv, y, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding)))
     return y.transpose(3, 0, 1, 2)
 
 
@@ -73,9 +73,9 @@ def _pool_backward(xp, name, dy, aux, in_shape, kernel, stride, padding):
     ds_b, ds_c, ds_h, ds_w = strides
     dx = xp.empty((c, h, w, b), dtype=dy.dtype)
     n = c * h * w * b
-    _cuda.launch(xp, name, dy.dtype, n,
-                 (m, aux, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding),
-                  ds_c, ds_h, ds_w, ds_b))
+    cuda_kernels.launch(xp, name, dy.dtype, n,
+                        (m, aux, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, kernel, stride, padding),
+                         ds_c, ds_h, ds_w, ds_b))
     return dx.transpose(3, 0, 1, 2)
 
 
@@ -127,9 +127,9 @@ def im2col(xp, x, cols, stride, padding):
     m, strides = _strided(xp, x)
     xs_b, xs_c, xs_h, xs_w = strides
     n = c * kh * kw * ho * wo * b
-    _cuda.launch(xp, "im2col", x.dtype, n,
-                 (m, cols, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding),
-                  xs_c, xs_h, xs_w, xs_b))
+    cuda_kernels.launch(xp, "im2col", x.dtype, n,
+                        (m, cols, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding),
+                         xs_c, xs_h, xs_w, xs_b))
     return cols
 
 
@@ -140,9 +140,9 @@ def relu_forward(xp, x, bias=None):
     y = xp.empty(m.shape, dtype=x.dtype)
     _, inner = _around_channels(x, order) if bias is not None else (1, 1)
     channels = x.shape[1] if bias is not None else 1
-    _cuda.launch(xp, "relu_fwd", x.dtype, m.size,
-                 (m, y, np.int64(m.size), _bias_arg(xp, bias, m)[0], np.int64(inner),
-                  np.int32(channels), np.int32(bias is not None)))
+    cuda_kernels.launch(xp, "relu_fwd", x.dtype, m.size,
+                        (m, y, np.int64(m.size), _bias_arg(xp, bias, m)[0], np.int64(inner),
+                         np.int32(channels), np.int32(bias is not None)))
     return y.transpose(_inverse(order))
 
 
@@ -165,7 +165,7 @@ def _contiguous(array, what):
 def relu_backward(xp, dy, y):
     """Return dy * (y > 0) in y's memory order (dy is copied into it only if it differs)."""
     dym, ym, dx, order = _relu_grad_operands(xp, dy, y)
-    _cuda.launch(xp, "relu_bwd", dy.dtype, ym.size, (dym, ym, dx, np.int64(ym.size)))
+    cuda_kernels.launch(xp, "relu_bwd", dy.dtype, ym.size, (dym, ym, dx, np.int64(ym.size)))
     return dx.transpose(_inverse(order))
 
 
@@ -175,9 +175,9 @@ def relu_backward_bias(xp, dy, y, dbias):
     gradient of the layer whose bias :func:`relu_forward` added. One thread per channel."""
     dym, ym, dx, order = _relu_grad_operands(xp, dy, y)
     outer, inner = _around_channels(y, order)
-    _cuda.launch(xp, "relu_bwd_bias", dy.dtype, y.shape[1],
-                 (dym, ym, dx, _contiguous(dbias, "relu_backward_bias: dbias"),
-                  np.int64(y.shape[1]), np.int64(outer), np.int64(inner)))
+    cuda_kernels.launch(xp, "relu_bwd_bias", dy.dtype, y.shape[1],
+                        (dym, ym, dx, _contiguous(dbias, "relu_backward_bias: dbias"),
+                         np.int64(y.shape[1]), np.int64(outer), np.int64(inner)))
     return dx.transpose(_inverse(order))
 
 
@@ -188,8 +188,8 @@ def col2im(xp, cols, in_hw, stride, padding):
     h, w = in_hw
     dx = xp.empty((c, h, w, b), dtype=cols.dtype)
     n = c * h * w * b
-    _cuda.launch(xp, "col2im", cols.dtype, n,
-                 (cols, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding)))
+    cuda_kernels.launch(xp, "col2im", cols.dtype, n,
+                        (cols, dx, np.int64(n), *_geometry(c, h, w, b, ho, wo, (kh, kw), stride, padding)))
     return dx
 
 
@@ -207,9 +207,9 @@ def dropout_mask(xp, shape, dtype, keys, threshold, scale, first_sample=0):
     mask = xp.empty(shape, dtype=dtype)
     if isinstance(keys, tuple):
         keys = xp.asarray(np.array(keys, dtype=np.uint64))
-    _cuda.launch(xp, "dropout_mask", dtype, n,
-                 (mask, np.int64(n), np.uint64((int(first_sample) * per_sample) & ((1 << 64) - 1)),
-                  keys, np.uint64(threshold), dtype.type(scale)))
+    cuda_kernels.launch(xp, "dropout_mask", dtype, n,
+                        (mask, np.int64(n), np.uint64((int(first_sample) * per_sample) & ((1 << 64) - 1)),
+                         keys, np.uint64(threshold), dtype.type(scale)))
     return mask
 
 
@@ -242,13 +242,13 @@ def softmax_cross_entropy(xp, logits, labels, bias=None, dbias=None):
     hit = xp.empty(b, dtype=np.uint8)
     loss = xp.empty((), dtype=dtype)
     correct = xp.empty((), dtype=np.int64)
-    _cuda.launch(xp, "xent_rows", dtype, b,
-                 (z, xp.ascontiguousarray(labels), grad, row_loss, hit, np.int64(b), np.int32(k),
-                  dtype.type(1.0 / b), dtype.type(np.nan), *_bias_arg(xp, bias, z)))
+    cuda_kernels.launch(xp, "xent_rows", dtype, b,
+                        (z, xp.ascontiguousarray(labels), grad, row_loss, hit, np.int64(b), np.int32(k),
+                         dtype.type(1.0 / b), dtype.type(np.nan), *_bias_arg(xp, bias, z)))
     sums = grad if dbias is None else _contiguous(dbias, "softmax_cross_entropy: dbias")
     # (grad stands in for dbias without one: no thread writes it then)
     threads = k if dbias is not None else 1
-    _cuda.launch(xp, "xent_total", dtype, threads,
-                 (row_loss, hit, loss, correct, np.int64(threads), np.int32(b), grad, sums,
-                  np.int32(k), np.int32(dbias is not None)))
+    cuda_kernels.launch(xp, "xent_total", dtype, threads,
+                        (row_loss, hit, loss, correct, np.int64(threads), np.int32(b), grad, sums,
+                         np.int32(k), np.int32(dbias is not None)))
     return loss, correct, grad
