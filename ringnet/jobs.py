@@ -13,6 +13,7 @@ import sys
 
 from ringnet import cluster
 from ringnet.errors import UsageError
+from ringnet.parallel import MODES
 
 __all__ = ["run_json", "train_run", "recipe_flags", "job_env", "job_launch"]
 
@@ -78,7 +79,7 @@ def train_run(args, mode, delay, nranks, length=None, extra=(), batch=None):
            "--batch-size", str(batch or args.batch_size), *length,
            "--transport", args.transport, "--device", args.device,
            "--json", "--quiet", "--no-progress", "--no-eval", *recipe_flags(args)]
-    if mode != "single":
+    if MODES[mode].distributed:
         cmd += ["--delay", str(delay)]
         if delay and getattr(args, "delay_compensation", None):
             cmd += ["--delay-compensation", args.delay_compensation]
