@@ -13,6 +13,7 @@ from ringnet import checkpoint as checkpoints
 from ringnet.checkpoint import HYPERPARAMETERS, resume_settings
 from ringnet.control import agree, collective, differences
 from ringnet.errors import UsageError
+from ringnet.parallel import MODES
 
 __all__ = ["check_same_start", "auto", "settings", "check_not_behind", "restore", "saver"]
 
@@ -27,7 +28,8 @@ def _compensation_after(cfg, size):
 
 
 def _mode_text(mode, delay, compensation):
-    text = f"{mode}" if mode in (None, "single") else f"{mode} delay {delay}"
+    alone = mode is None or (mode in MODES and not MODES[mode].distributed)
+    text = f"{mode}" if alone else f"{mode} delay {delay}"
     return text + (f" {compensation}" if delay and compensation not in (None, "none") else "")
 
 
