@@ -109,3 +109,28 @@ def test_the_checks_catch_an_upward_import_and_a_long_module(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from ringnet import placement\n    from ringnet.train import train\n")
     assert [t for _, t in _imports(probe)] == ["ringnet.placement", "ringnet.train"]
+
+
+def _cycles(package):
+    """The import circles among ``package``'s modules (lazy imports too; the package's own
+    ``__init__``, which re-exports them, left out): [[module, ..., module]]."""
+    modules = {_module(p): p for p in SOURCES if _module(p).startswith(package + ".")}
+    edges = {m: {t for _, t in _imports(p) if t in modules and t != m} for m, p in modules.items()}
+    order = sorted(modules)
+    found = []
+
+    def walk(start, node, path):
+        for target in sorted(edges[node]):
+            if target == start:
+                found.append(path + [start])
+            elif target not in path and order.index(target) > order.index(start):
+                walk(start, target, path + [target])
+    for start in order:
+        walk(start, start, [start])
+    return found
+
+
+def test_the_communication_modules_import_in_no_circle():
+    """A communicator is handed its transport: nothing in ringnet.comm imports the factory
+    that imports the communicators."""
+    assert _cycles("ringnet.comm") == []
