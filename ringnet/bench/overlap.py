@@ -22,6 +22,7 @@ import os
 import shutil
 import statistics
 
+from ringnet import cluster
 from ringnet.bench import machine
 from ringnet.bench.scaling import run_config
 from ringnet.errors import UsageError
@@ -57,6 +58,13 @@ def build_parser():
                    help="launcher (default $MPIRUN or mpirun)")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds per run before it is killed (default 600)")
+    g = p.add_argument_group("on a cluster of nodes")
+    g.add_argument("--launcher", default=None, metavar="CMD",
+                   help='what starts the ranks, e.g. "srun --mpi=pmi2" (default: --mpirun); with '
+                        "--nodes it is given the nodes and ranks per node")
+    g.add_argument("--nodes", default=None, metavar="K",
+                   help="run the parallel modes on K nodes of one rank (K) or of R ranks (KxR), "
+                        "e.g. 4 or 2x2, instead of --np ranks; single runs on one node")
     return p
 
 
@@ -91,6 +99,10 @@ def main(argv=None):
     for name in ("steps", "repeats", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.nodes:
+        args.np = _shape(args)
+    elif args.launcher:
+        raise UsageError("--launcher places ranks on nodes: give --nodes K or KxR with it")
     if args.np < 2 or args.batch_size % args.np:
         raise UsageError(f"--np must be >= 2 and divide --batch-size {args.batch_size}, got {args.np}")
     if not 0 < args.timeout < float("inf"):
@@ -102,10 +114,13 @@ def main(argv=None):
         if m not in MODES:
             raise UsageError(f"unknown mode {m!r} in --modes; choose from {', '.join(MODES)}")
     variants = _variants(args.variants)
-    if shutil.which(args.mpirun) is None:
+    if args.launcher:
+        cluster.check_launcher(args.launcher)
+    elif shutil.which(args.mpirun) is None:
         raise UsageError(f"launcher {args.mpirun!r} not found; `pip install mpich` or pass --mpirun")
     args.transport, args.device, args.delay_compensation = "mpi", "cpu", None
-    configs = [("single", 0, 1, ("driven", "0"))] + [
+    one = cluster.Shape(1, 1) if args.nodes else 1
+    configs = [("single", 0, one, ("driven", "0"))] + [
         (mode, delay, args.np, (progress, buckets))
         for mode in modes for delay, progress, buckets in variants]
     results = {c: [] for c in configs}
@@ -139,7 +154,8 @@ def main(argv=None):
         return statistics.median(s["step_ms"] for s in results[config])
 
     single = configs[0]
-    print(f"# model {args.model}, global batch {args.batch_size}, {args.steps} steps, N={args.np}, "
+    where = f"{args.np.nodes} nodes x {args.np.per_node} ranks" if args.nodes else f"N={args.np}"
+    print(f"# model {args.model}, global batch {args.batch_size}, {args.steps} steps, {where}, "
           f"median of {args.repeats} interleaved rounds, 1 BLAS thread/rank; load average (1 min) "
           f"{', '.join(f'{x:.1f}' for x in loads)} (machine: {machine.machine_cores()} cores)")
     print(f"{'mode':>8} {'delay':>5} {'variant':<24} {'step ms':>8} {'speedup':>8} "
@@ -158,6 +174,17 @@ def main(argv=None):
               f"{ratio:>14}")
     run.end()
     return 0
+
+
+def _shape(args):
+    """The :class:`~ringnet.cluster.Shape` ``--nodes`` names, checked against the nodes the
+    launcher reaches."""
+    shape = cluster.parse_nodes([args.nodes], 1)[0]
+    launcher = args.launcher or args.mpirun
+    have = cluster.available_nodes(launcher)
+    if shape.nodes > have:
+        raise UsageError(f"--nodes {args.nodes}: {launcher!r} reaches {have} node{'s' if have != 1 else ''}")
+    return shape
 
 
 if __name__ == "__main__":

@@ -133,3 +133,31 @@ def test_the_cluster_figure_is_drawn_from_the_csv_files(monkeypatch, tmp_path):
     bad.write_text("mode,delay,np\nring,1,2\n")
     with pytest.raises(UsageError, match="bench scaling --nodes"):
         plot.main(["cluster", str(bad), str(out)])
+
+
+def test_overlap_runs_each_progress_mode_on_the_nodes(monkeypatch):
+    """bench overlap --launcher --nodes: single on one node, every variant on the shape, each
+    run with its RINGNET_CPU_PROGRESS set, the header naming the nodes; a shape the launcher
+    does not reach and --launcher without --nodes are refused before anything runs."""
+    from ringnet.bench import overlap
+    monkeypatch.setattr(cluster, "available_nodes", lambda launcher: 4)
+    seen = []
+
+    def fake(args, mode, delay, n, **kw):
+        seen.append((mode, delay, repr(n), overlap.os.environ.get("RINGNET_CPU_PROGRESS")))
+        return {"step_ms": {"driven": 50.0, "poll": 40.0, "block": 80.0}[seen[-1][3]]
+                if mode != "single" else 100.0, "comm_wait_s": 0.0, "steps": 2, "overlap": 0.0}
+    monkeypatch.setattr(overlap, "run_config", fake)
+    out = _main_output(overlap.main, ["--launcher", "mpirun", "--nodes", "2x2", "--modes", "ring",
+                                      "--repeats", "1", "--variants",
+                                      "1:driven:default,1:poll:default,1:block:default"])
+    assert seen == [("single", 0, "1x1", "driven"), ("ring", 1, "2x2", "driven"),
+                    ("ring", 1, "2x2", "poll"), ("ring", 1, "2x2", "block")]
+    assert "2 nodes x 2 ranks" in out
+    rows = {line.split()[2]: line.split() for line in out.splitlines() if line.split()[:1] == ["ring"]}
+    assert float(rows["poll"][3]) == 40.0 and float(rows["poll"][4]) == 2.5      # step, speedup
+    monkeypatch.setattr(overlap, "run_config", lambda *a, **kw: pytest.fail("ran"))
+    with pytest.raises(UsageError, match="--nodes 8: 'mpirun' reaches 4 nodes"):
+        overlap.main(["--launcher", "mpirun", "--nodes", "8"])
+    with pytest.raises(UsageError, match="give --nodes"):
+        overlap.main(["--launcher", "mpirun"])
