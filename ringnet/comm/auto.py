@@ -118,6 +118,8 @@ class AutoCommunicator(CommunicatorBase):
         self.native_ok = getattr(transport, "name", None) == "mpi" \
             and hasattr(transport, "mpi_comm") and getattr(transport, "_lock", True) is None
         self._native_call = transport.mpi_comm.Allreduce if self.native_ok else None
+        # across nodes MPI's own all-reduce takes the small messages (cost.choose)
+        self.nodes = getattr(getattr(transport, "layout", None), "nodes", 1) or 1
         self._fold = Fold(self.rank, self.size)
         self._partners = self._fold.doubling_partners()
         # NumPy buffers over MPI, called off a stream: the lean path (see LeanPath).
@@ -148,12 +150,13 @@ class AutoCommunicator(CommunicatorBase):
         algorithm = choices.get(nbytes)
         if algorithm is None:
             algorithm = choices[nbytes] = choose(nbytes, self.size, self.candidates(on_stream),
-                                                 **self.constants)
+                                                 self.nodes, **self.constants)
         return algorithm
 
     def thresholds(self, max_bytes=1 << 30, on_stream=False):
         """:func:`thresholds` at this communicator's N, constants and candidates."""
-        return thresholds(self.size, max_bytes, self.candidates(on_stream), **self.constants)
+        return thresholds(self.size, max_bytes, self.candidates(on_stream), self.nodes,
+                          **self.constants)
 
     def allreduce(self, buf: Array, op: str = "sum",
                   stream: Optional[CpuStream] = None) -> Optional[Handle]:

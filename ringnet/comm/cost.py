@@ -55,7 +55,7 @@ that once, when the communicator is made, so every rank computes the same choice
 """
 import math
 
-__all__ = ["ALGORITHMS", "NATIVE", "CHOICES", "ALPHA", "BETA", "GAMMA", "ALPHA_OVERSUBSCRIBED",
+__all__ = ["ALGORITHMS", "NATIVE", "CHOICES", "NATIVE_ACROSS_NODES_BELOW", "ALPHA", "BETA", "GAMMA", "ALPHA_OVERSUBSCRIBED",
            "NATIVE_ALPHA", "NATIVE_BETA", "NATIVE_ALPHA_OVERSUBSCRIBED", "NATIVE_BETA_OVERSUBSCRIBED",
            "NATIVE_TINY_BYTES",
            "constants", "terms", "cost", "fit", "fit_native", "choose", "thresholds", "pow2_below",
@@ -160,20 +160,31 @@ def fit_native(samples):
     return tuple(float(max(x, 0.0)) for x in solution)
 
 
-def choose(nbytes, n, candidates=CHOICES, **constants):
+# Across nodes the messages cross a network and MPI's own all-reduce takes them below this
+# size: on 3 and 4 nodes of half a core at 1 Gbit/s (bench comm --algos auto,native under
+# srun) the model's picks of ours measured 0.83-0.90x MPICH's at 1-64 KiB on 3 nodes (direct)
+# and 0.98-1.06x at 4, while from 1 MiB up the ring measured 1.6-2.6x MPICH's on 3 nodes and
+# halving-doubling 0.95-1.01x on 4.
+NATIVE_ACROSS_NODES_BELOW = 1 << 20
+
+
+def choose(nbytes, n, candidates=CHOICES, nodes=1, **constants):
     """Return the candidate with the least :func:`cost` (ties: the earlier in ``candidates``,
-    so an algorithm of ours before ``native``)."""
+    so an algorithm of ours before ``native``); where the ranks span ``nodes`` > 1 nodes,
+    ``native`` (when a candidate) below :data:`NATIVE_ACROSS_NODES_BELOW` bytes."""
+    if nodes > 1 and NATIVE in candidates and nbytes < NATIVE_ACROSS_NODES_BELOW:
+        return NATIVE
     return min(candidates, key=lambda a: (cost(a, nbytes, n, **constants), candidates.index(a)))
 
 
-def thresholds(n, max_bytes=1 << 30, candidates=CHOICES, **constants):
+def thresholds(n, max_bytes=1 << 30, candidates=CHOICES, nodes=1, **constants):
     """Return [(first byte count, algorithm)] where the choice changes, from 1 byte up."""
     out, nbytes = [], 1
     while nbytes <= max_bytes:
-        algorithm = choose(nbytes, n, candidates, **constants)
+        algorithm = choose(nbytes, n, candidates, nodes, **constants)
         if not out or out[-1][1] != algorithm:
             out.append((nbytes, algorithm))
-        nbytes = _next_switch(nbytes, n, algorithm, max_bytes, candidates, constants)
+        nbytes = _next_switch(nbytes, n, algorithm, max_bytes, candidates, dict(constants, nodes=nodes))
     return out
 
 

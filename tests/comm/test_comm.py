@@ -183,6 +183,49 @@ def test_native_switch_points_where_they_were_measured():
     assert [a for _, a in switches] == ["native", "rhd"] and 4 << 20 < switches[1][0] <= 8 << 20
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_across_nodes_mpis_own_call_takes_the_small_messages(n):
+    """Where the ranks span nodes, native below NATIVE_ACROSS_NODES_BELOW whatever the model
+    prices (measured: ours lost there on 3 nodes), the model's choice from it up; on a
+    stream (native no candidate) the model's choice everywhere; one node: as before."""
+    from ringnet.comm.cost import (ALGORITHMS, CHOICES, NATIVE_ACROSS_NODES_BELOW, choose,
+                                   constants, thresholds)
+    c = constants(False)
+    limit = NATIVE_ACROSS_NODES_BELOW
+    for nbytes in [1 << k for k in range(27)] + [limit - 1, limit, limit + 1]:
+        model = choose(nbytes, n, CHOICES, **c)
+        assert choose(nbytes, n, CHOICES, 1, **c) == model
+        assert choose(nbytes, n, CHOICES, 2, **c) == ("native" if nbytes < limit else model)
+        assert choose(nbytes, n, ALGORITHMS, 4, **c) == choose(nbytes, n, ALGORITHMS, **c)
+    switches = thresholds(n, 64 << 20, CHOICES, 2, **c)
+    assert switches[0] == (1, "native")
+    assert all(b >= limit for b, a in switches[1:]), switches
+
+
+def test_auto_knows_its_ranks_span_nodes():
+    """AutoCommunicator reads the node count from its transport's layout and chooses by it."""
+    from ringnet.comm import AutoCommunicator
+    transport = make_transport("mpi", mpi_comm=MPI.COMM_SELF, device="cpu")
+    one = AutoCommunicator(transport)
+    assert one.nodes == 1
+    transport.layout = _two_nodes(transport.layout)
+    comm = AutoCommunicator(transport)
+    assert comm.nodes == 2
+    if comm.native_ok:
+        assert comm.choose(64 << 10) == "native"
+        assert dict(comm.thresholds(4 << 20))[1] == "native"
+
+
+def _two_nodes(layout):
+    """``layout`` as if its ranks were spread over two nodes (only ``nodes`` is read)."""
+    class TwoNodes:
+        nodes = 2
+
+        def __getattr__(self, name):
+            return getattr(layout, name)
+    return TwoNodes()
+
+
 def test_fit_native_recovers_its_constants():
     from ringnet.comm.cost import cost, fit_native
     alpha, beta = 7e-6, 0.4e-9
