@@ -5,13 +5,17 @@ tests/hpc/test_cluster_runs.py (skips without root or SLURM, as there).
 * the ring is ordered by node (0, 2, 1, 3): each rank's neighbours, from the real layout;
 * ring flat, ring hierarchical and tree hierarchical train to the weights of ``single``
   (float64, 1e-9), and the header says which topology ran; so does ``--topology auto``
-  told the links' measured speed (``--inter-link``), which then takes hierarchical.
+  told the links' measured speed (``--inter-link``), which then takes hierarchical;
+* an uneven placement, 2 + 1 ranks (``srun -N 2 -n 3``): the hierarchical ring falls back to
+  one leader per node and says so, and it and the hierarchical tree train to ``single``'s
+  weights at the same global batch.
 """
 import json
 import sys
 
 from conftest import rel_error
-from test_cluster_runs import BASE, RANKS_PER_NODE, cluster, single, weights  # noqa: F401
+from test_cluster_runs import (BASE, RANKS_PER_NODE, cluster, run_local, single,  # noqa: F401
+                               weights)
 
 def _srun_cyclic(cluster, command, timeout=240):
     return cluster.run(["srun", "-N", "2", "--ntasks-per-node", str(RANKS_PER_NODE), "--mpi=pmi2",
@@ -58,3 +62,22 @@ def test_cyclic_ring_is_ordered_by_node(cluster):
     assert [r["node"] for r in rows] == [cluster.names[0], cluster.names[1]] * 2
     assert all(r["order"] == [0, 2, 1, 3] for r in rows)
     assert [(r["left"], r["right"]) for r in rows] == [(3, 2), (2, 3), (0, 1), (1, 0)]
+
+
+def test_uneven_placement_trains_as_single(cluster, tmp_path):
+    """3 ranks on 2 nodes (2 + 1): the channels need the same ranks on every node, so the
+    hierarchical ring runs one leader per node, as its header says; it and the tree equal
+    single at a batch the 3 ranks split evenly."""
+    args = [*BASE, "--batch-size", "48"]
+    reference, _ = run_local(args + ["--mode", "single"], tmp_path, "single48")
+    for mode in ("ring", "tree"):
+        path = tmp_path / f"{mode}.h5"
+        proc = cluster.run(["srun", "-N", "2", "-n", "3", "--mpi=pmi2", sys.executable, "-m",
+                            "ringnet.train", *args, "--mode", mode, "--delay", "0",
+                            "--topology", "hierarchical", "--save", str(path)], timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        text = proc.stdout + proc.stderr
+        assert "2 nodes" in text and "3 rank(s)" in text, text[-2000:]
+        if mode == "ring":
+            assert "one leader per node (uneven placement" in text, text[-2000:]
+        assert rel_error(weights(path), reference) <= 1e-9, f"{mode} on 2 + 1 differs from single"
