@@ -439,7 +439,7 @@ def main(argv=None):
     for n, c in sorted(ceiling.items()):
         shared = (f"; {n} ranks share this machine's {cores} cores, so the ranks' compute "
                   f"alone takes {n / cores:.1f}x as long as the ceiling assumes"
-                  if n > cores else "")
+                  if n > cores and not args.nodes else "")      # on nodes: each its own cores
         print(f"# ceiling at N={n}: single at batch {args.batch_size // n} takes "
               f"{base_ms / c:.2f} ms a step against {base_ms:.2f} ms at {args.batch_size}: "
               f"t(B) / t(B/N) = {c:.2f}x{shared}")
