@@ -821,24 +821,33 @@ COMMANDS = {
     'python -m ringnet.launch -n 4 --launcher "mpirun -ppn 2" -- --model lenet --dataset synthetic '
     '--steps 300 --save ck.h5 --save-every 20':
         "tests/hpc/test_cluster_node_loss.py::test_launch_under_mpirun_continues_on_the_surviving_node",
+    'python -m ringnet.bench overlap --launcher "srun --mpi=pmi2" --nodes 4 --modes ring,tree --model '
+    'lenet --batch-size 256 --steps 40 --repeats 3 --variants 1:driven:default,1:poll:default,'
+    '1:block:default,0:driven:default,0:poll:default':
+        "tests/bench/test_bench_cluster.py::test_overlap_runs_each_progress_mode_on_the_nodes",
+    "srun --mpi=pmi2 --unbuffered --output=0 -N 3 -n 3 python -m ringnet.bench comm --algos "
+    "auto,native --iters 10": "tests/comm/test_comm.py::test_auto_knows_its_ranks_span_nodes",
     # docs/scaling.md, across nodes
-    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --modes '
-    'ring,tree,master,split-fc --topologies flat,hierarchical --model lenet --steps 20 --repeats 1 '
-    '--csv docs/scaling-cluster-lenet-1gbit.csv --markdown': doc_table,
-    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --modes '
-    'ring,tree,master,split-fc --topologies flat,hierarchical --model cifar10_quick --steps 20 --repeats 1 '
-    '--csv docs/scaling-cluster-cifar10_quick-1gbit.csv --markdown': doc_table,
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --scaling weak '
+    '--batch-size 64 --modes ring,tree,master,split-fc --topologies flat,hierarchical --model lenet '
+    '--steps 20 --repeats 2 --csv docs/scaling-nodes-lenet-1gbit.csv --markdown': doc_table,
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --scaling weak '
+    '--batch-size 64 --modes ring,tree,master,split-fc --topologies flat,hierarchical --model cifar10_quick '
+    '--steps 20 --repeats 2 --csv docs/scaling-nodes-cifar10_quick-1gbit.csv --markdown': doc_table,
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 4 --batch-size 256 '
+    '--modes ring --delays 1 --model cifar10_quick --ceiling --steps 20 --repeats 2':
+        "tests/bench/test_bench_scaling.py::test_the_ceiling_is_single_at_the_per_rank_batch",
     'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 2 '
     '--validate-steps 20 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-1gbit.json': NODES,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-1gbit.json --table validation --markdown": doc_table,
-    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --modes '
-    'ring,tree,master,split-fc --topologies flat,hierarchical --model lenet --steps 20 --repeats 1 '
-    '--csv docs/scaling-cluster-lenet-unshaped.csv --markdown': doc_table,
-    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --modes '
-    'ring,tree,master,split-fc --topologies flat,hierarchical --model cifar10_quick --steps 20 --repeats 1 '
-    '--csv docs/scaling-cluster-cifar10_quick-unshaped.csv --markdown': doc_table,
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --scaling weak '
+    '--batch-size 64 --modes ring,tree,master,split-fc --topologies flat,hierarchical --model lenet '
+    '--steps 20 --repeats 2 --csv docs/scaling-nodes-lenet-unshaped.csv --markdown': doc_table,
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --scaling weak '
+    '--batch-size 64 --modes ring,tree,master,split-fc --topologies flat,hierarchical --model cifar10_quick '
+    '--steps 20 --repeats 2 --csv docs/scaling-nodes-cifar10_quick-unshaped.csv --markdown': doc_table,
     'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 1 '
     '--validate-steps 20 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-unshaped.json': NODES,
@@ -847,9 +856,9 @@ COMMANDS = {
     'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 --modes ring --model '
     'lenet --dataset fashion-mnist --to-accuracy 0.84 --epochs 1 --eval-every 117 --repeats 1 '
     '--markdown': doc_table,
-    "python -m ringnet.bench.plot cluster docs/scaling-cluster-lenet-1gbit.csv "
-    "docs/scaling-cluster-cifar10_quick-1gbit.csv docs/scaling-cluster-lenet-unshaped.csv "
-    "docs/scaling-cluster-cifar10_quick-unshaped.csv docs/scaling-cluster.png": cluster_replot,
+    "python -m ringnet.bench.plot cluster docs/scaling-nodes-lenet-1gbit.csv "
+    "docs/scaling-nodes-cifar10_quick-1gbit.csv docs/scaling-nodes-lenet-unshaped.csv "
+    "docs/scaling-nodes-cifar10_quick-unshaped.csv docs/scaling-cluster.png": cluster_replot,
     # docs/comm.md's first python example is not a shell command; it runs here too
     "docs/comm.md: A first example": comm_example,
 }
