@@ -8,14 +8,16 @@ model's validation measures.
 """
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 from ringnet import cluster
 from ringnet.errors import UsageError
 from ringnet.parallel import MODES
 
-__all__ = ["run_json", "train_run", "recipe_flags", "job_env", "job_launch"]
+__all__ = ["run_json", "failure_reason", "train_run", "recipe_flags", "job_env", "job_launch"]
 
 
 def run_json(cmd, what, env=None, timeout=None):
@@ -31,10 +33,26 @@ def run_json(cmd, what, env=None, timeout=None):
                          f"{timeout:.0f} s") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        errors = proc.stderr.strip().splitlines() or ["(no output)"]
-        tail = next((line for line in errors if line.startswith("ringnet: error:")), errors[-1])
-        raise UsageError(f"{what} failed (exit {proc.returncode}): {tail}")
+        kept = tempfile.NamedTemporaryFile("w", prefix="ringnet-failed-run-", suffix=".log",
+                                           delete=False)
+        with kept:
+            kept.write(f"$ {' '.join(map(str, cmd))}\n# exit {proc.returncode}\n# stdout\n"
+                       f"{proc.stdout}\n# stderr\n{proc.stderr}")
+        raise UsageError(f"{what} failed (exit {proc.returncode}): {failure_reason(proc.stderr)} "
+                         f"(its output: {kept.name})")
     return json.loads(lines[-1])
+
+
+def failure_reason(stderr):
+    """The line of a failed run's stderr that says why: ringnet's own error line, else the
+    last line of a Python traceback (the exception), else the last line."""
+    errors = stderr.strip().splitlines() or ["(no output)"]
+    for line in errors:
+        if line.startswith("ringnet: error:") or re.match(r"\[rank \d+\] ringnet: error:", line):
+            return line
+    raised = [line for line in errors
+              if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)\b", line)]
+    return raised[-1] if raised else errors[-1]
 
 
 def job_env():
