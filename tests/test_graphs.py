@@ -19,6 +19,7 @@ from ringnet.parallel.base import DataParallelStrategy
 from ringnet.parallel.ring import RingStrategy
 from ringnet.parallel.single import SingleStrategy
 from ringnet.parallel.tree import TreeStrategy
+from ringnet.testing import cuda_emulation
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "parallel"))
 from test_overlap import _RecordingComm  # noqa: E402  (a one-rank communicator that logs)
@@ -324,7 +325,7 @@ def test_the_gemm_plan_computes_the_product_in_every_layout(m, k, n):
                 steps = gemm.plan(a, b, c)
                 assert steps is not None, (na, nb, nc)
                 transa, transb, mm, nn, kk, first, lda, second, ldb, ldc = steps
-                gemm.emulate(transa, transb, mm, nn, kk, first, lda, second, ldb, c, ldc)
+                cuda_emulation.gemm(transa, transb, mm, nn, kk, first, lda, second, ldb, c, ldc)
                 np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12,
                                            err_msg=f"{na} @ {nb} -> {nc}")
 

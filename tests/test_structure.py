@@ -32,9 +32,13 @@ LAYERS = [
     ("benchmarks", ["ringnet.bench"]),
 ]
 MAX_LINES = 600
-# The one import up the layers: the NCCL transport loads the stand-in of CUDA and NCCL
-# (testing code, as numpy.testing is) lazily, and only when RINGNET_NCCL=standin asks for it.
-ALLOWED_UP = {("ringnet.comm.nccl_transport", "ringnet.testing.nccl_standin")}
+# The imports up the layers, each of testing code (as numpy.testing is) and lazy (inside a
+# function: test_the_imports_up_the_layers_are_lazy): the NCCL transport loads the stand-in
+# of CUDA and NCCL only when RINGNET_NCCL=standin asks for it, and the kernel launcher the
+# kernels' NumPy emulations only when it is handed NumPy arrays (the tests; the layers
+# launch kernels only on CuPy arrays).
+ALLOWED_UP = {("ringnet.comm.nccl_transport", "ringnet.testing.nccl_standin"),
+              ("ringnet.layers.cuda_kernels", "ringnet.testing.cuda_emulation")}
 
 
 def _module(path):
@@ -55,11 +59,17 @@ def _layer(name):
     return best[0]
 
 
-def _imports(path):
-    """Every ringnet module ``path`` imports, at module level or inside a function:
-    [(line, module)]; ``from ringnet.x import y`` counts as ringnet.x.y where that is a module."""
+def _imports(path, loading=False):
+    """Every ringnet module ``path`` imports, at module level or inside a function (only
+    those its loading imports, outside every function, with ``loading``): [(line, module)];
+    ``from ringnet.x import y`` counts as ringnet.x.y where that is a module."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    lazy = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn)} if loading else set()
+    for node in ast.walk(tree):
+        if id(node) in lazy:
+            continue
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
                 (node.module == "ringnet" or node.module.startswith("ringnet.")):
             for alias in node.names:
@@ -97,6 +107,14 @@ def test_no_module_outgrows_one_concept(path):
     assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE.parent)} has {lines} lines"
 
 
+@pytest.mark.parametrize("importer,target", sorted(ALLOWED_UP))
+def test_the_imports_up_the_layers_are_lazy(importer, target):
+    """Loading a library module loads no testing code: each import up is in a function."""
+    path = PACKAGE.parent / (importer.replace(".", "/") + ".py")
+    assert target in [t for _, t in _imports(path)]
+    assert target not in [t for _, t in _imports(path, loading=True)]
+
+
 def test_the_checks_catch_an_upward_import_and_a_long_module(tmp_path):
     """The checks themselves: an error type importing a transport is upward, a transport
     importing an error type is not."""
@@ -109,6 +127,8 @@ def test_the_checks_catch_an_upward_import_and_a_long_module(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from ringnet import placement\n    from ringnet.train import train\n")
     assert [t for _, t in _imports(probe)] == ["ringnet.placement", "ringnet.train"]
+    probe.write_text("from ringnet import errors\n\ndef f():\n    from ringnet import train\n")
+    assert [t for _, t in _imports(probe, loading=True)] == ["ringnet.errors"]
 
 
 def _cycles(package):

@@ -1,18 +1,15 @@
 """The element-wise fused CUDA kernels of the GPU path: dropout masks, ReLU (with the bias
 of the layer before, and its gradient), softmax cross-entropy (with the last layer's bias
-and its gradient). Declared as :mod:`ringnet.layers.cuda_kernels`'s kernels are, each with its
-NumPy emulation, and registered in the same ``KERNELS``."""
-import numpy as np
-
-from ringnet.layers.cuda_kernels import declare_kernel, lanes
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+and its gradient). Declared as :mod:`ringnet.layers.cuda_kernels`'s kernels are (parameter
+list and CUDA body) and registered in the same ``KERNELS``; their NumPy emulations are
+testing code, in :mod:`ringnet.testing.cuda_emulation`."""
+from ringnet.layers.cuda_kernels import declare_kernel
 
 
-@declare_kernel("dropout_mask",
-         [("mask", "T*"), ("n", "long long"), ("first", "unsigned long long"),
-          ("keys", "const unsigned long long*"), ("threshold", "unsigned long long"),
-          ("scale", "T")], r"""
+declare_kernel("dropout_mask",
+               [("mask", "T*"), ("n", "long long"), ("first", "unsigned long long"),
+                ("keys", "const unsigned long long*"), ("threshold", "unsigned long long"),
+                ("scale", "T")], r"""
   FOR_EACH(idx, n) {
     unsigned long long v = (first + (unsigned long long)idx) * 0x9E3779B97F4A7C15ULL + keys[0];
     v = mix64(v);
@@ -21,23 +18,6 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
     mask[idx] = (v >> 11) >= threshold ? scale : (T)0;
   }
 """)
-def _dropout_mask(mask, n, first, keys, threshold, scale):
-    mask = mask.reshape(-1)
-    idx = lanes(n)
-    v = (first + idx.astype(np.uint64)) * _GOLDEN + keys[0]
-    v = _mix64(v)
-    v ^= keys[1]
-    v = _mix64(v)
-    mask[:] = np.where((v >> np.uint64(11)) >= threshold, scale, mask.dtype.type(0))
-
-
-def _mix64(z):
-    z = z ^ (z >> np.uint64(30))
-    z = z * np.uint64(0xBF58476D1CE4E5B9)
-    z = z ^ (z >> np.uint64(27))
-    z = z * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return z
 
 
 # ReLU, elementwise over dense memory (both operands in one memory order). The forward
@@ -46,43 +26,31 @@ def _mix64(z):
 # NaN, -dy * 0 is -0), not a select. With ``has_bias`` the forward is max(x + bias, 0), the
 # bias of the layer before (its channel: memory is (outer, C, inner) around the channel
 # axis), so that layer skips its own pass adding it.
-@declare_kernel("relu_fwd", [("x", "const T*"), ("y", "T*"), ("n", "long long"), ("bias", "const T*"),
-                      ("inner", "long long"), ("C", "int"), ("has_bias", "int")], r"""
+declare_kernel("relu_fwd", [("x", "const T*"), ("y", "T*"), ("n", "long long"), ("bias", "const T*"),
+                     ("inner", "long long"), ("C", "int"), ("has_bias", "int")], r"""
   FOR_EACH(idx, n) {
     T v = x[idx];
     if (has_bias) v += bias[(idx / inner) % C];
     y[idx] = (v > (T)0 || v != v) ? v : (T)0;
   }
 """)
-def _relu_fwd(x, y, n, bias, inner, C, has_bias):
-    x, y = x.reshape(-1), y.reshape(-1)
-    idx = lanes(n)
-    v = x[idx]
-    if has_bias:
-        v = v + bias[(idx // inner) % C]
-    y[:] = np.where((v > 0) | (v != v), v, y.dtype.type(0))
 
 
-@declare_kernel("relu_bwd", [("dy", "const T*"), ("y", "const T*"), ("dx", "T*"), ("n", "long long")],
-         r"""
+declare_kernel("relu_bwd", [("dy", "const T*"), ("y", "const T*"), ("dx", "T*"), ("n", "long long")],
+               r"""
   FOR_EACH(idx, n) {
     dx[idx] = dy[idx] * (T)(y[idx] > (T)0);
   }
 """)
-def _relu_bwd(dy, y, dx, n):
-    dy, y, dx = dy.reshape(-1), y.reshape(-1), dx.reshape(-1)
-    idx = lanes(n)
-    with np.errstate(invalid="ignore"):                      # inf * 0 is NaN, as in CUDA
-        dx[:] = dy[idx] * (y[idx] > 0).astype(dx.dtype)
 
 
 # The same backward with the bias gradient of the layer before (its forward bias the
 # forward above added): one thread per channel c of (outer, C, inner) memory, which writes
 # the channel's dx and adds it up in memory order into dbias[c]. Meant for a Linear's
 # (B, K) output (outer B, inner 1), where consecutive threads read consecutive columns.
-@declare_kernel("relu_bwd_bias",
-         [("dy", "const T*"), ("y", "const T*"), ("dx", "T*"), ("dbias", "T*"), ("n", "long long"),
-          ("outer", "long long"), ("inner", "long long")], r"""
+declare_kernel("relu_bwd_bias",
+               [("dy", "const T*"), ("y", "const T*"), ("dx", "T*"), ("dbias", "T*"), ("n", "long long"),
+                ("outer", "long long"), ("inner", "long long")], r"""
   FOR_EACH(c, n) {
     T acc = 0;
     for (long long o = 0; o < outer; ++o) {
@@ -96,18 +64,6 @@ def _relu_bwd(dy, y, dx, n):
     dbias[c] = acc;
   }
 """)
-def _relu_bwd_bias(dy, y, dx, dbias, n, outer, inner):
-    dy, y, dx = dy.reshape(-1), y.reshape(-1), dx.reshape(-1)
-    c = lanes(n)
-    acc = np.zeros(n, dtype=dx.dtype)
-    with np.errstate(invalid="ignore"):
-        for o in range(outer):
-            for t in range(inner):
-                idx = (o * n + c) * inner + t
-                g = dy[idx] * (y[idx] > 0).astype(dx.dtype)
-                dx[idx] = g
-                acc += g
-    dbias[c] = acc
 
 
 # Softmax cross-entropy, its gradient and the correct count in two launches and no host
@@ -118,10 +74,10 @@ def _relu_bwd_bias(dy, y, dx, dbias, n, outer, inner):
 # whose thread 0 adds the rows' losses and hits in sample order (no atomics: the same
 # sums every run) into two device scalars, and, with ``has_dbias``, whose thread k adds
 # column k of the gradient in sample order: the last layer's bias gradient.
-@declare_kernel("xent_rows",
-         [("logits", "const T*"), ("labels", "const long long*"), ("grad", "T*"),
-          ("row_loss", "T*"), ("hit", "unsigned char*"), ("n", "long long"), ("K", "int"),
-          ("scale", "T"), ("invalid", "T"), ("bias", "const T*"), ("has_bias", "int")], r"""
+declare_kernel("xent_rows",
+               [("logits", "const T*"), ("labels", "const long long*"), ("grad", "T*"),
+                ("row_loss", "T*"), ("hit", "unsigned char*"), ("n", "long long"), ("K", "int"),
+                ("scale", "T"), ("invalid", "T"), ("bias", "const T*"), ("has_bias", "int")], r"""
   FOR_EACH(b, n) {
     long long row = b * K;
     for (int j = 0; j < K; ++j) {
@@ -160,42 +116,12 @@ def _relu_bwd_bias(dy, y, dx, dbias, n, outer, inner):
     }
   }
 """)
-def _xent_rows(logits, labels, grad, row_loss, hit, n, K, scale, invalid, bias, has_bias):
-    logits, grad = logits.reshape(-1), grad.reshape(-1)
-    b = lanes(n)
-    row = b * K
-    for j in range(K):
-        z = logits[row + j]
-        if has_bias:
-            z = z + bias[j]
-        grad[row + j] = z
-    m = grad[row]
-    arg = np.zeros(n, dtype=np.int64)
-    for j in range(1, K):
-        v = grad[row + j]
-        win = (v > m) | ((v != v) & (m == m))
-        m = np.where(win, v, m)
-        arg = np.where(win, j, arg)
-    y = labels[b]
-    lane = (y >= 0) & (y < K)
-    picked = np.where(lane, grad[np.where(lane, row + y, 0)] - m, invalid)
-    total = np.zeros(n, dtype=grad.dtype)
-    for j in range(K):
-        e = np.exp(grad[row + j] - m)
-        grad[row + j] = e
-        total += e
-    row_loss[:] = np.log(total) - picked
-    hit[:] = (arg == y).astype(np.uint8)
-    for j in range(K):
-        g = grad[row + j] / total
-        g = np.where(j == y, g - grad.dtype.type(1), g)
-        grad[row + j] = g * scale
 
 
-@declare_kernel("xent_total",
-         [("row_loss", "const T*"), ("hit", "const unsigned char*"), ("loss", "T*"),
-          ("correct", "long long*"), ("n", "long long"), ("B", "int"), ("grad", "const T*"),
-          ("dbias", "T*"), ("K", "int"), ("has_dbias", "int")], r"""
+declare_kernel("xent_total",
+               [("row_loss", "const T*"), ("hit", "const unsigned char*"), ("loss", "T*"),
+                ("correct", "long long*"), ("n", "long long"), ("B", "int"), ("grad", "const T*"),
+                ("dbias", "T*"), ("K", "int"), ("has_dbias", "int")], r"""
   FOR_EACH(idx, n) {
     if (idx == 0) {
       T acc = 0;
@@ -216,35 +142,16 @@ def _xent_rows(logits, labels, grad, row_loss, hit, n, K, scale, invalid, bias, 
     }
   }
 """)
-def _xent_total(row_loss, hit, loss, correct, n, B, grad, dbias, K, has_dbias):
-    loss, correct, grad = loss.reshape(-1), correct.reshape(-1), grad.reshape(-1)
-    acc = np.zeros(1, dtype=loss.dtype)
-    count = np.zeros(1, dtype=np.int64)
-    for b in range(B):
-        acc += row_loss[b]
-        count += hit[b]
-    loss[0] = (acc / B)[0]
-    correct[0] = count[0]
-    if has_dbias:
-        idx = lanes(n)
-        column = np.zeros(n, dtype=loss.dtype)
-        for b in range(B):
-            column += grad[b * K + idx]
-        dbias[:] = column
 
 
 # A CUDA-graph run (:mod:`ringnet.graphs`): the step's loss and correct count, which the
 # replayed graph writes to the same place every step, copied into slot ``slot`` of two
 # rings, so that each step's values stay until the host reads them.
-@declare_kernel("step_record", [("loss", "const T*"), ("correct", "const long long*"),
-                         ("ring_loss", "T*"), ("ring_correct", "long long*"),
-                         ("slot", "long long")], r"""
+declare_kernel("step_record", [("loss", "const T*"), ("correct", "const long long*"),
+                        ("ring_loss", "T*"), ("ring_correct", "long long*"),
+                        ("slot", "long long")], r"""
   FOR_EACH(idx, 1) {
     ring_loss[slot] = loss[0];
     ring_correct[slot] = correct[0];
   }
 """)
-def _step_record(loss, correct, ring_loss, ring_correct, slot):
-    loss, correct = loss.reshape(1), correct.reshape(1)
-    ring_loss[slot] = loss[0]
-    ring_correct[slot] = correct[0]

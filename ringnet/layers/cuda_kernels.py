@@ -10,20 +10,22 @@ The orders are the NumPy layers' orders (taps in row-major kernel order), so max
 argmax and dropout masks are bit-identical to the NumPy path, and the sums are too
 (``--fmad=false`` keeps ``acc + a * b`` from becoming one differently rounded FMA).
 
-Each kernel is declared once: its parameter list (which also makes the CUDA signature),
-its CUDA body, and a NumPy *emulation* with the same parameters that performs the same
-index arithmetic for all threads at once, statement by statement (one NumPy lane per
-CUDA thread; ``continue`` becomes a lane mask). The host wrappers (:mod:`ringnet.layers.cuda_ops`) call
-:func:`launch`, which runs the CUDA kernel for CuPy arrays and the emulation for NumPy
-arrays (checking every argument against the declared C types), so the CPU tests run
-the wrappers and the kernels' index logic against the NumPy layers. The layers call
-these wrappers only on CuPy arrays; their NumPy paths do not use this module.
+Each kernel is declared once (:func:`declare_kernel`): its parameter list (which also makes
+the CUDA signature) and its CUDA body. Its NumPy *emulation*, with the same parameters and
+the same index arithmetic for all threads at once, statement by statement (one NumPy lane
+per CUDA thread; ``continue`` becomes a lane mask), is testing code: it lives in
+:mod:`ringnet.testing.cuda_emulation`, registered under the kernel's name. The host
+wrappers (:mod:`ringnet.layers.cuda_ops`) call :func:`launch`, which runs the CUDA kernel
+for CuPy arrays and, for NumPy arrays, checks every argument against the declared C types
+and runs the emulation, so the CPU tests run the wrappers and the kernels' index logic
+against the NumPy layers. The layers call these wrappers only on CuPy arrays; their NumPy
+paths do not use this module, and a training job never imports the emulations.
 """
 import numpy as np
 
 from ringnet.backend import cupy
 
-__all__ = ["KERNELS", "declare_kernel", "lanes", "source", "launch"]
+__all__ = ["KERNELS", "declare_kernel", "source", "launch"]
 
 THREADS = 256                   # threads per block; blocks stride over larger sizes
 MAX_BLOCKS = 32768
@@ -46,20 +48,19 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
 }
 """
 
-KERNELS = {}                    # name -> (params [(name, C type)], CUDA body, emulation)
+KERNELS = {}                    # name -> (params [(name, C type)], CUDA body)
 
 
 def declare_kernel(name, params, body):
-    """Declare kernel ``name``: its parameters, CUDA body; decorates the NumPy emulation."""
-    def register(emulation):
-        KERNELS[name] = (tuple(params), body, emulation)
-        return emulation
-    return register
+    """Declare kernel ``name``: its parameters [(name, C type)] and its CUDA body."""
+    if name in KERNELS:
+        raise ValueError(f"kernel {name} is declared already")
+    KERNELS[name] = (tuple(params), body)
 
 
 def source(name, dtype):
     """Return the CUDA C source of kernel ``name`` for ``dtype`` (float32 or float64)."""
-    params, body, _ = KERNELS[name]
+    params, body = KERNELS[name]
     decl = ", ".join(f"{ctype} {pname}" for pname, ctype in params)
     return (f"typedef {_CTYPES[np.dtype(dtype)]} T;\n{_PRELUDE}\n"
             f'extern "C" __global__ void {name}({decl})\n{{\n{body}}}\n')
@@ -100,10 +101,12 @@ def _check_args(name, dtype, args):
 
 
 def launch(xp, name, dtype, n, args):
-    """Run kernel ``name`` over ``n`` threads: on the GPU for CuPy, emulated for NumPy."""
+    """Run kernel ``name`` over ``n`` threads: on the GPU for CuPy, emulated for NumPy (the
+    emulation, testing code, is imported here and only here)."""
     if xp is np:
         _check_args(name, dtype, args)
-        KERNELS[name][2](*args)
+        from ringnet.testing import cuda_emulation
+        cuda_emulation.run(name, args)
         return
     if n > 0:
         blocks = min(-(-n // THREADS), MAX_BLOCKS)
@@ -124,14 +127,9 @@ _DY_STRIDES = [("ds_c", "long long"), ("ds_h", "long long"), ("ds_w", "long long
                ("ds_b", "long long")]
 
 
-def lanes(n):
-    """The emulation's thread indices of a launch of ``n`` threads."""
-    return np.arange(n, dtype=np.int64)
-
-
-@declare_kernel("maxpool_fwd",
-         [("x", "const T*"), ("y", "T*"), ("argmax", "unsigned char*"), ("n", "long long")]
-         + _GEOMETRY + [("neg_inf", "T"), ("bias", "const T*"), ("has_bias", "int")], r"""
+declare_kernel("maxpool_fwd",
+               [("x", "const T*"), ("y", "T*"), ("argmax", "unsigned char*"), ("n", "long long")]
+               + _GEOMETRY + [("neg_inf", "T"), ("bias", "const T*"), ("has_bias", "int")], r"""
   FOR_EACH(idx, n) {
     int b = (int)(idx % B);
     long long rest = idx / B;
@@ -161,38 +159,11 @@ def lanes(n):
     argmax[idx] = (unsigned char)arg;
   }
 """)
-def _maxpool_fwd(x, y, argmax, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, neg_inf, bias,
-                 has_bias):
-    x, y, argmax = x.reshape(-1), y.reshape(-1), argmax.reshape(-1)
-    idx = lanes(n)
-    b = idx % B
-    rest = idx // B
-    ox = rest % Wo
-    rest //= Wo
-    oy = rest % Ho
-    c = rest // Ho
-    m = np.full(n, neg_inf, dtype=y.dtype)
-    arg = np.zeros(n, dtype=np.int64)
-    for i in range(kh):
-        r = oy * sh + i - ph
-        lane_i = ~((r < 0) | (r >= H))
-        for j in range(kw):
-            q = ox * sw + j - pw
-            lane = lane_i & ~((q < 0) | (q >= W))
-            v = x[np.where(lane, ((c * H + r) * W + q) * B + b, 0)]
-            if has_bias:
-                v = v + bias[c]
-            win = lane & (v > m)
-            m = np.where(win, v, m)
-            arg = np.where(win, i * kw + j, arg)
-            m = np.where(lane & ~win & (v != v), v, m)
-    y[:] = m
-    argmax[:] = arg.astype(np.uint8)
 
 
-@declare_kernel("maxpool_bwd",
-         [("dy", "const T*"), ("argmax", "const unsigned char*"), ("dx", "T*"),
-          ("n", "long long")] + _GEOMETRY + _DY_STRIDES, r"""
+declare_kernel("maxpool_bwd",
+               [("dy", "const T*"), ("argmax", "const unsigned char*"), ("dx", "T*"),
+                ("n", "long long")] + _GEOMETRY + _DY_STRIDES, r"""
   FOR_EACH(idx, n) {
     int b = (int)(idx % B);
     long long rest = idx / B;
@@ -218,37 +189,11 @@ def _maxpool_fwd(x, y, argmax, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, ne
     dx[idx] = acc;
   }
 """)
-def _maxpool_bwd(dy, argmax, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
-                 ds_c, ds_h, ds_w, ds_b):
-    dy, argmax, dx = dy.reshape(-1), argmax.reshape(-1), dx.reshape(-1)
-    idx = lanes(n)
-    b = idx % B
-    rest = idx // B
-    q = rest % W
-    rest //= W
-    r = rest % H
-    c = rest // H
-    acc = np.zeros(n, dtype=dx.dtype)
-    for i in range(kh):
-        dr = r + ph - i
-        lane_i = ~((dr < 0) | (dr % sh != 0))
-        oy = dr // sh
-        lane_i &= ~(oy >= Ho)
-        for j in range(kw):
-            dq = q + pw - j
-            lane = lane_i & ~((dq < 0) | (dq % sw != 0))
-            ox = dq // sw
-            lane &= ~(ox >= Wo)
-            o = np.where(lane, ((c * Ho + oy) * Wo + ox) * B + b, 0)
-            hit = lane & (argmax[o] == i * kw + j)
-            g = dy[np.where(lane, c * ds_c + oy * ds_h + ox * ds_w + b * ds_b, 0)]
-            acc = np.where(hit, acc + g, acc)
-    dx[:] = acc
 
 
-@declare_kernel("avgpool_fwd",
-         [("x", "const T*"), ("inv", "const T*"), ("y", "T*"), ("n", "long long")]
-         + _GEOMETRY, r"""
+declare_kernel("avgpool_fwd",
+               [("x", "const T*"), ("inv", "const T*"), ("y", "T*"), ("n", "long long")]
+               + _GEOMETRY, r"""
   FOR_EACH(idx, n) {
     int b = (int)(idx % B);
     long long rest = idx / B;
@@ -269,30 +214,11 @@ def _maxpool_bwd(dy, argmax, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
     y[idx] = acc * inv[oy * Wo + ox];
   }
 """)
-def _avgpool_fwd(x, inv, y, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
-    x, inv, y = x.reshape(-1), inv.reshape(-1), y.reshape(-1)
-    idx = lanes(n)
-    b = idx % B
-    rest = idx // B
-    ox = rest % Wo
-    rest //= Wo
-    oy = rest % Ho
-    c = rest // Ho
-    acc = np.zeros(n, dtype=y.dtype)
-    for i in range(kh):
-        r = oy * sh + i - ph
-        lane_i = ~((r < 0) | (r >= H))
-        for j in range(kw):
-            q = ox * sw + j - pw
-            lane = lane_i & ~((q < 0) | (q >= W))
-            v = x[np.where(lane, ((c * H + r) * W + q) * B + b, 0)]
-            acc = np.where(lane, acc + v, acc)
-    y[:] = acc * inv[oy * Wo + ox]
 
 
-@declare_kernel("avgpool_bwd",
-         [("dy", "const T*"), ("inv", "const T*"), ("dx", "T*"), ("n", "long long")]
-         + _GEOMETRY + _DY_STRIDES, r"""
+declare_kernel("avgpool_bwd",
+               [("dy", "const T*"), ("inv", "const T*"), ("dx", "T*"), ("n", "long long")]
+               + _GEOMETRY + _DY_STRIDES, r"""
   FOR_EACH(idx, n) {
     int b = (int)(idx % B);
     long long rest = idx / B;
@@ -317,34 +243,10 @@ def _avgpool_fwd(x, inv, y, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
     dx[idx] = acc;
   }
 """)
-def _avgpool_bwd(dy, inv, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
-                 ds_c, ds_h, ds_w, ds_b):
-    dy, inv, dx = dy.reshape(-1), inv.reshape(-1), dx.reshape(-1)
-    idx = lanes(n)
-    b = idx % B
-    rest = idx // B
-    q = rest % W
-    rest //= W
-    r = rest % H
-    c = rest // H
-    acc = np.zeros(n, dtype=dx.dtype)
-    for i in range(kh):
-        dr = r + ph - i
-        lane_i = ~((dr < 0) | (dr % sh != 0))
-        oy = dr // sh
-        lane_i &= ~(oy >= Ho)
-        for j in range(kw):
-            dq = q + pw - j
-            lane = lane_i & ~((dq < 0) | (dq % sw != 0))
-            ox = dq // sw
-            lane &= ~(ox >= Wo)
-            g = dy[np.where(lane, c * ds_c + oy * ds_h + ox * ds_w + b * ds_b, 0)]
-            acc = np.where(lane, acc + g * inv[np.where(lane, oy * Wo + ox, 0)], acc)
-    dx[:] = acc
 
 
-@declare_kernel("col2im",
-         [("cols", "const T*"), ("dx", "T*"), ("n", "long long")] + _GEOMETRY, r"""
+declare_kernel("col2im",
+               [("cols", "const T*"), ("dx", "T*"), ("n", "long long")] + _GEOMETRY, r"""
   FOR_EACH(idx, n) {
     int b = (int)(idx % B);
     long long rest = idx / B;
@@ -369,35 +271,12 @@ def _avgpool_bwd(dy, inv, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw,
     dx[idx] = acc;
   }
 """)
-def _col2im(cols, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
-    cols, dx = cols.reshape(-1), dx.reshape(-1)
-    idx = lanes(n)
-    b = idx % B
-    rest = idx // B
-    q = rest % W
-    rest //= W
-    r = rest % H
-    c = rest // H
-    acc = np.zeros(n, dtype=dx.dtype)
-    for i in range(kh):
-        dr = r + ph - i
-        lane_i = ~((dr < 0) | (dr % sh != 0))
-        oy = dr // sh
-        lane_i &= ~(oy >= Ho)
-        for j in range(kw):
-            dq = q + pw - j
-            lane = lane_i & ~((dq < 0) | (dq % sw != 0))
-            ox = dq // sw
-            lane &= ~(ox >= Wo)
-            v = cols[np.where(lane, ((((c * kh + i) * kw + j) * Ho + oy) * Wo + ox) * B + b, 0)]
-            acc = np.where(lane, acc + v, acc)
-    dx[:] = acc
 
 
-@declare_kernel("im2col",
-         [("x", "const T*"), ("cols", "T*"), ("n", "long long")] + _GEOMETRY
-         + [("xs_c", "long long"), ("xs_h", "long long"), ("xs_w", "long long"),
-            ("xs_b", "long long")], r"""
+declare_kernel("im2col",
+               [("x", "const T*"), ("cols", "T*"), ("n", "long long")] + _GEOMETRY
+               + [("xs_c", "long long"), ("xs_h", "long long"), ("xs_w", "long long"),
+                 ("xs_b", "long long")], r"""
   FOR_EACH(idx, n) {
     int b = (int)(idx % B);
     long long rest = idx / B;
@@ -416,24 +295,6 @@ def _col2im(cols, dx, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw):
     cols[idx] = v;
   }
 """)
-def _im2col(x, cols, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, xs_c, xs_h, xs_w, xs_b):
-    x, cols = x.reshape(-1), cols.reshape(-1)
-    idx = lanes(n)
-    b = idx % B
-    rest = idx // B
-    ox = rest % Wo
-    rest //= Wo
-    oy = rest % Ho
-    rest //= Ho
-    j = rest % kw
-    rest //= kw
-    i = rest % kh
-    c = rest // kh
-    r = oy * sh + i - ph
-    q = ox * sw + j - pw
-    lane = (r >= 0) & (r < H) & (q >= 0) & (q < W)
-    v = x[np.where(lane, c * xs_c + r * xs_h + q * xs_w + b * xs_b, 0)]
-    cols[:] = np.where(lane, v, cols.dtype.type(0))
 
 
 # The element-wise kernels (dropout masks, ReLU, the loss) register themselves from their

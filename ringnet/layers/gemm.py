@@ -10,7 +10,8 @@ capture begins, so no call made while capturing changes the handle.
 :func:`plan` maps a row-major product ``C = A @ B`` onto one column-major ``gemm`` without
 copying operands that are row-major or transposed views (cuBLAS takes either orientation):
 it is a pure function of shapes and strides, checked on the CPU against NumPy through an
-emulated column-major GEMM (:func:`emulate`). :func:`matmul` runs the plan: through cuBLAS
+emulated column-major GEMM (testing code: :func:`ringnet.testing.cuda_emulation.gemm`, which
+the recording CuPy runs for a planned GEMM). :func:`matmul` runs the plan: through cuBLAS
 for CuPy arrays inside :func:`routed` (a CUDA-graph step) or after :func:`enable`,
 ``xp.matmul`` otherwise. The route is scoped: a run with graphs off after one with graphs
 on in the same process multiplies with CuPy's ``matmul`` again.
@@ -28,7 +29,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["plan", "emulate", "matmul", "enable", "enabled", "routed", "bind", "release",
+__all__ = ["plan", "matmul", "enable", "enabled", "routed", "bind", "release",
            "CublasError"]
 
 WORKSPACE_BYTES = 32 << 20       # per device: what cuBLAS asks for on Hopper, with room
@@ -80,21 +81,6 @@ def plan(a, b, c):
     return not tb, not ta, n, m, k, b, ldb, a, lda, ldc
 
 
-def _colmajor(x, rows, cols, ld):
-    item = x.dtype.itemsize
-    return np.lib.stride_tricks.as_strided(x, shape=(rows, cols), strides=(item, ld * item))
-
-
-def emulate(transa, transb, m, n, k, first, lda, second, ldb, c_first, ldc):
-    """Run the column-major ``gemm`` a :func:`plan` describes on NumPy arrays: C (m x n,
-    column-major from the start of ``c_first``, leading dimension ``ldc``) = op(A) op(B),
-    reading A and B from their arrays' memory as cuBLAS reads device memory."""
-    ma = _colmajor(first, k if transa else m, m if transa else k, lda)
-    mb = _colmajor(second, n if transb else k, k if transb else n, ldb)
-    out = _colmajor(c_first, m, n, ldc)
-    out[...] = np.matmul(ma.T if transa else ma, mb.T if transb else mb)
-
-
 def enable(on=True):
     """Route every thread's GPU GEMMs through :func:`matmul`'s own cuBLAS handle until
     ``enable(False)`` (tests; a run uses :func:`routed`)."""
@@ -137,9 +123,8 @@ def matmul(xp, a, b, out=None):
 
 
 def _run(module, steps, c):
-    if hasattr(module, "gemm_call"):              # a stand-in array module: NumPy memory
-        transa, transb, m, n, k, first, lda, second, ldb, ldc = steps
-        module.gemm_call(emulate, (transa, transb, m, n, k, first, lda, second, ldb, c, ldc))
+    if hasattr(module, "gemm_call"):              # a stand-in array module: it emulates the gemm
+        module.gemm_call(steps, c)
     else:                                         # CuPy
         _handle().gemm(steps, c)
 

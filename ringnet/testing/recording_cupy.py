@@ -17,6 +17,7 @@ import weakref
 import numpy as np
 
 from ringnet.layers import activation, conv, cuda_kernels, linear, loss, pool
+from ringnet.testing import cuda_emulation
 from ringnet import models, optim
 
 __all__ = ["DeviceArray", "Recorder", "CaptureError", "FreedMemoryError", "DeviceMemory",
@@ -449,9 +450,12 @@ class Recorder:
         for again in graph:
             again()
 
-    def gemm_call(self, fn, args):
-        """One GEMM through :mod:`ringnet.layers.gemm`'s plan: ``fn(*args)`` on NumPy memory."""
-        plain = tuple(_plain(a) for a in args)
+    def gemm_call(self, steps, c):
+        """One GEMM of :mod:`ringnet.layers.gemm`'s plan ``steps`` into ``c``, emulated on NumPy
+        memory (:func:`ringnet.testing.cuda_emulation.gemm`)."""
+        transa, transb, m, n, k, first, lda, second, ldb, ldc = steps
+        plain = tuple(_plain(a) for a in (transa, transb, m, n, k, first, lda, second, ldb, c, ldc))
+        fn = cuda_emulation.gemm
         fn(*plain)
         _record("gemm", "cublas gemm", again=lambda: fn(*plain), operands=plain)
 

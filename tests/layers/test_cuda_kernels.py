@@ -1,16 +1,15 @@
 """The fused CUDA kernels (ringnet/layers/cuda_kernels.py) against the NumPy layers.
 
-Without a GPU: each kernel's NumPy emulation (the same index arithmetic, one NumPy lane
-per CUDA thread) run through the same host wrappers, and the layers' GPU branches run
-on a stand-in array module that is NumPy under another name; the CUDA sources compile
-with NVRTC where its library loads. With a GPU (marked ``gpu``): the real kernels.
+Without a GPU: each kernel's NumPy emulation (ringnet/testing/cuda_emulation.py: the same
+index arithmetic, one NumPy lane per CUDA thread) run through the same host wrappers, and
+the layers' GPU branches run on a stand-in array module that is NumPy under another name;
+the CUDA sources compile with NVRTC where its library loads. With a GPU (marked ``gpu``):
+the real kernels. The emulations against the CUDA bodies, expression by expression:
+tests/testing/test_cuda_emulation.py.
 Max, argmax, masks and the sums taken in the same order as NumPy's must be bit-identical;
 the convolution's GEMMs, whose shapes differ between the branches, agree within the bound
 of summing in another order (_summation_bounds).
 """
-import inspect
-import re
-
 import numpy as np
 import pytest
 
@@ -325,76 +324,6 @@ def test_emulated_dropout_mask_equals_the_numpy_mask(shape, p, key, first, dtype
                               activation.keep_threshold(p), scale, first_sample=first)
     np.testing.assert_array_equal(mask, keep.astype(dtype) * np.dtype(dtype).type(scale))
     assert mask.dtype == dtype and mask.shape == shape and 0 < keep.sum() < keep.size
-
-
-def test_kernel_parameters_and_emulations_agree():
-    for name, (params, body, emulation) in cuda_kernels.KERNELS.items():
-        assert [p for p, _ in params] == list(inspect.signature(emulation).parameters), name
-        for pname, _ in params:
-            assert pname in body, f"{name}: {pname} unused in the CUDA body"
-
-
-def _normal(text):
-    """Return C or Python text with casts, blanks and parentheses removed, C operators as
-    Python's: a typo-level fingerprint of an expression."""
-    for cast in ("(unsigned long long)", "(long long)", "(unsigned char)", "(int)", "(T)"):
-        text = text.replace(cast, "")
-    text = text.replace("||", "|").replace("&&", "&").replace("/", "//").replace("////", "//")
-    return "".join(ch for ch in text if ch not in " \n()")
-
-
-def _cuda_statements(body):
-    """Yield the expressions of a CUDA body that its emulation must contain: loop bounds,
-    conditions, integer right-hand sides and every subscript."""
-    for var, bound in re.findall(r"for \(int (\w+) = 0; \1 < (\w+); \+\+\1\)", body):
-        yield f"for {var} in range({bound})"
-    for line in body.splitlines():
-        match = re.search(r"\bif \((.*)\)", line)
-        if match:
-            yield re.sub(r"\) (continue;|acc \+=.*|\{)$", "", match.group(1))
-        match = re.match(r"\s*(?:int|long long) \w+ = (.*);", line) or \
-            re.match(r"\s*(\w+ /= .*);", line)
-        if match and not re.fullmatch(r"\d+", match.group(1)):
-            yield match.group(1)
-        for index in re.findall(r"\w+\[([^\]]+)\]", line):
-            if index != "idx":
-                yield index
-
-
-ELEMENTWISE = {  # kernel -> the expressions its CUDA body and its emulation both contain
-    "relu_fwd": ["v = x[idx]", "v > (T)0 || v != v"],
-    "relu_bwd": ["dy[idx] * (T)(y[idx] > (T)0)"],
-    "relu_bwd_bias": ["idx = (o * n + c) * inner + t", "dy[idx] * (T)(y[idx] > (T)0)",
-                      "dx[idx] = g", "acc += g", "dbias[c] = acc"],
-    "xent_total": ["acc += row_loss[b]", "count += hit[b]",
-                   "acc / (T)B"],
-    "step_record": ["ring_loss[slot] = loss[0]", "ring_correct[slot] = correct[0]"],
-}
-
-
-@pytest.mark.parametrize("name", [k for k in cuda_kernels.KERNELS
-                                  if k != "dropout_mask" and k not in ELEMENTWISE])
-def test_cuda_bodies_and_emulations_compute_the_same_expressions(name):
-    # The emulation is what the CPU tests run against the NumPy layers; each expression of
-    # the CUDA body must appear in it (casts, blanks, parentheses and operator spelling
-    # aside), so an index typo in the CUDA source fails here, without a GPU.
-    params, body, emulation = cuda_kernels.KERNELS[name]
-    source = inspect.getsource(emulation)                  # after the decorator, which
-    emulated = _normal(source[source.index("\ndef "):])  # holds the CUDA body
-    statements = list(_cuda_statements(body))
-    assert len(statements) >= 10, statements
-    missing = [s for s in statements if _normal(s) not in emulated]
-    assert not missing, f"{name}: not in the emulation: {missing}"
-
-
-@pytest.mark.parametrize("name", list(ELEMENTWISE))
-def test_elementwise_bodies_and_emulations_compute_the_same_expressions(name):
-    params, body, emulation = cuda_kernels.KERNELS[name]
-    source = inspect.getsource(emulation)
-    emulated = _normal(source[source.index("\ndef "):])
-    for expr in ELEMENTWISE[name]:
-        assert expr in body, f"{name}: {expr!r} not in the CUDA body"
-        assert _normal(expr) in emulated, f"{name}: {expr!r} not in the emulation"
 
 
 def test_argument_types_are_checked_against_the_c_signature():
