@@ -37,7 +37,7 @@ import sys
 
 import numpy as np
 
-from ringnet.bench import machine
+from ringnet.bench import machine, options
 from ringnet.cli import ArgumentParser
 from ringnet import graphs, models, optim
 from ringnet.layers import gemm
@@ -122,13 +122,11 @@ def graph_budget(name, batch_size=64, dtype="float32", seed=0):
 def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench budget", description=__doc__.split("\n\n")[0],
                        epilog="Counts come from a stand-in for CuPy, on NumPy: no GPU needed.")
-    p.add_argument("--model", action="append", choices=sorted(models.MODELS),
-                   help="model to count (repeatable; default: every model)")
-    p.add_argument("--batch-size", type=int, default=64, help="global batch of the step (default 64)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"),
-                   help="type of weights and activations (default float32)")
+    options.add_models(p, "count", shown="every model")
+    options.add_batch_size(p, 64, "global batch of the step")
+    options.add_dtype(p)
     p.add_argument("--phases", action="store_true", help="print the counts per layer and pass")
-    p.add_argument("--json", action="store_true", help="print one JSON line (with every event)")
+    options.add_json(p, "print one JSON line (with every event)")
     return p
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ringnet.backend import cupy, to_numpy
-from ringnet.bench import machine, paired_quartiles
+from ringnet.bench import machine, options, paired_quartiles
 from ringnet.comm import COMMUNICATORS, create, make_transport
 from ringnet.comm.cost import ALGORITHMS as AUTO_ALGORITHMS, fit, fit_native, thresholds
 from ringnet.comm.schedules import eager_cuts
@@ -97,21 +97,18 @@ def build_parser():
                         help="timed iterations per size, median reported (default 10)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed iterations per size (default 2)")
-    parser.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"),
-                        help="element type of the reduced buffers (default float32)")
-    parser.add_argument("--transport", default="auto", choices=("auto", "mpi", "nccl"),
-                        help="how bytes move, as train's --transport (default auto)")
+    options.add_dtype(parser, what="element type of the reduced buffers",
+                      choices=("float16",) + options.DTYPES)
+    options.add_transport(parser, "how bytes move, as train's --transport")
     parser.add_argument("--chunk-bytes", type=int, default=None,
                         help="ring, tree, master: cut transfers into pieces of this many bytes "
                              "(pipelined; tree and master pick a size by default)")
     parser.add_argument("--fit", action="store_true",
                         help="also fit auto's cost model (alpha, beta, gamma) to the ring, direct, "
                              "rd and rhd rows and print the switch points it implies")
-    parser.add_argument("--json", action="store_true", help='print {"rows": [...]} on rank 0')
-    parser.add_argument("--markdown", action="store_true",
-                        help="also print bus bandwidth per size as a Markdown table (the README's)")
-    parser.add_argument("--plot", default=None, metavar="PATH",
-                        help="rank 0 also draws bus bandwidth against size (.png; needs matplotlib)")
+    options.add_json(parser, 'print {"rows": [...]} on rank 0')
+    options.add_markdown(parser, "also print bus bandwidth per size")
+    options.add_plot(parser, "rank 0 also draws bus bandwidth against size (.png; needs matplotlib)")
     return parser
 
 

@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 
-from ringnet.bench import machine
+from ringnet.bench import machine, options
 from ringnet.bench.scaling import run_config
 from ringnet.errors import USER_ERRORS, UsageError
 from ringnet.cli import ArgumentParser
@@ -66,33 +66,28 @@ def parse_runs(text, np_):
 def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench curves", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="lenet", help="model to train (default lenet)")
-    p.add_argument("--dataset", default="fashion-mnist", help="data set (default fashion-mnist)")
-    p.add_argument("--epochs", type=int, default=10, help="epochs per run (default 10)")
-    p.add_argument("--np", type=int, default=2, help="ranks of every parallel run (default 2)")
+    options.add_model(p, "lenet")
+    options.add_dataset(p, "fashion-mnist")
+    options.add_epochs(p, 10)
+    options.add_np(p, 2, "ranks of every parallel run")
     p.add_argument("--runs", default=DEFAULT_RUNS,
                    help="comma list of mode[:delay[:compensation]] (default %(default)s; "
                         "compensation as train's --delay-compensation)")
-    p.add_argument("--eval-every", type=int, default=None, metavar="K",
-                   help="steps between test evaluations (default: a quarter epoch)")
-    p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the model's)")
-    p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
-    p.add_argument("--data-dir", default=None, help="folder holding <name>.h5 data sets")
-    p.add_argument("--transport", default="auto", help="train's --transport (default auto)")
-    p.add_argument("--device", default="cpu", help="train's --device (default cpu)")
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
-                   help="launcher (default $MPIRUN or mpirun)")
-    p.add_argument("--timeout", type=float, default=7200,
-                   help="seconds per run before it is killed (default 7200)")
+    options.add_eval_every(p, None, "steps between test evaluations", shown="a quarter epoch")
+    options.add_batch_size(p)
+    options.add_lr(p, None, shown="the model's")
+    options.add_seed(p, 0)
+    options.add_data_dir(p)
+    options.add_transport(p, choices=None)     # any value, on to train (which checks it)
+    options.add_device(p, choices=None)
+    options.add_mpirun(p)
+    options.add_timeout(p, 7200)
     p.add_argument("--csv", default=None,
                    help="output CSV (default curves.csv; with --from-csv none)")
-    p.add_argument("--plot", default=None,
-                   help="output PNG (default curves.png, '' for none; with --from-csv none)")
+    options.add_plot(p, "output PNG (default curves.png, '' for none; with --from-csv none)")
     p.add_argument("--from-csv", nargs="+", default=None, metavar="CSV",
                    help="summarise (and plot, join) these CSVs of earlier runs instead of training")
-    p.add_argument("--markdown", action="store_true",
-                   help="print the summary as a Markdown table (the README's)")
+    options.add_markdown(p, "print the summary")
     return p
 
 

@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from ringnet.bench import options
 from ringnet.cli import ArgumentParser
 from ringnet.errors import UsageError
 
@@ -55,32 +56,30 @@ def require_torch():
 
 def build_parser():
     p = ArgumentParser(prog="mpirun -np N python -m ringnet.bench.ddp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="model (default digits, as train's)")
-    p.add_argument("--dataset", default=None, help="data set (default: the model's, as train's)")
-    p.add_argument("--data-dir", default=None, help="folder holding <name>.h5 data sets")
-    p.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch (default train's)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs (default: the model's)")
-    p.add_argument("--lr", type=float, default=None, help="base lr (default: the model's)")
+    options.add_model(p, None, shown="digits, as train's")
+    options.add_dataset(p, None, shown="the model's, as train's")
+    options.add_data_dir(p)
+    options.add_batch_size(p, None, "GLOBAL batch", shown="train's")
+    options.add_steps(p, None, "optimizer steps", shown="from --epochs")
+    options.add_epochs(p, None, "epochs", shown="the model's")
+    options.add_lr(p, None, "base lr", shown="the model's")
     p.add_argument("--lr-policy", choices=("fixed", "step", "inv"), default=None)
     p.add_argument("--gamma", type=float, default=None)
     p.add_argument("--stepsize", type=int, default=None)
     p.add_argument("--power", type=float, default=None)
     p.add_argument("--momentum", type=float, default=None)
     p.add_argument("--weight-decay", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", choices=("float32", "float64"), default=None)
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
-                   help="cpu: gloo; gpu: NCCL, one GPU per rank (default cpu)")
-    p.add_argument("--eval-every", type=int, default=0, metavar="K",
-                   help="also evaluate every K steps; --json lists them as train's 'evals'")
+    options.add_seed(p, None, shown="train's")
+    options.add_dtype(p, None, shown="train's")
+    options.add_device(p, "cpu: gloo; gpu: NCCL, one GPU per rank")
+    options.add_eval_every(p, 0, "also evaluate every K steps (0: never); --json lists them as "
+                                 "train's 'evals'")
     p.add_argument("--no-eval", dest="eval_every_epoch", action="store_false",
                    help="skip the per-epoch evaluation (the final one still runs)")
-    p.add_argument("--timeout", type=float, default=300,
-                   help="seconds the process group waits for a rank (default 300)")
+    options.add_timeout(p, 300, "seconds the process group waits for a rank")
     p.add_argument("--save-weights", default=None, metavar="PATH.npz",
                    help="rank 0 writes the final weights by ringnet's parameter names")
-    p.add_argument("--json", action="store_true", help="print one JSON summary line (rank 0)")
+    options.add_json(p, "print one JSON summary line (rank 0)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors and --json")
     return p
 

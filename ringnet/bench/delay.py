@@ -63,7 +63,7 @@ import numpy as np
 
 from ringnet.data import ShardedLoader, iterate_eval, open_dataset
 from ringnet.data.catalog import Split
-from ringnet.bench import machine
+from ringnet.bench import machine, options
 from ringnet.tables import markdown
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
@@ -362,40 +362,35 @@ def _speed_report(title, times):
 def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench delay", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="digits", help="model to train (default digits)")
-    p.add_argument("--dataset", default="digits", help="data set (default digits)")
+    options.add_model(p, "digits")
+    options.add_dataset(p, "digits")
     p.add_argument("--variants", default="single,none,lookahead",
                    help="comma list (default %(default)s)")
-    p.add_argument("--lr", type=float, nargs="+", default=[0.01],
-                   help="learning rates; every one is run with every --momentum (default 0.01)")
+    options.add_lr(p, [0.01], "learning rates; every one is run with every --momentum")
     p.add_argument("--momentum", type=float, nargs="+", default=[0.9], help="momenta (default 0.9)")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay (default 0.0005)")
-    p.add_argument("--epochs", type=float, default=1, help="epochs per run (default 1)")
+    options.add_epochs(p, 1, type=float)
     p.add_argument("--seeds", type=int, nargs="+", default=[0],
                    help="seeds; one run each (default 0)")
-    p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
+    options.add_batch_size(p)
     p.add_argument("--subset", type=int, default=None, help="train on the first N images only")
-    p.add_argument("--data-dir", default=None,
-                   help="folder holding <name>.h5 data sets (default: train's)")
+    options.add_data_dir(p)
     p.add_argument("--metric", choices=("accuracy", "loss"), default="accuracy",
                    help="accuracy: test accuracy at the end (default); loss: the mean training "
                         "loss of the last quarter of the steps, no test evaluation (a run "
                         "whose loss does not end below its first step's fails: 'grew' when "
                         "more than 5%% above it, i.e. it blew up without NaN, else 'dead', flat)")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON line per run as it ends, instead of the table (with --markdown: before it)")
-    p.add_argument("--markdown", action="store_true",
-                   help="print the result as the README's Markdown table: one lr and momentum: "
-                        "a row per variant and a column per seed; several: a row per lr, a "
-                        "column per momentum, the variants' means in each cell")
+    options.add_json(p, "one JSON line per run as it ends, instead of the table (with "
+                        "--markdown: before it)")
+    options.add_markdown(p, "print the result", ": one lr and momentum: a row per variant and a "
+                         "column per seed; several: a row per lr, a column per momentum, the "
+                         "variants' means in each cell")
     p.add_argument("--speed", action="store_true",
                    help="time the delay-1 step with none and lookahead, interleaved, and print the ratio")
-    p.add_argument("--steps", type=int, default=20, help="--speed: steps per round (default 20)")
-    p.add_argument("--repeats", type=int, default=6, help="--speed: rounds per variant (default 6)")
-    p.add_argument("--np", type=int, nargs="+", default=[1, 2],
-                   help="--speed: rank counts to time ring --delay 1 at (default 1 2)")
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
-                   help="launcher (default $MPIRUN or mpirun)")
+    options.add_steps(p, 20, "--speed: steps per round")
+    options.add_repeats(p, 6, "--speed: rounds per variant")
+    options.add_np(p, [1, 2], "--speed: rank counts to time ring --delay 1 at")
+    options.add_mpirun(p)
     return p
 
 

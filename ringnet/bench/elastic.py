@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from ringnet.bench import machine
+from ringnet.bench import machine, options
 from ringnet.jobs import run_json
 from ringnet.tables import markdown
 from ringnet.errors import UsageError
@@ -38,27 +38,21 @@ def _modes():
 def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench elastic", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--np", type=int, default=4, help="ranks (default 4)")
-    p.add_argument("--model", default="cifar10_quick",
-                   help="model to train (default cifar10_quick)")
-    p.add_argument("--dataset", default="synthetic", help="data set (default synthetic)")
+    options.add_np(p, 4)
+    options.add_model(p, "cifar10_quick")
+    options.add_dataset(p, "synthetic")
     p.add_argument("--mode", default="ring", choices=_modes(),
                    help="parallel mode of every run (default ring)")
-    p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
+    options.add_batch_size(p)
+    options.add_steps(p, 60)
     p.add_argument("--every", type=int, default=10, help="--save-every K (default 10)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="interleaved rounds of part 1 (default 3)")
+    options.add_repeats(p, 3, "interleaved rounds of part 1")
     p.add_argument("--kill-rank", type=int, default=1, help="rank killed in part 2 (default 1)")
     p.add_argument("--shrink", action="store_true", help="part 2 relaunches on fewer ranks")
-    p.add_argument("--lr", type=float, default=0.001,
-                   help="learning rate (default 0.001: no mode diverges in a timing run)")
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
-                   help="launcher (default $MPIRUN or mpirun)")
-    p.add_argument("--timeout", type=float, default=600,
-                   help="seconds per run before it is killed (default 600)")
-    p.add_argument("--markdown", action="store_true",
-                   help="print the two tables as Markdown, as the README shows them")
+    options.add_lr(p, 0.001, "learning rate, small enough that no mode diverges in a timing run")
+    options.add_mpirun(p)
+    options.add_timeout(p)
+    options.add_markdown(p, "print the two tables")
     return p
 
 

@@ -45,7 +45,7 @@ import numpy as np
 from ringnet.errors import EXIT_STOPPED, InputError, UsageError
 from ringnet.cli import ArgumentParser
 
-from ringnet.bench import machine
+from ringnet.bench import machine, options
 from ringnet.bench.fault_cases import (DEFAULT_TIMEOUT, MODES, STOP_PHASES, TRAIN, Case,  # noqa: F401
                                        Outcome, all_cases, quick_cases)
 
@@ -373,14 +373,11 @@ def build_parser():
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="only the CI subset")
     p.add_argument("--filter", default=None, metavar="TEXT", help="only cases whose name contains TEXT")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                   help=f"RINGNET_COMM_TIMEOUT of the runs, seconds (default {DEFAULT_TIMEOUT:g})")
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
-                   help="launcher (default $MPIRUN or mpirun)")
+    options.add_timeout(p, DEFAULT_TIMEOUT, "RINGNET_COMM_TIMEOUT of the runs, seconds")
+    options.add_mpirun(p)
     p.add_argument("--list", action="store_true", help="print the case names and exit")
-    p.add_argument("--json", action="store_true", help="print one JSON line per case")
-    p.add_argument("--markdown", action="store_true",
-                   help="after the cases, print the README's summary table (time to exit per group)")
+    options.add_json(p, "print one JSON line per case")
+    options.add_markdown(p, "after the cases, print the summary table (time to exit per group)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     return p
 

@@ -10,12 +10,12 @@ _PINNED = pin_one_thread()      # the comparison is core for core
 
 import numpy as np  # noqa: E402
 
-from ringnet.bench import machine, paired_quartiles  # noqa: E402
+from ringnet.bench import machine, options, paired_quartiles  # noqa: E402
 from ringnet.errors import UsageError  # noqa: E402
 from ringnet.cli import ArgumentParser
 from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d,  # noqa: E402
                             ReLU)
-from ringnet.models import MODELS, build_model  # noqa: E402
+from ringnet.models import build_model  # noqa: E402
 from ringnet.optim import SGD, LRPolicy  # noqa: E402
 from ringnet.perfmodel.profiling import layer_times  # noqa: E402
 
@@ -211,19 +211,15 @@ def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench layers",
                        description="Per-layer forward/backward times and full training "
                                    "steps (forward, loss, backward, SGD) on one BLAS thread.")
-    p.add_argument("--model", action="append", choices=sorted(MODELS),
-                   help="model to time (repeatable; default: lenet and cifar10_quick)")
-    p.add_argument("--batch-size", type=int, default=64, help="samples per step (default 64)")
+    options.add_models(p, "time", shown=" and ".join(DEFAULT_MODELS))
+    options.add_batch_size(p, 64, "samples per step")
     p.add_argument("--iters", type=int, default=20, help="timed repetitions (default 20)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"],
-                   help="type of weights and activations (default float32)")
+    options.add_dtype(p)
     p.add_argument("--vs", choices=["torch"], help="also time the same net in PyTorch CPU, "
                                                    "interleaved step by step, and report the ratio")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seeds the weights and the batch (default 0)")
-    p.add_argument("--json", action="store_true", help="print one JSON line instead of tables")
-    p.add_argument("--markdown", action="store_true",
-                   help="also print the step times as a Markdown table, as the README shows them")
+    options.add_seed(p, 0, "seeds the weights and the batch")
+    options.add_json(p, "print one JSON line instead of tables")
+    options.add_markdown(p, "also print the step times")
     return p
 
 

@@ -23,7 +23,7 @@ import shutil
 import statistics
 
 from ringnet import cluster
-from ringnet.bench import machine
+from ringnet.bench import machine, options
 from ringnet.bench.scaling import run_config
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
@@ -42,29 +42,22 @@ MODES = tuple(distributed_modes())     # the modes --modes takes (single runs on
 def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench overlap", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--np", type=int, default=2, help="ranks of the parallel runs (default 2)")
+    options.add_np(p, 2, "ranks of the parallel runs")
     p.add_argument("--modes", default="ring,tree,split-fc", help="comma list of "
                    f"{', '.join(MODES)} (default ring,tree,split-fc)")
-    p.add_argument("--model", default="cifar10_quick", help="model (default cifar10_quick)")
-    p.add_argument("--dataset", default="synthetic", help="data set (default synthetic)")
-    p.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    options.add_model(p, "cifar10_quick")
+    options.add_dataset(p, "synthetic")
+    options.add_batch_size(p)
+    options.add_steps(p, 30)
+    options.add_repeats(p)
     p.add_argument("--variants", default=None,
                    help="comma list of DELAY:PROGRESS:BUCKETS (e.g. 1:driven:default,0:driven:0); "
                         "default: every variant")
-    p.add_argument("--lr", type=float, default=0.001, help="learning rate (default 0.001)")
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
-                   help="launcher (default $MPIRUN or mpirun)")
-    p.add_argument("--timeout", type=float, default=600,
-                   help="seconds per run before it is killed (default 600)")
-    g = p.add_argument_group("on a cluster of nodes")
-    g.add_argument("--launcher", default=None, metavar="CMD",
-                   help='what starts the ranks, e.g. "srun --mpi=pmi2" (default: --mpirun); with '
-                        "--nodes it is given the nodes and ranks per node")
-    g.add_argument("--nodes", default=None, metavar="K",
-                   help="run the parallel modes on K nodes of one rank (K) or of R ranks (KxR), "
-                        "e.g. 4 or 2x2, instead of --np ranks; single runs on one node")
+    options.add_lr(p, 0.001)
+    options.add_mpirun(p)
+    options.add_timeout(p)
+    options.add_cluster(p, "run the parallel modes on K nodes of one rank (K) or of R ranks "
+                           "(KxR), e.g. 4 or 2x2, instead of --np ranks; single runs on one node")
     return p
 
 
@@ -100,7 +93,7 @@ def main(argv=None):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.nodes:
-        args.np = _shape(args)
+        args.np = options.node_shapes([args.nodes], 1, args.launcher or args.mpirun)[0]
     elif args.launcher:
         raise UsageError("--launcher places ranks on nodes: give --nodes K or KxR with it")
     if args.np < 2 or args.batch_size % args.np:
@@ -174,17 +167,6 @@ def main(argv=None):
               f"{ratio:>14}")
     run.end()
     return 0
-
-
-def _shape(args):
-    """The :class:`~ringnet.cluster.Shape` ``--nodes`` names, checked against the nodes the
-    launcher reaches."""
-    shape = cluster.parse_nodes([args.nodes], 1)[0]
-    launcher = args.launcher or args.mpirun
-    have = cluster.available_nodes(launcher)
-    if shape.nodes > have:
-        raise UsageError(f"--nodes {args.nodes}: {launcher!r} reaches {have} node{'s' if have != 1 else ''}")
-    return shape
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import statistics
 import sys
 
 from ringnet import cluster
-from ringnet.bench import machine
+from ringnet.bench import machine, options
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
 from ringnet.jobs import job_env, job_launch, recipe_flags, run_json, train_run
@@ -66,40 +66,30 @@ def _delays_text():
 def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--np", type=int, nargs="+", default=[1, 2], help="rank counts (default 1 2)")
+    options.add_np(p, [1, 2], "rank counts")
     p.add_argument("--modes", default="ring,tree,master",
                    help=f"comma list of {', '.join(default_delays())} (default ring,tree,master; "
                         "single at N=1 is always run)")
     p.add_argument("--delays", default=None,
                    help=f"comma list of delays for every mode (default: {_delays_text()})")
-    p.add_argument("--model", default="cifar10_quick",
-                   help="model to train (default cifar10_quick)")
-    p.add_argument("--dataset", default="synthetic", help="data set (default synthetic)")
-    p.add_argument("--batch-size", type=int, default=64,
-                   help="global batch (default 64); with --scaling weak the batch of each rank")
+    options.add_model(p, "cifar10_quick")
+    options.add_dataset(p, "synthetic")
+    options.add_batch_size(p, 64, "global batch, or with --scaling weak the batch of each rank")
     p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
                    help="strong (default): the same global batch at every N, speedup = single's step "
                         "time / the row's; weak: every rank keeps --batch-size (a global batch of N "
                         "times it), speedup = the row's images/s / single's at --batch-size")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default 0.001: small enough that no mode diverges in a "
-                        "timing run, step time does not depend on it; with --to-accuracy the "
-                        "model's default of python -m ringnet.train)")
-    p.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
-                   help="train's --transport (default auto)")
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
-                   help="train's --device (default cpu)")
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
-                   help="launcher (default $MPIRUN or mpirun)")
-    g = p.add_argument_group("on a cluster of nodes")
-    g.add_argument("--launcher", default=None, metavar="CMD",
-                   help='what starts the ranks, e.g. "srun --mpi=pmi2" or "mpirun" (default: '
-                        "--mpirun); with --nodes it is given the nodes and ranks per node")
-    g.add_argument("--nodes", nargs="+", default=None, metavar="K",
-                   help="node counts to run each mode on, K (K nodes of --ranks-per-node ranks) "
-                        "or KxR (K nodes of R ranks), e.g. 1 2 4 2x2; replaces --np")
+    options.add_steps(p, 30)
+    options.add_repeats(p)
+    options.add_lr(p, None, shown="0.001, small enough that no mode diverges in a timing run "
+                   "(step time does not depend on it); with --to-accuracy the model's default "
+                   "of python -m ringnet.train")
+    options.add_transport(p)
+    options.add_device(p)
+    options.add_mpirun(p)
+    g = options.add_cluster(p, "node counts to run each mode on, K (K nodes of --ranks-per-node "
+                               "ranks) or KxR (K nodes of R ranks), e.g. 1 2 4 2x2; replaces --np",
+                            many=True)
     g.add_argument("--ranks-per-node", type=int, default=1,
                    help="ranks on each node for --nodes K (default 1)")
     g.add_argument("--topologies", default=None, metavar="LIST",
@@ -109,13 +99,10 @@ def build_parser():
                    help="ddp: also run PyTorch DistributedDataParallel on the same problem at every "
                         "N, in the same rounds, and give each row its ratio to it (needs torch)")
     p.add_argument("--csv", default=None, metavar="PATH", help="also write the table as CSV")
-    p.add_argument("--plot", default=None, metavar="PATH",
-                   help="also draw speedup and efficiency against N (.png; needs matplotlib)")
-    p.add_argument("--json", action="store_true", help='print {"rows": [...]} instead of the table')
-    p.add_argument("--markdown", action="store_true",
-                   help="print the table as Markdown, as the README shows it")
-    p.add_argument("--timeout", type=float, default=600,
-                   help="seconds per run before it is killed (default 600)")
+    options.add_plot(p, "also draw speedup and efficiency against N (.png; needs matplotlib)")
+    options.add_json(p, 'print {"rows": [...]} instead of the table')
+    options.add_markdown(p, "print the table")
+    options.add_timeout(p)
     p.add_argument("--ceiling", action="store_true",
                    help="also time single at each N's per-rank batch (B/N) in the same rounds "
                         "and print each N's ceiling, t(B) / t(B/N): the speedup a split of the "
@@ -126,14 +113,12 @@ def build_parser():
                    help="train each configuration for up to --epochs, evaluating the test set every "
                         "--eval-every steps, and report the training wall time (evaluations excluded) "
                         "and the epochs until test accuracy first reaches A (0..1) beside images/s")
-    g.add_argument("--epochs", type=int, default=5,
-                   help="with --to-accuracy: the most epochs a run may take (default 5)")
-    g.add_argument("--eval-every", type=int, default=100, metavar="K",
-                   help="with --to-accuracy: steps between test evaluations (default 100)")
-    g.add_argument("--seed", type=int, default=None, help="training seed (default: train's)")
+    options.add_epochs(g, 5, "with --to-accuracy: the most epochs a run may take")
+    options.add_eval_every(g, 100, "with --to-accuracy: steps between test evaluations")
+    options.add_seed(g, None, shown="train's")
     p.add_argument("--delay-compensation", choices=("lookahead", "none"), default=None,
                    help="train's --delay-compensation for the delay-1 runs (default: train's, lookahead)")
-    g.add_argument("--data-dir", default=None, help="folder holding <name>.h5 data sets")
+    options.add_data_dir(g)
     return p
 
 
@@ -210,14 +195,8 @@ def _shapes(args):
         return list(args.np), topologies
     if args.ranks_per_node < 1:
         raise UsageError(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
-    shapes = cluster.parse_nodes(args.nodes, args.ranks_per_node)
     launcher = args.launcher or args.mpirun
-    have = cluster.available_nodes(launcher)
-    over = [repr(s) for s in shapes if s.nodes > have]
-    if over:
-        raise UsageError(f"--nodes {' '.join(over)}: {launcher!r} reaches {have} "
-                         f"node{'s' if have != 1 else ''}")
-    return shapes, topologies
+    return options.node_shapes(args.nodes, args.ranks_per_node, launcher), topologies
 
 
 def _across_nodes(args, model, mode, delay, n, results):

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from ringnet.bench import machine
+from ringnet.bench import machine, options
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
 
@@ -105,17 +105,16 @@ def verdict(steps, rss_kb, threads, files):
 def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench soak", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--np", type=int, default=2, help="ranks (default 2; 1 runs without mpirun)")
-    p.add_argument("--model", default="lenet", help="model (default lenet)")
-    p.add_argument("--dataset", default="synthetic", help="data set (default synthetic)")
+    options.add_np(p, 2, "ranks; 1 runs without mpirun")
+    options.add_model(p, "lenet")
+    options.add_dataset(p, "synthetic")
     p.add_argument("--mode", default=None, help="train's --mode (default: its own)")
-    p.add_argument("--steps", type=int, default=12000, help="steps to run (default 12000)")
+    options.add_steps(p, 12000, "steps to run")
     p.add_argument("--every", type=float, default=2.0, help="seconds between samples (default 2)")
     p.add_argument("--warmup", type=float, default=0.2,
                    help="fraction of the steps left out of the fit (default 0.2)")
-    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
-                   help="launcher (default $MPIRUN or mpirun)")
-    p.add_argument("--json", action="store_true", help="also print one JSON line with every row")
+    options.add_mpirun(p)
+    options.add_json(p, "also print one JSON line with every row")
     return p
 
 

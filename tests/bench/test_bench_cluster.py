@@ -157,7 +157,7 @@ def test_overlap_runs_each_progress_mode_on_the_nodes(monkeypatch):
     rows = {line.split()[2]: line.split() for line in out.splitlines() if line.split()[:1] == ["ring"]}
     assert float(rows["poll"][3]) == 40.0 and float(rows["poll"][4]) == 2.5      # step, speedup
     monkeypatch.setattr(overlap, "run_config", lambda *a, **kw: pytest.fail("ran"))
-    with pytest.raises(UsageError, match="--nodes 8: 'mpirun' reaches 4 nodes"):
+    with pytest.raises(UsageError, match="--nodes 8x1: 'mpirun' reaches 4 nodes"):
         overlap.main(["--launcher", "mpirun", "--nodes", "8"])
     with pytest.raises(UsageError, match="give --nodes"):
         overlap.main(["--launcher", "mpirun"])
