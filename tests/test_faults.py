@@ -36,6 +36,18 @@ def test_fault(case, files):
 
 def test_full_matrix_covers_every_phase_mode_and_size():
     names = [c.name for c in faults.all_cases()]
+    kinds = {c.kind for c in faults.all_cases()}
+    assert {"signal", "concurrent"} <= kinds
+    # signals at moments spread over the first two seconds, both signals, both launchers
+    signals = [c for c in faults.all_cases() if c.kind == "signal"]
+    moments = sorted(c.at for c in signals)
+    assert moments[0] < 0.3 and moments[-1] > 1.7 and len(moments) >= 8
+    assert {(c.signal, c.via) for c in signals} == {(s, v) for s in ("TERM", "USR1")
+                                                     for v in ("mpirun", "launch")}
+    assert any(c.trigger == "signal-twice" for c in signals)
+    for flag in ("--save is --dataset", "--trace is --dataset", "--json-file is --save",
+                 "--save a FIFO", "--save ends in /"):
+        assert any(name.startswith(f"collision {flag} ") for name in names), flag
     for phase in faults.STOP_PHASES:
         for mode in faults.MODES:
             for n in (2, 4):

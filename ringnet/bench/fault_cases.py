@@ -1,6 +1,8 @@
 """The cases of ``python -m ringnet.bench faults``: each fault, how its run starts and what
 must come out of it (the harness that runs them is :mod:`ringnet.bench.faults`)."""
 import dataclasses
+import os
+import random
 import re
 
 from ringnet.errors import EXIT_STOPPED
@@ -8,7 +10,8 @@ from ringnet.parallel import distributed_modes
 
 __all__ = ["Case", "Outcome", "MODES", "STOP_PHASES", "KILL_PHASES", "TRAIN", "DEFAULT_TIMEOUT",
            "all_cases", "quick_cases", "stop_case", "kill_case", "term_case", "mpmd_cases",
-           "knob_cases", "bad_cases", "live_cases"]
+           "knob_cases", "bad_cases", "live_cases", "signal_cases", "collision_cases",
+           "resume_cases", "concurrent_cases"]
 
 MODES = tuple(distributed_modes())     # every mode that runs on several ranks
 STOP_PHASES = ("setup", "step 3", "evaluation", "save", "save-write", "statistics", "shutdown")
@@ -36,6 +39,9 @@ class Case:
     command: tuple = None       # another command than train (datasets info)
     per_rank_env: tuple = None  # MPMD: one {variable: value} per rank
     trigger: str = None         # what the harness does once step 2 is reached (see TRIGGERS)
+    at: float = None            # ... or this many seconds after the launch (signal cases)
+    signal: str = None          # signal cases: TERM or USR1, sent to the launcher
+    via: str = "mpirun"         # signal cases: the launcher, mpirun or ringnet.launch
 
 
 @dataclasses.dataclass
@@ -176,6 +182,88 @@ def bad_cases():
     ]
 
 
+def signal_cases(seed=0, count=8):
+    """SIGTERM or SIGUSR1 sent to the launcher (mpirun, or ringnet.launch) at a moment drawn
+    at random in the run's first two seconds (one in each of ``count`` equal slots), as
+    ``kill`` after starting a job would: from
+    the imports on, every moment ends in the graceful stop (exit 75, the checkpoint written
+    if a step was taken); the last two cases send the signal again once the stop's save is
+    done, which still ends in 75. The moments come from ``seed``, so a rerun repeats them."""
+    rng = random.Random(seed)
+    cases = []
+    for i in range(count):
+        sig, via = ("TERM", "USR1")[i % 2], ("mpirun", "launch")[(i // 2) % 2]
+        at = round((i + rng.random()) * 2.0 / count, 2)     # one in each 2/count s slot
+        twice = i >= count - 2
+        cases.append(Case(f"signal {sig}{' twice' if twice else ''} at {at:.2f} s via {via} N=2",
+                          "signal", 2, "ring", args=("--steps", "1000000"), code=EXIT_STOPPED,
+                          bound="quick", trigger="signal-twice" if twice else "signal", at=at,
+                          signal=sig, via=via))
+    return cases
+
+
+def collision_cases():
+    """Outputs that would destroy an input or each other, and outputs that are not regular
+    files: refused before training, in one line naming both, the files left as they were."""
+    def bad(name, args, message, ranks=2):
+        return Case(f"collision {name} N={ranks}", "bad", ranks, "ring" if ranks > 1 else None,
+                    args=tuple(args), code=2,
+                    message=r"^ringnet: error: (rank \d+: )?" + message, bound="quick")
+    cases = [
+        bad("--save is --dataset", ["--dataset", "{run}/live.h5", "--save", "{run}/live.h5"],
+            r"--dataset \S*live\.h5 and --save \S*live\.h5 are the same file: writing the "
+            r"checkpoint would destroy the data set"),
+        bad("--save is --dataset through --data-dir",
+            ["--data-dir", "{run}", "--dataset", "live", "--save", "{run}/live.h5"],
+            r"--dataset live \(\S*live\.h5\) and --save \S*live\.h5 are the same file"),
+        bad("--json-file is --save", ["--json-file", "{run}/ck.h5"],
+            r"--save \S*ck\.h5 and --json-file \S*ck\.h5 are the same file: the checkpoint and "
+            r"the summary would overwrite each other", ranks=1),
+        bad("--trace is --dataset", ["--dataset", "{run}/live.h5", "--trace", "{run}/live.h5"],
+            r"--dataset \S*live\.h5 and --trace \S*live\.h5 are the same file: writing the "
+            r"trace would destroy the data set"),
+        bad("--save a FIFO", ["--save", "{dir}/fifo"],
+            r"cannot write checkpoint \S*fifo \(--save\): it is a FIFO \(named pipe\), not a "
+            r"regular file"),
+        bad("--save ends in /", ["--save", "{run}/ck/notdir.h5/"],
+            r"cannot write checkpoint \S*notdir\.h5/ \(--save\): it ends in '/'", ranks=1),
+    ]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:       # mknod needs root
+        cases.append(bad("--save a character device", ["--save", "{dir}/nul"],
+                         r"cannot write checkpoint \S*nul \(--save\): it is a character "
+                         r"device, not a regular file"))
+    return cases
+
+
+def resume_cases():
+    """Ranks that resumed different checkpoints, or resumed on some ranks only: refused at
+    start-up in one line naming each rank's path and step."""
+    def mixed(name, first, second, message):
+        return Case(f"resume {name}", "mpmd", 2, "ring", per_rank=(first, second), code=2,
+                    message=r"^ringnet: error: ranks resumed different checkpoints: " + message,
+                    bound="quick")
+    return [
+        mixed("same step, other content", ("--resume", "{dir}/ck.h5"),
+              ("--resume", "{dir}/ck_other.h5"),
+              r"rank 0 \S*ck\.h5 \(step 0, content \w+\); rank 1 \S*ck_other\.h5 \(step 0, "
+              r"content \w+\)"),
+        mixed("other steps", ("--resume", "{dir}/ck.h5"), ("--resume", "{dir}/ck_step3.h5"),
+              r"rank 0 \S*ck\.h5 \(step 0\S*\); rank 1 \S*ck_step3\.h5 \(step 3\S*\)"),
+        mixed("on one rank only", ("--resume", "{dir}/ck.h5"), (),
+              r"rank 0 \S*ck\.h5 \(step 0\); rank 1 nothing"),
+    ]
+
+
+def concurrent_cases():
+    """A second job with the same --save while the first runs: refused in one line naming the
+    holder; the first goes on and stops gracefully (SIGTERM), its checkpoint its own."""
+    return [Case("concurrent second job, same --save N=2", "concurrent", 2, "ring",
+                 args=("--steps", "1000000"), code=EXIT_STOPPED, bound="quick",
+                 trigger="second-job",
+                 message=r"^ringnet: error: .*\S*ck\.h5 is in use by another run "
+                         r"\(host \S+, process \d+; lock file \S+\)")]
+
+
 def all_cases():
     """Return the full matrix: stop and kill at every phase, N = 2 and 4, every mode; MPMD; bad input."""
     cases = []
@@ -184,7 +272,8 @@ def all_cases():
             cases += [stop_case(p, ranks, mode) for p in STOP_PHASES]
             cases += [kill_case(p, ranks, mode) for p in KILL_PHASES]
             cases += [term_case(p, ranks, mode) for p in STOP_PHASES]
-    return cases + mpmd_cases() + knob_cases() + bad_cases() + live_cases()
+    return (cases + mpmd_cases() + knob_cases() + bad_cases() + live_cases() + signal_cases()
+            + collision_cases() + resume_cases() + concurrent_cases())
 
 
 def quick_cases():
@@ -196,4 +285,6 @@ def quick_cases():
     picks += [term_case("setup", 2, "tree"), term_case("step 3", 4, "split-fc"),
               term_case("shutdown", 2, "ring")]
     mpmd = [c for c in mpmd_cases() if c.name in ("mpmd --lr", "mpmd --mode", "mpmd scrambled labels")]
-    return picks + mpmd + knob_cases()[:1] + bad_cases() + live_cases()
+    collisions = [c for c in collision_cases() if c.name.startswith("collision --save is --dataset N")]
+    return (picks + mpmd + knob_cases()[:1] + bad_cases() + live_cases() + signal_cases()[-1:]
+            + collisions + resume_cases()[-1:] + concurrent_cases())

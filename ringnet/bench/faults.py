@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,7 @@ import time
 import numpy as np
 
 from ringnet.errors import EXIT_STOPPED, InputError, UsageError
+from ringnet.outputs import file_kind
 from ringnet.cli import ArgumentParser
 
 from ringnet.bench import machine, options
@@ -132,6 +134,18 @@ def prepare(folder, python=sys.executable):
         # at step 0 the runs may overwrite it: a fresh run refuses to overwrite a checkpoint
         # further along than its start (and the cases are about surviving faults, not that)
         f.attrs["step"], f.attrs["epoch"] = 0, 0
+    for name, edit in (("ck_other.h5", "content"), ("ck_step3.h5", "step")):
+        other = os.path.join(folder, name)
+        shutil.copyfile(ck, other)
+        with h5py.File(other, "r+") as f:
+            if edit == "step":
+                f.attrs["step"] = 3
+            else:
+                first = sorted(f["params"])[0]
+                f["params"][first][...] = f["params"][first][()] + np.float32(1e-3)
+    os.mkfifo(os.path.join(folder, "fifo"))
+    if hasattr(os, "geteuid") and os.geteuid() == 0:      # a character device (/dev/null's)
+        os.mknod(os.path.join(folder, "nul"), 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     nan = os.path.join(folder, "ck_nan.h5")
     shutil.copyfile(ck, nan)
     with h5py.File(nan, "r+") as f:
@@ -190,7 +204,7 @@ def _command(case, files, save, python, mpirun):
         return cmd
     mode = ["--mode", case.mode] if case.mode else []
     argv = [python] + base + (mode if not case.command else []) + train_extra + fill(case.args)
-    if case.trigger == "kill-launcher":     # the launcher that watches the ranks
+    if case.trigger == "kill-launcher" or case.via == "launch":     # the launcher that watches the ranks
         return [python, "-m", "ringnet.launch", "-n", str(case.ranks), "--"] + argv[3:]
     return argv if case.ranks == 1 else [mpirun, "-np", str(case.ranks)] + argv
 
@@ -211,6 +225,40 @@ def _when_step(heartbeat, step, proc, limit_s, log):
                     return True
         time.sleep(0.05)
     return False
+
+
+def _signal(case, proc, log, again=False):
+    """Send ``case.signal`` to the launcher; ``again``: once more after the stop's save (the
+    line that says the run stopped is out). Return the problems."""
+    proc.send_signal(getattr(signal, "SIG" + case.signal))
+    if not again:
+        return []
+    end = time.monotonic() + 60
+    while time.monotonic() < end and proc.poll() is None:
+        with open(log.name) as seen:
+            if any(line.startswith("stopped by SIG") for line in seen):
+                proc.send_signal(getattr(signal, "SIG" + case.signal))
+                return []
+        time.sleep(0.005)
+    return ["the run ended before its 'stopped by' line: the second signal was not sent"]
+
+
+def _second_job(case, cmd, env, run_dir):
+    """Start ``cmd`` again beside the running job (same --save); return its problems: it
+    must end at once with exit 2 and one error line matching ``case.message``."""
+    try:
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                                env=dict(env, RINGNET_HEARTBEAT=os.path.join(run_dir, "heartbeat2")))
+    except subprocess.TimeoutExpired:
+        return ["the second job still ran after 120 s"]
+    out = second.stdout + second.stderr
+    errors = [line for line in out.splitlines() if "ringnet: error:" in line]
+    problems = []
+    if second.returncode != 2:
+        problems.append(f"second job: exit code {second.returncode}, expected 2")
+    if len(errors) != 1 or not re.search(case.message, errors[0]):
+        problems.append(f"second job: error lines {errors!r} do not match {case.message!r}")
+    return problems
 
 
 def _replace_data(case, proc, run_dir, files):
@@ -244,19 +292,32 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
     cmd = _command(case, files, save, python, mpirun)
     if case.trigger == "kill-launcher":     # a launcher killed cannot remove its own folder
         env["TMPDIR"] = run_dir
+    live = os.path.join(run_dir, "live.h5")         # a data set the run may name ({run}/live.h5)
+    shutil.copyfile(os.path.join(files, "digits.h5"), live)
+    live_before = _digest(live)
+    specials = {name: os.stat(os.path.join(files, name)).st_mode for name in ("fifo", "nul")
+                if os.path.exists(os.path.join(files, name))}
     if case.trigger:
         env["RINGNET_HEARTBEAT"] = os.path.join(run_dir, "heartbeat")
-        shutil.copyfile(os.path.join(files, "digits.h5"), os.path.join(run_dir, "live.h5"))
     start = time.monotonic()
     problems = []
     with tempfile.NamedTemporaryFile("w+", dir=run_dir, suffix=".log") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)
-        if case.trigger:
-            if _when_step(env["RINGNET_HEARTBEAT"], 2, proc, bound, log):
-                TRIGGERS[case.trigger](case, proc, run_dir, files)
+        if case.at is not None:                 # a moment after the launch, step or not
+            time.sleep(max(0.0, start + case.at - time.monotonic()))
+            if proc.poll() is None:
+                problems += _signal(case, proc, log, again=case.trigger == "signal-twice")
             else:
+                problems.append(f"the run ended before {case.at:.2f} s")
+        elif case.trigger:
+            if not _when_step(env["RINGNET_HEARTBEAT"], 2, proc, bound, log):
                 problems.append("the run never reached step 2")
+            elif case.trigger == "second-job":
+                problems += _second_job(case, cmd, env, run_dir)
+                proc.send_signal(signal.SIGTERM)
+            else:
+                TRIGGERS[case.trigger](case, proc, run_dir, files)
         try:
             code = proc.wait(timeout=bound + 60)
         except subprocess.TimeoutExpired:
@@ -280,7 +341,7 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
     if case.code is None and not code:
         problems.append(f"exit code {code}, expected non-zero")
     errors = [line for line in output.splitlines() if "ringnet: error:" in line]
-    if case.message is not None:
+    if case.message is not None and case.kind != "concurrent":    # (its second job's message)
         if len(errors) != 1:
             problems.append(f"{len(errors)} 'ringnet: error:' lines, expected 1")
         if not any(re.search(case.message, line) for line in errors):
@@ -289,7 +350,7 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
             problems.append("a traceback was printed")
     if case.launcher_message is not None and not re.search(case.launcher_message, output):
         problems.append(f"output does not match {case.launcher_message!r}")
-    if case.kind == "term" and (errors or "Traceback" in output):
+    if case.kind in ("term", "signal", "concurrent") and (errors or "Traceback" in output):
         problems.append(f"{len(errors)} 'ringnet: error:' lines, expected none")
     left = []
     for _ in range(50):
@@ -309,15 +370,23 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
     except InputError as exc:
         step = None
         problems.append(f"checkpoint damaged: {exc}")
-    if case.kind in ("term", "launcher") and step is not None:
+    endless = case.kind in ("launcher", "signal", "concurrent")      # --steps 1000000
+    if case.kind in ("term", "launcher", "signal", "concurrent") and step is not None:
         steps = int(TRAIN[TRAIN.index("--steps") + 1])
         stopped = code == EXIT_STOPPED or case.kind == "launcher"
-        if stopped and not 0 < step < (1000000 if case.kind == "launcher" else steps):
+        untouched = case.kind == "signal" and step == 0 and _digest(save) == before
+        if stopped and not 0 < step < (1000000 if endless else steps) and not untouched:
             problems.append(f"checkpoint at step {step}: not where the run stopped")
         if not stopped and step != steps:
             problems.append(f"checkpoint at step {step}, expected the last step {steps}")
     elif code != 0 and os.path.exists(save) and _digest(save) != before and case.kind != "stop":
         problems.append("checkpoint changed by a failed run")
+    if case.trigger != "replace-data" and _digest(live) != live_before:
+        problems.append(f"data set {live} changed by the run")
+    for name, mode in specials.items():
+        now = os.lstat(os.path.join(files, name)).st_mode
+        if stat.S_IFMT(now) != stat.S_IFMT(mode):
+            problems.append(f"{name} is no longer {file_kind(mode)}")
     temporaries = sorted(os.path.join(run_dir, n) for n in os.listdir(run_dir) if n.endswith(TMP_SUFFIX))
     for _ in range(100):    # a killed writer may take a moment to be reaped by its launcher
         stale = stale_temporaries(save)
@@ -347,6 +416,10 @@ GROUPS = (
     ("MPMD mismatch, bad file, flag or environment: exit 2", lambda c: c.kind in ("mpmd", "bad")),
     ("Disk full, data file replaced, launcher killed",
      lambda c: c.kind in ("disk", "replaced", "launcher")),
+    ("SIGTERM/SIGUSR1 to the launcher in the first 2 s, once or twice: exit 75",
+     lambda c: c.kind == "signal"),
+    ("A second job on the same --save: refused, the first stops gracefully",
+     lambda c: c.kind == "concurrent"),
 )
 
 
