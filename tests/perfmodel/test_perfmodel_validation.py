@@ -1,6 +1,6 @@
 """Validation records (ringnet.perfmodel.validation): the reprint says where the model is off,
-a record is predicted as the code it measured ran, and the README's figures are those of
-docs/bench-model-validation.json."""
+a record is predicted as the code it measured ran, and the slowest-rank term brings
+docs/bench-model-validation.json's delay-0 rows closer to what they measured."""
 import json
 import os
 
@@ -39,11 +39,12 @@ def test_a_record_is_predicted_as_the_code_it_measured_ran():
         assert pm.code_facts() == driven
 
 
-def test_the_readme_s_validation_figures_are_the_record_s():
-    # docs/bench-model-validation.json reprinted with and without the slowest-rank term:
-    # the figures the README gives in words beside its table
+def test_the_slowest_rank_term_brings_the_record_s_delay0_rows_closer():
+    # docs/bench-model-validation.json reprinted with and without the calibration's
+    # imbalance: without it a delay-0 step at N = 2 (a core per rank) comes out too fast on
+    # average, with it closer, and the record as a whole no worse (tests/test_docs.py checks
+    # the figures the docs give of the record against its reprint)
     import copy
-    import re
     import statistics
     with open(os.path.join(ROOT, "docs", "bench-model-validation.json")) as f:
         record = json.load(f)
@@ -52,22 +53,16 @@ def test_the_readme_s_validation_figures_are_the_record_s():
         for c in rnd["calibration"]["by_np"].values():
             for m in c["raw"].get("models", {}).values():
                 m.pop("imbalance", None)
-    with open(os.path.join(ROOT, "README.md")) as f:
-        text = re.sub(r"\s+", " ", f.read())
+    with_term, without = pm.validation_rows(record), pm.validation_rows(even)
+    assert len(with_term) == len(without) == 32
 
     def summary(rows):
         errors = [abs(r["error"]) for r in rows]
         return statistics.median(errors), sum(e <= 0.15 for e in errors)
-    with_term, without = pm.validation_rows(record), pm.validation_rows(even)
     (m1, k1), (m0, k0) = summary(with_term), summary(without)
-    assert f"Median |error| {100 * m1:.0f}%, {k1} of 32 rows within 15%" in text
-    assert f"goes from median {100 * m0:.1f}% and {k0} of 32 to {100 * m1:.1f}% and {k1} of 32" in text
+    assert m1 <= m0 and k1 >= k0
 
     def delay0_at_2(rows):
-        errors = [r["error"] for r in rows if r["np"] == 2 and not r["delay"]]
-        return 100 * statistics.mean(errors), 100 * min(errors), 100 * max(errors)
-    mean0, lo0, hi0 = delay0_at_2(without)
-    mean1, lo1, hi1 = delay0_at_2(with_term)
+        return statistics.mean(r["error"] for r in rows if r["np"] == 2 and not r["delay"])
+    mean0, mean1 = delay0_at_2(without), delay0_at_2(with_term)
     assert mean0 < 0 and abs(mean1) < abs(mean0)
-    assert (f"{-mean0:.1f}% too fast on average (−{-lo0:.0f}% to +{hi0:.0f}%), with it "
-            f"{abs(mean1):.1f}% (−{-lo1:.0f}% to +{hi1:.0f}%)") in text
