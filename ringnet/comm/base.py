@@ -10,6 +10,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ringnet.backend import get_array_module, is_gpu_array
+from ringnet.comm.cost import PIPELINE_MAX_BYTES, PIPELINE_MIN_BYTES, pipeline_piece_bytes
 from ringnet.comm.stream import CpuStream, Handle, current_tag
 from ringnet.shards import shard_bounds
 
@@ -20,30 +21,21 @@ Array = Any                               # numpy.ndarray or cupy.ndarray, flat 
 Bounds = Sequence[Tuple[int, int]]
 
 OPS = ("sum", "mean")
-# Pipelining cuts a rooted transfer into pieces so that piece k+1 is on the wire while
-# piece k is being added or forwarded. With depth D (hops the data crosses), k pieces of
-# c bytes cost about (k + D - 1)(alpha + c beta): the piece that minimises this for an
-# n-byte buffer is c* = sqrt(n alpha / ((D - 1) beta)). With alpha ~ 20 us per message
-# and beta ~ 0.2 ns/B (5 GB/s shared memory, measured with ``python -m ringnet.bench
-# comm``) and D - 1 = 1 that is sqrt(n * 1e5 B): 0.6 MiB at 4 MiB, 2.5 MiB at 64 MiB.
-# Below PIPELINE_MIN_BYTES one message is cheaper than any cut.
-PIPELINE_ALPHA_OVER_BETA = 1e5          # bytes: alpha / beta
-PIPELINE_MIN_BYTES = 256 << 10
-PIPELINE_MAX_BYTES = 4 << 20
+# Pipelining cuts a rooted transfer into pieces (their size: the alpha-beta optimum of
+# :func:`ringnet.comm.cost.pipeline_piece_bytes`).
 
 
 def pipeline_pieces(length: int, itemsize: int,
                     chunk_bytes: Optional[int] = None) -> List[Tuple[int, int]]:
     """Return the element ranges a pipelined transfer of ``length`` elements is cut into.
 
-    ``chunk_bytes`` None picks the alpha-beta optimum above (one piece for small buffers).
+    ``chunk_bytes`` None picks the alpha-beta optimum (one piece for small buffers).
     """
     if length <= 0:
         return []
     nbytes = length * itemsize
     if chunk_bytes is None:
-        chunk_bytes = int((nbytes * PIPELINE_ALPHA_OVER_BETA) ** 0.5)
-        chunk_bytes = min(max(chunk_bytes, PIPELINE_MIN_BYTES), PIPELINE_MAX_BYTES)
+        chunk_bytes = pipeline_piece_bytes(nbytes)
     step = max(1, int(chunk_bytes) // itemsize)
     return [(a, min(a + step, length)) for a in range(0, length, step)]
 

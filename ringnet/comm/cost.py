@@ -60,7 +60,8 @@ __all__ = ["ALGORITHMS", "NATIVE", "CHOICES", "NATIVE_ACROSS_NODES_BELOW", "ALPH
            "NATIVE_TINY_BYTES",
            "constants", "terms", "cost", "fit", "fit_native", "choose", "thresholds", "pow2_below",
            "INTRA", "INTER", "BETWEEN_NODES", "heap_levels", "is_pow2", "between_phases", "between_nodes",
-           "exchange_cost"]
+           "exchange_cost", "PIPELINE_ALPHA_OVER_BETA", "PIPELINE_MIN_BYTES",
+           "PIPELINE_MAX_BYTES", "pipeline_piece_bytes"]
 
 ALGORITHMS = ("rd", "direct", "rhd", "ring")     # built from point-to-point messages
 NATIVE = "native"                                # the MPI library's own all-reduce
@@ -87,6 +88,24 @@ NATIVE_BETA_OVERSUBSCRIBED = 0.29e-9
 # 2 cores: 1.9 us at 8 B against 3.1 us at 16 B and the lean rd's 2.4-2.5 us at both):
 # priced as a single message.
 NATIVE_TINY_BYTES = 8
+
+
+# Pipelining cuts a rooted transfer into pieces so that piece k+1 is on the wire while
+# piece k is being added or forwarded. With depth D (hops the data crosses), k pieces of
+# c bytes cost about (k + D - 1)(alpha + c beta): the piece that minimises this for an
+# n-byte buffer is c* = sqrt(n alpha / ((D - 1) beta)). With alpha ~ 20 us per message
+# (ALPHA) and beta ~ 0.2 ns/B (5 GB/s shared memory, measured with ``python -m ringnet.bench
+# comm``) and D - 1 = 1 that is sqrt(n * 1e5 B): 0.6 MiB at 4 MiB, 2.5 MiB at 64 MiB.
+# Below PIPELINE_MIN_BYTES one message is cheaper than any cut.
+PIPELINE_ALPHA_OVER_BETA = 1e5          # bytes: alpha / beta
+PIPELINE_MIN_BYTES = 256 << 10
+PIPELINE_MAX_BYTES = 4 << 20
+
+
+def pipeline_piece_bytes(nbytes):
+    """The piece a pipelined rooted transfer of ``nbytes`` is cut into (see above)."""
+    piece = int((nbytes * PIPELINE_ALPHA_OVER_BETA) ** 0.5)
+    return min(max(piece, PIPELINE_MIN_BYTES), PIPELINE_MAX_BYTES)
 
 
 def constants(oversubscribed=False):

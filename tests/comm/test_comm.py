@@ -527,3 +527,18 @@ def test_a_timed_out_transfer_never_crashes_the_process(tmp_path, n):
     output = proc.stdout + proc.stderr
     assert "Segmentation fault" not in output and proc.returncode not in (-11, 11, 139), output
     assert output.count("timed out") >= 1 and "alive" in output, output
+
+
+def test_pipeline_pieces_are_the_alpha_beta_optimum_within_their_bounds():
+    """sqrt(n alpha / beta) with alpha / beta = 1e5 B: 647,634 B for 4 MiB, 2,590,537 B for
+    64 MiB; below 256 KiB and above 4 MiB the bounds; the pieces cover the buffer."""
+    from ringnet.comm import cost
+    from ringnet.comm.base import pipeline_pieces
+    assert cost.pipeline_piece_bytes(4 << 20) == 647634
+    assert cost.pipeline_piece_bytes(64 << 20) == 2590537
+    assert cost.pipeline_piece_bytes(100_000) == 256 << 10
+    assert cost.pipeline_piece_bytes(1 << 30) == 4 << 20
+    length = (4 << 20) // 4
+    pieces = pipeline_pieces(length, 4)
+    assert pieces[0] == (0, 647634 // 4) and pieces[-1][1] == length
+    assert all(a == b for (_, b), (a, _) in zip(pieces, pieces[1:]))
