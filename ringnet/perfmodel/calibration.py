@@ -135,7 +135,9 @@ def calibration_record(n, raw, add_s_per_elem):
     # N busy ranks share at most the cores they may run on: ranks timed as a mean over
     # ranks that start and end apart (one finishing early frees a core for the rest) can
     # look as if they had more; a training step waits for its slowest rank
-    physical = raw.get("cores") or math.inf
+    # (placed so many to a node on a cluster: the nodes' cores together)
+    per_node = (raw.get("placement") or {}).get("per_node")
+    physical = (raw.get("cores") or math.inf) * (-(-n // per_node) if per_node else 1)
     if "cores" in raw:      # all ranks busy against one alone, waits that sleep: what N share
         cores = min(n / max(slowdown, 1e-9), physical)
     else:                   # older workers waited spinning (overstated), and named no cores
@@ -143,8 +145,9 @@ def calibration_record(n, raw, add_s_per_elem):
     # each model's own step at its per-rank batch, every rank at once against one alone
     model_cores = {name: min(n / max(v["together_s"] / v["solo_s"], 1e-9), physical)
                    for name, v in raw.get("models", {}).items() if v.get("solo_s")}
-    slice_s, msg_slice_s = _wait_slices(n, raw.get("cores"), raw.get("waits"))
+    slice_s, msg_slice_s = _wait_slices(n, raw.get("cores") and physical, raw.get("waits"))
     return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted, "cores": cores,
+            "cores_total": None if physical == math.inf else physical,
             "slowdown": slowdown, "model_cores": model_cores,
             # each model's slowest rank per step against the mean (older records: none)
             "imbalance": {name: max(1.0, float(v["imbalance"]))

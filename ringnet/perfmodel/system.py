@@ -62,13 +62,15 @@ class System:
                   for mode, v in c.get("rooted", {}).items()}
         # ranks beyond the cores: a blocking wait finds its peer descheduled (the slices the
         # calibration measured, scaled to this N by the closed form); each message likewise
-        cores_here = c.get("raw", {}).get("cores") or usable_cores()
-        wait = scheduling_wait(n, cores_here, c.get("slice_s", 0.0))
-        per_msg = scheduling_wait(n, cores_here, c.get("msg_slice_s", 0.0))
+        # (on a cluster: the cores of every node the ranks span, cores_total)
+        cores_here = c.get("cores_total") or c.get("raw", {}).get("cores") or usable_cores()
+        here = min(n, self.ranks_per_node)
+        wait = scheduling_wait(here, cores_here, c.get("slice_s", 0.0))
+        per_msg = scheduling_wait(here, cores_here, c.get("msg_slice_s", 0.0))
         return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
                                    cores=c.get("cores") or usable_cores(), steal=c["steal"],
                                    model_cores=c.get("model_cores") or None, wait_s=wait,
-                                   imbalance=(c.get("imbalance") or None) if n <= cores_here
+                                   imbalance=(c.get("imbalance") or None) if here <= cores_here
                                    else None,
                                    msg_wait_s=per_msg)
 
@@ -113,7 +115,11 @@ def make_system(spec, compute, ranks_per_node, calibration=None):
         records = {int(k): (calibration_record(int(k), v["raw"], compute.add_s_per_elem)
                             if "raw" in v and compute is not None else v)
                    for k, v in calibration["by_np"].items()}
-        system = System("local", None, None, 1 << 30, compute, calibrated=records)
+        # calibrated on a cluster (its ranks placed so many to a node): the same placement
+        placed = next((v["raw"]["placement"]["per_node"] for v in calibration["by_np"].values()
+                       if (v.get("raw", {}).get("placement") or {}).get("per_node")), None)
+        system = System("local", None, None, 1 << 30, compute, calibrated=records,
+                        placed_per_node=placed)
         return system.at(min(records))
     names = spec.split("/")
     if len(names) > 2 or any(n not in LINKS for n in names):

@@ -6,7 +6,7 @@ import pytest
 from ringnet import perfmodel as pm
 from ringnet.models import build_model
 
-from tests.perfmodel.helpers import round_system
+from tests.perfmodel.helpers import round_system, waits_raw
 
 
 def test_cpu_contention_slows_compute_past_the_cores():
@@ -45,3 +45,43 @@ def test_scheduling_wait_matches_a_round_robin_simulation(n, cores):
     # every rank has a core (N <= cores), or a GPU (no cores): no wait at all
     assert pm.scheduling_wait(min(n, cores), cores, slice_s) == 0.0
     assert pm.scheduling_wait(n, None, slice_s) == 0.0
+
+
+def _calibration(per_node=None):
+    """Raw local calibrations at N = 2 and 4 on one core a node, whose loaded exchanges
+    waited for descheduled peers, the ranks placed ``per_node`` to a node by the launcher
+    (None: all on this one)."""
+    by_np = {}
+    for n in (2, 4):
+        raw = waits_raw(n, 0.02, 1e-4)
+        raw.update(cores=1, together_s=raw["solo_s"],
+                   models={"lenet": {"batch": 64 // n, "calls": 1, "solo_s": 0.01,
+                                     "together_s": 0.01, "imbalance": 1.1}})
+        if per_node:
+            raw["placement"] = {"per_node": per_node, "launcher": "srun --mpi=pmi2"}
+        by_np[str(n)] = {"raw": raw}
+    return {"by_np": by_np}
+
+
+def test_a_calibration_on_a_cluster_places_the_ranks_as_it_did():
+    """Calibrated with one rank a node (the launcher placed them so), N ranks do not share
+    one node's core: no contention, no wait for descheduled peers, the imbalance of ranks
+    that each have a core; calibrated on one node, the same N ranks share its core."""
+    compute = pm.roofline_compute("k40", ("lenet",))
+    lenet = build_model("lenet")
+    cluster = pm.make_system("local", compute, 1, _calibration(per_node=1))
+    one_node = pm.make_system("local", compute, 1, _calibration())
+    assert cluster.placed_per_node == 1
+    assert one_node.placed_per_node is None and one_node.ranks_per_node > 4
+    for n in (2, 4):
+        spread = cluster.at(n)
+        assert spread.contention(n, "lenet") == 1.0
+        assert spread.wait_s == 0.0 and spread.msg_wait_s == 0.0
+        assert spread.imbalance == {"lenet": 1.1}
+        shared = one_node.at(n)
+        assert shared.contention(n, "lenet") == n
+        assert shared.wait_s == pytest.approx(0.02, rel=0.05)     # the loaded wait it measured
+        assert shared.imbalance is None
+    alone = pm.predict(cluster, lenet, "single", 0, 1, 16).compute_s
+    assert pm.predict(cluster, lenet, "tree", 0, 4, 64).compute_s == pytest.approx(alone, rel=0.02)
+    assert pm.predict(one_node, lenet, "tree", 0, 4, 64).compute_s > 3.5 * alone
