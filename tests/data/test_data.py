@@ -30,7 +30,9 @@ def small_split(n=50, shape=(3, 5, 4), seed=1):
 
 
 def prefetch_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("ringnet-prefetch")]
+    """Prefetch threads at work (a loader's thread waits between epochs as "... (idle)")."""
+    return [t for t in threading.enumerate()
+            if t.name.startswith("ringnet-prefetch") and not t.name.endswith("(idle)")]
 
 
 # -- digits.h5 --------------------------------------------------------------------
@@ -491,3 +493,31 @@ def test_synthetic_reproducible_and_learnable():
 def test_synthetic_needs_model_shape():
     with pytest.raises(InputError, match="input shape"):
         open_dataset("synthetic")
+
+
+def test_every_epoch_runs_on_the_same_thread_which_ends_when_idle(monkeypatch):
+    """One prefetch thread for all of a loader's epochs (a thread per epoch costs ~290 bytes
+    of native memory each in an MPI process), idle between them, gone once idle for long."""
+    import ringnet.data.loader as loader_module
+    started = []
+
+    class Counted(threading.Thread):
+        def start(self):
+            started.append(self)
+            super().start()
+    monkeypatch.setattr(loader_module.threading, "Thread", Counted)
+    monkeypatch.setattr(loader_module._Worker, "IDLE_S", 0.3)
+    loader = ShardedLoader(small_split(n=40), 8, prefetch=2, rank=0)
+    reference = ShardedLoader(small_split(n=40), 8, prefetch=0, rank=0)
+    for epoch in range(30):
+        got, want = list(loader.epoch(epoch)), list(reference.epoch(epoch))
+        assert all(np.array_equal(x, xr) and np.array_equal(y, yr)
+                   for (x, y), (xr, yr) in zip(got, want)) and len(got) == len(want) == 5
+        assert not prefetch_threads()
+    assert len(started) == 1
+    (worker,) = started
+    assert worker.name == "ringnet-prefetch-r0 (idle)" and worker.is_alive()
+    worker.join(5)
+    assert not worker.is_alive()                    # ended after IDLE_S without a job
+    assert len(list(loader.epoch(0))) == 5          # the next epoch starts a new one
+    assert len(started) == 2 and started[1] is not worker
