@@ -736,7 +736,7 @@ COMMANDS = {
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation.json --table validation --markdown": doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
-    "docs/bench-model-validation-quiet.json --table validation --markdown": doc_table,
+    "docs/bench-model-validation-quiet.json --table validation --markdown": history_table,
     "python -m ringnet.bench scaling --np 1 2 --modes ring --model lenet --dataset fashion-mnist "
     "--to-accuracy 0.84 --epochs 1 --eval-every 117 --repeats 1 --markdown": doc_table,
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset synthetic --mode split-fc --steps 3 --json":
@@ -887,8 +887,8 @@ COMMANDS = {
     'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 4 --batch-size 256 '
     '--modes ring --delays 1 --model cifar10_quick --ceiling --steps 20 --repeats 2':
         "tests/bench/test_bench_scaling.py::test_the_ceiling_is_single_at_the_per_rank_batch",
-    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 2 '
-    '--validate-steps 20 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 3 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-1gbit.json': NODES,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-1gbit.json --table validation --markdown": doc_table,
@@ -898,8 +898,8 @@ COMMANDS = {
     'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --scaling weak '
     '--batch-size 64 --modes ring,tree,master,split-fc --topologies flat,hierarchical --model cifar10_quick '
     '--steps 20 --repeats 2 --csv docs/scaling-nodes-cifar10_quick-unshaped.csv --markdown': doc_table,
-    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 1 '
-    '--validate-steps 20 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 2 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-unshaped.json': NODES,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-unshaped.json --table validation --markdown": doc_table,
