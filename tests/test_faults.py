@@ -112,7 +112,6 @@ def test_a_stall_is_reported_once_by_the_lowest_rank_that_arrived(tmp_path):
     """Rank 2 never arrives; rank 1 notices 3 s before rank 0. The one error line comes
     from rank 0 (every live rank agrees it speaks) and names rank 2; rank 1 stays quiet
     while waiting for rank 0's abort. (With a stagger by rank, rank 1 spoke first.)"""
-    import os
     import subprocess
     import sys
     import time
