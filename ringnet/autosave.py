@@ -9,11 +9,12 @@ uninterrupted run takes from that checkpoint.
 
 One save: every rank takes part in collecting the state (``strategy.full_state()``
 drains the exchange in flight, and split-fc gathers the FC slices), then rank 0 writes
-the file on a background thread while every rank trains on. Whether the write worked is
-agreed by all ranks at the next save (or at the end of the run), except for the first
-periodic save, which is agreed at once: a checkpoint that cannot be written stops the
-run there with exit 2, not after the whole run. ``python -m ringnet.bench elastic``
-measures this against rank 0 writing while the others wait.
+the file on a background thread (the same one for every save) while every rank trains on.
+Whether the write worked is agreed by all ranks at the next save (or at the end of the
+run), except for the first periodic save, which is agreed at once: a checkpoint that
+cannot be written stops the run there with exit 2, not after the whole run.
+``python -m ringnet.bench elastic`` measures this against rank 0 writing while the others
+wait.
 
 When ``RINGNET_HEARTBEAT`` names a file, rank 0 writes the number of steps finished to
 it after every step (one ``pwrite``); the launcher uses it to say how many steps a
@@ -21,9 +22,9 @@ failure cost, to recognise a failure that recurs at the same step, and to notice
 stalled job.
 """
 import os
-import threading
 
 from ringnet.control import collective
+from ringnet.workers import Worker
 
 __all__ = ["PeriodicSaver", "Heartbeat", "read_heartbeat", "HEARTBEAT_ENV"]
 
@@ -87,7 +88,11 @@ class PeriodicSaver:
         self.background = background
         self.heartbeat = Heartbeat(self.rank)
         self.saves = 0          # periodic saves started
-        self._thread = None
+        self._done = None       # the write in flight (rank 0): set when it ended
+        # one thread for every write (a thread per save costs native memory under MPI,
+        # ringnet.workers); a write in flight at the interpreter's exit is finished
+        self._writer = (Worker("ringnet-checkpoint", finish_at_exit=True) if self.rank == 0
+                        else None)
         self._guard = None
         self._error = None
 
@@ -112,9 +117,7 @@ class PeriodicSaver:
             else:
                 from ringnet.checkpoint import temporaries_guard
                 self._guard = temporaries_guard().__enter__()   # a signal removes its temporary
-                self._thread = threading.Thread(target=self._run_write, args=(state, step),
-                                                name="ringnet-checkpoint", daemon=False)
-                self._thread.start()
+                self._done = self._writer.submit(lambda: self._run_write(state, step))
         if wait:
             self.wait()
 
@@ -138,9 +141,9 @@ class PeriodicSaver:
         self.heartbeat.close()
 
     def _join(self):
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._done is not None:
+            self._writer.wait(self._done)
+            self._done = None
         if self._guard is not None:
             self._guard.__exit__(None, None, None)
             self._guard = None

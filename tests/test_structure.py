@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ringnet"
 LAYERS = [
     ("foundation", ["ringnet", "ringnet.errors", "ringnet.blas", "ringnet.backend",
                     "ringnet.stats", "ringnet.progress", "ringnet.shutdown", "ringnet.placement",
-                    "ringnet.shards", "ringnet.tables"]),
+                    "ringnet.shards", "ringnet.tables", "ringnet.workers"]),
     ("control plane", ["ringnet.control", "ringnet.cli", "ringnet.trace"]),
     ("compute", ["ringnet.layers", "ringnet.models", "ringnet.optim", "ringnet.graphs"]),
     ("communication", ["ringnet.comm"]),

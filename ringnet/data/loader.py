@@ -8,6 +8,7 @@ import numpy as np
 from ringnet.backend import cupy, resolve_dtype
 from ringnet.errors import InputError
 from ringnet.shards import shard_bounds
+from ringnet.workers import Worker
 
 __all__ = ["ShardedLoader", "iterate_eval", "normalize", "augment_params",
            "augment_batch", "PAD"]
@@ -110,54 +111,6 @@ class _Failure:
         self.exc = exc
 
 
-class _Worker:
-    """One long-lived thread that runs a loader's prefetch jobs, epoch after epoch.
-
-    A thread started per epoch costs native memory in an MPI process that MPI does not give
-    back: with MPICH initialised (MPI_THREAD_MULTIPLE) every thread that ever ran keeps about
-    290 bytes, so LeNet on synthetic data (an epoch every 16 steps, a new thread each) grew by
-    about 1 KB/s a rank. The thread names itself ``NAME (idle)`` between jobs and ends after
-    ``IDLE_S`` seconds without one (a loader no longer used leaves no thread behind); the
-    next job starts a new one.
-    """
-
-    IDLE_S = 30.0
-
-    def __init__(self, name):
-        self.name = name
-        self._jobs = queue.Queue()
-        self._lock = threading.Lock()
-        self._thread = None
-
-    def submit(self, job):
-        """Run ``job()`` on the worker; return an Event set once it returned (or raised)."""
-        done = threading.Event()
-        with self._lock:
-            self._jobs.put((job, done))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
-        return done
-
-    def _loop(self):
-        me = threading.current_thread()
-        while True:
-            try:
-                job, done = self._jobs.get(timeout=self.IDLE_S)
-            except queue.Empty:
-                with self._lock:        # no job came: end, unless one is being submitted
-                    if self._jobs.empty():
-                        self._thread = None
-                        return
-                continue
-            me.name = self.name
-            try:
-                job()
-            finally:
-                me.name = f"{self.name} (idle)"
-                done.set()
-
-
 class _PinnedSlot:
     """A page-locked host buffer for one local batch and the event of its last copy."""
 
@@ -206,7 +159,7 @@ class ShardedLoader:
         self.xp = xp
         self.dtype = resolve_dtype(dtype)
         self.prefetch = prefetch
-        self._worker = _Worker(f"ringnet-prefetch-r{rank}")    # one thread for every epoch
+        self._worker = Worker(f"ringnet-prefetch-r{rank}")     # one thread for every epoch
         self.drop_last = drop_last
         self.augment = augment
         self.n = n
@@ -315,7 +268,7 @@ class ShardedLoader:
                         item = items.get(timeout=_POLL_S)
                         break
                     except queue.Empty:
-                        if done.is_set() and items.empty():
+                        if (done.is_set() or not self._worker.alive()) and items.empty():
                             raise RuntimeError("prefetch thread ended without a batch")
                 self.wait_s += time.perf_counter() - t0
                 if isinstance(item, _Failure):
@@ -323,7 +276,8 @@ class ShardedLoader:
                 yield item
         finally:
             stop.set()
-            while not done.is_set():
+            # (a thread gone with the job unfinished: the interpreter's exit stopped it)
+            while not done.is_set() and self._worker.alive():
                 try:  # unblock a producer waiting on a full queue
                     while True:
                         items.get_nowait()

@@ -1,5 +1,7 @@
 """Data sets and sharded loading, checked against sklearn, NumPy references and N=1 runs."""
 import re
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -498,15 +500,15 @@ def test_synthetic_needs_model_shape():
 def test_every_epoch_runs_on_the_same_thread_which_ends_when_idle(monkeypatch):
     """One prefetch thread for all of a loader's epochs (a thread per epoch costs ~290 bytes
     of native memory each in an MPI process), idle between them, gone once idle for long."""
-    import ringnet.data.loader as loader_module
     started = []
 
     class Counted(threading.Thread):
         def start(self):
             started.append(self)
             super().start()
-    monkeypatch.setattr(loader_module.threading, "Thread", Counted)
-    monkeypatch.setattr(loader_module._Worker, "IDLE_S", 0.3)
+    monkeypatch.setattr(threading, "Thread", Counted)
+    import ringnet.workers
+    monkeypatch.setattr(ringnet.workers.Worker, "IDLE_S", 0.3)
     loader = ShardedLoader(small_split(n=40), 8, prefetch=2, rank=0)
     reference = ShardedLoader(small_split(n=40), 8, prefetch=0, rank=0)
     for epoch in range(30):
@@ -521,3 +523,26 @@ def test_every_epoch_runs_on_the_same_thread_which_ends_when_idle(monkeypatch):
     assert not worker.is_alive()                    # ended after IDLE_S without a job
     assert len(list(loader.epoch(0))) == 5          # the next epoch starts a new one
     assert len(started) == 2 and started[1] is not worker
+
+
+EXIT_SCRIPT = """
+import sys
+import numpy as np
+from ringnet.data import ShardedLoader, Split
+rng = np.random.default_rng(0)
+split = Split(rng.integers(0, 256, (200, 3, 5, 4), dtype=np.uint8), rng.integers(0, 7, 200))
+batches = ShardedLoader(split, 4, prefetch=2).epoch(0)
+next(batches)
+cycle = {"epoch": batches}
+cycle["self"] = cycle   # the epoch still open, freed only by the exit's last collection
+del batches
+sys.exit(3)
+"""
+
+
+def test_an_epoch_left_open_at_exit_does_not_hold_the_exit():
+    """An error ends the run with an epoch's prefetch running: the interpreter's exit closes
+    the generator after its daemon thread is gone, and must not wait for that thread."""
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], timeout=60, capture_output=True,
+                          text=True)
+    assert proc.returncode == 3, proc.stderr
