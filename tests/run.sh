@@ -53,11 +53,7 @@ stage() {   # stage NAME RANKS COMMAND...
   summaries+=("$line")
 }
 
-# The Ctrl-C tests in a pytest process of their own: after the whole serial suite in one
-# process their child runs ignored SIGINT and timed out (not so after any one directory of
-# the suite, nor alone; the cause is not found).
-stage "serial" 1 python -m pytest -q --with-mpi tests --ignore=tests/test_interrupt.py "$@"
-stage "serial: Ctrl-C" 1 python -m pytest -q --with-mpi tests/test_interrupt.py "$@"
+stage "serial" 1 python -m pytest -q --with-mpi tests "$@"
 for n in 2 3 4; do
   stage "mpirun -np $n" "$n" python -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests "$@"
 done

@@ -43,6 +43,13 @@ def _env(tmp_path, **extra):
     return env
 
 
+def as_from_a_terminal():
+    """A child's Ctrl-C as a terminal gives it: SIGINT (and SIGQUIT) at their default
+    action, even where this suite runs in a background job, which ignores both."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def interrupt(cmd, tmp_path, group=True, **env):
     """Start ``cmd`` in ``tmp_path/run``, send SIGINT to its process group (``group``)
     once it printed its first progress line; return (exit code, stdout lines, stderr
@@ -50,7 +57,8 @@ def interrupt(cmd, tmp_path, group=True, **env):
     out_path = tmp_path / "stdout"
     with open(out_path, "w") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path / "run", stdout=out, stderr=subprocess.PIPE,
-                                text=True, env=_env(tmp_path, **env), start_new_session=True)
+                                text=True, env=_env(tmp_path, **env), start_new_session=True,
+                                preexec_fn=as_from_a_terminal)
         try:
             err = []
             for line in proc.stderr:
@@ -162,7 +170,7 @@ def test_ctrl_c_while_a_rank_holds_unread_messages(tmp_path):
         proc = subprocess.Popen(["mpirun", "-np", "4", sys.executable, "-m", "ringnet.train",
                                  *LONG], cwd=tmp_path / "run", stdout=out,
                                 stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=as_from_a_terminal)
         try:
             ranks = _wait_for(lambda: _train_processes(proc.pid, 4), "the 4 ranks")
 
