@@ -64,13 +64,12 @@ class System:
         # calibration measured, scaled to this N by the closed form); each message likewise
         # (on a cluster: the cores of every node the ranks span, cores_total)
         cores_here = c.get("cores_total") or c.get("raw", {}).get("cores") or usable_cores()
-        here = min(n, self.ranks_per_node)
-        wait = scheduling_wait(here, cores_here, c.get("slice_s", 0.0))
-        per_msg = scheduling_wait(here, cores_here, c.get("msg_slice_s", 0.0))
+        wait = scheduling_wait(n, cores_here, c.get("slice_s", 0.0))
+        per_msg = scheduling_wait(n, cores_here, c.get("msg_slice_s", 0.0))
         return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
                                    cores=c.get("cores") or usable_cores(), steal=c["steal"],
                                    model_cores=c.get("model_cores") or None, wait_s=wait,
-                                   imbalance=(c.get("imbalance") or None) if here <= cores_here
+                                   imbalance=(c.get("imbalance") or None) if n <= cores_here
                                    else None,
                                    msg_wait_s=per_msg)
 

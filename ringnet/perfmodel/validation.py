@@ -1,6 +1,5 @@
 """Validation: the model's prediction beside ``ringnet.train`` measured on this machine."""
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -84,9 +83,8 @@ def _validation_rows(record):
     table = {}
     for rnd in record["rounds"]:
         compute = compute_from_json(rnd["compute"])
+        # (placed on a cluster: make_system takes the placement from the calibration)
         system = make_system("local", compute, 1, rnd["calibration"])
-        if record.get("ranks_per_node"):        # on a cluster: the streams progress as there
-            system = dataclasses.replace(system, placed_per_node=record["ranks_per_node"])
         for m in rnd["measured"]:
             key = (m["model"], m["mode"], m["delay"], m["np"])
             pred = predict(system, build_model(m["model"]), m["mode"], m["delay"], m["np"], batch)
