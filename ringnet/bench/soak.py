@@ -22,6 +22,7 @@ import tempfile
 import time
 
 from ringnet.bench import machine, options
+from ringnet.jobs import failure_reason
 from ringnet.errors import UsageError
 from ringnet.cli import ArgumentParser
 
@@ -161,9 +162,8 @@ def main(argv=None):
             print(file=sys.stderr)
         err = proc.stderr.read()
         if proc.returncode != 0:
-            tail = next((l for l in err.splitlines() if l.startswith("ringnet: error:")),
-                        (err.strip().splitlines() or ["(no output)"])[-1])
-            raise UsageError(f"the soak run failed (exit {proc.returncode}): {tail}")
+            raise UsageError(f"the soak run failed (exit {proc.returncode}): "
+                             f"{failure_reason(err)}")
         out.seek(0)
         summary = json.loads([l for l in out.read().splitlines() if l.startswith("{")][-1])
         out.close()
