@@ -243,14 +243,17 @@ def _signal(case, proc, log, again=False):
     return ["the run ended before its 'stopped by' line: the second signal was not sent"]
 
 
-def _second_job(case, cmd, env, run_dir):
-    """Start ``cmd`` again beside the running job (same --save); return its problems: it
-    must end at once with exit 2 and one error line matching ``case.message``."""
+def _second_job(case, proc, run_dir, files, cmd, env):
+    """Start ``cmd`` again beside the running job (same --save), then stop the first with
+    SIGTERM; return the second's problems: it must end at once with exit 2 and one error
+    line matching ``case.message``."""
     try:
         second = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                                 env=dict(env, RINGNET_HEARTBEAT=os.path.join(run_dir, "heartbeat2")))
     except subprocess.TimeoutExpired:
         return ["the second job still ran after 120 s"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
     out = second.stdout + second.stderr
     errors = [line for line in out.splitlines() if "ringnet: error:" in line]
     problems = []
@@ -261,19 +264,23 @@ def _second_job(case, cmd, env, run_dir):
     return problems
 
 
-def _replace_data(case, proc, run_dir, files):
+def _replace_data(case, proc, run_dir, files, cmd, env):
     """Replace the run's data file by another one (other labels) at the same path."""
     live = os.path.join(run_dir, "live.h5")
     fresh = live + ".new"
     shutil.copyfile(os.path.join(files, "scrambled.h5"), fresh)
     os.replace(fresh, live)
+    return []
 
 
-def _kill_launcher(case, proc, run_dir, files):
+def _kill_launcher(case, proc, run_dir, files, cmd, env):
     proc.kill()
+    return []
 
 
-TRIGGERS = {"replace-data": _replace_data, "kill-launcher": _kill_launcher}
+# what the harness does once step 2 is reached; each returns its problems
+TRIGGERS = {"replace-data": _replace_data, "kill-launcher": _kill_launcher,
+            "second-job": _second_job}
 
 
 def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun="mpirun"):
@@ -313,11 +320,8 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
         elif case.trigger:
             if not _when_step(env["RINGNET_HEARTBEAT"], 2, proc, bound, log):
                 problems.append("the run never reached step 2")
-            elif case.trigger == "second-job":
-                problems += _second_job(case, cmd, env, run_dir)
-                proc.send_signal(signal.SIGTERM)
             else:
-                TRIGGERS[case.trigger](case, proc, run_dir, files)
+                problems += TRIGGERS[case.trigger](case, proc, run_dir, files, cmd, env)
         try:
             code = proc.wait(timeout=bound + 60)
         except subprocess.TimeoutExpired:
