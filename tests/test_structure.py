@@ -6,6 +6,7 @@ the layers under it, never from one above: a transport that imported the trainin
 or an error type that imported a transport, would tie the lower layer to the upper one.
 """
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ MAX_LINES = 600
 # kernels' NumPy emulations only when it is handed NumPy arrays (the tests; the layers
 # launch kernels only on CuPy arrays).
 ALLOWED_UP = {("ringnet.comm.nccl_transport", "ringnet.testing.nccl_standin"),
-              ("ringnet.layers.cuda_kernels", "ringnet.testing.cuda_emulation")}
+              ("ringnet.layers.cuda_registry", "ringnet.testing.cuda_emulation")}
 
 
 def _module(path):
@@ -154,3 +155,23 @@ def test_the_communication_modules_import_in_no_circle():
     """A communicator is handed its transport: nothing in ringnet.comm imports the factory
     that imports the communicators."""
     assert _cycles("ringnet.comm") == []
+
+
+def test_no_modules_import_in_a_circle():
+    """Nowhere in the package: the kernels' registry below the kernels, a System by name
+    above the calibration, the stand-in's buffers' devices in its devices module."""
+    assert _cycles("ringnet") == []
+
+
+def test_the_circle_check_finds_a_circle(monkeypatch):
+    """The check itself: a lazy import back from the registry to the kernels is a circle."""
+    real = _imports
+    registry = PACKAGE / "layers" / "cuda_registry.py"
+
+    def imports(path, loading=False):
+        found = real(path, loading)
+        return found + ([(0, "ringnet.layers.cuda_kernels")]
+                        if path == registry and not loading else [])
+    monkeypatch.setattr(sys.modules[__name__], "_imports", imports)
+    assert ["ringnet.layers.cuda_kernels", "ringnet.layers.cuda_registry",
+            "ringnet.layers.cuda_kernels"] in _cycles("ringnet.layers")

@@ -1,5 +1,5 @@
 """Fused CUDA kernels of the GPU path: max/average pooling, im2col and col2im here; dropout
-masks, ReLU and softmax cross-entropy in :mod:`ringnet.layers._cuda_pointwise`.
+masks, ReLU and softmax cross-entropy in :mod:`ringnet.layers.cuda_pointwise`.
 
 On a GPU each of these layers' generic array code is a storm of small launches (a few
 ufuncs per kernel tap); here each is one kernel, compiled once per dtype and cached.
@@ -10,7 +10,7 @@ The orders are the NumPy layers' orders (taps in row-major kernel order), so max
 argmax and dropout masks are bit-identical to the NumPy path, and the sums are too
 (``--fmad=false`` keeps ``acc + a * b`` from becoming one differently rounded FMA).
 
-Each kernel is declared once (:func:`declare_kernel`): its parameter list (which also makes
+Each kernel is declared once (:func:`ringnet.layers.cuda_registry.declare_kernel`): its parameter list (which also makes
 the CUDA signature) and its CUDA body. Its NumPy *emulation*, with the same parameters and
 the same index arithmetic for all threads at once, statement by statement (one NumPy lane
 per CUDA thread; ``continue`` becomes a lane mask), is testing code: it lives in
@@ -21,97 +21,13 @@ and runs the emulation, so the CPU tests run the wrappers and the kernels' index
 against the NumPy layers. The layers call these wrappers only on CuPy arrays; their NumPy
 paths do not use this module, and a training job never imports the emulations.
 """
-import numpy as np
-
-from ringnet.backend import cupy
+# The registry, and every kernel in it once this module is imported: the element-wise ones
+# (dropout masks, ReLU, the loss) are declared in their own module.
+from ringnet.layers import cuda_pointwise  # noqa: F401
+from ringnet.layers.cuda_registry import (KERNELS, MAX_BLOCKS, OPTIONS, THREADS,  # noqa: F401
+                                          declare_kernel, launch, source)
 
 __all__ = ["KERNELS", "declare_kernel", "source", "launch"]
-
-THREADS = 256                   # threads per block; blocks stride over larger sizes
-MAX_BLOCKS = 32768
-OPTIONS = ("--fmad=false",)
-_CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
-
-# Shared by every kernel: T is typedef'd to float or double in front of this.
-_PRELUDE = r"""
-#define FOR_EACH(idx, n) \
-  for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < (n); \
-       idx += (long long)blockDim.x * gridDim.x)
-
-__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
-  z ^= z >> 30;
-  z *= 0xBF58476D1CE4E5B9ULL;
-  z ^= z >> 27;
-  z *= 0x94D049BB133111EBULL;
-  z ^= z >> 31;
-  return z;
-}
-"""
-
-KERNELS = {}                    # name -> (params [(name, C type)], CUDA body)
-
-
-def declare_kernel(name, params, body):
-    """Declare kernel ``name``: its parameters [(name, C type)] and its CUDA body."""
-    if name in KERNELS:
-        raise ValueError(f"kernel {name} is declared already")
-    KERNELS[name] = (tuple(params), body)
-
-
-def source(name, dtype):
-    """Return the CUDA C source of kernel ``name`` for ``dtype`` (float32 or float64)."""
-    params, body = KERNELS[name]
-    decl = ", ".join(f"{ctype} {pname}" for pname, ctype in params)
-    return (f"typedef {_CTYPES[np.dtype(dtype)]} T;\n{_PRELUDE}\n"
-            f'extern "C" __global__ void {name}({decl})\n{{\n{body}}}\n')
-
-
-_compiled = {}
-
-
-def _compiled_kernel(name, dtype):
-    key = (name, np.dtype(dtype).char)
-    kernel = _compiled.get(key)
-    if kernel is None:
-        kernel = _compiled[key] = cupy.RawKernel(source(name, dtype), name, options=OPTIONS)
-    return kernel
-
-
-_SCALARS = {"int": np.int32, "long long": np.int64, "unsigned long long": np.uint64}
-_POINTERS = {"unsigned char": np.uint8, "long long": np.int64, "unsigned long long": np.uint64}
-
-
-def _check_args(name, dtype, args):
-    """Raise TypeError unless ``args`` match kernel ``name``'s C parameter types exactly."""
-    params = KERNELS[name][0]
-    if len(args) != len(params):
-        raise TypeError(f"{name}: {len(args)} arguments for {len(params)} parameters")
-    for (pname, ctype), arg in zip(params, args):
-        base = ctype.replace("const ", "").rstrip("*").strip()
-        if ctype.endswith("*"):
-            want = np.dtype(_POINTERS.get(base, dtype))
-            ok = isinstance(arg, np.ndarray) and arg.dtype == want and arg.flags.c_contiguous \
-                and (ctype.startswith("const ") or arg.flags.writeable)
-        else:
-            want = np.dtype(dtype).type if base == "T" else _SCALARS[base]
-            ok = type(arg) is want
-        if not ok:
-            raise TypeError(f"{name}: argument {pname} ({ctype}) got {type(arg).__name__} "
-                            f"{getattr(arg, 'dtype', '')}")
-
-
-def launch(xp, name, dtype, n, args):
-    """Run kernel ``name`` over ``n`` threads: on the GPU for CuPy, emulated for NumPy (the
-    emulation, testing code, is imported here and only here)."""
-    if xp is np:
-        _check_args(name, dtype, args)
-        from ringnet.testing import cuda_emulation
-        cuda_emulation.run(name, args)
-        return
-    if n > 0:
-        blocks = min(-(-n // THREADS), MAX_BLOCKS)
-        _compiled_kernel(name, dtype)((blocks,), (THREADS,), args)
-
 
 # --- kernels. Arrays are C-contiguous; batch-last (C, H, W, B) for images, so the
 # threads of a warp (consecutive b) read consecutive addresses for every tap.
@@ -295,8 +211,3 @@ declare_kernel("im2col",
     cols[idx] = v;
   }
 """)
-
-
-# The element-wise kernels (dropout masks, ReLU, the loss) register themselves from their
-# own module, so that every kernel is in KERNELS once this module is imported.
-from ringnet.layers import _cuda_pointwise  # noqa: E402,F401

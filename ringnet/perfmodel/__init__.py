@@ -81,7 +81,8 @@ from ringnet.perfmodel.sends import (buckets, messages, ring_phase_bytes,  # noq
                                        split_fc_plan, traffic)
 from ringnet.perfmodel.simulate import Timeline  # noqa: E402
 from ringnet.perfmodel.sweeps import MODES, crossovers, paper_rows, sweep  # noqa: E402
-from ringnet.perfmodel.system import System, make_system, scheduling_wait, usable_cores  # noqa: E402
+from ringnet.perfmodel.profiles import make_system  # noqa: E402
+from ringnet.perfmodel.system import System, scheduling_wait, usable_cores  # noqa: E402
 from ringnet.perfmodel.validation import diagnose, validate, validation_rows  # noqa: E402
 from ringnet.perfmodel.worker import LOADED_EXCHANGES  # noqa: E402
 

@@ -14,7 +14,7 @@ from ringnet.perfmodel.report import (MARKDOWN_TABLES, markdown_hierarchical, ma
 from ringnet.perfmodel.roofline import GPUS
 from ringnet.perfmodel.sweeps import (DEFAULT_MODELS, DEFAULT_NP, DEFAULT_PROFILES, PAPER_NP,
                                         crossovers, hierarchical_rows, paper_rows, sweep)
-from ringnet.perfmodel.system import make_system
+from ringnet.perfmodel.profiles import make_system
 from ringnet.perfmodel.text import print_report, print_validation
 from ringnet.perfmodel.validation import VALIDATION_NP, validate, validation_rows
 from ringnet.perfmodel.worker import calibrate_worker

@@ -1,7 +1,7 @@
 """Prediction rows over N for every (mode, delay), crossovers, and the research's setting."""
 from ringnet.perfmodel.prediction import predict
 from ringnet.perfmodel.profiling import compute_profile
-from ringnet.perfmodel.system import make_system
+from ringnet.perfmodel.profiles import make_system
 from ringnet.perfmodel.topology import HIERARCHICAL_MODES, between_choice, spans_nodes
 from ringnet.models import build_model
 from ringnet.parallel import MODES as REGISTRY

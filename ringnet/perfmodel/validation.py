@@ -10,7 +10,7 @@ from ringnet.perfmodel.compute import compute_from_json
 from ringnet.perfmodel.prediction import predict
 from ringnet.perfmodel.profiling import measure_compute
 from ringnet.perfmodel.sweeps import MODES, REFERENCE, mode_label, communicates, fits
-from ringnet.perfmodel.system import make_system
+from ringnet.perfmodel.profiles import make_system
 from ringnet.models import build_model
 
 __all__ = ["VALIDATION_NP", "VALIDATION_MODES", "validate", "validation_rows", "row_error",

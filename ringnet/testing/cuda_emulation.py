@@ -169,7 +169,7 @@ def _im2col(x, cols, n, C, H, W, B, Ho, Wo, kh, kw, sh, sw, ph, pw, xs_c, xs_h, 
     cols[:] = np.where(lane, v, cols.dtype.type(0))
 
 
-# --- the element-wise kernels (ringnet/layers/_cuda_pointwise.py)
+# --- the element-wise kernels (ringnet/layers/cuda_pointwise.py)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

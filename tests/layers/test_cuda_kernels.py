@@ -16,7 +16,7 @@ import pytest
 from ringnet.backend import gpu_available
 from ringnet.layers.base import memory_order
 from ringnet.layers import (AvgPool2d, Conv2d, Dropout, Flatten, MaxPool2d, ReLU, activation, conv,
-                            cuda_kernels, cuda_ops, linear, pool)
+                            cuda_kernels, cuda_ops, cuda_registry, linear, pool)
 
 POOL_CASES = [  # (B, C, H, W, kernel, stride, padding)
     (2, 3, 8, 8, 2, 2, 0),             # non-overlapping
@@ -707,9 +707,9 @@ def test_gpu_kernels_compile_once_per_dtype():
     x = cupy.asarray(_data((2, 3, 8, 8), np.float32, "normal"))
     layer = MaxPool2d(2, 2)
     layer.forward(x)
-    kernel = cuda_kernels._compiled[("maxpool_fwd", "f")]
+    kernel = cuda_registry._compiled[("maxpool_fwd", "f")]
     layer.forward(x)
     MaxPool2d(3, 2).forward(x)
-    assert cuda_kernels._compiled[("maxpool_fwd", "f")] is kernel
+    assert cuda_registry._compiled[("maxpool_fwd", "f")] is kernel
     layer.forward(x.astype(cupy.float64))
-    assert ("maxpool_fwd", "d") in cuda_kernels._compiled
+    assert ("maxpool_fwd", "d") in cuda_registry._compiled

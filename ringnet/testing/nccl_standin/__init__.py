@@ -92,8 +92,8 @@ from ringnet.testing.nccl_standin.common import (  # noqa: F401 - the constants 
 from ringnet.testing.nccl_standin.communicator import (NcclCommunicator, get_unique_id, groupEnd,
                                                      groupStart)
 from ringnet.testing.nccl_standin.devices import (Device, Event, Stream, bind, clear_violations, cuda,
-                                                device_for, get_current_stream, runtime, violations)
-from ringnet.testing.nccl_standin.memory import host_pointer
+                                                device_for, get_current_stream, host_pointer,
+                                                runtime, violations)
 
 __all__ = ["available", "HOST_MEMORY", "NcclError", "NcclRuleError", "NcclCommunicator",
            "get_unique_id", "get_version", "groupStart", "groupEnd", "cuda", "Device",

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from ringnet.testing.nccl_standin.common import (DEVICE_COUNT, NcclError, NcclRuleError, _local, _lock,
                                                _timeout)
-from ringnet.testing.nccl_standin.memory import _hide, _publish, _show
+from ringnet.testing.nccl_standin.memory import _hide, _publish, _show, made_on
 
 # -- devices ---------------------------------------------------------------------------
 _rank_device = None         # the device this process uses (the first it touched)
@@ -97,6 +97,25 @@ def _note(what, device):
     if problem is not None:
         with _lock:
             _violations.append(problem)
+
+
+class _HostPointer(int):
+    """A host address that keeps the array it points into alive (``owner``)."""
+
+
+def host_pointer(array):
+    """Return ``array``'s address for the NCCL calls, holding the array while it is tracked.
+    A buffer made on another device than the rank's (a model built before the rank bound
+    its device: on device 0) is refused, as NCCL cannot use it from the rank's GPU."""
+    ptr = _HostPointer(array.ctypes.data)
+    device = made_on(int(ptr))
+    if device is not None and _rank_device is not None and device != _rank_device:
+        raise NcclRuleError(
+            f"a buffer at {int(ptr):#x} was made on device {device}, but this rank's device is "
+            f"{_rank_device} (bind the rank's device before building the model or "
+            "its buffers)")
+    ptr.owner = array
+    return ptr
 
 
 class Device:

@@ -7,9 +7,6 @@ import numpy as np
 
 from ringnet.testing.nccl_standin.common import _NUMPY, POISON, NcclRuleError, _lock
 
-class _HostPointer(int):
-    """A host address that keeps the array it points into alive (``owner``)."""
-
 
 _made_on = []       # (first byte, end byte, device, ref to the buffer) of noted buffers
 
@@ -32,22 +29,6 @@ def made_on(ptr):
             if lo <= ptr < hi and ref() is not None:
                 return device
     return None
-
-
-def host_pointer(array):
-    """Return ``array``'s address for the NCCL calls, holding the array while it is tracked.
-    A buffer made on another device than the rank's (a model built before the rank bound
-    its device: on device 0) is refused, as NCCL cannot use it from the rank's GPU."""
-    from ringnet.testing.nccl_standin import devices
-    ptr = _HostPointer(array.ctypes.data)
-    device = made_on(int(ptr))
-    if device is not None and devices._rank_device is not None and device != devices._rank_device:
-        raise NcclRuleError(
-            f"a buffer at {int(ptr):#x} was made on device {device}, but this rank's device is "
-            f"{devices._rank_device} (bind the rank's device before building the model or "
-            "its buffers)")
-    ptr.owner = array
-    return ptr
 
 
 class _Write:

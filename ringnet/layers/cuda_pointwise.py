@@ -1,9 +1,9 @@
 """The element-wise fused CUDA kernels of the GPU path: dropout masks, ReLU (with the bias
 of the layer before, and its gradient), softmax cross-entropy (with the last layer's bias
 and its gradient). Declared as :mod:`ringnet.layers.cuda_kernels`'s kernels are (parameter
-list and CUDA body) and registered in the same ``KERNELS``; their NumPy emulations are
-testing code, in :mod:`ringnet.testing.cuda_emulation`."""
-from ringnet.layers.cuda_kernels import declare_kernel
+list and CUDA body) in the same registry (:mod:`ringnet.layers.cuda_registry`); their NumPy
+emulations are testing code, in :mod:`ringnet.testing.cuda_emulation`."""
+from ringnet.layers.cuda_registry import declare_kernel
 
 
 declare_kernel("dropout_mask",
