@@ -13,7 +13,11 @@ from ringnet.parallel import MODES, distributed_modes, hierarchical_modes
 from ringnet.parallel.delayed_update import COMPENSATIONS, WARMUP_SPANS, lookahead_warmup
 
 __all__ = ["TrainConfig", "MODES", "MODEL_DEFAULTS", "DEFAULTS", "build_parser", "config_from_args",
-           "default_batch_size", "synopsis", "TRANSPORT_ADVICE", "transport_usage_error"]
+           "default_batch_size", "synopsis", "TRANSPORT_ADVICE", "transport_usage_error",
+           "TRANSPORTS", "DEVICES"]
+
+TRANSPORTS = ("auto", "mpi", "nccl")        # --transport
+DEVICES = ("auto", "cpu", "gpu")            # --device
 
 # Per-model defaults (learning rate, epochs, data set) for runs that do not set them.
 MODEL_DEFAULTS = {
@@ -328,7 +332,7 @@ def build_parser():
                         f"compensated recurrence continues from their momentum; 0 starts delayed "
                         f"(default ceil({WARMUP_SPANS:g} / (1 - M)): "
                         f"{lookahead_warmup(0.9)} at M 0.9; a --resume keeps the checkpoint's)")
-    g.add_argument("--transport", choices=("auto", "mpi", "nccl"), default="auto",
+    g.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how bytes move (default auto: nccl when every rank has its own GPU, "
                         "else mpi)")
     g.add_argument("--topology", choices=("auto", "flat", "hierarchical"), default="auto",
@@ -342,7 +346,7 @@ def build_parser():
                         "message and megabytes per second each way (default 40,1250: 10 Gbit/s "
                         "Ethernet); `python -m ringnet.bench model --calibrate` run across the "
                         "nodes prints the pair it measured")
-    g.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+    g.add_argument("--device", choices=DEVICES, default="auto",
                    help="where layers run (default auto: gpu with CuPy when available, else cpu "
                         "with NumPy)")
     g.add_argument("--cuda-graphs", choices=graphs.CHOICES, default="auto",

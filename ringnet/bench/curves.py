@@ -78,8 +78,8 @@ def build_parser():
     options.add_lr(p, None, shown="the model's")
     options.add_seed(p, 0)
     options.add_data_dir(p)
-    options.add_transport(p, choices=None)     # any value, on to train (which checks it)
-    options.add_device(p, choices=None)
+    options.add_transport(p)
+    options.add_device(p)
     options.add_mpirun(p)
     options.add_timeout(p, 7200)
     p.add_argument("--csv", default=None,

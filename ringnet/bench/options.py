@@ -15,6 +15,7 @@ these names keep the same type and default.
 import os
 
 from ringnet import cluster
+from ringnet.config import DEVICES, TRANSPORTS
 from ringnet.errors import UsageError
 
 __all__ = ["TRANSPORTS", "DEVICES", "DTYPES", "add_json", "add_markdown", "add_mpirun",
@@ -23,8 +24,6 @@ __all__ = ["TRANSPORTS", "DEVICES", "DTYPES", "add_json", "add_markdown", "add_m
            "add_eval_every", "add_lr", "add_seed", "add_timeout", "add_transport", "add_device",
            "add_dtype", "add_plot"]
 
-TRANSPORTS = ("auto", "mpi", "nccl")        # train's --transport
-DEVICES = ("auto", "cpu", "gpu")            # train's --device
 DTYPES = ("float32", "float64")             # the types a model computes in
 
 
@@ -163,15 +162,15 @@ def add_seed(p, default, what="training seed", shown=None):
     return p.add_argument("--seed", type=int, default=default, help=_help(what, default, shown))
 
 
-def add_transport(p, what="train's --transport", choices=TRANSPORTS):
-    """``--transport`` (default auto); ``choices=None`` passes any value on to train."""
-    return p.add_argument("--transport", default="auto", choices=choices,
+def add_transport(p, what="train's --transport"):
+    """``--transport`` (default auto), train's choices."""
+    return p.add_argument("--transport", default="auto", choices=TRANSPORTS,
                           help=_help(what, "auto"))
 
 
-def add_device(p, what="train's --device", choices=DEVICES):
-    """``--device`` (default cpu); ``choices=None`` passes any value on to train."""
-    return p.add_argument("--device", default="cpu", choices=choices, help=_help(what, "cpu"))
+def add_device(p, what="train's --device"):
+    """``--device`` (default cpu), train's choices."""
+    return p.add_argument("--device", default="cpu", choices=DEVICES, help=_help(what, "cpu"))
 
 
 def add_dtype(p, default="float32", what="type of weights and activations", choices=DTYPES,

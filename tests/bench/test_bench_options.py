@@ -115,3 +115,25 @@ def test_nodes_beyond_the_launcher_s_reach_are_named_in_one_wording(monkeypatch)
     for main, argv in ((scaling.main, ["--nodes", "1", "2"]), (overlap.main, ["--nodes", "2"])):
         with pytest.raises(UsageError, match=r"^--nodes 2x1: 'mpirun' reaches 1 node$"):
             main(["--launcher", "mpirun", *argv])
+
+
+@pytest.mark.parametrize("flag", ["--transport", "--device"])
+def test_every_command_takes_train_s_choices_and_refuses_others_before_running(flag, capsys):
+    """A benchmark that hands --transport or --device on to train takes exactly train's
+    choices, so a typo ends at parsing (exit 2), not in the first training run."""
+    from ringnet.config import build_parser
+    train = set(_option(build_parser(), flag).choices)
+    for name, parser in _parsers().items():
+        a = _option(parser, flag)
+        if a is None:
+            continue
+        assert set(a.choices) == train, (name, a.choices)
+        try:                    # a parser exits 2, or raises the UsageError main exits 2 on
+            parser.parse_args([flag, "tpu"])
+            raise AssertionError(f"{name} took {flag} tpu")
+        except SystemExit as stop:
+            assert stop.code == 2
+            error = capsys.readouterr().err
+        except UsageError as e:
+            error = str(e)
+        assert f"argument {flag}: invalid choice: 'tpu'" in error, (name, error)
