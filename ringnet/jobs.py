@@ -19,18 +19,28 @@ from ringnet.parallel import MODES
 
 __all__ = ["run_json", "failure_reason", "train_run", "recipe_flags", "job_env", "job_launch"]
 
+# what ringnet.start_watch's line starts with (a rank's MPI start-up that never ended)
+START_STALLED = "ringnet: error: MPI start-up (MPI_Init) did not finish"
+
 
 def run_json(cmd, what, env=None, timeout=None):
     """Run ``cmd`` and return the last JSON object it printed on stdout.
 
     A timeout or a failed run raises one-line UsageErrors naming ``what``; ringnet's own
-    error line (a NaN loss, bad input) is preferred to MPI's abort line as the reason.
+    error line (a NaN loss, bad input) is preferred to MPI's abort line as the reason. A
+    run whose MPI start-up never ended (:mod:`ringnet.start_watch`: the launcher's process
+    manager stopped answering, before any of the run's work) is run once more.
     """
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise UsageError(f"{what} ({' '.join(map(str, cmd))}) did not finish within "
-                         f"{timeout:.0f} s") from None
+    for attempt in (1, 2):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise UsageError(f"{what} ({' '.join(map(str, cmd))}) did not finish within "
+                             f"{timeout:.0f} s") from None
+        if attempt == 1 and proc.returncode != 0 and START_STALLED in proc.stderr:
+            print(f"{what}: MPI start-up stalled, starting it again", file=sys.stderr)
+            continue
+        break
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         kept = tempfile.NamedTemporaryFile("w", prefix="ringnet-failed-run-", suffix=".log",

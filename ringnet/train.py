@@ -5,6 +5,8 @@
 if __name__ == "__main__":     # the program, not a library import: note stop signals from the
     from ringnet.early_signals import hold          # first line, pin BLAS threads before NumPy loads
     hold()
+    from ringnet import start_watch                 # MPI's start-up bounded (its imports below)
+    start_watch.watch()
     from ringnet.allocator import configure_allocator
     from ringnet.blas import configure_blas_threads
     configure_blas_threads()
@@ -579,4 +581,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    start_watch.up()            # MPI is up: the imports above started it
     run_main(main)

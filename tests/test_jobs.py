@@ -43,3 +43,36 @@ def test_a_run_that_succeeds_returns_its_last_json_and_leaves_no_file(tmp_path, 
     code = "print('{\"a\": 1}'); print('text'); print('{\"a\": 2}')"
     assert jobs.run_json([sys.executable, "-c", code], "a job") == {"a": 2}
     assert os.listdir(tmp_path) == []
+
+
+STALLS = """
+import os, signal, sys
+count = os.path.join(sys.argv[1], "count")
+n = int(open(count).read()) if os.path.exists(count) else 0
+open(count, "w").write(str(n + 1))
+if n < int(sys.argv[2]):
+    from ringnet import start_watch
+    sys.stderr.write(start_watch.MESSAGE.format(seconds=3))
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+print('{"run": %d}' % (n + 1))
+"""
+
+
+def test_a_run_whose_mpi_start_up_stalled_is_run_once_more(tmp_path, capsys):
+    from ringnet import start_watch
+
+    from ringnet.jobs import START_STALLED, run_json
+    assert start_watch.MESSAGE.startswith(START_STALLED)
+    script = tmp_path / "stalls.py"
+    script.write_text(STALLS)
+    first = tmp_path / "once"
+    first.mkdir()
+    assert run_json([sys.executable, str(script), str(first), "1"], "ring at N=2") == {"run": 2}
+    assert "ring at N=2: MPI start-up stalled, starting it again" in capsys.readouterr().err
+    twice = tmp_path / "twice"
+    twice.mkdir()
+    with pytest.raises(UsageError, match=r"ring at N=2 failed \(exit -9\): ringnet: error: MPI "
+                                         r"start-up \(MPI_Init\) did not finish within 3 s"):
+        run_json([sys.executable, str(script), str(twice), "2"], "ring at N=2")
+    assert (twice / "count").read_text() == "2"         # once more, not again and again

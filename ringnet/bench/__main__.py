@@ -9,6 +9,9 @@ from ringnet.errors import UsageError
 if __name__ == "__main__":     # the program: pin BLAS threads before a benchmark loads NumPy
     configure_blas_threads()
     configure_allocator()
+    from ringnet import start_watch
+    if start_watch.launcher_rank() is not None:     # a rank of a launcher's job (bench comm,
+        start_watch.watch()                         # the model's calibration): MPI's start bounded
 
 COMMANDS = {
     "layers": ("ringnet.bench.layers", "per-layer and full-step times, optionally against PyTorch CPU"),
@@ -51,6 +54,8 @@ def main(argv=None):
     from ringnet.blas import check_blas_threads
     check_blas_threads()        # docs/environment.md: a bad value is one line and exit 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
+    from ringnet import start_watch
+    start_watch.up()            # the ranks' benchmarks start MPI as they load
     if hasattr(module, "check_ranks"):      # a benchmark between ranks, started on one
         module.check_ranks(argv[1:])
     if argv[0] != "model":      # every other benchmark prints its machine lines itself
