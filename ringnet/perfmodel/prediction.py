@@ -1,6 +1,7 @@
 """One step of a mode at N ranks, predicted: its compute laid out layer by layer, what the
 library says the step sends (``ringnet.parallel.step_traffic``), timed by each route's rule."""
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -29,11 +30,17 @@ class Prediction:
     bytes_max: int
 
 
+def _hierarchical_on(layout, system, n, part, update_s, after_idle=False):
+    """:func:`hierarchical_items` on the nodes of ``layout`` (``system``: the flat one)."""
+    return hierarchical_items(layout, n, part, update_s, after_idle)
+
+
 def predict(system, model, mode, delay, n, batch, topology="flat"):
     """Predict one step of ``mode`` at N ranks; ``batch`` is the global batch (B/N per rank).
 
-    ``topology`` "hierarchical": the exchange through one leader per node
-    (:mod:`~ringnet.perfmodel.topology`) where the ranks span nodes; flat elsewhere."""
+    ``topology`` "hierarchical": the hierarchical exchange (:mod:`~ringnet.perfmodel.topology`:
+    channels where every node is full, else one leader per node) where the ranks span nodes
+    (placed as :meth:`System.layout` says); flat elsewhere."""
     if mode not in REGISTRY:
         raise ValueError(f"unknown mode {mode!r}")
     if REGISTRY[mode].communicator is None:       # one process
@@ -95,8 +102,8 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
         return cp.update(part.updated) * slow
 
     exchange_items = flat_items
-    if topology == "hierarchical" and spans_nodes(system, n):
-        exchange_items = hierarchical_items
+    if topology == "hierarchical" and spans_nodes(system.layout(), n):
+        exchange_items = functools.partial(_hierarchical_on, system.layout())
     (everything,) = whole.parts
     # A step's first collective starts on a link idle since the previous step's exchange
     # ended (the forward at delay 0; at delay 1 the gap between the exchange and the step,

@@ -2,7 +2,7 @@
 import math
 
 from ringnet.perfmodel.sweeps import MODES, mode_label
-from ringnet.perfmodel.validation import row_error
+from ringnet.perfmodel.validation import row_error, row_label
 from ringnet.errors import UsageError
 
 __all__ = ["MARKDOWN_TABLES", "PAPER_LABELS", "markdown_predictions", "markdown_paper",
@@ -65,7 +65,7 @@ def markdown_validation(rows):
     nps = sorted({r["np"] for r in rows})
     by = {}
     for r in rows:
-        by.setdefault((r["model"], mode_label(r["mode"], r["delay"])), {})[r["np"]] = r
+        by.setdefault((r["model"], row_label(r)), {})[r["np"]] = r
     out = []
     for (name, label), got in by.items():
         cells = []

@@ -42,6 +42,8 @@ class System:
     msg_wait_s: float = 0.0          # each blocking message's wait for them
     placed_per_node: int = None      # local on a cluster: the ranks per node as placed
     links_per_node: int = None       # links between nodes per node (None: one per rank)
+    node_link: Link = None           # local on a cluster: the link within one node, calibrated
+    #                                  with the ranks on one node (the hierarchical exchange's)
 
     def hop(self, a, b):
         """Return the Link between ranks a and b (ranks fill nodes in order)."""
@@ -66,11 +68,30 @@ class System:
         wait = scheduling_wait(n, cores_here, c.get("slice_s", 0.0))
         per_msg = scheduling_wait(n, cores_here, c.get("msg_slice_s", 0.0))
         return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
+                                   node_link=self._node_link(),
                                    cores=c.get("cores") or usable_cores(), steal=c["steal"],
                                    model_cores=c.get("model_cores") or None, wait_s=wait,
                                    imbalance=(c.get("imbalance") or None) if n <= cores_here
                                    else None,
                                    msg_wait_s=per_msg)
+
+    def _node_link(self):
+        """Local on a cluster with several ranks a node: the link the calibration measured
+        with its ranks all on one node (the largest such N), or None."""
+        per_node = self.placed_per_node or 1
+        one_node = [k for k in self.calibrated if 1 < k <= per_node]
+        if not one_node:
+            return None
+        c = self.calibrated[max(one_node)]
+        return Link(f"local-node@{max(one_node)}", c["alpha_s"], c["beta_Bps"], "calibrated here")
+
+    def layout(self):
+        """The system the hierarchical exchange sees: local on a cluster, the ranks in blocks
+        of the placement, the link within a node the one calibrated on one node and the one
+        between nodes the calibration across them (else the system itself)."""
+        if self.node_link is None:
+            return self
+        return dataclasses.replace(self, ranks_per_node=self.placed_per_node, intra=self.node_link)
 
     def contention(self, n, model=None):
         """Return the compute slowdown of N ranks busy at once on this node: max(1, N / cores),

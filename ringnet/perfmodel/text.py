@@ -9,7 +9,7 @@ from ringnet.perfmodel.compute import profile_method
 from ringnet.perfmodel.links import LINKS
 from ringnet.perfmodel.report import markdown_validation, print_tables
 from ringnet.perfmodel.sweeps import PAPER_NP, mode_label
-from ringnet.perfmodel.validation import diagnose, row_error
+from ringnet.perfmodel.validation import diagnose, row_error, row_label
 
 __all__ = ["print_report", "print_validation"]
 
@@ -94,7 +94,7 @@ def print_validation(args, validation, record):
         each = r.get("errors") or [err]
         span = (f"{100 * min(each):+.0f}..{100 * max(each):+.0f}%" if len(each) > 1
                 else "-")
-        print(f"  {r['model']:14s} {mode_label(r['mode'], r['delay']):>11s} {r['np']:>3d} "
+        print(f"  {r['model']:14s} {row_label(r):>11s} {r['np']:>3d} "
               f"{r['predicted_ms']:12.2f} {r['measured_ms']:11.2f} {100 * err:+6.1f}% "
               f"{span:>17s} {100 * r['spread']:6.0f}%")
     within = sum(e <= 0.15 for e in errors)

@@ -14,7 +14,7 @@ from ringnet.perfmodel.profiles import make_system
 from ringnet.models import build_model
 
 __all__ = ["VALIDATION_NP", "VALIDATION_MODES", "validate", "validation_rows", "row_error",
-           "diagnose"]
+           "row_label", "diagnose"]
 
 VALIDATION_NP = (1, 2, 4)
 VALIDATION_MODES = tuple(md for md in MODES if communicates(md[0]))
@@ -29,28 +29,33 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
     each round's prediction uses that round's inputs (a shared machine's speed drifts).
     ``mpirun`` is the launcher's command line; ``per_node``: the calibration's and the
     runs' ranks placed that many to a node (``srun --mpi=pmi2`` on a cluster; None: as the
-    launcher likes)."""
+    launcher likes). Where the ranks fill more than one node of ``per_node`` ranks, each mode
+    with a hierarchical exchange runs with ``--topology flat`` and ``hierarchical``."""
     from ringnet.cluster import placed
     from ringnet.jobs import train_run
+    from ringnet.parallel import hierarchical_modes
     # bench scaling's defaults: the synthetic data set on the CPU, train's own recipe
     args = argparse.Namespace(model=None, dataset="synthetic", batch_size=batch, steps=steps,
                               transport="auto", device="cpu", mpirun=mpirun, launcher=None,
                               timeout=timeout, lr=None, seed=None, data_dir=None,
                               delay_compensation=None)
-    configs = [(m, REFERENCE, 0, 1) for m in models]
-    configs += [(m, mode, delay, n) for m in models for n in nps for mode, delay in VALIDATION_MODES
-                if fits(mode, build_model(m), n)]
+    configs = [(m, REFERENCE, 0, 1, None) for m in models]
+    configs += [(m, mode, delay, n, topology) for m in models for n in nps
+                for mode, delay in VALIDATION_MODES if fits(mode, build_model(m), n)
+                for topology in _topologies(mode, n, per_node, hierarchical_modes())]
     rounds = []
     for round_ in range(repeats):
         compute = measure_compute(models)
         calibration = calibrate(tuple(n for n in nps if n > 1), compute, mpirun, iters,
                                 models=models, batch=batch, scaling="strong", per_node=per_node)
         measured = []
-        for i, (name, mode, delay, n) in enumerate(configs):
+        for i, (name, mode, delay, n, topology) in enumerate(configs):
             args.model = name
-            result = train_run(args, mode, delay, placed(n, per_node))
+            result = train_run(args, mode, delay, placed(n, per_node),
+                               extra=("--topology", topology) if topology else ())
             steps_run = max(int(result.get("steps") or steps), 1)
             measured.append({"model": name, "mode": mode, "delay": delay, "np": n,
+                             **({"topology": topology} if topology else {}),
                              "step_ms": result["step_ms"], "nodes": result.get("nodes", 1),
                              # per step, mean over ranks: where the time went
                              **{f"{part}_ms": 1e3 * result[f"{key}_s"] / steps_run
@@ -65,6 +70,21 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
     return {"batch_size": batch, "steps": steps, "rounds": rounds, "code": code_facts(),
             "launcher": mpirun, "ranks_per_node": per_node,
             "load_average": list(os.getloadavg())}
+
+
+def _topologies(mode, n, per_node, hierarchical):
+    """The --topology values a validation runs ``mode`` at N with: flat and hierarchical
+    where N ranks fill more than one node of ``per_node`` and the mode has a hierarchical
+    exchange; (None,) (train's own choice) elsewhere."""
+    if per_node and per_node > 1 and n > per_node and mode in hierarchical:
+        return ("flat", "hierarchical")
+    return (None,)
+
+
+def row_label(row):
+    """A validation row's mode, delay and (where it was chosen) topology: "ring d1 hier"."""
+    label = mode_label(row["mode"], row["delay"])
+    return label + " hier" if row.get("topology") == "hierarchical" else label
 
 
 def validation_rows(record):
@@ -86,8 +106,9 @@ def _validation_rows(record):
         # (placed on a cluster: make_system takes the placement from the calibration)
         system = make_system("local", compute, 1, rnd["calibration"])
         for m in rnd["measured"]:
-            key = (m["model"], m["mode"], m["delay"], m["np"])
-            pred = predict(system, build_model(m["model"]), m["mode"], m["delay"], m["np"], batch)
+            key = (m["model"], m["mode"], m["delay"], m["np"], m.get("topology"))
+            pred = predict(system, build_model(m["model"]), m["mode"], m["delay"], m["np"], batch,
+                           topology=m.get("topology") or "flat")
             entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": []})
             entry["predicted"].append(pred.step_s * 1e3)
             entry["measured"].append(m["step_ms"])
@@ -106,6 +127,7 @@ def _validation_rows(record):
         # paired: each round's prediction against that round's measurement, then the median
         errors = [(p - m) / m for p, m in zip(v["predicted"], v["measured"])]
         rows.append({"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
+                     **({"topology": k[4]} if k[4] else {}),
                      "predicted_ms": statistics.median(v["predicted"]),
                      "measured_ms": statistics.median(v["measured"]),
                      "error": statistics.median(errors), "errors": errors,
@@ -143,4 +165,4 @@ def diagnose(row, rows):
         floor = (max(ones) - min(ones)) / statistics.median(ones)
         words.append(f"same-work N=1 rows of {row['model']} differ by {100 * floor:.0f}%")
     words.append(f"rounds of this row differ by {100 * row['spread']:.0f}%")
-    return f"{mode_label(row['mode'], row['delay'])} N={row['np']} {100 * err:+.0f}%: " + "; ".join(words)
+    return f"{row_label(row)} N={row['np']} {100 * err:+.0f}%: " + "; ".join(words)

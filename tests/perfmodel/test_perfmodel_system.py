@@ -1,9 +1,12 @@
 """A system's cores (ringnet.perfmodel.system): compute slows down past the cores, and the wait
 for a descheduled peer matches a simulation of ranks taking turns on their cores."""
+import dataclasses
+
 import numpy as np
 import pytest
 
 from ringnet import perfmodel as pm
+from ringnet.perfmodel import sends, topology
 from ringnet.models import build_model
 
 from tests.perfmodel.helpers import round_system, waits_raw
@@ -85,3 +88,38 @@ def test_a_calibration_on_a_cluster_places_the_ranks_as_it_did():
     alone = pm.predict(cluster, lenet, "single", 0, 1, 16).compute_s
     assert pm.predict(cluster, lenet, "tree", 0, 4, 64).compute_s == pytest.approx(alone, rel=0.02)
     assert pm.predict(one_node, lenet, "tree", 0, 4, 64).compute_s > 3.5 * alone
+
+
+def test_two_ranks_a_node_price_the_hierarchical_exchange_on_the_node_s_link_and_the_network():
+    """Calibrated with two ranks a node (N = 2 on one node, N = 4 on two): at N = 4 the
+    hierarchical exchange runs within each node on the link calibrated at N = 2 and between
+    the nodes on the one calibrated at N = 4, as a profile of those two links with two ranks
+    a node would; the flat exchange keeps the N = 4 link alone. One rank a node has no link
+    within a node, and its hierarchical prediction is the flat one."""
+    compute = pm.roofline_compute("k40", ("lenet",))
+    lenet = build_model("lenet")
+    calibration = _calibration(per_node=2)
+    calibration["by_np"]["2"]["raw"]["blocking"] = {"4096": 0.0004, "1048576": 0.0010}
+    system = pm.make_system("local", compute, 1, calibration)
+    node, across = system.at(2).intra, system.at(4).inter
+    assert node.beta_Bps > 5 * across.beta_Bps          # the node's link is the faster one
+    at4 = system.at(4)
+    assert (at4.node_link.alpha_s, at4.node_link.beta_Bps) == (node.alpha_s, node.beta_Bps)
+    layout = at4.layout()
+    assert layout.ranks_per_node == 2 and layout.intra is at4.node_link
+    assert layout.inter is at4.inter
+    # the exchange priced is the channels' on those two links, two ranks a node (the
+    # contention stays the calibration's: four ranks on the two nodes' cores)
+    by_hand = dataclasses.replace(at4, intra=node, ranks_per_node=2)
+    for delay in (0, 1):
+        hier = pm.predict(system, lenet, "ring", delay, 4, 64, topology="hierarchical")
+        flat = pm.predict(system, lenet, "ring", delay, 4, 64)
+        whole, _, _ = sends.step(lenet, "ring", 4, 64, delay)
+        items = topology.hierarchical_items(by_hand, 4, whole.parts[0], 0.0)
+        assert hier.comm_s == pytest.approx(sum(t for kind, t in items
+                                                if kind in ("msg", "copy", "peer")))
+        assert hier.comm_s < flat.comm_s                 # half of it on the faster link
+    one_a_node = pm.make_system("local", compute, 1, _calibration(per_node=1))
+    assert one_a_node.at(4).node_link is None and one_a_node.at(4).layout() is not None
+    assert pm.predict(one_a_node, lenet, "ring", 1, 4, 64, topology="hierarchical").step_s == \
+        pm.predict(one_a_node, lenet, "ring", 1, 4, 64).step_s

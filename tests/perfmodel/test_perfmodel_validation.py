@@ -66,3 +66,42 @@ def test_the_slowest_rank_term_brings_the_record_s_delay0_rows_closer():
         return statistics.mean(r["error"] for r in rows if r["np"] == 2 and not r["delay"])
     mean0, mean1 = delay0_at_2(without), delay0_at_2(with_term)
     assert mean0 < 0 and abs(mean1) < abs(mean0)
+
+
+def test_two_ranks_a_node_validate_both_topologies_and_keep_their_rows_apart(monkeypatch):
+    """On nodes of two ranks, N = 4 spans two nodes: ring and tree run with --topology flat
+    and hierarchical (the others as train chooses, N = 1 and 2 too), and each topology's
+    rows are predicted with its own exchange and printed apart."""
+    import ringnet.jobs
+    from ringnet.perfmodel import validation
+    from tests.perfmodel.helpers import waits_raw
+    runs = []
+
+    def train_run(args, mode, delay, nranks, extra=()):
+        runs.append((mode, delay, str(nranks), tuple(extra)))
+        return {"step_ms": 20.0, "steps": 5}
+    by_np = {}
+    for n in (2, 4):
+        raw = waits_raw(n, 0.0, 0.0)
+        raw["placement"] = {"per_node": 2, "launcher": "srun --mpi=pmi2"}
+        by_np[str(n)] = {"raw": raw}
+    compute = pm.roofline_compute("k40", ("lenet",))
+    monkeypatch.setattr(ringnet.jobs, "train_run", train_run)
+    monkeypatch.setattr(validation, "measure_compute", lambda models: compute)
+    monkeypatch.setattr(validation, "calibrate", lambda *a, **k: {"by_np": by_np})
+    record = pm.validate(("lenet",), 64, 5, 1, "srun --mpi=pmi2", nps=(1, 2, 4), per_node=2)
+    at4 = {(mode, delay): extra for mode, delay, n, extra in runs if n.startswith("4")}
+    chosen = [(mode, delay) for mode, delay, n, extra in runs if n.startswith("4")]
+    for md in (("ring", 1), ("ring", 0), ("tree", 0)):
+        assert chosen.count(md) == 2, runs
+    assert chosen.count(("master", 0)) == 1 and at4[("master", 0)] == ()
+    assert {extra for mode, _, n, extra in runs if n.startswith("4") and mode == "ring"} == \
+        {("--topology", "flat"), ("--topology", "hierarchical")}
+    assert all(extra == () for _, _, n, extra in runs if not n.startswith("4"))
+    rows = pm.validation_rows(record)
+    ring4 = {r.get("topology"): r for r in rows if (r["mode"], r["delay"], r["np"]) == ("ring", 1, 4)}
+    assert set(ring4) == {"flat", "hierarchical"}
+    assert ring4["flat"]["predicted_ms"] != ring4["hierarchical"]["predicted_ms"]
+    assert pm.row_label(ring4["hierarchical"]) == "ring d1 hier" and pm.row_label(ring4["flat"]) == "ring d1"
+    table = pm.markdown_validation(rows)
+    assert "| lenet | ring d1 hier | \u2013 | \u2013 |" in table
