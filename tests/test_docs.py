@@ -903,6 +903,11 @@ COMMANDS = {
     'docs/bench-model-validation-unshaped.json': NODES,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-unshaped.json --table validation --markdown": doc_table,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 3 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 2 --validation '
+    'docs/bench-model-validation-2x2-1gbit.json': NODES.replace("4 nodes", "2 nodes"),
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-2x2-1gbit.json --table validation --markdown": doc_table,
     'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 --modes ring --model '
     'lenet --dataset fashion-mnist --to-accuracy 0.84 --epochs 1 --eval-every 117 --repeats 1 '
     '--markdown': doc_table,

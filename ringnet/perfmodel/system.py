@@ -87,11 +87,15 @@ class System:
 
     def layout(self):
         """The system the hierarchical exchange sees: local on a cluster, the ranks in blocks
-        of the placement, the link within a node the one calibrated on one node and the one
-        between nodes the calibration across them (else the system itself)."""
+        of the placement, the link within a node the one calibrated on one node, and between
+        nodes the one calibrated across them, one a node (the calibration's flat ring put
+        one flow on each node's link; a node's channels share it, as its ranks share one
+        network interface on hpc/cluster.sh's nodes and most CPU clusters). Else the
+        system itself."""
         if self.node_link is None:
             return self
-        return dataclasses.replace(self, ranks_per_node=self.placed_per_node, intra=self.node_link)
+        return dataclasses.replace(self, ranks_per_node=self.placed_per_node, intra=self.node_link,
+                                   links_per_node=1)
 
     def contention(self, n, model=None):
         """Return the compute slowdown of N ranks busy at once on this node: max(1, N / cores),

@@ -107,17 +107,21 @@ def test_two_ranks_a_node_price_the_hierarchical_exchange_on_the_node_s_link_and
     assert (at4.node_link.alpha_s, at4.node_link.beta_Bps) == (node.alpha_s, node.beta_Bps)
     layout = at4.layout()
     assert layout.ranks_per_node == 2 and layout.intra is at4.node_link
-    assert layout.inter is at4.inter
-    # the exchange priced is the channels' on those two links, two ranks a node (the
-    # contention stays the calibration's: four ranks on the two nodes' cores)
-    by_hand = dataclasses.replace(at4, intra=node, ranks_per_node=2)
+    assert layout.inter is at4.inter and layout.links_per_node == 1     # one link a node
+    # the exchange priced is the channels' on those two links, two ranks a node sharing
+    # the node's link (the contention stays the calibration's: four ranks on the two
+    # nodes' cores)
+    by_hand = dataclasses.replace(at4, intra=node, ranks_per_node=2, links_per_node=1)
+    a_link_each = dataclasses.replace(by_hand, links_per_node=None)
     for delay in (0, 1):
         hier = pm.predict(system, lenet, "ring", delay, 4, 64, topology="hierarchical")
         flat = pm.predict(system, lenet, "ring", delay, 4, 64)
         whole, _, _ = sends.step(lenet, "ring", 4, 64, delay)
-        items = topology.hierarchical_items(by_hand, 4, whole.parts[0], 0.0)
-        assert hier.comm_s == pytest.approx(sum(t for kind, t in items
-                                                if kind in ("msg", "copy", "peer")))
+        def comm(system):
+            items = topology.hierarchical_items(system, 4, whole.parts[0], 0.0)
+            return sum(t for kind, t in items if kind in ("msg", "copy", "peer"))
+        assert hier.comm_s == pytest.approx(comm(by_hand))
+        assert comm(a_link_each) < 0.8 * comm(by_hand)   # the channels' link shared by two
         assert hier.comm_s < flat.comm_s                 # half of it on the faster link
     one_a_node = pm.make_system("local", compute, 1, _calibration(per_node=1))
     assert one_a_node.at(4).node_link is None and one_a_node.at(4).layout() is not None
