@@ -6,7 +6,7 @@ import time
 import traceback
 
 from ringnet.control import current_phase
-from ringnet.errors import EXIT_FAILURE, EXIT_USAGE, USER_ERRORS, TrainingError, UsageError
+from ringnet.errors import EXIT_FAILURE, EXIT_USAGE, USER_ERRORS, DivergedError, TrainingError, UsageError
 from ringnet.shutdown import abort, interrupted, note_exit, print_error, quiet_broken_pipe, world
 
 __all__ = ["run_main", "ArgumentParser", "SPEAKER_WAIT_S"]
@@ -45,6 +45,10 @@ def run_main(main, argv=None):
         comm = world()
         rank = comm.Get_rank() if comm is not None else 0
         speaker = getattr(exc, "speaker", None)
+        if speaker is None and isinstance(exc, DivergedError):
+            # the ranks compute on the same weights: one that diverged seldom does so alone,
+            # and srun kills the others more slowly than mpirun after rank 0's abort
+            speaker = 0
         if speaker is not None and comm is not None and comm.Get_size() > 1:
             if rank != speaker:
                 time.sleep(SPEAKER_WAIT_S)

@@ -26,7 +26,8 @@ heartbeat (:func:`ringnet.shutdown.note_exit`), where srun reports another (137 
 task it killed after a rank's MPI_Abort). At each relaunch it says what was lost (the
 steps since the last checkpoint) and why.
 
-SIGTERM or SIGUSR1 (a time limit, scancel, SLURM's ``--signal``) is passed on to the job:
+SIGTERM or SIGUSR1 (a time limit, scancel, SLURM's ``--signal``) is passed on to the job
+(to srun as SIGUSR1: srun ends a step on SIGTERM):
 its ranks stop at the next step boundary, write the checkpoint and exit 75, and the
 launcher exits 75 without a relaunch (a requeued job's ``--resume auto`` continues).
 Ctrl-C stops the job without a relaunch: the launcher passes it on to the job once
@@ -313,15 +314,19 @@ class Launcher:
 
     @staticmethod
     def _stop_gracefully(proc, signum):
-        """Pass SIGTERM or SIGUSR1 on to the job (mpirun and srun send it to every rank):
-        the ranks stop at the next step boundary, write their checkpoint and exit 75. Wait
-        for that up to the job's deadline plus STOP_GRACE_S, then stop it."""
+        """Pass SIGTERM or SIGUSR1 on to the job: the ranks stop at the next step boundary,
+        write their checkpoint and exit 75. mpirun sends either to every rank; srun sends
+        SIGUSR1 on, but on SIGTERM ends the step itself (SIGKILL after SLURM's KillWait), so
+        it is given SIGUSR1, which the ranks take for the same stop. Wait for that up to the
+        job's deadline plus STOP_GRACE_S, then stop it."""
         from ringnet.control import default_timeout
         try:
             limit = default_timeout() + STOP_GRACE_S
         except ValueError:
             limit = 300.0 + STOP_GRACE_S
         end = time.monotonic() + limit
+        if os.path.basename(proc.args[0]) == "srun":
+            signum = signal.SIGUSR1
         if proc.poll() is None:
             proc.send_signal(signum)
         while proc.poll() is None and time.monotonic() < end:

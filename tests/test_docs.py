@@ -477,6 +477,7 @@ def _table_output(command, tmp_path):
         if bench == "faults":
             from ringnet.bench import faults
             mp.setattr(faults, "prepare", lambda folder: folder)
+            mp.setattr(faults, "_check_slurm", lambda: None)        # --slurm: no SLURM needed
             mp.setattr(faults, "run_case", lambda case, files, **kw: faults.Outcome(
                 case, case.code, 12.5, 30.0, [], ""))
             return _main_output(faults.main, argv + ["--timeout", "8"])
@@ -728,6 +729,7 @@ COMMANDS = {
     "--to-accuracy 0.84 --epochs 1 --eval-every 117 --vs ddp --markdown": doc_table,
     "mpirun -np 4 python -m ringnet.bench comm --markdown": doc_table,
     "python -m ringnet.bench faults --markdown": doc_table,
+    "python -m ringnet.bench faults --slurm --filter srun --markdown": doc_table,
     "python -m ringnet.bench model --compute h100 --profile nvlink4/ib-hdr --np 1 8 64 1024 "
     "--table predictions --markdown": doc_table,
     "python -m ringnet.bench model --compute h100 --profile nvlink4/ib-hdr --np 8 64 1024 "

@@ -140,3 +140,22 @@ def test_a_stall_is_reported_once_by_the_lowest_rank_that_arrived(tmp_path):
                                                    "arrive at the test phase within 4 s"), output
     assert "Traceback" not in output
     assert seconds < 90, f"took {seconds:.0f} s"
+
+
+def test_the_srun_cases_come_with_slurm_only_and_run_under_ringnet_launch(monkeypatch):
+    """The srun cases (`bench faults --slurm`): ringnet.launch starts the ranks with srun and
+    relaunches at most once; each names the exit it must end with; without SLURM's client
+    commands --slurm is one line, before any case runs."""
+    assert not any(c.kind == "srun" for c in faults.all_cases() + faults.quick_cases())
+    cases = [c for c in faults.all_cases(slurm=True) if c.kind == "srun"]
+    assert cases == [c for c in faults.quick_cases(slurm=True) if c.kind == "srun"]
+    assert sorted(c.code for c in cases if c.code is not None) == [2, 2, 3, faults.EXIT_STOPPED]
+    assert [c.name for c in cases if c.launcher_message] == ["srun a rank killed at step 3: relaunched N=2"]
+    cmd = faults._command(cases[0], "/files", "/run/ck.h5", "python", "mpirun")
+    assert cmd[:10] == ["python", "-m", "ringnet.launch", "-n", "2", "--launcher",
+                        "srun --mpi=pmi2", "--max-restarts", "1", "--"]
+    assert cmd[10:12] == ["--steps", "6"] and "--lr" in cmd and "--save" in cmd
+    real = faults.shutil.which
+    monkeypatch.setattr(faults.shutil, "which", lambda name: None if name == "srun" else real(name))
+    with pytest.raises(faults.UsageError, match=r"^--slurm: srun and sinfo not found"):
+        faults.main(["--slurm", "--filter", "srun"])

@@ -41,7 +41,9 @@ class Case:
     trigger: str = None         # what the harness does once step 2 is reached (see TRIGGERS)
     at: float = None            # ... or this many seconds after the launch (signal cases)
     signal: str = None          # signal cases: TERM or USR1, sent to the launcher
-    via: str = "mpirun"         # signal cases: the launcher, mpirun or ringnet.launch
+    via: str = "mpirun"         # signal cases: the launcher, mpirun or ringnet.launch; srun
+    #                             cases: ringnet.launch with --launcher 'srun --mpi=pmi2'
+    forbid: str = None          # regular expression the output must not match
 
 
 @dataclasses.dataclass
@@ -264,8 +266,42 @@ def concurrent_cases():
                          r"\(host \S+, process \d+; lock file \S+\)")]
 
 
-def all_cases():
-    """Return the full matrix: stop and kill at every phase, N = 2 and 4, every mode; MPMD; bad input."""
+SRUN = "srun --mpi=pmi2"
+RELAUNCH = r"relaunch \d+ of \d+"
+
+
+def srun_cases():
+    """Under SLURM, ``ringnet.launch --launcher 'srun --mpi=pmi2'``: srun gives the other
+    tasks of a job that one rank ended 137 (killed), whatever that rank's reason; the ranks
+    note theirs beside the heartbeat, so the reason reaches the launcher: a usage or data
+    error (2: a data set missing, or corrupt where one rank alone reads it), a divergence
+    (3), a graceful stop (75) end the job with their code and are never relaunched; a rank
+    killed is, once (--max-restarts 1)."""
+    def srun(name, args, code, message=None, forbid=RELAUNCH, launcher_message=None, fault=None,
+             trigger=None, env=None):
+        return Case(f"srun {name} N=2", "srun", 2, "ring", args=tuple(args), code=code,
+                    message=message, forbid=forbid, launcher_message=launcher_message,
+                    fault=fault, trigger=trigger, env=env, via="srun", bound="quick")
+    return [
+        srun("diverged: exit 3", ["--model", "lenet", "--dataset", "synthetic", "--steps", "60",
+                                  "--lr", "1e3", "--save-every", "1"], 3,
+             message=r"^\[rank 0\] ringnet: error: loss is nan at step \d+ .*training diverged"),
+        srun("missing data set: exit 2", ["--dataset", "{run}/missing.h5"], 2,
+             message=r"^ringnet: error: .*missing\.h5"),
+        srun("corrupt chunk read by rank 1 mid-run: exit 2", ["--dataset", "{dir}/late_corrupt.h5"],
+             2, env={"RINGNET_DATA_IN_MEMORY_MB": "0"},
+             message=r"^\[rank 1\] ringnet: error: evaluation: \S*late_corrupt\.h5: /test/images "
+                     r"\d+\.\.\d+ cannot be read, the file is corrupt"),
+        srun("SIGTERM to the launcher: exit 75", ["--steps", "1000000"], EXIT_STOPPED,
+             trigger="terminate"),
+        srun("a rank killed at step 3: relaunched", ["--save-every", "1"], None, forbid=None,
+             fault="KILL:step 3:1", launcher_message=RELAUNCH),
+    ]
+
+
+def all_cases(slurm=False):
+    """Return the full matrix: stop and kill at every phase, N = 2 and 4, every mode; MPMD; bad
+    input; with ``slurm``, the cases under srun."""
     cases = []
     for ranks in (2, 4):
         for mode in MODES:
@@ -273,11 +309,13 @@ def all_cases():
             cases += [kill_case(p, ranks, mode) for p in KILL_PHASES]
             cases += [term_case(p, ranks, mode) for p in STOP_PHASES]
     return (cases + mpmd_cases() + knob_cases() + bad_cases() + live_cases() + signal_cases()
-            + collision_cases() + resume_cases() + concurrent_cases())
+            + collision_cases() + resume_cases() + concurrent_cases()
+            + (srun_cases() if slurm else []))
 
 
-def quick_cases():
-    """Return the CI subset: every phase and mode once, both N, each kind."""
+def quick_cases(slurm=False):
+    """Return the CI subset: every phase and mode once, both N, each kind (with ``slurm``,
+    the srun cases too)."""
     picks = [stop_case("setup", 2, "ring"), stop_case("step 3", 4, "master"),
              stop_case("step 3", 2, "split-fc"), stop_case("evaluation", 4, "tree"),
              stop_case("save-write", 2, "ring"), stop_case("statistics", 2, "tree"),
@@ -287,4 +325,5 @@ def quick_cases():
     mpmd = [c for c in mpmd_cases() if c.name in ("mpmd --lr", "mpmd --mode", "mpmd scrambled labels")]
     collisions = [c for c in collision_cases() if c.name.startswith("collision --save is --dataset N")]
     return (picks + mpmd + knob_cases()[:1] + bad_cases() + live_cases() + signal_cases()[-1:]
-            + collisions + resume_cases()[-1:] + concurrent_cases())
+            + collisions + resume_cases()[-1:] + concurrent_cases()
+            + (srun_cases() if slurm else []))

@@ -21,6 +21,14 @@ Every case launches ``python -m ringnet.train`` (under mpirun for N > 1) with on
   holds the data in memory trains on and says so once.
 * ``launcher``: the launcher (``python -m ringnet.launch``) is killed with SIGKILL after
   step 2: no rank trains on unwatched; the ranks stop with the checkpoint written.
+* ``signal``: SIGTERM or SIGUSR1 to mpirun or ``ringnet.launch`` at a moment of the first
+  two seconds (once, or again after the stop's save): exit 75.
+* outputs that would destroy an input (``--save`` on the data set, a FIFO, a device), and
+  ranks that resumed different checkpoints: exit 2 before training, one line.
+* ``concurrent``: a second job on the same ``--save`` is refused, naming the holder.
+* ``srun`` (with ``--slurm``): ``ringnet.launch --launcher 'srun --mpi=pmi2'``, where srun
+  reports the other tasks of a job one rank ended as killed: a divergence ends in 3, a bad
+  data set or flag in 2, a SIGTERM in 75, none relaunched; a rank killed is relaunched.
 
 Each case checks the exit code, the message (exactly one ``ringnet: error:`` line, no
 traceback), the time to exit against a bound, that no process of the run is left,
@@ -48,8 +56,8 @@ from ringnet.outputs import file_kind
 from ringnet.cli import ArgumentParser
 
 from ringnet.bench import machine, options
-from ringnet.bench.fault_cases import (DEFAULT_TIMEOUT, MODES, STOP_PHASES, TRAIN, Case,  # noqa: F401
-                                       Outcome, all_cases, quick_cases)
+from ringnet.bench.fault_cases import (DEFAULT_TIMEOUT, MODES, SRUN, STOP_PHASES, TRAIN,  # noqa: F401
+                                       Case, Outcome, all_cases, quick_cases)
 
 __all__ = ["Case", "Outcome", "all_cases", "quick_cases", "prepare", "run_case", "main",
            "MODES", "STOP_PHASES"]
@@ -204,6 +212,9 @@ def _command(case, files, save, python, mpirun):
         return cmd
     mode = ["--mode", case.mode] if case.mode else []
     argv = [python] + base + (mode if not case.command else []) + train_extra + fill(case.args)
+    if case.via == "srun":          # ringnet.launch starting the ranks with srun
+        return [python, "-m", "ringnet.launch", "-n", str(case.ranks), "--launcher", SRUN,
+                "--max-restarts", "1", "--"] + argv[3:]
     if case.trigger == "kill-launcher" or case.via == "launch":     # the launcher that watches the ranks
         return [python, "-m", "ringnet.launch", "-n", str(case.ranks), "--"] + argv[3:]
     return argv if case.ranks == 1 else [mpirun, "-np", str(case.ranks)] + argv
@@ -278,9 +289,15 @@ def _kill_launcher(case, proc, run_dir, files, cmd, env):
     return []
 
 
+def _terminate(case, proc, run_dir, files, cmd, env):
+    """SIGTERM to the launcher, as scancel or a shell's kill would send it."""
+    proc.send_signal(signal.SIGTERM)
+    return []
+
+
 # what the harness does once step 2 is reached; each returns its problems
 TRIGGERS = {"replace-data": _replace_data, "kill-launcher": _kill_launcher,
-            "second-job": _second_job}
+            "second-job": _second_job, "terminate": _terminate}
 
 
 def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun="mpirun"):
@@ -354,8 +371,12 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
             problems.append("a traceback was printed")
     if case.launcher_message is not None and not re.search(case.launcher_message, output):
         problems.append(f"output does not match {case.launcher_message!r}")
-    if case.kind in ("term", "signal", "concurrent") and (errors or "Traceback" in output):
+    stops = case.kind in ("term", "signal", "concurrent") or (
+        case.kind == "srun" and case.code == EXIT_STOPPED)
+    if stops and (errors or "Traceback" in output):
         problems.append(f"{len(errors)} 'ringnet: error:' lines, expected none")
+    if case.forbid is not None and re.search(case.forbid, output):
+        problems.append(f"output matches {case.forbid!r}")
     left = []
     for _ in range(50):
         left = _processes_under(run_dir)
@@ -374,8 +395,8 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
     except InputError as exc:
         step = None
         problems.append(f"checkpoint damaged: {exc}")
-    endless = case.kind in ("launcher", "signal", "concurrent")      # --steps 1000000
-    if case.kind in ("term", "launcher", "signal", "concurrent") and step is not None:
+    endless = "1000000" in case.args        # --steps 1000000: ended by the harness
+    if (stops or case.kind == "launcher") and step is not None:
         steps = int(TRAIN[TRAIN.index("--steps") + 1])
         stopped = code == EXIT_STOPPED or case.kind == "launcher"
         untouched = case.kind == "signal" and step == 0 and _digest(save) == before
@@ -383,6 +404,11 @@ def run_case(case, files, timeout=DEFAULT_TIMEOUT, python=sys.executable, mpirun
             problems.append(f"checkpoint at step {step}: not where the run stopped")
         if not stopped and step != steps:
             problems.append(f"checkpoint at step {step}, expected the last step {steps}")
+    elif case.kind == "srun" and case.code != 2:
+        # diverged, or relaunched after a rank was killed: the checkpoints it saved before
+        # are whole and finite (the diverged step's weights are never written)
+        if step is not None and not all(np.isfinite(v).all() for v in load_checkpoint(save)[0].values()):
+            problems.append(f"checkpoint at step {step} holds non-finite weights")
     elif code != 0 and os.path.exists(save) and _digest(save) != before and case.kind != "stop":
         problems.append("checkpoint changed by a failed run")
     if case.trigger != "replace-data" and _digest(live) != live_before:
@@ -424,6 +450,8 @@ GROUPS = (
      lambda c: c.kind == "signal"),
     ("A second job on the same --save: refused, the first stops gracefully",
      lambda c: c.kind == "concurrent"),
+    ("Under srun: each rank's reason reaches the launcher, only a lost rank relaunched",
+     lambda c: c.kind == "srun"),
 )
 
 
@@ -445,10 +473,30 @@ def markdown_table(outcomes):
 
 
 # -- command line ----------------------------------------------------------------------
+def _check_slurm():
+    """Raise UsageError unless srun is here and its SLURM controller answers."""
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        raise UsageError("--slurm: srun and sinfo not found (SLURM's client commands)")
+    try:
+        probe = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
+                               timeout=20)
+    except subprocess.TimeoutExpired:
+        probe = None
+    states = probe.stdout.split() if probe is not None and probe.returncode == 0 else []
+    if not any(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states):
+        why = (probe.stderr.strip().splitlines() or ["no node up"])[-1] if probe else "no answer in 20 s"
+        raise UsageError(f"--slurm: no SLURM node answers ({why}); start one with "
+                         "hpc/cluster.sh start and eval \"$(hpc/cluster.sh env)\"")
+
+
 def build_parser():
     p = ArgumentParser(prog="python -m ringnet.bench faults", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="only the CI subset")
+    p.add_argument("--slurm", action="store_true",
+                   help="also the cases under srun (ringnet.launch --launcher 'srun --mpi=pmi2'); "
+                        "needs a SLURM that srun reaches, e.g. hpc/cluster.sh's "
+                        "(eval \"$(hpc/cluster.sh env)\")")
     p.add_argument("--filter", default=None, metavar="TEXT", help="only cases whose name contains TEXT")
     options.add_timeout(p, DEFAULT_TIMEOUT, "RINGNET_COMM_TIMEOUT of the runs, seconds")
     options.add_mpirun(p)
@@ -463,7 +511,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout}")
-    cases = quick_cases() if args.quick else all_cases()
+    cases = quick_cases(args.slurm) if args.quick else all_cases(args.slurm)
     if args.filter:
         cases = [c for c in cases if args.filter in c.name]
     if not cases:
@@ -474,6 +522,8 @@ def main(argv=None):
         return 0
     if shutil.which(args.mpirun) is None:
         raise UsageError(f"{args.mpirun} not found: the fault cases need an MPI launcher")
+    if args.slurm:
+        _check_slurm()
     run = machine.begin(out=sys.stderr if args.json else None)
     files = tempfile.mkdtemp(prefix="ringnet-faults-")
     failed = 0

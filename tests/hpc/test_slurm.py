@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from ringnet.bench.fault_cases import srun_cases
 from ringnet.errors import EXIT_USAGE, UsageError
 from ringnet.placement import check_world_size
 
@@ -36,7 +37,10 @@ def _slurm_env():
     if status.returncode != 0 or "idle" not in status.stdout and "mix" not in status.stdout:
         return None
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "HYDRA_"))}
-    env.update(SLURM_CONF=conf.split("=", 1)[1].strip(), OMP_NUM_THREADS="1",
+    for line in conf.splitlines():      # export A=B [C=D ...]: one node prints SLURM_CONF only
+        if line.startswith("export "):
+            env.update(pair.split("=", 1) for pair in line.split()[1:] if "=" in pair)
+    env.update(OMP_NUM_THREADS="1",
                RINGNET_BLAS_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     # The jobs' `python` is this interpreter.
@@ -394,14 +398,21 @@ def test_a_signalled_train_sbatch_saves_requeues_and_ends_as_an_uninterrupted_ru
     assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
+@pytest.fixture(scope="module")
+def fault_files(tmp_path_factory):
+    from ringnet.bench import faults
+    return faults.prepare(str(tmp_path_factory.mktemp("faults")))
+
+
 @needs_slurm
-def test_a_diverged_run_under_srun_is_not_relaunched(tmp_path):
-    """srun makes a diverged run's exit 137 (the other task killed after rank 0's MPI_Abort);
-    the ranks note their own verdict (3) beside the heartbeat, so ringnet.launch neither
-    relaunches it nor ends as a crash: exit 3 and its divergence line."""
-    proc = run([sys.executable, "-m", "ringnet.launch", "-n", "2", "--launcher", "srun --mpi=pmi2",
-                "--", "--model", "lenet", "--dataset", "synthetic", "--steps", "60", "--lr", "1e3",
-                "--no-progress", "--save", "ck.h5", "--save-every", "1"], cwd=tmp_path, timeout=300)
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    assert "the training diverged (exit 3)" in proc.stderr
-    assert "relaunch 1 of" not in proc.stderr, proc.stderr[-3000:]
+@pytest.mark.parametrize("case", srun_cases(), ids=lambda c: c.name)
+def test_bench_faults_srun_case(case, fault_files, monkeypatch):
+    """`python -m ringnet.bench faults --slurm`'s cases: srun reports the other tasks of a
+    job that one rank ended as killed (137), whatever that rank's reason; the launcher takes
+    each rank's own (a divergence 3, a bad data set or flag 2, a SIGTERM 75) and relaunches
+    none of them; a rank killed is relaunched."""
+    from ringnet.bench import faults
+    for name, value in SLURM_ENV.items():
+        monkeypatch.setenv(name, value)
+    outcome = faults.run_case(case, fault_files, timeout=10.0)
+    assert outcome.ok, "; ".join(outcome.problems) + "\n" + outcome.output[-3000:]
