@@ -6,6 +6,8 @@ tests/hpc/test_cluster_runs.py (skips without root or SLURM, as there).
 * ring flat, ring hierarchical and tree hierarchical train to the weights of ``single``
   (float64, 1e-9), and the header says which topology ran; so does ``--topology auto``
   told the links' measured speed (``--inter-link``), which then takes hierarchical;
+* ring delay 1 through the channels (2 x 2, block) equals the flat ring's delayed run on
+  one node up to summation order, and is not the synchronous run;
 * an uneven placement, 2 + 1 ranks (``srun -N 2 -n 3``): the hierarchical ring falls back to
   one leader per node and says so, and it and the hierarchical tree train to ``single``'s
   weights at the same global batch.
@@ -81,3 +83,21 @@ def test_uneven_placement_trains_as_single(cluster, tmp_path):
         if mode == "ring":
             assert "one leader per node (uneven placement" in text, text[-2000:]
         assert rel_error(weights(path), reference) <= 1e-9, f"{mode} on 2 + 1 differs from single"
+
+
+def test_ring_delay1_through_the_channels_is_the_delayed_recurrence(cluster, single, tmp_path):
+    """Delay 1 over the whole hierarchical exchange (2 x 2, block placement: the channels):
+    the same delayed recurrence as the flat ring on one node, whose weights it equals up to
+    the channels' summation order (float64, 1e-9), and not the synchronous run's."""
+    args = BASE + ["--mode", "ring", "--delay", "1"]
+    one_node, _ = run_local(args + ["--topology", "flat"], tmp_path, "flat-d1", ranks=4)
+    path = tmp_path / "channels-d1.h5"
+    proc = cluster.run(["srun", "-N", "2", "--ntasks-per-node", str(RANKS_PER_NODE), "--mpi=pmi2",
+                        sys.executable, "-m", "ringnet.train", *args, "--topology", "hierarchical",
+                        "--save", str(path)], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 channels x 2 nodes" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    channels = weights(path)
+    assert rel_error(channels, one_node) <= 1e-9, "ring delay 1 through the channels differs"
+    reference, _ = single
+    assert rel_error(channels, reference) > 1e-6, "delay 1 came out synchronous"
