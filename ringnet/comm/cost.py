@@ -59,7 +59,7 @@ __all__ = ["ALGORITHMS", "NATIVE", "CHOICES", "NATIVE_ACROSS_NODES_BELOW", "ALPH
            "NATIVE_ALPHA", "NATIVE_BETA", "NATIVE_ALPHA_OVERSUBSCRIBED", "NATIVE_BETA_OVERSUBSCRIBED",
            "NATIVE_TINY_BYTES",
            "constants", "terms", "cost", "fit", "fit_native", "choose", "thresholds", "pow2_below",
-           "INTRA", "INTER", "BETWEEN_NODES", "heap_levels", "is_pow2", "between_phases", "between_nodes",
+           "LINK_SPECS", "SOFTWARE_ALPHA_S", "INTRA", "INTER", "BETWEEN_NODES", "heap_levels", "is_pow2", "between_phases", "between_nodes",
            "exchange_cost", "PIPELINE_ALPHA_OVER_BETA", "PIPELINE_MIN_BYTES",
            "PIPELINE_MAX_BYTES", "pipeline_piece_bytes"]
 
@@ -225,12 +225,32 @@ def _next_switch(nbytes, n, algorithm, max_bytes, candidates, constants):
 
 
 
+# -- links from spec sheets (what bench model's profiles are made of) ----------------------
+# β: per direction, from the spec sheets named in ``source``. α is never on a spec sheet:
+# it is the hardware latency named there plus SOFTWARE_ALPHA_S, the per-message cost of
+# ringnet's Python-level isendrecv + wait (stated, not measured; ``local`` measures its own).
+SOFTWARE_ALPHA_S = 15e-6
+# name: (hardware latency s, beta B/s per direction, source of both)
+LINK_SPECS = {
+    "pcie3": (5e-6, 15.75e9, "PCIe 3.0 x16: 8 GT/s x 16 lanes, 128b/130b = 15.75 GB/s per direction (PCI-SIG "
+                             "PCIe Base Specification 3.0); GPU peer copy latency ~5 us"),
+    "pcie5": (5e-6, 63.0e9, "PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b = 63.0 GB/s per direction (PCI-SIG PCIe "
+                            "Base Specification 5.0)"),
+    "nvlink4": (3e-6, 450e9, "NVLink 4 on H100 SXM: 900 GB/s total per GPU = 450 GB/s per direction (NVIDIA H100 "
+                             "Tensor Core GPU datasheet)"),
+    "ib-hdr": (0.6e-6, 25e9, "InfiniBand HDR: 200 Gb/s per port = 25 GB/s per direction, sub-0.6 us latency "
+                             "(NVIDIA ConnectX-6 VPI adapter product brief)"),
+    "eth-10g": (25e-6, 1.25e9, "10 Gigabit Ethernet: 10 Gb/s = 1.25 GB/s per direction (IEEE 802.3ae); ~25 us "
+                               "TCP small-message latency through the kernel stack"),
+}
+
+
 # -- exchanges over a placement: flat, through one leader per node, or in channels ----------
 # (alpha s per message, beta s per byte) of a hop within a node (the shared-memory constants
 # above) and between nodes: 10 Gbit/s Ethernet, 1.25 GB/s per direction, with ~40 us per
 # message (TCP through the kernel stack, ~25 us, and the Python-level send/wait).
 INTRA = (ALPHA, BETA)
-INTER = (40e-6, 1 / 1.25e9)
+INTER = (LINK_SPECS["eth-10g"][0] + SOFTWARE_ALPHA_S, 1 / LINK_SPECS["eth-10g"][1])
 # The algorithms of the step between nodes of the multi-channel exchange (ringnet.comm.channels).
 BETWEEN_NODES = ("ring", "rhd")
 
