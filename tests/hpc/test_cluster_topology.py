@@ -8,6 +8,7 @@ tests/hpc/test_cluster_runs.py (skips without root or SLURM, as there).
   told the links' measured speed (``--inter-link``), which then takes hierarchical;
 * ring delay 1 through the channels (2 x 2, block) equals the flat ring's delayed run on
   one node up to summation order, and is not the synchronous run;
+* one rank a node (2 x 1): the hierarchical ring (one channel) and tree equal ``single``;
 * an uneven placement, 2 + 1 ranks (``srun -N 2 -n 3``): the hierarchical ring falls back to
   one leader per node and says so, and it and the hierarchical tree train to ``single``'s
   weights at the same global batch.
@@ -101,3 +102,20 @@ def test_ring_delay1_through_the_channels_is_the_delayed_recurrence(cluster, sin
     assert rel_error(channels, one_node) <= 1e-9, "ring delay 1 through the channels differs"
     reference, _ = single
     assert rel_error(channels, reference) > 1e-6, "delay 1 came out synchronous"
+
+
+def test_one_rank_a_node_trains_as_single_hierarchically(cluster, single, tmp_path):
+    """2 x 1: a channel of one rank a node (the ring) and the leaders' tree train to the
+    weights of ``single``."""
+    reference, _ = single
+    for mode in ("ring", "tree"):
+        path = tmp_path / f"{mode}.h5"
+        proc = cluster.run(["srun", "-N", "2", "-n", "2", "--mpi=pmi2", sys.executable, "-m",
+                            "ringnet.train", *BASE, "--mode", mode, "--delay", "0",
+                            "--topology", "hierarchical", "--save", str(path)], timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        text = proc.stdout + proc.stderr
+        assert "2 nodes" in text and "topology hierarchical (asked for" in text, text[-2000:]
+        if mode == "ring":
+            assert "1 channel x 2 nodes" in text, text[-2000:]
+        assert rel_error(weights(path), reference) <= 1e-9, f"{mode} on 2 x 1 differs from single"
