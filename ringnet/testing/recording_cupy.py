@@ -94,7 +94,7 @@ class DeviceMemory:
         devices = sys.modules.get("ringnet.testing.nccl_standin.devices")
         if devices is not None:
             from ringnet.testing.nccl_standin import memory
-            memory.note_made(array, devices._current())
+            memory.note_made(array, devices.current_device())
 
     def release(self, arrays, why):
         """Give ``arrays``' memory back to CUDA: poison it, and refuse every later use."""

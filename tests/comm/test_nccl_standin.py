@@ -243,9 +243,9 @@ def test_lone_send_and_recv_in_opposite_orders_hang_and_raise():
     kind, message = _outcome(lambda: comm.send(out.ctypes.data, 4, F32, peer, 0), comm)
     sub.Barrier()       # both have given up before either takes the other's message
     # The sends are still posted, as in NCCL: take them, so nothing stays in flight.
-    header, got = np.empty(nccl._HEADER_LEN, np.int64), np.zeros(4, np.float32)
-    comm._comm.Recv(header, source=peer, tag=nccl._HEADER_TAG)
-    comm._comm.Recv(got, source=peer, tag=nccl._PAYLOAD_TAG)
+    header, got = np.empty(nccl.HEADER_LEN, np.int64), np.zeros(4, np.float32)
+    comm._comm.Recv(header, source=peer, tag=nccl.HEADER_TAG)
+    comm._comm.Recv(got, source=peer, tag=nccl.PAYLOAD_TAG)
     sub.Barrier()
     sub.Free()
     assert kind == "NcclError" and "would hang" in message, message

@@ -87,8 +87,8 @@ on, so waits on it end); any later launch on that communicator raises it.
 from ringnet.testing.nccl_standin.common import (  # noqa: F401 - the constants cupy's nccl has
     DEVICE_COUNT, HOST_MEMORY, NCCL_CHAR, NCCL_DOUBLE, NCCL_FLOAT, NCCL_FLOAT16, NCCL_FLOAT32,
     NCCL_FLOAT64, NCCL_HALF, NCCL_INT, NCCL_INT8, NCCL_INT32, NCCL_INT64, NCCL_MAX, NCCL_MIN,
-    NCCL_PROD, NCCL_SUM, NCCL_UINT8, NCCL_UINT32, NCCL_UINT64, POISON, _HEADER_LEN, _HEADER_TAG,
-    _PAYLOAD_TAG, NcclError, NcclRuleError, available, get_version)
+    NCCL_PROD, NCCL_SUM, NCCL_UINT8, NCCL_UINT32, NCCL_UINT64, POISON, HEADER_LEN, HEADER_TAG,
+    PAYLOAD_TAG, NcclError, NcclRuleError, available, get_version)
 from ringnet.testing.nccl_standin.communicator import (NcclCommunicator, get_unique_id, groupEnd,
                                                      groupStart)
 from ringnet.testing.nccl_standin.devices import (Device, Event, Stream, bind, clear_violations, cuda,

@@ -19,21 +19,21 @@ NCCL_FLOAT32 = NCCL_FLOAT = 7
 NCCL_FLOAT64 = NCCL_DOUBLE = 8
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN = 0, 1, 2, 3
 
-_NUMPY = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
+NUMPY = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
           6: np.float16, 7: np.float32, 8: np.float64}
-_REDUCE = {NCCL_SUM: np.add, NCCL_PROD: np.multiply, NCCL_MAX: np.maximum, NCCL_MIN: np.minimum}
-_UNIQUE_ID_BYTES = 128
-_JOIN_TAG, _MEMBERS_TAG = 32101, 32102          # rendezvous on COMM_WORLD
-_HEADER_TAG, _PAYLOAD_TAG = 1, 2                # on each communicator's private MPI group
-_SEND, _RECV, _ALLREDUCE = 1, 2, 3
-_KINDS = {_SEND: "send", _RECV: "recv", _ALLREDUCE: "allReduce"}
+REDUCE = {NCCL_SUM: np.add, NCCL_PROD: np.multiply, NCCL_MAX: np.maximum, NCCL_MIN: np.minimum}
+UNIQUE_ID_BYTES = 128
+JOIN_TAG, MEMBERS_TAG = 32101, 32102          # rendezvous on COMM_WORLD
+HEADER_TAG, PAYLOAD_TAG = 1, 2                # on each communicator's private MPI group
+SEND, RECV, ALLREDUCE = 1, 2, 3
+KINDS = {SEND: "send", RECV: "recv", ALLREDUCE: "allReduce"}
 # header: kind, sender rank, receiver rank, per-pair sequence, count, dtype, collective no.,
 # op, the sender's device-wide launch number
-_HEADER_LEN = 9
+HEADER_LEN = 9
 POISON = 0xFF
 DEVICE_COUNT = 8
 # How many operations received from one peer each launch-order comparison looks back on.
-_ORDER_WINDOW = 2048
+ORDER_WINDOW = 2048
 
 
 class NcclError(RuntimeError):
@@ -49,7 +49,7 @@ def get_version():
     return 0
 
 
-def _timeout():
+def default_timeout_s():
     value = os.environ.get("RINGNET_COMM_TIMEOUT", "")
     try:
         return float(value) if value else 300.0
@@ -59,5 +59,5 @@ def _timeout():
 
 # One lock over the shared state of this process's stand-in GPU: devices, streams, the
 # writes in flight and the launch-order records (executing streams take it briefly).
-_lock = threading.RLock()
-_local = threading.local()
+state_lock = threading.RLock()
+thread_state = threading.local()

@@ -10,15 +10,15 @@ import numpy as np
 from mpi4py import MPI
 
 from ringnet.testing.nccl_standin.common import (
-    _ALLREDUCE, _HEADER_LEN, _HEADER_TAG, _JOIN_TAG, _KINDS, _MEMBERS_TAG, _NUMPY, _ORDER_WINDOW,
-    _PAYLOAD_TAG, _RECV, _REDUCE, _SEND, _UNIQUE_ID_BYTES, NcclError, NcclRuleError, _local, _lock,
-    _timeout)
-from ringnet.testing.nccl_standin.devices import _check, _current, _queue_of
-from ringnet.testing.nccl_standin.memory import _land, _outgoing, _release, _Write, _writes
+    ALLREDUCE, HEADER_LEN, HEADER_TAG, JOIN_TAG, KINDS, MEMBERS_TAG, NUMPY, ORDER_WINDOW,
+    PAYLOAD_TAG, RECV, REDUCE, SEND, UNIQUE_ID_BYTES, NcclError, NcclRuleError, thread_state, state_lock,
+    default_timeout_s)
+from ringnet.testing.nccl_standin.devices import check_use, current_device, queue_of
+from ringnet.testing.nccl_standin.memory import land, outgoing, release, Write, pending_writes
 
 # -- groups (per thread, as in NCCL) -------------------------------------------------------
 def _group():
-    state = _local
+    state = thread_state
     if not hasattr(state, "depth"):
         state.depth, state.ops = 0, []
     return state
@@ -26,13 +26,13 @@ def _group():
 
 def groupStart():
     """Open a group on this thread: operations until the matching groupEnd launch together."""
-    _check("ncclGroupStart")
+    check_use("ncclGroupStart")
     _group().depth += 1
 
 
 def groupEnd():
     """Close this thread's group; the outermost groupEnd enqueues the queued operations."""
-    _check("ncclGroupEnd")
+    check_use("ncclGroupEnd")
     state = _group()
     if state.depth == 0:
         raise NcclRuleError("groupEnd without a matching groupStart on this thread")
@@ -59,16 +59,16 @@ class _Op:
         self.owner = None
 
     def describe(self):
-        if self.kind == _ALLREDUCE:
+        if self.kind == ALLREDUCE:
             return f"allReduce of {self.count} x dtype {self.dtype}"
-        where = "to" if self.kind == _SEND else "from"
-        return f"{_KINDS[self.kind]} {where} rank {self.peer} of {self.count} x dtype {self.dtype}"
+        where = "to" if self.kind == SEND else "from"
+        return f"{KINDS[self.kind]} {where} rank {self.peer} of {self.count} x dtype {self.dtype}"
 
     def output(self):
         """The address this operation writes, or None."""
-        if self.kind == _RECV:
+        if self.kind == RECV:
             return self.ptr
-        return self.ptr[1] if self.kind == _ALLREDUCE else None
+        return self.ptr[1] if self.kind == ALLREDUCE else None
 
 
 _device_launches = collections.Counter()     # device -> NCCL launches so far
@@ -81,7 +81,7 @@ def _launch(ops):
         raise NcclRuleError("one NCCL group on two streams: the stand-in runs a group on one stream")
     queue = queues[0]
     comms = list(dict.fromkeys(op.comm for op in ops))
-    with _lock:
+    with state_lock:
         _device_launches[queue.device] += 1
         device_seq = _device_launches[queue.device]
         turns = {}
@@ -94,11 +94,11 @@ def _launch(ops):
             op.comm._number(op)
             out = op.output()
             if out is not None and op.owner is not None and op.count:
-                nbytes = op.count * np.dtype(_NUMPY[op.dtype]).itemsize
-                op.write = _Write(queue, op.comm, int(out), int(out) + nbytes, op.owner,
+                nbytes = op.count * np.dtype(NUMPY[op.dtype]).itemsize
+                op.write = Write(queue, op.comm, int(out), int(out) + nbytes, op.owner,
                                   op.describe())
                 writes.append(op.write)
-                _writes.append(op.write)
+                pending_writes.append(op.write)
         position = queue.put(lambda: _execute(ops, turns))
         for write in writes:
             write.seq = position
@@ -112,13 +112,13 @@ def _execute(ops, turns):
             comm._await_turn(turns[comm])
         pending, receives, inputs = [], [], {}
         for op in ops:
-            if op.kind == _SEND:
-                data = inputs[id(op)] = _outgoing(op, op.ptr, op.count)
+            if op.kind == SEND:
+                data = inputs[id(op)] = outgoing(op, op.ptr, op.count)
                 pending += op.comm._post_send(op, op.peer, op.seq, data)
-            elif op.kind == _RECV:
+            elif op.kind == RECV:
                 receives.append((op, op.peer, op.seq))
             else:   # allReduce: exchange with every peer, combine in rank order
-                data = inputs[id(op)] = _outgoing(op, op.ptr[0], op.count)
+                data = inputs[id(op)] = outgoing(op, op.ptr[0], op.count)
                 for peer in range(op.comm._size):
                     if peer != op.comm._rank:
                         sent, received = op.seq[peer]
@@ -130,18 +130,18 @@ def _execute(ops, turns):
         for comm in comms:
             comm._wait(pending, "sends of this group", receives=False)
         for op in ops:
-            if op.kind == _RECV:
-                _land(op, op.ptr, got[(id(op), op.peer)])
-            elif op.kind == _ALLREDUCE:
-                _land(op, op.ptr[1], op.comm._combine(op, inputs[id(op)], got))
+            if op.kind == RECV:
+                land(op, op.ptr, got[(id(op), op.peer)])
+            elif op.kind == ALLREDUCE:
+                land(op, op.ptr[1], op.comm._combine(op, inputs[id(op)], got))
     except BaseException as exc:  # noqa: BLE001 - asynchronous: kept for check_async_error
         error = exc if isinstance(exc, NcclError) else NcclError(f"{type(exc).__name__}: {exc}")
         for comm in comms:
             comm._fail(error)
-        with _lock:
+        with state_lock:
             for op in ops:
-                if op.write is not None and op.write in _writes:
-                    _writes.remove(op.write)
+                if op.write is not None and op.write in pending_writes:
+                    pending_writes.remove(op.write)
     finally:
         for comm in comms:
             comm._ran_one()
@@ -155,9 +155,9 @@ def _check_launch_order(comm, op, peer_world, theirs):
     """Compare the device-wide launch number of ``op`` and of its peer's match with those of
     the other communicators' operations met with that peer."""
     mine = op.device_seq
-    with _lock:
+    with state_lock:
         pairs = _order_pairs.setdefault((comm._device, peer_world),
-                                        collections.deque(maxlen=_ORDER_WINDOW))
+                                        collections.deque(maxlen=ORDER_WINDOW))
         for m, t, other, what in pairs:
             if other is not comm and m != mine and t != theirs and (m < mine) != (t < theirs):
                 me = MPI.COMM_WORLD.Get_rank()
@@ -180,7 +180,7 @@ _created = itertools.count(1)
 def get_unique_id():
     """Return a 128-entry tuple naming a new communicator (its creator's rank is its root)."""
     raw = MPI.COMM_WORLD.Get_rank().to_bytes(4, "little") + secrets.token_bytes(16)
-    return tuple(raw + bytes(_UNIQUE_ID_BYTES - len(raw)))
+    return tuple(raw + bytes(UNIQUE_ID_BYTES - len(raw)))
 
 
 class NcclCommunicator:
@@ -190,12 +190,12 @@ class NcclCommunicator:
         if not (isinstance(ndev, int) and ndev >= 1 and isinstance(rank, int) and 0 <= rank < ndev):
             raise NcclError(f"NcclCommunicator: rank {rank!r} is not in [0, {ndev!r})")
         raw = bytes(b % 256 for b in commId)
-        if len(raw) != _UNIQUE_ID_BYTES:
+        if len(raw) != UNIQUE_ID_BYTES:
             raise NcclError(f"NcclCommunicator: unique id of {len(raw)} bytes, expected 128")
-        _check("ncclCommInitRank")
-        self._device = _current()
+        check_use("ncclCommInitRank")
+        self._device = current_device()
         self.name = f"communicator #{next(_created)}"
-        with _lock:
+        with state_lock:
             for other in _live:
                 if other._device == self._device and other._launched > other._ran:
                     raise NcclRuleError(
@@ -204,7 +204,7 @@ class NcclCommunicator:
                         "communicator allocates device memory, which can deadlock with NCCL "
                         "kernels running (synchronize the device first)")
         self._size, self._rank = ndev, rank
-        self.timeout_s = _timeout()
+        self.timeout_s = default_timeout_s()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._inside = None         # thread now inside an operation or an open group
@@ -221,7 +221,7 @@ class NcclCommunicator:
         if ndev > 1:
             self._cold.add(("collective", None))
         self._comm, self._world = self._join(raw)
-        with _lock:
+        with state_lock:
             _live.append(self)
 
     # -- set-up: find the other members through the unique id's root, make an MPI group --
@@ -237,7 +237,7 @@ class NcclCommunicator:
             start = time.perf_counter()
             while len(members) < self._size:
                 status = MPI.Status()
-                if not world.Iprobe(MPI.ANY_SOURCE, _JOIN_TAG, status):
+                if not world.Iprobe(MPI.ANY_SOURCE, JOIN_TAG, status):
                     if time.perf_counter() - start > self.timeout_s:
                         missing = sorted(set(range(self._size)) - set(members))
                         raise NcclError(f"NcclCommunicator init: rank(s) {missing} did not join "
@@ -245,7 +245,7 @@ class NcclCommunicator:
                     time.sleep(1e-3)
                     continue
                 info = np.empty(19, np.int64)
-                world.Recv(info, source=status.Get_source(), tag=_JOIN_TAG)
+                world.Recv(info, source=status.Get_source(), tag=JOIN_TAG)
                 if not np.array_equal(info[3:].astype(np.uint8), token) or info[1] != self._size:
                     raise NcclRuleError(f"NcclCommunicator init: world rank {info[2]} joined with "
                                         f"another unique id or size ({info[1]} ranks)")
@@ -255,12 +255,12 @@ class NcclCommunicator:
             order = np.array([members[r] for r in range(self._size)], np.int64)
             for r in range(self._size):
                 if order[r] != me:
-                    world.Send(order, dest=int(order[r]), tag=_MEMBERS_TAG)
+                    world.Send(order, dest=int(order[r]), tag=MEMBERS_TAG)
         else:
             info = np.concatenate([[self._rank, self._size, me], token]).astype(np.int64)
-            world.Send(info, dest=root, tag=_JOIN_TAG)
+            world.Send(info, dest=root, tag=JOIN_TAG)
             order = np.empty(self._size, np.int64)
-            request = world.Irecv(order, source=root, tag=_MEMBERS_TAG)
+            request = world.Irecv(order, source=root, tag=MEMBERS_TAG)
             start = time.perf_counter()
             while not request.Test():
                 if time.perf_counter() - start > self.timeout_s:
@@ -270,7 +270,7 @@ class NcclCommunicator:
         everyone = world.Get_group()
         group = everyone.Incl([int(r) for r in order])
         try:
-            return world.Create_group(group, tag=_MEMBERS_TAG), [int(r) for r in order]
+            return world.Create_group(group, tag=MEMBERS_TAG), [int(r) for r in order]
         finally:
             group.Free()
             everyone.Free()
@@ -305,7 +305,7 @@ class NcclCommunicator:
 
     def _check_warm(self, op):
         """Refuse ``op`` while another communicator of this device is cold; note what it warms."""
-        with _lock:
+        with state_lock:
             for other in _live:
                 if other is not self and other._device == self._device and other._cold:
                     missing = ", ".join(
@@ -318,15 +318,15 @@ class NcclCommunicator:
                         "use connects ranks and allocates device memory, which can deadlock "
                         "with NCCL kernels running; use every communicator once, with every "
                         "peer and one collective, when it is made")
-            if op.kind == _ALLREDUCE:
+            if op.kind == ALLREDUCE:
                 self._cold.discard(("collective", None))
             else:
-                self._cold.discard(("send" if op.kind == _SEND else "recv", op.peer))
+                self._cold.discard(("send" if op.kind == SEND else "recv", op.peer))
 
     def _queue(self, op, stream):
         what = op.describe()
-        _check(f"nccl {what}", self._device)
-        op.queue = _queue_of(stream, self._device)
+        check_use(f"nccl {what}", self._device)
+        op.queue = queue_of(stream, self._device)
         self._claim(what)
         try:
             self._check_warm(op)
@@ -343,10 +343,10 @@ class NcclCommunicator:
             self._leave()
 
     def _number(self, op):
-        if op.kind == _SEND:
+        if op.kind == SEND:
             op.seq = self._sent[op.peer]
             self._sent[op.peer] += 1
-        elif op.kind == _RECV:
+        elif op.kind == RECV:
             op.seq = self._received[op.peer]
             self._received[op.peer] += 1
         else:
@@ -380,43 +380,43 @@ class NcclCommunicator:
             self._error = error
 
     def _header(self, op, peer, seq):
-        red, number = op.op if op.kind == _ALLREDUCE else (-1, -1)
+        red, number = op.op if op.kind == ALLREDUCE else (-1, -1)
         return np.array([op.kind, self._rank, peer, seq, op.count, op.dtype, number, red,
                          op.device_seq], np.int64)
 
     def _post_send(self, op, peer, seq, data):
         header = self._header(op, peer, seq)
-        requests = [self._comm.Isend(header, dest=peer, tag=_HEADER_TAG)]
+        requests = [self._comm.Isend(header, dest=peer, tag=HEADER_TAG)]
         if op.count:
             # Synchronous send: completes only when the receive has started, as in NCCL.
-            requests.append(self._comm.Issend(data, dest=peer, tag=_PAYLOAD_TAG))
+            requests.append(self._comm.Issend(data, dest=peer, tag=PAYLOAD_TAG))
         return requests
 
     def _receive(self, op, peer, seq):
         """Take the next message from ``peer``, check it matches ``op``; return its payload."""
-        header = np.empty(_HEADER_LEN, np.int64)
-        self._wait([self._comm.Irecv(header, source=peer, tag=_HEADER_TAG)], op.describe())
+        header = np.empty(HEADER_LEN, np.int64)
+        self._wait([self._comm.Irecv(header, source=peer, tag=HEADER_TAG)], op.describe())
         kind, sender, receiver, their_seq, count, dtype, number, red, launched = (int(v) for v in header)
-        expected_kind = _SEND if op.kind == _RECV else op.kind
+        expected_kind = SEND if op.kind == RECV else op.kind
         mine = (f"rank {self._rank}'s {op.describe()} (its operation no. {seq} with rank {peer})")
-        theirs = (f"rank {sender}'s {_KINDS.get(kind, kind)} of {count} x dtype {dtype} "
+        theirs = (f"rank {sender}'s {KINDS.get(kind, kind)} of {count} x dtype {dtype} "
                   f"(its operation no. {their_seq} with rank {receiver})")
         problem = None
         if kind != expected_kind or receiver != self._rank or their_seq != seq:
             problem = f"operation order differs between ranks: {mine} met {theirs}"
-        elif op.kind == _ALLREDUCE and (number, red) != op.op[::-1]:
+        elif op.kind == ALLREDUCE and (number, red) != op.op[::-1]:
             problem = (f"operation order differs between ranks: {mine} (collective no. "
                        f"{op.op[1]}, op {op.op[0]}) met {theirs} (collective no. {number}, op {red})")
         elif count != op.count or dtype != op.dtype:
             problem = f"send and receive sizes differ: {mine} met {theirs}"
         if problem is not None:
-            if count and dtype in _NUMPY:   # take the message, so the sender is not left hanging
-                scratch = np.empty(count, _NUMPY[dtype])
-                self._wait([self._comm.Irecv(scratch, source=peer, tag=_PAYLOAD_TAG)], op.describe())
+            if count and dtype in NUMPY:   # take the message, so the sender is not left hanging
+                scratch = np.empty(count, NUMPY[dtype])
+                self._wait([self._comm.Irecv(scratch, source=peer, tag=PAYLOAD_TAG)], op.describe())
             raise NcclRuleError(problem)
-        payload = np.empty(op.count, _NUMPY[op.dtype])
+        payload = np.empty(op.count, NUMPY[op.dtype])
         if count:
-            self._wait([self._comm.Irecv(payload, source=peer, tag=_PAYLOAD_TAG)], op.describe())
+            self._wait([self._comm.Irecv(payload, source=peer, tag=PAYLOAD_TAG)], op.describe())
         _check_launch_order(self, op, self._world[peer], launched)
         return payload
 
@@ -447,18 +447,18 @@ class NcclCommunicator:
                 pass
 
     def _combine(self, op, data, got):
-        reduce = _REDUCE[op.op[0]]
+        reduce = REDUCE[op.op[0]]
         total = None
         for peer in range(self._size):     # rank order: the same float result on every rank
             part = data if peer == self._rank else got[(id(op), peer)]
             total = part.copy() if total is None else reduce(total, part)
-        return total if total is not None else np.empty(0, _NUMPY[op.dtype])
+        return total if total is not None else np.empty(0, NUMPY[op.dtype])
 
     # -- the NCCL surface ----------------------------------------------------------------
     def _check_args(self, count, datatype, peer=None):
         if not (isinstance(count, (int, np.integer)) and count >= 0):
             raise NcclError(f"count must be a non-negative integer, got {count!r}")
-        if datatype not in _NUMPY:
+        if datatype not in NUMPY:
             raise NcclError(f"unknown NCCL datatype {datatype!r}")
         if peer is not None and not (isinstance(peer, (int, np.integer)) and 0 <= peer < self._size):
             raise NcclError(f"peer {peer!r} is not a rank of this {self._size}-rank communicator")
@@ -466,23 +466,23 @@ class NcclCommunicator:
     def send(self, sendbuf, count, datatype, peer, stream):
         """Send ``count`` elements at host address ``sendbuf`` to ``peer`` on ``stream``."""
         self._check_args(count, datatype, peer)
-        op = _Op(self, _SEND, int(sendbuf), int(count), datatype, int(peer))
+        op = _Op(self, SEND, int(sendbuf), int(count), datatype, int(peer))
         op.owner = getattr(sendbuf, "owner", None)
         self._queue(op, stream)
 
     def recv(self, recvbuf, count, datatype, peer, stream):
         """Receive ``count`` elements from ``peer`` into host address ``recvbuf`` on ``stream``."""
         self._check_args(count, datatype, peer)
-        op = _Op(self, _RECV, int(recvbuf), int(count), datatype, int(peer))
+        op = _Op(self, RECV, int(recvbuf), int(count), datatype, int(peer))
         op.owner = getattr(recvbuf, "owner", None)
         self._queue(op, stream)
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
         """Reduce ``count`` elements over all ranks into ``recvbuf`` (in rank order)."""
         self._check_args(count, datatype)
-        if op not in _REDUCE:
+        if op not in REDUCE:
             raise NcclError(f"unknown NCCL reduction op {op!r}")
-        operation = _Op(self, _ALLREDUCE, (int(sendbuf), int(recvbuf)), int(count), datatype,
+        operation = _Op(self, ALLREDUCE, (int(sendbuf), int(recvbuf)), int(count), datatype,
                         None, op)
         operation.owner = getattr(recvbuf, "owner", None)
         self._queue(operation, stream)
@@ -501,14 +501,14 @@ class NcclCommunicator:
 
     def check_async_error(self):
         """Raise the asynchronous error of an operation that failed on its stream, if any."""
-        _check("ncclCommGetAsyncError", self._device)
+        check_use("ncclCommGetAsyncError", self._device)
         self._usable("check_async_error")
         if self._error is not None:
             raise self._error
 
     def abort(self):
         """Abort: operations in flight fail (their streams go on), any later use raises."""
-        _check("ncclCommAbort", self._device)
+        check_use("ncclCommAbort", self._device)
         self._usable("abort")
         if _group().depth and any(op.comm is self for op in _group().ops):
             raise NcclRuleError("abort inside an open group holding this communicator's operations")
@@ -518,7 +518,7 @@ class NcclCommunicator:
     def destroy(self):
         """Free the communicator; it must be idle (no thread inside, no open group, nothing in
         flight)."""
-        _check("ncclCommDestroy", self._device)
+        check_use("ncclCommDestroy", self._device)
         self._usable("destroy")
         if self._inside is not None:
             raise NcclRuleError(f"destroy while thread {self._inside.name!r} is inside the communicator")
@@ -531,11 +531,11 @@ class NcclCommunicator:
         self._retire()
 
     def _retire(self):
-        with _lock:
+        with state_lock:
             if self in _live:
                 _live.remove(self)
-            for write in [w for w in _writes if w.comm is self and w.state != "pending"]:
-                _release(write)
+            for write in [w for w in pending_writes if w.comm is self and w.state != "pending"]:
+                release(write)
         with self._cond:
             idle = self._ran >= self._launched
         if idle:

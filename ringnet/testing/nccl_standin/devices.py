@@ -11,9 +11,9 @@ import types
 
 from mpi4py import MPI
 
-from ringnet.testing.nccl_standin.common import (DEVICE_COUNT, NcclError, NcclRuleError, _local, _lock,
-                                               _timeout)
-from ringnet.testing.nccl_standin.memory import _hide, _publish, _show, made_on
+from ringnet.testing.nccl_standin.common import (DEVICE_COUNT, NcclError, NcclRuleError, thread_state, state_lock,
+                                               default_timeout_s)
+from ringnet.testing.nccl_standin.memory import hide, publish, show_writes, made_on
 
 # -- devices ---------------------------------------------------------------------------
 _rank_device = None         # the device this process uses (the first it touched)
@@ -35,18 +35,18 @@ def bind():
 
 def violations():
     """Return the device rule breaks this process has seen (the rank fails while any stays)."""
-    with _lock:
+    with state_lock:
         return list(_violations)
 
 
 def clear_violations():
     """Forget the recorded rule breaks (for tests that provoke one on purpose)."""
-    with _lock:
+    with state_lock:
         del _violations[:]
 
 
-def _current():
-    return getattr(_local, "device", 0)
+def current_device():
+    return getattr(thread_state, "device", 0)
 
 
 def _thread_name():
@@ -56,7 +56,7 @@ def _thread_name():
 def _use(device, what):
     """Note that ``what`` uses ``device``; return the message of a rule it breaks, or None."""
     global _rank_device
-    with _lock:
+    with state_lock:
         if _rank_device is None:
             _rank_device = device
             return None
@@ -69,7 +69,7 @@ def _use(device, what):
 
 def _breaks(what, device=None):
     """Return why ``what`` on this thread breaks the device rules (None when it does not)."""
-    current = _current()
+    current = current_device()
     problem = _use(current, what)
     if problem is None and device is not None and device != current:
         problem = (f"{what} on thread {_thread_name()!r}: the object belongs to device {device}, "
@@ -77,25 +77,25 @@ def _breaks(what, device=None):
     return problem
 
 
-def _check(what, device=None):
+def check_use(what, device=None):
     """Raise (and remember) when the rank failed before or ``what`` breaks the device rules."""
-    with _lock:
+    with state_lock:
         if _violations:
             raise NcclRuleError(_violations[0])
     problem = _breaks(what, device)
     if problem is not None:
-        with _lock:
+        with state_lock:
             _violations.append(problem)
         raise NcclRuleError(problem)
 
 
 def _note(what, device):
     """Remember a rule break where raising is not possible (an object being destroyed)."""
-    if getattr(_local, "internal", False) or sys.is_finalizing():
+    if getattr(thread_state, "internal", False) or sys.is_finalizing():
         return
     problem = _breaks(what, device)
     if problem is not None:
-        with _lock:
+        with state_lock:
             _violations.append(problem)
 
 
@@ -122,33 +122,33 @@ class Device:
     """A stand-in CUDA device: ``Device()`` is the thread's current one."""
 
     def __init__(self, device=None):
-        self.id = _current() if device is None else int(device)
+        self.id = current_device() if device is None else int(device)
         if not 0 <= self.id < DEVICE_COUNT:
             raise NcclError(f"no stand-in device {self.id} (there are {DEVICE_COUNT})")
         self._previous = []
 
     def use(self):
         """Make this device current on the calling thread."""
-        _local.device = self.id
-        _check(f"cudaSetDevice({self.id})")
+        thread_state.device = self.id
+        check_use(f"cudaSetDevice({self.id})")
 
     def __enter__(self):
-        self._previous.append(_current())
+        self._previous.append(current_device())
         self.use()
         return self
 
     def __exit__(self, *exc):
-        _local.device = self._previous.pop()
+        thread_state.device = self._previous.pop()
 
     def synchronize(self):
         """Wait for every stream of this device; the host is then ordered after all of it."""
-        _check("cudaDeviceSynchronize", self.id)
-        with _lock:
+        check_use("cudaDeviceSynchronize", self.id)
+        with state_lock:
             queues = [q for q in _queues if q.device == self.id]
         for queue in queues:
             position = queue.enqueued
             queue.wait_for(position, "cudaDeviceSynchronize")
-            _publish(queue, position)
+            publish(queue, position)
 
 
 class _Runtime:
@@ -182,7 +182,7 @@ class _Queue:
         self.enqueued = self.executed = 0
         self.thread = None
         self.stopping = False
-        with _lock:
+        with state_lock:
             _queues.add(self)
 
     def put(self, run):
@@ -198,8 +198,8 @@ class _Queue:
             return self.enqueued
 
     def _loop(self):
-        _local.device = self.device
-        _local.internal = True
+        thread_state.device = self.device
+        thread_state.internal = True
         while True:
             with self.cond:
                 while not self.items and not self.stopping:
@@ -212,12 +212,12 @@ class _Queue:
                 self.items.popleft()
                 self.executed += 1
                 self.cond.notify_all()
-        with _lock:
+        with state_lock:
             _queues.discard(self)
 
     def wait_for(self, position, what):
         """Block until the stream ran everything up to ``position`` (a deadline bounds it)."""
-        limit = _timeout()
+        limit = default_timeout_s()
         with self.cond:
             if not self.cond.wait_for(lambda: self.executed >= position, limit):
                 raise NcclError(f"{what}: stream {self.name} did not get there within {limit:g} s")
@@ -228,13 +228,13 @@ class _Queue:
             self.cond.notify_all()
             started = self.thread is not None
         if not started:
-            with _lock:
+            with state_lock:
                 _queues.discard(self)
 
 
 def _null(device):
     """The null stream of ``device`` (pointer 0, one per device)."""
-    with _lock:
+    with state_lock:
         stream = _nulls.get(device)
         if stream is None:
             stream = _nulls[device] = Stream._make(device, null=True)
@@ -248,8 +248,8 @@ class Stream:
     """A stand-in CUDA stream of the current device (see the module docstring)."""
 
     def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
-        _check("cudaStreamCreate")
-        self._init(_current(), null)
+        check_use("cudaStreamCreate")
+        self._init(current_device(), null)
 
     @classmethod
     def _make(cls, device, null):
@@ -264,7 +264,7 @@ class Stream:
         self._queue = _Queue(device, "null" if null else f"stream{self.ptr:#x}")
         self._entered = []
         if not null:
-            with _lock:
+            with state_lock:
                 _ptrs[self.ptr] = self._queue
 
     def __repr__(self):
@@ -272,12 +272,12 @@ class Stream:
 
     # -- the thread's current stream --------------------------------------------------
     def use(self):
-        _check("cudaStreamUse", self.device_id)
+        check_use("cudaStreamUse", self.device_id)
         _streams()[self.device_id] = self
         return self
 
     def __enter__(self):
-        _check("cudaStreamUse", self.device_id)
+        check_use("cudaStreamUse", self.device_id)
         self._entered.append(_streams().get(self.device_id))
         _streams()[self.device_id] = self
         return self
@@ -292,7 +292,7 @@ class Stream:
     # -- events and waits ---------------------------------------------------------------
     def record(self, event=None):
         """Record ``event`` (a new one by default) here; return it."""
-        _check("cudaEventRecord", self.device_id)
+        check_use("cudaEventRecord", self.device_id)
         if event is None:
             event = Event()
         event._record(self._queue)
@@ -304,69 +304,69 @@ class Stream:
         The host code of the calling thread stands for that work, so the call returns once
         the event has completed, and the writes ordered before it are visible from then on.
         """
-        _check("cudaStreamWaitEvent", self.device_id)
-        _check("cudaStreamWaitEvent", event.device)
+        check_use("cudaStreamWaitEvent", self.device_id)
+        check_use("cudaStreamWaitEvent", event.device)
         queue, position = event._queue, event._position
         if queue is not None and queue is not self._queue:
             queue.wait_for(position, f"a wait on an event of stream {queue.name}")
-            _publish(queue, position)
-        _show(self._queue)
+            publish(queue, position)
+        show_writes(self._queue)
 
     def synchronize(self):
         """Block until everything enqueued here ran; the host is then ordered after it."""
-        _check("cudaStreamSynchronize", self.device_id)
+        check_use("cudaStreamSynchronize", self.device_id)
         position = self._queue.enqueued
         self._queue.wait_for(position, "cudaStreamSynchronize")
-        _publish(self._queue, position)
+        publish(self._queue, position)
 
     @property
     def done(self):
-        _check("cudaStreamQuery", self.device_id)
+        check_use("cudaStreamQuery", self.device_id)
         return self._queue.executed >= self._queue.enqueued
 
     # -- stand-in only: where host code stands for kernels ---------------------------------
     def host_work(self):
         """The calling thread's next host code stands for kernels queued here: block until
         the stream ran what is enqueued and show its results to that code."""
-        _check("stand-in host work", self.device_id)
+        check_use("stand-in host work", self.device_id)
         position = self._queue.enqueued
         self._queue.wait_for(position, "host work after the stream's operations")
-        _show(self._queue, position)
+        show_writes(self._queue, position)
 
     def hand_off(self):
         """This stream's work goes to another thread through the event recorded next: its
         results so far turn to poison for every reader not ordered after that event."""
-        _check("stand-in hand-off", self.device_id)
-        _hide(self._queue)
+        check_use("stand-in hand-off", self.device_id)
+        hide(self._queue)
 
     def __del__(self):
         if getattr(self, "null", True):
             return
         _note("cudaStreamDestroy", self.device_id)
-        with _lock:
+        with state_lock:
             _ptrs.pop(self.ptr, None)
         self._queue.stop()
 
 
 def _streams():
-    streams = getattr(_local, "streams", None)
+    streams = getattr(thread_state, "streams", None)
     if streams is None:
-        streams = _local.streams = {}
+        streams = thread_state.streams = {}
     return streams
 
 
 def get_current_stream(device_id=-1):
     """Return the calling thread's current stream of its current device (the null stream
     by default)."""
-    _check("cudaGetCurrentStream")
-    device = _current()
+    check_use("cudaGetCurrentStream")
+    device = current_device()
     return _streams().get(device) or _null(device)
 
 
-def _queue_of(stream_ptr, device):
+def queue_of(stream_ptr, device):
     if int(stream_ptr) == 0:
         return _null(device)._queue
-    with _lock:
+    with state_lock:
         queue = _ptrs.get(int(stream_ptr))
     if queue is None:
         raise NcclError(f"stream pointer {int(stream_ptr):#x} names no live stand-in stream")
@@ -380,14 +380,14 @@ class Event:
     """A stand-in CUDA event of the current device."""
 
     def __init__(self, block=False, disable_timing=False, interprocess=False):
-        _check("cudaEventCreate")
-        self.device = _current()
+        check_use("cudaEventCreate")
+        self.device = current_device()
         self._queue = None
         self._position = 0
 
     def _record(self, queue):
         if queue.device != self.device:
-            _check("cudaEventRecord", queue.device)
+            check_use("cudaEventRecord", queue.device)
         self._queue, self._position = queue, queue.enqueued
 
     def record(self, stream=None):
@@ -397,23 +397,23 @@ class Event:
     @property
     def done(self):
         """True once the stream ran what came before the record (a query orders nothing)."""
-        _check("cudaEventQuery", self.device)
+        check_use("cudaEventQuery", self.device)
         return self._queue is None or self._queue.executed >= self._position
 
     def synchronize(self):
         """Block until the event completed; the host is then ordered after it."""
-        _check("cudaEventSynchronize", self.device)
+        check_use("cudaEventSynchronize", self.device)
         if self._queue is not None:
             self._queue.wait_for(self._position, "cudaEventSynchronize")
-            _publish(self._queue, self._position)
+            publish(self._queue, self._position)
 
     def host_work(self):
         """The calling thread's next host code stands for kernels queued behind this event
         on its stream: block until the stream got here and show its results up to here."""
-        _check("stand-in host work", self.device)
+        check_use("stand-in host work", self.device)
         if self._queue is not None:
             self._queue.wait_for(self._position, "host work after an operation")
-            _show(self._queue, self._position)
+            show_writes(self._queue, self._position)
 
     def __del__(self):
         if hasattr(self, "device"):         # not when the constructor itself failed

@@ -5,7 +5,7 @@ import ctypes
 
 import numpy as np
 
-from ringnet.testing.nccl_standin.common import _NUMPY, POISON, NcclRuleError, _lock
+from ringnet.testing.nccl_standin.common import NUMPY, POISON, NcclRuleError, state_lock
 
 
 _made_on = []       # (first byte, end byte, device, ref to the buffer) of noted buffers
@@ -17,21 +17,21 @@ def note_made(array, device):
     puts it."""
     import weakref
     lo = array.__array_interface__["data"][0]
-    with _lock:
+    with state_lock:
         _made_on[:] = [m for m in _made_on if m[3]() is not None]
         _made_on.append((lo, lo + max(array.nbytes, 1), device, weakref.ref(array)))
 
 
 def made_on(ptr):
     """The device a noted buffer holding ``ptr`` was made on, or None."""
-    with _lock:
+    with state_lock:
         for lo, hi, device, ref in reversed(_made_on):
             if lo <= ptr < hi and ref() is not None:
                 return device
     return None
 
 
-class _Write:
+class Write:
     """Bytes [lo, hi) that an operation on ``queue`` writes: ``pending`` (enqueued),
     ``hidden`` (ran; memory holds poison, ``staged`` the bytes) or ``shown`` (ran; memory
     holds the bytes for the stream's own thread)."""
@@ -46,7 +46,7 @@ class _Write:
         self.state = "pending"
 
 
-_writes = []        # writes nobody has been ordered after yet
+pending_writes = []        # writes nobody has been ordered after yet
 
 
 def _memory(lo, hi):
@@ -55,49 +55,49 @@ def _memory(lo, hi):
     return np.frombuffer((ctypes.c_char * (hi - lo)).from_address(lo), dtype=np.uint8)
 
 
-def _show(queue, upto=None):
+def show_writes(queue, upto=None):
     """Give ``queue``'s results (up to position ``upto``) to the host code that follows."""
-    with _lock:
-        for write in list(_writes):
+    with state_lock:
+        for write in list(pending_writes):
             if write.queue is queue and write.state == "hidden" and (upto is None or write.seq <= upto):
                 memory = _memory(write.lo, write.hi)
                 if np.all(memory == POISON):
                     memory[...] = write.staged
                     write.state = "shown"
                 else:       # written meanwhile by code not ordered after it: not NCCL's bytes
-                    _writes.remove(write)
+                    pending_writes.remove(write)
 
 
-def _hide(queue):
-    with _lock:
-        for write in list(_writes):
+def hide(queue):
+    with state_lock:
+        for write in list(pending_writes):
             if write.queue is queue and write.state == "shown":
                 memory = _memory(write.lo, write.hi)
                 if np.array_equal(memory, write.staged):
                     memory[...] = POISON
                     write.state = "hidden"
                 else:       # the stream's own host code changed them: no longer NCCL's bytes
-                    _writes.remove(write)
+                    pending_writes.remove(write)
 
 
-def _publish(queue, position):
+def publish(queue, position):
     """Everything ``queue`` wrote up to ``position`` is visible to every reader from now on."""
-    with _lock:
-        for write in list(_writes):
+    with state_lock:
+        for write in list(pending_writes):
             if write.queue is queue and write.state != "pending" and write.seq <= position:
-                _release(write)
+                release(write)
 
 
-def _release(write):
+def release(write):
     if write.state == "hidden":
         memory = _memory(write.lo, write.hi)
         if np.all(memory == POISON):
             memory[...] = write.staged
-    _writes.remove(write)
+    pending_writes.remove(write)
 
 
 def _overlaps(lo, hi, skip=None):
-    return [w for w in _writes if w is not skip and w.lo < hi and lo < w.hi]
+    return [w for w in pending_writes if w is not skip and w.lo < hi and lo < w.hi]
 
 
 def _unordered(op, write, reads):
@@ -109,12 +109,12 @@ def _unordered(op, write, reads):
         "wait_event on an event recorded after it, or a synchronize): on a GPU the two race")
 
 
-def _outgoing(op, ptr, count):
+def outgoing(op, ptr, count):
     """Return a copy of what ``op`` sends from ``ptr``, as the stream sees it; raise when
     another stream's write to those bytes is not ordered before it."""
-    itemsize = np.dtype(_NUMPY[op.dtype]).itemsize
+    itemsize = np.dtype(NUMPY[op.dtype]).itemsize
     lo, hi = int(ptr), int(ptr) + count * itemsize
-    with _lock:
+    with state_lock:
         data = _memory(lo, hi).copy()
         for write in _overlaps(lo, hi):
             if write.queue is not op.queue:
@@ -127,16 +127,16 @@ def _outgoing(op, ptr, count):
                 a, b = max(lo, write.lo), min(hi, write.hi)
                 data[a - lo:b - lo] = write.staged[a - write.lo:b - write.lo]
             elif not np.array_equal(memory, write.staged):
-                _writes.remove(write)           # host code of this stream wrote there since
-    return data.view(_NUMPY[op.dtype])
+                pending_writes.remove(write)           # host code of this stream wrote there since
+    return data.view(NUMPY[op.dtype])
 
 
-def _land(op, ptr, payload):
+def land(op, ptr, payload):
     """Store what ``op`` received (or computed) at ``ptr``: tracked writes go to poison."""
     raw = np.ascontiguousarray(payload).view(np.uint8).reshape(-1)
     lo, hi = int(ptr), int(ptr) + raw.size
     write = op.write
-    with _lock:
+    with state_lock:
         if write is None:
             _memory(lo, hi)[...] = raw
             return
@@ -152,10 +152,10 @@ def _land(op, ptr, payload):
 
 def _trim(write, lo, hi):
     """Drop [lo, hi) from ``write`` (keeping what lies on either side)."""
-    _writes.remove(write)
+    pending_writes.remove(write)
     for a, b in ((write.lo, min(write.hi, lo)), (max(write.lo, hi), write.hi)):
         if b > a:
-            part = _Write(write.queue, write.comm, a, b, write.owner, write.what)
+            part = Write(write.queue, write.comm, a, b, write.owner, write.what)
             part.seq, part.state = write.seq, write.state
             part.staged = write.staged[a - write.lo:b - write.lo].copy()
-            _writes.append(part)
+            pending_writes.append(part)
