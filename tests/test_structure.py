@@ -175,3 +175,23 @@ def test_the_circle_check_finds_a_circle(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "_imports", imports)
     assert ["ringnet.layers.cuda_kernels", "ringnet.layers.cuda_registry",
             "ringnet.layers.cuda_kernels"] in _cycles("ringnet.layers")
+
+
+def _private_imports(path):
+    """[(line, module, name)]: ``from ringnet.x import _name`` in ``path`` (another module's
+    private name; ``import public as _alias`` is not one)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ringnet"):
+            found += [(node.lineno, node.module, alias.name) for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_s_private_name(tmp_path):
+    taken = [(str(p.relative_to(PACKAGE.parent)), *hit) for p in SOURCES for hit in _private_imports(p)]
+    assert taken == [], taken
+    probe = tmp_path / "probe.py"          # the check itself
+    probe.write_text("from ringnet.comm import stream as _stream\n"
+                     "from ringnet.comm.cost import (ALPHA,\n    _fold)\n")
+    assert _private_imports(probe) == [(2, "ringnet.comm.cost", "_fold")]
