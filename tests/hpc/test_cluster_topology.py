@@ -67,23 +67,31 @@ def test_cyclic_ring_is_ordered_by_node(cluster):
     assert [(r["left"], r["right"]) for r in rows] == [(3, 2), (2, 3), (0, 1), (1, 0)]
 
 
+def _hierarchical_as_single(cluster, ranks, args, reference, tmp_path, shape, ring_says):
+    """Ring and tree, hierarchical, on 2 nodes and ``ranks`` ranks: the header names the
+    shape (and the ring's exchange, ``ring_says``); the weights are ``reference``'s."""
+    for mode in ("ring", "tree"):
+        path = tmp_path / f"{mode}.h5"
+        proc = cluster.run(["srun", "-N", "2", "-n", str(ranks), "--mpi=pmi2", sys.executable,
+                            "-m", "ringnet.train", *args, "--mode", mode, "--delay", "0",
+                            "--topology", "hierarchical", "--save", str(path)], timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        text = proc.stdout + proc.stderr
+        assert "2 nodes" in text and f"{ranks} rank(s)" in text, text[-2000:]
+        assert "topology hierarchical (asked for" in text, text[-2000:]
+        if mode == "ring":
+            assert ring_says in text, text[-2000:]
+        assert rel_error(weights(path), reference) <= 1e-9, f"{mode} on {shape} differs from single"
+
+
 def test_uneven_placement_trains_as_single(cluster, tmp_path):
     """3 ranks on 2 nodes (2 + 1): the channels need the same ranks on every node, so the
     hierarchical ring runs one leader per node, as its header says; it and the tree equal
     single at a batch the 3 ranks split evenly."""
     args = [*BASE, "--batch-size", "48"]
     reference, _ = run_local(args + ["--mode", "single"], tmp_path, "single48")
-    for mode in ("ring", "tree"):
-        path = tmp_path / f"{mode}.h5"
-        proc = cluster.run(["srun", "-N", "2", "-n", "3", "--mpi=pmi2", sys.executable, "-m",
-                            "ringnet.train", *args, "--mode", mode, "--delay", "0",
-                            "--topology", "hierarchical", "--save", str(path)], timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        text = proc.stdout + proc.stderr
-        assert "2 nodes" in text and "3 rank(s)" in text, text[-2000:]
-        if mode == "ring":
-            assert "one leader per node (uneven placement" in text, text[-2000:]
-        assert rel_error(weights(path), reference) <= 1e-9, f"{mode} on 2 + 1 differs from single"
+    _hierarchical_as_single(cluster, 3, args, reference, tmp_path, "2 + 1",
+                            "one leader per node (uneven placement")
 
 
 def test_ring_delay1_through_the_channels_is_the_delayed_recurrence(cluster, single, tmp_path):
@@ -107,15 +115,4 @@ def test_ring_delay1_through_the_channels_is_the_delayed_recurrence(cluster, sin
 def test_one_rank_a_node_trains_as_single_hierarchically(cluster, single, tmp_path):
     """2 x 1: a channel of one rank a node (the ring) and the leaders' tree train to the
     weights of ``single``."""
-    reference, _ = single
-    for mode in ("ring", "tree"):
-        path = tmp_path / f"{mode}.h5"
-        proc = cluster.run(["srun", "-N", "2", "-n", "2", "--mpi=pmi2", sys.executable, "-m",
-                            "ringnet.train", *BASE, "--mode", mode, "--delay", "0",
-                            "--topology", "hierarchical", "--save", str(path)], timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        text = proc.stdout + proc.stderr
-        assert "2 nodes" in text and "topology hierarchical (asked for" in text, text[-2000:]
-        if mode == "ring":
-            assert "1 channel x 2 nodes" in text, text[-2000:]
-        assert rel_error(weights(path), reference) <= 1e-9, f"{mode} on 2 x 1 differs from single"
+    _hierarchical_as_single(cluster, 2, BASE, single[0], tmp_path, "2 x 1", "1 channel x 2 nodes")
