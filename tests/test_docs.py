@@ -838,6 +838,8 @@ COMMANDS = {
         "tests/bench/test_bench_soak.py::test_a_short_soak_run_samples_every_rank",
     "python -m ringnet.bench soak --np 2 --model digits --dataset digits --steps 60000 --every 3":
         "tests/bench/test_bench_soak.py::test_a_short_soak_run_samples_every_rank",
+    "python -m ringnet.bench soak --np 2 --model lenet --dataset synthetic --steps 180000 --every 10":
+        "tests/bench/test_bench_soak.py::test_a_short_soak_run_samples_every_rank",
     "mpirun -np 4 python -m ringnet.train --save ck.h5 --save-every 100 --resume auto":
         "tests/test_stop.py::test_a_signal_on_one_rank_stops_all_with_the_checkpoint_and_auto_"
         "resumes_exactly",
