@@ -59,7 +59,9 @@ print('{"run": %d}' % (n + 1))
 """
 
 
-def test_a_run_whose_mpi_start_up_stalled_is_run_once_more(tmp_path, capsys):
+def test_a_run_whose_mpi_start_up_stalled_is_run_once_more(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))     # the failed run's output is kept there
+    monkeypatch.setattr(jobs.tempfile, "tempdir", None)
     from ringnet import start_watch
 
     from ringnet.jobs import START_STALLED, run_json
@@ -76,3 +78,4 @@ def test_a_run_whose_mpi_start_up_stalled_is_run_once_more(tmp_path, capsys):
                                          r"start-up \(MPI_Init\) did not finish within 3 s"):
         run_json([sys.executable, str(script), str(twice), "2"], "ring at N=2")
     assert (twice / "count").read_text() == "2"         # once more, not again and again
+    assert len(list(tmp_path.glob("ringnet-failed-run-*.log"))) == 1
