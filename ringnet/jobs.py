@@ -14,13 +14,11 @@ import sys
 import tempfile
 
 from ringnet import cluster
+from ringnet import start_watch
 from ringnet.errors import UsageError
 from ringnet.parallel import MODES
 
 __all__ = ["run_json", "failure_reason", "train_run", "recipe_flags", "job_env", "job_launch"]
-
-# what ringnet.start_watch's line starts with (a rank's MPI start-up that never ended)
-START_STALLED = "ringnet: error: MPI start-up (MPI_Init) did not finish"
 
 
 def run_json(cmd, what, env=None, timeout=None):
@@ -37,7 +35,7 @@ def run_json(cmd, what, env=None, timeout=None):
         except subprocess.TimeoutExpired:
             raise UsageError(f"{what} ({' '.join(map(str, cmd))}) did not finish within "
                              f"{timeout:.0f} s") from None
-        if attempt == 1 and proc.returncode != 0 and START_STALLED in proc.stderr:
+        if attempt == 1 and proc.returncode != 0 and start_watch.STALLED in proc.stderr:
             print(f"{what}: MPI start-up stalled, starting it again", file=sys.stderr)
             continue
         break

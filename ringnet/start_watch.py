@@ -21,9 +21,10 @@ import select
 import signal
 import warnings
 
-__all__ = ["watch", "up", "start_timeout", "launcher_rank", "MESSAGE"]
+__all__ = ["watch", "up", "start_timeout", "launcher_rank", "STALLED", "MESSAGE"]
 
-MESSAGE = ("ringnet: error: MPI start-up (MPI_Init) did not finish within {seconds:g} s: the "
+STALLED = "ringnet: error: MPI start-up (MPI_Init) did not finish"     # what the line starts with
+MESSAGE = (STALLED + " within {seconds:g} s: the "
            "launcher's process manager stopped answering (under srun --mpi=pmi2 with MPICH, "
            "slurmd's log says 'mpi/pmi2: value not properly terminated'; a relaunch "
            "usually starts; deadline: RINGNET_COMM_TIMEOUT)\n")

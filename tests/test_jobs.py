@@ -64,7 +64,8 @@ def test_a_run_whose_mpi_start_up_stalled_is_run_once_more(tmp_path, capsys, mon
     monkeypatch.setattr(jobs.tempfile, "tempdir", None)
     from ringnet import start_watch
 
-    from ringnet.jobs import START_STALLED, run_json
+    from ringnet.jobs import run_json
+    START_STALLED = start_watch.STALLED
     assert start_watch.MESSAGE.startswith(START_STALLED)
     script = tmp_path / "stalls.py"
     script.write_text(STALLS)
