@@ -27,8 +27,9 @@ Every case launches ``python -m ringnet.train`` (under mpirun for N > 1) with on
   ranks that resumed different checkpoints: exit 2 before training, one line.
 * ``concurrent``: a second job on the same ``--save`` is refused, naming the holder.
 * ``srun`` (with ``--slurm``): ``ringnet.launch --launcher 'srun --mpi=pmi2'``, where srun
-  reports the other tasks of a job one rank ended as killed: a divergence ends in 3, a bad
-  data set or flag in 2, a SIGTERM in 75, none relaunched; a rank killed is relaunched.
+  reports the other tasks of a job one rank ended as killed: a divergence ends in 3, a
+  missing data set or a corrupt chunk one rank reads in 2, a SIGTERM in 75, none
+  relaunched; a rank killed is relaunched.
 
 Each case checks the exit code, the message (exactly one ``ringnet: error:`` line, no
 traceback), the time to exit against a bound, that no process of the run is left,

@@ -102,8 +102,9 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
         return cp.update(part.updated) * slow
 
     exchange_items = flat_items
-    if topology == "hierarchical" and spans_nodes(system.layout(), n):
-        exchange_items = functools.partial(_hierarchical_on, system.layout())
+    layout = system.layout() if topology == "hierarchical" else None
+    if layout is not None and spans_nodes(layout, n):
+        exchange_items = functools.partial(_hierarchical_on, layout)
     (everything,) = whole.parts
     # A step's first collective starts on a link idle since the previous step's exchange
     # ended (the forward at delay 0; at delay 1 the gap between the exchange and the step,
