@@ -148,6 +148,8 @@ def calibration_record(n, raw, add_s_per_elem):
     slice_s, msg_slice_s = _wait_slices(n, raw.get("cores") and physical, raw.get("waits"))
     return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted, "cores": cores,
             "cores_total": None if physical == math.inf else physical,
+            # a node held to a CFS quota under a core (hpc/cluster.sh --cpus-per-node 0.5)
+            "quota": raw["quota"] if (raw.get("quota") or 1) < 1 else None,
             "slowdown": slowdown, "model_cores": model_cores,
             # each model's slowest rank per step against the mean (older records: none)
             "imbalance": {name: max(1.0, float(v["imbalance"]))

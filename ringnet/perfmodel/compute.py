@@ -20,6 +20,9 @@ class ComputeProfile:
     ``method``: for a profile measured here, :data:`TRAINING_STEPS` or
     :data:`ISOLATED_LAYERS` (empty for stated GPU profiles and files without it);
     ``steps_ms``: the median training step each batch's layers were timed in.
+    ``quota``: the cores the CFS quota of the control group it was measured in granted,
+    where that was under one (:func:`ringnet.placement.cpu_quota`): its times are those of
+    a thread held to that share of a core (:meth:`full_speed`), None where none held it.
     """
     name: str
     device: str                      # "cpu" or "gpu"
@@ -32,6 +35,26 @@ class ComputeProfile:
     source: str = ""
     method: str = ""                 # how a profile measured here was taken
     steps_ms: dict = dataclasses.field(default_factory=dict)  # model -> {batch: step ms}
+    quota: float = None              # measured under a CFS quota of this many cores (< 1)
+
+    def scaled(self, factor):
+        """The same profile with every time multiplied by ``factor``."""
+        return dataclasses.replace(
+            self, layers={m: [(n, (fa * factor, fb * factor), (ba * factor, bb * factor))
+                              for n, (fa, fb), (ba, bb) in rows] for m, rows in self.layers.items()},
+            overhead={m: (a * factor, b * factor) for m, (a, b) in self.overhead.items()},
+            update_s_per_param=self.update_s_per_param * factor,
+            update_s_per_call=self.update_s_per_call * factor,
+            add_s_per_elem=self.add_s_per_elem * factor, add_s_per_call=self.add_s_per_call * factor)
+
+    def full_speed(self, quota=None):
+        """The profile of a thread with a core of its own: a profile measured busy under a
+        quota of q < 1 cores ran q of the time, so its CPU time is q times its wall time.
+        ``quota``: the one to assume where the profile names none (None: its own)."""
+        q = self.quota if self.quota is not None else quota
+        if q is None or q >= 1:
+            return self
+        return dataclasses.replace(self.scaled(q), quota=None)
 
     def layer(self, model, name, batch, share=1.0):
         """Return (forward s, backward s) of one layer on ``batch`` samples (``share`` of its rows)."""
@@ -64,6 +87,7 @@ class ComputeProfile:
         return {"name": self.name, "device": self.device, "source": self.source,
                 "method": self.method,
                 "steps_ms": {m: {str(b): v for b, v in d.items()} for m, d in self.steps_ms.items()},
+                **({"quota": self.quota} if self.quota is not None else {}),
                 "update_ns_per_param": self.update_s_per_param * 1e9,
                 "update_us_per_call": self.update_s_per_call * 1e6,
                 "add_ns_per_element": self.add_s_per_elem * 1e9,
@@ -105,7 +129,8 @@ def compute_from_json(data, source=""):
                           data.get("add_us_per_call", 0.0) * 1e-6, data.get("source", source),
                           data.get("method", ""),
                           {m: {int(b): v for b, v in d.items()}
-                           for m, d in data.get("steps_ms", {}).items()})
+                           for m, d in data.get("steps_ms", {}).items()},
+                          data.get("quota"))
 
 
 def load_compute(path):

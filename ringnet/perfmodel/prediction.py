@@ -47,6 +47,30 @@ def predict(system, model, mode, delay, n, batch, topology="flat"):
         n, delay = 1, 0
     system = system.at(n)
     system = dataclasses.replace(system, ranks_here=min(n, system.ranks_per_node))
+    if system.quota is not None and min(n, system.placed_per_node or system.ranks_per_node) == 1:
+        return _under_quota(system, model, mode, delay, n, batch, topology)
+    return _predict_on(system, model, mode, delay, n, batch, topology)
+
+
+def _under_quota(system, model, mode, delay, n, batch, topology):
+    """One rank on a node held to a CFS quota of q < 1 cores: the kernel lets its threads
+    run at a full core's speed until they have used q of the period and holds them for
+    the rest. A rank that waits for the network spends no budget meanwhile, so it computes
+    at a full core's speed (the profile, measured busy under the quota, times q), and the
+    step is no shorter than its CPU time (compute, the stream's steal, updates) over q:
+    the busy single step is the profile itself."""
+    q = system.quota
+    free = dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None)
+    p = _predict_on(free, model, mode, delay, n, batch, topology)
+    busy = (p.compute_s + p.update_s) / q
+    if busy <= p.step_s:
+        return p
+    return dataclasses.replace(p, step_s=busy, compute_s=p.compute_s / q,
+                               update_s=p.update_s / q, exposed_s=0.0)
+
+
+def _predict_on(system, model, mode, delay, n, batch, topology):
+    """:func:`predict` on the system an N-rank job sees (``System.at`` taken)."""
     cp = system.compute
     name = model.name
     slow = system.contention(n, name)

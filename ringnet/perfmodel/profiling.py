@@ -174,7 +174,7 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
         "here", "cpu", layers, overhead, per_param, per_call, per_add,
         max(costs[("add", small)] - small * per_add, 0.0),
         f"measured on this machine in training steps (single mode), {dtype}, 1 BLAS thread, "
-        f"batches {list(batches)}", method=TRAINING_STEPS, steps_ms=steps_ms)
+        f"batches {list(batches)}", method=TRAINING_STEPS, steps_ms=steps_ms, quota=_quota())
 
 
 def isolated_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0):
@@ -232,7 +232,14 @@ def isolated_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0)
         max(costs[("upd", small)] - small * per_upd, 0.0), max(per_add, 0.0),
         max(costs[("add", small)] - small * per_add, 0.0),
         f"measured on this machine, layers timed alone, {dtype}, 1 BLAS thread, batches "
-        f"{list(batches)}, one model per batch", method=ISOLATED_LAYERS)
+        f"{list(batches)}, one model per batch", method=ISOLATED_LAYERS, quota=_quota())
+
+
+def _quota():
+    """The CFS quota this process runs under where it is less than a core, else None."""
+    from ringnet.placement import cpu_quota
+    q = cpu_quota()
+    return q if q is not None and q < 1 else None
 
 
 def compute_profile(spec, models, dtype):

@@ -24,6 +24,12 @@ class System:
     (measured; ``calibrated`` holds them per calibrated N). ``imbalance`` (per model, only
     where every rank has a core): the slowest rank's step against the ranks' mean, step by
     step with all ranks busy; a delay-0 step ends with its slowest rank.
+
+    ``quota`` (local, calibrated on nodes held to a CFS quota under a core, one rank a
+    node): the cores each node's quota grants. Such a node runs a thread at a full core's
+    speed while the period's budget lasts and holds it once it is spent, so a step whose
+    rank waits for the network computes faster than a busy one, and no step is shorter
+    than its CPU time over the quota (:func:`ringnet.perfmodel.prediction.predict`).
     """
     name: str
     intra: Link
@@ -44,6 +50,7 @@ class System:
     links_per_node: int = None       # links between nodes per node (None: one per rank)
     node_link: Link = None           # local on a cluster: the link within one node, calibrated
     #                                  with the ranks on one node (the hierarchical exchange's)
+    quota: float = None              # local: a node's CFS quota in cores, where under one
 
     def hop(self, a, b):
         """Return the Link between ranks a and b (ranks fill nodes in order)."""
@@ -73,7 +80,7 @@ class System:
                                    model_cores=c.get("model_cores") or None, wait_s=wait,
                                    imbalance=(c.get("imbalance") or None) if n <= cores_here
                                    else None,
-                                   msg_wait_s=per_msg)
+                                   msg_wait_s=per_msg, quota=c.get("quota"))
 
     def _node_link(self):
         """Local on a cluster with several ranks a node: the link the calibration measured

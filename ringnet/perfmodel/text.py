@@ -51,6 +51,8 @@ def print_report(args, compute, profiles, calibration, nps, predictions, allredu
             hint = inter_link_hint(n, c)
             if hint:
                 print(f"# local at N={n}: {hint}")
+            if c.get("quota"):
+                print(f"# local at N={n}: {quota_line(c['quota'])}")
     print_tables(predictions, args.batch_size, args.scaling, nps)
     if allreduces:
         print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "
@@ -121,6 +123,8 @@ def print_validation(args, validation, record):
                 hint = inter_link_hint(n, c)
                 if hint:
                     print(f"# round {i + 1}, N={n}: {hint}")
+                if c.get("quota"):
+                    print(f"# round {i + 1}, N={n}: {quota_line(c['quota'])}")
     print(f"# load average now: {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
           "(timings on a loaded machine move by tens of percent)")
     if args.validate:
@@ -129,3 +133,10 @@ def print_validation(args, validation, record):
               f"--compute k40 --np {' '.join(map(str, sorted({r['np'] for r in validation})))} "
               f"--validation {where} --table validation --markdown`):")
         print(markdown_validation(validation))
+
+
+def quota_line(quota):
+    """What the model does with nodes held to a CFS quota of ``quota`` (< 1) cores."""
+    return (f"nodes held to a CPU quota of {quota:g} core: one rank a node computes at a full "
+            f"core's speed while the period's budget lasts (the profile times {quota:g}), and "
+            f"no step is shorter than its CPU time / {quota:g}")

@@ -20,7 +20,8 @@ STREAM_SIZES = (512 << 10, 2 << 20)
 def calibrate_worker(iters, models=(), batch=0):
     """Under mpirun: time the ring communicator blocking and on its stream beside compute.
 
-    Prints one JSON line on rank 0: the compute work unit alone and with every rank busy,
+    Prints one JSON line on rank 0: the cores and the CFS quota (``quota``, cores, or None)
+    of rank 0's node, the compute work unit alone and with every rank busy,
     each of ``models``' training step (forward, loss, backward) at the per-rank ``batch``
     alone and on every rank at once, blocking reduce-scatter+all-gather per size, per
     stream size the exchange's own duration and the work unit's time while it ran, and a
@@ -191,7 +192,8 @@ def calibrate_worker(iters, models=(), batch=0):
                     mean_over_ranks(time.perf_counter() - t0))
     stream.close()
     if rank == 0:
-        print(json.dumps({"np": n, "cores": usable_cores(), "solo_s": float(np.median(solo)),
+        from ringnet.placement import cpu_quota
+        print(json.dumps({"np": n, "cores": usable_cores(), "quota": cpu_quota(), "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
                           "blocking": blocking, "streamed": streamed,
                           "rooted": by_mode, "models": steps,

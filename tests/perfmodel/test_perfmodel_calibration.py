@@ -264,7 +264,9 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
         return
     raw = json.loads(out[-1])
     n = world.Get_size()
+    from ringnet.placement import cpu_quota
     assert raw["np"] == n and raw["cores"] == pm.usable_cores()
+    assert raw["quota"] == cpu_quota()
     assert raw["models"]["lenet"]["batch"] == 3 and raw["models"]["lenet"]["calls"] >= 1
     assert raw["models"]["lenet"]["solo_s"] > 0 and raw["models"]["lenet"]["together_s"] > 0
     assert raw["models"]["lenet"]["imbalance"] >= 1.0 - 1e-12        # a maximum over a mean
@@ -275,3 +277,12 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
     assert record["model_cores"]["lenet"] > 0
     if n <= raw["cores"]:
         assert record["slice_s"] == record["msg_slice_s"] == 0.0
+
+
+@pytest.mark.parametrize("quota,kept", [(0.5, 0.5), (1.0, None), (2.0, None), (None, None)])
+def test_a_calibration_keeps_a_node_s_quota_under_a_core(quota, kept):
+    """The worker's quota goes into the record where it is under a core (the model then
+    prices a node held to it); a core or more, or none, is no quota to the model."""
+    raw = waits_raw(2, 0.0, 0.0)
+    raw.update(cores=1, quota=quota)
+    assert calibration.calibration_record(2, raw, 0.0)["quota"] == kept

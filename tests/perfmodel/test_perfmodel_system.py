@@ -127,3 +127,48 @@ def test_two_ranks_a_node_price_the_hierarchical_exchange_on_the_node_s_link_and
     assert one_a_node.at(4).node_link is None and one_a_node.at(4).layout() is not None
     assert pm.predict(one_a_node, lenet, "ring", 1, 4, 64, topology="hierarchical").step_s == \
         pm.predict(one_a_node, lenet, "ring", 1, 4, 64).step_s
+
+
+def _half_core_nodes():
+    """A calibration on nodes of half a core, one rank a node (quota 0.5 in its raw)."""
+    calibration = _calibration(per_node=1)
+    for entry in calibration["by_np"].values():
+        entry["raw"]["quota"] = 0.5
+    return calibration
+
+
+def test_a_node_held_to_a_quota_computes_at_full_speed_while_it_waits():
+    """One rank a node on nodes of half a core (the profile measured busy there): a step
+    whose rank mostly waits for a slow link computes at a full core's speed (half the
+    profile), and a step that is mostly compute is held to its CPU time over the quota
+    (the single step is the profile's own); with two ranks a node, or no quota, the
+    prediction is as before."""
+    compute = pm.roofline_compute("k40", ("lenet",)).scaled(40.0)    # CPU-like times
+    lenet = build_model("lenet")
+    held = pm.make_system("local", compute, 1, _half_core_nodes())
+    free = pm.make_system("local", compute, 1, _calibration(per_node=1))
+    assert held.at(4).quota == 0.5 and free.at(4).quota is None
+    single, single_free = (pm.predict(s, lenet, "single", 0, 1, 64) for s in (held, free))
+    assert single.step_s == pytest.approx(single_free.step_s, rel=1e-9)
+    # a slow link (1 MB/s): the exchange decides; compute at a full core's speed
+    slow = dataclasses.replace(free.at(4), calibrated=None,
+                               inter=pm.Link("slow", 1e-3, 1e6), intra=pm.Link("slow", 1e-3, 1e6))
+    slow_held = dataclasses.replace(slow, quota=0.5)
+    waits, busy = (pm.predict(s, lenet, "tree", 0, 4, 64) for s in (slow_held, slow))
+    assert waits.compute_s == pytest.approx(0.5 * busy.compute_s, rel=1e-6)
+    assert waits.step_s < busy.step_s
+    assert waits.step_s >= (waits.compute_s + waits.update_s) / 0.5
+    # a fast link: the compute decides, and the quota holds the step to CPU time / 0.5
+    fast = dataclasses.replace(slow, inter=pm.Link("fast", 0.0, 1e15), intra=pm.Link("fast", 0.0, 1e15))
+    fast_held = dataclasses.replace(fast, quota=0.5)
+    bound = pm.predict(fast_held, lenet, "ring", 0, 4, 64)
+    unheld = pm.predict(dataclasses.replace(fast, compute=compute.full_speed(0.5)), lenet, "ring", 0, 4, 64)
+    assert bound.step_s == pytest.approx((unheld.compute_s + unheld.update_s) / 0.5, rel=1e-9)
+    assert bound.step_s > unheld.step_s and bound.exposed_s == 0.0
+    # two ranks a node share its quota as before: no change
+    two = _calibration(per_node=2)
+    for entry in two["by_np"].values():
+        entry["raw"]["quota"] = 0.5
+    shared = pm.make_system("local", compute, 1, two)
+    plain = pm.make_system("local", compute, 1, _calibration(per_node=2))
+    assert pm.predict(shared, lenet, "ring", 1, 4, 64).step_s == pm.predict(plain, lenet, "ring", 1, 4, 64).step_s
