@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A SLURM on this machine, for trying the hpc/*.sbatch scripts and for CI: one node, or K
 # nodes made of network namespaces joined by shaped links.
-# Usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--cpus-per-node C] [--prefix NAME]
-#                            [--subnet A.B.C.0/24]
+# Usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--cpus-per-node C] [--cpu-period US]
+#                            [--prefix NAME] [--subnet A.B.C.0/24]
 #        hpc/cluster.sh stop|status|env|fail-node NAME|revive-node NAME
 #   start   no flags (or --nodes 1): start munged, slurmctld and slurmd (no systemd needed) and
 #           wait for an idle node; does nothing when they already run.
@@ -19,6 +19,10 @@
 #           controller: cpu.cfs_quota_us of every cpu.cfs_period_us; cgroup v2: cpu.max);
 #           C may be fractional (0.5: 5 ms of every 10 ms). Default: this machine's cores
 #           (nproc) / K. C*K may not exceed nproc.
+#           --cpu-period US: the quota's period in microseconds (1000 to 1000000, default
+#           10000); C cores of it must make at least 1 ms. A node runs at a full core's
+#           speed until its quota of the period is spent and is held for the rest: a
+#           shorter period makes the throttle finer, a node more like a slower core.
 #           A bad value, a name or address already taken, or a step that fails: one line,
 #           exit 2, and whatever this start made is removed again.
 #   stop    stop the daemons this script started (by the PIDs in their PID files); with K
@@ -337,9 +341,11 @@ find_cpu_controller() {
   return 1
 }
 
-quota_of() {  # quota_of C: "QUOTA PERIOD" in microseconds for C cores (at least 1 ms a period)
-  awk -v c="$1" 'BEGIN {
-    p = 10000; q = int(c * p + 0.5)
+quota_of() {  # quota_of C [PERIOD]: "QUOTA PERIOD" in microseconds for C cores (at least 1 ms
+  # a period; without PERIOD, 10 ms or longer where C needs it)
+  awk -v c="$1" -v given="${2:-}" 'BEGIN {
+    p = given == "" ? 10000 : given + 0; q = int(c * p + 0.5)
+    if (q < 1000 && given != "") exit 1
     if (q < 1000) { p = int(1000 / c + 0.5); q = 1000 }
     if (p > 1000000) exit 1
     print q, p }'
@@ -419,8 +425,8 @@ group_usage() {  # group_usage NAME: "QUOTA-TEXT, S s of CPU used" from node NAM
   printf ', %s s of CPU used' "${used:-?}"
 }
 
-start_nodes() {  # start_nodes K RATE PREFIX SUBNET CPUS-PER-NODE (empty: nproc / K)
-  local k=$1 rate=$2 prefix=$3 subnet=$4 cpus=$5
+start_nodes() {  # start_nodes K RATE PREFIX SUBNET CPUS-PER-NODE (empty: nproc / K) PERIOD (empty: 10 ms)
+  local k=$1 rate=$2 prefix=$3 subnet=$4 cpus=$5 given_period=$6
   [[ $prefix =~ ^[a-z][a-z0-9-]{0,7}$ && ! $prefix =~ [0-9]$ ]] ||
     die "--prefix $prefix: 1 to 8 lower-case letters, digits or '-', starting with a letter and not ending in a digit"
   [[ $subnet =~ ^(10|172\.(1[6-9]|2[0-9]|3[01])|192\.168)\.[0-9]+(\.[0-9]+)?\.0/24$ ]] &&
@@ -434,10 +440,14 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET CPUS-PER-NODE (empty: nproc 
   cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)   # nproc honours OMP_NUM_THREADS
   if [ -z "$cpus" ]; then
     cpus=$(awk -v n="$cores" -v k="$k" 'BEGIN {printf "%.6g", n / k}')
-    q=$(quota_of "$cpus") ||
+    [ -z "$given_period" ] || quota_of "$cpus" "$given_period" >/dev/null ||
+      die "--cpu-period $given_period: $cpus cores of it are less than 1 ms; give a longer period"
+    q=$(quota_of "$cpus" "$given_period") ||
       die "--nodes $k: this machine's $cores cores make less than 0.001 core a node; give --cpus-per-node"
   else
-    q=$(quota_of "$cpus") ||
+    [ -z "$given_period" ] || quota_of "$cpus" "$given_period" >/dev/null ||
+      die "--cpu-period $given_period: $cpus cores of it are less than 1 ms; give a longer period"
+    q=$(quota_of "$cpus" "$given_period") ||
       die "--cpus-per-node $cpus: give 0.001 cores or more (a quota of at least 1 ms a second)"
     awk -v c="$cpus" -v k="$k" -v n="$cores" 'BEGIN {exit !(c * k > n + 1e-9)}' &&
       die "--cpus-per-node $cpus: $k nodes of $cpus cores are $(awk -v c="$cpus" -v k="$k" 'BEGIN {printf "%g", c * k}') cores, more than this machine's $cores"
@@ -769,20 +779,21 @@ cmd=${1:-}
 [ "$#" -gt 0 ] && shift
 case "$cmd" in
   start)
-    nodes="" rate="" cpus="" prefix=node subnet=10.27.0.0/24
+    nodes="" rate="" cpus="" period="" prefix=node subnet=10.27.0.0/24
     while [ "$#" -gt 0 ]; do
       case "$1" in
-        --nodes|--link|--cpus-per-node|--prefix|--subnet)
+        --nodes|--link|--cpus-per-node|--cpu-period|--prefix|--subnet)
           [ "$#" -ge 2 ] || die "$1 needs a value"
           case "$1" in
             --nodes) nodes=$2 ;;
             --link) rate=$2 ;;
             --cpus-per-node) cpus=$2 ;;
+            --cpu-period) period=$2 ;;
             --prefix) prefix=$2 ;;
             --subnet) subnet=$2 ;;
           esac
           shift 2 ;;
-        *) die "start: unknown option $1 (start [--nodes K] [--link RATE] [--cpus-per-node C] [--prefix NAME] [--subnet A.B.C.0/24])" ;;
+        *) die "start: unknown option $1 (start [--nodes K] [--link RATE] [--cpus-per-node C] [--cpu-period US] [--prefix NAME] [--subnet A.B.C.0/24])" ;;
       esac
     done
     if [ -n "$nodes" ]; then
@@ -799,15 +810,21 @@ case "$cmd" in
       awk -v c="$cpus" 'BEGIN {exit !(c + 0 > 0)}' || die "--cpus-per-node $cpus: give more than 0 cores"
       [ "${nodes:-1}" -ge 2 ] || die "--cpus-per-node $cpus gives each node of a cluster its own cores: give --nodes 2 or more"
     fi
+    if [ -n "$period" ]; then
+      [[ $period =~ ^[0-9]+$ ]] && [ "$((10#$period))" -ge 1000 ] && [ "$((10#$period))" -le 1000000 ] ||
+        die "--cpu-period $period: give the quota's period in microseconds, 1000 to 1000000"
+      period=$((10#$period))
+      [ "${nodes:-1}" -ge 2 ] || die "--cpu-period $period sets the period of the nodes' CPU quota: give --nodes 2 or more"
+    fi
     if [ "$prefix$subnet" != node10.27.0.0/24 ] && [ "${nodes:-1}" -lt 2 ]; then
       die "--prefix and --subnet name the nodes and their addresses: give --nodes 2 or more"
     fi
-    if [ "${nodes:-1}" -eq 1 ]; then start; else start_nodes "$nodes" "$rate" "$prefix" "$subnet" "$cpus"; fi ;;
+    if [ "${nodes:-1}" -eq 1 ]; then start; else start_nodes "$nodes" "$rate" "$prefix" "$subnet" "$cpus" "$period"; fi ;;
   stop) stop ;;
   status) status ;;
   env) env_lines ;;
   fail-node|revive-node)
     [ "$#" -eq 1 ] || die "$cmd: give one node name"
     if [ "$cmd" = fail-node ]; then fail_node "$1"; else revive_node "$1"; fi ;;
-  *) echo "usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--cpus-per-node C] [--prefix NAME] [--subnet A.B.C.0/24]|stop|status|env|fail-node NAME|revive-node NAME" >&2; exit 2 ;;
+  *) echo "usage: hpc/cluster.sh start [--nodes K] [--link RATE] [--cpus-per-node C] [--cpu-period US] [--prefix NAME] [--subnet A.B.C.0/24]|stop|status|env|fail-node NAME|revive-node NAME" >&2; exit 2 ;;
 esac

@@ -121,6 +121,16 @@ def _start(s, *extra):
      f"{len(os.sched_getaffinity(0))}"),
     (["--cpus-per-node", "1"],
      "--cpus-per-node 1 gives each node of a cluster its own cores: give --nodes 2 or more"),
+    (["--nodes", "2", "--cpu-period", "999"],
+     "--cpu-period 999: give the quota's period in microseconds, 1000 to 1000000"),
+    (["--nodes", "2", "--cpu-period", "1000001"],
+     "--cpu-period 1000001: give the quota's period in microseconds, 1000 to 1000000"),
+    (["--nodes", "2", "--cpu-period", "2ms"],
+     "--cpu-period 2ms: give the quota's period in microseconds, 1000 to 1000000"),
+    (["--nodes", "2", "--cpus-per-node", "0.5", "--cpu-period", "1000"],
+     "--cpu-period 1000: 0.5 cores of it are less than 1 ms; give a longer period"),
+    (["--cpu-period", "2000"],
+     "--cpu-period 2000 sets the period of the nodes' CPU quota: give --nodes 2 or more"),
 ])
 def test_bad_values_are_one_line_and_make_nothing(settings, args, needle):
     before = snapshot(settings["state"])
@@ -256,7 +266,7 @@ def test_start_makes_the_nodes_and_stop_removes_all_of_it(settings, tmp_path):
     s, k = settings, 3
     names = [f"{s['prefix']}{i}" for i in range(1, k + 1)]
     before = snapshot(s["state"])
-    started = _start(s, "--nodes", str(k), "--link", "10gbit")
+    started = _start(s, "--nodes", str(k), "--link", "10gbit", "--cpu-period", "4000")
     assert started.returncode == 0, started.stderr
     try:
         assert started.stdout.startswith(f"SLURM running: {k} nodes {names[0]}..{names[-1]}")
@@ -275,15 +285,16 @@ def test_start_makes_the_nodes_and_stop_removes_all_of_it(settings, tmp_path):
                           _sh("tc", "-n", name, "qdisc", "show", "dev", "eth0")):
                 assert "tbf" in qdisc and "rate 10Gbit" in qdisc, qdisc
             assert f"{name}-h" in _sh("ip", "link", "show", "master", f"{s['prefix']}-br")
-            # its control group: this machine's cores shared out (no --cpus-per-node), and
-            # every process in the node's namespace (its slurmd) runs in it
+            # its control group: this machine's cores shared out (no --cpus-per-node) in
+            # periods of --cpu-period, and every process in the node's namespace (its
+            # slurmd) runs in it
             group = cpu_group(name)
             cores = len(os.sched_getaffinity(0))
             quota, period = quota_of(group)
-            assert period == 10000 and abs(quota - cores / k * period) <= 1, (quota, period)
+            assert period == 4000 and abs(quota - cores / k * period) <= 1, (quota, period)
             in_netns = {int(p) for p in _sh("ip", "netns", "pids", name).split()}
             assert in_netns and in_netns <= group_pids(group), (in_netns, group_pids(group))
-            assert f"CPU quota {quota / period:g} cores ({quota} of every 10000 us), " \
+            assert f"CPU quota {quota / period:g} cores ({quota} of every 4000 us), " \
                 in status.stdout
         env = dict(os.environ, **parse_env(script("env", env=s["env"]).stdout))
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
