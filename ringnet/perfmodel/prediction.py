@@ -58,9 +58,13 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     the rest. A rank that waits for the network spends no budget meanwhile, so it computes
     at a full core's speed (the profile, measured busy under the quota, times q), and the
     step is no shorter than its CPU time (compute, the stream's steal, updates) over q:
-    the busy single step is the profile itself."""
+    the busy single step is the profile itself. The stream's rate beside compute was
+    measured on such a node, where the quota held compute and stream alike for 1 - q of
+    the time: running, the transfer moves at that rate / q (at most its blocking speed);
+    its steal, a ratio of two times both held alike, stands."""
     q = system.quota
-    free = dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None)
+    free = dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None,
+                               rate=min(1.0, system.rate / q))
     p = _predict_on(free, model, mode, delay, n, batch, topology)
     busy = (p.compute_s + p.update_s) / q
     if busy <= p.step_s:

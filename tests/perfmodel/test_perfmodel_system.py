@@ -165,6 +165,14 @@ def test_a_node_held_to_a_quota_computes_at_full_speed_while_it_waits():
     unheld = pm.predict(dataclasses.replace(fast, compute=compute.full_speed(0.5)), lenet, "ring", 0, 4, 64)
     assert bound.step_s == pytest.approx((unheld.compute_s + unheld.update_s) / 0.5, rel=1e-9)
     assert bound.step_s > unheld.step_s and bound.exposed_s == 0.0
+    # the stream's rate was measured under the quota: running, it moves at rate / q
+    streamed = dataclasses.replace(slow, rate=0.3, steal=0.2)
+    delayed = pm.predict(dataclasses.replace(streamed, quota=0.5), lenet, "ring", 1, 4, 64)
+    by_hand = pm.predict(dataclasses.replace(streamed, rate=0.6, compute=compute.full_speed(0.5)),
+                         lenet, "ring", 1, 4, 64)
+    assert delayed.step_s == pytest.approx(by_hand.step_s, rel=1e-9)
+    assert delayed.step_s != pytest.approx(pm.predict(dataclasses.replace(
+        streamed, compute=compute.full_speed(0.5)), lenet, "ring", 1, 4, 64).step_s, rel=1e-3)
     # two ranks a node share its quota as before: no change
     two = _calibration(per_node=2)
     for entry in two["by_np"].values():
