@@ -22,7 +22,8 @@ class ComputeProfile:
     ``steps_ms``: the median training step each batch's layers were timed in.
     ``quota``: the cores the CFS quota of the control group it was measured in granted,
     where that was under one (:func:`ringnet.placement.cpu_quota`): its times are those of
-    a thread held to that share of a core (:meth:`full_speed`), None where none held it.
+    a thread held to that share of a core (:meth:`full_speed`); 1.0 where none held it to
+    less than a core; None for stated profiles and those measured before profiles said.
     """
     name: str
     device: str                      # "cpu" or "gpu"
@@ -35,7 +36,7 @@ class ComputeProfile:
     source: str = ""
     method: str = ""                 # how a profile measured here was taken
     steps_ms: dict = dataclasses.field(default_factory=dict)  # model -> {batch: step ms}
-    quota: float = None              # measured under a CFS quota of this many cores (< 1)
+    quota: float = None              # measured under a CFS quota of this many cores
 
     def scaled(self, factor):
         """The same profile with every time multiplied by ``factor``."""
@@ -50,7 +51,8 @@ class ComputeProfile:
     def full_speed(self, quota=None):
         """The profile of a thread with a core of its own: a profile measured busy under a
         quota of q < 1 cores ran q of the time, so its CPU time is q times its wall time.
-        ``quota``: the one to assume where the profile names none (None: its own)."""
+        ``quota``: the one to assume where the profile names none (a profile measured
+        without a quota names 1.0 and is returned as it is)."""
         q = self.quota if self.quota is not None else quota
         if q is None or q >= 1:
             return self

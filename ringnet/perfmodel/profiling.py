@@ -236,10 +236,11 @@ def isolated_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0)
 
 
 def _quota():
-    """The CFS quota this process runs under where it is less than a core, else None."""
+    """The CFS quota this process runs under where it is less than a core, else 1.0 (no
+    quota holds it to less than a core)."""
     from ringnet.placement import cpu_quota
     q = cpu_quota()
-    return q if q is not None and q < 1 else None
+    return q if q is not None and q < 1 else 1.0
 
 
 def compute_profile(spec, models, dtype):

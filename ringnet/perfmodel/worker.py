@@ -193,7 +193,8 @@ def calibrate_worker(iters, models=(), batch=0):
     stream.close()
     if rank == 0:
         from ringnet.placement import cpu_quota
-        print(json.dumps({"np": n, "cores": usable_cores(), "quota": cpu_quota(), "solo_s": float(np.median(solo)),
+        print(json.dumps({"np": n, "cores": usable_cores(), "quota": cpu_quota(),
+                          "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
                           "blocking": blocking, "streamed": streamed,
                           "rooted": by_mode, "models": steps,

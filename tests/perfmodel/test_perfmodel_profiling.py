@@ -85,8 +85,15 @@ def test_compute_profile_recovers_the_layer_costs_of_a_controlled_clock(monkeypa
         return sgd_step(self, w, g, it)
     monkeypatch.setattr(optim.SGD, "step", update)
 
+    # measured in a control group held to a quarter of a core: the profile says so
+    from ringnet import placement
+    monkeypatch.setattr(placement, "cpu_quota", lambda: 0.25)
     shown = io.StringIO()
     compute = pm.measure_compute(["lenet"], batches=(16, 32, 64), rounds=2, steps=3, progress=shown)
+    assert compute.quota == 0.25
+    for held, named in ((None, 1.0), (1.0, 1.0), (2.5, 1.0), (0.5, 0.5)):
+        monkeypatch.setattr(placement, "cpu_quota", lambda held=held: held)
+        assert profiling._quota() == named
     # what it is measuring, as it goes: a line per model and round
     assert shown.getvalue().split("\r")[1:] == [
         f"measuring the compute here: lenet (1/1), round {r}/2 " for r in (1, 2)]
