@@ -436,19 +436,18 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET CPUS-PER-NODE (empty: nproc 
   for o in ${base//./ }; do [ "$o" -le 255 ] || die "--subnet $subnet: not an IPv4 network"; done
   local max=253   # A.B.C.2 .. A.B.C.254
   [ "$k" -le "$max" ] || die "--nodes $k: at most $max nodes fit in $subnet (one address each)"
-  local cores quota period q
+  local cores quota period q given_cpus=$cpus
   cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)   # nproc honours OMP_NUM_THREADS
-  if [ -z "$cpus" ]; then
-    cpus=$(awk -v n="$cores" -v k="$k" 'BEGIN {printf "%.6g", n / k}')
-    [ -z "$given_period" ] || quota_of "$cpus" "$given_period" >/dev/null ||
+  [ -n "$cpus" ] || cpus=$(awk -v n="$cores" -v k="$k" 'BEGIN {printf "%.6g", n / k}')
+  if ! q=$(quota_of "$cpus" "$given_period"); then
+    # with a period given, only C cores of it under 1 ms; without, C too small for 1 s
+    [ -z "$given_period" ] ||
       die "--cpu-period $given_period: $cpus cores of it are less than 1 ms; give a longer period"
-    q=$(quota_of "$cpus" "$given_period") ||
+    [ -n "$given_cpus" ] ||
       die "--nodes $k: this machine's $cores cores make less than 0.001 core a node; give --cpus-per-node"
-  else
-    [ -z "$given_period" ] || quota_of "$cpus" "$given_period" >/dev/null ||
-      die "--cpu-period $given_period: $cpus cores of it are less than 1 ms; give a longer period"
-    q=$(quota_of "$cpus" "$given_period") ||
-      die "--cpus-per-node $cpus: give 0.001 cores or more (a quota of at least 1 ms a second)"
+    die "--cpus-per-node $cpus: give 0.001 cores or more (a quota of at least 1 ms a second)"
+  fi
+  if [ -n "$given_cpus" ]; then
     awk -v c="$cpus" -v k="$k" -v n="$cores" 'BEGIN {exit !(c * k > n + 1e-9)}' &&
       die "--cpus-per-node $cpus: $k nodes of $cpus cores are $(awk -v c="$cpus" -v k="$k" 'BEGIN {printf "%g", c * k}') cores, more than this machine's $cores"
   fi
