@@ -80,9 +80,14 @@ class Progress:
         per_step = (now - self.start_time) / max(1, step - self.start_step)
         eta = _clock(per_step * (self.total - step))
         loss = sum(self.losses) / len(self.losses)
-        print(f"step {step}/{self.total}  epoch {step / self.steps_per_epoch:.2f}  loss {loss:.4f} "
-              f"({self.loss_label(len(self.losses))})  {rate:.0f} images/s  ETA {eta}",
-              file=self.file, flush=True)
+        # One write of the whole line, newline included: print() writes the text and its
+        # newline apart, and a Ctrl-C between the two left the line open, so that the
+        # interrupted() line of the rank's exit was joined to it ("step 3/... ringnet: error:
+        # interrupted") and, under ringnet.launch, not recognised as the job's own.
+        self.file.write(f"step {step}/{self.total}  epoch {step / self.steps_per_epoch:.2f}  "
+                        f"loss {loss:.4f} ({self.loss_label(len(self.losses))})  "
+                        f"{rate:.0f} images/s  ETA {eta}\n")
+        self.file.flush()
         self.mark_step, self.mark_time, self.losses = step, now, []
 
     def loss_label(self, steps):

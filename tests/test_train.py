@@ -218,3 +218,69 @@ def test_progress_lines_under_several_ranks_say_the_loss_is_rank_0s():
                  interval=0, file=out, clock=iter(range(100)).__next__, ranks=2)
     p.update(1, 0.5)
     assert "  loss 0.5000 (rank 0, last step)  " in out.getvalue(), out.getvalue()
+
+
+def test_progress_writes_whole_lines():
+    """Each progress line is one write, its newline included, so that a Ctrl-C can not
+    leave it open for the rank's 'interrupted' line to be joined to."""
+    from ringnet.progress import Progress
+
+    class Writes:
+        def __init__(self):
+            self.calls = []
+
+        def write(self, text):
+            self.calls.append(text)
+
+        def flush(self):
+            pass
+    out = Writes()
+    p = Progress(total=3, initial=0, batch_size=8, steps_per_epoch=3, interactive=False,
+                 interval=0, file=out, clock=iter(range(100)).__next__)
+    for step in (1, 2, 3):
+        p.update(step, 0.5)
+    assert len(out.calls) == 3 and all(c.startswith("step ") and c.endswith("\n")
+                                       and c.count("\n") == 1 for c in out.calls), out.calls
+
+
+CTRL_C_DURING_PROGRESS = """
+import sys
+from ringnet.cli import run_main
+from ringnet.progress import Progress
+
+def main(argv):
+    p = Progress(total=10**9, initial=0, batch_size=8, steps_per_epoch=10**9,
+                 interactive=False, interval=0)
+    step = 0
+    while True:
+        step += 1
+        p.update(step, 0.25)
+
+run_main(main)
+"""
+
+
+def test_ctrl_c_while_progress_lines_are_written_leaves_the_interrupted_line_whole():
+    # The child writes progress lines into a pipe nobody reads until it is full, and blocks
+    # in a write; SIGINT then lands inside the writing of a line. The exit's line must
+    # still stand alone, as launchers and ringnet.launch look for it.
+    import signal
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    for _ in range(5):
+        proc = subprocess.Popen([sys.executable, "-c", CTRL_C_DURING_PROGRESS], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            assert proc.stderr.readline().startswith(b"step "), "no progress line"
+            time.sleep(0.05)                # the pipe fills; the child blocks in a write
+            proc.send_signal(signal.SIGINT)
+            lines = proc.stderr.read().decode().splitlines()
+            assert proc.wait(timeout=30) == 130
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert lines[-1] == "ringnet: error: interrupted", lines[-3:]
+        assert all(l.startswith("step ") and "ringnet" not in l for l in lines[:-1])
