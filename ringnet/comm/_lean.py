@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ringnet import trace
-from ringnet.comm import mpi_transport as _mpi_transport, stream as _stream
+from ringnet.comm import stream as _stream
 from ringnet.comm.mpi_transport import YIELD_ROUNDS, NativeWatch
 from ringnet.comm.schedules import (direct_peers, direct_slot, eager_cuts, ring_steps, step_pieces,
                                     sum_in_rank_order)
@@ -209,13 +209,13 @@ class LeanPath:
     def finish(self, requests, to, source, nbytes, test=_TESTALL):
         """Wait for ``requests`` after a first Testall failed: a short spin, then polls
         that yield the core (:data:`YIELD_ROUNDS` between looks at the clock and the
-        driven streams), then, from the transport's ``SPIN_S``, its own wait (sleeps,
+        driven streams), then, from the transport's ``spin_s``, its own wait (sleeps,
         progresses streams), with the deadline counted from the first yield."""
         for _ in self.spins:
             if test(requests):
                 return
         start = _perf_counter()
-        spin_s = _mpi_transport.SPIN_S
+        spin_s = self.transport.spin_s
         while True:
             for _ in _YIELD_ROUNDS:
                 _sched_yield()

@@ -70,9 +70,11 @@ class Placement:
     progress: str = None        # CPU streams' progress: "poll (auto: the ranks span 2 nodes)"
     topology: str = None        # "flat (auto: ...)", "hierarchical (asked for)"; None: no choice made
     graphs: str = None          # --cuda-graphs on a GPU: "on (auto: ...)", "off (...)"
+    waits: str = None           # how waits for a transfer spin, where a CPU quota changed it
 
-    def locate(self, layout, progress=None):
-        """Fill the node fields from a :class:`~ringnet.placement.NodeLayout`; return self."""
+    def locate(self, layout, progress=None, waits=None):
+        """Fill the node fields from a :class:`~ringnet.placement.NodeLayout`; return self.
+        ``progress``/``waits``: the MPI transport's :attr:`progress_reason`/:attr:`wait_reason`."""
         from ringnet.placement import mpi_path
         self.nodes, self.node = layout.nodes, layout.node
         self.local_rank, self.local_size = layout.local_rank, layout.local_size
@@ -81,6 +83,8 @@ class Placement:
             self.mpi_path = mpi_path()
         if progress is not None and self.device == "cpu" and self.transport == "mpi":
             self.progress = progress
+        if self.transport == "mpi":
+            self.waits = waits
         return self
 
     def describe(self):
@@ -99,6 +103,8 @@ class Placement:
                 text += f", CPU streams {self.progress}"
             if self.topology:
                 text += f", topology {self.topology}"
+        if self.waits:
+            text += f", {self.waits}"
         return text
 
 
@@ -173,7 +179,8 @@ def make_transport(name="auto", mpi_comm=None, timeout_s=None, device="auto"):
 
 
 def _placed(transport, placement, layout):
-    transport.placement = placement.locate(layout, getattr(transport, "progress_reason", None))
+    transport.placement = placement.locate(layout, getattr(transport, "progress_reason", None),
+                                           getattr(transport, "wait_reason", None))
     return transport
 
 

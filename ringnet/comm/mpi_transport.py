@@ -16,7 +16,7 @@ from ringnet.comm.stream import (CpuStream, current_stream, current_tag, progres
                                  progress_setting)
 from ringnet.comm.transport import CommTimeoutError, Transport, describe
 
-__all__ = ["MpiTransport", "mpi_cuda_aware"]
+__all__ = ["MpiTransport", "mpi_cuda_aware", "wait_spin_s"]
 
 # Polling: spin (yielding the core to other ranks with sched_yield) for SPIN_S, then
 # sleep with a growing pause up to MAX_PAUSE_S. MPI progress only happens inside MPI
@@ -30,10 +30,27 @@ MAX_PAUSE_S = 0.001
 # for a slower peer), so it spins briefly and then sleeps.
 STREAM_SPIN_S = 0.0005
 STREAM_MAX_PAUSE_S = 0.0005
+# Under a CPU quota smaller than the node's ranks (a container's CPU limit, SLURM's cgroup,
+# hpc/cluster.sh --cpus-per-node), a yielding spin is not free: it spends the group's
+# budget, the kernel then holds the waiting rank until its period ends (5 ms of every
+# 10 at half a core) and the message it waited for is seen that late. The training thread
+# there spins as briefly as a stream thread and then sleeps.
+QUOTA_SPIN_S = STREAM_SPIN_S
 # Yielding polls between looks at the clock and the driven streams (auto's lean path has
 # its own such loop, without even this function's entry: see ringnet.comm._lean).
 YIELD_ROUNDS = 32
 _YIELDS = range(YIELD_ROUNDS)
+
+
+
+def wait_spin_s(quota, local_ranks):
+    """How long the training thread's wait for a transfer spins before it sleeps: SPIN_S,
+    or QUOTA_SPIN_S where a CPU ``quota`` (cores, :func:`ringnet.placement.cpu_quota`; None:
+    none) is smaller than the ``local_ranks`` ranks of the node share."""
+    if quota is not None and quota < local_ranks:
+        return QUOTA_SPIN_S
+    return SPIN_S
+
 
 _MPI_OPS = {"sum": MPI.SUM}
 _MPIX_GPU_SUPPORT_CUDA = 0      # MPICH's mpi.h
@@ -254,6 +271,8 @@ class MpiTransport(Transport):
         self.cuda_aware, self.cuda_aware_how = (False, "device cpu") if device == "cpu" \
             else mpi_cuda_aware()
         self._host = {}
+        self.quota = _nodes.cpu_quota()
+        self.spin_s = wait_spin_s(self.quota, self.layout.local_size)
 
     @property
     def progress(self):
@@ -269,6 +288,16 @@ class MpiTransport(Transport):
             return f"{mode} (RINGNET_CPU_PROGRESS={mode})"
         where = f"the ranks span {self.nodes} nodes" if self.nodes > 1 else "the ranks share one node"
         return f"{mode} (RINGNET_CPU_PROGRESS=auto: {where})"
+
+    @property
+    def wait_reason(self):
+        """How the training thread waits for a transfer, and why where it is not the
+        default: 'waits sleep after 0.5 ms (CPU quota 0.5 cores for 1 rank on the node)'."""
+        if self.spin_s == SPIN_S:
+            return None
+        ranks = self.layout.local_size
+        return (f"waits sleep after {self.spin_s * 1e3:g} ms (CPU quota {self.quota:g} cores "
+                f"for {ranks} rank{'s' if ranks > 1 else ''} on the node)")
 
     def new_stream(self):
         """A new stream (collective in order, as :meth:`Transport.new_stream`); a CPU
@@ -358,7 +387,7 @@ class MpiTransport(Transport):
             return
         start = time.perf_counter() if start is None else start
         on_stream = current_tag() != 0
-        spin_s = STREAM_SPIN_S if on_stream else SPIN_S
+        spin_s = STREAM_SPIN_S if on_stream else self.spin_s
         max_pause_s = STREAM_MAX_PAUSE_S if on_stream else MAX_PAUSE_S
         while True:
             for _ in _YIELDS:

@@ -1,0 +1,94 @@
+"""Waits under a CPU quota (ringnet.comm.mpi_transport.wait_spin_s): where the node's CFS
+quota is smaller than its ranks (a container's CPU limit, SLURM's cgroup, ``hpc/cluster.sh
+--cpus-per-node``), the training thread's wait for a transfer spins for QUOTA_SPIN_S, not
+SPIN_S, and then sleeps: a yielding spin there spends the budget the node's compute needs,
+and the kernel holds a rank whose budget is gone until its period ends. The run header says
+so. The cluster's figures are in docs/scaling.md ("The model on the cluster")."""
+import time
+
+import pytest
+from mpi4py import MPI
+
+from ringnet import comm as ringcomm, placement
+from ringnet.comm.mpi_transport import MpiTransport, QUOTA_SPIN_S, SPIN_S, wait_spin_s
+
+
+@pytest.mark.parametrize("quota, ranks, spin", [
+    (None, 1, SPIN_S), (None, 8, SPIN_S),           # no quota: the default spin
+    (0.5, 1, QUOTA_SPIN_S), (1.5, 2, QUOTA_SPIN_S),  # fewer cores than ranks
+    (1.0, 1, SPIN_S), (4.0, 2, SPIN_S), (2.0, 2, SPIN_S),   # a core or more per rank
+])
+def test_the_wait_spins_briefly_where_the_quota_is_below_the_node_s_ranks(quota, ranks, spin):
+    assert wait_spin_s(quota, ranks) == spin
+
+
+def test_the_spin_under_a_quota_is_far_below_the_default():
+    assert QUOTA_SPIN_S <= SPIN_S / 50
+
+
+def _transport(monkeypatch, quota):
+    monkeypatch.setattr(placement, "cpu_quota", lambda: quota)
+    return MpiTransport(MPI.COMM_SELF, device="cpu")
+
+
+@pytest.mark.parametrize("quota", [None, 0.5])
+def test_a_wait_under_a_quota_sleeps_where_the_default_spins(monkeypatch, quota):
+    # A transfer that completes 150 ms after the wait begins: the default wait spins (on
+    # the CPU) for SPIN_S of it, the one under a quota for QUOTA_SPIN_S and then sleeps.
+    transport = _transport(monkeypatch, quota)
+    try:
+        assert transport.spin_s == (SPIN_S if quota is None else QUOTA_SPIN_S)
+        end = time.perf_counter() + 0.15
+        monkeypatch.setattr(transport, "_test", lambda requests: time.perf_counter() > end)
+        cpu = time.thread_time()
+        transport._wait(["a request"], ("recv", None, 0, 4))
+        used = time.thread_time() - cpu
+    finally:
+        transport.close()
+    if quota is None:
+        assert used > 0.6 * SPIN_S, used           # spun for SPIN_S (50 ms)
+    else:
+        assert used < 0.4 * SPIN_S, used           # spun 0.5 ms, then slept
+
+
+def _made(monkeypatch, quota):
+    monkeypatch.setattr(placement, "cpu_quota", lambda: quota)
+    return ringcomm.make_transport("mpi", MPI.COMM_SELF, device="cpu")
+
+
+def test_the_run_header_says_how_waits_spin_under_a_quota(monkeypatch):
+    transport = _made(monkeypatch, 0.5)
+    try:
+        text = transport.placement.describe()
+    finally:
+        transport.close()
+    assert text == ("CPU, transport mpi (device cpu), waits sleep after 0.5 ms "
+                    "(CPU quota 0.5 cores for 1 rank on the node)"), text
+    transport = _made(monkeypatch, None)
+    try:
+        assert transport.placement.describe() == "CPU, transport mpi (device cpu)"
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("quota", [None, 0.5])
+def test_auto_s_lean_wait_takes_the_transport_s_spin(monkeypatch, quota):
+    # ringnet.comm._lean's own wait loop (auto's all-reduce) hands over to the transport's
+    # sleeping wait after the transport's spin, not after the module's SPIN_S.
+    import types
+    from ringnet.comm._lean import LeanPath
+    transport = _transport(monkeypatch, quota)
+    try:
+        end = time.perf_counter() + 0.15
+        done = lambda requests: time.perf_counter() > end     # noqa: E731
+        monkeypatch.setattr(transport, "_test", done)
+        lean = types.SimpleNamespace(spins=range(1), transport=transport)
+        cpu = time.thread_time()
+        LeanPath.finish(lean, ["a request"], 0, 0, 4, test=done)
+        used = time.thread_time() - cpu
+    finally:
+        transport.close()
+    if quota is None:
+        assert used > 0.6 * SPIN_S, used
+    else:
+        assert used < 0.4 * SPIN_S, used
