@@ -42,7 +42,6 @@ YIELD_ROUNDS = 32
 _YIELDS = range(YIELD_ROUNDS)
 
 
-
 def wait_spin_s(quota, local_ranks):
     """How long the training thread's wait for a transfer spins before it sleeps: SPIN_S,
     or QUOTA_SPIN_S where a CPU ``quota`` (cores, :func:`ringnet.placement.cpu_quota`; None:

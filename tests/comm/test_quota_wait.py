@@ -31,24 +31,41 @@ def _transport(monkeypatch, quota):
     return MpiTransport(MPI.COMM_SELF, device="cpu")
 
 
+def _first_sleep(monkeypatch, wait):
+    """Call ``wait()`` with a transfer that completes 150 ms on; return the seconds from
+    the call to its first sleep (a wall-clock time: under load a spin is not shortened,
+    only its CPU time is)."""
+    sleeps, real_sleep = [], time.sleep
+
+    def sleep(seconds):
+        sleeps.append(time.perf_counter())
+        real_sleep(seconds)
+    monkeypatch.setattr(time, "sleep", sleep)
+    start = time.perf_counter()
+    wait(start + 0.15)
+    monkeypatch.setattr(time, "sleep", real_sleep)
+    assert sleeps, "the wait never slept"
+    return sleeps[0] - start
+
+
 @pytest.mark.parametrize("quota", [None, 0.5])
 def test_a_wait_under_a_quota_sleeps_where_the_default_spins(monkeypatch, quota):
-    # A transfer that completes 150 ms after the wait begins: the default wait spins (on
-    # the CPU) for SPIN_S of it, the one under a quota for QUOTA_SPIN_S and then sleeps.
+    # The default wait spins for SPIN_S (50 ms) before its first sleep; the one under a
+    # quota spins for QUOTA_SPIN_S (0.5 ms).
     transport = _transport(monkeypatch, quota)
     try:
         assert transport.spin_s == (SPIN_S if quota is None else QUOTA_SPIN_S)
-        end = time.perf_counter() + 0.15
-        monkeypatch.setattr(transport, "_test", lambda requests: time.perf_counter() > end)
-        cpu = time.thread_time()
-        transport._wait(["a request"], ("recv", None, 0, 4))
-        used = time.thread_time() - cpu
+
+        def wait(end):
+            monkeypatch.setattr(transport, "_test", lambda requests: time.perf_counter() > end)
+            transport._wait(["a request"], ("recv", None, 0, 4))
+        first = _first_sleep(monkeypatch, wait)
     finally:
         transport.close()
     if quota is None:
-        assert used > 0.6 * SPIN_S, used           # spun for SPIN_S (50 ms)
+        assert first >= SPIN_S, first
     else:
-        assert used < 0.4 * SPIN_S, used           # spun 0.5 ms, then slept
+        assert QUOTA_SPIN_S <= first < SPIN_S / 2, first
 
 
 def _made(monkeypatch, quota):
@@ -79,16 +96,15 @@ def test_auto_s_lean_wait_takes_the_transport_s_spin(monkeypatch, quota):
     from ringnet.comm._lean import LeanPath
     transport = _transport(monkeypatch, quota)
     try:
-        end = time.perf_counter() + 0.15
-        done = lambda requests: time.perf_counter() > end     # noqa: E731
-        monkeypatch.setattr(transport, "_test", done)
-        lean = types.SimpleNamespace(spins=range(1), transport=transport)
-        cpu = time.thread_time()
-        LeanPath.finish(lean, ["a request"], 0, 0, 4, test=done)
-        used = time.thread_time() - cpu
+        def wait(end):
+            done = lambda requests: time.perf_counter() > end     # noqa: E731
+            monkeypatch.setattr(transport, "_test", done)
+            lean = types.SimpleNamespace(spins=range(1), transport=transport)
+            LeanPath.finish(lean, ["a request"], 0, 0, 4, test=done)
+        first = _first_sleep(monkeypatch, wait)
     finally:
         transport.close()
     if quota is None:
-        assert used > 0.6 * SPIN_S, used
+        assert first >= SPIN_S, first
     else:
-        assert used < 0.4 * SPIN_S, used
+        assert QUOTA_SPIN_S <= first < SPIN_S / 2, first
