@@ -5,12 +5,14 @@ SPIN_S, and then sleeps: a yielding spin there spends the budget the node's comp
 and the kernel holds a rank whose budget is gone until its period ends. The run header says
 so. The cluster's figures are in docs/scaling.md ("The model on the cluster")."""
 import time
+import types
 
 import pytest
 from mpi4py import MPI
 
 from ringnet import comm as ringcomm, placement
-from ringnet.comm.mpi_transport import MpiTransport, QUOTA_SPIN_S, SPIN_S, wait_spin_s
+from ringnet.comm._lean import LeanPath
+from ringnet.comm.mpi_transport import QUOTA_SPIN_S, SPIN_S, wait_spin_s
 
 
 @pytest.mark.parametrize("quota, ranks, spin", [
@@ -26,9 +28,9 @@ def test_the_spin_under_a_quota_is_far_below_the_default():
     assert QUOTA_SPIN_S <= SPIN_S / 50
 
 
-def _transport(monkeypatch, quota):
+def _made(monkeypatch, quota):
     monkeypatch.setattr(placement, "cpu_quota", lambda: quota)
-    return MpiTransport(MPI.COMM_SELF, device="cpu")
+    return ringcomm.make_transport("mpi", MPI.COMM_SELF, device="cpu")
 
 
 def _first_sleep(monkeypatch, wait):
@@ -48,17 +50,31 @@ def _first_sleep(monkeypatch, wait):
     return sleeps[0] - start
 
 
+def _transport_wait(transport, done):
+    """The transport's own wait."""
+    transport._wait(["a request"], ("recv", None, 0, 4))
+
+
+def _lean_wait(transport, done):
+    """ringnet.comm._lean's wait loop (auto's all-reduce), which hands over to the
+    transport's sleeping wait after the transport's spin, not after the module's SPIN_S."""
+    lean = types.SimpleNamespace(spins=range(1), transport=transport)
+    LeanPath.finish(lean, ["a request"], 0, 0, 4, test=done)
+
+
+@pytest.mark.parametrize("waits", [_transport_wait, _lean_wait], ids=["transport", "lean"])
 @pytest.mark.parametrize("quota", [None, 0.5])
-def test_a_wait_under_a_quota_sleeps_where_the_default_spins(monkeypatch, quota):
+def test_a_wait_under_a_quota_sleeps_where_the_default_spins(monkeypatch, quota, waits):
     # The default wait spins for SPIN_S (50 ms) before its first sleep; the one under a
     # quota spins for QUOTA_SPIN_S (0.5 ms).
-    transport = _transport(monkeypatch, quota)
+    transport = _made(monkeypatch, quota)
     try:
         assert transport.spin_s == (SPIN_S if quota is None else QUOTA_SPIN_S)
 
         def wait(end):
-            monkeypatch.setattr(transport, "_test", lambda requests: time.perf_counter() > end)
-            transport._wait(["a request"], ("recv", None, 0, 4))
+            done = lambda requests: time.perf_counter() > end     # noqa: E731
+            monkeypatch.setattr(transport, "_test", done)
+            waits(transport, done)
         first = _first_sleep(monkeypatch, wait)
     finally:
         transport.close()
@@ -66,11 +82,6 @@ def test_a_wait_under_a_quota_sleeps_where_the_default_spins(monkeypatch, quota)
         assert first >= SPIN_S, first
     else:
         assert QUOTA_SPIN_S <= first < SPIN_S / 2, first
-
-
-def _made(monkeypatch, quota):
-    monkeypatch.setattr(placement, "cpu_quota", lambda: quota)
-    return ringcomm.make_transport("mpi", MPI.COMM_SELF, device="cpu")
 
 
 def test_the_run_header_says_how_waits_spin_under_a_quota(monkeypatch):
@@ -86,25 +97,3 @@ def test_the_run_header_says_how_waits_spin_under_a_quota(monkeypatch):
         assert transport.placement.describe() == "CPU, transport mpi (device cpu)"
     finally:
         transport.close()
-
-
-@pytest.mark.parametrize("quota", [None, 0.5])
-def test_auto_s_lean_wait_takes_the_transport_s_spin(monkeypatch, quota):
-    # ringnet.comm._lean's own wait loop (auto's all-reduce) hands over to the transport's
-    # sleeping wait after the transport's spin, not after the module's SPIN_S.
-    import types
-    from ringnet.comm._lean import LeanPath
-    transport = _transport(monkeypatch, quota)
-    try:
-        def wait(end):
-            done = lambda requests: time.perf_counter() > end     # noqa: E731
-            monkeypatch.setattr(transport, "_test", done)
-            lean = types.SimpleNamespace(spins=range(1), transport=transport)
-            LeanPath.finish(lean, ["a request"], 0, 0, 4, test=done)
-        first = _first_sleep(monkeypatch, wait)
-    finally:
-        transport.close()
-    if quota is None:
-        assert first >= SPIN_S, first
-    else:
-        assert QUOTA_SPIN_S <= first < SPIN_S / 2, first
