@@ -369,10 +369,11 @@ class MpiTransport(Transport):
 
     def _wait(self, requests, what, start=None, receives=()):
         """Wait for ``requests``: polls that yield the core for :attr:`spin_s` (on a stream
-        thread STREAM_SPIN_S), then sleeps between polls; CommTimeoutError (``what`` describes the transfer) ``timeout_s`` after
-        ``start`` (a ``time.perf_counter()`` value; default: now). The clock and the
-        driven streams are looked at every :data:`YIELD_ROUNDS` polls. ``receives``: those
-        of ``requests`` that are receives (cancelled at the deadline, see :meth:`_expire`)."""
+        thread STREAM_SPIN_S), then sleeps between polls; CommTimeoutError (``what``
+        describes the transfer) ``timeout_s`` after ``start`` (a ``time.perf_counter()``
+        value; default: now). The clock and the driven streams are looked at every
+        :data:`YIELD_ROUNDS` polls. ``receives``: those of ``requests`` that are receives
+        (cancelled at the deadline, see :meth:`_expire`)."""
         test = self._test
         if not requests or test(requests):
             return
