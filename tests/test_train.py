@@ -34,6 +34,25 @@ def test_default_run_reaches_95_percent_and_reports_json():
     assert summary["bytes_sent"] == 0 and summary["train_loss"] < 0.5
 
 
+
+def test_summary_gives_the_median_and_the_mean_step_of_the_steps_after_the_first_two():
+    # every step span, as the statistics publish it: the summary's two figures are the
+    # median and the mean of all but the first two (compilation, first touches)
+    import statistics
+    from ringnet import stats
+    durations = []
+    unsubscribe = stats.subscribe(lambda e: durations.append(e.duration) if e.name == "step" else None)
+    try:
+        cfg = TrainConfig(model="digits", dataset="digits", batch_size=32, seed=1, **QUIET)
+        summary = train(cfg, world=MPI.COMM_SELF, steps=9).summary
+    finally:
+        unsubscribe()
+    assert len(durations) == 9
+    kept = durations[2:]
+    assert summary["step_ms"] == pytest.approx(1e3 * statistics.median(kept), rel=1e-12)
+    assert summary["step_mean_ms"] == pytest.approx(1e3 * statistics.fmean(kept), rel=1e-12)
+    assert summary["step_mean_ms"] != summary["step_ms"]
+
 def _weights(result):
     return np.array(to_numpy(result.strategy.eval_model().params))
 
