@@ -90,14 +90,17 @@ def _split_step(n_layers, marks, spans):
     return forward, backward, rest, ud
 
 
-def _step_medians(rows):
+def _step_medians(rows, mean=False):
     """[(forward list, backward list, rest, update, step)] of several steps -> the parts'
     medians (forward..., backward..., rest, update) scaled to add up to the median step,
     then the median step. On a loaded machine each step loses its core in a few of its
-    parts; medians part by part would leave that out of the total."""
+    parts; medians part by part would leave that out of the total. ``mean``: scaled to
+    the mean step instead (under a CPU quota, whose periods make steps of one work a
+    period apart: the mean is the rate the quota allows)."""
     cols = [float(np.median(col))
             for col in zip(*[f + bw + [rest, upd] for f, bw, rest, upd, _ in rows])]
-    total = float(np.median([row[-1] for row in rows]))
+    steps = [row[-1] for row in rows]
+    total = float(np.mean(steps) if mean else np.median(steps))
     return [c * total / max(sum(cols), 1e-12) for c in cols] + [total]
 
 
@@ -147,7 +150,7 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
                                                                dict(spans)) + (spans["step"][1],))
                 model = runs[batches[0]][0]
                 n = len(model.layers)
-                med = {b: _step_medians(kept[b]) for b in batches}
+                med = {b: _step_medians(kept[b], mean=_quota() < 1) for b in batches}
                 layers[name] = [(model.layers[i][0], fit_batch_times(batches, [med[b][i] for b in batches]),
                                  fit_batch_times(batches, [med[b][n + i] for b in batches]))
                                 for i in range(n)]

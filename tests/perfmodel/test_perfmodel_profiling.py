@@ -126,3 +126,30 @@ def test_isolated_profile_keeps_one_model_per_batch(monkeypatch):
     assert [b for b, _ in seen] == [2, 4] * 3
     models = {b: {m for bb, m in seen if bb == b} for b in (2, 4)}
     assert len(models[2]) == len(models[4]) == 1 and models[2] != models[4]
+
+
+def test_under_a_quota_the_parts_add_up_to_the_mean_step():
+    # steps of one work under a CFS quota end at whole periods: 20 or 30 ms. Their median
+    # (20) is one of the two; the mean (24) is the rate the quota allows, and the parts
+    # are scaled to it
+    rows = [([1.0], [2.0], 1.0, 1.0, s) for s in (20.0, 30.0, 20.0, 20.0, 30.0)]
+    assert profiling._step_medians(rows)[-1] == 20.0
+    got = profiling._step_medians(rows, mean=True)
+    assert got == pytest.approx([4.8, 9.6, 4.8, 4.8, 24.0])
+    assert sum(got[:-1]) == pytest.approx(got[-1])
+
+
+def test_the_profile_takes_the_mean_step_only_under_a_quota(monkeypatch):
+    from ringnet import placement
+    asked = []
+    step_medians = profiling._step_medians
+
+    def spy(rows, mean=False):
+        asked.append(mean)
+        return step_medians(rows, mean)
+    monkeypatch.setattr(profiling, "_step_medians", spy)
+    for held, mean in ((None, False), (0.5, True)):
+        asked.clear()
+        monkeypatch.setattr(placement, "cpu_quota", lambda held=held: held)
+        pm.measure_compute(["lenet"], batches=(16, 32), rounds=1, steps=2)
+        assert asked == [mean, mean]

@@ -105,3 +105,27 @@ def test_two_ranks_a_node_validate_both_topologies_and_keep_their_rows_apart(mon
     assert pm.row_label(ring4["hierarchical"]) == "ring d1 hier" and pm.row_label(ring4["flat"]) == "ring d1"
     table = pm.markdown_validation(rows)
     assert "| lenet | ring d1 hier | \u2013 | \u2013 |" in table
+
+
+def test_on_nodes_under_a_quota_the_measured_step_is_the_mean(monkeypatch):
+    """Train reports its median step and its mean; on nodes held to a CPU quota (the
+    calibration says so) a row's measured step is the mean, elsewhere the median, and a
+    record without the mean keeps the median."""
+    import ringnet.jobs
+    from ringnet.perfmodel import validation
+    from tests.perfmodel.helpers import waits_raw
+    compute = pm.roofline_compute("k40", ("lenet",))
+    monkeypatch.setattr(ringnet.jobs, "train_run",
+                        lambda *a, **k: {"step_ms": 20.0, "step_mean_ms": 24.0, "steps": 5})
+    monkeypatch.setattr(validation, "measure_compute", lambda models: compute)
+    for quota, want in ((None, 20.0), (0.5, 24.0)):
+        raw = dict(waits_raw(2, 0.0, 0.0), quota=quota)
+        monkeypatch.setattr(validation, "calibrate",
+                            lambda *a, raw=raw, **k: {"by_np": {"2": {"raw": raw}}})
+        record = pm.validate(("lenet",), 64, 5, 1, "mpirun", nps=(1, 2))
+        assert record["rounds"][0]["measured"][0]["step_mean_ms"] == 24.0
+        rows = pm.validation_rows(record)
+        assert {r["measured_ms"] for r in rows} == {want}, quota
+        for m in record["rounds"][0]["measured"]:
+            del m["step_mean_ms"]
+        assert {r["measured_ms"] for r in pm.validation_rows(record)} == {20.0}
