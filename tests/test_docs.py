@@ -891,7 +891,7 @@ COMMANDS = {
     'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 4 --batch-size 256 '
     '--modes ring --delays 1 --model cifar10_quick --ceiling --steps 20 --repeats 2':
         "tests/bench/test_bench_scaling.py::test_the_ceiling_is_single_at_the_per_rank_batch",
-    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 3 '
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
     '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-1gbit.json': NODES,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
@@ -902,7 +902,7 @@ COMMANDS = {
     'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --scaling weak '
     '--batch-size 64 --modes ring,tree,master,split-fc --topologies flat,hierarchical --model cifar10_quick '
     '--steps 20 --repeats 2 --csv docs/scaling-nodes-cifar10_quick-unshaped.csv --markdown': doc_table,
-    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 2 '
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
     '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-unshaped.json': NODES,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
