@@ -9,7 +9,7 @@ from ringnet.perfmodel.compute import profile_method
 from ringnet.perfmodel.links import LINKS
 from ringnet.perfmodel.report import markdown_validation, print_tables
 from ringnet.perfmodel.sweeps import PAPER_NP, mode_label
-from ringnet.perfmodel.validation import diagnose, row_error, row_label
+from ringnet.perfmodel.validation import diagnose, measured_note, row_error, row_label
 
 __all__ = ["print_report", "print_validation"]
 
@@ -87,6 +87,7 @@ def print_validation(args, validation, record):
              if record.get("load_average") else ""))
     methods = sorted({profile_method(rnd["compute"]) for rnd in record["rounds"]})
     print(f"# compute profile of each round: {', '.join(methods)}")
+    print(f"# {measured_note(record)}")
     print(f"  {'model':14s} {'mode':>11s} {'N':>3s} {'predicted ms':>12s} {'measured ms':>11s} "
           f"{'error':>7s} {'each round':>17s} {'spread':>7s}")
     errors = []

@@ -14,7 +14,7 @@ from ringnet.perfmodel.profiles import make_system
 from ringnet.models import build_model
 
 __all__ = ["VALIDATION_NP", "VALIDATION_MODES", "validate", "validation_rows", "measured_ms",
-           "row_error", "row_label", "diagnose"]
+           "measured_note", "row_error", "row_label", "diagnose"]
 
 VALIDATION_NP = (1, 2, 4)
 VALIDATION_MODES = tuple(md for md in MODES if communicates(md[0]))
@@ -146,6 +146,18 @@ def measured_ms(m, system):
     if system.quota is not None and m.get("step_mean_ms") is not None:
         return m["step_mean_ms"]
     return m["step_ms"]
+
+
+def measured_note(record):
+    """One line on what a record's measured column is: each run's median step, or on nodes
+    held to a CPU quota (the calibration says so) each run's mean step, where it has one."""
+    quotas = sorted({c.get("raw", {}).get("quota") for rnd in record["rounds"]
+                     for c in rnd["calibration"].get("by_np", {}).values()} - {None})
+    means = any("step_mean_ms" in m for rnd in record["rounds"] for m in rnd["measured"])
+    if quotas and means:
+        return (f"measured: each run's mean step (nodes held to a CPU quota of "
+                f"{', '.join(f'{q:g}' for q in quotas)} core: a step ends at whole periods of it)")
+    return "measured: each run's median step"
 
 
 def row_error(row):

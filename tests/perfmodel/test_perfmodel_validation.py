@@ -26,6 +26,7 @@ def test_validation_reprint_says_where_the_model_is_off(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "where the model is off" in proc.stdout and "exposed communication" in proc.stdout
     assert "the code measured: CPU streams poll, no delay-0 buckets" in proc.stdout
+    assert "# measured: each run's median step\n" in proc.stdout
 
 
 def test_a_record_is_predicted_as_the_code_it_measured_ran():
@@ -126,6 +127,10 @@ def test_on_nodes_under_a_quota_the_measured_step_is_the_mean(monkeypatch):
         assert record["rounds"][0]["measured"][0]["step_mean_ms"] == 24.0
         rows = pm.validation_rows(record)
         assert {r["measured_ms"] for r in rows} == {want}, quota
+        assert pm.measured_note(record) == (
+            "measured: each run's median step" if quota is None else
+            "measured: each run's mean step (nodes held to a CPU quota of 0.5 core: a step "
+            "ends at whole periods of it)")
         for m in record["rounds"][0]["measured"]:
             del m["step_mean_ms"]
         assert {r["measured_ms"] for r in pm.validation_rows(record)} == {20.0}
