@@ -104,9 +104,7 @@ def _validation_rows(record):
     batch = record["batch_size"]
     table = {}
     for rnd in record["rounds"]:
-        compute = compute_from_json(rnd["compute"])
-        # (placed on a cluster: make_system takes the placement from the calibration)
-        system = make_system("local", compute, 1, rnd["calibration"])
+        system = _round_system(rnd)
         for m in rnd["measured"]:
             key = (m["model"], m["mode"], m["delay"], m["np"], m.get("topology"))
             pred = predict(system, build_model(m["model"]), m["mode"], m["delay"], m["np"], batch,
@@ -138,6 +136,12 @@ def _validation_rows(record):
     return rows
 
 
+def _round_system(rnd):
+    """The system a validation round's prediction uses: its profile and its calibration
+    (placed on a cluster: make_system takes the placement and the quota from the latter)."""
+    return make_system("local", compute_from_json(rnd["compute"]), 1, rnd["calibration"])
+
+
 def measured_ms(m, system):
     """The measured step of validation entry ``m``: the median step, or on nodes held to a
     CPU quota (``system.quota``) the mean step where the record has it. A quota ends each
@@ -151,9 +155,10 @@ def measured_ms(m, system):
 def measured_note(record):
     """One line on what a record's measured column is: each run's median step, or on nodes
     held to a CPU quota (the calibration says so) each run's mean step, where it has one."""
-    quotas = sorted({c.get("raw", {}).get("quota") for rnd in record["rounds"]
-                     for c in rnd["calibration"].get("by_np", {}).values()} - {None})
-    means = any("step_mean_ms" in m for rnd in record["rounds"] for m in rnd["measured"])
+    systems = [(_round_system(rnd), rnd) for rnd in record["rounds"]]
+    quotas = sorted({system.quota for system, _ in systems} - {None})
+    means = any(measured_ms(m, system) != m["step_ms"]
+                for system, rnd in systems for m in rnd["measured"])
     if quotas and means:
         return (f"measured: each run's mean step (nodes held to a CPU quota of "
                 f"{', '.join(f'{q:g}' for q in quotas)} core: a step ends at whole periods of it)")

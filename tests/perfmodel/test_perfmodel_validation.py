@@ -119,7 +119,8 @@ def test_on_nodes_under_a_quota_the_measured_step_is_the_mean(monkeypatch):
     monkeypatch.setattr(ringnet.jobs, "train_run",
                         lambda *a, **k: {"step_ms": 20.0, "step_mean_ms": 24.0, "steps": 5})
     monkeypatch.setattr(validation, "measure_compute", lambda models: compute)
-    for quota, want in ((None, 20.0), (0.5, 24.0)):
+    # (a quota of a core or more holds no rank back: the median, as without one)
+    for quota, want in ((None, 20.0), (1.5, 20.0), (0.5, 24.0)):
         raw = dict(waits_raw(2, 0.0, 0.0), quota=quota)
         monkeypatch.setattr(validation, "calibrate",
                             lambda *a, raw=raw, **k: {"by_np": {"2": {"raw": raw}}})
@@ -128,7 +129,7 @@ def test_on_nodes_under_a_quota_the_measured_step_is_the_mean(monkeypatch):
         rows = pm.validation_rows(record)
         assert {r["measured_ms"] for r in rows} == {want}, quota
         assert pm.measured_note(record) == (
-            "measured: each run's median step" if quota is None else
+            "measured: each run's median step" if want == 20.0 else
             "measured: each run's mean step (nodes held to a CPU quota of 0.5 core: a step "
             "ends at whole periods of it)")
         for m in record["rounds"][0]["measured"]:
