@@ -34,7 +34,6 @@ def test_default_run_reaches_95_percent_and_reports_json():
     assert summary["bytes_sent"] == 0 and summary["train_loss"] < 0.5
 
 
-
 def test_summary_gives_the_median_and_the_mean_step_of_the_steps_after_the_first_two():
     # every step span, as the statistics publish it: the summary's two figures are the
     # median and the mean of all but the first two (compilation, first touches)
@@ -52,6 +51,7 @@ def test_summary_gives_the_median_and_the_mean_step_of_the_steps_after_the_first
     assert summary["step_ms"] == pytest.approx(1e3 * statistics.median(kept), rel=1e-12)
     assert summary["step_mean_ms"] == pytest.approx(1e3 * statistics.fmean(kept), rel=1e-12)
     assert summary["step_mean_ms"] != summary["step_ms"]
+
 
 def _weights(result):
     return np.array(to_numpy(result.strategy.eval_model().params))

@@ -125,6 +125,7 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
     from ringnet.optim import SGD, LRPolicy
     layers, overhead, updates, steps_ms = {}, {}, [], {}
     spans = {}
+    quota = _quota()
 
     def listen(event):
         if event.name in ("compute", "update", "step"):
@@ -150,7 +151,7 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
                                                                dict(spans)) + (spans["step"][1],))
                 model = runs[batches[0]][0]
                 n = len(model.layers)
-                med = {b: _step_medians(kept[b], mean=_quota() < 1) for b in batches}
+                med = {b: _step_medians(kept[b], mean=quota < 1) for b in batches}
                 layers[name] = [(model.layers[i][0], fit_batch_times(batches, [med[b][i] for b in batches]),
                                  fit_batch_times(batches, [med[b][n + i] for b in batches]))
                                 for i in range(n)]
@@ -177,7 +178,7 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
         "here", "cpu", layers, overhead, per_param, per_call, per_add,
         max(costs[("add", small)] - small * per_add, 0.0),
         f"measured on this machine in training steps (single mode), {dtype}, 1 BLAS thread, "
-        f"batches {list(batches)}", method=TRAINING_STEPS, steps_ms=steps_ms, quota=_quota())
+        f"batches {list(batches)}", method=TRAINING_STEPS, steps_ms=steps_ms, quota=quota)
 
 
 def isolated_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0):
