@@ -199,24 +199,31 @@ def where(rank: int, node_layout: Optional[NodeLayout] = None) -> str:
 
 
 def ranks_text(ranks, node_layout: Optional[NodeLayout] = None, comm=None) -> str:
-    """'ranks 2, 3 (node rnd2)' / 'ranks 1, 3 (nodes rnd1, rnd2)' when the ranks span
-    nodes, 'ranks 2, 3' otherwise. ``ranks`` are ranks of ``comm``: without
-    ``node_layout`` the world's layout names their nodes when ``comm`` is None or holds
-    the world's ranks in order (for another communicator the nodes are not named)."""
+    """'ranks 2, 3 (node rnd2)' where the ranks span nodes, 'ranks 2, 3' otherwise; ranks
+    on several nodes are named node by node, the nodes all of whose ranks are named first
+    (a lost node or a cut link: 'ranks 2, 3 (node rnd2), rank 0 (node rnd1)'). ``ranks``
+    are ranks of ``comm``: without ``node_layout`` the world's layout names their nodes
+    when ``comm`` is None or holds the world's ranks in order (for another communicator
+    the nodes are not named)."""
     ranks = list(ranks)
-    text = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+    def plain(some):
+        return f"rank {some[0]}" if len(some) == 1 else f"ranks {', '.join(map(str, some))}"
+
     if node_layout is None and _WORLD is not None:
         from mpi4py import MPI
         if comm is None or comm == MPI.COMM_WORLD or _same_group(comm, MPI.COMM_WORLD):
             node_layout = _WORLD
     if node_layout is None or node_layout.nodes < 2 or \
             not all(0 <= r < len(node_layout.rank_nodes) for r in ranks):
-        return text
-    names = []
+        return plain(ranks)
+    by_node = {}
     for r in ranks:
-        if node_layout.rank_nodes[r] not in names:
-            names.append(node_layout.rank_nodes[r])
-    return f"{text} (node{'s' if len(names) > 1 else ''} {', '.join(names)})"
+        by_node.setdefault(node_layout.rank_nodes[r], []).append(r)
+    whole = {name for name, named in by_node.items()
+             if len(set(named)) == node_layout.rank_nodes.count(name)}
+    order = sorted(by_node, key=lambda name: name not in whole)     # stable: by first rank
+    return ", ".join(f"{plain(by_node[name])} (node {name})" for name in order)
 
 
 def mpi_path(environ=None) -> str:

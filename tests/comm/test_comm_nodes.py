@@ -46,7 +46,11 @@ def test_layout_text_and_rank_names():
     cyclic = group(["n1", "n2", "n1", "n2", "n1"], [0, 1, 2, 3, 4])
     assert cyclic.describe() == "2 nodes with 2-3 ranks each (n1: ranks 0, 2, 4; n2: ranks 1, 3)"
     assert ranks_text([2, 3], block) == "ranks 2, 3 (node n2)"
-    assert ranks_text([1, 2], block) == "ranks 1, 2 (nodes n1, n2)"
+    assert ranks_text([1, 2], block) == "rank 1 (node n1), rank 2 (node n2)"
+    # a whole node's ranks first (a lost node), then the others it names
+    assert ranks_text([0, 2, 3], block) == "ranks 2, 3 (node n2), rank 0 (node n1)"
+    assert ranks_text([0, 1, 3], block) == "ranks 0, 1 (node n1), rank 3 (node n2)"
+    assert ranks_text([0, 2, 4], cyclic) == "ranks 0, 2, 4 (node n1)"
     assert ranks_text([1], block) == "rank 1 (node n1)"
     assert where(2, block) == "rank 2 on n2"
     one = group(["h", "h"], [0, 0])
