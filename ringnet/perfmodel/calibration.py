@@ -112,8 +112,27 @@ def _fit_rooted(mode, n, sizes_s, add_s_per_elem):
     return max(float(alpha), 0.0), 1.0 / max(float(inv_beta), 1e-12)
 
 
+def _fit_cpu(n, cpu_by_size):
+    """CPU time of a ring all-reduce (reduce-scatter + all-gather, 2(N-1) messages and
+    2(N-1)/N of the buffer sent per rank) per size, fitted as per message + per byte sent:
+    {"per_msg_s", "per_byte_s"}, neither negative; None without timings or at N = 1."""
+    points = sorted((int(k), float(v)) for k, v in (cpu_by_size or {}).items())
+    if n < 2 or not points:
+        return None
+    msgs = 2 * (n - 1)
+    rows = np.array([[msgs, 2 * (n - 1) / n * size] for size, _ in points], float)
+    cpu = np.array([max(0.0, v) for _, v in points])
+    (per_msg, per_byte), *_ = np.linalg.lstsq(rows, cpu, rcond=None)
+    if per_msg < 0 or len(points) == 1:         # through the origin: bytes alone
+        per_msg, per_byte = 0.0, float(rows[:, 1] @ cpu / (rows[:, 1] @ rows[:, 1]))
+    if per_byte < 0:                            # a constant per message
+        per_msg, per_byte = float(cpu.mean() / msgs), 0.0
+    return {"per_msg_s": float(per_msg), "per_byte_s": float(per_byte)}
+
+
 def calibration_record(n, raw, add_s_per_elem):
-    """Turn one worker's timings into link, contention, and the stream's rate and steal."""
+    """Turn one worker's timings into link, contention, the stream's rate and steal, and
+    the CPU time transfers cost (per message and per byte sent)."""
     blocking = sorted((int(k), v) for k, v in raw["blocking"].items())
     fit = _fit_shaped_link if raw.get("placement", {}).get("shaped") else _fit_link
     alpha, beta = fit(n, blocking, add_s_per_elem) if n > 1 else (0.0, 1e30)
@@ -156,7 +175,11 @@ def calibration_record(n, raw, add_s_per_elem):
                           for name, v in raw.get("models", {}).items() if "imbalance" in v},
             "slice_s": slice_s, "msg_slice_s": msg_slice_s,
             "rate": float(np.mean(rates)) if rates else 1.0,
-            "steal": float(np.mean(steals)) if steals else 0.0, "raw": raw}
+            "steal": float(np.mean(steals)) if steals else 0.0,
+            # the CPU a transfer costs its rank's process: on the training thread's blocking
+            # waits, and on the stream's thread beside compute (older records: none)
+            "cpu_blocking": _fit_cpu(n, raw.get("blocking_cpu")),
+            "cpu_stream": _fit_cpu(n, raw.get("streamed_cpu")), "raw": raw}
 
 
 def shaped_links(environ=None):

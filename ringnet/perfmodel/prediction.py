@@ -6,7 +6,7 @@ import functools
 import numpy as np
 
 from ringnet.perfmodel import sends
-from ringnet.perfmodel.codefacts import boundary_s, code_facts
+from ringnet.perfmodel.codefacts import boundary_s, code_facts, rooted_concurrent
 from ringnet.perfmodel.exchange import RING_KINDS, flat_items, ring_time
 from ringnet.perfmodel.simulate import layer_timeline, progress_of, simulate_ops
 from ringnet.perfmodel.topology import hierarchical_items, spans_nodes
@@ -14,7 +14,7 @@ from ringnet.parallel import MODES as REGISTRY
 from ringnet.parallel.fc_slices import fc_blocks
 from ringnet.shards import shard_bounds as _shard_bounds
 
-__all__ = ["Prediction", "predict"]
+__all__ = ["Prediction", "predict", "transfer_cpu_s"]
 
 
 @dataclasses.dataclass
@@ -57,20 +57,51 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     run at a full core's speed until they have used q of the period and holds them for
     the rest. A rank that waits for the network spends no budget meanwhile, so it computes
     at a full core's speed (the profile, measured busy under the quota, times q), and the
-    step is no shorter than its CPU time (compute, the stream's steal, updates) over q:
-    the busy single step is the profile itself. The stream's rate beside compute was
-    measured on such a node, where the quota held compute and stream alike for 1 - q of
-    the time: running, the transfer moves at that rate / q (at most its blocking speed);
-    its steal, a ratio of two times both held alike, stands."""
+    step is no shorter than its CPU time over q: compute, updates, and what its transfers
+    cost the process where the calibration measured it (:func:`transfer_cpu_s`; else the
+    stream's steal). The busy single step is the profile itself. The stream's rate beside
+    compute was measured on such a node, where the quota held compute and stream alike
+    for 1 - q of the time: running, the transfer moves at that rate / q (at most its
+    blocking speed); its steal, a ratio of two times both held alike, stands."""
     q = system.quota
     free = dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None,
                                rate=min(1.0, system.rate / q))
     p = _predict_on(free, model, mode, delay, n, batch, topology)
-    busy = (p.compute_s + p.update_s) / q
+    spent = transfer_cpu_s(system, model, mode, n, batch, delay)
+    if spent is None:
+        busy = (p.compute_s + p.update_s) / q
+    else:
+        # the transfers' CPU as measured replaces the steal, which stood for the part of it
+        # the stream took from the compute's core while both ran
+        own = _predict_on(dataclasses.replace(free, steal=0.0), model, mode, delay, n, batch,
+                          topology)
+        busy = (own.compute_s + own.update_s + spent) / q
     if busy <= p.step_s:
         return p
     return dataclasses.replace(p, step_s=busy, compute_s=p.compute_s / q,
                                update_s=p.update_s / q, exposed_s=0.0)
+
+
+def transfer_cpu_s(system, model, mode, n, batch, delay=0):
+    """CPU seconds one step's transfers cost the busiest rank's process, or None where the
+    calibration did not measure it (``System.cpu_stream``/``cpu_blocking``): per message
+    and per byte the rank sends, on the stream's thread for the exchange (in the code's
+    delay-0 buckets) and on the training thread's blocking waits for split-fc's
+    activations. ``system``: as :meth:`System.at` gives it for N."""
+    if system.cpu_stream is None and system.cpu_blocking is None:
+        return None
+    if REGISTRY[mode].communicator is None or n < 2:
+        return 0.0
+    whole, bucketed, _ = sends.step(model, mode, n, batch, delay)
+    pieces = None if rooted_concurrent() else 1
+    total = [0.0] * n
+    for transfers, cost in ((whole.activations, system.cpu_blocking or system.cpu_stream),
+                            ([t for part in bucketed.parts for t in part.transfers],
+                             system.cpu_stream or system.cpu_blocking)):
+        for t in transfers:
+            for r, (msgs, sent) in enumerate(zip(t.messages(n, pieces), t.sent(n))):
+                total[r] += cost["per_msg_s"] * msgs + cost["per_byte_s"] * sent
+    return max(total)
 
 
 def _predict_on(system, model, mode, delay, n, batch, topology):

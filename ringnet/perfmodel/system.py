@@ -30,6 +30,9 @@ class System:
     speed while the period's budget lasts and holds it once it is spent, so a step whose
     rank waits for the network computes faster than a busy one, and no step is shorter
     than its CPU time over the quota (:func:`ringnet.perfmodel.prediction.predict`).
+    That CPU time counts what the step's transfers cost the rank's process, per message and
+    per byte it sends, as the calibration measured them: ``cpu_blocking`` on the training
+    thread's blocking waits (split-fc's activations), ``cpu_stream`` on the stream's thread.
     """
     name: str
     intra: Link
@@ -51,6 +54,9 @@ class System:
     node_link: Link = None           # local on a cluster: the link within one node, calibrated
     #                                  with the ranks on one node (the hierarchical exchange's)
     quota: float = None              # local: a node's CFS quota in cores, where under one
+    cpu_blocking: dict = None        # local: CPU a blocking transfer costs its rank's process
+    cpu_stream: dict = None          # ... and one on the stream's thread ({"per_msg_s",
+    #                                  "per_byte_s"}: per message and per byte sent)
 
     def hop(self, a, b):
         """Return the Link between ranks a and b (ranks fill nodes in order)."""
@@ -80,7 +86,9 @@ class System:
                                    model_cores=c.get("model_cores") or None, wait_s=wait,
                                    imbalance=(c.get("imbalance") or None) if n <= cores_here
                                    else None,
-                                   msg_wait_s=per_msg, quota=c.get("quota"))
+                                   msg_wait_s=per_msg, quota=c.get("quota"),
+                                   cpu_blocking=c.get("cpu_blocking"),
+                                   cpu_stream=c.get("cpu_stream"))
 
     def _node_link(self):
         """Local on a cluster with several ranks a node: the link the calibration measured

@@ -53,6 +53,9 @@ def print_report(args, compute, profiles, calibration, nps, predictions, allredu
                 print(f"# local at N={n}: {hint}")
             if c.get("quota"):
                 print(f"# local at N={n}: {quota_line(c['quota'])}")
+            costs = transfer_cpu_line(c)
+            if costs:
+                print(f"# local at N={n}: {costs}")
     print_tables(predictions, args.batch_size, args.scaling, nps)
     if allreduces:
         print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "
@@ -141,3 +144,13 @@ def quota_line(quota):
     return (f"nodes held to a CPU quota of {quota:g} core: one rank a node computes at a full "
             f"core's speed while the period's budget lasts (the profile times {quota:g}), and "
             f"no step is shorter than its CPU time / {quota:g}")
+
+
+def transfer_cpu_line(record):
+    """What the transfers cost their rank's CPU in a calibration ``record`` (per message and
+    per MB sent, blocking and on the stream), or None where it was not measured."""
+    costs = [f"{where} {cost['per_msg_s'] * 1e6:.0f} us a message + "
+             f"{cost['per_byte_s'] * 1e12:.0f} us a MB sent"
+             for where, cost in (("blocking", record.get("cpu_blocking")),
+                                 ("on the stream", record.get("cpu_stream"))) if cost]
+    return "CPU a transfer costs its rank: " + "; ".join(costs) if costs else None

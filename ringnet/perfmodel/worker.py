@@ -23,8 +23,9 @@ def calibrate_worker(iters, models=(), batch=0):
     Prints one JSON line on rank 0: the cores and the CFS quota (``quota``, cores, or None)
     of rank 0's node, the compute work unit alone and with every rank busy,
     each of ``models``' training step (forward, loss, backward) at the per-rank ``batch``
-    alone and on every rank at once, blocking reduce-scatter+all-gather per size, per
-    stream size the exchange's own duration and the work unit's time while it ran, and a
+    alone and on every rank at once, blocking reduce-scatter+all-gather per size (and the
+    CPU time each rank's process spent in it), per stream size the exchange's own duration,
+    the work unit's time while it ran and the stream thread's CPU time, and a
     small exchange (1 and 4 ring all-reduces of 4 KiB on the stream, waited for as
     training waits) entered idle and entered right after the work unit.
     """
@@ -114,18 +115,25 @@ def calibrate_worker(iters, models=(), batch=0):
                        "solo_s": float(np.median(alone)) if rank == 0 else 0.0,
                        "together_s": float(np.median(all_ranks)),
                        "imbalance": float(np.median(imbalance))}
-    def sizes_timed(exchange):
-        """Median (over iters) of the slowest rank's time of ``exchange(buf)``, per size."""
+    def sizes_timed(exchange, cpu=None):
+        """Median (over iters) of the slowest rank's time of ``exchange(buf)``, per size;
+        ``cpu`` (a dict): also the CPU time the rank's process spent in it, per size (median
+        over iters of the mean over ranks)."""
         times = {}
         for size in CALIBRATION_SIZES:
             buf = np.ones(size // 4, np.float32)
-            samples = []
+            samples, spent = [], []
             for _ in range(iters):
                 idle_barrier()
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 exchange(buf)
-                samples.append(slowest(time.perf_counter() - t0))
+                t1 = time.perf_counter()
+                spent.append(time.process_time() - c0)
+                samples.append(slowest(t1 - t0))
             times[size] = float(np.median(samples))
+            if cpu is not None:
+                cpu[size] = float(np.median([mean_over_ranks(c) for c in spent]))
         return times
 
     def ring_allreduce(buf):
@@ -138,7 +146,8 @@ def calibrate_worker(iters, models=(), batch=0):
             comm.bcast(buf, root=0)
         return run
 
-    blocking = sizes_timed(ring_allreduce)
+    blocking_cpu = {}
+    blocking = sizes_timed(ring_allreduce, blocking_cpu)
     # the tree's and master's reduce + broadcast: their messages are fewer and larger
     by_mode = {mode: sizes_timed(rooted_allreduce(comm)) for mode, comm in rooted.items()}
     stream = ring.new_stream()
@@ -149,9 +158,10 @@ def calibrate_worker(iters, models=(), batch=0):
         progress_all = None
     if progress_all is not None and hasattr(model, "layer_hook"):
         model.layer_hook = lambda phase, index: progress_all()
+    streamed_cpu = {}
     for size in STREAM_SIZES:
         buf = np.ones(size // 4, np.float32)
-        spans, works = [], []
+        spans, works, cpus = [], [], []
 
         def exchange(out):
             t0 = time.perf_counter()
@@ -161,14 +171,18 @@ def calibrate_worker(iters, models=(), batch=0):
         for _ in range(iters):
             idle_barrier()
             got = []
+            c0, own0 = time.process_time(), time.thread_time()
             t0 = time.perf_counter()
             handle = stream.submit(exchange, got)
             work()
             t_work = time.perf_counter() - t0
             handle.wait()
+            # the stream thread's CPU: the process's less this (training) thread's
+            cpus.append((time.process_time() - c0) - (time.thread_time() - own0))
             spans.append(slowest(got[0]))
             works.append(slowest(t_work))
         streamed[size] = (float(np.median(spans)), float(np.median(works)))
+        streamed_cpu[size] = float(np.median([mean_over_ranks(c) for c in cpus]))
     # waits for peers: a small exchange on the stream, waited for as training waits (the
     # waiting thread drives it), entered idle or right after the work unit; from the end
     # of the rank's own work to the exchange's end, mean over ranks
@@ -197,6 +211,7 @@ def calibrate_worker(iters, models=(), batch=0):
                           "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
                           "blocking": blocking, "streamed": streamed,
+                          "blocking_cpu": blocking_cpu, "streamed_cpu": streamed_cpu,
                           "rooted": by_mode, "models": steps,
                           "waits": {k: float(np.median(v)) for k, v in waits.items()}}),
               flush=True)

@@ -273,10 +273,54 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
     assert sorted(raw["waits"]) == sorted(f"{kind}{c}" for kind in ("idle", "loaded")
                                           for c in pm.LOADED_EXCHANGES)
     assert all(v > 0 for v in raw["waits"].values())
+    # the CPU time of each size's blocking exchange and of the stream's thread beside the
+    # work unit: no more than the slowest rank's time with two threads busy
+    assert sorted(map(int, raw["blocking_cpu"])) == sorted(worker.CALIBRATION_SIZES)
+    assert sorted(map(int, raw["streamed_cpu"])) == sorted(worker.STREAM_SIZES)
+    for size, spent in raw["blocking_cpu"].items():
+        assert 0.0 <= spent <= 2 * raw["blocking"][size] + 1e-3
+    for size, spent in raw["streamed_cpu"].items():
+        assert 0.0 <= spent <= 2 * max(raw["streamed"][size]) + 1e-3
+        if n > 1:       # the stream's thread moved the bytes: it spent some CPU
+            assert spent > 0.0
     record = calibration.calibration_record(n, raw, 0.0)
     assert record["model_cores"]["lenet"] > 0
     if n <= raw["cores"]:
         assert record["slice_s"] == record["msg_slice_s"] == 0.0
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_transfer_cpu_is_fitted_per_message_and_per_byte(n):
+    """The CPU time the worker measured for ring all-reduces of its sizes (2(N-1) messages,
+    2(N-1)/N of the buffer sent per rank) gives back the per-message and per-byte costs it
+    was made from, on the blocking path and the stream's; none in an older record or at
+    N = 1, and never a negative cost."""
+    def cpu(sizes, per_msg, per_byte):
+        return {str(size): 2 * (n - 1) * per_msg + 2 * (n - 1) / n * size * per_byte
+                for size in sizes}
+    raw = waits_raw(n, 0.0, 0.0)
+    raw["blocking_cpu"] = cpu(worker.CALIBRATION_SIZES, 40e-6, 3e-9)
+    raw["streamed_cpu"] = cpu(worker.STREAM_SIZES, 150e-6, 1.5e-9)
+    record = calibration.calibration_record(n, raw, 0.0)
+    assert record["cpu_blocking"] == pytest.approx({"per_msg_s": 40e-6, "per_byte_s": 3e-9},
+                                                   rel=1e-6)
+    assert record["cpu_stream"] == pytest.approx({"per_msg_s": 150e-6, "per_byte_s": 1.5e-9},
+                                                 rel=1e-6)
+    from ringnet.perfmodel.text import transfer_cpu_line
+    assert transfer_cpu_line(record) == ("CPU a transfer costs its rank: blocking 40 us a "
+                                         "message + 3000 us a MB sent; on the stream 150 us a "
+                                         "message + 1500 us a MB sent")
+    assert calibration.calibration_record(n, waits_raw(n, 0.0, 0.0), 0.0)["cpu_stream"] is None
+    assert transfer_cpu_line(calibration.calibration_record(n, waits_raw(n, 0.0, 0.0), 0.0)) is None
+    assert calibration.calibration_record(1, dict(raw, np=1), 0.0)["cpu_blocking"] is None
+    # CPU that falls with size (noise): a per-message cost only, the mean
+    raw["streamed_cpu"] = {str(worker.STREAM_SIZES[0]): 2e-3, str(worker.STREAM_SIZES[1]): 1e-3}
+    fitted = calibration.calibration_record(n, raw, 0.0)["cpu_stream"]
+    assert fitted == pytest.approx({"per_msg_s": 1.5e-3 / (2 * (n - 1)), "per_byte_s": 0.0})
+    # CPU that grows faster than the bytes (a negative intercept): through the origin
+    raw["streamed_cpu"] = {str(worker.STREAM_SIZES[0]): 0.0, str(worker.STREAM_SIZES[1]): 1e-3}
+    fitted = calibration.calibration_record(n, raw, 0.0)["cpu_stream"]
+    assert fitted["per_msg_s"] == 0.0 and fitted["per_byte_s"] > 0
 
 
 @pytest.mark.parametrize("quota,kept", [(0.5, 0.5), (1.0, None), (2.0, None), (None, None)])

@@ -180,3 +180,53 @@ def test_a_node_held_to_a_quota_computes_at_full_speed_while_it_waits():
     shared = pm.make_system("local", compute, 1, two)
     plain = pm.make_system("local", compute, 1, _calibration(per_node=2))
     assert pm.predict(shared, lenet, "ring", 1, 4, 64).step_s == pm.predict(plain, lenet, "ring", 1, 4, 64).step_s
+
+
+def test_the_step_s_transfers_cost_cpu_per_message_and_per_byte_sent():
+    """``transfer_cpu_s`` against a count by hand: a delay-1 ring at N = 4 sends 2(N-1) = 6
+    messages of LeNet's gradient, 2(N-1)/N of it per rank, all on the stream; split-fc's
+    activations are priced at the blocking path's cost, its conv prefix at the stream's."""
+    from ringnet.perfmodel.prediction import transfer_cpu_s
+    lenet = build_model("lenet")
+    params = sum(p.size for p in lenet.params)
+    system = round_system()
+    assert transfer_cpu_s(system, lenet, "ring", 4, 64, 1) is None        # not calibrated
+    stream = {"per_msg_s": 1e-4, "per_byte_s": 2e-9}
+    system = dataclasses.replace(system, cpu_stream=stream,
+                                 cpu_blocking={"per_msg_s": 0.0, "per_byte_s": 0.0})
+    assert transfer_cpu_s(system, lenet, "ring", 4, 64, 1) == pytest.approx(
+        6 * 1e-4 + 2e-9 * 6 / 4 * 4 * params, rel=1e-6)
+    assert transfer_cpu_s(system, lenet, "single", 1, 64) == 0.0
+    assert transfer_cpu_s(system, lenet, "ring", 1, 64, 1) == 0.0
+    free_acts = transfer_cpu_s(system, lenet, "split-fc", 4, 64)
+    costly = dataclasses.replace(system, cpu_blocking={"per_msg_s": 1e-3, "per_byte_s": 0.0})
+    whole, _, _ = sends.step(lenet, "split-fc", 4, 64)
+    acts = max(sum(t.messages(4)[r] for t in whole.activations) for r in range(4))
+    assert acts > 0
+    assert transfer_cpu_s(costly, lenet, "split-fc", 4, 64) == pytest.approx(free_acts + acts * 1e-3)
+    assert transfer_cpu_s(costly, lenet, "ring", 4, 64, 1) == transfer_cpu_s(system, lenet, "ring", 4, 64, 1)
+
+
+def test_under_a_quota_the_step_is_no_shorter_than_its_cpu_with_the_transfers():
+    """On a node of half a core with the transfers' CPU calibrated, a compute-bound step is
+    its CPU over the quota: the compute without the stream's steal (which stood for part of
+    that CPU), the update and the transfers' CPU; without the calibration, as before."""
+    from ringnet.perfmodel.prediction import transfer_cpu_s
+    compute = pm.roofline_compute("k40", ("lenet",)).scaled(40.0)    # CPU-like times
+    lenet = build_model("lenet")
+    fast = dataclasses.replace(pm.make_system("local", compute, 1, _calibration(per_node=1)).at(4),
+                               calibrated=None, inter=pm.Link("fast", 0.0, 1e15),
+                               intra=pm.Link("fast", 0.0, 1e15), steal=0.2)
+    costs = {"per_msg_s": 2e-4, "per_byte_s": 3e-9}
+    held = dataclasses.replace(fast, quota=0.5, cpu_stream=costs, cpu_blocking=costs)
+    for mode, delay in (("ring", 1), ("ring", 0), ("tree", 0), ("split-fc", 0)):
+        bound = pm.predict(held, lenet, mode, delay, 4, 64)
+        unheld = pm.predict(dataclasses.replace(fast, compute=compute.full_speed(0.5), steal=0.0),
+                            lenet, mode, delay, 4, 64)
+        spent = transfer_cpu_s(held, lenet, mode, 4, 64, delay)
+        assert spent > 0
+        assert bound.step_s == pytest.approx((unheld.compute_s + unheld.update_s + spent) / 0.5,
+                                             rel=1e-9), mode
+        before = pm.predict(dataclasses.replace(held, cpu_stream=None, cpu_blocking=None),
+                            lenet, mode, delay, 4, 64)
+        assert bound.step_s > before.step_s
