@@ -87,7 +87,9 @@ def transfer_cpu_s(system, model, mode, n, batch, delay=0):
     calibration did not measure it (``System.cpu_stream``/``cpu_blocking``): per message
     and per byte the rank sends, on the stream's thread for the exchange (in the code's
     delay-0 buckets) and on the training thread's blocking waits for split-fc's
-    activations. ``system``: as :meth:`System.at` gives it for N."""
+    activations. A message's cost (the calibration's, whose messages outlast the waits'
+    spin) is at most the time the message takes on its link: a wait that ends sooner
+    spins less. ``system``: as :meth:`System.at` gives it for N."""
     if system.cpu_stream is None and system.cpu_blocking is None:
         return None
     if REGISTRY[mode].communicator is None or n < 2:
@@ -99,8 +101,14 @@ def transfer_cpu_s(system, model, mode, n, batch, delay=0):
                             ([t for part in bucketed.parts for t in part.transfers],
                              system.cpu_stream or system.cpu_blocking)):
         for t in transfers:
+            link = (system.rooted or {}).get(t.route) or (
+                system.intra if n <= system.ranks_per_node else system.inter)
             for r, (msgs, sent) in enumerate(zip(t.messages(n, pieces), t.sent(n))):
-                total[r] += cost["per_msg_s"] * msgs + cost["per_byte_s"] * sent
+                if not msgs:
+                    continue
+                # a wait spins (its cost per message) no longer than the message takes
+                lasts = link.alpha_s + sent / msgs / link.beta_Bps
+                total[r] += min(cost["per_msg_s"], lasts) * msgs + cost["per_byte_s"] * sent
     return max(total)
 
 

@@ -129,6 +129,9 @@ def print_validation(args, validation, record):
                     print(f"# round {i + 1}, N={n}: {hint}")
                 if c.get("quota"):
                     print(f"# round {i + 1}, N={n}: {quota_line(c['quota'])}")
+                costs = transfer_cpu_line(c)
+                if costs:
+                    print(f"# round {i + 1}, N={n}: {costs}")
     print(f"# load average now: {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
           "(timings on a loaded machine move by tens of percent)")
     if args.validate:

@@ -189,13 +189,19 @@ def test_the_step_s_transfers_cost_cpu_per_message_and_per_byte_sent():
     from ringnet.perfmodel.prediction import transfer_cpu_s
     lenet = build_model("lenet")
     params = sum(p.size for p in lenet.params)
-    system = round_system()
+    slow = pm.Link("slow", 1e-3, 1e8)             # every message outlasts the wait's spin
+    system = dataclasses.replace(round_system(), intra=slow, inter=slow, rooted=None)
     assert transfer_cpu_s(system, lenet, "ring", 4, 64, 1) is None        # not calibrated
     stream = {"per_msg_s": 1e-4, "per_byte_s": 2e-9}
     system = dataclasses.replace(system, cpu_stream=stream,
                                  cpu_blocking={"per_msg_s": 0.0, "per_byte_s": 0.0})
     assert transfer_cpu_s(system, lenet, "ring", 4, 64, 1) == pytest.approx(
         6 * 1e-4 + 2e-9 * 6 / 4 * 4 * params, rel=1e-6)
+    # a message that takes less than the calibrated cost spins only as long as it takes
+    fast = pm.Link("fast", 2e-5, 1e15)
+    quick = dataclasses.replace(system, intra=fast, inter=fast)
+    assert transfer_cpu_s(quick, lenet, "ring", 4, 64, 1) == pytest.approx(
+        6 * 2e-5 + 2e-9 * 6 / 4 * 4 * params, rel=1e-6)
     assert transfer_cpu_s(system, lenet, "single", 1, 64) == 0.0
     assert transfer_cpu_s(system, lenet, "ring", 1, 64, 1) == 0.0
     free_acts = transfer_cpu_s(system, lenet, "split-fc", 4, 64)
@@ -215,8 +221,8 @@ def test_under_a_quota_the_step_is_no_shorter_than_its_cpu_with_the_transfers():
     compute = pm.roofline_compute("k40", ("lenet",)).scaled(40.0)    # CPU-like times
     lenet = build_model("lenet")
     fast = dataclasses.replace(pm.make_system("local", compute, 1, _calibration(per_node=1)).at(4),
-                               calibrated=None, inter=pm.Link("fast", 0.0, 1e15),
-                               intra=pm.Link("fast", 0.0, 1e15), steal=0.2)
+                               calibrated=None, inter=pm.Link("fast", 3e-4, 1e15),
+                               intra=pm.Link("fast", 3e-4, 1e15), steal=0.2, rooted=None)
     costs = {"per_msg_s": 2e-4, "per_byte_s": 3e-9}
     held = dataclasses.replace(fast, quota=0.5, cpu_stream=costs, cpu_blocking=costs)
     for mode, delay in (("ring", 1), ("ring", 0), ("tree", 0), ("split-fc", 0)):
