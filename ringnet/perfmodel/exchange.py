@@ -39,7 +39,7 @@ def _ring_items(system, bounds, itemsize, kind, after_idle=False):
     shard = max(b - a for a, b in bounds)
     if shard == 0:
         return []
-    hop = system.intra if n <= system.ranks_per_node else system.inter
+    hop = system.link_of(n)
     tokens = hop.burst_bytes if after_idle else 0.0
     items = []
     for _ in range(n - 1):
@@ -162,7 +162,7 @@ def allreduce_time(system, algorithm, nbytes, n, itemsize=4):
         bounds = _shard_bounds(elems, n)
         return ring_time(system, bounds, itemsize, "rs") + ring_time(system, bounds, itemsize, "ag")
     rounds, sent, added = terms(algorithm, nbytes, n)
-    link = system.intra if n <= system.ranks_per_node else system.inter
+    link = system.link_of(n)
     cp = system.compute
     return rounds * (link.alpha_s + cp.add_s_per_call) + sent / link.beta_Bps \
         + added / itemsize * cp.add_s_per_elem

@@ -101,8 +101,7 @@ def transfer_cpu_s(system, model, mode, n, batch, delay=0):
                             ([t for part in bucketed.parts for t in part.transfers],
                              system.cpu_stream or system.cpu_blocking)):
         for t in transfers:
-            link = (system.rooted or {}).get(t.route) or (
-                system.intra if n <= system.ranks_per_node else system.inter)
+            link = (system.rooted or {}).get(t.route) or system.link_of(n)
             for r, (msgs, sent) in enumerate(zip(t.messages(n, pieces), t.sent(n))):
                 if not msgs:
                     continue

@@ -63,6 +63,11 @@ class System:
         same = a // self.ranks_per_node == b // self.ranks_per_node
         return self.intra if same else self.inter
 
+    def link_of(self, n):
+        """Return the Link a collective over N ranks waits on: within a node while the N
+        ranks fit on one (ranks fill nodes in order), else between nodes."""
+        return self.intra if n <= self.ranks_per_node else self.inter
+
     def at(self, n):
         """Return the system an N-rank job sees (local: the calibration nearest N)."""
         if not self.calibrated:
