@@ -11,7 +11,7 @@ from ringnet.perfmodel.system import usable_cores
 from ringnet.models import build_model
 
 __all__ = ["calibrate_worker", "CALIBRATION_SIZES", "STREAM_SIZES", "LOADED_EXCHANGES",
-           "DIRECT_SAMPLES", "STEPS_TIMED_S"]
+           "DIRECT_SAMPLES", "STEPS_TIMED_S", "QUOTA_STEPS_TIMED_S", "steps_timed_s"]
 
 CALIBRATION_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
 STREAM_SIZES = (512 << 10, 2 << 20)
@@ -70,6 +70,8 @@ def calibrate_worker(iters, models=(), batch=0):
     def mean_over_ranks(seconds):
         return float(reduced(seconds, MPI.SUM)[0]) / n
 
+    from ringnet.placement import cpu_quota
+    quota = cpu_quota()
     work()
     solo, together = [], []
     for _ in range(iters):
@@ -88,8 +90,9 @@ def calibrate_worker(iters, models=(), batch=0):
 
         net.loss_and_grad(xb, yb)
         # steps back to back for at least STEPS_TIMED_S: several scheduler slices, so ranks
-        # that share a core share it as in training (one short step may run unshared)
-        calls = world.bcast(max(1, math.ceil(STEPS_TIMED_S / median_time(
+        # that share a core share it as in training (one short step may run unshared); on a
+        # node held to a quota, many of its periods (QUOTA_STEPS_TIMED_S)
+        calls = world.bcast(max(1, math.ceil(steps_timed_s(quota) / median_time(
             lambda: net.loss_and_grad(xb, yb), 1))) if rank == 0 else None, root=0)
 
         def each_step():
@@ -206,8 +209,7 @@ def calibrate_worker(iters, models=(), batch=0):
                     mean_over_ranks(time.perf_counter() - t0))
     stream.close()
     if rank == 0:
-        from ringnet.placement import cpu_quota
-        print(json.dumps({"np": n, "cores": usable_cores(), "quota": cpu_quota(),
+        print(json.dumps({"np": n, "cores": usable_cores(), "quota": quota,
                           "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
                           "blocking": blocking, "streamed": streamed,
@@ -225,3 +227,15 @@ LOADED_EXCHANGES = (1, 4)
 DIRECT_SAMPLES = 2
 # a model's steps are timed back to back for at least this long (a few scheduler slices)
 STEPS_TIMED_S = 0.03
+# ... and on a node held to a CFS quota under a core, at least this long: a step timed
+# alone right after an idle wait starts with its period's budget unspent, and one started
+# on every node at once meets the others' at the same moment of their periods; steps back
+# to back over many periods run at the rate the quota allows, as training's do
+QUOTA_STEPS_TIMED_S = 0.25
+
+
+def steps_timed_s(quota):
+    """How long a model's steps are timed back to back: :data:`STEPS_TIMED_S`, or
+    :data:`QUOTA_STEPS_TIMED_S` where a CFS quota under a core (``quota``, cores) holds the
+    rank's node."""
+    return QUOTA_STEPS_TIMED_S if quota is not None and quota < 1 else STEPS_TIMED_S

@@ -289,6 +289,33 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
         assert record["slice_s"] == record["msg_slice_s"] == 0.0
 
 
+@pytest.mark.mpi
+def test_under_a_quota_the_worker_times_model_steps_over_many_periods(capsys, monkeypatch):
+    # a step timed alone right after an idle wait starts with its period's budget unspent:
+    # on a node held to a quota the steps run back to back for QUOTA_STEPS_TIMED_S
+    from mpi4py import MPI
+    import ringnet.placement
+    per_call = {}
+    for quota in (None, 0.5):
+        monkeypatch.setattr(ringnet.placement, "cpu_quota", lambda quota=quota: quota)
+        assert worker.calibrate_worker(1, ["lenet"], 3) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        if MPI.COMM_WORLD.Get_rank():
+            continue
+        raw = json.loads(out[-1])
+        assert raw["quota"] == quota
+        steps = raw["models"]["lenet"]
+        per_call[quota] = steps["calls"], steps["calls"] * steps["solo_s"]
+    if MPI.COMM_WORLD.Get_rank():
+        return
+    assert worker.steps_timed_s(None) == worker.steps_timed_s(1.0) == worker.STEPS_TIMED_S
+    assert worker.steps_timed_s(0.5) == worker.QUOTA_STEPS_TIMED_S > worker.STEPS_TIMED_S
+    # the calls were sized from one timed step: their run lasts about the time asked for
+    assert per_call[0.5][0] > per_call[None][0]
+    assert per_call[0.5][1] >= 0.4 * worker.QUOTA_STEPS_TIMED_S
+    assert per_call[None][1] < 0.4 * worker.QUOTA_STEPS_TIMED_S
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_transfer_cpu_is_fitted_per_message_and_per_byte(n):
     """The CPU time the worker measured for ring all-reduces of its sizes (2(N-1) messages,
