@@ -8,6 +8,7 @@
 * the calibration worker's own output under mpirun (ringnet.perfmodel.worker).
 """
 import json
+import math
 import os
 
 import pytest
@@ -292,10 +293,19 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
 @pytest.mark.mpi
 def test_under_a_quota_the_worker_times_model_steps_over_many_periods(capsys, monkeypatch):
     # a step timed alone right after an idle wait starts with its period's budget unspent:
-    # on a node held to a quota the steps run back to back for QUOTA_STEPS_TIMED_S
+    # on a node held to a quota the steps run back to back for QUOTA_STEPS_TIMED_S. The
+    # worker sizes its calls from one timed step; here that step reads 5 ms, so the count
+    # is the rule's own, whatever the cores do meanwhile (they are shared at N > 2)
     from mpi4py import MPI
     import ringnet.placement
-    per_call = {}
+    one_step = 0.005
+
+    def timed(fn, iters):
+        for _ in range(iters):
+            fn()
+        return one_step
+    monkeypatch.setattr(worker, "median_time", timed)
+    calls = {}
     for quota in (None, 0.5):
         monkeypatch.setattr(ringnet.placement, "cpu_quota", lambda quota=quota: quota)
         assert worker.calibrate_worker(1, ["lenet"], 3) == 0
@@ -304,16 +314,14 @@ def test_under_a_quota_the_worker_times_model_steps_over_many_periods(capsys, mo
             continue
         raw = json.loads(out[-1])
         assert raw["quota"] == quota
-        steps = raw["models"]["lenet"]
-        per_call[quota] = steps["calls"], steps["calls"] * steps["solo_s"]
+        calls[quota] = raw["models"]["lenet"]["calls"]
+        assert raw["models"]["lenet"]["solo_s"] > 0
     if MPI.COMM_WORLD.Get_rank():
         return
     assert worker.steps_timed_s(None) == worker.steps_timed_s(1.0) == worker.STEPS_TIMED_S
     assert worker.steps_timed_s(0.5) == worker.QUOTA_STEPS_TIMED_S > worker.STEPS_TIMED_S
-    # the calls were sized from one timed step: their run lasts about the time asked for
-    assert per_call[0.5][0] > per_call[None][0]
-    assert per_call[0.5][1] >= 0.4 * worker.QUOTA_STEPS_TIMED_S
-    assert per_call[None][1] < 0.4 * worker.QUOTA_STEPS_TIMED_S
+    assert calls[None] == math.ceil(worker.STEPS_TIMED_S / one_step)
+    assert calls[0.5] == math.ceil(worker.QUOTA_STEPS_TIMED_S / one_step)
 
 
 @pytest.mark.parametrize("n", [2, 4])
