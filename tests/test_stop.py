@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import launcher_free_env
+from ringnet.bench.soak import rank_processes
 from ringnet.checkpoint import TMP_SUFFIX, load_checkpoint, stored_step
 
 TRAIN = [sys.executable, "-m", "ringnet.train"]
@@ -133,27 +134,11 @@ def _ranks_of(path):
     return found
 
 
-def _children(pid):
-    """The pids of the processes whose parent is ``pid`` (read from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
 def _signal_after(cmd, delay, tmp_path, second=False, signum=signal.SIGTERM, sent=None):
     """Start ``cmd`` in ``tmp_path``, send ``signum`` to it after ``delay`` s (and, with
     ``second``, again every 20 ms from the moment it says it stopped while its ranks
-    exit: as long as it has children, MPICH's proxy among them; each one sent then is
-    appended to the list ``sent``); return (exit code, stderr+stdout)."""
+    exit, as long as one is alive; each one sent then is appended to the list ``sent``);
+    return (exit code, stderr+stdout)."""
     import threading
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -164,7 +149,7 @@ def _signal_after(cmd, delay, tmp_path, second=False, signum=signal.SIGTERM, sen
     def keep_signalling():
         # MPICH's mpiexec signalled after its proxy has exited, before it has noticed,
         # fails to forward the signal and exits 255 itself: a launcher's race, not the job's
-        while proc.poll() is None and _children(proc.pid):
+        while proc.poll() is None and rank_processes(proc.pid):
             try:
                 proc.send_signal(signum)
             except OSError:
