@@ -14,7 +14,9 @@ clock from a barrier all ranks pass when tracing starts. Each rank's clock is ti
 0's by ping-pong when tracing starts and again when it ends (:func:`align_clocks`; a drift
 between the two, as between nodes, is interpolated), so lanes of different ranks line up to
 within half the shortest round trip, microseconds on one node; ``otherData.clock_alignment``
-gives each rank's offset and that bound. Spans are host time: over NCCL on a GPU a
+gives each rank's offset and that bound, and ``otherData.origin_s`` is ts 0 as rank 0's
+``time.perf_counter()`` reading (CLOCK_MONOTONIC on Linux, one clock for every process of a
+host: a program beside the run places its own events on the timeline with it). Spans are host time: over NCCL on a GPU a
 ``transfer`` span covers the enqueueing of the send and receive (``"enqueued": true``),
 the transfer itself runs later on the CUDA stream; the statistics time GPU compute and
 update with CUDA events instead (see :mod:`ringnet.stats`). Each rank collects its events in memory; at
@@ -271,6 +273,7 @@ class Tracer:
         events = [e for rank_events, _ in gathered for e in rank_events]
         other = {k: _plain(v) for k, v in (metadata or {}).items()}
         other["clock_alignment"] = [alignment for _, alignment in gathered]
+        other["origin_s"] = self.t0
         document = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
         write_json(self.path, document, "trace", separators=(",", ":"))
         return self.path

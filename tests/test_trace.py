@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -146,6 +147,22 @@ def test_delay_zero_exchange_is_on_the_training_thread(tmp_path):
     transfers = [e for e in events if e["cat"] == "transfer"]
     assert transfers and all(e["tid"] == 0 for e in transfers)
     assert not [e for e in events if e["cat"] == "comm"]
+
+
+def test_the_origin_places_the_steps_on_this_hosts_monotonic_clock(tmp_path):
+    # origin_s + ts is a perf_counter reading any process of the host shares: every step
+    # lies between this process's readings before the launch and after the exit, and the
+    # last one ends once the training has taken most of its time
+    before = time.perf_counter()
+    summary, trace = traced_run(tmp_path, "--mode", "ring", "--delay", "1", steps=6)
+    after = time.perf_counter()
+    origin = trace["otherData"]["origin_s"]
+    steps = [e for e in spans(trace) if e["cat"] == "step"]
+    assert len(steps) == 2 * 6
+    starts = [origin + e["ts"] / 1e6 for e in steps]
+    ends = [origin + (e["ts"] + e["dur"]) / 1e6 for e in steps]
+    assert before < min(starts) and max(ends) < after, (before, min(starts), max(ends), after)
+    assert max(ends) - min(starts) >= 0.5 * summary["train_s"], (summary["train_s"], starts, ends)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
