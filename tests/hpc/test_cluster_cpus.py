@@ -10,7 +10,8 @@ the machine left to what runs outside it):
   cores of CPU time (the group's cpuacct.usage), and ``status`` shows the time;
 * isolation: the LeNet step of an srun task on the first node takes as long whether the
   second node idles or runs a job of busy loops, twice as many as the machine has cores
-  (the median of interleaved rounds' ratios, within 10%);
+  (the loops stopped and let run in turns of half a second during the training, its steps
+  sorted by turn on the trace's timeline; the median of three runs' ratios, within 10%);
 * a node that failed and came back runs in its group again.
 
 Run as a script, the same isolation measurement prints the figure docs/clusters.md shows on
@@ -19,7 +20,9 @@ a cluster of your choosing (as root)::
     python tests/hpc/test_cluster_cpus.py --nodes 4 --cpus-per-node 0.5
 """
 import argparse
+import bisect
 import json
+import math
 import os
 import re
 import signal
@@ -208,61 +211,126 @@ def test_a_node_is_held_to_its_quota(cluster):
 
 # -- isolation ------------------------------------------------------------------------------
 
-def step_ms(cluster, name, steps, ranks=1):
-    """``ranks`` srun tasks on node ``name`` train LeNet ``steps`` steps (more than one: in
-    the ring, delay 0): the mean step, in ms (the training's time over its steps: its median
-    step would leave out the steps another process's turn on the core fell in)."""
+def training(name, steps, ranks=1, *extra):
+    """The srun command line of ``ranks`` tasks on node ``name`` training LeNet ``steps``
+    steps (more than one rank: in the ring, delay 0)."""
     mode = ["--mode", "ring", "--delay", "0"] if ranks > 1 else []
-    proc = cluster.run(["srun", "-w", name, "-n", str(ranks), "--mpi=pmi2", sys.executable,
-                        *STEP, *mode, "--steps", str(steps)], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
-    return 1000 * summary["train_s"] / summary["steps"]
+    return ["srun", "-w", name, "-n", str(ranks), "--mpi=pmi2", sys.executable, *STEP, *mode,
+            "--steps", str(steps), *extra]
 
 
-def isolation(cluster, rounds=4, steps=60, ranks=1):
+# Each run of the first node's training alternates windows of this length with the other
+# nodes' loops stopped and running: this machine's speed drifts by a fifth over seconds, so
+# runs minutes apart (or even one after the other) compare the drift, and windows of half a
+# second (fifty quota periods) set side by side within one run compare the neighbours.
+WINDOW_S = 0.5
+WARMUP_STEPS = 5                     # the first steps allocate: left out of either side
+
+
+def loop_pids(names):
+    """The busy loops' processes on nodes ``names`` (a BusyJob's tasks; not slurmstepd)."""
+    pids = []
+    for name in names:
+        for pid in group_pids(cpu_group(name)):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read()
+            except OSError:
+                continue
+            if b"while :; do :; done" in command:
+                pids.append(pid)
+    return pids
+
+
+def signal_all(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def window_steps(trace, switches):
+    """The step times (ms) of rank 0 in ``trace`` as (with the loops stopped, running): a step
+    counts where it starts and ends within one window; ``switches``: (perf_counter time,
+    running) at each window's start."""
+    origin = trace["otherData"]["origin_s"]
+    steps = sorted((e for e in trace["traceEvents"] if e.get("cat") == "step" and e["pid"] == 0),
+                   key=lambda e: e["ts"])[WARMUP_STEPS:]
+    times = [t for t, _ in switches] + [math.inf]
+    sides = ([], [])
+    for e in steps:
+        start, end = origin + e["ts"] / 1e6, origin + (e["ts"] + e["dur"]) / 1e6
+        i = bisect.bisect_right(times, start) - 1
+        if i >= 0 and end < times[i + 1]:
+            sides[switches[i][1]].append(e["dur"] / 1e3)
+    return sides
+
+
+def isolation(cluster, runs=3, steps=300, ranks=1):
     """The step of ``ranks`` ranks on the first node with the others idle and with every
     other node running a job of busy loops (twice the machine's cores on each), after one
-    warm-up run, in rounds of one of each (idle first in even rounds, busy first in odd ones, so a
-    drift of the machine falls on both alike). Returns (idle steps, busy steps, cores used
-    outside the nodes' groups meanwhile)."""
+    warm-up run: in each of ``runs`` trainings of ``steps`` steps the loops are stopped
+    (SIGSTOP) and let run (SIGCONT) in turns of WINDOW_S, and the steps are sorted by window
+    on the trace's timeline. Returns (each run's mean idle step, each run's mean busy step,
+    cores used outside the nodes' groups meanwhile)."""
     first, others = cluster.names[0], cluster.names[1:]
-    step_ms(cluster, first, 10, ranks)             # warm-up: the files read once
+    warm = cluster.run(training(first, 10, ranks), timeout=300)    # the files read once
+    assert warm.returncode == 0, warm.stderr[-3000:]
     idle, busy = [], []
-    outside_start = busy_seconds() - sum(usage_s(n) for n in cluster.names)
-    wall_start = time.monotonic()
-    for r in range(rounds):
-        for loaded in ((False, True) if r % 2 == 0 else (True, False)):
-            if not loaded:
-                idle.append(step_ms(cluster, first, steps, ranks))
-                continue
-            burners = [BusyJob(cluster, name, 2 * CORES) for name in others]
-            try:
-                busy.append(step_ms(cluster, first, steps, ranks))
-            finally:
-                for burner in burners:
-                    burner.stop()
-    outside = busy_seconds() - sum(usage_s(n) for n in cluster.names) - outside_start
-    return idle, busy, outside / (time.monotonic() - wall_start)
+    burners = [BusyJob(cluster, name, 2 * CORES) for name in others]
+    loops = loop_pids(others)
+    try:
+        assert len(loops) == 2 * CORES * len(others), f"busy loops found: {loops}"
+        outside_start = busy_seconds() - sum(usage_s(n) for n in cluster.names)
+        wall_start = time.monotonic()
+        with tempfile.TemporaryDirectory() as folder:
+            for run in range(runs):
+                path = os.path.join(folder, f"run{run}.json")
+                signal_all(loops, signal.SIGSTOP)
+                proc = subprocess.Popen(training(first, steps, ranks, "--trace", path),
+                                        env=cluster.env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+                switches, running = [(time.perf_counter(), False)], False
+                deadline = time.monotonic() + 300
+                while proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(max(0.0, switches[-1][0] + WINDOW_S - time.perf_counter()))
+                    running = not running
+                    signal_all(loops, signal.SIGCONT if running else signal.SIGSTOP)
+                    switches.append((time.perf_counter(), running))
+                if proc.poll() is None:
+                    proc.kill()
+                out, err = proc.communicate()
+                assert proc.returncode == 0, err[-3000:]
+                with open(path) as f:
+                    stopped, running_steps = window_steps(json.load(f), switches)
+                assert len(stopped) >= 10 and len(running_steps) >= 10, \
+                    f"steps within the windows: {len(stopped)} idle, {len(running_steps)} busy"
+                idle.append(statistics.mean(stopped))
+                busy.append(statistics.mean(running_steps))
+        outside = busy_seconds() - sum(usage_s(n) for n in cluster.names) - outside_start
+        return idle, busy, outside / (time.monotonic() - wall_start)
+    finally:
+        signal_all(loops, signal.SIGCONT)
+        for burner in burners:
+            burner.stop()
 
 
 def busy_over_idle(idle, busy):
-    """The median of each round's busy step over its idle one (a round's two runs are next
-    to each other: what changes on the machine between rounds falls on both)."""
+    """The median of each run's busy step over its idle one (windows of one run alternate
+    every WINDOW_S: what changes on the machine meanwhile falls on both)."""
     return statistics.median(b / i for i, b in zip(idle, busy))
 
 
 def test_a_step_on_one_node_takes_as_long_when_the_other_is_busy(cluster):
-    # Six rounds: on a machine in a slow spell single runs of the same step differ by a
-    # fifth, and one round's ratio by a tenth; the median of six holds to the quota's effect.
-    idle, busy, outside = isolation(cluster, rounds=6)
+    idle, busy, outside = isolation(cluster)
     # Processes outside the cluster (another program on this machine) compete with the
     # node's task once they and the busy node take more than the cores the cluster leaves:
     # the comparison then says nothing about the quota.
     spare = CORES - 2 * CPUS
     if outside > spare / 2:
         pytest.skip(f"this machine is not quiet: {outside:.2f} cores used outside the "
-                    f"cluster during the rounds, of {spare:g} the cluster leaves (idle {idle}, "
+                    f"cluster during the runs, of {spare:g} the cluster leaves (idle {idle}, "
                     f"busy {busy} ms)")
     ratio = busy_over_idle(idle, busy)
     assert 0.9 <= ratio <= 1.1, f"busy / idle {ratio:.3f}: idle {idle}, busy {busy} ms"
@@ -308,8 +376,8 @@ def main():
                                      "for it (as root).")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--cpus-per-node", type=float, default=0.5)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ranks", type=int, default=1, help="ranks on the first node")
     args = parser.parse_args()
     why = missing_for_a_cluster()
@@ -318,17 +386,18 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         started, env = start_cluster(os.path.join(folder, "slurm"), args.nodes, args.cpus_per_node)
         try:
-            idle, busy, outside = isolation(started, args.rounds, args.steps, args.ranks)
+            idle, busy, outside = isolation(started, args.runs, args.steps, args.ranks)
         finally:
             script("stop", env=env)
     a, b = statistics.median(idle), statistics.median(busy)
     ratio = busy_over_idle(idle, busy)
     print(f"{args.nodes} nodes of {args.cpus_per_node:g} core(s) on {CORES} cores: the LeNet "
-          f"step of {args.ranks} rank(s) on the first node, {args.rounds} rounds of "
-          f"{args.steps} steps")
+          f"step of {args.ranks} rank(s) on the first node, {args.runs} runs of "
+          f"{args.steps} steps, the other nodes' loops stopped and running in turns of "
+          f"{WINDOW_S:g} s")
     print(f"  other nodes idle: {a:.1f} ms  ({', '.join(f'{x:.1f}' for x in idle)})")
     print(f"  other nodes busy: {b:.1f} ms  ({', '.join(f'{x:.1f}' for x in busy)})")
-    print(f"  busy / idle, the median of the rounds' ratios: {ratio:.3f} "
+    print(f"  busy / idle, the median of the runs' ratios: {ratio:.3f} "
           f"({(ratio - 1) * 100:+.1f}%)")
     print(f"  CPU used outside the cluster meanwhile: {outside:.2f} cores")
 
