@@ -251,20 +251,20 @@ def signal_all(pids, sig):
 
 
 def window_steps(trace, switches):
-    """The step times (ms) of rank 0 in ``trace`` as (with the loops stopped, running): a step
-    counts where it starts and ends within one window; ``switches``: (perf_counter time,
-    running) at each window's start."""
+    """The step times (ms) of rank 0 in ``trace``, by window: {window index: [ms, ...]}; a
+    step counts where it starts and ends within one window. ``switches``: (perf_counter
+    time, the loops running) at each window's start."""
     origin = trace["otherData"]["origin_s"]
     steps = sorted((e for e in trace["traceEvents"] if e.get("cat") == "step" and e["pid"] == 0),
                    key=lambda e: e["ts"])[WARMUP_STEPS:]
     times = [t for t, _ in switches] + [math.inf]
-    sides = ([], [])
+    windows = {}
     for e in steps:
         start, end = origin + e["ts"] / 1e6, origin + (e["ts"] + e["dur"]) / 1e6
         i = bisect.bisect_right(times, start) - 1
         if i >= 0 and end < times[i + 1]:
-            sides[switches[i][1]].append(e["dur"] / 1e3)
-    return sides
+            windows.setdefault(i, []).append(e["dur"] / 1e3)
+    return windows
 
 
 def isolation(cluster, runs=3, steps=300, ranks=1):
@@ -273,11 +273,12 @@ def isolation(cluster, runs=3, steps=300, ranks=1):
     warm-up run: in each of ``runs`` trainings of ``steps`` steps the loops are stopped
     (SIGSTOP) and let run (SIGCONT) in turns of WINDOW_S, and the steps are sorted by window
     on the trace's timeline. Returns (each run's mean idle step, each run's mean busy step,
-    cores used outside the nodes' groups meanwhile)."""
+    cores used outside the nodes' groups meanwhile, the mean step of each idle window of 5
+    steps or more: the machine's own drift over seconds)."""
     first, others = cluster.names[0], cluster.names[1:]
     warm = cluster.run(training(first, 10, ranks), timeout=300)    # the files read once
     assert warm.returncode == 0, warm.stderr[-3000:]
-    idle, busy = [], []
+    idle, busy, drift = [], [], []
     burners = [BusyJob(cluster, name, 2 * CORES) for name in others]
     loops = loop_pids(others)
     try:
@@ -303,13 +304,17 @@ def isolation(cluster, runs=3, steps=300, ranks=1):
                 out, err = proc.communicate()
                 assert proc.returncode == 0, err[-3000:]
                 with open(path) as f:
-                    stopped, running_steps = window_steps(json.load(f), switches)
+                    windows = window_steps(json.load(f), switches)
+                stopped = [t for i, ts in windows.items() if not switches[i][1] for t in ts]
+                running_steps = [t for i, ts in windows.items() if switches[i][1] for t in ts]
+                drift += [statistics.mean(ts) for i, ts in windows.items()
+                          if not switches[i][1] and len(ts) >= 5]
                 assert len(stopped) >= 10 and len(running_steps) >= 10, \
                     f"steps within the windows: {len(stopped)} idle, {len(running_steps)} busy"
                 idle.append(statistics.mean(stopped))
                 busy.append(statistics.mean(running_steps))
         outside = busy_seconds() - sum(usage_s(n) for n in cluster.names) - outside_start
-        return idle, busy, outside / (time.monotonic() - wall_start)
+        return idle, busy, outside / (time.monotonic() - wall_start), drift
     finally:
         signal_all(loops, signal.SIGCONT)
         for burner in burners:
@@ -323,7 +328,7 @@ def busy_over_idle(idle, busy):
 
 
 def test_a_step_on_one_node_takes_as_long_when_the_other_is_busy(cluster):
-    idle, busy, outside = isolation(cluster)
+    idle, busy, outside, _ = isolation(cluster)
     # Processes outside the cluster (another program on this machine) compete with the
     # node's task once they and the busy node take more than the cores the cluster leaves:
     # the comparison then says nothing about the quota.
@@ -386,7 +391,8 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         started, env = start_cluster(os.path.join(folder, "slurm"), args.nodes, args.cpus_per_node)
         try:
-            idle, busy, outside = isolation(started, args.runs, args.steps, args.ranks)
+            idle, busy, outside, drift = isolation(started, args.runs, args.steps,
+                                                   args.ranks)
         finally:
             script("stop", env=env)
     a, b = statistics.median(idle), statistics.median(busy)
@@ -400,6 +406,8 @@ def main():
     print(f"  busy / idle, the median of the runs' ratios: {ratio:.3f} "
           f"({(ratio - 1) * 100:+.1f}%)")
     print(f"  CPU used outside the cluster meanwhile: {outside:.2f} cores")
+    print(f"  the idle windows' mean steps, {WINDOW_S:g} s each: {min(drift):.1f} to "
+          f"{max(drift):.1f} ms (the machine's own drift)")
 
 
 if __name__ == "__main__":
