@@ -279,9 +279,14 @@ def isolation(cluster, runs=3, steps=300, ranks=1):
     warm = cluster.run(training(first, 10, ranks), timeout=300)    # the files read once
     assert warm.returncode == 0, warm.stderr[-3000:]
     idle, busy, drift = [], [], []
-    burners = [BusyJob(cluster, name, 2 * CORES) for name in others]
-    loops = loop_pids(others)
+    burners, loops = [], []
     try:
+        for name in others:
+            burners.append(BusyJob(cluster, name, 2 * CORES))
+        end = time.monotonic() + 30
+        while len(loops) < 2 * CORES * len(others) and time.monotonic() < end:
+            time.sleep(0.2)             # slurmstepd starts the job's tasks one by one
+            loops = loop_pids(others)
         assert len(loops) == 2 * CORES * len(others), f"busy loops found: {loops}"
         outside_start = busy_seconds() - sum(usage_s(n) for n in cluster.names)
         wall_start = time.monotonic()
