@@ -16,7 +16,7 @@ from ringnet.perfmodel.sweeps import (DEFAULT_MODELS, DEFAULT_NP, DEFAULT_PROFIL
                                         crossovers, hierarchical_rows, paper_rows, sweep)
 from ringnet.perfmodel.profiles import make_system
 from ringnet.perfmodel.text import print_report, print_validation
-from ringnet.perfmodel.validation import VALIDATION_NP, validate, validation_rows
+from ringnet.perfmodel.validation import PROBE_S, VALIDATION_NP, validate, validation_rows
 from ringnet.perfmodel.worker import calibrate_worker
 from ringnet.cli import ArgumentParser
 from ringnet.errors import UsageError
@@ -57,7 +57,10 @@ def build_parser():
     p.add_argument("--validate", action="store_true",
                    help="run ringnet.train at each --np given (default 1 2 4) for every mode "
                         "and print predicted beside measured step time; measures compute and "
-                        "calibrates in every round (about 4 minutes a round)")
+                        "calibrates in every round, and times each model's step in this process "
+                        f"for {PROBE_S:g} s before and after every run, so that each run's prediction "
+                        "takes the profile at the speed the machine had then (about 4 minutes "
+                        "a round)")
     p.add_argument("--validation", metavar="FILE",
                    help="with --validate: also write the measurements to FILE; without: read "
                         "them from FILE and print the validation again (predictions recomputed)")

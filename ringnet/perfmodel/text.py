@@ -9,7 +9,8 @@ from ringnet.perfmodel.compute import profile_method
 from ringnet.perfmodel.links import LINKS
 from ringnet.perfmodel.report import markdown_validation, print_tables
 from ringnet.perfmodel.sweeps import PAPER_NP, mode_label
-from ringnet.perfmodel.validation import diagnose, measured_note, row_error, row_label
+from ringnet.perfmodel.validation import (diagnose, drift_note, measured_note, row_error,
+                                          row_label)
 
 __all__ = ["print_report", "print_validation"]
 
@@ -109,6 +110,9 @@ def print_validation(args, validation, record):
           f"round's prediction against its measurement); spread = (max - min) / median of "
           f"the measured rounds: {100 * statistics.median(r['spread'] for r in validation):.0f}% "
           "(median)")
+    drift = drift_note(validation)
+    if drift:
+        print(f"  {drift}")
     both = [r for r in validation
             if min(map(abs, r.get("errors") or [1.0])) <= 0.15 < max(map(abs, r.get("errors") or [0.0]))]
     if both:

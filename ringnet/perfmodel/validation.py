@@ -1,8 +1,12 @@
 """Validation: the model's prediction beside ``ringnet.train`` measured on this machine."""
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
+import time
+
+import numpy as np
 
 from ringnet.perfmodel.calibration import calibrate
 from ringnet.perfmodel.codefacts import OLD_FACTS, code_facts, facts
@@ -14,14 +18,48 @@ from ringnet.perfmodel.profiles import make_system
 from ringnet.models import build_model
 
 __all__ = ["VALIDATION_NP", "VALIDATION_MODES", "validate", "validation_rows", "measured_ms",
-           "measured_note", "row_error", "row_label", "diagnose"]
+           "measured_note", "row_error", "row_label", "diagnose", "SpeedProbe", "drift_of",
+           "drift_note"]
 
 VALIDATION_NP = (1, 2, 4)
 VALIDATION_MODES = tuple(md for md in MODES if communicates(md[0]))
+PROBE_S = 0.3                    # a speed probe times a model's steps for this long ...
+PROBE_STEPS = 3                  # ... and at least this many
+
+
+class SpeedProbe:
+    """The machine's speed now, as each model's step shows it: the step's loss and gradients
+    at the validation's batch, in this process, back to back for PROBE_S (at least
+    PROBE_STEPS calls). A shared machine's speed drifts by a fifth or more over seconds and
+    minutes; probed when the profile is measured and just before
+    and after each run, it says how much faster or slower the machine ran that run than it
+    ran the profile."""
+
+    def __init__(self, models, batch, seed=0):
+        rng = np.random.default_rng(seed)
+        self.nets = {}
+        for name in models:
+            net = build_model(name, seed=seed)
+            x = rng.normal(size=(batch,) + net.input_shape).astype(net.dtype)
+            y = rng.integers(0, net.num_classes, size=batch)
+            self.nets[name] = (net, x, y)
+            self.ms(name)                               # the first call allocates
+
+    def ms(self, name):
+        """The mean step of model ``name`` in ms, timed now."""
+        net, x, y = self.nets[name]
+        calls, start = 0, time.perf_counter()
+        with np.errstate(over="ignore", invalid="ignore"):
+            while True:
+                net.loss_and_grad(x, y)
+                calls += 1
+                elapsed = time.perf_counter() - start
+                if elapsed >= PROBE_S and calls >= PROBE_STEPS:
+                    return 1e3 * elapsed / calls
 
 
 def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=600,
-             nps=VALIDATION_NP, per_node=None):
+             nps=VALIDATION_NP, per_node=None, probe=None):
     """Measure, in each of ``repeats`` rounds: the compute profile, the local calibration, and
     ``python -m ringnet.train`` (as ``bench scaling`` runs it) for every mode at each N.
 
@@ -30,7 +68,10 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
     ``mpirun`` is the launcher's command line; ``per_node``: the calibration's and the
     runs' ranks placed that many to a node (``srun --mpi=pmi2`` on a cluster; None: as the
     launcher likes). Where the ranks fill more than one node of ``per_node`` ranks, each mode
-    with a hierarchical exchange runs with ``--topology flat`` and ``hierarchical``."""
+    with a hierarchical exchange runs with ``--topology flat`` and ``hierarchical``.
+    ``probe``: the :class:`SpeedProbe` (default one of ``models`` at ``batch``) timed right
+    after each round's profile (the round's ``probe_ms``) and just before and after each run
+    (the run's ``probe_ms``, the two); :func:`validation_rows` follows the drift between."""
     from ringnet.cluster import placed
     from ringnet.jobs import train_run
     from ringnet.parallel import hierarchical_modes
@@ -43,16 +84,20 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
     configs += [(m, mode, delay, n, topology) for m in models for n in nps
                 for mode, delay in VALIDATION_MODES if fits(mode, build_model(m), n)
                 for topology in _topologies(mode, n, per_node, hierarchical_modes())]
+    probe = probe or SpeedProbe(models, batch)
     rounds = []
     for round_ in range(repeats):
         compute = measure_compute(models)
+        speed = {name: probe.ms(name) for name in models}
         calibration = calibrate(tuple(n for n in nps if n > 1), compute, mpirun, iters,
                                 models=models, batch=batch, scaling="strong", per_node=per_node)
         measured = []
         for i, (name, mode, delay, n, topology) in enumerate(configs):
             args.model = name
+            before = probe.ms(name)
             result = train_run(args, mode, delay, placed(n, per_node),
                                extra=("--topology", topology) if topology else ())
+            after = probe.ms(name)
             steps_run = max(int(result.get("steps") or steps), 1)
             measured.append({"model": name, "mode": mode, "delay": delay, "np": n,
                              **({"topology": topology} if topology else {}),
@@ -63,11 +108,12 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
                              **{f"{part}_ms": 1e3 * result[f"{key}_s"] / steps_run
                                 for part, key in (("compute", "compute"), ("exposed", "comm_wait"),
                                                   ("update", "update"), ("data", "data"))
-                                if f"{key}_s" in result}})
+                                if f"{key}_s" in result},
+                             "probe_ms": [before, after]})
             print(f"\r[round {round_ + 1}/{repeats}] {i + 1}/{len(configs)} ", end="",
                   file=sys.stderr, flush=True)
         rounds.append({"compute": compute.to_json(), "calibration": calibration,
-                       "measured": measured})
+                       "measured": measured, "probe_ms": speed})
     print(file=sys.stderr)
     return {"batch_size": batch, "steps": steps, "rounds": rounds, "code": code_facts(),
             "launcher": mpirun, "ranks_per_node": per_node,
@@ -95,9 +141,23 @@ def validation_rows(record):
     over the rounds; ``errors`` each round's own error (that round's prediction, from that
     round's profile and calibration, against that round's measurement) and ``error`` their
     median, so a drift of the machine between rounds is not mistaken for a model error;
-    ``spread`` = (max - min) / median of the measured step."""
+    ``spread`` = (max - min) / median of the measured step. Where the record has the speed
+    probe's times, each run's prediction takes the round's profile at the speed the machine
+    had around the run (``drift``: each run's :func:`drift_of`; ``error_unfollowed``: the
+    error without it)."""
     with facts(record.get("code", OLD_FACTS)):       # as the code that was measured ran
         return _validation_rows(record)
+
+
+def drift_of(rnd, m):
+    """How much slower the machine ran validation entry ``m`` than its round's profile: the
+    speed probe's step around the run (the mean of before and after) over the probe's step
+    when the profile was measured; 1.0 where the record has no probe."""
+    ref = (rnd.get("probe_ms") or {}).get(m["model"])
+    around = m.get("probe_ms")
+    if not ref or not around:
+        return 1.0
+    return statistics.mean(around) / ref
 
 
 def _validation_rows(record):
@@ -107,10 +167,19 @@ def _validation_rows(record):
         system = _round_system(rnd)
         for m in rnd["measured"]:
             key = (m["model"], m["mode"], m["delay"], m["np"], m.get("topology"))
-            pred = predict(system, build_model(m["model"]), m["mode"], m["delay"], m["np"], batch,
-                           topology=m.get("topology") or "flat")
-            entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": []})
+            model = build_model(m["model"])
+            drift = drift_of(rnd, m)
+            # the profile at the speed the machine had around the run; the link as calibrated
+            followed = (system if drift == 1.0 else
+                        dataclasses.replace(system, compute=system.compute.scaled(drift)))
+            pred, still = (predict(on, model, m["mode"], m["delay"], m["np"], batch,
+                                   topology=m.get("topology") or "flat")
+                           for on in (followed, system))
+            entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": [],
+                                           "still": [], "drift": []})
             entry["predicted"].append(pred.step_s * 1e3)
+            entry["still"].append(still.step_s * 1e3)
+            entry["drift"].append(drift)
             entry["measured"].append(measured_ms(m, system))
             parts = {"compute": (pred.compute_s * 1e3, m.get("compute_ms")),
                      "exposed": (pred.exposed_s * 1e3, m.get("exposed_ms")),
@@ -126,11 +195,13 @@ def _validation_rows(record):
             parts[part] = (pred, statistics.median(got) if got else None)
         # paired: each round's prediction against that round's measurement, then the median
         errors = [(p - m) / m for p, m in zip(v["predicted"], v["measured"])]
+        unfollowed = [(p - m) / m for p, m in zip(v["still"], v["measured"])]
         rows.append({"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
                      **({"topology": k[4]} if k[4] else {}),
                      "predicted_ms": statistics.median(v["predicted"]),
                      "measured_ms": statistics.median(v["measured"]),
                      "error": statistics.median(errors), "errors": errors,
+                     "drift": v["drift"], "error_unfollowed": statistics.median(unfollowed),
                      "spread": (max(v["measured"]) - min(v["measured"]))
                      / statistics.median(v["measured"]), "parts": parts})
     return rows
@@ -150,6 +221,21 @@ def measured_ms(m, system):
     if system.quota is not None and m.get("step_mean_ms") is not None:
         return m["step_mean_ms"]
     return m["step_ms"]
+
+
+def drift_note(rows):
+    """One line on the machine's drift the predictions followed, or None (no probe)."""
+    drifts = [d for r in rows for d in r.get("drift", ()) if d != 1.0]
+    if not drifts:
+        return None
+    errors = [abs(r["error_unfollowed"]) for r in rows]
+    return (f"the machine's speed during each run against its round's profile (the speed "
+            f"probe: each model's step in this process, {PROBE_S:g} s before and after the "
+            f"run): {min(drifts):.2f} to {max(drifts):.2f}x the profile's time, median "
+            f"{statistics.median(drifts):.2f}; the predictions take the profile at that speed "
+            f"(without: median |error| {100 * statistics.median(errors):.0f}%, "
+            f"{sum(e <= 0.10 for e in errors)} within 10%, {sum(e <= 0.15 for e in errors)} "
+            f"within 15% of {len(errors)})")
 
 
 def measured_note(record):

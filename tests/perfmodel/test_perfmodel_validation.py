@@ -1,12 +1,26 @@
 """Validation records (ringnet.perfmodel.validation): the reprint says where the model is off,
 a record is predicted as the code it measured ran, and the slowest-rank term brings
 docs/bench-model-validation.json's delay-0 rows closer to what they measured."""
+import dataclasses
 import json
 import os
+
+import pytest
 
 from ringnet import perfmodel as pm
 
 from tests.perfmodel.helpers import ROOT, run_model_cli, validation_record
+
+
+class Probe:
+    """A speed probe that reads ``times`` in turn (the last one from then on)."""
+
+    def __init__(self, times):
+        self.times, self.calls = list(times), []
+
+    def ms(self, name):
+        self.calls.append(name)
+        return self.times.pop(0) if len(self.times) > 1 else self.times[0]
 
 
 def test_validation_reprint_says_where_the_model_is_off(tmp_path):
@@ -90,7 +104,8 @@ def test_two_ranks_a_node_validate_both_topologies_and_keep_their_rows_apart(mon
     monkeypatch.setattr(ringnet.jobs, "train_run", train_run)
     monkeypatch.setattr(validation, "measure_compute", lambda models: compute)
     monkeypatch.setattr(validation, "calibrate", lambda *a, **k: {"by_np": by_np})
-    record = pm.validate(("lenet",), 64, 5, 1, "srun --mpi=pmi2", nps=(1, 2, 4), per_node=2)
+    record = pm.validate(("lenet",), 64, 5, 1, "srun --mpi=pmi2", nps=(1, 2, 4), per_node=2,
+                         probe=Probe([10.0]))
     at4 = {(mode, delay): extra for mode, delay, n, extra in runs if n.startswith("4")}
     chosen = [(mode, delay) for mode, delay, n, extra in runs if n.startswith("4")]
     for md in (("ring", 1), ("ring", 0), ("tree", 0)):
@@ -124,7 +139,7 @@ def test_on_nodes_under_a_quota_the_measured_step_is_the_mean(monkeypatch):
         raw = dict(waits_raw(2, 0.0, 0.0), quota=quota)
         monkeypatch.setattr(validation, "calibrate",
                             lambda *a, raw=raw, **k: {"by_np": {"2": {"raw": raw}}})
-        record = pm.validate(("lenet",), 64, 5, 1, "mpirun", nps=(1, 2))
+        record = pm.validate(("lenet",), 64, 5, 1, "mpirun", nps=(1, 2), probe=Probe([10.0]))
         assert record["rounds"][0]["measured"][0]["step_mean_ms"] == 24.0
         rows = pm.validation_rows(record)
         assert {r["measured_ms"] for r in rows} == {want}, quota
@@ -135,3 +150,74 @@ def test_on_nodes_under_a_quota_the_measured_step_is_the_mean(monkeypatch):
         for m in record["rounds"][0]["measured"]:
             del m["step_mean_ms"]
         assert {r["measured_ms"] for r in pm.validation_rows(record)} == {20.0}
+
+
+def test_a_run_the_machine_ran_slower_is_predicted_at_that_speed(monkeypatch, tmp_path):
+    """The speed probe is timed after the profile and before and after each run; a run
+    around which it took 1.25x the profile's time is predicted with every compute time
+    1.25x: single's step (all compute) exactly 1.25x, the ring's at N = 2 less (its link
+    is as calibrated); the reprint gives the drift and the error without it."""
+    import ringnet.jobs
+    from ringnet.perfmodel import validation
+    from tests.perfmodel.helpers import waits_raw
+    compute = pm.roofline_compute("k40", ("lenet",))
+    compute = dataclasses.replace(compute, device="cpu")
+    monkeypatch.setattr(ringnet.jobs, "train_run", lambda *a, **k: {"step_ms": 20.0, "steps": 5})
+    monkeypatch.setattr(validation, "measure_compute", lambda models: compute)
+    monkeypatch.setattr(validation, "calibrate",
+                        lambda *a, **k: {"by_np": {"2": {"raw": waits_raw(2, 0.0, 0.0)}}})
+    # after the profile 10 ms; then each run's before and after: 12 and 13 (1.25x)
+    probe = Probe([10.0] + [12.0, 13.0] * 20)
+    record = pm.validate(("lenet",), 64, 5, 1, "mpirun", nps=(1, 2), probe=probe)
+    rnd = record["rounds"][0]
+    assert rnd["probe_ms"] == {"lenet": 10.0}
+    assert rnd["measured"][0]["probe_ms"] == [12.0, 13.0]
+    assert len(probe.calls) == 1 + 2 * len(rnd["measured"])
+    still = pm.validation_rows(json.loads(json.dumps(
+        dict(record, rounds=[dict(rnd, probe_ms=None)]))))
+    rows = pm.validation_rows(record)
+    assert all(r["drift"] == [1.25] for r in rows) and all(r["drift"] == [1.0] for r in still)
+    by = {(r["mode"], r["delay"], r["np"]): r for r in rows}
+    before = {(r["mode"], r["delay"], r["np"]): r for r in still}
+    single = ("single", 0, 1)
+    assert by[single]["predicted_ms"] == pytest.approx(1.25 * before[single]["predicted_ms"])
+    ring = by[("ring", 0, 2)]
+    assert before[("ring", 0, 2)]["predicted_ms"] < ring["predicted_ms"] \
+        < 1.25 * before[("ring", 0, 2)]["predicted_ms"]
+    for r in rows:
+        key = (r["mode"], r["delay"], r["np"])
+        assert r["error_unfollowed"] == pytest.approx(before[key]["error"])
+        assert r["error"] == pytest.approx((r["predicted_ms"] - 20.0) / 20.0)
+    assert pm.drift_note(still) is None
+    note = pm.drift_note(rows)
+    assert "1.25 to 1.25x the profile's time" in note, note
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(record))
+    proc = run_model_cli("--compute", "k40", "--models", "lenet", "--profile", "pcie3", "--np", "1", "2",
+                         "--validation", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert f"  {note}\n" in proc.stdout
+
+
+def test_the_speed_probe_times_the_model_s_step(monkeypatch):
+    """The probe times the step for PROBE_S and at least PROBE_STEPS calls: a step that
+    sleeps 10 ms reads 10 ms, in PROBE_STEPS calls where PROBE_S is shorter."""
+    import time
+    from ringnet.perfmodel import validation
+    probe = pm.SpeedProbe(("lenet",), 4)
+    calls = []
+
+    class Sleeper:
+        def loss_and_grad(self, x, y):
+            calls.append(len(x))
+            time.sleep(0.01)
+    _, x, y = probe.nets["lenet"]
+    probe.nets["lenet"] = (Sleeper(), x, y)
+    monkeypatch.setattr(validation, "PROBE_S", 0.001)
+    ms = probe.ms("lenet")
+    assert calls == [4] * validation.PROBE_STEPS
+    assert 10.0 <= ms < 14.0, ms
+    calls.clear()
+    monkeypatch.setattr(validation, "PROBE_S", 0.1)
+    ms = probe.ms("lenet")
+    assert 8 <= len(calls) <= 10 and 10.0 <= ms < 14.0, (len(calls), ms)
