@@ -58,8 +58,8 @@ def build_parser():
                    help="run ringnet.train at each --np given (default 1 2 4) for every mode "
                         "and print predicted beside measured step time; measures compute and "
                         "calibrates in every round, and times each model's step in this process "
-                        f"for {PROBE_S:g} s before and after every run, so that each run's prediction "
-                        "takes the profile at the speed the machine had then (about 4 minutes "
+                        f"for {PROBE_S:g} s after the profile and before and after every run, to "
+                        "say how far the machine's speed drifted meanwhile (about 4 minutes "
                         "a round)")
     p.add_argument("--validation", metavar="FILE",
                    help="with --validate: also write the measurements to FILE; without: read "

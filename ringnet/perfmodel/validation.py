@@ -71,7 +71,8 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
     with a hierarchical exchange runs with ``--topology flat`` and ``hierarchical``.
     ``probe``: the :class:`SpeedProbe` (default one of ``models`` at ``batch``) timed right
     after each round's profile (the round's ``probe_ms``) and just before and after each run
-    (the run's ``probe_ms``, the two); :func:`validation_rows` follows the drift between."""
+    (the run's ``probe_ms``, the two): :func:`validation_rows` says how far the machine
+    drifted between."""
     from ringnet.cluster import placed
     from ringnet.jobs import train_run
     from ringnet.parallel import hierarchical_modes
@@ -142,9 +143,11 @@ def validation_rows(record):
     round's profile and calibration, against that round's measurement) and ``error`` their
     median, so a drift of the machine between rounds is not mistaken for a model error;
     ``spread`` = (max - min) / median of the measured step. Where the record has the speed
-    probe's times, each run's prediction takes the round's profile at the speed the machine
-    had around the run (``drift``: each run's :func:`drift_of`; ``error_unfollowed``: the
-    error without it)."""
+    probe's times, ``drift`` lists each run's :func:`drift_of` and ``error_followed`` is the
+    error of predictions that take the round's profile at the speed the machine had around
+    each run (on this project's machines that cancelled the drift in some records and added
+    to it in others: the probe, one process timing one model's step for 0.3 s, follows the
+    machine only in part, so the rows keep the profile as measured)."""
     with facts(record.get("code", OLD_FACTS)):       # as the code that was measured ran
         return _validation_rows(record)
 
@@ -172,13 +175,13 @@ def _validation_rows(record):
             # the profile at the speed the machine had around the run; the link as calibrated
             followed = (system if drift == 1.0 else
                         dataclasses.replace(system, compute=system.compute.scaled(drift)))
-            pred, still = (predict(on, model, m["mode"], m["delay"], m["np"], batch,
+            pred, moved = (predict(on, model, m["mode"], m["delay"], m["np"], batch,
                                    topology=m.get("topology") or "flat")
-                           for on in (followed, system))
+                           for on in (system, followed))
             entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": [],
-                                           "still": [], "drift": []})
+                                           "followed": [], "drift": []})
             entry["predicted"].append(pred.step_s * 1e3)
-            entry["still"].append(still.step_s * 1e3)
+            entry["followed"].append(moved.step_s * 1e3)
             entry["drift"].append(drift)
             entry["measured"].append(measured_ms(m, system))
             parts = {"compute": (pred.compute_s * 1e3, m.get("compute_ms")),
@@ -195,13 +198,13 @@ def _validation_rows(record):
             parts[part] = (pred, statistics.median(got) if got else None)
         # paired: each round's prediction against that round's measurement, then the median
         errors = [(p - m) / m for p, m in zip(v["predicted"], v["measured"])]
-        unfollowed = [(p - m) / m for p, m in zip(v["still"], v["measured"])]
+        followed = [(p - m) / m for p, m in zip(v["followed"], v["measured"])]
         rows.append({"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
                      **({"topology": k[4]} if k[4] else {}),
                      "predicted_ms": statistics.median(v["predicted"]),
                      "measured_ms": statistics.median(v["measured"]),
                      "error": statistics.median(errors), "errors": errors,
-                     "drift": v["drift"], "error_unfollowed": statistics.median(unfollowed),
+                     "drift": v["drift"], "error_followed": statistics.median(followed),
                      "spread": (max(v["measured"]) - min(v["measured"]))
                      / statistics.median(v["measured"]), "parts": parts})
     return rows
@@ -224,18 +227,19 @@ def measured_ms(m, system):
 
 
 def drift_note(rows):
-    """One line on the machine's drift the predictions followed, or None (no probe)."""
+    """One line on the machine's drift around the runs (the speed probe), and how the rows
+    would read if the predictions followed it; None where the record has no probe."""
     drifts = [d for r in rows for d in r.get("drift", ()) if d != 1.0]
     if not drifts:
         return None
-    errors = [abs(r["error_unfollowed"]) for r in rows]
+    errors = [abs(r["error_followed"]) for r in rows]
     return (f"the machine's speed during each run against its round's profile (the speed "
             f"probe: each model's step in this process, {PROBE_S:g} s before and after the "
             f"run): {min(drifts):.2f} to {max(drifts):.2f}x the profile's time, median "
-            f"{statistics.median(drifts):.2f}; the predictions take the profile at that speed "
-            f"(without: median |error| {100 * statistics.median(errors):.0f}%, "
+            f"{statistics.median(drifts):.2f}; predictions that took the profile at that "
+            f"speed: median |error| {100 * statistics.median(errors):.0f}%, "
             f"{sum(e <= 0.10 for e in errors)} within 10%, {sum(e <= 0.15 for e in errors)} "
-            f"within 15% of {len(errors)})")
+            f"within 15% of {len(errors)}")
 
 
 def measured_note(record):
