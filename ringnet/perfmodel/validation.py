@@ -31,9 +31,8 @@ class SpeedProbe:
     """The machine's speed now, as each model's step shows it: the step's loss and gradients
     at the validation's batch, in this process, back to back for PROBE_S (at least
     PROBE_STEPS calls). A shared machine's speed drifts by a fifth or more over seconds and
-    minutes; probed when the profile is measured and just before
-    and after each run, it says how much faster or slower the machine ran that run than it
-    ran the profile."""
+    minutes; probed when the profile is measured and just before and after each run, it
+    says how much faster or slower the machine ran that run than it ran the profile."""
 
     def __init__(self, models, batch, seed=0):
         rng = np.random.default_rng(seed)
@@ -172,12 +171,12 @@ def _validation_rows(record):
             key = (m["model"], m["mode"], m["delay"], m["np"], m.get("topology"))
             model = build_model(m["model"])
             drift = drift_of(rnd, m)
+            pred = predict(system, model, m["mode"], m["delay"], m["np"], batch,
+                           topology=m.get("topology") or "flat")
             # the profile at the speed the machine had around the run; the link as calibrated
-            followed = (system if drift == 1.0 else
-                        dataclasses.replace(system, compute=system.compute.scaled(drift)))
-            pred, moved = (predict(on, model, m["mode"], m["delay"], m["np"], batch,
-                                   topology=m.get("topology") or "flat")
-                           for on in (system, followed))
+            moved = pred if drift == 1.0 else predict(
+                dataclasses.replace(system, compute=system.compute.scaled(drift)), model,
+                m["mode"], m["delay"], m["np"], batch, topology=m.get("topology") or "flat")
             entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": [],
                                            "followed": [], "drift": []})
             entry["predicted"].append(pred.step_s * 1e3)
