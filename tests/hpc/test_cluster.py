@@ -19,7 +19,7 @@ import tempfile
 import pytest
 
 from test_cluster_runs import (CLUSTER, ROOT, free_settings, missing_for_a_cluster, parse_env,
-                               script)
+                               running, script)
 
 WHY_NOT = missing_for_a_cluster()
 needs_a_cluster = pytest.mark.skipif(WHY_NOT is not None, reason=f"no cluster here: {WHY_NOT}")
@@ -32,15 +32,7 @@ def snapshot(state):
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     with open("/proc/mounts") as f:
         mounts = sorted(l for l in f if str(state) in l)
-    procs = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if str(state).encode() in f.read():
-                        procs.append(pid)
-            except OSError:
-                pass
+    procs = running([pid for pid in os.listdir("/proc") if pid.isdigit()], str(state).encode())
     files = sorted(os.path.join(d, n) for d, dirs, names in os.walk(state) for n in dirs + names) \
         if os.path.exists(state) else None
     return {"links": sorted(l.split(":")[1].strip().split("@")[0] for l in links.splitlines()),

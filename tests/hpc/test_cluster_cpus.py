@@ -39,7 +39,7 @@ import pytest  # noqa: E402
 
 from test_cluster import cpu_group, group_pids, quota_of  # noqa: E402
 from test_cluster_runs import (Cluster, free_settings, missing_for_a_cluster,  # noqa: E402
-                               script)
+                               running, script)
 
 CORES = len(os.sched_getaffinity(0))
 # Half the machine to the two nodes: CFS runs the groups in turns within each period on the
@@ -229,17 +229,8 @@ WARMUP_STEPS = 5                     # the first steps allocate: left out of eit
 
 def loop_pids(names):
     """The busy loops' processes on nodes ``names`` (a BusyJob's tasks; not slurmstepd)."""
-    pids = []
-    for name in names:
-        for pid in group_pids(cpu_group(name)):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    command = f.read()
-            except OSError:
-                continue
-            if b"while :; do :; done" in command:
-                pids.append(pid)
-    return pids
+    return [pid for name in names
+            for pid in running(group_pids(cpu_group(name)), b"while :; do :; done")]
 
 
 def signal_all(pids, sig):

@@ -320,18 +320,24 @@ def test_one_node_of_the_cluster_is_one_node(cluster):
 
 # -- a link taken down ----------------------------------------------------------------------
 
-def _job_processes(namespace):
-    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
-                          text=True).stdout.split()
+def running(pids, needle):
+    """The processes among ``pids`` whose command line holds ``needle`` (bytes); those gone
+    meanwhile are left out."""
     found = []
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"ringnet.train" in f.read():
+                if needle in f.read():
                     found.append(pid)
         except OSError:
             pass
     return found
+
+
+def _job_processes(namespace):
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
+                          text=True).stdout.split()
+    return running(pids, b"ringnet.train")
 
 
 def test_a_link_taken_down_ends_the_job_naming_the_ranks_and_their_node(cluster, tmp_path):
