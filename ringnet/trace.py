@@ -16,11 +16,12 @@ between the two, as between nodes, is interpolated), so lanes of different ranks
 within half the shortest round trip, microseconds on one node; ``otherData.clock_alignment``
 gives each rank's offset and that bound, and ``otherData.origin_s`` is ts 0 as rank 0's
 ``time.perf_counter()`` reading (CLOCK_MONOTONIC on Linux, one clock for every process of a
-host: a program beside the run places its own events on the timeline with it). Spans are host time: over NCCL on a GPU a
-``transfer`` span covers the enqueueing of the send and receive (``"enqueued": true``),
-the transfer itself runs later on the CUDA stream; the statistics time GPU compute and
-update with CUDA events instead (see :mod:`ringnet.stats`). Each rank collects its events in memory; at
-the end rank 0 gathers them and writes the file atomically.
+host: a program beside the run places its own events on the timeline with it). Spans are
+host time: over NCCL on a GPU a ``transfer`` span covers the enqueueing of the send and
+receive (``"enqueued": true``), the transfer itself runs later on the CUDA stream; the
+statistics time GPU compute and update with CUDA events instead (see :mod:`ringnet.stats`).
+Each rank collects its events in memory; at the end rank 0 gathers them and writes the file
+atomically.
 """
 import contextlib
 import dataclasses

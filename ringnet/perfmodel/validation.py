@@ -170,13 +170,14 @@ def _validation_rows(record):
         for m in rnd["measured"]:
             key = (m["model"], m["mode"], m["delay"], m["np"], m.get("topology"))
             model = build_model(m["model"])
-            drift = drift_of(rnd, m)
-            pred = predict(system, model, m["mode"], m["delay"], m["np"], batch,
-                           topology=m.get("topology") or "flat")
+
+            def on(sys_):
+                return predict(sys_, model, m["mode"], m["delay"], m["np"], batch,
+                               topology=m.get("topology") or "flat")
+            pred, drift = on(system), drift_of(rnd, m)
             # the profile at the speed the machine had around the run; the link as calibrated
-            moved = pred if drift == 1.0 else predict(
-                dataclasses.replace(system, compute=system.compute.scaled(drift)), model,
-                m["mode"], m["delay"], m["np"], batch, topology=m.get("topology") or "flat")
+            moved = pred if drift == 1.0 else on(
+                dataclasses.replace(system, compute=system.compute.scaled(drift)))
             entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": [],
                                            "followed": [], "drift": []})
             entry["predicted"].append(pred.step_s * 1e3)
