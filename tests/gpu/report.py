@@ -21,16 +21,19 @@ ERROR = re.compile(r"^(FAILED|ERROR) |^E  |rank \d+ FAILED|Error\b|error:|Traceb
                    r"KeyboardInterrupt|BAD TERMINATION")
 
 
-def _error_lines(log, rc, limit):
-    """The lines of a failed stage's log that say what went wrong (at most 6, 300 chars)."""
+def _error_lines(log, rc, limit, aborts=()):
+    """The lines of a failed stage's log that say what went wrong (at most 6, 300 chars):
+    first the lines of ranks that aborted the job (``aborts``), then the log's last."""
     if rc == 0:
         return None
+    first = [line.rstrip()[:300] for line in aborts if line.strip()][:6]
     found = []
     for line in log:
-        line = line.rstrip()
-        if ERROR.search(line) and line not in found:
-            found.append(line[:300])
-    lines = found[-6:] or [l[:300] for l in log if l.strip()][-5:]
+        line = line.rstrip()[:300]
+        if ERROR.search(line) and line not in found and not any(line.startswith(a) for a in first):
+            found.append(line)
+    rest = found or [l[:300] for l in log if l.strip()]
+    lines = first + rest[max(len(rest) - (6 - len(first)), 0):]
     if rc in (124, 137):
         lines.insert(0, f"timed out at its limit of {limit} s")
     return lines
@@ -40,12 +43,14 @@ def row(work, report_dir, name, rc, seconds, limit, command):
     rc, seconds, limit = int(rc), int(seconds), int(limit)
     path = os.path.join(work, name + ".log")
     log = open(path, errors="replace").read().splitlines() if os.path.exists(path) else []
+    path = os.path.join(work, name + ".aborts")
+    aborts = open(path, errors="replace").read().splitlines() if os.path.exists(path) else []
     summary = next((l for l in reversed(log) if re.search(r"\d+ (passed|failed|error)", l)), None)
     out = {"stage": name, "passed": rc == 0, "exit": rc, "seconds": seconds,
            "timed_out": rc in (124, 137), "pytest": summary, "command": command}
     if command.startswith("skipped: "):
         out = {"stage": name, "passed": True, "skipped": command[len("skipped: "):]}
-    error = _error_lines(log, rc, limit)
+    error = _error_lines(log, rc, limit, aborts)
     if error:
         out["error"] = error
     line = json.dumps(out) + "\n"

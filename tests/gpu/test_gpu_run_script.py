@@ -93,7 +93,14 @@ def test_each_stage_row_is_written_when_the_stage_ends_and_a_limit_holds(tmp_pat
     assert rows[1]["error"][0] == "timed out at its limit of 2 s"
 
 
-def test_a_rank_that_raises_ends_the_stage_with_its_error(tmp_path):
+# The launcher's output as it came, as if the abort cut it before the rank's lines, and with
+# more error lines after them than a row keeps.
+AFTER_MPIRUN = ["", " >/dev/null 2>&1",
+                "; rc=$?; for i in 1 2 3 4 5 6 7 8; do echo \"Error $i after\"; done; exit $rc"]
+
+
+@pytest.mark.parametrize("after", AFTER_MPIRUN, ids=["as-is", "output-lost", "errors-after"])
+def test_a_rank_that_raises_ends_the_stage_with_its_error(tmp_path, after):
     test = tmp_path / "test_one_rank.py"
     test.write_text("import pytest\nfrom mpi4py import MPI\n\n\n@pytest.mark.mpi\n"
                     "def test_one_rank_raises():\n"
@@ -101,12 +108,14 @@ def test_a_rank_that_raises_ends_the_stage_with_its_error(tmp_path):
                     "        raise ValueError('rank 1 broke here')\n"
                     "    MPI.COMM_WORLD.Barrier()\n")
     start = time.monotonic()
-    proc, rows = _stages(tmp_path, f"stage ranks 90 mpirun -np 2 python -m pytest -q -x "
-                         f"-p no:cacheprovider -p mpi_abort --with-mpi {test}\n")
+    mpirun = (f"mpirun -np 2 python -m pytest -q -x -p no:cacheprovider -p mpi_abort "
+              f"--with-mpi {test}")
+    proc, rows = _stages(tmp_path, f"stage ranks 90 bash -c '{mpirun}{after}'\n")
     assert time.monotonic() - start < 60, proc.stdout
     row, = rows
     assert not row["passed"] and not row["timed_out"], row
-    assert any("rank 1 FAILED" in line and "rank 1 broke here" in line for line in row["error"]), row
+    assert "rank 1 FAILED" in row["error"][0] and "rank 1 broke here" in row["error"][0], row
+    assert len(row["error"]) <= 6 and sum("rank 1 FAILED" in e for e in row["error"]) == 1, row
 
 
 def test_the_json_line_stays_short_and_the_file_keeps_everything(tmp_path):
