@@ -380,18 +380,19 @@ def test_a_signalled_train_sbatch_saves_requeues_and_ends_as_an_uninterrupted_ru
             second = restarts >= 1 and "resuming from" in log.read_text()
             if state == "COMPLETED" or (second and state in ("FAILED", "CANCELLED", "TIMEOUT")):
                 break           # (right after the requeue the first run shows as FAILED)
-            if state == "PENDING" and restarts >= 1 and requeued is None:
-                requeued = time.monotonic()
-            if state == "PENDING" and restarts >= 1 and "Reason=BeginTime" in run(
-                    ["scontrol", "show", "job", job], timeout=30).stdout and not _stepd_alive(job) \
-                    and time.monotonic() - requeued > 2.0:
+            if state == "PENDING" and restarts >= 1:
+                if requeued is None:
+                    requeued = time.monotonic()
                 # slurmctld holds a requeued job back for about two minutes before it is
-                # eligible again; the test lets it start once the first run's slurmstepd are
-                # gone (a new step 0 beside the old one's loses its PMI-2 exchange) and two
-                # seconds have passed: the first run's credential is revoked as of the second
-                # it ended, and a run started in that same second is killed as "Job
-                # credential revoked" (seen once in CI: the job then ends FAILED for good)
-                run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
+                # eligible again; the test lets it start once two seconds have passed (the
+                # first run's credential is revoked as of the second it ended, and a run
+                # started in that same second is killed as "Job credential revoked": seen
+                # once in CI, the job then ends FAILED for good) and the first run's
+                # slurmstepd are gone (a new step 0 beside the old one's loses its PMI-2
+                # exchange)
+                if time.monotonic() - requeued > 2.0 and not _stepd_alive(job) and \
+                        "Reason=BeginTime" in run(["scontrol", "show", "job", job], timeout=30).stdout:
+                    run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
             time.sleep(0.5)
     finally:
         state, restarts = _job_state(job)
