@@ -32,7 +32,7 @@ def _affinity():
         return os.cpu_count() or 1
 
 
-def blas_threads_for_rank(environ=None, cores=None):
+def blas_threads_for_rank(environ=None, cores=None, quota=None):
     """Return the BLAS thread count for this rank, and why.
 
     ``RINGNET_BLAS_THREADS`` wins. Otherwise this rank's share of the cores: its own CPU
@@ -41,18 +41,29 @@ def blas_threads_for_rank(environ=None, cores=None):
     (:func:`ringnet.placement.local_ranks_on_node`), at least 1;
     under srun at most ``SLURM_CPUS_PER_TASK``, the cores the allocation gave each task
     (never more than the share: a node that claims more CPUs than it has must not be
-    oversubscribed). ``cores``: the affinity's size (read when None).
+    oversubscribed); and at most the whole cores of the CPU quota the process's control
+    group allows (:func:`ringnet.placement.cpu_quota`: a container's ``--cpus``, a node of
+    ``hpc/cluster.sh --cpus-per-node``) divided among the node's ranks. Under a quota of
+    half a core, a second OpenBLAS thread spins on the budget the first needs: LeNet's
+    step at 64 images took 85 to 108 ms with two threads, 34 to 39 ms with one.
+    ``cores``: the affinity's size and ``quota`` the quota in cores (both read when
+    ``cores`` is None; ``quota`` None: no quota).
     """
     env = os.environ if environ is None else environ
     forced = _positive(env.get("RINGNET_BLAS_THREADS"))
     if forced:
         return forced
-    cores = _affinity() if cores is None else cores
+    if cores is None:
+        from ringnet.placement import cpu_quota
+        cores, quota = _affinity(), cpu_quota()
     in_step = env.get("SLURM_STEP_ID") is not None
     bind = env.get("SLURM_CPU_BIND_TYPE", "")
     bound = in_step and any(kind in bind for kind in _SLURM_BINDINGS)
     # this rank's share: its own cores when srun bound it, else the node's divided evenly
-    share = cores if bound else max(1, cores // local_ranks_on_node(env))
+    ranks = local_ranks_on_node(env)
+    share = cores if bound else max(1, cores // ranks)
+    if quota is not None:
+        share = min(share, max(1, int(quota / ranks + 1e-9)))
     per_task = _positive(env.get("SLURM_CPUS_PER_TASK"))
     if per_task and in_step:
         return max(1, min(per_task, share))

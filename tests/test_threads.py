@@ -53,6 +53,21 @@ def test_threads_per_rank(env, cores, expected):
     assert blas_threads_for_rank(env, cores=cores) == expected
 
 
+@pytest.mark.parametrize("env, cores, quota, expected", [
+    ({}, 2, 0.5, 1),                                   # a node of half a core: one thread
+    ({}, 2, None, 2),
+    ({}, 16, 4.0, 4),                                  # docker --cpus 4 on 16 cores
+    ({}, 16, 3.99, 3),
+    ({"MPI_LOCALNRANKS": "2"}, 16, 4.0, 2),            # the quota is the node's, shared
+    ({"MPI_LOCALNRANKS": "4"}, 16, 2.0, 1),
+    ({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2",
+      "SLURM_CPU_BIND_TYPE": "mask_cpu:"}, 8, 4.0, 2),  # bound to 8 cores, a quota of 2 each
+    ({"RINGNET_BLAS_THREADS": "3"}, 2, 0.5, 3),        # asked for: as asked
+])
+def test_a_cpu_quota_caps_the_threads(env, cores, quota, expected):
+    assert blas_threads_for_rank(env, cores=cores, quota=quota) == expected
+
+
 def _header_and_summary(env):
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("SLURM_", "OMP_", "OPENBLAS_NUM", "MKL_NUM", "RINGNET_BLAS",
