@@ -10,7 +10,8 @@ adds to, so no caller does ``perf_counter`` arithmetic itself::
 span name          adds its duration to
 =================  ==============================================================
 ``step``           ``step_times`` (one entry, bounded: see below) and ``steps`` (+1)
-``compute``        ``compute_s``: forward, backward, loss on the training thread
+``compute``        ``compute_s``: forward, backward, loss on the training thread; on
+                   the CPU also ``compute_cpu_s``, the thread's CPU time in them
 ``update``         ``update_s``: the optimizer step (any thread)
 ``comm``           ``comm_total_s``: communication that may run hidden on a stream
 ``wait``           ``comm_wait_s``: the training thread blocked on communication
@@ -150,6 +151,7 @@ class StepStats:
     """
     steps: int = 0
     compute_s: float = 0.0
+    compute_cpu_s: float = 0.0  # CPU time of the training thread in its compute spans (CPU only)
     comm_wait_s: float = 0.0    # time the training thread was blocked on communication
     comm_total_s: float = 0.0   # time communication took, hidden or not
     update_s: float = 0.0
@@ -170,11 +172,14 @@ class StepStats:
         if self.gpu is not None and name in DEVICE_SPANS:
             events = (self.gpu.cuda.Event(), self.gpu.cuda.Event())
             events[0].record()                  # on this thread's current stream
+        cpu = time.thread_time() if name == "compute" and events is None else None
         start = time.perf_counter()
         try:
             yield
         finally:
             duration = time.perf_counter() - start
+            if cpu is not None:
+                cpu = time.thread_time() - cpu
             if events is not None:
                 events[1].record()
             with self._lock:
@@ -183,6 +188,8 @@ class StepStats:
                 else:
                     for name_ in fields:
                         setattr(self, name_, getattr(self, name_) + duration)
+                if cpu is not None:
+                    self.compute_cpu_s += cpu
                 if name == "step":
                     keep_sample(self.step_times, duration, self.steps, self._rng)
                     self.steps += 1

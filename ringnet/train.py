@@ -484,7 +484,8 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
     # epoch line sums them, so a run that ends on a whole epoch prints the same value twice.
     per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, fetched["data"],
                          stats.comm_total_s, sent, received, step_bytes,
-                         float(np.sum(list(recent))), len(recent)], dtype=np.float64)
+                         float(np.sum(list(recent))), len(recent), stats.compute_cpu_s],
+                        dtype=np.float64)
     every = np.array(agree(world, per_rank, phase="statistics", timeout=deadline.seconds))
     mean = every.mean(axis=0)
     train_loss = float(sum(every[:, 8]) / sum(every[:, 9])) if len(recent) else float("nan")
@@ -517,7 +518,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
         "step_ms": step_ms, "step_mean_ms": step_mean_ms,
         "time_s": time.perf_counter() - t_start, "train_s": train_s,
         "eval_s": eval_s,
-        "compute_s": mean[0], "comm_wait_s": mean[1], "update_s": mean[2], "data_s": mean[3],
+        "compute_s": mean[0], "compute_cpu_s": mean[10], "comm_wait_s": mean[1], "update_s": mean[2], "data_s": mean[3],
         "comm_total_s": mean[4], "overlap": stats.overlap(),
         "bytes_sent": int(mean[5]), "bytes_recv": int(mean[6]),
         "bytes_per_step": int(mean[7] / steps_run) if steps_run else 0,

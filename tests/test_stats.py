@@ -242,3 +242,23 @@ def test_step_times_stay_bounded_and_keep_the_median():
     for i, value in enumerate(every[:100]):
         stats.keep_sample(short.step_times, value, i, short._rng)
     assert short.step_times == every[:100]
+
+
+def test_compute_spans_count_the_thread_s_cpu_time_not_its_waits():
+    """``compute_cpu_s`` is the training thread's CPU time in its compute spans: a span that
+    sleeps adds its wall time to ``compute_s`` and next to nothing to it, one that computes
+    adds what it computed; other spans add nothing to it."""
+    st = StepStats()
+    with st.span("compute"):
+        time.sleep(0.05)
+    assert st.compute_s >= 0.05 and st.compute_cpu_s < 0.01
+    start = time.thread_time()
+    with st.span("compute"):
+        while time.thread_time() - start < 0.03:
+            pass
+    assert 0.03 <= st.compute_cpu_s <= st.compute_s
+    before = st.compute_cpu_s
+    with st.span("update"):
+        while time.thread_time() - start < 0.05:
+            pass
+    assert st.compute_cpu_s == before
