@@ -84,7 +84,8 @@ from ringnet.perfmodel.sweeps import MODES, crossovers, paper_rows, sweep  # noq
 from ringnet.perfmodel.profiles import make_system  # noqa: E402
 from ringnet.perfmodel.system import System, scheduling_wait, usable_cores  # noqa: E402
 from ringnet.perfmodel.validation import (diagnose, measured_note, row_label, validate,  # noqa: E402
-                                          validation_rows, SpeedProbe, drift_of, drift_note)
+                                          validation_rows, SpeedProbe, drift_of, drift_note,
+                                          run_speed, row_error_at_run)
 from ringnet.perfmodel.worker import LOADED_EXCHANGES  # noqa: E402
 
 __all__ = ["Link", "LINKS", "GPUS", "System", "ComputeProfile", "measure_compute",
@@ -97,5 +98,6 @@ __all__ = ["Link", "LINKS", "GPUS", "System", "ComputeProfile", "measure_compute
            "Prediction", "isolated_compute", "markdown_paper", "markdown_predictions",
            "markdown_validation", "plot", "split_fc_plan", "Timeline", "MODES", "paper_rows",
            "make_system", "scheduling_wait", "usable_cores", "validate", "calibrate",
-           "LOADED_EXCHANGES", "row_label", "measured_note", "SpeedProbe",
+           "LOADED_EXCHANGES", "row_label", "measured_note", "SpeedProbe", "run_speed",
+           "row_error_at_run",
            "drift_of", "drift_note"]

@@ -19,7 +19,10 @@ class ComputeProfile:
     ``overhead[model]`` is the rest of a training step (loss, Python) as ``(a, b)``.
     ``method``: for a profile measured here, :data:`TRAINING_STEPS` or
     :data:`ISOLATED_LAYERS` (empty for stated GPU profiles and files without it);
-    ``steps_ms``: the median training step each batch's layers were timed in.
+    ``steps_ms``: the median training step each batch's layers were timed in;
+    ``compute_cpu_ms``: the median CPU time of those steps' training thread in their
+    forward and backward (the ``compute`` span), the work a run's own ``compute_cpu_s``
+    counts: a run that took more CPU time for the same work ran on a slower machine.
     ``quota``: the cores the CFS quota of the control group it was measured in granted,
     where that was under one (:func:`ringnet.placement.cpu_quota`): its times are those of
     a thread held to that share of a core (:meth:`full_speed`); 1.0 where none held it to
@@ -37,6 +40,7 @@ class ComputeProfile:
     method: str = ""                 # how a profile measured here was taken
     steps_ms: dict = dataclasses.field(default_factory=dict)  # model -> {batch: step ms}
     quota: float = None              # measured under a CFS quota of this many cores
+    compute_cpu_ms: dict = dataclasses.field(default_factory=dict)  # model -> {batch: ms}
 
     def scaled(self, factor):
         """The same profile with every time multiplied by ``factor``."""
@@ -90,6 +94,9 @@ class ComputeProfile:
                 "method": self.method,
                 "steps_ms": {m: {str(b): v for b, v in d.items()} for m, d in self.steps_ms.items()},
                 **({"quota": self.quota} if self.quota is not None else {}),
+                **({"compute_cpu_ms": {m: {str(b): v for b, v in d.items()}
+                                       for m, d in self.compute_cpu_ms.items()}}
+                   if self.compute_cpu_ms else {}),
                 "update_ns_per_param": self.update_s_per_param * 1e9,
                 "update_us_per_call": self.update_s_per_call * 1e6,
                 "add_ns_per_element": self.add_s_per_elem * 1e9,
@@ -132,7 +139,9 @@ def compute_from_json(data, source=""):
                           data.get("method", ""),
                           {m: {int(b): v for b, v in d.items()}
                            for m, d in data.get("steps_ms", {}).items()},
-                          data.get("quota"))
+                          data.get("quota"),
+                          {m: {int(b): v for b, v in d.items()}
+                           for m, d in data.get("compute_cpu_ms", {}).items()})
 
 
 def load_compute(path):

@@ -37,7 +37,8 @@ def layer_times(model, x, iters, clock=time.perf_counter):
 def _training_steps(name, batch, dtype, seed):
     """Set up one single-mode run of ``python -m ringnet.train`` (its own ``setup``: data
     set, loader with its prefetch thread, model, optimizer, strategy) in this process and
-    return ``step()``: run the next training step, return its marks and spans."""
+    return ``step()``: run the next training step, return its marks and the CPU time of
+    its training thread in the step's ``compute`` span (s)."""
     from mpi4py import MPI
     from ringnet.config import TrainConfig
     from ringnet.train import set_dropout_step, setup
@@ -69,9 +70,10 @@ def _training_steps(name, batch, dtype, seed):
         x, labels = next(data)
         marks.clear()
         set_dropout_step(model, it[0])
+        cpu = strategy.stats.compute_cpu_s
         strategy.step(x, labels, it[0])
         it[0] += 1
-        return list(marks)
+        return list(marks), strategy.stats.compute_cpu_s - cpu
     return model, step
 
 
@@ -123,7 +125,7 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
     """
     from ringnet import stats
     from ringnet.optim import SGD, LRPolicy
-    layers, overhead, updates, steps_ms = {}, {}, [], {}
+    layers, overhead, updates, steps_ms, cpu_ms = {}, {}, [], {}, {}
     spans = {}
     quota = _quota()
 
@@ -137,6 +139,7 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
             for name in models:
                 runs = {batch: _training_steps(name, batch, dtype, seed) for batch in batches}
                 kept = {batch: [] for batch in batches}
+                cpu = {batch: [] for batch in batches}
                 for r in range(rounds):
                     if progress is not None:
                         print(f"\rmeasuring the compute here: {name} "
@@ -145,10 +148,11 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
                     for batch, (model, step) in runs.items():
                         for k in range(steps):
                             spans.clear()
-                            marks = step()
+                            marks, cpu_s = step()
                             if k:
                                 kept[batch].append(_split_step(len(model.layers), marks,
                                                                dict(spans)) + (spans["step"][1],))
+                                cpu[batch].append(cpu_s)
                 model = runs[batches[0]][0]
                 n = len(model.layers)
                 med = {b: _step_medians(kept[b], mean=quota < 1) for b in batches}
@@ -159,6 +163,7 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
                 updates.append((model.num_params,
                                 float(np.median([med[b][2 * n + 1] for b in batches]))))
                 steps_ms[name] = {b: 1e3 * med[b][2 * n + 2] for b in batches}
+                cpu_ms[name] = {b: 1e3 * float(np.median(cpu[b])) for b in batches}
     finally:
         unsubscribe()
     # update per call and the add: one large and one small call timed alone
@@ -178,7 +183,8 @@ def measure_compute(models, batches=(16, 32, 64), rounds=4, steps=6, dtype="floa
         "here", "cpu", layers, overhead, per_param, per_call, per_add,
         max(costs[("add", small)] - small * per_add, 0.0),
         f"measured on this machine in training steps (single mode), {dtype}, 1 BLAS thread, "
-        f"batches {list(batches)}", method=TRAINING_STEPS, steps_ms=steps_ms, quota=quota)
+        f"batches {list(batches)}", method=TRAINING_STEPS, steps_ms=steps_ms, quota=quota,
+        compute_cpu_ms=cpu_ms)
 
 
 def isolated_compute(models, batches=(16, 64), iters=8, dtype="float32", seed=0):

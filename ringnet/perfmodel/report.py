@@ -60,8 +60,12 @@ def markdown_paper(rows):
 
 def markdown_validation(rows):
     """Predicted / measured ms (error) per model and mode, a column per N; the error is the
-    median of the rounds' paired errors."""
+    median of the rounds' paired errors. Where every row has the prediction at each run's
+    own speed: predicted / at the run's speed / measured ms (the error of the first, then
+    of the second)."""
     from ringnet.tables import markdown
+    from ringnet.perfmodel.validation import row_error_at_run
+    at_run = all(row_error_at_run(r) is not None for r in rows)
     nps = sorted({r["np"] for r in rows})
     by = {}
     for r in rows:
@@ -75,9 +79,16 @@ def markdown_validation(rows):
                 cells.append("\u2013")
                 continue
             err = 100 * row_error(r)
-            cells.append(_minus(f"{_ms(r['predicted_ms'])} / {_ms(r['measured_ms'])} ({err:+.0f}%)"))
+            if at_run:
+                cells.append(_minus(f"{_ms(r['predicted_ms'])} / {_ms(r['at_run_ms'])} / "
+                                    f"{_ms(r['measured_ms'])} ({err:+.0f}%, "
+                                    f"{100 * row_error_at_run(r):+.0f}%)"))
+            else:
+                cells.append(_minus(f"{_ms(r['predicted_ms'])} / {_ms(r['measured_ms'])} ({err:+.0f}%)"))
         out.append([name, label] + cells)
-    header = ["model", "mode"] + [f"N={n} predicted / measured ms" if i == 0 else f"N={n}"
+    first = ("predicted / at the run's speed / measured ms (errors)" if at_run
+             else "predicted / measured ms")
+    header = ["model", "mode"] + [f"N={n} {first}" if i == 0 else f"N={n}"
                                   for i, n in enumerate(nps)]
     return markdown(header, out)
 

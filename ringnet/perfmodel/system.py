@@ -57,6 +57,8 @@ class System:
     cpu_blocking: dict = None        # local: CPU a blocking transfer costs its rank's process
     cpu_stream: dict = None          # ... and one on the stream's thread ({"per_msg_s",
     #                                  "per_byte_s"}: per message and per byte sent)
+    as_run: bool = False             # the compute profile taken at the speed a run's own
+    #                                  CPU time showed, which counts the contention it met
 
     def hop(self, a, b):
         """Return the Link between ranks a and b (ranks fill nodes in order)."""
@@ -119,8 +121,9 @@ class System:
 
     def contention(self, n, model=None):
         """Return the compute slowdown of N ranks busy at once on this node: max(1, N / cores),
-        ``cores`` measured with ``model``'s own step where the calibration timed it."""
-        if self.cores is None:
+        ``cores`` measured with ``model``'s own step where the calibration timed it; 1 where
+        the profile is taken at a run's own speed (``as_run``), which already counts it."""
+        if self.cores is None or self.as_run:
             return 1.0
         cores = (self.model_cores or {}).get(model) or self.cores
         return max(1.0, min(n, self.ranks_per_node) / cores)

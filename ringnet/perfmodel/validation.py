@@ -19,7 +19,7 @@ from ringnet.models import build_model
 
 __all__ = ["VALIDATION_NP", "VALIDATION_MODES", "validate", "validation_rows", "measured_ms",
            "measured_note", "row_error", "row_label", "diagnose", "SpeedProbe", "drift_of",
-           "drift_note"]
+           "drift_note", "run_speed", "row_error_at_run"]
 
 VALIDATION_NP = (1, 2, 4)
 VALIDATION_MODES = tuple(md for md in MODES if communicates(md[0]))
@@ -106,7 +106,9 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
                                 if "step_mean_ms" in result else {}),
                              # per step, mean over ranks: where the time went
                              **{f"{part}_ms": 1e3 * result[f"{key}_s"] / steps_run
-                                for part, key in (("compute", "compute"), ("exposed", "comm_wait"),
+                                for part, key in (("compute", "compute"),
+                                                  ("compute_cpu", "compute_cpu"),
+                                                  ("exposed", "comm_wait"),
                                                   ("update", "update"), ("data", "data"))
                                 if f"{key}_s" in result},
                              "probe_ms": [before, after]})
@@ -146,7 +148,10 @@ def validation_rows(record):
     error of predictions that take the round's profile at the speed the machine had around
     each run (on this project's machines that cancelled the drift in some records and added
     to it in others: the probe, one process timing one model's step for 0.3 s, follows the
-    machine only in part, so the rows keep the profile as measured)."""
+    machine only in part). Where the record has each run's compute CPU time and the
+    profile's (:func:`run_speed`), ``at_run_ms`` is the prediction with the profile at the
+    run's own speed, ``errors_at_run`` each round's error of it and ``error_at_run`` their
+    median, ``speed`` each run's :func:`run_speed`."""
     with facts(record.get("code", OLD_FACTS)):       # as the code that was measured ran
         return _validation_rows(record)
 
@@ -160,6 +165,31 @@ def drift_of(rnd, m):
     if not ref or not around:
         return 1.0
     return statistics.mean(around) / ref
+
+
+def run_speed(rnd, m, batch):
+    """How much slower the machine computed during validation entry ``m`` than when its
+    round's profile was measured, from the run itself: the CPU time its training threads
+    spent in their forward and backward per step (the ranks' mean, ``compute_cpu_ms``)
+    over the CPU time the profile's steps took for the same work (``compute_cpu_ms`` of
+    the profile at the run's batch per rank; split-fc's FC layers compute the whole batch
+    for 1/N of their outputs, the work of the batch per rank). CPU time, not wall time:
+    the time a quota held the thread, or another thread ran, does not count, so what is
+    left is the machine's speed (and the contention the run met); None where the record
+    lacks either."""
+    ref = ((rnd.get("compute") or {}).get("compute_cpu_ms") or {}).get(m["model"])
+    got = m.get("compute_cpu_ms")
+    if not ref or not got:
+        return None
+    points = sorted((int(b), v) for b, v in ref.items())
+    local = batch / m["np"]
+    if len(points) == 1:
+        at = points[0][1] * local / points[0][0]
+    else:
+        slope, intercept = np.polyfit([b for b, _ in points], [v for _, v in points], 1)
+        at = dict(points).get(int(local)) if local == int(local) else None
+        at = at if at is not None else intercept + slope * local
+    return got / at if at > 0 else None
 
 
 def _validation_rows(record):
@@ -178,15 +208,24 @@ def _validation_rows(record):
             # the profile at the speed the machine had around the run; the link as calibrated
             moved = pred if drift == 1.0 else on(
                 dataclasses.replace(system, compute=system.compute.scaled(drift)))
+            speed = run_speed(rnd, m, batch)
+            # the profile at the speed the run's own CPU time shows (contention included)
+            at_run = None if speed is None else on(dataclasses.replace(
+                system, compute=system.compute.scaled(speed), as_run=True))
             entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": [],
-                                           "followed": [], "drift": []})
+                                           "followed": [], "drift": [], "at_run": [],
+                                           "speed": []})
             entry["predicted"].append(pred.step_s * 1e3)
             entry["followed"].append(moved.step_s * 1e3)
             entry["drift"].append(drift)
+            if at_run is not None:
+                entry["at_run"].append(at_run.step_s * 1e3)
+                entry["speed"].append(speed)
             entry["measured"].append(measured_ms(m, system))
-            parts = {"compute": (pred.compute_s * 1e3, m.get("compute_ms")),
-                     "exposed": (pred.exposed_s * 1e3, m.get("exposed_ms")),
-                     "update": (pred.update_s * 1e3, m.get("update_ms")),
+            part = at_run or pred      # the parts of the prediction the table judges
+            parts = {"compute": (part.compute_s * 1e3, m.get("compute_ms")),
+                     "exposed": (part.exposed_s * 1e3, m.get("exposed_ms")),
+                     "update": (part.update_s * 1e3, m.get("update_ms")),
                      "data": (0.0, m.get("data_ms"))}
             entry["parts"].append(parts)
     rows = []
@@ -199,10 +238,15 @@ def _validation_rows(record):
         # paired: each round's prediction against that round's measurement, then the median
         errors = [(p - m) / m for p, m in zip(v["predicted"], v["measured"])]
         followed = [(p - m) / m for p, m in zip(v["followed"], v["measured"])]
+        at_run = {}
+        if len(v["at_run"]) == len(v["measured"]):
+            each = [(p - m) / m for p, m in zip(v["at_run"], v["measured"])]
+            at_run = {"at_run_ms": statistics.median(v["at_run"]), "errors_at_run": each,
+                      "error_at_run": statistics.median(each), "speed": v["speed"]}
         rows.append({"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
                      **({"topology": k[4]} if k[4] else {}),
                      "predicted_ms": statistics.median(v["predicted"]),
-                     "measured_ms": statistics.median(v["measured"]),
+                     "measured_ms": statistics.median(v["measured"]), **at_run,
                      "error": statistics.median(errors), "errors": errors,
                      "drift": v["drift"], "error_followed": statistics.median(followed),
                      "spread": (max(v["measured"]) - min(v["measured"]))
@@ -255,6 +299,12 @@ def measured_note(record):
     return "measured: each run's median step"
 
 
+def row_error_at_run(row):
+    """A validation row's error with the profile at each run's own speed (:func:`run_speed`),
+    or None where the record cannot say it."""
+    return row.get("error_at_run")
+
+
 def row_error(row):
     """A validation row's error: the median of its rounds' paired errors (records reprinted
     by older code: the error of the medians)."""
@@ -267,8 +317,9 @@ def diagnose(row, rows):
     """Say where a validation row's error comes from: the part of the step (compute, exposed
     communication, update, data loading the model does not charge) that differs most, and
     how far the machine itself moved (the spread of this row's rounds; the N=1 rows of the
-    same model, which all do the same work)."""
-    err = row_error(row)
+    same model, which all do the same work). Where the row has the prediction at each run's
+    own speed, its error and parts are that prediction's."""
+    err = row_error(row) if row_error_at_run(row) is None else row_error_at_run(row)
     measured = {k: v for k, v in row["parts"].items() if v[1] is not None}
     words = []
     if measured:

@@ -56,6 +56,7 @@ def test_compute_profile_recovers_the_layer_costs_of_a_controlled_clock(monkeypa
     from ringnet import optim
     clock = _VirtualClock()
     monkeypatch.setattr(time, "perf_counter", clock)
+    monkeypatch.setattr(time, "thread_time", clock)     # the compute spans' CPU time too
 
     def fwd_s(i, b):
         return (i + 1) * 1e-3 + b * (i + 1) * 1e-6
@@ -109,6 +110,9 @@ def test_compute_profile_recovers_the_layer_costs_of_a_controlled_clock(monkeypa
     for b in (16, 32, 64):
         step_s = 3 * sum(fwd_s(i, b) for i in range(n)) + loss_s(b) + 5e-6 + model.num_params * 1e-9
         assert compute.steps_ms["lenet"][b] == pytest.approx(1e3 * step_s, rel=1e-6)
+        # the training thread's CPU time in forward, loss and backward (not the update)
+        compute_s = 3 * sum(fwd_s(i, b) for i in range(n)) + loss_s(b)
+        assert compute.compute_cpu_ms["lenet"][b] == pytest.approx(1e3 * compute_s, rel=1e-6)
         system = pm.make_system("pcie3", compute, 1)
         assert pm.predict(system, model, "single", 0, 1, b).step_s == pytest.approx(step_s, rel=1e-6)
 

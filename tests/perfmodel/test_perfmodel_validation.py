@@ -217,3 +217,70 @@ def test_the_speed_probe_times_the_model_s_step(monkeypatch):
     monkeypatch.setattr(validation, "PROBE_S", 0.1)
     ms = probe.ms("lenet")
     assert 8 <= len(calls) <= 10 and 10.0 <= ms < 14.0, (len(calls), ms)
+
+
+def test_each_run_s_cpu_time_gives_the_speed_its_prediction_takes(monkeypatch, tmp_path):
+    """A run whose training threads took 1.5x the profile's CPU time for the same work (the
+    profile's compute CPU time at the run's batch per rank) ran on a machine 1.5x slower:
+    the row's prediction at the run's speed takes every compute time 1.5x, single's step
+    (all compute) exactly, the ring's at N = 2 less (its link as calibrated); the rows keep
+    the profile's prediction and its error beside it, and the reprint prints both."""
+    import ringnet.jobs
+    from ringnet.perfmodel import validation
+    from tests.perfmodel.helpers import waits_raw
+    compute = pm.roofline_compute("k40", ("lenet",))
+    # the profile's compute CPU time per step: 0.1 ms + 0.05 ms an image
+    compute = dataclasses.replace(compute, device="cpu",
+                                  compute_cpu_ms={"lenet": {16: 0.9, 32: 1.7, 64: 3.3}})
+
+    def train_run(args, mode, delay, nranks, extra=()):
+        local = 64 // nranks
+        return {"step_ms": 20.0, "steps": 5, "compute_cpu_s": 5 * 1.5 * (0.1 + 0.05 * local) / 1e3}
+    monkeypatch.setattr(ringnet.jobs, "train_run", train_run)
+    monkeypatch.setattr(validation, "measure_compute", lambda models: compute)
+    # a core per rank: no contention (the profile at a run's speed would drop it)
+    raw = dict(waits_raw(2, 0.0, 0.0), together_s=0.02)
+    monkeypatch.setattr(validation, "calibrate", lambda *a, **k: {"by_np": {"2": {"raw": raw}}})
+    record = json.loads(json.dumps(pm.validate(("lenet",), 64, 5, 1, "mpirun", nps=(1, 2),
+                                               probe=Probe([10.0]))))
+    assert record["rounds"][0]["measured"][0]["compute_cpu_ms"] == pytest.approx(1.5 * 3.3)
+    rows = pm.validation_rows(record)
+    by = {(r["mode"], r["delay"], r["np"]): r for r in rows}
+    for r in rows:
+        assert r["speed"] == [pytest.approx(1.5)]
+        assert r["error_at_run"] == pytest.approx((r["at_run_ms"] - 20.0) / 20.0)
+        assert r["error"] == pytest.approx((r["predicted_ms"] - 20.0) / 20.0)
+    single, ring = by[("single", 0, 1)], by[("ring", 0, 2)]
+    assert single["at_run_ms"] == pytest.approx(1.5 * single["predicted_ms"])
+    assert ring["predicted_ms"] < ring["at_run_ms"] < 1.5 * ring["predicted_ms"]
+    # a batch per rank between the profile's: its line through them
+    at = dict(record["rounds"][0]["measured"][0], np=3, compute_cpu_ms=1.5 * (0.1 + 0.05 * 64 / 3))
+    assert pm.run_speed(record["rounds"][0], at, 64) == pytest.approx(1.5)
+    # a record without the CPU times (older runs): no prediction at the run's speed
+    old = json.loads(json.dumps(record))
+    for m in old["rounds"][0]["measured"]:
+        del m["compute_cpu_ms"]
+    assert all("at_run_ms" not in r for r in pm.validation_rows(old))
+    assert pm.row_error_at_run(pm.validation_rows(old)[0]) is None
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(record))
+    proc = run_model_cli("--compute", "k40", "--models", "lenet", "--profile", "pcie3", "--np", "1", "2",
+                         "--validation", str(path), "--table", "validation", "--markdown")
+    assert proc.returncode == 0, proc.stderr
+    cell = (f"{single['predicted_ms']:.3g} / {single['at_run_ms']:.3g} / 20 "
+            f"({100 * single['error']:+.0f}%, {100 * single['error_at_run']:+.0f}%)").replace("-", "\u2212")
+    assert cell in proc.stdout, proc.stdout
+    proc = run_model_cli("--compute", "k40", "--models", "lenet", "--profile", "pcie3", "--np", "1", "2",
+                         "--validation", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "at run: the profile taken at each run's own speed" in proc.stdout
+    assert "1.50 to 1.50x" in proc.stdout
+
+
+def test_a_profile_at_a_run_s_speed_counts_no_contention_again():
+    """The speed a run's CPU time shows counts the contention it met: the system that takes
+    it (``as_run``) slows no rank's compute again."""
+    system = pm.System("x", pm.LINKS["pcie3"], pm.LINKS["pcie3"], 4,
+                       pm.roofline_compute("k40", ("lenet",)), cores=2.0)
+    assert system.contention(4, "lenet") == 2.0
+    assert dataclasses.replace(system, as_run=True).contention(4, "lenet") == 1.0
