@@ -62,14 +62,26 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     stream's steal). The busy single step is the profile itself. The stream's rate beside
     compute was measured on such a node, where the quota held compute and stream alike
     for 1 - q of the time: running, the transfer moves at that rate / q (at most its
-    blocking speed); its steal, a ratio of two times both held alike, stands."""
+    blocking speed); its steal, a ratio of two times both held alike, stands.
+
+    At delay 1 across nodes the previous step's exchange runs beside the whole of this
+    step's compute, its thread polling on the node's other CPU from the same budget: the
+    compute never finds the period's budget unspent and is held as the busy profile was
+    (measured: its wall time twice its CPU time at half a core). There the compute takes
+    the profile as measured, the exchange beside it the rate the calibration measured
+    beside such compute, and no steal (the thread polls on a CPU of its own; what its
+    polls cost the budget is in the CPU time below)."""
     q = system.quota
     free = dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None,
                                rate=min(1.0, system.rate / q))
-    p = _predict_on(free, model, mode, delay, n, batch, topology)
+    fast = _predict_on(free, model, mode, delay, n, batch, topology)
+    p = fast
+    if delay and n > 1:
+        held = dataclasses.replace(system, quota=None, steal=0.0)
+        p = _predict_on(held, model, mode, delay, n, batch, topology)
     spent = transfer_cpu_s(system, model, mode, n, batch, delay)
     if spent is None:
-        busy = (p.compute_s + p.update_s) / q
+        busy = (fast.compute_s + fast.update_s) / q
     else:
         # the transfers' CPU as measured replaces the steal, which stood for the part of it
         # the stream took from the compute's core while both ran
@@ -78,8 +90,8 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
         busy = (own.compute_s + own.update_s + spent) / q
     if busy <= p.step_s:
         return p
-    return dataclasses.replace(p, step_s=busy, compute_s=p.compute_s / q,
-                               update_s=p.update_s / q, exposed_s=0.0)
+    return dataclasses.replace(p, step_s=busy, compute_s=fast.compute_s / q,
+                               update_s=fast.update_s / q, exposed_s=0.0)
 
 
 def transfer_cpu_s(system, model, mode, n, batch, delay=0):

@@ -141,8 +141,9 @@ def test_a_node_held_to_a_quota_computes_at_full_speed_while_it_waits():
     """One rank a node on nodes of half a core (the profile measured busy there): a step
     whose rank mostly waits for a slow link computes at a full core's speed (half the
     profile), and a step that is mostly compute is held to its CPU time over the quota
-    (the single step is the profile's own); with two ranks a node, or no quota, the
-    prediction is as before."""
+    (the single step is the profile's own); at delay 1, where the exchange runs beside the
+    whole compute, the compute is held as the profile was; with two ranks a node, or no
+    quota, the prediction is as before."""
     compute = pm.roofline_compute("k40", ("lenet",)).scaled(40.0)    # CPU-like times
     lenet = build_model("lenet")
     held = pm.make_system("local", compute, 1, _half_core_nodes())
@@ -165,14 +166,21 @@ def test_a_node_held_to_a_quota_computes_at_full_speed_while_it_waits():
     unheld = pm.predict(dataclasses.replace(fast, compute=compute.full_speed(0.5)), lenet, "ring", 0, 4, 64)
     assert bound.step_s == pytest.approx((unheld.compute_s + unheld.update_s) / 0.5, rel=1e-9)
     assert bound.step_s > unheld.step_s and bound.exposed_s == 0.0
-    # the stream's rate was measured under the quota: running, it moves at rate / q
+    # the stream's rate was measured under the quota: beside compute at a full core's
+    # speed (delay 0, the buckets during the backward), running, it moves at rate / q
     streamed = dataclasses.replace(slow, rate=0.3, steal=0.2)
+    at_speed = dataclasses.replace(streamed, rate=0.6, compute=compute.full_speed(0.5))
+    bucketed = pm.predict(dataclasses.replace(streamed, quota=0.5), lenet, "ring", 0, 4, 64)
+    assert bucketed.step_s == pytest.approx(pm.predict(at_speed, lenet, "ring", 0, 4, 64).step_s,
+                                            rel=1e-9)
+    # delay 1: the exchange runs beside the whole compute, which is held as the profile was;
+    # the stream at the rate measured beside such compute, polling on a CPU of its own
     delayed = pm.predict(dataclasses.replace(streamed, quota=0.5), lenet, "ring", 1, 4, 64)
-    by_hand = pm.predict(dataclasses.replace(streamed, rate=0.6, compute=compute.full_speed(0.5)),
-                         lenet, "ring", 1, 4, 64)
+    by_hand = pm.predict(dataclasses.replace(streamed, steal=0.0), lenet, "ring", 1, 4, 64)
     assert delayed.step_s == pytest.approx(by_hand.step_s, rel=1e-9)
-    assert delayed.step_s != pytest.approx(pm.predict(dataclasses.replace(
-        streamed, compute=compute.full_speed(0.5)), lenet, "ring", 1, 4, 64).step_s, rel=1e-3)
+    assert delayed.compute_s == pytest.approx(by_hand.compute_s, rel=1e-9)
+    assert delayed.step_s != pytest.approx(pm.predict(at_speed, lenet, "ring", 1, 4, 64).step_s,
+                                           rel=1e-3)
     # two ranks a node share its quota as before: no change
     two = _calibration(per_node=2)
     for entry in two["by_np"].values():
