@@ -59,8 +59,10 @@ def build_parser():
                         "and print predicted beside measured step time; measures compute and "
                         "calibrates in every round, and times each model's step in this process "
                         f"for {PROBE_S:g} s after the profile and before and after every run, to "
-                        "say how far the machine's speed drifted meanwhile (about 4 minutes "
-                        "a round)")
+                        "say how far the machine's speed drifted meanwhile; each row is also "
+                        "predicted at the run's own speed (its training threads' CPU time in "
+                        "forward and backward against the profile's for the same work) "
+                        "(about 4 minutes a round)")
     p.add_argument("--validation", metavar="FILE",
                    help="with --validate: also write the measurements to FILE; without: read "
                         "them from FILE and print the validation again (predictions recomputed)")

@@ -127,6 +127,13 @@ def print_validation(args, validation, record):
               f"{100 * statistics.median(run_errors):.0f}%, {sum(e <= 0.10 for e in run_errors)} "
               f"within 10%, {sum(e <= 0.15 for e in run_errors)} within 15% of "
               f"{len(run_errors)}; each round: its errors")
+        each_run = [abs(e) for r in validation for e in r["errors_at_run"]]
+        each_profile = [abs(e) for r in validation for e in r["errors"]]
+        print(f"  each run on its own ({len(each_run)}): median |error| "
+              f"{100 * statistics.median(each_run):.1f}% at the run's speed, "
+              f"{sum(e <= 0.10 for e in each_run)} within 10%; "
+              f"{100 * statistics.median(each_profile):.1f}% with the profile as measured, "
+              f"{sum(e <= 0.10 for e in each_profile)} within 10%")
     drift = drift_note(validation)
     if drift:
         print(f"  {drift}")
