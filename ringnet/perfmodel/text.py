@@ -126,7 +126,8 @@ def print_validation(args, validation, record):
               f"{statistics.median(speeds):.2f}; the link as calibrated): median |error| "
               f"{100 * statistics.median(run_errors):.0f}%, {sum(e <= 0.10 for e in run_errors)} "
               f"within 10%, {sum(e <= 0.15 for e in run_errors)} within 15% of "
-              f"{len(run_errors)}; each round: its errors")
+              f"{len(run_errors)} (the column each round: the rounds' errors at the run's "
+              f"speed)")
         each_run = [abs(e) for r in validation for e in r["errors_at_run"]]
         each_profile = [abs(e) for r in validation for e in r["errors"]]
         print(f"  each run on its own ({len(each_run)}): median |error| "
@@ -145,8 +146,9 @@ def print_validation(args, validation, record):
     bar = 0.10 if at_run else 0.15
     off = [r for r, e in zip(validation, run_errors or errors) if e > bar]
     if off:
-        print(f"# where the model{' at the run' + chr(39) + 's speed' if at_run else ''} is off "
-              f"by more than {100 * bar:.0f}%, and the part of the step that differs most")
+        where = " at the run's speed" if at_run else ""
+        print(f"# where the model{where} is off by more than {100 * bar:.0f}%, and the part of "
+              "the step that differs most")
         for r in off:
             print(f"  {r['model']:14s} {diagnose(r, validation)}")
     for i, rnd in enumerate(record["rounds"]):
