@@ -45,7 +45,7 @@ def blas_threads_for_rank(environ=None, cores=None, quota=None):
     group allows (:func:`ringnet.placement.cpu_quota`: a container's ``--cpus``, a node of
     ``hpc/cluster.sh --cpus-per-node``) divided among the node's ranks. Under a quota of
     half a core, a second OpenBLAS thread spins on the budget the first needs: LeNet's
-    step at 64 images took 85 to 108 ms with two threads, 34 to 39 ms with one.
+    step at 64 images took 83 to 109 ms with two threads, 34 to 39 ms with one.
     ``cores``: the affinity's size and ``quota`` the quota in cores (both read when
     ``cores`` is None; ``quota`` None: no quota).
     """
