@@ -12,7 +12,8 @@ span. Every span ringnet times (see :mod:`ringnet.stats`) becomes a complete eve
 was given (a transfer's ``peer`` and ``bytes``, a step's number). ``ts`` counts on rank 0's
 clock from a barrier all ranks pass when tracing starts. Each rank's clock is tied to rank
 0's by ping-pong when tracing starts and again when it ends (:func:`align_clocks`; a drift
-between the two, as between nodes, is interpolated), so lanes of different ranks line up to
+between the two, as between nodes, is interpolated, and both ends of every span are mapped,
+so spans nested on a rank stay nested in the file), so lanes of different ranks line up to
 within half the shortest round trip, microseconds on one node; ``otherData.clock_alignment``
 gives each rank's offset and that bound, and ``otherData.origin_s`` is ts 0 as rank 0's
 ``time.perf_counter()`` reading (CLOCK_MONOTONIC on Linux, one clock for every process of a
@@ -236,12 +237,21 @@ class Tracer:
             out.append({"name": "thread_sort_index", "ph": "M", "pid": self.rank, "tid": lane,
                         "args": {"sort_index": 0 if thread == "MainThread" else lane + 1}})
         for name, lane, start, duration, args in recorded:
+            ts, dur = self._placed(start, duration)
             out.append({"name": _display_name(name, args), "cat": name, "ph": "X",
-                        "pid": self.rank, "tid": lane,
-                        "ts": round((self._on_rank0(start) - self.t0) * 1e6, 3),
-                        "dur": round(duration * 1e6, 3),
+                        "pid": self.rank, "tid": lane, "ts": ts, "dur": dur,
                         "args": {k: _plain(v) for k, v in args.items()}})
         return out
+
+    def _placed(self, start, duration):
+        """A span's ``ts`` and ``dur`` (us) on rank 0's clock: both of its ends mapped, so a
+        span that lies within another on this rank lies within it in the trace whatever
+        drift the alignments measured (mapping the start alone moves a span's end by the
+        drift times its start, and a short one could cross its parent's end); ``dur`` is
+        the rounded end less the rounded start."""
+        begin = round((self._on_rank0(start) - self.t0) * 1e6, 3)
+        end = round((self._on_rank0(start + duration) - self.t0) * 1e6, 3)
+        return begin, round(end - begin, 3)
 
     def _on_rank0(self, t):
         return on_reference_clock(t, self._syncs[0], self._syncs[-1])

@@ -251,3 +251,22 @@ def test_nccl_transfers_are_traced(tmp_path):
     lanes = {e["tid"] for e in transfers}
     assert len(lanes) >= 1 and all(e["args"]["to"] in (0, 1) or e["args"]["from"] in (0, 1)
                                    for e in transfers)
+
+
+@pytest.mark.parametrize("drift_ppm", [1000.0, -1000.0, 0.0])
+def test_a_span_within_another_stays_within_it_whatever_the_drift(drift_ppm):
+    """A rank whose clock alignments at the start and the end of tracing differ (a drift,
+    here 0.1%: a loaded machine's ping-pong over a short run) still has every span inside
+    its parent in the trace: both ends of a span are mapped to rank 0's clock, and its
+    duration is the difference of the mapped ends."""
+    from ringnet.trace import ClockSync, Tracer
+    tracer = object.__new__(Tracer)
+    first = ClockSync(at=10.0, offset=0.002, error=1e-6, origin=10.0)
+    last = ClockSync(at=10.5, offset=0.002 + drift_ppm * 1e-6 * 0.5, error=1e-6)
+    tracer._syncs, tracer.t0 = [first, last], 10.0
+    outer = tracer._placed(10.0405, 0.0115)                      # 11.5 ms, 40 ms in
+    inner = tracer._placed(10.0405 + 0.0115 - 12e-6, 11e-6)      # ends 1 us before it
+    assert inner[0] + inner[1] <= outer[0] + outer[1]
+    assert inner[0] >= outer[0]
+    # the mapped duration moves with the drift, by its share of the span
+    assert outer[1] == pytest.approx(11500 * (1 - drift_ppm * 1e-6), abs=2e-3)
