@@ -3,7 +3,7 @@ and say which BLAS ran (:func:`describe`, :func:`describe_line`)."""
 import os
 import sys
 
-from ringnet.placement import local_ranks_on_node
+from ringnet.placement import cpu_quota, local_ranks_on_node
 
 __all__ = ["blas_threads_for_rank",
            "check_blas_threads", "configure_blas_threads", "blas_threads_in_use",
@@ -54,7 +54,6 @@ def blas_threads_for_rank(environ=None, cores=None, quota=None):
     if forced:
         return forced
     if cores is None:
-        from ringnet.placement import cpu_quota
         cores, quota = _affinity(), cpu_quota()
     in_step = env.get("SLURM_STEP_ID") is not None
     bind = env.get("SLURM_CPU_BIND_TYPE", "")

@@ -10,7 +10,7 @@ import numpy as np
 
 from ringnet.perfmodel.calibration import calibrate
 from ringnet.perfmodel.codefacts import OLD_FACTS, code_facts, facts
-from ringnet.perfmodel.compute import compute_from_json
+from ringnet.perfmodel.compute import compute_from_json, fit_batch_times
 from ringnet.perfmodel.prediction import predict
 from ringnet.perfmodel.profiling import measure_compute
 from ringnet.perfmodel.sweeps import MODES, REFERENCE, mode_label, communicates, fits
@@ -181,14 +181,15 @@ def run_speed(rnd, m, batch):
     got = m.get("compute_cpu_ms")
     if not ref or not got:
         return None
-    points = sorted((int(b), v) for b, v in ref.items())
+    points = {int(b): v for b, v in ref.items()}
     local = batch / m["np"]
-    if len(points) == 1:
-        at = points[0][1] * local / points[0][0]
-    else:
-        slope, intercept = np.polyfit([b for b, _ in points], [v for _, v in points], 1)
-        at = dict(points).get(int(local)) if local == int(local) else None
-        at = at if at is not None else intercept + slope * local
+    at = points.get(local)                   # measured at that batch, else its line
+    if at is None and len(points) == 1:
+        (b, v), = points.items()
+        at = v * local / b
+    elif at is None:
+        fixed, per_sample = fit_batch_times(list(points), list(points.values()))
+        at = fixed + per_sample * local
     return got / at if at > 0 else None
 
 
@@ -319,7 +320,9 @@ def diagnose(row, rows):
     how far the machine itself moved (the spread of this row's rounds; the N=1 rows of the
     same model, which all do the same work). Where the row has the prediction at each run's
     own speed, its error and parts are that prediction's."""
-    err = row_error(row) if row_error_at_run(row) is None else row_error_at_run(row)
+    err = row_error_at_run(row)
+    if err is None:
+        err = row_error(row)
     measured = {k: v for k, v in row["parts"].items() if v[1] is not None}
     words = []
     if measured:
