@@ -224,8 +224,12 @@ def test_sigterm_during_a_background_periodic_save_leaves_no_temporary(tmp_path)
         saver = PeriodicSaver(MPI.COMM_SELF, 1, lambda: params, write, background=True)
         saver.save(1, wait=True)
         params = {{"w": np.full((256, 256), 2.0, np.float32)}}
-        # the second write is signalled from its own thread, inside the write
-        checkpoint.fault_point = lambda name: os.kill(os.getpid(), signal.SIGTERM)
+        # the second write is signalled from its own thread, inside the write, which then
+        # waits: the signal's handler runs on the main thread before the write can finish
+        def fault(name):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        checkpoint.fault_point = fault
         saver.save(2, wait=False)
         for _ in range(500):
             time.sleep(0.01)
