@@ -128,11 +128,61 @@ def pytest_terminal_summary(terminalreporter):
     yield
 
 
+_WORKER = []
+_SHORT_BASETEMP = []
+
+
+@pytest.hookimpl(tryfirst=True)        # before pytest's tmp_path factory reads --basetemp
+def pytest_configure(config):
+    # a pytest-xdist worker has ``workerinput``; its environment's PYTEST_XDIST_WORKER would
+    # also reach the pytest a test runs in a child process
+    _WORKER[:] = [hasattr(config, "workerinput")]
+    if (not _WORKER[0] and getattr(config.option, "numprocesses", None)
+            and not config.option.basetemp):
+        # xdist's workers take folders popen-gwN under it: under pytest's default one the
+        # clusters of tests/hpc would have paths too long for the sockets SLURM makes in
+        # their folder (108 bytes), and srun fails its tasks with "Unspecified error"
+        import tempfile
+        config.option.basetemp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+        _SHORT_BASETEMP.append(config.option.basetemp)
+
+
+def pytest_unconfigure(config):
+    import shutil
+    for path in _SHORT_BASETEMP:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _xdist_worker():
+    """Whether this process is one of pytest-xdist's workers (tests/run.sh's serial stage
+    runs its tests on two): the controller reports, sums up and checks for them."""
+    return bool(_WORKER and _WORKER[0])
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:             # without pytest-xdist the tests run in one process
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+    class _ClusterTogether(LoadScopeScheduling):
+        """pytest-xdist's load balancing, one test at a time, except that the tests of
+        tests/hpc go to one worker, one after another: they start, use and stop the
+        emulated clusters and SLURM of this machine. (xdist's own ``--dist loadgroup``
+        marks a group in the test id, which pytest 9 keeps elsewhere.)"""
+
+        def _split_scope(self, nodeid):
+            return "tests/hpc" if nodeid.startswith("tests/hpc/") else nodeid
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _ClusterTogether(config, log)
+
+
 def pytest_runtest_logreport(report):
     """With $RINGNET_TEST_SKIPS, rank 0 appends "<ranks> <test id>" of every skipped test to
     that file: CI reruns exactly those once it has installed what lets more of them run."""
     path = os.environ.get("RINGNET_TEST_SKIPS")
-    if path and report.skipped and report.when in ("setup", "call"):
+    if path and report.skipped and report.when in ("setup", "call") and not _xdist_worker():
         rank, size = _world()
         if rank == 0:
             with open(path, "a", encoding="utf-8") as f:
@@ -152,7 +202,8 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     """A one-process run fails when it left ``ringnet-*`` files or folders in the temporary
     folder (tests write under pytest's tmp_path, which pytest cleans)."""
-    if _world()[1] != 1 or not hasattr(session.config, "_ringnet_tmp_before"):
+    if (_world()[1] != 1 or _xdist_worker()
+            or not hasattr(session.config, "_ringnet_tmp_before")):
         return
     left = sorted(_stray_candidates() - session.config._ringnet_tmp_before)
     if left:

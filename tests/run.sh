@@ -7,6 +7,11 @@ set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 RINGNET_BLAS_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 MPIRUN=${MPIRUN:-mpirun}
+WORKERS=${RINGNET_TEST_WORKERS:-2}
+if ! [[ "$WORKERS" =~ ^[0-9]+$ ]]; then
+  echo "tests/run.sh: RINGNET_TEST_WORKERS must be a whole number of workers (0: one process), got '$WORKERS'" >&2
+  exit 2
+fi
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/ringnet-tests.XXXXXX")
 trap 'rm -rf "$LOGS"' EXIT
 status=0
@@ -53,7 +58,13 @@ stage() {   # stage NAME RANKS COMMAND...
   summaries+=("$line")
 }
 
-stage "serial" 1 python -m pytest -q --with-mpi tests "$@"
+# The serial tests on $RINGNET_TEST_WORKERS pytest-xdist workers (default 2; 0: one process):
+# most of their time is spent waiting for the MPI jobs, launchers and clusters they start.
+# tests/hpc's share one worker (tests/conftest.py); those marked `alone`, which time the
+# machine itself, run after them with nothing beside them.
+stage "serial" 1 python -m pytest -q --with-mpi -n "$WORKERS" \
+  -m "not alone" tests "$@"
+stage "serial, alone" 1 python -m pytest -q --with-mpi -m alone tests "$@"
 for n in 2 3 4; do
   stage "mpirun -np $n" "$n" python -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests "$@"
 done

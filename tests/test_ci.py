@@ -49,3 +49,45 @@ def test_the_trace_tests_pass_without_matplotlib(tmp_path):
     assert "1 passed, 1 skipped" in proc.stdout, proc.stdout[-1000:]
     # the skip is on record for CI's second pass, at its rank count
     assert skips.read_text().splitlines() == ["1 tests/test_trace.py::test_the_picture_of_a_trace"]
+
+
+def test_the_cluster_tests_share_one_worker_and_the_others_spread():
+    """tests/run.sh's serial stage runs on pytest-xdist workers: every test of tests/hpc is
+    one unit of work (they start and stop this machine's clusters), every other its own."""
+    import pytest
+    pytest.importorskip("xdist")
+    import conftest
+    scope = conftest._ClusterTogether._split_scope
+    hpc = ["tests/hpc/test_cluster.py::test_a", "tests/hpc/test_slurm.py::test_b[x-1]",
+           "tests/hpc/test_cluster_cpus.py::test_c"]
+    assert {scope(None, n) for n in hpc} == {"tests/hpc"}
+    others = ["tests/test_ci.py::test_a", "tests/test_ci.py::test_b", "tests/hpcx.py::test_c",
+              "tests/layers/test_layers.py::test_d[hpc]"]
+    assert len({scope(None, n) for n in others}) == len(others)
+    assert "tests/hpc" not in {scope(None, n) for n in others}
+
+
+def test_a_skip_on_an_xdist_worker_is_on_record_once(tmp_path):
+    """Under pytest-xdist the controller records the skips CI reruns, once each (the workers
+    report them to it), and the pytest a worker's test starts in a child records its own."""
+    import pytest
+    pytest.importorskip("xdist")
+    skips = tmp_path / "skips.txt"
+    env = dict(_hidden(tmp_path, "matplotlib"), RINGNET_TEST_SKIPS=str(skips))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-n", "2", "tests/test_trace.py", "-k",
+                           "exchange_runs_under or picture_of"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "1 passed, 1 skipped" in proc.stdout, proc.stdout[-1000:]
+    assert skips.read_text().splitlines() == ["1 tests/test_trace.py::test_the_picture_of_a_trace"]
+
+
+def test_a_bad_worker_count_is_one_line_before_any_test():
+    proc = subprocess.run(["bash", str(ROOT / "tests" / "run.sh")], capture_output=True,
+                          text=True, env=dict(ENV, RINGNET_TEST_WORKERS="two"), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "tests/run.sh: RINGNET_TEST_WORKERS must be a whole number of workers "
+        "(0: one process), got 'two'"], proc.stderr
+    assert proc.stdout == ""

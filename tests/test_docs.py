@@ -743,10 +743,10 @@ COMMANDS = {
     "--to-accuracy 0.84 --epochs 1 --eval-every 117 --repeats 1 --markdown": doc_table,
     "mpirun -np 2 python -m ringnet.train --model lenet --dataset synthetic --mode split-fc --steps 3 --json":
         doc_bytes,
-    "python -m pytest --with-mpi tests": SUITE,
     "mpirun … 2>&1": "a template (any mpirun command line); tests/test_cli.py runs one",
     "pip install scikit-learn": INSTALL,
     "mpirun -np N python -m pytest --with-mpi -m mpi tests": SUITE,
+    'python -m pytest --with-mpi -n 2 -m "not alone" tests': SUITE,
     "bash tests/gpu/run.sh": "tests/test_cli.py::test_gpu_script_without_a_gpu_exits_77",
     "python tests/hpc/test_cluster_cpus.py --nodes 4 --cpus-per-node 0.5":
         "tests/hpc/test_cluster_cpus.py::test_a_step_on_one_node_takes_as_long_when_the_other_is_busy",

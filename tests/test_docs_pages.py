@@ -14,6 +14,8 @@ def variables_in_code():
                 if name.endswith((".py", ".sh", ".sbatch")):
                     with open(os.path.join(dirpath, name), encoding="utf-8") as f:
                         found |= set(re.findall(r"\bRINGNET_[A-Z][A-Z0-9_]*[A-Z0-9]", f.read()))
+    with open(os.path.join(ROOT, "tests", "run.sh"), encoding="utf-8") as f:   # the suite's
+        found |= set(re.findall(r"\bRINGNET_[A-Z][A-Z0-9_]*[A-Z0-9]", f.read()))
     return found
 
 

@@ -323,6 +323,7 @@ def busy_over_idle(idle, busy):
     return statistics.median(b / i for i, b in zip(idle, busy))
 
 
+@pytest.mark.alone
 def test_a_step_on_one_node_takes_as_long_when_the_other_is_busy(cluster):
     idle, busy, outside, _ = isolation(cluster)
     # Processes outside the cluster (another program on this machine) compete with the
