@@ -12,6 +12,10 @@ if ! [[ "$WORKERS" =~ ^[0-9]+$ ]]; then
   echo "tests/run.sh: RINGNET_TEST_WORKERS must be a whole number of workers (0: one process), got '$WORKERS'" >&2
   exit 2
 fi
+if [ "$WORKERS" -gt 0 ] && ! python -c "import xdist" 2>/dev/null; then
+  echo "tests/run.sh: pytest-xdist is not installed (pip install -e \".[test]\"): the serial tests run in one process"
+  WORKERS=0
+fi
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/ringnet-tests.XXXXXX")
 trap 'rm -rf "$LOGS"' EXIT
 status=0
@@ -62,8 +66,9 @@ stage() {   # stage NAME RANKS COMMAND...
 # most of their time is spent waiting for the MPI jobs, launchers and clusters they start.
 # tests/hpc's share one worker (tests/conftest.py); those marked `alone`, which time the
 # machine itself, run after them with nothing beside them.
-stage "serial" 1 python -m pytest -q --with-mpi -n "$WORKERS" \
-  -m "not alone" tests "$@"
+workers=()
+if [ "$WORKERS" -gt 0 ]; then workers=(-n "$WORKERS"); fi
+stage "serial" 1 python -m pytest -q --with-mpi "${workers[@]}" -m "not alone" tests "$@"
 stage "serial, alone" 1 python -m pytest -q --with-mpi -m alone tests "$@"
 for n in 2 3 4; do
   stage "mpirun -np $n" "$n" python -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests "$@"
