@@ -7,15 +7,15 @@ SOURCES = ("ringnet", "hpc", "launch")
 
 
 def variables_in_code():
-    found = set()
+    paths = [os.path.join(ROOT, "tests", "run.sh")]      # the suite's, beside the project's
     for folder in SOURCES:
         for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
-            for name in files:
-                if name.endswith((".py", ".sh", ".sbatch")):
-                    with open(os.path.join(dirpath, name), encoding="utf-8") as f:
-                        found |= set(re.findall(r"\bRINGNET_[A-Z][A-Z0-9_]*[A-Z0-9]", f.read()))
-    with open(os.path.join(ROOT, "tests", "run.sh"), encoding="utf-8") as f:   # the suite's
-        found |= set(re.findall(r"\bRINGNET_[A-Z][A-Z0-9_]*[A-Z0-9]", f.read()))
+            paths += [os.path.join(dirpath, name) for name in files
+                      if name.endswith((".py", ".sh", ".sbatch"))]
+    found = set()
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            found |= set(re.findall(r"\bRINGNET_[A-Z][A-Z0-9_]*[A-Z0-9]", f.read()))
     return found
 
 
