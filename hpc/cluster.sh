@@ -42,7 +42,8 @@
 # Needs Debian's packages: apt-get install slurmctld slurmd slurm-client munge.
 # Everything (config, keys, logs, spool) lives in $RINGNET_SLURM_DIR (default
 # /tmp/ringnet-slurm); the daemons and jobs run as the user who runs this script. Two
-# clusters at once need their own RINGNET_SLURM_DIR and RINGNET_SLURM_PORT each.
+# clusters at once need their own RINGNET_SLURM_DIR and RINGNET_SLURM_PORT each. SLURM's
+# step sockets live in its spool, so its path must be short (start names the bound).
 # Jobs: each start numbers its jobs from a block of 10000 ids of its own (FirstJobId ..
 # MaxJobId), the next one of a counter all clusters here share ($RINGNET_SLURM_JOBIDS,
 # default /tmp/ringnet-slurm-jobids), so neither two clusters nor a cluster started again
@@ -223,6 +224,18 @@ EOF
   fi
 }
 
+# SLURM's steps listen on Unix sockets in their node's spool folder, named
+# NODE_JOBID.STEPID; a batch step's id is 4294967291 and the job ids here have up to 8
+# digits. A socket's path holds at most 107 bytes: past that, slurmd cannot start a step and
+# sbatch's or srun's tasks fail with "Unspecified error". check_socket_room SPOOL NODE: die,
+# before anything is made, where NODE's longest socket in SPOOL would not fit.
+check_socket_room() {
+  local path="$1/$2_67043327.4294967291" room
+  [ "${#path}" -le 107 ] && return 0
+  room=$(( 107 - ${#path} + ${#STATE} ))
+  die "RINGNET_SLURM_DIR=$STATE is too long: SLURM's socket $path would take ${#path} characters, over the 107 of a Unix socket's path; choose a folder of at most $room characters"
+}
+
 need_slurm() {
   for cmd in munged slurmctld slurmd sinfo sbatch srun; do
     command -v "$cmd" >/dev/null || die "$cmd not found: apt-get install slurmctld slurmd slurm-client munge"
@@ -242,6 +255,7 @@ start() {
     echo "SLURM already running (SLURM_CONF=$CONF)"
     return 0
   fi
+  check_socket_room "$STATE/spool" "$(hostname -s)"
   stop_daemons >/dev/null          # half-started leftovers
   write_config
   start_munged || die "munged did not start; see $STATE/log/munged.log"
@@ -477,6 +491,7 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET CPUS-PER-NODE (empty: nproc 
     done
   done
   ! ip link show "$bridge" >/dev/null 2>&1 || die "link $bridge exists already: choose another --prefix"
+  for name in "${names[@]}"; do check_socket_room "$STATE/spool/$name" "$name"; done
   local taken
   taken=$(ip -4 -o addr show | awk -v b="$base." '{split($4, a, "/"); if (index(a[1], b) == 1) print $2}')
   [ -z "$taken" ] || die "--subnet $subnet: $(head -1 <<<"$taken") has an address in it already: choose another --subnet"

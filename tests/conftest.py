@@ -137,11 +137,11 @@ def pytest_configure(config):
     # a pytest-xdist worker has ``workerinput``; its environment's PYTEST_XDIST_WORKER would
     # also reach the pytest a test runs in a child process
     _WORKER[:] = [hasattr(config, "workerinput")]
-    if (not _WORKER[0] and getattr(config.option, "numprocesses", None)
-            and not config.option.basetemp):
-        # xdist's workers take folders popen-gwN under it: under pytest's default one the
-        # clusters of tests/hpc would have paths too long for the sockets SLURM makes in
-        # their folder (108 bytes), and srun fails its tasks with "Unspecified error"
+    if not _WORKER[0] and not config.option.basetemp:
+        # a short one: the clusters of tests/hpc keep their state in a test's tmp_path, and
+        # SLURM's sockets there must fit a Unix socket's 107 bytes (hpc/cluster.sh refuses
+        # a longer folder); pytest's default (/tmp/pytest-of-USER/pytest-N/, and xdist's
+        # popen-gwN/ under it) leaves no room. The workers take folders under this one.
         import tempfile
         config.option.basetemp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
         _SHORT_BASETEMP.append(config.option.basetemp)

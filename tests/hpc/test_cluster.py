@@ -162,6 +162,30 @@ def test_a_node_named_as_this_machine_is_refused(settings):
     assert snapshot(settings["state"]) == before
 
 
+@needs_a_cluster
+def test_a_folder_too_long_for_the_nodes_sockets_is_refused(settings):
+    """A node's batch-step socket, STATE/spool/NODE/NODE_<job id>.4294967291, would pass a
+    Unix socket's 107 bytes: one line naming the longest folder that fits, and nothing
+    made (the single node's bound, and that it is SLURM's: tests/hpc/test_cluster_jobs.py)."""
+    node = f"{settings['prefix']}2"
+    room = 107 - len(f"/spool/{node}/{node}_67043327.4294967291")
+    base = tempfile.mkdtemp(prefix="rl", dir="/tmp")
+    state = os.path.join(base, "x" * (room - len(base)))
+    assert len(state) == room + 1
+    settings["env"]["RINGNET_SLURM_DIR"] = state
+    try:
+        before = snapshot(state)
+        line = one_line_error(_start(settings, "--nodes", "2"))
+        assert line.endswith(f"over the 107 of a Unix socket's path; choose a folder of at most "
+                             f"{room} characters"), line
+        assert f"{state}/spool/{settings['prefix']}1/" in line, line
+        assert snapshot(state) == before
+    finally:
+        if os.path.exists(state):
+            script("stop", env=settings["env"])
+        shutil.rmtree(base)
+
+
 def cpu_hierarchy():
     """Where the cpu controller's groups are made: v1's cpu hierarchy, else v2's root."""
     with open("/proc/mounts") as f:

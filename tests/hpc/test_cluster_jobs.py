@@ -23,8 +23,10 @@ import mmap
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -312,3 +314,64 @@ def test_a_finished_jobs_state_is_on_record(single, tmp_path):
     assert sacct.returncode == 0, sacct.stderr
     states = dict(l.split("|")[:2] for l in sacct.stdout.split())
     assert states == {str(failed_id): "FAILED", str(cancelled_id): "CANCELLED"}, sacct.stdout
+
+
+# -- the folder's length: SLURM's step sockets live in it ----------------------------------
+
+def socket_room(spool_under_state, node):
+    """The longest RINGNET_SLURM_DIR whose batch-step socket fits a Unix socket's 107 bytes:
+    ``STATE/<spool>/NODE_<8-digit job id>.4294967291`` (SLURM's batch step id)."""
+    return 107 - len(f"/{spool_under_state}/{node}_67043327.4294967291")
+
+
+def long_folder(tmp_path, length):
+    """A folder path of exactly ``length`` characters under /tmp (not made)."""
+    base = tempfile.mkdtemp(prefix="rl", dir="/tmp")
+    path = os.path.join(base, "x" * (length - len(base) - 1))
+    assert len(path) == length
+    return base, path
+
+
+@pytest.mark.skipif(missing_slurm() is not None, reason=f"no SLURM: {missing_slurm()}")
+def test_a_folder_too_long_for_slurm_s_sockets_is_one_line_and_makes_nothing(tmp_path):
+    host = socket.gethostname().split(".")[0]
+    room = socket_room("spool", host)
+    base, state = long_folder(tmp_path, room + 1)
+    try:
+        port, _, _ = free_settings()
+        env = dict(os.environ, RINGNET_SLURM_DIR=state, RINGNET_SLURM_PORT=str(port))
+        proc = script("start", env=env)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr)
+        sock = f"{state}/spool/{host}_67043327.4294967291"
+        assert len(sock) == 108
+        assert lines[0] == (
+            f"hpc/cluster.sh: RINGNET_SLURM_DIR={state} is too long: SLURM's socket {sock} "
+            f"would take 108 characters, over the 107 of a Unix socket's path; choose a folder "
+            f"of at most {room} characters"), lines[0]
+        assert os.listdir(base) == [], "start made something"
+    finally:
+        if os.listdir(base):
+            script("stop", env=env)         # the start went ahead: stop what it started
+        shutil.rmtree(base)
+
+
+@pytest.mark.skipif(missing_slurm() is not None, reason=f"no SLURM: {missing_slurm()}")
+def test_a_folder_of_the_longest_length_allowed_runs_a_batch_job(tmp_path):
+    """At the bound the start gives, a batch job (and its srun step) runs to its end: the
+    bound is not stricter than SLURM's (one character more, slurmd cannot make the batch
+    step's socket and ``sbatch --wait`` never returns)."""
+    room = socket_room("spool", socket.gethostname().split(".")[0])
+    base, state = long_folder(tmp_path, room)
+    cluster = None
+    try:
+        cluster = start_single(state)
+        out = tmp_path / "job.out"
+        done = cluster.run(["sbatch", "--wait", "-o", str(out), "--wrap", "srun -n 1 hostname"],
+                           timeout=90)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert out.read_text().split() == [socket.gethostname().split(".")[0]]
+    finally:
+        if cluster is not None:
+            stop(cluster)
+        shutil.rmtree(base)
