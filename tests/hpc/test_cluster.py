@@ -18,8 +18,8 @@ import tempfile
 
 import pytest
 
-from test_cluster_runs import (CLUSTER, ROOT, free_settings, missing_for_a_cluster, parse_env,
-                               running, script)
+from test_cluster_runs import (CLUSTER, ROOT, free_settings, long_folder, missing_for_a_cluster,
+                               parse_env, running, script, socket_room)
 
 WHY_NOT = missing_for_a_cluster()
 needs_a_cluster = pytest.mark.skipif(WHY_NOT is not None, reason=f"no cluster here: {WHY_NOT}")
@@ -168,10 +168,8 @@ def test_a_folder_too_long_for_the_nodes_sockets_is_refused(settings):
     Unix socket's 107 bytes: one line naming the longest folder that fits, and nothing
     made (the single node's bound, and that it is SLURM's: tests/hpc/test_cluster_jobs.py)."""
     node = f"{settings['prefix']}2"
-    room = 107 - len(f"/spool/{node}/{node}_67043327.4294967291")
-    base = tempfile.mkdtemp(prefix="rl", dir="/tmp")
-    state = os.path.join(base, "x" * (room - len(base)))
-    assert len(state) == room + 1
+    room = socket_room(f"spool/{node}", node)
+    base, state = long_folder(room + 1)
     settings["env"]["RINGNET_SLURM_DIR"] = state
     try:
         before = snapshot(state)

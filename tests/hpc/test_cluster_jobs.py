@@ -26,12 +26,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
-from test_cluster_runs import Cluster, free_settings, missing_for_a_cluster, script
+from test_cluster_runs import (Cluster, free_settings, long_folder, missing_for_a_cluster, script,
+                               socket_room)
 
 PROGRAM = r"""
 import os, re, sys, time
@@ -318,25 +318,11 @@ def test_a_finished_jobs_state_is_on_record(single, tmp_path):
 
 # -- the folder's length: SLURM's step sockets live in it ----------------------------------
 
-def socket_room(spool_under_state, node):
-    """The longest RINGNET_SLURM_DIR whose batch-step socket fits a Unix socket's 107 bytes:
-    ``STATE/<spool>/NODE_<8-digit job id>.4294967291`` (SLURM's batch step id)."""
-    return 107 - len(f"/{spool_under_state}/{node}_67043327.4294967291")
-
-
-def long_folder(tmp_path, length):
-    """A folder path of exactly ``length`` characters under /tmp (not made)."""
-    base = tempfile.mkdtemp(prefix="rl", dir="/tmp")
-    path = os.path.join(base, "x" * (length - len(base) - 1))
-    assert len(path) == length
-    return base, path
-
-
 @pytest.mark.skipif(missing_slurm() is not None, reason=f"no SLURM: {missing_slurm()}")
-def test_a_folder_too_long_for_slurm_s_sockets_is_one_line_and_makes_nothing(tmp_path):
+def test_a_folder_too_long_for_slurm_s_sockets_is_one_line_and_makes_nothing():
     host = socket.gethostname().split(".")[0]
     room = socket_room("spool", host)
-    base, state = long_folder(tmp_path, room + 1)
+    base, state = long_folder(room + 1)
     try:
         port, _, _ = free_settings()
         env = dict(os.environ, RINGNET_SLURM_DIR=state, RINGNET_SLURM_PORT=str(port))
@@ -361,8 +347,9 @@ def test_a_folder_of_the_longest_length_allowed_runs_a_batch_job(tmp_path):
     """At the bound the start gives, a batch job (and its srun step) runs to its end: the
     bound is not stricter than SLURM's (one character more, slurmd cannot make the batch
     step's socket and ``sbatch --wait`` never returns)."""
-    room = socket_room("spool", socket.gethostname().split(".")[0])
-    base, state = long_folder(tmp_path, room)
+    host = socket.gethostname().split(".")[0]
+    room = socket_room("spool", host)
+    base, state = long_folder(room)
     cluster = None
     try:
         cluster = start_single(state)
@@ -370,7 +357,7 @@ def test_a_folder_of_the_longest_length_allowed_runs_a_batch_job(tmp_path):
         done = cluster.run(["sbatch", "--wait", "-o", str(out), "--wrap", "srun -n 1 hostname"],
                            timeout=90)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert out.read_text().split() == [socket.gethostname().split(".")[0]]
+        assert out.read_text().split() == [host]
     finally:
         if cluster is not None:
             stop(cluster)

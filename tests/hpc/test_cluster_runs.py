@@ -23,6 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -92,6 +93,20 @@ def free_settings():
         prefix = "rt" + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(3))
         if not os.path.exists(f"/run/netns/{prefix}1"):
             return port, subnet, prefix
+
+
+def socket_room(spool_under_state, node):
+    """The longest RINGNET_SLURM_DIR whose batch-step socket fits a Unix socket's 107 bytes:
+    ``STATE/<spool>/NODE_<8-digit job id>.4294967291`` (SLURM's batch step id)."""
+    return 107 - len(f"/{spool_under_state}/{node}_67043327.4294967291")
+
+
+def long_folder(length):
+    """(a new folder under /tmp, a path of exactly ``length`` characters in it, not made)."""
+    base = tempfile.mkdtemp(prefix="rl", dir="/tmp")
+    path = os.path.join(base, "x" * (length - len(base) - 1))
+    assert len(path) == length
+    return base, path
 
 
 def missing_for_a_cluster():
