@@ -25,10 +25,19 @@ class _Tick(float):
 
 @pytest.fixture
 def clock(monkeypatch):
-    """Each perf_counter() call advances by exactly 1 s."""
+    """Each perf_counter() call from the test advances by exactly 1 s.
+
+    ``time.perf_counter`` is the process's clock: threads left by earlier tests in the
+    same worker read it too. Only the test's own thread and the threads it starts see
+    the counter; threads alive before the test keep the real clock, so their reads
+    cannot move the test's durations."""
     state = {"now": 0.0}
+    real = time.perf_counter
+    before = {t.ident for t in threading.enumerate()} - {threading.get_ident()}
 
     def tick():
+        if threading.get_ident() in before:
+            return real()
         state["now"] += 1.0
         return _Tick(state["now"])
     monkeypatch.setattr(stats_module.time, "perf_counter", tick)
@@ -54,6 +63,34 @@ def test_each_span_adds_to_its_totals(clock):
     assert st.steps == 1 and st.step_times == [5.0]   # 5 clock reads inside the step span
     assert st.overlap() == 0.0           # wait == total: nothing hidden
     assert set(SPAN_FIELDS) == {"step", "compute", "update", "comm", "wait", "exposed_comm"}
+
+
+@pytest.fixture
+def reader():
+    """A thread that reads the clock without pause, started before the test's clock."""
+    stop = threading.Event()
+    reads = [0]
+
+    def read():
+        while not stop.is_set():
+            time.perf_counter()
+            reads[0] += 1
+            time.sleep(0)
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    yield reads
+    stop.set()
+    t.join()
+
+
+def test_a_thread_older_than_the_test_does_not_move_its_clock(reader, clock):
+    st = StepStats()
+    for _ in range(200):
+        with st.span("step"):
+            with st.span("compute"):
+                time.sleep(0)
+    assert reader[0] > 0
+    assert st.step_times == [3.0] * 200 and st.compute_s == 200
 
 
 def test_unknown_span_name_is_refused():
