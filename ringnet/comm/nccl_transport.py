@@ -121,6 +121,7 @@ class _Watchdog:
     def __init__(self, timeout_s, expire, poll_s=0.05, clock=time.monotonic, bind=None):
         self.timeout_s, self.expire, self.poll_s, self.clock = timeout_s, expire, poll_s, clock
         self.bind = bind
+        self.failure = None         # what ended the thread early, raised by check_error
         self._pending = collections.deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -143,13 +144,18 @@ class _Watchdog:
         return None
 
     def _loop(self):
-        if self.bind is not None:
-            self.bind()
-        while not self._stop.wait(self.poll_s):
-            what = self.check()
-            if what is not None:
-                self.expire(what)
-                return
+        try:
+            if self.bind is not None:
+                self.bind()
+            while not self._stop.wait(self.poll_s):
+                what = self.check()
+                if what is not None:
+                    self.expire(what)
+                    return
+        except Exception as exc:  # noqa: BLE001 - a CUDA error querying an event
+            # The device failed under the watchdog: keep the error for the rank's next call
+            # (check_error raises it there) instead of a traceback from a dead thread.
+            self.failure = exc
 
     def stop(self):
         """Stop the thread and forget the events (dropped here, on the caller's device)."""
@@ -421,10 +427,13 @@ class NcclTransport(Transport):
 
     # -- transfers ---------------------------------------------------------------------
     def check_error(self):
-        """Raise if NCCL reported an asynchronous error (e.g. a peer failed), or
-        CommTimeoutError once the watchdog found an operation past the deadline."""
+        """Raise if NCCL reported an asynchronous error (e.g. a peer failed),
+        CommTimeoutError once the watchdog found an operation past the deadline, or the
+        device error that stopped the watchdog."""
         if self._expired is not None:
             raise CommTimeoutError(f"{self._expired} did not complete within {self.timeout_s:g} s")
+        if self._watchdog.failure is not None:
+            raise self._watchdog.failure
         for comm in list(self._comms.values()):
             check = getattr(comm, "check_async_error", None)
             if check is not None:

@@ -210,6 +210,29 @@ def test_watchdog_expires_only_past_the_deadline():
     assert np.isfinite(now[0]) and expired == []   # check() reports; the loop calls expire
 
 
+class _BrokenEvent:
+    @property
+    def done(self):
+        raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
+
+
+def test_a_device_error_under_the_watchdog_reaches_the_next_call_not_a_dead_thread(monkeypatch):
+    import threading
+    import types
+    died = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    expired = []
+    dog = _Watchdog(10.0, expired.append, poll_s=0.001)
+    dog.watch(_BrokenEvent(), "allreduce of 64 bytes")
+    dog._thread.join(5.0)
+    assert not dog._thread.is_alive() and died == [] and expired == []
+    assert str(dog.failure).startswith("cudaErrorLaunchFailure")
+    transport = types.SimpleNamespace(_expired=None, _watchdog=dog, _comms={}, timeout_s=10.0)
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):
+        NcclTransport.check_error(transport)
+    dog.stop()
+
+
 def test_nccl_init_past_the_deadline_ends_the_job(tmp_path):
     """Rank 1 never creates its NCCL communicator: rank 0's init watchdog ends the job."""
     import os
