@@ -443,6 +443,45 @@ def cpu_quota(proc_cgroup="/proc/self/cgroup", mounts="/proc/self/mounts"):
     return min(quotas) if quotas else None
 
 
+def group_cpu_s(proc_cgroup="/proc/self/cgroup", mounts="/proc/self/mounts"):
+    """The CPU seconds this process's control group has used so far (cgroup v1's
+    ``cpuacct.usage``, v2's ``usage_usec`` in ``cpu.stat``), or None where nothing can be
+    read. On a node of ``hpc/cluster.sh`` that group is the node's, held to its quota:
+    the difference of two readings over the wall time between them, against
+    :func:`cpu_quota`, says how much of the budget the node spent."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+        with open(mounts) as f:
+            table = [line.split() for line in f]
+    except OSError:
+        return None
+    v1, v2 = None, None
+    for fields in table:
+        if len(fields) < 4:
+            continue
+        if fields[2] == "cgroup" and "cpuacct" in fields[3].split(",") and v1 is None:
+            v1 = fields[1]
+        elif fields[2] == "cgroup2" and v2 is None:
+            v2 = fields[1]
+    for _, controllers, path in lines:
+        try:
+            if v1 is not None and "cpuacct" in controllers.split(","):
+                with open(os.path.join(v1, *[p for p in path.split("/") if p],
+                                       "cpuacct.usage")) as f:
+                    return int(f.read()) / 1e9
+            if v1 is None and v2 is not None and controllers == "":
+                with open(os.path.join(v2, *[p for p in path.split("/") if p],
+                                       "cpu.stat")) as f:
+                    for line in f:
+                        key, _, value = line.partition(" ")
+                        if key == "usage_usec":
+                            return int(value) / 1e6
+        except (OSError, ValueError):
+            return None
+    return None
+
+
 def _walk(root, path, read):
     """The quotas of the group at ``path`` under ``root`` and of each parent (None left out)."""
     parts = [p for p in path.split("/") if p]

@@ -389,6 +389,8 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
     saver.start(step)
     first_step = step
     sent_before, _ = strategy.bytes_moved()   # bytes_per_step counts the training steps only
+    from ringnet.placement import group_cpu_s
+    group_before = group_cpu_s()    # the control group's CPU over the loop (group_cpu_s)
     t_train = time.perf_counter()
     test_acc = test_loss = None
     evals, eval_s = [], 0.0     # [step, epoch, training seconds before it, accuracy]
@@ -449,6 +451,9 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
         if tracer is not None:
             tracer.stop()
     train_s = time.perf_counter() - t_train
+    group_after = group_cpu_s()
+    group_used = (group_after - group_before if None not in (group_before, group_after)
+                  else float("nan"))
     step_bytes = strategy.bytes_moved()[0] - sent_before
 
     check_replicas(strategy, world, step, deadline)
@@ -484,8 +489,8 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
     # epoch line sums them, so a run that ends on a whole epoch prints the same value twice.
     per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, fetched["data"],
                          stats.comm_total_s, sent, received, step_bytes,
-                         float(np.sum(list(recent))), len(recent), stats.compute_cpu_s],
-                        dtype=np.float64)
+                         float(np.sum(list(recent))), len(recent), stats.compute_cpu_s,
+                         group_used], dtype=np.float64)
     every = np.array(agree(world, per_rank, phase="statistics", timeout=deadline.seconds))
     mean = every.mean(axis=0)
     train_loss = float(sum(every[:, 8]) / sum(every[:, 9])) if len(recent) else float("nan")
@@ -520,6 +525,8 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
         "eval_s": eval_s,
         "compute_s": mean[0], "compute_cpu_s": mean[10], "comm_wait_s": mean[1],
         "update_s": mean[2], "data_s": mean[3],
+        # the ranks' control groups (a node's, on hpc/cluster.sh): their CPU over the loop
+        "group_cpu_s": float(mean[11]) if np.isfinite(mean[11]) else None,
         "comm_total_s": mean[4], "overlap": stats.overlap(),
         "bytes_sent": int(mean[5]), "bytes_recv": int(mean[6]),
         "bytes_per_step": int(mean[7] / steps_run) if steps_run else 0,

@@ -66,3 +66,64 @@ def test_node_cores_follow_the_quota(monkeypatch):
     for quota, cores in ((None, 8), (0.5, 1), (2.5, 2), (16.0, 8)):
         monkeypatch.setattr(placement, "cpu_quota", lambda q=quota: q)
         assert placement.node_cores() == cores
+
+
+# -- placement.group_cpu_s: the CPU the process's control group used ------------------------
+
+def test_v1_group_cpu_reads_the_process_s_cpuacct_group(tmp_path):
+    # cpu and cpuacct mounted apart (hpc/cluster.sh's groups have the same path in both)
+    for where, usage in (("cpuacct", "1500000000"), ("cpuacct/ringnet-node1", "2250000000")):
+        (tmp_path / where).mkdir(parents=True, exist_ok=True)
+        (tmp_path / where / "cpuacct.usage").write_text(usage + "\n")
+    (tmp_path / "cgroup").write_text("4:memory:/x\n3:cpuacct:/ringnet-node1\n"
+                                     "1:cpu:/ringnet-node1\n0::/\n")
+    (tmp_path / "mounts").write_text(
+        f"cgroup {tmp_path / 'cpu'} cgroup rw,cpu 0 0\n"
+        f"cgroup {tmp_path / 'cpuacct'} cgroup rw,cpuacct 0 0\n"
+        f"cgroup2 {tmp_path / 'unified'} cgroup2 rw 0 0\n")
+    assert placement.group_cpu_s(str(tmp_path / "cgroup"),
+                                 str(tmp_path / "mounts")) == pytest.approx(2.25)
+
+
+def test_v1_group_cpu_with_cpu_and_cpuacct_mounted_together(tmp_path):
+    (tmp_path / "cpu,cpuacct" / "job").mkdir(parents=True)
+    (tmp_path / "cpu,cpuacct" / "job" / "cpuacct.usage").write_text("125000000\n")
+    (tmp_path / "cgroup").write_text("2:cpu,cpuacct:/job\n")
+    (tmp_path / "mounts").write_text(
+        f"cgroup {tmp_path / 'cpu,cpuacct'} cgroup rw,nosuid,cpu,cpuacct 0 0\n")
+    assert placement.group_cpu_s(str(tmp_path / "cgroup"),
+                                 str(tmp_path / "mounts")) == pytest.approx(0.125)
+
+
+def test_v2_group_cpu_reads_usage_usec(tmp_path):
+    (tmp_path / "unified" / "job").mkdir(parents=True)
+    (tmp_path / "unified" / "job" / "cpu.stat").write_text(
+        "usage_usec 3500000\nuser_usec 3000000\nsystem_usec 500000\n")
+    (tmp_path / "cgroup").write_text("0::/job\n")
+    (tmp_path / "mounts").write_text(f"cgroup2 {tmp_path / 'unified'} cgroup2 rw 0 0\n")
+    assert placement.group_cpu_s(str(tmp_path / "cgroup"),
+                                 str(tmp_path / "mounts")) == pytest.approx(3.5)
+
+
+def test_group_cpu_unreadable_is_none(tmp_path):
+    assert placement.group_cpu_s(str(tmp_path / "missing"), str(tmp_path / "missing")) is None
+    (tmp_path / "cgroup").write_text("3:cpuacct:/gone\n")
+    (tmp_path / "mounts").write_text(f"cgroup {tmp_path / 'acct'} cgroup rw,cpuacct 0 0\n")
+    assert placement.group_cpu_s(str(tmp_path / "cgroup"), str(tmp_path / "mounts")) is None
+    (tmp_path / "acct" / "gone").mkdir(parents=True)
+    (tmp_path / "acct" / "gone" / "cpuacct.usage").write_text("garbage\n")
+    assert placement.group_cpu_s(str(tmp_path / "cgroup"), str(tmp_path / "mounts")) is None
+
+
+def test_group_cpu_of_this_process_grows_with_its_work():
+    # the real files, where this machine has them: the group's time over a busy loop is
+    # at least the loop's own CPU time (the group holds this process, maybe more)
+    import time
+    first = placement.group_cpu_s()
+    if first is None:
+        pytest.skip("no readable cpuacct or cgroup v2 cpu.stat here")
+    c0 = time.process_time()
+    while time.process_time() - c0 < 0.2:
+        pass
+    spent = time.process_time() - c0
+    assert placement.group_cpu_s() - first >= 0.95 * spent

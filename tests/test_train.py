@@ -34,6 +34,19 @@ def test_default_run_reaches_95_percent_and_reports_json():
     assert summary["bytes_sent"] == 0 and summary["train_loss"] < 0.5
 
 
+@pytest.mark.parametrize("readings, expected", [((10.0, 12.5), 2.5), ((None, 3.0), None),
+                                                ((4.0, None), None)])
+def test_summary_gives_the_control_group_s_cpu_over_the_loop(monkeypatch, readings, expected):
+    # the group's CPU is read once before the loop and once after it: the summary holds
+    # the difference, null where either reading failed
+    from ringnet import placement
+    left = list(readings)
+    monkeypatch.setattr(placement, "group_cpu_s", lambda: left.pop(0))
+    cfg = TrainConfig(model="digits", dataset="digits", batch_size=32, seed=1, **QUIET)
+    summary = train(cfg, world=MPI.COMM_SELF, steps=3).summary
+    assert left == [] and summary["group_cpu_s"] == expected
+
+
 def test_summary_gives_the_median_and_the_mean_step_of_the_steps_after_the_first_two():
     # every step span, as the statistics publish it: the summary's two figures are the
     # median and the mean of all but the first two (compilation, first touches)

@@ -104,13 +104,16 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
                              "step_ms": result["step_ms"], "nodes": result.get("nodes", 1),
                              **({"step_mean_ms": result["step_mean_ms"]}
                                 if "step_mean_ms" in result else {}),
-                             # per step, mean over ranks: where the time went
+                             # per step, mean over ranks: where the time went, and
+                             # the CPU the ranks' control groups (on a cluster: their
+                             # nodes) used, against the quota the calibration records
                              **{f"{part}_ms": 1e3 * result[f"{key}_s"] / steps_run
                                 for part, key in (("compute", "compute"),
                                                   ("compute_cpu", "compute_cpu"),
                                                   ("exposed", "comm_wait"),
-                                                  ("update", "update"), ("data", "data"))
-                                if f"{key}_s" in result},
+                                                  ("update", "update"), ("data", "data"),
+                                                  ("group_cpu", "group_cpu"))
+                                if result.get(f"{key}_s") is not None},
                              "probe_ms": [before, after]})
             print(f"\r[round {round_ + 1}/{repeats}] {i + 1}/{len(configs)} ", end="",
                   file=sys.stderr, flush=True)

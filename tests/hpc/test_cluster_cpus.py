@@ -8,6 +8,8 @@ the machine left to what runs outside it):
   through the cluster's launcher, a command of the launcher itself (``/proc/self/cgroup``);
 * a node is held to its quota: busy loops, twice as many as the machine has cores, use C
   cores of CPU time (the group's cpuacct.usage), and ``status`` shows the time;
+* train's ``group_cpu_s`` is the node's CPU over the training loop: within what the group
+  used around the job, at least the run's compute, about C cores of the loop's time;
 * isolation: the LeNet step of an srun task on the first node takes as long whether the
   second node idles or runs a job of busy loops, twice as many as the machine has cores
   (the loops stopped and let run in turns of half a second during the training, its steps
@@ -336,6 +338,23 @@ def test_a_step_on_one_node_takes_as_long_when_the_other_is_busy(cluster):
                     f"busy {busy} ms)")
     ratio = busy_over_idle(idle, busy)
     assert 0.9 <= ratio <= 1.1, f"busy / idle {ratio:.3f}: idle {idle}, busy {busy} ms"
+
+
+# -- what a run spent of its node's quota ---------------------------------------------------
+
+def test_train_reports_the_cpu_its_node_spent_over_the_loop(cluster):
+    name = cluster.names[0]
+    before = usage_s(name)
+    run = cluster.run(training(name, 60))
+    used = usage_s(name) - before
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    got, loop = summary["group_cpu_s"], summary["train_s"]
+    # the loop's part of what the node's group used around the whole job (start-up and
+    # exit outside it), at least the training thread's own compute in the loop
+    assert summary["compute_cpu_s"] <= got <= used + 0.01, (got, used, summary["compute_cpu_s"])
+    # a busy rank spends its node's budget, and no more: about C cores over the loop
+    assert 0.3 * CPUS <= got / loop <= 1.1 * CPUS + 0.02, f"{got:.3f} s of CPU in {loop:.3f} s"
 
 
 # -- a node that failed and came back -------------------------------------------------------

@@ -235,7 +235,8 @@ def test_each_run_s_cpu_time_gives_the_speed_its_prediction_takes(monkeypatch, t
 
     def train_run(args, mode, delay, nranks, extra=()):
         local = 64 // nranks
-        return {"step_ms": 20.0, "steps": 5, "compute_cpu_s": 5 * 1.5 * (0.1 + 0.05 * local) / 1e3}
+        return {"step_ms": 20.0, "steps": 5, "compute_cpu_s": 5 * 1.5 * (0.1 + 0.05 * local) / 1e3,
+                "group_cpu_s": 0.05 * nranks if nranks > 1 else None}
     monkeypatch.setattr(ringnet.jobs, "train_run", train_run)
     monkeypatch.setattr(validation, "measure_compute", lambda models: compute)
     # a core per rank: no contention (the profile at a run's speed would drop it)
@@ -244,6 +245,9 @@ def test_each_run_s_cpu_time_gives_the_speed_its_prediction_takes(monkeypatch, t
     record = json.loads(json.dumps(pm.validate(("lenet",), 64, 5, 1, "mpirun", nps=(1, 2),
                                                probe=Probe([10.0]))))
     assert record["rounds"][0]["measured"][0]["compute_cpu_ms"] == pytest.approx(1.5 * 3.3)
+    # the control groups' CPU per step where the run could read it, nothing where not
+    kept = {m["np"]: m.get("group_cpu_ms") for m in record["rounds"][0]["measured"]}
+    assert kept == {1: None, 2: pytest.approx(1e3 * 0.1 / 5)}
     rows = pm.validation_rows(record)
     by = {(r["mode"], r["delay"], r["np"]): r for r in rows}
     for r in rows:
