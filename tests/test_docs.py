@@ -916,6 +916,8 @@ COMMANDS = {
     "docs/bench-model-validation-1gbit-at-run.json --table validation --markdown": doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-1gbit-at-run-repeat.json --table validation --markdown": doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-unshaped-at-run-repeat.json --table validation --markdown": doc_table,
     'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
     '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-unshaped-at-run.json': NODES,

@@ -9,8 +9,8 @@ from ringnet.perfmodel.compute import profile_method
 from ringnet.perfmodel.links import LINKS
 from ringnet.perfmodel.report import markdown_validation, print_tables
 from ringnet.perfmodel.sweeps import PAPER_NP, mode_label
-from ringnet.perfmodel.validation import (diagnose, drift_note, measured_note, row_error,
-                                          row_error_at_run, row_label)
+from ringnet.perfmodel.validation import (budget_note, diagnose, drift_note, measured_note,
+                                          row_error, row_error_at_run, row_label)
 
 __all__ = ["print_report", "print_validation"]
 
@@ -138,6 +138,9 @@ def print_validation(args, validation, record):
     drift = drift_note(validation)
     if drift:
         print(f"  {drift}")
+    budget = budget_note(record)
+    if budget:
+        print(f"  {budget}")
     both = [r for r in validation
             if min(map(abs, r.get("errors") or [1.0])) <= 0.15 < max(map(abs, r.get("errors") or [0.0]))]
     if both:

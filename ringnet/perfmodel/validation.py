@@ -19,7 +19,7 @@ from ringnet.models import build_model
 
 __all__ = ["VALIDATION_NP", "VALIDATION_MODES", "validate", "validation_rows", "measured_ms",
            "measured_note", "row_error", "row_label", "diagnose", "SpeedProbe", "drift_of",
-           "drift_note", "run_speed", "row_error_at_run"]
+           "drift_note", "run_speed", "row_error_at_run", "budget_note"]
 
 VALIDATION_NP = (1, 2, 4)
 VALIDATION_MODES = tuple(md for md in MODES if communicates(md[0]))
@@ -288,6 +288,29 @@ def drift_note(rows):
             f"speed: median |error| {100 * statistics.median(errors):.0f}%, "
             f"{sum(e <= 0.10 for e in errors)} within 10%, {sum(e <= 0.15 for e in errors)} "
             f"within 15% of {len(errors)}")
+
+
+def budget_note(record):
+    """One line on how much of their CPU quota the runs' nodes spent, where the record has
+    each run's control-group CPU (train's ``group_cpu_s`` per step, ``group_cpu_ms``) and
+    its calibration a quota: per N, the CPU per step over the quota's share of the mean
+    step (1.0: every node spent its whole budget; the step is its CPU over the quota);
+    None elsewhere."""
+    by_n = {}
+    for rnd in record["rounds"]:
+        quota = _round_system(rnd).quota
+        if quota is None:
+            continue
+        for m in rnd["measured"]:
+            if m.get("group_cpu_ms") is not None:
+                step = m.get("step_mean_ms") or m["step_ms"]
+                by_n.setdefault(m["np"], []).append(m["group_cpu_ms"] / (quota * step))
+    if not by_n:
+        return None
+    parts = [f"N = {n}: {min(v):.2f} to {max(v):.2f} (median {statistics.median(v):.2f})"
+             for n, v in sorted(by_n.items())]
+    return ("the nodes' CPU per step (train's group_cpu_s) over their quota's share of the "
+            "mean step, run by run: " + "; ".join(parts))
 
 
 def measured_note(record):

@@ -288,3 +288,28 @@ def test_a_profile_at_a_run_s_speed_counts_no_contention_again():
                        pm.roofline_compute("k40", ("lenet",)), cores=2.0)
     assert system.contention(4, "lenet") == 2.0
     assert dataclasses.replace(system, as_run=True).contention(4, "lenet") == 1.0
+
+
+def test_the_budget_note_is_each_run_s_node_cpu_over_its_quota_share_of_the_step():
+    """``budget_note`` on the record of docs/scaling.md that holds the nodes' CPU: per N,
+    the range of group_cpu_ms / (quota x mean step) over its runs, worked out here from the
+    record's own numbers; a record without the nodes' CPU has no such line."""
+    import os
+    import statistics
+    from ringnet.perfmodel.validation import budget_note
+    docs = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
+    with open(os.path.join(docs, "bench-model-validation-unshaped-at-run-repeat.json")) as f:
+        record = json.load(f)
+    use = {}
+    for rnd in record["rounds"]:
+        quota = rnd["calibration"]["by_np"]["2"]["raw"]["quota"]
+        for m in rnd["measured"]:
+            use.setdefault(m["np"], []).append(m["group_cpu_ms"] / quota / m["step_mean_ms"])
+    assert sorted(use) == [1, 2, 4] and all(len(v) == 5 * (12 if n == 1 else 10)
+                                            for n, v in use.items())
+    note = budget_note(record)
+    for n, v in use.items():
+        assert (f"N = {n}: {min(v):.2f} to {max(v):.2f} (median {statistics.median(v):.2f})"
+                in note), note
+    with open(os.path.join(docs, "bench-model-validation-unshaped-at-run.json")) as f:
+        assert budget_note(json.load(f)) is None
