@@ -412,12 +412,11 @@ LEAN_SPINS = 64
 OVERSUBSCRIBED_SPINS = 2
 
 
-def cpu_quota(proc_cgroup="/proc/self/cgroup", mounts="/proc/self/mounts"):
-    """The cores this process's control group may use by its CFS bandwidth quota (cgroup v1's
-    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, cgroup v2's ``cpu.max``; the tightest of
-    the group and its parents), as a float, or None where no quota holds it (or nothing
-    can be read). ``hpc/cluster.sh start --cpus-per-node C`` holds each node to C cores
-    this way, as container runtimes and SLURM's cgroup plugin can."""
+def _cgroups(controller, proc_cgroup, mounts):
+    """This process's control groups: (the lines of ``proc_cgroup`` as [id, controllers,
+    path], {"v1": the mount of the cgroup v1 hierarchy with ``controller``, "v2": the
+    cgroup2 mount}, each the first the mount table lists and only where there is one), or
+    None where either file cannot be read."""
     try:
         with open(proc_cgroup) as f:
             lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
@@ -430,10 +429,23 @@ def cpu_quota(proc_cgroup="/proc/self/cgroup", mounts="/proc/self/mounts"):
         if len(fields) < 4:
             continue
         kind, where, options = fields[2], fields[1], fields[3].split(",")
-        if kind == "cgroup" and "cpu" in options:
+        if kind == "cgroup" and controller in options:
             roots.setdefault("v1", where)
         elif kind == "cgroup2":
             roots.setdefault("v2", where)
+    return lines, roots
+
+
+def cpu_quota(proc_cgroup="/proc/self/cgroup", mounts="/proc/self/mounts"):
+    """The cores this process's control group may use by its CFS bandwidth quota (cgroup v1's
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, cgroup v2's ``cpu.max``; the tightest of
+    the group and its parents), as a float, or None where no quota holds it (or nothing
+    can be read). ``hpc/cluster.sh start --cpus-per-node C`` holds each node to C cores
+    this way, as container runtimes and SLURM's cgroup plugin can."""
+    found = _cgroups("cpu", proc_cgroup, mounts)
+    if found is None:
+        return None
+    lines, roots = found
     quotas = []
     for _, controllers, path in lines:
         if "cpu" in controllers.split(",") and "v1" in roots:
@@ -449,21 +461,11 @@ def group_cpu_s(proc_cgroup="/proc/self/cgroup", mounts="/proc/self/mounts"):
     read. On a node of ``hpc/cluster.sh`` that group is the node's, held to its quota:
     the difference of two readings over the wall time between them, against
     :func:`cpu_quota`, says how much of the budget the node spent."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
-        with open(mounts) as f:
-            table = [line.split() for line in f]
-    except OSError:
+    found = _cgroups("cpuacct", proc_cgroup, mounts)
+    if found is None:
         return None
-    v1, v2 = None, None
-    for fields in table:
-        if len(fields) < 4:
-            continue
-        if fields[2] == "cgroup" and "cpuacct" in fields[3].split(",") and v1 is None:
-            v1 = fields[1]
-        elif fields[2] == "cgroup2" and v2 is None:
-            v2 = fields[1]
+    lines, roots = found
+    v1, v2 = roots.get("v1"), roots.get("v2")
     for _, controllers, path in lines:
         try:
             if v1 is not None and "cpuacct" in controllers.split(","):
