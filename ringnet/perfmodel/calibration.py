@@ -179,7 +179,29 @@ def calibration_record(n, raw, add_s_per_elem):
             # the CPU a transfer costs its rank's process: on the training thread's blocking
             # waits, and on the stream's thread beside compute (older records: none)
             "cpu_blocking": _fit_cpu(n, raw.get("blocking_cpu")),
-            "cpu_stream": _fit_cpu(n, raw.get("streamed_cpu")), "raw": raw}
+            "cpu_stream": _fit_cpu(n, raw.get("streamed_cpu")),
+            "delayed_rate": _delayed_rates(n, raw), "raw": raw}
+
+
+def _delayed_rates(n, raw):
+    """Per model, the rate (a fraction of its blocking speed) at which the delayed exchange
+    moved beside one step of the model, from the worker's ``delayed`` loop: a step of
+    compute ``C`` (the model's step with every rank busy, ``together_s``) beside an
+    exchange that alone takes ``E`` took ``T``; the exchange moved ``r C`` of itself during
+    the compute and the rest at its blocking speed after it, so ``T = C + E - r C`` and
+    ``r = (C + E - T) / C``, within [0.01, 1]. Only where the exchange outlasts the part
+    that moved beside the compute (else the loop's time says nothing of r). None at N = 1
+    and in older records."""
+    if n < 2 or not raw.get("delayed"):
+        return None
+    rates = {}
+    for name, v in raw["delayed"].items():
+        step = (raw.get("models") or {}).get(name, {}).get("together_s")
+        alone, loop = v.get("alone_s"), v.get("loop_s")
+        if not step or not alone or not loop or loop <= step:
+            continue
+        rates[name] = min(1.0, max(0.01, (step + alone - loop) / step))
+    return rates or None
 
 
 def shaped_links(environ=None):

@@ -69,7 +69,8 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     compute never finds the period's budget unspent and is held as the busy profile was
     (measured: its wall time twice its CPU time at half a core). There the compute takes
     the profile as measured, the exchange beside it the rate the calibration measured
-    beside such compute, and no steal (the thread polls on a CPU of its own; what its
+    beside one step of the model as training runs it (``System.delayed_rate``; else beside
+    compute back to back), and no steal (the thread polls on a CPU of its own; what its
     polls cost the budget is in the CPU time below)."""
     q = system.quota
     free = dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None,
@@ -77,7 +78,8 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     fast = _predict_on(free, model, mode, delay, n, batch, topology)
     p = fast
     if delay and n > 1:
-        held = dataclasses.replace(system, quota=None, steal=0.0)
+        held = dataclasses.replace(system, quota=None, steal=0.0,
+                                   rate=(system.delayed_rate or {}).get(model.name, system.rate))
         p = _predict_on(held, model, mode, delay, n, batch, topology)
     spent = transfer_cpu_s(system, model, mode, n, batch, delay)
     if spent is None:

@@ -33,6 +33,9 @@ class System:
     That CPU time counts what the step's transfers cost the rank's process, per message and
     per byte it sends, as the calibration measured them: ``cpu_blocking`` on the training
     thread's blocking waits (split-fc's activations), ``cpu_stream`` on the stream's thread.
+    ``delayed_rate`` (per model, where the calibration timed it): the rate of a delayed
+    exchange beside one step of the model on such a node, which the delayed step prices
+    instead of ``rate`` (measured beside compute back to back).
     """
     name: str
     intra: Link
@@ -57,6 +60,8 @@ class System:
     cpu_blocking: dict = None        # local: CPU a blocking transfer costs its rank's process
     cpu_stream: dict = None          # ... and one on the stream's thread ({"per_msg_s",
     #                                  "per_byte_s"}: per message and per byte sent)
+    delayed_rate: dict = None        # local under a quota: model -> the rate of its delayed
+    #                                  exchange beside one step of it, as training runs it
     as_run: bool = False             # the compute profile taken at the speed a run's own
     #                                  CPU time showed, which counts the contention it met
 
@@ -95,7 +100,8 @@ class System:
                                    else None,
                                    msg_wait_s=per_msg, quota=c.get("quota"),
                                    cpu_blocking=c.get("cpu_blocking"),
-                                   cpu_stream=c.get("cpu_stream"))
+                                   cpu_stream=c.get("cpu_stream"),
+                                   delayed_rate=c.get("delayed_rate") or None)
 
     def _node_link(self):
         """Local on a cluster with several ranks a node: the link the calibration measured

@@ -57,6 +57,9 @@ def print_report(args, compute, profiles, calibration, nps, predictions, allredu
             costs = transfer_cpu_line(c)
             if costs:
                 print(f"# local at N={n}: {costs}")
+            delayed = delayed_rate_line(c)
+            if delayed:
+                print(f"# local at N={n}: {delayed}")
     print_tables(predictions, args.batch_size, args.scaling, nps)
     if allreduces:
         print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "
@@ -167,6 +170,9 @@ def print_validation(args, validation, record):
                 costs = transfer_cpu_line(c)
                 if costs:
                     print(f"# round {i + 1}, N={n}: {costs}")
+                delayed = delayed_rate_line(c)
+                if delayed:
+                    print(f"# round {i + 1}, N={n}: {delayed}")
     print(f"# load average now: {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
           "(timings on a loaded machine move by tens of percent)")
     if args.validate:
@@ -192,3 +198,15 @@ def transfer_cpu_line(record):
              for where, cost in (("blocking", record.get("cpu_blocking")),
                                  ("on the stream", record.get("cpu_stream"))) if cost]
     return "CPU a transfer costs its rank: " + "; ".join(costs) if costs else None
+
+
+def delayed_rate_line(record):
+    """On nodes held to a quota, the rate of each model's delayed exchange beside one of its
+    steps that a calibration ``record`` measured (the delayed step prices it), against the
+    stream's rate beside compute back to back; None where it has none or no quota."""
+    rates = record.get("delayed_rate")
+    if not rates or not record.get("quota"):
+        return None
+    each = ", ".join(f"{rate:.2f} ({name})" for name, rate in sorted(rates.items()))
+    return (f"the delayed exchange beside one step moves at {each} of its blocking speed "
+            f"(beside compute back to back: {record['rate']:.2f})")

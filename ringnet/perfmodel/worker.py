@@ -27,7 +27,9 @@ def calibrate_worker(iters, models=(), batch=0):
     CPU time each rank's process spent in it), per stream size the exchange's own duration,
     the work unit's time while it ran and the stream thread's CPU time, and a
     small exchange (1 and 4 ring all-reduces of 4 KiB on the stream, waited for as
-    training waits) entered idle and entered right after the work unit.
+    training waits) entered idle and entered right after the work unit, and per model the
+    delayed step as training runs it (its gradient's all-reduce on the stream beside one
+    step, then waited for) against that all-reduce alone.
     """
     from mpi4py import MPI
     from ringnet.comm import (MasterSlaveCommunicator, MpiTransport, RingCommunicator,
@@ -82,7 +84,7 @@ def calibrate_worker(iters, models=(), batch=0):
         together.append(slowest(median_time(work, 1)))
     # each model's own step at its per-rank batch: one rank alone (the others sleep), then
     # every rank at once (training's compute time is the mean over ranks)
-    steps = {}
+    steps, nets = {}, {}
     for name in models:
         net = build_model(name, seed=rank)
         xb = rng.normal(size=(batch,) + net.input_shape).astype(net.dtype)
@@ -114,6 +116,7 @@ def calibrate_worker(iters, models=(), batch=0):
             # a synchronous step waits for its slowest rank: the k-th steps' maximum over
             # the ranks against their mean
             imbalance.append(float(reduced(times, MPI.MAX).mean()) / mean)
+        nets[name] = (net, xb, yb, calls)
         steps[name] = {"batch": batch, "calls": calls,
                        "solo_s": float(np.median(alone)) if rank == 0 else 0.0,
                        "together_s": float(np.median(all_ranks)),
@@ -186,6 +189,32 @@ def calibrate_worker(iters, models=(), batch=0):
             works.append(slowest(t_work))
         streamed[size] = (float(np.median(spans)), float(np.median(works)))
         streamed_cpu[size] = float(np.median([mean_over_ranks(c) for c in cpus]))
+    # the delayed step as training runs it: each model's gradient exchanged on the stream
+    # beside one step of the model at its per-rank batch, then waited for, step after step
+    # (``loop_s``, the ranks' mean), against that exchange alone, blocking (``alone_s``). On a
+    # node held to a quota the exchange moves at another rate beside one such step than
+    # beside compute back to back (the streamed sizes above): the calibration's
+    # ``delayed_rate`` (:func:`~ringnet.perfmodel.calibration.calibration_record`)
+    delayed = {}
+    for name, (net, xb, yb, count) in nets.items():
+        if progress_all is not None and hasattr(net, "layer_hook"):
+            net.layer_hook = lambda phase, index: progress_all()
+        grad = np.ones(net.num_params, np.float32)
+        alone = []
+        for _ in range(iters):
+            idle_barrier()
+            t0 = time.perf_counter()
+            ring_allreduce(grad)
+            alone.append(slowest(time.perf_counter() - t0))
+        idle_barrier()
+        t0 = time.perf_counter()
+        for _ in range(count):
+            handle = stream.submit(ring_allreduce, grad)
+            net.loss_and_grad(xb, yb)
+            handle.wait()
+        delayed[name] = {"bytes": int(grad.nbytes), "calls": count,
+                         "alone_s": float(np.median(alone)),
+                         "loop_s": mean_over_ranks((time.perf_counter() - t0) / count)}
     # waits for peers: a small exchange on the stream, waited for as training waits (the
     # waiting thread drives it), entered idle or right after the work unit; from the end
     # of the rank's own work to the exchange's end, mean over ranks
@@ -214,7 +243,7 @@ def calibrate_worker(iters, models=(), batch=0):
                           "together_s": float(np.median(together)),
                           "blocking": blocking, "streamed": streamed,
                           "blocking_cpu": blocking_cpu, "streamed_cpu": streamed_cpu,
-                          "rooted": by_mode, "models": steps,
+                          "rooted": by_mode, "models": steps, "delayed": delayed,
                           "waits": {k: float(np.median(v)) for k, v in waits.items()}}),
               flush=True)
     return 0

@@ -316,6 +316,11 @@ def test_under_a_quota_the_worker_times_model_steps_over_many_periods(capsys, mo
         assert raw["quota"] == quota
         calls[quota] = raw["models"]["lenet"]["calls"]
         assert raw["models"]["lenet"]["solo_s"] > 0
+        # the delayed loop: LeNet's gradient beside as many of its steps
+        delayed = raw["delayed"]["lenet"]
+        assert delayed["calls"] == calls[quota]
+        assert delayed["bytes"] == 4 * build_model("lenet").num_params
+        assert delayed["alone_s"] > 0 and delayed["loop_s"] > 0
     if MPI.COMM_WORLD.Get_rank():
         return
     assert worker.steps_timed_s(None) == worker.steps_timed_s(1.0) == worker.STEPS_TIMED_S
@@ -365,3 +370,39 @@ def test_a_calibration_keeps_a_node_s_quota_under_a_core(quota, kept):
     raw = waits_raw(2, 0.0, 0.0)
     raw.update(cores=1, quota=quota)
     assert calibration.calibration_record(2, raw, 0.0)["quota"] == kept
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_delayed_rate_is_what_the_loop_left_of_the_exchange_beside_one_step(n):
+    """The worker's delayed loop: a step of C = 20 ms beside an exchange that alone takes
+    E = 30 ms took T; the exchange moved r C during the compute and the rest after it, so
+    T = C + E - r C. The record gives back r for loops made with r = 0.8 and 0.1; a loop
+    no longer than C + E - C (the exchange hidden whole) is r = 1, one longer than C + E
+    is the floor 0.01; a loop no longer than the step says nothing; none at N = 1 or in a
+    record without the loop."""
+    step, alone = 0.020, 0.030
+    raw = waits_raw(n, 0.0, 0.0)
+    raw["models"] = {"lenet": {"batch": 64 // n, "calls": 10, "solo_s": step, "together_s": step},
+                     "cifar10_quick": {"batch": 64 // n, "calls": 10, "solo_s": step,
+                                       "together_s": step}}
+
+    def loop(rate):
+        return {"bytes": 4 << 20, "calls": 10, "alone_s": alone, "loop_s": step + alone - rate * step}
+    raw["delayed"] = {"lenet": loop(0.8), "cifar10_quick": loop(0.1)}
+    rates = calibration.calibration_record(n, raw, 0.0)["delayed_rate"]
+    assert rates == pytest.approx({"lenet": 0.8, "cifar10_quick": 0.1}, rel=1e-9)
+    from ringnet.perfmodel.text import delayed_rate_line
+    record = calibration.calibration_record(n, dict(raw, quota=0.5), 0.0)
+    assert delayed_rate_line(record) == (
+        "the delayed exchange beside one step moves at 0.10 (cifar10_quick), 0.80 (lenet) of "
+        f"its blocking speed (beside compute back to back: {record['rate']:.2f})")
+    assert delayed_rate_line(calibration.calibration_record(n, raw, 0.0)) is None   # no quota
+    raw["delayed"] = {"lenet": loop(1.5), "cifar10_quick": loop(-2.0)}
+    rates = calibration.calibration_record(n, raw, 0.0)["delayed_rate"]
+    assert rates == {"lenet": 1.0, "cifar10_quick": 0.01}
+    raw["delayed"] = {"lenet": dict(loop(0.5), loop_s=step)}
+    assert calibration.calibration_record(n, raw, 0.0)["delayed_rate"] is None
+    del raw["delayed"]
+    assert calibration.calibration_record(n, raw, 0.0)["delayed_rate"] is None
+    raw["delayed"] = {"lenet": loop(0.5)}
+    assert calibration.calibration_record(1, dict(raw, np=1), 0.0)["delayed_rate"] is None

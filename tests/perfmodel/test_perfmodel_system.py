@@ -181,6 +181,21 @@ def test_a_node_held_to_a_quota_computes_at_full_speed_while_it_waits():
     assert delayed.compute_s == pytest.approx(by_hand.compute_s, rel=1e-9)
     assert delayed.step_s != pytest.approx(pm.predict(at_speed, lenet, "ring", 1, 4, 64).step_s,
                                            rel=1e-3)
+    # the rate of the delayed exchange beside one step of the model, where the calibration
+    # timed it, replaces the one measured beside compute back to back; delay 0 keeps that
+    for rate in (0.05, 0.9):
+        own = dataclasses.replace(streamed, quota=0.5, delayed_rate={"lenet": rate})
+        by_hand = pm.predict(dataclasses.replace(streamed, steal=0.0, rate=rate), lenet, "ring", 1,
+                             4, 64)
+        assert pm.predict(own, lenet, "ring", 1, 4, 64).step_s == pytest.approx(by_hand.step_s,
+                                                                                 rel=1e-9)
+        assert pm.predict(own, lenet, "ring", 0, 4, 64).step_s == bucketed.step_s
+    other = dataclasses.replace(streamed, quota=0.5, delayed_rate={"cifar10_quick": 0.9})
+    assert pm.predict(other, lenet, "ring", 1, 4, 64).step_s == delayed.step_s
+    fast_loop, slow_loop = (pm.predict(dataclasses.replace(streamed, quota=0.5,
+                                                           delayed_rate={"lenet": r}),
+                                       lenet, "ring", 1, 4, 64).step_s for r in (0.9, 0.05))
+    assert fast_loop < slow_loop
     # two ranks a node share its quota as before: no change
     two = _calibration(per_node=2)
     for entry in two["by_np"].values():
