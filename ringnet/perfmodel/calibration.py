@@ -189,9 +189,10 @@ def _delayed_rates(n, raw):
     compute ``C`` (the model's step with every rank busy, ``together_s``) beside an
     exchange that alone takes ``E`` took ``T``; the exchange moved ``r C`` of itself during
     the compute and the rest at its blocking speed after it, so ``T = C + E - r C`` and
-    ``r = (C + E - T) / C``, within [0.01, 1]. Only where the exchange outlasts the part
-    that moved beside the compute (else the loop's time says nothing of r). None at N = 1
-    and in older records."""
+    ``r = (C + E - T) / C``, within [0.01, 1]. An exchange hidden whole beside the step
+    gives E / C, the least rate that hides it, which prices that step alike; a loop no
+    longer than the step says nothing of r, and that model gets none. None at N = 1 and in
+    older records."""
     if n < 2 or not raw.get("delayed"):
         return None
     rates = {}
