@@ -943,6 +943,9 @@ COMMANDS = {
     'docs/bench-model-validation-unshaped-avx512-delayed.json': NODES,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-unshaped-avx512-delayed.json --table validation --markdown": doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-delayed-repeat.json --table validation --markdown":
+        doc_table,
     'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 3 '
     '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-1gbit-2ms.json': NODES,
