@@ -298,13 +298,13 @@ def budget_note(record):
     None elsewhere."""
     by_n = {}
     for rnd in record["rounds"]:
-        quota = _round_system(rnd).quota
-        if quota is None:
+        system = _round_system(rnd)
+        if system.quota is None:
             continue
         for m in rnd["measured"]:
             if m.get("group_cpu_ms") is not None:
-                step = m.get("step_mean_ms") or m["step_ms"]
-                by_n.setdefault(m["np"], []).append(m["group_cpu_ms"] / (quota * step))
+                by_n.setdefault(m["np"], []).append(
+                    m["group_cpu_ms"] / (system.quota * measured_ms(m, system)))
     if not by_n:
         return None
     parts = [f"N = {n}: {min(v):.2f} to {max(v):.2f} (median {statistics.median(v):.2f})"

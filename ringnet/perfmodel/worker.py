@@ -121,25 +121,29 @@ def calibrate_worker(iters, models=(), batch=0):
                        "solo_s": float(np.median(alone)) if rank == 0 else 0.0,
                        "together_s": float(np.median(all_ranks)),
                        "imbalance": float(np.median(imbalance))}
+    def timed(exchange, buf, cpu=False):
+        """Median (over iters) of the slowest rank's time of ``exchange(buf)``, entered
+        together; with ``cpu``, also the CPU time the rank's process spent in it (median over
+        iters of the mean over ranks), else None."""
+        samples, spent = [], []
+        for _ in range(iters):
+            idle_barrier()
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            exchange(buf)
+            t1 = time.perf_counter()
+            spent.append(time.process_time() - c0)
+            samples.append(slowest(t1 - t0))
+        return (float(np.median(samples)),
+                float(np.median([mean_over_ranks(c) for c in spent])) if cpu else None)
+
     def sizes_timed(exchange, cpu=None):
-        """Median (over iters) of the slowest rank's time of ``exchange(buf)``, per size;
-        ``cpu`` (a dict): also the CPU time the rank's process spent in it, per size (median
-        over iters of the mean over ranks)."""
+        """:func:`timed` per size; ``cpu`` (a dict): also the CPU time, per size."""
         times = {}
         for size in CALIBRATION_SIZES:
-            buf = np.ones(size // 4, np.float32)
-            samples, spent = [], []
-            for _ in range(iters):
-                idle_barrier()
-                c0 = time.process_time()
-                t0 = time.perf_counter()
-                exchange(buf)
-                t1 = time.perf_counter()
-                spent.append(time.process_time() - c0)
-                samples.append(slowest(t1 - t0))
-            times[size] = float(np.median(samples))
+            times[size], spent = timed(exchange, np.ones(size // 4, np.float32), cpu is not None)
             if cpu is not None:
-                cpu[size] = float(np.median([mean_over_ranks(c) for c in spent]))
+                cpu[size] = spent
         return times
 
     def ring_allreduce(buf):
@@ -162,8 +166,12 @@ def calibrate_worker(iters, models=(), batch=0):
         from ringnet.comm.stream import progress_all
     except ImportError:
         progress_all = None
-    if progress_all is not None and hasattr(model, "layer_hook"):
-        model.layer_hook = lambda phase, index: progress_all()
+
+    def progressed(net):
+        """Progress the streams after each of ``net``'s layers, as the strategies do."""
+        if progress_all is not None and hasattr(net, "layer_hook"):
+            net.layer_hook = lambda phase, index: progress_all()
+    progressed(model)
     streamed_cpu = {}
     for size in STREAM_SIZES:
         buf = np.ones(size // 4, np.float32)
@@ -197,15 +205,9 @@ def calibrate_worker(iters, models=(), batch=0):
     # ``delayed_rate`` (:func:`~ringnet.perfmodel.calibration.calibration_record`)
     delayed = {}
     for name, (net, xb, yb, count) in nets.items():
-        if progress_all is not None and hasattr(net, "layer_hook"):
-            net.layer_hook = lambda phase, index: progress_all()
+        progressed(net)
         grad = np.ones(net.num_params, np.float32)
-        alone = []
-        for _ in range(iters):
-            idle_barrier()
-            t0 = time.perf_counter()
-            ring_allreduce(grad)
-            alone.append(slowest(time.perf_counter() - t0))
+        alone, _ = timed(ring_allreduce, grad)
         idle_barrier()
         t0 = time.perf_counter()
         for _ in range(count):
@@ -213,7 +215,7 @@ def calibrate_worker(iters, models=(), batch=0):
             net.loss_and_grad(xb, yb)
             handle.wait()
         delayed[name] = {"bytes": int(grad.nbytes), "calls": count,
-                         "alone_s": float(np.median(alone)),
+                         "alone_s": alone,
                          "loop_s": mean_over_ranks((time.perf_counter() - t0) / count)}
     # waits for peers: a small exchange on the stream, waited for as training waits (the
     # waiting thread drives it), entered idle or right after the work unit; from the end
