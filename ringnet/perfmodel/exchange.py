@@ -4,8 +4,11 @@ and auto's all-reduce algorithms by the shared cost table (``ringnet.comm.cost.t
 import dataclasses
 import math
 
+import numpy as np
+
 from ringnet.perfmodel.codefacts import rooted_concurrent as _rooted_concurrent
 from ringnet.comm.cost import ALGORITHMS, choose, terms
+from ringnet.comm.schedules import ring_steps
 from ringnet.parallel.traffic import heap_children as _tree_children, rooted_pieces
 from ringnet.shards import shard_bounds as _shard_bounds
 
@@ -25,30 +28,65 @@ def ring_time(system, bounds, itemsize, kind, after_idle=False):
     return sum(seconds for _, seconds in _ring_items(system, bounds, itemsize, kind, after_idle))
 
 
-def _ring_items(system, bounds, itemsize, kind, after_idle=False):
+def _ring_items(system, bounds, itemsize, kind, after_idle=False, tokens=None):
     """The ring collective as the stream runs it: [("msg", s) and ("cpu", s) for the adds].
 
-    ``after_idle``: the link's token bucket (``Link.burst_bytes``) starts full and the bytes
-    it covers pass at the wire's speed, which next to the shaped rate costs nothing; the
-    steps drain it (its refill during the collective is left out)."""
+    Lockstep: every step waits for the slowest of its messages, each rank sending the shard
+    the code's schedule (:func:`~ringnet.comm.schedules.ring_steps`) gives it that step; a
+    step whose shards are all empty sends nothing (the transport skips zero-byte sides).
+
+    A link shaped by a token bucket (``Link.burst_bytes``; one per rank, the rank's link
+    to its successor) passes the bytes its tokens cover at the wire's speed, which next to
+    the shaped rate costs nothing, and the rest at the rate. Its tokens refill at the rate
+    while it sends nothing: during each message's latency, the adds, and the steps whose
+    shard for it is empty, up to the burst. ``tokens``: each rank's tokens when the
+    collective starts (a list, left as the collective ends them, so the collectives of one
+    exchange carry them on); else the burst where ``after_idle``, none otherwise."""
     n = len(bounds)
     if n == 1:
         return []
-    # lockstep: every step waits for the largest shard on the slowest hop of the ring; a
-    # step whose shards are all empty sends nothing (the transport skips zero-byte sides)
-    shard = max(b - a for a, b in bounds)
-    if shard == 0:
+    sizes = np.array([(b - a) * itemsize for a, b in bounds], float)
+    if not sizes.any():
         return []
     hop = system.link_of(n)
-    tokens = hop.burst_bytes if after_idle else 0.0
+    burst = hop.burst_bytes
     items = []
-    for _ in range(n - 1):
-        covered = min(tokens, shard * itemsize)
-        tokens -= covered
-        items += message_time(hop, shard * itemsize, system.msg_wait_s, covered)
+    if not burst:                  # no bucket: every step waits for the largest shard
+        shard = int(sizes.max())
+        for _ in range(n - 1):
+            items += message_time(hop, shard, system.msg_wait_s)
+            if kind == "rs":
+                items.append(("cpu", system.compute.add(shard // itemsize)))
+        return items
+    if tokens is None:
+        tokens = [burst if after_idle else 0.0] * n
+    have = np.array(tokens, float)
+    # rank r sends shard (r + offset) mod N at each step, the offsets of rank 0's schedule
+    offsets = [sent for sent, _ in ring_steps(0, n)[0 if kind == "rs" else 1]]
+    ranks = np.arange(n)
+    for offset in offsets:
+        sent = sizes[(ranks + offset) % n]
+        covered = np.minimum(have, sent)
+        shaped = (sent - covered) / hop.beta_Bps
+        slowest = int(np.argmax(np.where(sent > 0, shaped, -1.0)))
+        message = message_time(hop, int(sent[slowest]), system.msg_wait_s, covered[slowest])
+        items += message
+        step_s = sum(seconds for _, seconds in message)
         if kind == "rs":
-            items.append(("cpu", system.compute.add(shard)))
+            add = system.compute.add(int(sent.max()) // itemsize)
+            items.append(("cpu", add))
+            step_s += add
+        have = np.minimum(burst, have - covered + (step_s - shaped) * hop.beta_Bps)
+    tokens[:] = have.tolist()
     return items
+
+
+def refill(system, n, tokens, seconds):
+    """Refill every rank's token bucket (``tokens``, as :func:`_ring_items` keeps them)
+    for ``seconds`` in which their links send nothing."""
+    hop = system.link_of(n)
+    for r in range(len(tokens)):
+        tokens[r] = min(hop.burst_bytes, tokens[r] + seconds * hop.beta_Bps)
 
 
 def message_time(link, nbytes, peer_s=0.0, burst=0.0):
@@ -199,7 +237,8 @@ def flat_items(system, n, part, update_s, after_idle=False):
     reduce and broadcast as their route's timing (:data:`ROOTED_TIMES`) cuts them into the
     waits the code makes; between the reduce and the distribution, the update of this
     rank's share (``update_s``). ``after_idle``: the exchange starts on an idle link, so
-    its first ring collective meets a shaped link's token bucket full.
+    its first ring collective meets a shaped link's token bucket full; the buckets are
+    carried from one collective to the next.
     """
     if n == 1 or not part.transfers:
         return [("cpu", update_s)]
@@ -207,13 +246,17 @@ def flat_items(system, n, part, update_s, after_idle=False):
     if first.route in ROOTED_TIMES:
         return _rooted_items(system, n, first, update_s)
     items = []
+    # each rank's token bucket, carried from collective to collective (and refilled while
+    # the update runs)
+    tokens = [system.link_of(n).burst_bytes if after_idle else 0.0] * n
     for phase in ("reduce", "distribute"):
         for t in part.transfers:
             if t.phase == phase:
                 items += _ring_items(system, t.bounds, t.itemsize, RING_KINDS[t.op],
-                                     after_idle and not items)
+                                     tokens=tokens)
         if phase == "reduce":
             items.append(("cpu", update_s))
+            refill(system, n, tokens, update_s)
     return items
 
 

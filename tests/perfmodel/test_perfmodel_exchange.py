@@ -99,22 +99,73 @@ def test_ring_time_hand_computed():
 
 
 def test_a_full_token_bucket_passes_its_burst_at_the_wire_s_speed():
-    """A ring collective that follows compute on a link with a token bucket: the first
-    steps' bytes up to the burst cost only their latency, the rest the shaped rate; the
-    bucket is not refilled within the collective; without after_idle nothing changes."""
+    """A ring collective on links with a token bucket (1500 bytes; 100 us per message at
+    1 MB/s, so a latency refills 100 bytes): a rank's bytes its tokens cover cost only the
+    latency, the rest the shaped rate, and the tokens refill while its link sends nothing.
+    After compute (after_idle) every bucket starts full, else empty."""
     import dataclasses
-    system = round_system()
-    bounds = shard_bounds(1000, 4)             # 3 steps of 1000 bytes
+    alpha, beta = 1e-4, 1e6
+    system = round_system(alpha=alpha, beta=beta)
+    bounds = shard_bounds(1000, 4)             # 3 steps of 1000 bytes on every link
     bucket = dataclasses.replace(system.intra, burst_bytes=1500)
     shaped = dataclasses.replace(system, intra=bucket, inter=bucket)
-    full = 3 * (ALPHA + 1000 / BETA)
-    assert exchange.ring_time(shaped, bounds, 4, "ag") == pytest.approx(full)
-    # 1000 + 500 bytes within the burst, 500 + 1000 at the rate
+    # empty: 1000 bytes at the rate, then 100 bytes covered in each later step
+    assert exchange.ring_time(shaped, bounds, 4, "ag") == \
+        pytest.approx(3 * alpha + (3000 - 2 * 100) / beta)
+    # full: 1000 covered; 500 left + 100 refilled = 600 covered; then 100
     assert exchange.ring_time(shaped, bounds, 4, "ag", after_idle=True) == \
-        pytest.approx(3 * ALPHA + 1500 / BETA)
+        pytest.approx(3 * alpha + (3000 - 1000 - 600 - 100) / beta)
     big = dataclasses.replace(bucket, burst_bytes=1 << 20)
     assert exchange.ring_time(dataclasses.replace(shaped, intra=big, inter=big), bounds, 4,
-                               "ag", after_idle=True) == pytest.approx(3 * ALPHA)
+                               "ag", after_idle=True) == pytest.approx(3 * alpha)
+    # without a bucket every step is its latency and its bytes at the rate
+    plain = exchange.ring_time(system, bounds, 4, "ag")
+    assert plain == pytest.approx(3 * (alpha + 1000 / beta))
+
+
+@pytest.mark.parametrize("kind", ["rs", "ag"])
+def test_a_single_shard_s_ring_meets_links_that_refilled(kind):
+    """One non-empty shard (a delay-0 bucket smaller than a shard): each step one rank sends
+    it, the others' links are idle and refill. From empty buckets the first message pays
+    the rate, the next ones find their link's bucket refilled by the first step (1100 of
+    1500 bytes) and pay only their latency."""
+    import dataclasses
+    alpha, beta = 1e-4, 1e6
+    system = round_system(alpha=alpha, beta=beta)
+    bucket = dataclasses.replace(system.intra, burst_bytes=1500)
+    shaped = dataclasses.replace(system, intra=bucket, inter=bucket)
+    bounds = [(0, 250), (250, 250), (250, 250), (250, 250)]      # 1000 bytes, one shard
+    assert exchange.ring_time(shaped, bounds, 4, kind) == \
+        pytest.approx(3 * alpha + 1000 / beta)
+    # the old rule (no refill within the collective) priced every step at the rate
+    assert exchange.ring_time(system, bounds, 4, kind) == pytest.approx(3 * (alpha + 1000 / beta))
+
+
+def test_the_ring_s_senders_are_the_code_s_schedule():
+    """Which rank sends which shard at each step is ringnet.comm.schedules.ring_steps: with
+    shards of 1000, 0, 0, 0 bytes and an idle start, the all-gather's first sender is the
+    shard's owner (rank 0, its own shard first), the reduce-scatter's is rank 1; either way
+    the shard passes each link once, so from full buckets every step is its latency."""
+    import dataclasses
+    from ringnet.comm.schedules import ring_steps
+    assert ring_steps(0, 4)[1][0][0] == 0 and ring_steps(1, 4)[0][0][0] == 0
+    alpha, beta = 1e-4, 1e6
+    system = round_system(alpha=alpha, beta=beta)
+    bucket = dataclasses.replace(system.intra, burst_bytes=1000)
+    shaped = dataclasses.replace(system, intra=bucket, inter=bucket)
+    bounds = [(0, 250), (250, 250), (250, 250), (250, 250)]
+    for kind in ("rs", "ag"):
+        assert exchange.ring_time(shaped, bounds, 4, kind, after_idle=True) == \
+            pytest.approx(3 * alpha)
+    # tokens carried from the reduce-scatter (senders 1, 2, 3) to the all-gather (senders
+    # 0, 1, 2): rank 1 sent at the reduce-scatter's step 0 and has refilled three latencies
+    # (300 bytes) and the all-gather's step 0 (100) since, so its step pays 600 bytes at the
+    # rate; during that step rank 2 refills to the full 1000
+    tokens = [1000.0] * 4
+    rs = exchange._ring_items(shaped, bounds, 4, "rs", tokens=tokens)
+    ag = exchange._ring_items(shaped, bounds, 4, "ag", tokens=tokens)
+    assert sum(t for _, t in rs) == pytest.approx(3 * alpha)
+    assert sum(t for _, t in ag) == pytest.approx(3 * alpha + 600 / beta)
 
 
 def test_inter_node_hop_sets_the_ring_pace():
