@@ -10,7 +10,7 @@ import numpy as np
 
 from ringnet.perfmodel.compute import ZERO_COMPUTE
 from ringnet.perfmodel.exchange import master_time, tree_time
-from ringnet.perfmodel.links import Link
+from ringnet.perfmodel.links import Link, tbf_burst_bytes
 from ringnet.perfmodel.system import System, scheduling_wait, usable_cores
 from ringnet.perfmodel.worker import LOADED_EXCHANGES
 from ringnet.errors import UsageError
@@ -93,14 +93,21 @@ def calibrate(nps, compute, mpirun="mpirun", iters=7, timeout=300, models=(), ba
     return {"by_np": by_np}
 
 
-def _fit_rooted(mode, n, sizes_s, add_s_per_elem):
-    """Fit (alpha, beta) of tree or master reduce+broadcast times with the model's own formulas."""
+def _fit_rooted(mode, n, sizes_s, add_s_per_elem, burst=0.0):
+    """Fit (alpha, beta) of tree or master reduce+broadcast times with the model's own formulas.
+
+    ``burst``: the links are shaped by token buckets of that many bytes, which the worker's
+    timings meet full (each follows a barrier that sleeps): the bytes on the critical path
+    are counted as the model counts them there, less what the buckets pass at the wire's
+    speed. At zero latency that count is the bytes' time at 1 B/s whatever the rate (the
+    buckets refill by the rate times times that scale as its inverse), so the fit stays
+    linear: messages times alpha plus those bytes over beta."""
     timing = tree_time if mode == "tree" else master_time
 
     def coefficient(alpha, beta, size):
-        link = Link("fit", alpha, beta)
+        link = Link("fit", alpha, beta, burst_bytes=burst)
         system = System("fit", link, link, 1 << 30, ZERO_COMPUTE)
-        return sum(timing(system, n, size, size // 4))
+        return sum(timing(system, n, size, size // 4, after_idle=True))
     rows, rhs = [], []
     for size, seconds in sizes_s:
         a = coefficient(1.0, 1e30, size)                  # messages on the critical path
@@ -134,7 +141,9 @@ def calibration_record(n, raw, add_s_per_elem):
     """Turn one worker's timings into link, contention, the stream's rate and steal, and
     the CPU time transfers cost (per message and per byte sent)."""
     blocking = sorted((int(k), v) for k, v in raw["blocking"].items())
-    fit = _fit_shaped_link if raw.get("placement", {}).get("shaped") else _fit_link
+    shaped = raw.get("placement", {}).get("shaped")
+    fit = _fit_shaped_link if shaped else _fit_link
+    burst = tbf_burst_bytes(shaped) if shaped else 0.0
     alpha, beta = fit(n, blocking, add_s_per_elem) if n > 1 else (0.0, 1e30)
     together = raw["together_s"]
     rates, steals = [], []
@@ -148,7 +157,7 @@ def calibration_record(n, raw, add_s_per_elem):
         steals.append(min(0.9, max(0.0, (work - together) / overlap)))
     rooted = {mode: dict(zip(("alpha_s", "beta_Bps"),
                              _fit_rooted(mode, n, sorted((int(k), v) for k, v in sizes.items()),
-                                         add_s_per_elem)))
+                                         add_s_per_elem, burst)))
               for mode, sizes in raw.get("rooted", {}).items() if n > 1}
     slowdown = together / raw["solo_s"]
     # N busy ranks share at most the cores they may run on: ranks timed as a mean over

@@ -107,20 +107,61 @@ def without_latency(system):
     return dataclasses.replace(system, intra=flat(system.intra), inter=flat(system.inter))
 
 
-def tree_time(system, n, nbytes, elems):
+class _Buckets:
+    """The token buckets of a rooted collective's links on a shaped link (``Link.burst_bytes``):
+    one on each rank's link to it and one on its link from it, by time. A transfer's bytes
+    the buckets of both ends cover pass at the wire's speed (next to the rate: free); the
+    buckets refill at the rate while their links send nothing, up to the burst. With no
+    burst every transfer pays its bytes at the rate."""
+
+    def __init__(self, system, n, full):
+        link = system.link_of(n)
+        self.burst, self.rate = link.burst_bytes, link.beta_Bps
+        self.level_at = {(way, v): (self.burst if full else 0.0, 0.0)
+                         for way in ("in", "out") for v in range(n)}
+
+    def _level(self, key, t):
+        tokens, since = self.level_at[key]
+        return min(self.burst, tokens + max(0.0, t - since) * self.rate)
+
+    def cover(self, root, peers, size, t, gather):
+        """Bytes of ``size`` from each of ``peers`` to ``root`` (``gather``) or from ``root``
+        to each of them, all at once on ``root``'s link, that the buckets cover at time
+        ``t`` (after the latency); spends them. Call :meth:`until` with the end."""
+        if not self.burst:
+            return 0.0
+        near, far = ("in", "out") if gather else ("out", "in")
+        each = {c: min(size, self._level((far, c), t)) for c in peers}
+        total = min(self._level((near, root), t), sum(each.values()))
+        scale = total / sum(each.values()) if total else 0.0
+        self._spent = [((near, root), total, t)] + [((far, c), each[c] * scale, t) for c in peers]
+        return total
+
+    def until(self, end):
+        """The transfer :meth:`cover` priced ends at ``end``: its links' buckets refill from then."""
+        if not self.burst:
+            return
+        for key, spent, t in self._spent:
+            self.level_at[key] = (self._level(key, t) - spent, end)
+
+
+def tree_time(system, n, nbytes, elems, after_idle=False):
     """Seconds of a tree reduce (to the root) plus broadcast (to the last leaf).
 
     Heap of the code (children 2v+1, 2v+2). With the pipelined communicator every rank
     receives both children's piece j at once (sharing its link), adds them and sends the
     sum up while piece j+1 arrives; the broadcast relays piece by piece, a rank sending
     each piece to both children at once. Without it (one piece, children one after the
-    other) the same recursion runs with serial receives.
+    other) the same recursion runs with serial receives. On shaped links (pipelined) each
+    transfer's bytes the links' token buckets cover pass at the wire's speed
+    (:class:`_Buckets`; ``after_idle``: they start full).
     """
     if n <= 1:
         return 0.0, 0.0
     itemsize = max(1, nbytes // max(elems, 1))
     concurrent = _rooted_concurrent()
     pieces = [b - a for a, b in _pieces(elems, itemsize, "tree", n)] if concurrent else [elems]
+    buckets = _Buckets(system, n, after_idle)
     ready = [[0.0] * len(pieces) for _ in range(n)]     # piece j's partial ready to go up
     for v in range(n - 1, -1, -1):                      # children before parents
         kids = _tree_children(v, n)
@@ -130,9 +171,12 @@ def tree_time(system, n, nbytes, elems):
                 continue
             size = e * itemsize
             if concurrent:
-                link = max(link, max(ready[c][j] for c in kids)) \
-                    + max(system.hop(c, v).alpha_s for c in kids) \
-                    + sum(size / system.hop(c, v).beta_Bps for c in kids)
+                start = max(link, max(ready[c][j] for c in kids)) \
+                    + max(system.hop(c, v).alpha_s for c in kids)
+                covered = buckets.cover(v, kids, size, start, gather=True)
+                link = start + sum(size / system.hop(c, v).beta_Bps for c in kids) \
+                    - covered / buckets.rate
+                buckets.until(link)
                 add = max(add, link) + len(kids) * system.compute.add(e)
             else:
                 for c in kids:
@@ -147,19 +191,24 @@ def tree_time(system, n, nbytes, elems):
         for j, e in enumerate(pieces):
             if not kids:
                 continue
-            out = max(out, have[v][j]) + max(system.hop(v, c).alpha_s for c in kids) \
-                + sum(e * itemsize / system.hop(v, c).beta_Bps for c in kids)
+            start = max(out, have[v][j]) + max(system.hop(v, c).alpha_s for c in kids)
+            # the broadcast follows the reduce: its buckets' clock is the reduce's
+            covered = buckets.cover(v, kids, e * itemsize, reduce + start, gather=False)
+            out = start + sum(e * itemsize / system.hop(v, c).beta_Bps for c in kids) \
+                - covered / buckets.rate
+            buckets.until(reduce + out)
             for c in kids:
                 have[c][j] = out
     return reduce, max(h[-1] for h in have)
 
 
-def master_time(system, n, nbytes, elems):
+def master_time(system, n, nbytes, elems, after_idle=False):
     """Seconds of the master's reduce (N-1 gradients into the root) and broadcast.
 
     Pipelined communicator: the root posts every worker's piece j at once (they share its
     link) and adds them in rank order while piece j+1 arrives; it sends each piece to all
-    workers at once. Without it: one worker after the other.
+    workers at once. Without it: one worker after the other. On shaped links (pipelined)
+    the links' token buckets as :func:`tree_time` counts them.
     """
     if n <= 1:
         return 0.0, 0.0
@@ -169,12 +218,24 @@ def master_time(system, n, nbytes, elems):
     if not _rooted_concurrent():
         reduce = sum(system.hop(w, 0).time(nbytes) + system.compute.add(elems) for w in workers)
         return reduce, alpha + sum(nbytes / system.hop(0, w).beta_Bps for w in workers)
+    buckets = _Buckets(system, n, after_idle)
     link = add = out = 0.0
+    spans = []
     for a, b in _pieces(elems, itemsize, "master", n):
         size = (b - a) * itemsize
-        link += alpha + sum(size / system.hop(w, 0).beta_Bps for w in workers)
+        start = link + alpha
+        covered = buckets.cover(0, workers, size, start, gather=True)
+        link = start + sum(size / system.hop(w, 0).beta_Bps for w in workers) \
+            - covered / buckets.rate
+        buckets.until(link)
         add = max(add, link) + (n - 1) * system.compute.add(b - a)
-        out += alpha + sum(size / system.hop(0, w).beta_Bps for w in workers)
+        spans.append(size)
+    for size in spans:                      # the broadcast follows the reduce
+        start = out + alpha
+        covered = buckets.cover(0, workers, size, add + start, gather=False)
+        out = start + sum(size / system.hop(0, w).beta_Bps for w in workers) \
+            - covered / buckets.rate
+        buckets.until(add + out)
     return add, out
 
 
@@ -244,7 +305,7 @@ def flat_items(system, n, part, update_s, after_idle=False):
         return [("cpu", update_s)]
     first = part.transfers[0]
     if first.route in ROOTED_TIMES:
-        return _rooted_items(system, n, first, update_s)
+        return _rooted_items(system, n, first, update_s, after_idle)
     items = []
     # each rank's token bucket, carried from collective to collective (and refilled while
     # the update runs)
@@ -260,15 +321,16 @@ def flat_items(system, n, part, update_s, after_idle=False):
     return items
 
 
-def _rooted_items(system, n, transfer, update_s):
-    """A rooted part: reduce, the root's update, broadcast, each cut into its waits."""
+def _rooted_items(system, n, transfer, update_s, after_idle=False):
+    """A rooted part: reduce, the root's update, broadcast, each cut into its waits
+    (``after_idle``: on shaped links the token buckets start full)."""
     route, itemsize, elems = transfer.route, transfer.itemsize, transfer.length
     if system.rooted and route in system.rooted:    # local: the link fitted on this communicator
         link = system.rooted[route]
         system = dataclasses.replace(system, intra=link, inter=link)
     timing = ROOTED_TIMES[route]
-    reduce, bcast = timing(system, n, elems * itemsize, elems)
-    moved = timing(without_latency(system), n, elems * itemsize, elems)
+    reduce, bcast = timing(system, n, elems * itemsize, elems, after_idle)
+    moved = timing(without_latency(system), n, elems * itemsize, elems, after_idle)
     waits = _rooted_waits(route, n, elems, itemsize)
 
     peer = [("peer", system.msg_wait_s)] if system.msg_wait_s else []

@@ -84,7 +84,8 @@ class System:
         shaped = c.get("raw", {}).get("placement", {}).get("shaped")
         link = Link(f"local@{near}", c["alpha_s"], c["beta_Bps"], "calibrated here",
                     burst_bytes=tbf_burst_bytes(shaped) if shaped else 0.0)
-        rooted = {mode: Link(f"local-{mode}@{near}", v["alpha_s"], v["beta_Bps"], "calibrated here")
+        rooted = {mode: Link(f"local-{mode}@{near}", v["alpha_s"], v["beta_Bps"], "calibrated here",
+                             burst_bytes=link.burst_bytes)
                   for mode, v in c.get("rooted", {}).items()}
         # ranks beyond the cores: a blocking wait finds its peer descheduled (the slices the
         # calibration measured, scaled to this N by the closed form); each message likewise

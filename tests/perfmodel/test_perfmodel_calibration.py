@@ -217,6 +217,28 @@ def test_a_shaped_link_is_fitted_at_its_rate_not_its_burst():
     assert calibration_record(2, raw, 0.0)["beta_Bps"] == pytest.approx(125e6, rel=0.01)
 
 
+@pytest.mark.parametrize("route", ["tree", "master"])
+def test_a_rooted_route_over_shaped_links_is_fitted_with_the_buckets(route):
+    """Times a tree or master all-reduce takes on links of 125 MB/s with 125 kB buckets,
+    met full (the worker's barrier sleeps before each), at N = 4 and the worker's sizes:
+    the fit that counts the buckets as the model does finds the rate (to 2%; exactly at
+    zero latency) and the latency, the one that does not a rate that is not the link's."""
+    from ringnet.perfmodel import exchange
+    from ringnet.perfmodel.calibration import _fit_rooted
+    from ringnet.perfmodel.compute import ZERO_COMPUTE
+    from ringnet.perfmodel.worker import CALIBRATION_SIZES
+    timing = exchange.tree_time if route == "tree" else exchange.master_time
+    for alpha in (0.0, 150e-6):
+        link = pm.Link("shaped", alpha, 125e6, burst_bytes=125_000)
+        system = pm.System("shaped", link, link, 1 << 30, ZERO_COMPUTE)
+        times = [(size, sum(timing(system, 4, size, size // 4, after_idle=True)))
+                 for size in CALIBRATION_SIZES]
+        fitted_alpha, fitted_beta = _fit_rooted(route, 4, times, 0.0, 125_000)
+        assert fitted_beta == pytest.approx(125e6, rel=1e-6 if not alpha else 0.02)
+        assert fitted_alpha == pytest.approx(alpha, abs=2e-6)
+        assert _fit_rooted(route, 4, times, 0.0)[1] != pytest.approx(125e6, rel=0.005)
+
+
 def test_the_cluster_file_says_whether_links_are_shaped(tmp_path):
     from ringnet.perfmodel.calibration import shaped_links
     (tmp_path / "cluster").write_text("rate=1gbit\nprefix=sc\n")

@@ -168,6 +168,32 @@ def test_the_ring_s_senders_are_the_code_s_schedule():
     assert sum(t for _, t in ag) == pytest.approx(3 * alpha + 600 / beta)
 
 
+def test_the_rooted_routes_meet_the_links_token_buckets():
+    """Tree and master on links with token buckets of 1500 bytes (100 us per message,
+    1 MB/s): a transfer's bytes that the buckets of both ends cover pass at the wire's
+    speed. Master, N = 2, 1000 bytes: from full buckets the reduce and the broadcast are
+    each their latency; from empty ones the reduce pays all but the 100 bytes its latency
+    refilled, and the broadcast meets the root's link to the worker refilled during the
+    reduce. Tree, N = 3: the root's link to it takes both children's 1000 bytes at once and
+    covers 1500 of them, and so does its link from it in the broadcast."""
+    import dataclasses
+    alpha, beta = 1e-4, 1e6
+    system = round_system(alpha=alpha, beta=beta)
+    bucket = dataclasses.replace(system.intra, burst_bytes=1500)
+    shaped = dataclasses.replace(system, intra=bucket, inter=bucket)
+    assert exchange.master_time(shaped, 2, 1000, 250, after_idle=True) == \
+        pytest.approx((alpha, alpha))
+    assert exchange.master_time(shaped, 2, 1000, 250) == \
+        pytest.approx((alpha + 900 / beta, alpha))
+    assert exchange.tree_time(shaped, 3, 1000, 250, after_idle=True) == \
+        pytest.approx((alpha + 500 / beta, alpha + 500 / beta))
+    # without a bucket, as before: every byte at the rate
+    assert exchange.tree_time(system, 3, 1000, 250, after_idle=True) == \
+        pytest.approx((alpha + 2000 / beta, alpha + 2000 / beta))
+    assert exchange.master_time(system, 2, 1000, 250, after_idle=True) == \
+        pytest.approx((alpha + 1000 / beta, alpha + 1000 / beta))
+
+
 def test_inter_node_hop_sets_the_ring_pace():
     slow = pm.Link("slow", 2 * ALPHA, BETA / 10)
     system = round_system(ranks_per_node=2)
