@@ -442,7 +442,20 @@ def cpu_quota(proc_cgroup="/proc/self/cgroup", mounts="/proc/self/mounts"):
     the group and its parents), as a float, or None where no quota holds it (or nothing
     can be read). ``hpc/cluster.sh start --cpus-per-node C`` holds each node to C cores
     this way, as container runtimes and SLURM's cgroup plugin can."""
-    found = _cgroups("cpu", proc_cgroup, mounts)
+    tightest = _tightest(_cgroups("cpu", proc_cgroup, mounts))
+    return tightest[0] if tightest else None
+
+
+def cpu_period_s(proc_cgroup="/proc/self/cgroup", mounts="/proc/self/mounts"):
+    """The period, in seconds, of the CFS quota :func:`cpu_quota` reads (the quota is that
+    share of each period: a thread held to it runs at a full core's speed until it has
+    spent it and waits for the next period), or None where no quota holds the process."""
+    tightest = _tightest(_cgroups("cpu", proc_cgroup, mounts))
+    return tightest[1] if tightest else None
+
+
+def _tightest(found):
+    """(cores, period in seconds) of the tightest quota of :func:`_cgroups`' ``found``, or None."""
     if found is None:
         return None
     lines, roots = found
@@ -503,14 +516,16 @@ def _v1_quota(folder):
             period = int(f.read())
     except (OSError, ValueError):
         return None
-    return quota / period if quota > 0 and period > 0 else None
+    return (quota / period, period * 1e-6) if quota > 0 and period > 0 else None
 
 
 def _v2_quota(folder):
     try:
         with open(os.path.join(folder, "cpu.max")) as f:
             quota, period = f.read().split()[:2]
-        return int(quota) / int(period) if quota != "max" and int(period) > 0 else None
+        if quota == "max" or int(period) <= 0:
+            return None
+        return int(quota) / int(period), int(period) * 1e-6
     except (OSError, ValueError):
         return None
 

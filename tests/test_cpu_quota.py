@@ -34,6 +34,23 @@ def test_v1_the_tightest_of_the_group_and_its_parents(tmp_path):
     assert placement.cpu_quota(cgroup, mounts) == pytest.approx(1.5)
 
 
+def test_the_period_of_the_tightest_quota(tmp_path):
+    """cpu_period_s: the period of the quota cpu_quota takes (v1 and v2), None without one."""
+    cgroup, mounts = _v1(tmp_path / "a", {"/": (40000, 20000), "/ringnet-node1": (5000, 10000)})
+    assert placement.cpu_period_s(cgroup, mounts) == pytest.approx(0.01)
+    cgroup, mounts = _v1(tmp_path / "b", {"/": (10000, 20000), "/ringnet-node1": (-1, 10000)})
+    assert placement.cpu_period_s(cgroup, mounts) == pytest.approx(0.02)
+    cgroup, mounts = _v1(tmp_path / "c", {"/": (-1, 100000)})
+    assert placement.cpu_period_s(cgroup, mounts) is None
+    root = tmp_path / "unified"
+    root.mkdir()
+    (root / "cpu.max").write_text("50000 100000\n")
+    (tmp_path / "cgroup2").write_text("0::/\n")
+    (tmp_path / "mounts2").write_text(f"cgroup2 {root} cgroup2 rw,nosuid 0 0\n")
+    assert placement.cpu_period_s(str(tmp_path / "cgroup2"), str(tmp_path / "mounts2")) == \
+        pytest.approx(0.1)
+
+
 def test_v1_no_quota(tmp_path):
     cgroup, mounts = _v1(tmp_path, {"/": (-1, 100000)})
     assert placement.cpu_quota(cgroup, mounts) is None

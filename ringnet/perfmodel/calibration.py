@@ -19,6 +19,11 @@ from ringnet.jobs import run_json
 __all__ = ["calibrate", "calibration_record", "describe_contention"]
 
 
+# The CFS period of hpc/cluster.sh's node quotas (--cpu-period's default), taken for
+# calibrations whose worker did not record the period
+QUOTA_PERIOD_S = 0.01
+
+
 def _relative_lstsq(rows, rhs, seconds):
     """Least squares of the *relative* error: each timing weighted by 1 / its measured time.
 
@@ -178,6 +183,9 @@ def calibration_record(n, raw, add_s_per_elem):
             "cores_total": None if physical == math.inf else physical,
             # a node held to a CFS quota under a core (hpc/cluster.sh --cpus-per-node 0.5)
             "quota": raw["quota"] if (raw.get("quota") or 1) < 1 else None,
+            # ... and its period (records before the worker read it: hpc/cluster.sh's default)
+            "quota_period_s": (raw.get("quota_period_s") or QUOTA_PERIOD_S)
+            if (raw.get("quota") or 1) < 1 else None,
             "slowdown": slowdown, "model_cores": model_cores,
             # each model's slowest rank per step against the mean (older records: none)
             "imbalance": {name: max(1.0, float(v["imbalance"]))

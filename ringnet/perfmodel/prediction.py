@@ -56,7 +56,8 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     """One rank on a node held to a CFS quota of q < 1 cores: the kernel lets its threads
     run at a full core's speed until they have used q of the period and holds them for
     the rest. A rank that waits for the network spends no budget meanwhile, so it computes
-    at a full core's speed (the profile, measured busy under the quota, times q), and the
+    at a full core's speed (the profile, measured busy under the quota, times q) for up to
+    a period's budget and at the quota's rate past it (``System.quota_period_s``), and the
     step is no shorter than its CPU time over q: compute, updates, and what its transfers
     cost the process where the calibration measured it (:func:`transfer_cpu_s`; else the
     stream's steal). The busy single step is the profile itself. The stream's rate beside
@@ -76,7 +77,18 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     free = dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None,
                                rate=min(1.0, system.rate / q))
     fast = _predict_on(free, model, mode, delay, n, batch, topology)
-    p = fast
+    period = system.quota_period_s
+    if period and fast.compute_s > q * period:
+        # a compute longer than one period's budget: the wait before it leaves it that
+        # budget at most (the kernel carries none over to the next period), so its first
+        # q * period run at a full core's speed and the rest at the quota's rate; there
+        # the node's threads are held alike, and the stream's polls cost the budget (the
+        # CPU time below) rather than the compute's core, as at delay 1
+        p = _predict_on(dataclasses.replace(free, held_after_s=q * period, held_rate=q,
+                                            steal=0.0),
+                        model, mode, delay, n, batch, topology)
+    else:
+        p = fast
     if delay and n > 1:
         held = dataclasses.replace(system, quota=None, steal=0.0,
                                    rate=(system.delayed_rate or {}).get(model.name, system.rate))
@@ -176,6 +188,10 @@ def _predict_on(system, model, mode, delay, n, batch, topology):
                     + [("bwd", i, local, 1.0) for i in reversed(layers)])
         timeline = layer_timeline(cp, model, segments, slow)
         compute, act, fixed = timeline.end, 0.0, 0.0
+
+    if system.held_after_s is not None:
+        timeline = timeline.held(system.held_after_s, system.held_rate)
+        compute = timeline.end - act - fixed if whole.activations else timeline.end
 
     def update_of(part):
         """The update of the busiest rank's share of a part (the plan says whose it is)."""

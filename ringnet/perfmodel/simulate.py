@@ -31,6 +31,15 @@ class Timeline:
     ready: dict
     end: float
 
+    def held(self, after_s, rate):
+        """The same compute where the thread runs at full speed for ``after_s`` and at
+        ``rate`` of it from then on (a CFS quota's budget spent): every time t past
+        ``after_s`` becomes after_s + (t - after_s) / rate."""
+        def warp(t):
+            return t if t <= after_s else after_s + (t - after_s) / rate
+        return Timeline([warp(p) for p in self.points], [(warp(a), warp(b)) for a, b in self.dense],
+                        {k: warp(t) for k, t in self.ready.items()}, warp(self.end))
+
     def next_progress(self, t, shift):
         """First time >= t at which the training thread progresses (compute delayed by ``shift``)."""
         for a, b in self.dense:

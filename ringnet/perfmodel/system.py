@@ -26,10 +26,12 @@ class System:
     step with all ranks busy; a delay-0 step ends with its slowest rank.
 
     ``quota`` (local, calibrated on nodes held to a CFS quota under a core, one rank a
-    node): the cores each node's quota grants. Such a node runs a thread at a full core's
-    speed while the period's budget lasts and holds it once it is spent, so a step whose
-    rank waits for the network computes faster than a busy one, and no step is shorter
-    than its CPU time over the quota (:func:`ringnet.perfmodel.prediction.predict`).
+    node): the cores each node's quota grants, of each ``quota_period_s``. Such a node runs
+    a thread at a full core's speed while the period's budget lasts and holds it once it is
+    spent, so a step whose rank waits for the network computes faster than a busy one (for
+    one period's budget: ``held_after_s`` and ``held_rate`` say from when and at what share
+    of a core its compute runs after), and no step is shorter than its CPU time over the
+    quota (:func:`ringnet.perfmodel.prediction.predict`).
     That CPU time counts what the step's transfers cost the rank's process, per message and
     per byte it sends, as the calibration measured them: ``cpu_blocking`` on the training
     thread's blocking waits (split-fc's activations), ``cpu_stream`` on the stream's thread.
@@ -57,6 +59,9 @@ class System:
     node_link: Link = None           # local on a cluster: the link within one node, calibrated
     #                                  with the ranks on one node (the hierarchical exchange's)
     quota: float = None              # local: a node's CFS quota in cores, where under one
+    quota_period_s: float = None     # ... and the period it is a share of
+    held_after_s: float = None       # a step's compute runs at a full core's speed this long,
+    held_rate: float = None          # ... and at this share of it after (a quota's budget spent)
     cpu_blocking: dict = None        # local: CPU a blocking transfer costs its rank's process
     cpu_stream: dict = None          # ... and one on the stream's thread ({"per_msg_s",
     #                                  "per_byte_s"}: per message and per byte sent)
@@ -100,6 +105,7 @@ class System:
                                    imbalance=(c.get("imbalance") or None) if n <= cores_here
                                    else None,
                                    msg_wait_s=per_msg, quota=c.get("quota"),
+                                   quota_period_s=c.get("quota_period_s"),
                                    cpu_blocking=c.get("cpu_blocking"),
                                    cpu_stream=c.get("cpu_stream"),
                                    delayed_rate=c.get("delayed_rate") or None)

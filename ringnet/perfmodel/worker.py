@@ -20,8 +20,8 @@ STREAM_SIZES = (512 << 10, 2 << 20)
 def calibrate_worker(iters, models=(), batch=0):
     """Under mpirun: time the ring communicator blocking and on its stream beside compute.
 
-    Prints one JSON line on rank 0: the cores and the CFS quota (``quota``, cores, or None)
-    of rank 0's node, the compute work unit alone and with every rank busy,
+    Prints one JSON line on rank 0: the cores and the CFS quota (``quota``, cores, or None,
+    and its period ``quota_period_s``) of rank 0's node, the compute work unit alone and with every rank busy,
     each of ``models``' training step (forward, loss, backward) at the per-rank ``batch``
     alone and on every rank at once, blocking reduce-scatter+all-gather per size (and the
     CPU time each rank's process spent in it), per stream size the exchange's own duration,
@@ -72,8 +72,8 @@ def calibrate_worker(iters, models=(), batch=0):
     def mean_over_ranks(seconds):
         return float(reduced(seconds, MPI.SUM)[0]) / n
 
-    from ringnet.placement import cpu_quota
-    quota = cpu_quota()
+    from ringnet.placement import cpu_period_s, cpu_quota
+    quota, period = cpu_quota(), cpu_period_s()
     work()
     solo, together = [], []
     for _ in range(iters):
@@ -241,6 +241,7 @@ def calibrate_worker(iters, models=(), batch=0):
     stream.close()
     if rank == 0:
         print(json.dumps({"np": n, "cores": usable_cores(), "quota": quota,
+                          "quota_period_s": period,
                           "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
                           "blocking": blocking, "streamed": streamed,

@@ -287,9 +287,9 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
         return
     raw = json.loads(out[-1])
     n = world.Get_size()
-    from ringnet.placement import cpu_quota
+    from ringnet.placement import cpu_period_s, cpu_quota
     assert raw["np"] == n and raw["cores"] == pm.usable_cores()
-    assert raw["quota"] == cpu_quota()
+    assert raw["quota"] == cpu_quota() and raw["quota_period_s"] == cpu_period_s()
     assert raw["models"]["lenet"]["batch"] == 3 and raw["models"]["lenet"]["calls"] >= 1
     assert raw["models"]["lenet"]["solo_s"] > 0 and raw["models"]["lenet"]["together_s"] > 0
     assert raw["models"]["lenet"]["imbalance"] >= 1.0 - 1e-12        # a maximum over a mean

@@ -205,6 +205,33 @@ def test_a_node_held_to_a_quota_computes_at_full_speed_while_it_waits():
     assert pm.predict(shared, lenet, "ring", 1, 4, 64).step_s == pm.predict(plain, lenet, "ring", 1, 4, 64).step_s
 
 
+def test_a_compute_longer_than_a_period_s_budget_is_held_past_it():
+    """Under a quota of q = 0.5 with period P, a rank that waited computes at a full core's
+    speed only for the period's budget q P (the kernel carries none over) and at the quota's
+    rate past it: with P equal to the full-speed compute c, the compute takes c/2 + (c/2)/q
+    = 1.5 c; with a period whose budget covers the compute, it is c as before. The
+    calibration records the period (hpc/cluster.sh's 10 ms where an older worker did not)."""
+    compute = pm.roofline_compute("k40", ("lenet",)).scaled(40.0)
+    lenet = build_model("lenet")
+    held = pm.make_system("local", compute, 1, _half_core_nodes())
+    assert held.at(4).quota_period_s == 0.01
+    slow = dataclasses.replace(held.at(4), calibrated=None, steal=0.0, quota_period_s=None,
+                               inter=pm.Link("slow", 1e-3, 1e6), intra=pm.Link("slow", 1e-3, 1e6))
+    c = pm.predict(slow, lenet, "tree", 0, 4, 64).compute_s
+    long_ = pm.predict(dataclasses.replace(slow, quota_period_s=c), lenet, "tree", 0, 4, 64)
+    assert long_.compute_s == pytest.approx(1.5 * c, rel=1e-9)
+    short = pm.predict(dataclasses.replace(slow, quota_period_s=2 * c), lenet, "tree", 0, 4, 64)
+    assert short.compute_s == pytest.approx(c, rel=1e-9)
+    assert long_.step_s > short.step_s
+
+
+def test_a_held_timeline_runs_at_the_quota_s_rate_past_the_budget():
+    from ringnet.perfmodel.simulate import Timeline
+    line = Timeline([1.0, 2.0, 3.0], [(2.5, 3.0)], {0: 3.0, 1: 1.5}, 3.0).held(2.0, 0.5)
+    assert line.points == [1.0, 2.0, 4.0] and line.dense == [(3.0, 4.0)]
+    assert line.ready == {0: 4.0, 1: 1.5} and line.end == 4.0
+
+
 def test_the_step_s_transfers_cost_cpu_per_message_and_per_byte_sent():
     """``transfer_cpu_s`` against a count by hand: a delay-1 ring at N = 4 sends 2(N-1) = 6
     messages of LeNet's gradient, 2(N-1)/N of it per rank, all on the stream; split-fc's
