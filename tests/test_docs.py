@@ -946,6 +946,21 @@ COMMANDS = {
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-1gbit-avx512-delayed-repeat.json --table validation --markdown":
         doc_table,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-1gbit-avx512-buckets.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-buckets.json --table validation --markdown": doc_table,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-unshaped-avx512-buckets.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-unshaped-avx512-buckets.json --table validation --markdown": doc_table,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-1gbit-avx512-buckets-repeat.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-buckets-repeat.json --table validation --markdown": doc_table,
     'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 3 '
     '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-1gbit-2ms.json': NODES,

@@ -12,8 +12,9 @@ class Link:
     """One hop: a message of ``n`` bytes takes ``alpha_s + n / beta_Bps`` seconds.
 
     ``burst_bytes``: a link shaped by a token bucket (tc tbf) passes that many bytes at the
-    wire's speed after it has been idle long enough to refill (burst / beta); the
-    collectives that follow compute meet it full (0: no bucket)."""
+    wire's speed after it has been idle long enough to refill (burst / beta: the bucket
+    refills at the rate while the link sends nothing); the collectives that follow compute
+    meet it full (0: no bucket)."""
     name: str
     alpha_s: float
     beta_Bps: float
