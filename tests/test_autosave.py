@@ -281,3 +281,26 @@ def test_the_exit_noted_beside_the_heartbeat(tmp_path, monkeypatch):
     monkeypatch.delenv("RINGNET_HEARTBEAT")
     note_exit(2)                            # no heartbeat file named: nothing written
     assert noted_exit(path) == 3
+
+
+def test_rank_pids_takes_the_rank_not_its_forked_child(tmp_path):
+    """rank_pids on a made-up /proc: ranks 0 and 1 of a job writing run.h5, rank 1 with a
+    forked child (same command line and environment, parent rank 1), a launcher and another
+    job's rank: the ranks' own pids, the child left out."""
+    from ringnet.bench.elastic import rank_pids
+
+    def process(pid, args, rank=None, parent=1):
+        folder = tmp_path / str(pid)
+        folder.mkdir()
+        (folder / "cmdline").write_bytes(b"\0".join(a.encode() for a in args) + b"\0")
+        env = [b"PATH=/usr/bin"] + ([f"PMI_RANK={rank}".encode()] if rank is not None else [])
+        (folder / "environ").write_bytes(b"\0".join(env) + b"\0")
+        (folder / "status").write_bytes(f"Name:\tpython\nPPid:\t{parent}\n".encode())
+    train = ["python", "-m", "ringnet.train", "--save", "run.h5"]
+    process(100, ["mpirun", "-n", "2"] + train)
+    process(110, train, rank=0, parent=100)
+    process(120, train, rank=1, parent=100)
+    process(130, train, rank=1, parent=120)          # rank 1's forked child
+    process(140, ["python", "-m", "ringnet.train", "--save", "other.h5"], rank=1)
+    (tmp_path / "self").mkdir()
+    assert rank_pids("run.h5", proc=str(tmp_path)) == {0: 110, 1: 120}

@@ -56,27 +56,34 @@ def build_parser():
     return p
 
 
-def rank_pids(marker):
-    """Return {rank: pid} of the ringnet.train processes whose arguments include ``marker``."""
-    pids = {}
-    for entry in os.listdir("/proc"):
+def rank_pids(marker, proc="/proc"):
+    """Return {rank: pid} of the ringnet.train processes whose arguments include ``marker``.
+
+    A rank's forked child (between fork and exec, or a worker) carries the rank's command
+    line and environment too: a process whose parent is a match of the same rank is that
+    child, not the rank, and is left out."""
+    found = {}
+    for entry in os.listdir(proc):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
+            with open(f"{proc}/{entry}/cmdline", "rb") as f:
                 args = f.read().split(b"\0")
             if b"ringnet.train" not in args or marker.encode() not in args:
                 continue
             if os.path.basename(args[0]).startswith((b"mpirun", b"mpiexec", b"srun")):
                 continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            with open(f"{proc}/{entry}/environ", "rb") as f:
                 environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
+            with open(f"{proc}/{entry}/status", "rb") as f:
+                parent = next((int(line.split()[1]) for line in f if line.startswith(b"PPid:")), 0)
+        except (OSError, ValueError, IndexError):
             continue
         rank = environ.get(b"PMI_RANK") or environ.get(b"OMPI_COMM_WORLD_RANK")
         if rank is not None:
-            pids[int(rank)] = int(entry)
-    return pids
+            found[int(entry)] = (int(rank), parent)
+    return {rank: pid for pid, (rank, parent) in sorted(found.items())
+            if found.get(parent, (None,))[0] != rank}
 
 
 def kill_rank_after_first_checkpoint(proc, save, rank, limit=600, sig=signal.SIGKILL):
@@ -94,7 +101,11 @@ def kill_rank_after_first_checkpoint(proc, save, rank, limit=600, sig=signal.SIG
             pid = rank_pids(save).get(rank)
         step = checkpoint_step(save) if pid is not None and os.path.exists(save) else None
         if step is not None:
-            os.kill(pid, sig)
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:      # not the rank after all (it ended): look again
+                pid = None
+                continue
             return step, time.monotonic()
         time.sleep(0.01)
     raise UsageError(f"no checkpoint appeared within {limit:.0f} s")
