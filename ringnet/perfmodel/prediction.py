@@ -111,21 +111,24 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
 def transfer_cpu_s(system, model, mode, n, batch, delay=0):
     """CPU seconds one step's transfers cost the busiest rank's process, or None where the
     calibration did not measure it (``System.cpu_stream``/``cpu_blocking``): per message
-    and per byte the rank sends, on the stream's thread for the exchange (in the code's
-    delay-0 buckets) and on the training thread's blocking waits for split-fc's
-    activations. A message's cost (the calibration's, whose messages outlast the waits'
+    and per byte the rank sends: on the stream's thread for the exchange where the code
+    runs it on a stream (at delay 1, and in its delay-0 buckets), else on the training
+    thread's blocking waits, as for split-fc's activations. A message's cost (the calibration's, whose messages outlast the waits'
     spin) is at most the time the message takes on its link: a wait that ends sooner
     spins less. ``system``: as :meth:`System.at` gives it for N."""
     if system.cpu_stream is None and system.cpu_blocking is None:
         return None
     if REGISTRY[mode].communicator is None or n < 2:
         return 0.0
-    whole, bucketed, _ = sends.step(model, mode, n, batch, delay)
+    whole, bucketed, buckets = sends.step(model, mode, n, batch, delay)
     pieces = None if rooted_concurrent() else 1
     total = [0.0] * n
-    for transfers, cost in ((whole.activations, system.cpu_blocking or system.cpu_stream),
-                            ([t for part in bucketed.parts for t in part.transfers],
-                             system.cpu_stream or system.cpu_blocking)):
+    blocking = system.cpu_blocking or system.cpu_stream
+    # the strategies' exchange engine takes a stream only for delay 1 or buckets: at delay
+    # 0 with none (a region that makes one bucket) the training thread exchanges, blocking
+    streamed = system.cpu_stream or system.cpu_blocking if delay or buckets else blocking
+    for transfers, cost in ((whole.activations, blocking),
+                            ([t for part in bucketed.parts for t in part.transfers], streamed)):
         for t in transfers:
             link = (system.rooted or {}).get(t.route) or system.link_of(n)
             for r, (msgs, sent) in enumerate(zip(t.messages(n, pieces), t.sent(n))):

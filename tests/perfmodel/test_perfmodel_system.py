@@ -235,7 +235,10 @@ def test_a_held_timeline_runs_at_the_quota_s_rate_past_the_budget():
 def test_the_step_s_transfers_cost_cpu_per_message_and_per_byte_sent():
     """``transfer_cpu_s`` against a count by hand: a delay-1 ring at N = 4 sends 2(N-1) = 6
     messages of LeNet's gradient, 2(N-1)/N of it per rank, all on the stream; split-fc's
-    activations are priced at the blocking path's cost, its conv prefix at the stream's."""
+    activations are priced at the blocking path's cost, its conv prefix at the stream's
+    where the code runs it on a stream (delay 1, or delay-0 buckets: cifar10_quick's) and
+    at the blocking path's where the training thread exchanges it (LeNet's at delay 0,
+    whose conv prefix makes one bucket, so none)."""
     from ringnet.perfmodel.prediction import transfer_cpu_s
     lenet = build_model("lenet")
     params = sum(p.size for p in lenet.params)
@@ -254,12 +257,28 @@ def test_the_step_s_transfers_cost_cpu_per_message_and_per_byte_sent():
         6 * 2e-5 + 2e-9 * 6 / 4 * 4 * params, rel=1e-6)
     assert transfer_cpu_s(system, lenet, "single", 1, 64) == 0.0
     assert transfer_cpu_s(system, lenet, "ring", 1, 64, 1) == 0.0
-    free_acts = transfer_cpu_s(system, lenet, "split-fc", 4, 64)
     costly = dataclasses.replace(system, cpu_blocking={"per_msg_s": 1e-3, "per_byte_s": 0.0})
-    whole, _, _ = sends.step(lenet, "split-fc", 4, 64)
-    acts = max(sum(t.messages(4)[r] for t in whole.activations) for r in range(4))
-    assert acts > 0
-    assert transfer_cpu_s(costly, lenet, "split-fc", 4, 64) == pytest.approx(free_acts + acts * 1e-3)
+    cheap = dataclasses.replace(system, cpu_stream={"per_msg_s": 0.0, "per_byte_s": 0.0})
+    for model, delay, on_stream in ((lenet, 0, False), (lenet, 1, True),
+                                    (build_model("cifar10_quick"), 0, True)):
+        whole, bucketed, buckets = sends.step(model, "split-fc", 4, 64, delay)
+        assert bool(buckets) == (on_stream and not delay)
+        acts = max(sum(t.messages(4)[r] for t in whole.activations) for r in range(4))
+        exchange = [t for part in bucketed.parts for t in part.transfers]
+        moved = max(sum(t.messages(4)[r] for t in whole.activations + exchange)
+                    for r in range(4))
+        assert 0 < acts < moved
+        stream_part = transfer_cpu_s(system, model, "split-fc", 4, 64, delay)
+        if on_stream:        # the exchange at the stream's cost, the activations blocking
+            assert stream_part > 0
+            assert transfer_cpu_s(costly, model, "split-fc", 4, 64, delay) == \
+                pytest.approx(stream_part + acts * 1e-3)
+            assert transfer_cpu_s(dataclasses.replace(costly, cpu_stream=cheap.cpu_stream),
+                                  model, "split-fc", 4, 64, delay) == pytest.approx(acts * 1e-3)
+        else:                # everything on the training thread's blocking waits
+            assert stream_part == 0.0
+            assert transfer_cpu_s(costly, model, "split-fc", 4, 64, delay) == \
+                pytest.approx(moved * 1e-3)
     assert transfer_cpu_s(costly, lenet, "ring", 4, 64, 1) == transfer_cpu_s(system, lenet, "ring", 4, 64, 1)
 
 
