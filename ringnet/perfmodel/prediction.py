@@ -113,9 +113,10 @@ def transfer_cpu_s(system, model, mode, n, batch, delay=0):
     calibration did not measure it (``System.cpu_stream``/``cpu_blocking``): per message
     and per byte the rank sends: on the stream's thread for the exchange where the code
     runs it on a stream (at delay 1, and in its delay-0 buckets), else on the training
-    thread's blocking waits, as for split-fc's activations. A message's cost (the calibration's, whose messages outlast the waits'
-    spin) is at most the time the message takes on its link: a wait that ends sooner
-    spins less. ``system``: as :meth:`System.at` gives it for N."""
+    thread's blocking waits, as for split-fc's activations. A message's cost (the
+    calibration's, whose messages outlast the waits' spin) is at most the time the message
+    takes on its link: a wait that ends sooner spins less. ``system``: as
+    :meth:`System.at` gives it for N."""
     if system.cpu_stream is None and system.cpu_blocking is None:
         return None
     if REGISTRY[mode].communicator is None or n < 2:
