@@ -179,13 +179,13 @@ def calibration_record(n, raw, add_s_per_elem):
     model_cores = {name: min(n / max(v["together_s"] / v["solo_s"], 1e-9), physical)
                    for name, v in raw.get("models", {}).items() if v.get("solo_s")}
     slice_s, msg_slice_s = _wait_slices(n, raw.get("cores") and physical, raw.get("waits"))
+    # a node held to a CFS quota under a core (hpc/cluster.sh --cpus-per-node 0.5), and its
+    # period (records before the worker read it: hpc/cluster.sh's default)
+    held = (raw.get("quota") or 1) < 1
     return {"alpha_s": alpha, "beta_Bps": beta, "rooted": rooted, "cores": cores,
             "cores_total": None if physical == math.inf else physical,
-            # a node held to a CFS quota under a core (hpc/cluster.sh --cpus-per-node 0.5)
-            "quota": raw["quota"] if (raw.get("quota") or 1) < 1 else None,
-            # ... and its period (records before the worker read it: hpc/cluster.sh's default)
-            "quota_period_s": (raw.get("quota_period_s") or QUOTA_PERIOD_S)
-            if (raw.get("quota") or 1) < 1 else None,
+            "quota": raw["quota"] if held else None,
+            "quota_period_s": (raw.get("quota_period_s") or QUOTA_PERIOD_S) if held else None,
             "slowdown": slowdown, "model_cores": model_cores,
             # each model's slowest rank per step against the mean (older records: none)
             "imbalance": {name: max(1.0, float(v["imbalance"]))

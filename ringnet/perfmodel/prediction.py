@@ -195,7 +195,7 @@ def _predict_on(system, model, mode, delay, n, batch, topology):
 
     if system.held_after_s is not None:
         timeline = timeline.held(system.held_after_s, system.held_rate)
-        compute = timeline.end - act - fixed if whole.activations else timeline.end
+        compute = timeline.end - act - fixed
 
     def update_of(part):
         """The update of the busiest rank's share of a part (the plan says whose it is)."""

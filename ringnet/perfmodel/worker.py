@@ -22,8 +22,8 @@ def calibrate_worker(iters, models=(), batch=0):
 
     Prints one JSON line on rank 0: the cores and the CFS quota (``quota``, cores, or None,
     and its period ``quota_period_s``) of rank 0's node, the compute work unit alone and
-    with every rank busy, each of ``models``' training step (forward, loss, backward) at the per-rank ``batch``
-    alone and on every rank at once, blocking reduce-scatter+all-gather per size (and the
+    with every rank busy, each of ``models``' training step (forward, loss, backward) at
+    the per-rank ``batch`` alone and on every rank at once, blocking reduce-scatter+all-gather per size (and the
     CPU time each rank's process spent in it), per stream size the exchange's own duration,
     the work unit's time while it ran and the stream thread's CPU time, and a
     small exchange (1 and 4 ring all-reduces of 4 KiB on the stream, waited for as
