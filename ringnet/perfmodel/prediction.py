@@ -20,7 +20,10 @@ __all__ = ["Prediction", "predict", "transfer_cpu_s"]
 @dataclasses.dataclass
 class Prediction:
     """One predicted step: its parts in seconds and the bytes per rank. ``update_s`` is the
-    weights' work: this rank's update and, at delay 1, the step boundary's passes."""
+    weights' work: this rank's update and, at delay 1, the step boundary's passes. Where a
+    node's CPU quota bounds the step (its CPU time over the quota), ``node_cpu_s`` is that
+    CPU time and ``transfers_cpu_s`` the part of it the step's transfers cost (None where
+    the calibration did not measure it); both None elsewhere."""
     step_s: float
     compute_s: float
     comm_s: float
@@ -28,6 +31,8 @@ class Prediction:
     exposed_s: float
     bytes_mean: float
     bytes_max: int
+    node_cpu_s: float = None
+    transfers_cpu_s: float = None
 
 
 def _hierarchical_on(layout, system, n, part, update_s, after_idle=False):
@@ -105,7 +110,8 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     if busy <= p.step_s:
         return p
     return dataclasses.replace(p, step_s=busy, compute_s=fast.compute_s / q,
-                               update_s=fast.update_s / q, exposed_s=0.0)
+                               update_s=fast.update_s / q, exposed_s=0.0,
+                               node_cpu_s=busy * q, transfers_cpu_s=spent)
 
 
 def transfer_cpu_s(system, model, mode, n, batch, delay=0):

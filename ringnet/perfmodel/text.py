@@ -154,7 +154,8 @@ def print_validation(args, validation, record):
     if off:
         where = " at the run's speed" if at_run else ""
         print(f"# where the model{where} is off by more than {100 * bar:.0f}%, and the part of "
-              "the step that differs most")
+              "the step that differs most (where a node's CPU quota bounds the step: the "
+              "node's CPU)")
         for r in off:
             print(f"  {r['model']:14s} {diagnose(r, validation)}")
     for i, rnd in enumerate(record["rounds"]):

@@ -218,7 +218,7 @@ def _validation_rows(record):
                 system, compute=system.compute.scaled(speed), as_run=True))
             entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": [],
                                            "followed": [], "drift": [], "at_run": [],
-                                           "speed": []})
+                                           "speed": [], "cpu": []})
             entry["predicted"].append(pred.step_s * 1e3)
             entry["followed"].append(moved.step_s * 1e3)
             entry["drift"].append(drift)
@@ -232,6 +232,7 @@ def _validation_rows(record):
                      "update": (part.update_s * 1e3, m.get("update_ms")),
                      "data": (0.0, m.get("data_ms"))}
             entry["parts"].append(parts)
+            entry["cpu"].append(_node_cpu(part, m))
     rows = []
     for k, v in table.items():
         parts = {}
@@ -247,6 +248,10 @@ def _validation_rows(record):
             each = [(p - m) / m for p, m in zip(v["at_run"], v["measured"])]
             at_run = {"at_run_ms": statistics.median(v["at_run"]), "errors_at_run": each,
                       "error_at_run": statistics.median(each), "speed": v["speed"]}
+        cpu = {}
+        if v["cpu"] and all(c is not None for c in v["cpu"]):
+            cpu = {"cpu": {name: statistics.median(c[name] for c in v["cpu"])
+                           for name in v["cpu"][0]}}
         rows.append({"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
                      **({"topology": k[4]} if k[4] else {}),
                      "predicted_ms": statistics.median(v["predicted"]),
@@ -254,8 +259,25 @@ def _validation_rows(record):
                      "error": statistics.median(errors), "errors": errors,
                      "drift": v["drift"], "error_followed": statistics.median(followed),
                      "spread": (max(v["measured"]) - min(v["measured"]))
-                     / statistics.median(v["measured"]), "parts": parts})
+                     / statistics.median(v["measured"]), "parts": parts, **cpu})
     return rows
+
+
+def _node_cpu(prediction, m):
+    """Where a node's CPU quota bounds a predicted step (its CPU time over the quota) and
+    the run measured its control group's CPU: {"predicted_ms", "transfers_ms" (None where
+    the calibration did not price them), "measured_ms", "outside_ms": the measured CPU
+    outside the training thread's compute and update spans (the transfers, the step's glue,
+    the data loader)}; else None."""
+    if prediction.node_cpu_s is None or m.get("group_cpu_ms") is None:
+        return None
+    outside = None
+    if m.get("compute_cpu_ms") is not None and m.get("update_ms") is not None:
+        outside = max(0.0, m["group_cpu_ms"] - m["compute_cpu_ms"] - m["update_ms"])
+    transfers = prediction.transfers_cpu_s
+    return {"predicted_ms": prediction.node_cpu_s * 1e3,
+            "transfers_ms": None if transfers is None else transfers * 1e3,
+            "measured_ms": m["group_cpu_ms"], "outside_ms": outside}
 
 
 def _round_system(rnd):
@@ -342,7 +364,9 @@ def row_error(row):
 
 def diagnose(row, rows):
     """Say where a validation row's error comes from: the part of the step (compute, exposed
-    communication, update, data loading the model does not charge) that differs most, and
+    communication, update, data loading the model does not charge) that differs most, or
+    where a node's CPU quota bounds the predicted step, the node's CPU per step predicted
+    (and the transfers' part of it) against the run's control group's, and
     how far the machine itself moved (the spread of this row's rounds; the N=1 rows of the
     same model, which all do the same work). Where the row has the prediction at each run's
     own speed, its error and parts are that prediction's."""
@@ -351,7 +375,19 @@ def diagnose(row, rows):
         err = row_error(row)
     measured = {k: v for k, v in row["parts"].items() if v[1] is not None}
     words = []
-    if measured:
+    cpu = row.get("cpu")
+    if cpu:
+        # the quota bounds the step: its parts in time say less than the node's CPU
+        said = f"the node's CPU per step (the step is it over the quota): predicted " \
+               f"{cpu['predicted_ms']:.1f} ms"
+        if cpu.get("transfers_ms") is not None:
+            said += f", {cpu['transfers_ms']:.1f} of it the transfers"
+        said += f"; measured {cpu['measured_ms']:.1f} ms"
+        if cpu.get("outside_ms") is not None:
+            said += (f", {cpu['outside_ms']:.1f} of it outside the training thread's compute "
+                     f"and update (the transfers, the step's glue, the data loader)")
+        words.append(said)
+    elif measured:
         diffs = {k: p - m for k, (p, m) in measured.items()}
         worst = max(diffs, key=lambda k: abs(diffs[k]))
         what = {"compute": "compute (the profile or the contention at this N)",
