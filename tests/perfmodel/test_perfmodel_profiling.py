@@ -143,6 +143,20 @@ def test_under_a_quota_the_parts_add_up_to_the_mean_step():
     assert sum(got[:-1]) == pytest.approx(got[-1])
 
 
+def test_under_a_quota_a_hold_in_most_steps_of_one_part_is_left_out_of_the_split():
+    # a quota's hold (here 5 ms) lands where the step's budget runs out: with steps of one
+    # length it lands in the same part step after step (the "rest", in 4 of 5 steps). Its
+    # median holds it; the least time each part took leaves it out, so the parts keep the
+    # proportions of their own work (1 : 2 : 1 : 1) and are scaled to the mean step
+    rows = [([1.0], [2.0], 1.0 + hold, 1.0, 5.0 + hold)
+            for hold in (5.0, 5.0, 0.0, 5.0, 5.0)]
+    median = profiling._step_medians(rows)
+    assert median[2] == 6.0                     # the median keeps the hold in the rest
+    got = profiling._step_medians(rows, mean=True)
+    assert got == pytest.approx([1.8, 3.6, 1.8, 1.8, 9.0])
+    assert sum(got[:-1]) == pytest.approx(got[-1])
+
+
 def test_the_profile_takes_the_mean_step_only_under_a_quota(monkeypatch):
     from ringnet import placement
     asked = []
