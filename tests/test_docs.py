@@ -554,11 +554,15 @@ def cluster_replot(command, tmp_path):
 def validation_diagnosis(command, tmp_path):
     """The reprint of a validation record (its report, not a table) names, for a row its
     node's quota bounds, the node's CPU and the transfers' part of it: the figures
-    docs/scaling.md quotes of it are the ones it prints."""
+    docs/scaling.md quotes of it, in the paragraph that shows the command, are the ones it
+    prints."""
+    text = page("docs/scaling.md")
+    at = text.index(f"`{command}`")
+    paragraph = text[text.rfind("\n\n", 0, at):text.find("\n\n", at)]
     quoted = re.findall(r"predicted\s+([\d.]+)\s+ms,\s+([\d.]+)\s+of\s+it\s+the\s+transfers;"
                         r"\s+measured\s+([\d.]+)\s+ms,\s+([\d.]+)\s+of\s+it\s+outside",
-                        page("docs/scaling.md"))
-    assert quoted, "docs/scaling.md quotes no node CPU of the validation's report"
+                        paragraph)
+    assert quoted, f"docs/scaling.md quotes no node CPU of {command}'s report"
     out = run(command).stdout
     for predicted, transfers, measured, outside in quoted:
         assert (f"predicted {predicted} ms, {transfers} of it the transfers; measured "
@@ -967,6 +971,18 @@ COMMANDS = {
     "docs/bench-model-validation-1gbit-avx512-buckets.json --table validation --markdown": doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-1gbit-avx512-buckets.json": validation_diagnosis,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-1gbit-avx512-minsplit.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-minsplit.json --table validation --markdown": doc_table,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-unshaped-avx512-minsplit.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-unshaped-avx512-minsplit.json --table validation --markdown": doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-minsplit.json": validation_diagnosis,
     'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
     '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-unshaped-avx512-buckets.json': NODES,
