@@ -567,6 +567,8 @@ def validation_diagnosis(command, tmp_path):
     for predicted, transfers, measured, outside in quoted:
         assert (f"predicted {predicted} ms, {transfers} of it the transfers; measured "
                 f"{measured} ms, {outside} of it outside") in out, out
+    for alone in re.findall(r"([\d.]+)\s+ms\s+at\s+N=1,\s+which\s+sends\s+nothing", paragraph):
+        assert f"; {alone} ms at N=1, which sends nothing" in out, out
 
 
 def test_delay_table_check_fails_on_a_changed_cell():

@@ -218,7 +218,7 @@ def _validation_rows(record):
                 system, compute=system.compute.scaled(speed), as_run=True))
             entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": [],
                                            "followed": [], "drift": [], "at_run": [],
-                                           "speed": [], "cpu": []})
+                                           "speed": [], "cpu": [], "outside": []})
             entry["predicted"].append(pred.step_s * 1e3)
             entry["followed"].append(moved.step_s * 1e3)
             entry["drift"].append(drift)
@@ -233,6 +233,7 @@ def _validation_rows(record):
                      "data": (0.0, m.get("data_ms"))}
             entry["parts"].append(parts)
             entry["cpu"].append(_node_cpu(part, m))
+            entry["outside"].append(_outside_ms(m))
     rows = []
     for k, v in table.items():
         parts = {}
@@ -249,9 +250,11 @@ def _validation_rows(record):
             at_run = {"at_run_ms": statistics.median(v["at_run"]), "errors_at_run": each,
                       "error_at_run": statistics.median(each), "speed": v["speed"]}
         cpu = {}
+        if all(o is not None for o in v["outside"]):
+            cpu["outside_ms"] = statistics.median(v["outside"])
         if v["cpu"] and all(c is not None for c in v["cpu"]):
-            cpu = {"cpu": {name: statistics.median(c[name] for c in v["cpu"])
-                           for name in v["cpu"][0]}}
+            cpu["cpu"] = {name: _median_of_known(c[name] for c in v["cpu"])
+                          for name in v["cpu"][0]}
         rows.append({"model": k[0], "mode": k[1], "delay": k[2], "np": k[3],
                      **({"topology": k[4]} if k[4] else {}),
                      "predicted_ms": statistics.median(v["predicted"]),
@@ -263,21 +266,32 @@ def _validation_rows(record):
     return rows
 
 
+def _median_of_known(values):
+    """The median of the values that are not None; None where none is."""
+    known = [x for x in values if x is not None]
+    return statistics.median(known) if known else None
+
+
+def _outside_ms(m):
+    """The CPU validation entry ``m``'s node spent a step outside the training thread's
+    compute and update spans (the transfers, the step's glue, the data loader): its
+    control group's CPU less those; None where the run could not read them."""
+    if any(m.get(k) is None for k in ("group_cpu_ms", "compute_cpu_ms", "update_ms")):
+        return None
+    return max(0.0, m["group_cpu_ms"] - m["compute_cpu_ms"] - m["update_ms"])
+
+
 def _node_cpu(prediction, m):
     """Where a node's CPU quota bounds a predicted step (its CPU time over the quota) and
     the run measured its control group's CPU: {"predicted_ms", "transfers_ms" (None where
-    the calibration did not price them), "measured_ms", "outside_ms": the measured CPU
-    outside the training thread's compute and update spans (the transfers, the step's glue,
-    the data loader)}; else None."""
+    the calibration did not price them), "measured_ms", "outside_ms"
+    (:func:`_outside_ms`)}; else None."""
     if prediction.node_cpu_s is None or m.get("group_cpu_ms") is None:
         return None
-    outside = None
-    if m.get("compute_cpu_ms") is not None and m.get("update_ms") is not None:
-        outside = max(0.0, m["group_cpu_ms"] - m["compute_cpu_ms"] - m["update_ms"])
     transfers = prediction.transfers_cpu_s
     return {"predicted_ms": prediction.node_cpu_s * 1e3,
             "transfers_ms": None if transfers is None else transfers * 1e3,
-            "measured_ms": m["group_cpu_ms"], "outside_ms": outside}
+            "measured_ms": m["group_cpu_ms"], "outside_ms": _outside_ms(m)}
 
 
 def _round_system(rnd):
@@ -385,7 +399,14 @@ def diagnose(row, rows):
         said += f"; measured {cpu['measured_ms']:.1f} ms"
         if cpu.get("outside_ms") is not None:
             said += (f", {cpu['outside_ms']:.1f} of it outside the training thread's compute "
-                     f"and update (the transfers, the step's glue, the data loader)")
+                     f"and update (the transfers, the step's glue, the data loader")
+            # the same mode on one rank: its glue and loader, without transfers
+            alone = [r["outside_ms"] for r in rows if r["model"] == row["model"]
+                     and r["mode"] == row["mode"] and r["np"] == 1
+                     and r.get("outside_ms") is not None]
+            if alone:
+                said += f"; {statistics.median(alone):.1f} ms at N=1, which sends nothing"
+            said += ")"
         words.append(said)
     elif measured:
         diffs = {k: p - m for k, (p, m) in measured.items()}

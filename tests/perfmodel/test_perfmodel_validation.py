@@ -320,7 +320,8 @@ def test_where_a_quota_bounds_the_step_the_diagnosis_is_the_node_s_cpu():
     at 4 nodes is predicted as its node's CPU time over the quota: the row carries that CPU
     (the at-run step x the quota, round by round), the part of it the transfers cost, and
     what the runs' control groups spent (and of it, outside the training thread's compute
-    and update), medians over the rounds worked out here from the record itself; the
+    and update, beside that of the same mode on one node), medians over the rounds worked
+    out here from the record itself; the
     diagnosis names them instead of the step's parts in time (the exposed wait there is
     the quota's hold, which the model does not split off). A record without the nodes'
     CPU keeps the parts."""
@@ -349,6 +350,11 @@ def test_where_a_quota_bounds_the_step_the_diagnosis_is_the_node_s_cpu():
             f"transfers; measured {cpu['measured_ms']:.1f} ms, {cpu['outside_ms']:.1f} of it "
             "outside") in text, text
     assert "exposed communication" not in text
+    # beside it, what the same mode's runs on one node (no transfers) spent there
+    alone = [max(0.0, m["group_cpu_ms"] - m["compute_cpu_ms"] - m["update_ms"])
+             for rnd in record["rounds"] for m in rnd["measured"]
+             if m["model"] == "lenet" and m["mode"] == "split-fc" and m["np"] == 1]
+    assert f"; {statistics.median(alone):.1f} ms at N=1, which sends nothing)" in text
     # without the control groups' CPU: the step's parts, as before
     for rnd in record["rounds"]:
         for m in rnd["measured"]:
