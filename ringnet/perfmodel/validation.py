@@ -284,14 +284,14 @@ def _outside_ms(m):
 def _node_cpu(prediction, m):
     """Where a node's CPU quota bounds a predicted step (its CPU time over the quota) and
     the run measured its control group's CPU: {"predicted_ms", "transfers_ms" (None where
-    the calibration did not price them), "measured_ms", "outside_ms"
-    (:func:`_outside_ms`)}; else None."""
+    the calibration did not price them), "measured_ms"}; else None. (What of it fell
+    outside the compute and update is the row's own ``outside_ms``.)"""
     if prediction.node_cpu_s is None or m.get("group_cpu_ms") is None:
         return None
     transfers = prediction.transfers_cpu_s
     return {"predicted_ms": prediction.node_cpu_s * 1e3,
             "transfers_ms": None if transfers is None else transfers * 1e3,
-            "measured_ms": m["group_cpu_ms"], "outside_ms": _outside_ms(m)}
+            "measured_ms": m["group_cpu_ms"]}
 
 
 def _round_system(rnd):
@@ -397,8 +397,8 @@ def diagnose(row, rows):
         if cpu.get("transfers_ms") is not None:
             said += f", {cpu['transfers_ms']:.1f} of it the transfers"
         said += f"; measured {cpu['measured_ms']:.1f} ms"
-        if cpu.get("outside_ms") is not None:
-            said += (f", {cpu['outside_ms']:.1f} of it outside the training thread's compute "
+        if row.get("outside_ms") is not None:
+            said += (f", {row['outside_ms']:.1f} of it outside the training thread's compute "
                      f"and update (the transfers, the step's glue, the data loader")
             # the same mode on one rank: its glue and loader, without transfers
             alone = [r["outside_ms"] for r in rows if r["model"] == row["model"]
