@@ -389,6 +389,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
     saver.start(step)
     first_step = step
     sent_before, _ = strategy.bytes_moved()   # bytes_per_step counts the training steps only
+    waits_before = strategy.wait_totals()
     from ringnet.placement import group_cpu_s
     group_before = group_cpu_s()    # the control group's CPU over the loop (group_cpu_s)
     t_train = time.perf_counter()
@@ -455,6 +456,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
     group_used = (group_after - group_before if None not in (group_before, group_after)
                   else float("nan"))
     step_bytes = strategy.bytes_moved()[0] - sent_before
+    waited = [b - a for a, b in zip(waits_before, strategy.wait_totals())]
 
     check_replicas(strategy, world, step, deadline)
     stopped = stopper.stopped_by
@@ -490,7 +492,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
     per_rank = np.array([stats.compute_s, stats.comm_wait_s, stats.update_s, fetched["data"],
                          stats.comm_total_s, sent, received, step_bytes,
                          float(np.sum(list(recent))), len(recent), stats.compute_cpu_s,
-                         group_used], dtype=np.float64)
+                         group_used, *waited], dtype=np.float64)
     every = np.array(agree(world, per_rank, phase="statistics", timeout=deadline.seconds))
     mean = every.mean(axis=0)
     train_loss = float(sum(every[:, 8]) / sum(every[:, 9])) if len(recent) else float("nan")
@@ -527,6 +529,9 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
         "update_s": mean[2], "data_s": mean[3],
         # the ranks' control groups (a node's, on hpc/cluster.sh): their CPU over the loop
         "group_cpu_s": float(mean[11]) if np.isfinite(mean[11]) else None,
+        # the training thread's waits for transfers over the loop: their CPU, how many, and
+        # how many polled out their spin and slept (per-rank means)
+        "wait_cpu_s": mean[12], "waits": mean[13], "waits_slept": mean[14],
         "comm_total_s": mean[4], "overlap": stats.overlap(),
         "bytes_sent": int(mean[5]), "bytes_recv": int(mean[6]),
         "bytes_per_step": int(mean[7] / steps_run) if steps_run else 0,

@@ -373,7 +373,8 @@ class MpiTransport(Transport):
         describes the transfer) ``timeout_s`` after ``start`` (a ``time.perf_counter()``
         value; default: now). The clock and the driven streams are looked at every
         :data:`YIELD_ROUNDS` polls. ``receives``: those of ``requests`` that are receives
-        (cancelled at the deadline, see :meth:`_expire`)."""
+        (cancelled at the deadline, see :meth:`_expire`). The training thread's polling
+        waits are counted in :attr:`wait_account`."""
         test = self._test
         if not requests or test(requests):
             return
@@ -386,18 +387,30 @@ class MpiTransport(Transport):
                 self._expire(requests, what, receives)
             return
         start = time.perf_counter() if start is None else start
-        on_stream = current_tag() != 0
-        spin_s = STREAM_SPIN_S if on_stream else self.spin_s
-        max_pause_s = STREAM_MAX_PAUSE_S if on_stream else MAX_PAUSE_S
+        if current_tag() != 0:
+            self._poll(requests, what, receives, start, STREAM_SPIN_S, STREAM_MAX_PAUSE_S, False)
+            return
+        cpu = time.thread_time()
+        slept = False
+        try:
+            slept = self._poll(requests, what, receives, start, self.spin_s, MAX_PAUSE_S, True)
+        finally:
+            self.wait_account.add(time.thread_time() - cpu, slept)
+
+    def _poll(self, requests, what, receives, start, spin_s, max_pause_s, training):
+        """:meth:`_wait`'s polls: yielding ones for ``spin_s``, then sleeping ones; on the
+        ``training`` thread each poll also progresses the streams that sleep on transfers
+        while it waits here. Returns whether it went on to sleep."""
+        test = self._test
         while True:
             for _ in _YIELDS:
                 os.sched_yield()
                 if test(requests):
-                    return
+                    return False
             elapsed = time.perf_counter() - start
             if elapsed > self.timeout_s:
                 self._expire(requests, what, receives)
-            if not on_stream:
+            if training:
                 progress_all()      # streams sleeping on transfers while this thread waits here
             if elapsed > spin_s:
                 break
@@ -405,10 +418,11 @@ class MpiTransport(Transport):
         while not test(requests):
             if time.perf_counter() - start > self.timeout_s:
                 self._expire(requests, what, receives)
-            if not on_stream:
+            if training:
                 progress_all()
             pause = min(max_pause_s, pause + 1e-5)
             time.sleep(pause)
+        return True
 
     def _expire(self, requests, what, receives=()):
         """Give up ``requests`` at their deadline: cancel the ``receives`` among them (MPI can

@@ -8,7 +8,29 @@ from ringnet.backend import cupy, gpu_available, is_gpu_array
 from ringnet.comm.stream import CpuStream, GpuStream, Handle
 from ringnet.control import default_timeout  # noqa: F401 - the transports' timeout, re-exported
 
-__all__ = ["Transport", "CommTimeoutError", "default_timeout"]
+__all__ = ["Transport", "CommTimeoutError", "default_timeout", "WaitAccount"]
+
+
+class WaitAccount:
+    """What the training thread's waits for transfers cost it: ``cpu_s``, its CPU time in
+    the waits that did not find their transfer done (from that first look on); ``waits``,
+    those waits; ``slept``, those of them that polled out their spin and went on to sleep
+    between polls (a peer held up longer than the spin: on a node held to a CPU quota, a
+    peer whose quota ran out). Only the training thread adds to it (no lock)."""
+    __slots__ = ("cpu_s", "waits", "slept")
+
+    def __init__(self):
+        self.cpu_s, self.waits, self.slept = 0.0, 0, 0
+
+    def add(self, cpu_s, slept):
+        """Count one wait that took ``cpu_s`` of CPU and slept or not."""
+        self.cpu_s += cpu_s
+        self.waits += 1
+        self.slept += bool(slept)
+
+    def totals(self):
+        """(cpu_s, waits, slept) so far."""
+        return self.cpu_s, self.waits, self.slept
 
 
 class CommTimeoutError(RuntimeError):
@@ -54,6 +76,8 @@ class Transport:
         self.short_moved = 0    # auto's short path: bytes sent and received, one thread only
         self._count_lock = threading.Lock()
         self._next_tag = 1
+        # the training thread's waits (the MPI transport's; the others' wait elsewhere)
+        self.wait_account = WaitAccount()
 
     # -- to implement -----------------------------------------------------------------
     def isendrecv(self, send_array, send_peer: Optional[int], recv_array,

@@ -203,6 +203,12 @@ class Strategy:
             return 0, 0
         return int(self.transport.bytes_sent), int(self.transport.bytes_recv)
 
+    def wait_totals(self):
+        """Return (CPU seconds, waits, waits that slept) of this rank's training thread's
+        waits for transfers so far (:class:`~ringnet.comm.transport.WaitAccount`)."""
+        account = getattr(self.transport, "wait_account", None)
+        return (0.0, 0, 0) if account is None else account.totals()
+
     def extra_summary(self):
         """Return mode-specific fields for the --json summary (FC parameter memory per rank)."""
         model = self.model

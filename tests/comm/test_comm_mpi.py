@@ -5,6 +5,7 @@ Every test does all collective work first and asserts afterwards, so a failure o
 one rank cannot leave the others waiting.
 """
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -258,3 +259,54 @@ def test_stream_error_surfaces_at_wait(comms):
         stream.close()
     assert value == RANK + 41
     assert isinstance(stream, CpuStream)
+
+
+@pytest.mark.skipif(N < 2, reason="a wait for a peer needs two ranks")
+def test_the_wait_account_counts_the_training_thread_s_waits_and_those_that_slept(transport):
+    """``wait_account`` (train's ``wait_cpu_s``, ``waits``, ``waits_slept``): rank 0 waits for
+    rank 1, which sends 40 ms late; with a spin of 5 ms that wait polls out its spin and
+    sleeps, and its CPU is at most what it spun plus its sleeping polls, far below its
+    wall time. A wait for a late peer with a spin longer than the delay does not sleep. A
+    wait on a stream's thread is not the training thread's and is not counted."""
+    late_s, buf = 0.04, np.zeros(256, np.float32)
+    spin = transport.spin_s
+
+    def late_send(send):
+        time.sleep(late_s)
+        send(np.ones(256, np.float32), 0)
+    try:
+        for spin_s, slept in ((0.005, 1), (5.0, 0)):
+            transport.spin_s = spin_s
+            WORLD.Barrier()
+            before = transport.wait_account.totals()
+            if RANK == 1:
+                late_send(transport.send)
+            elif RANK == 0:
+                t0 = time.perf_counter()
+                transport.recv(buf, 1)
+                wall = time.perf_counter() - t0
+            cpu, waits, sleeps = (b - a for a, b in zip(before, transport.wait_account.totals()))
+            if RANK == 0:
+                assert (waits, sleeps) == (1, slept) and wall >= 0.9 * late_s
+                assert 0 < cpu <= wall
+                if slept:       # a 5 ms spin, then polls that sleep
+                    assert cpu < wall / 2, (cpu, wall)
+        # the same on a stream that polls (its own tag, the same on both ranks; a driven
+        # stream's waits sleep on its training thread): not counted
+        transport.spin_s = 0.005
+        tagged = transport.new_stream()
+        tagged.close()
+        stream = CpuStream(tagged.tag, progress="poll")
+        try:
+            WORLD.Barrier()
+            before = transport.wait_account.totals()
+            if RANK == 1:
+                stream.submit(late_send, lambda a, p: transport.send(a, p)).wait()
+            elif RANK == 0:
+                stream.submit(transport.recv, buf, 1).wait()
+            assert transport.wait_account.totals() == before
+        finally:
+            stream.close()
+    finally:
+        transport.spin_s = spin
+        WORLD.Barrier()
