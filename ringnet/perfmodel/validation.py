@@ -112,8 +112,13 @@ def validate(models, batch, steps, repeats, mpirun="mpirun", iters=7, timeout=60
                                                   ("compute_cpu", "compute_cpu"),
                                                   ("exposed", "comm_wait"),
                                                   ("update", "update"), ("data", "data"),
-                                                  ("group_cpu", "group_cpu"))
+                                                  ("group_cpu", "group_cpu"),
+                                                  ("wait_cpu", "wait_cpu"))
                                 if result.get(f"{key}_s") is not None},
+                             # the training thread's waits for transfers per step, and
+                             # those that polled out their spin and slept
+                             **{f"{key}_per_step": result[key] / steps_run
+                                for key in ("waits", "waits_slept") if key in result},
                              "probe_ms": [before, after]})
             print(f"\r[round {round_ + 1}/{repeats}] {i + 1}/{len(configs)} ", end="",
                   file=sys.stderr, flush=True)
@@ -218,7 +223,8 @@ def _validation_rows(record):
                 system, compute=system.compute.scaled(speed), as_run=True))
             entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": [],
                                            "followed": [], "drift": [], "at_run": [],
-                                           "speed": [], "cpu": [], "outside": []})
+                                           "speed": [], "cpu": [], "outside": [],
+                                           "waits": []})
             entry["predicted"].append(pred.step_s * 1e3)
             entry["followed"].append(moved.step_s * 1e3)
             entry["drift"].append(drift)
@@ -234,6 +240,7 @@ def _validation_rows(record):
             entry["parts"].append(parts)
             entry["cpu"].append(_node_cpu(part, m))
             entry["outside"].append(_outside_ms(m))
+            entry["waits"].append(_waits(m))
     rows = []
     for k, v in table.items():
         parts = {}
@@ -252,6 +259,9 @@ def _validation_rows(record):
         cpu = {}
         if all(o is not None for o in v["outside"]):
             cpu["outside_ms"] = statistics.median(v["outside"])
+        if all(w is not None for w in v["waits"]):
+            cpu["waits"] = {name: statistics.median(w[name] for w in v["waits"])
+                            for name in v["waits"][0]}
         if v["cpu"] and all(c is not None for c in v["cpu"]):
             cpu["cpu"] = {name: _median_of_known(c[name] for c in v["cpu"])
                           for name in v["cpu"][0]}
@@ -279,6 +289,16 @@ def _outside_ms(m):
     if any(m.get(k) is None for k in ("group_cpu_ms", "compute_cpu_ms", "update_ms")):
         return None
     return max(0.0, m["group_cpu_ms"] - m["compute_cpu_ms"] - m["update_ms"])
+
+
+def _waits(m):
+    """The training thread's waits for transfers per step in validation entry ``m``:
+    {"cpu_ms" (their CPU), "count", "slept" (those that polled out their spin and slept)};
+    None where the run did not count them (records before it did)."""
+    if any(m.get(k) is None for k in ("wait_cpu_ms", "waits_per_step", "waits_slept_per_step")):
+        return None
+    return {"cpu_ms": m["wait_cpu_ms"], "count": m["waits_per_step"],
+            "slept": m["waits_slept_per_step"]}
 
 
 def _node_cpu(prediction, m):
@@ -407,6 +427,11 @@ def diagnose(row, rows):
             if alone:
                 said += f"; {statistics.median(alone):.1f} ms at N=1, which sends nothing"
             said += ")"
+            waits = row.get("waits")
+            if waits and waits["count"]:
+                said += (f"; {waits['cpu_ms']:.1f} ms in the training thread's waits for "
+                         f"transfers ({waits['count']:.1f} a step, {waits['slept']:.1f} of them "
+                         f"past the spin, a peer held up)")
         words.append(said)
     elif measured:
         diffs = {k: p - m for k, (p, m) in measured.items()}

@@ -235,8 +235,10 @@ def test_each_run_s_cpu_time_gives_the_speed_its_prediction_takes(monkeypatch, t
 
     def train_run(args, mode, delay, nranks, extra=()):
         local = 64 // nranks
+        waits = {"wait_cpu_s": 5 * 0.4e-3 * nranks, "waits": 5 * 7.0 * nranks,
+                 "waits_slept": 5 * 1.5} if nranks > 1 else {}
         return {"step_ms": 20.0, "steps": 5, "compute_cpu_s": 5 * 1.5 * (0.1 + 0.05 * local) / 1e3,
-                "group_cpu_s": 0.05 * nranks if nranks > 1 else None}
+                "group_cpu_s": 0.05 * nranks if nranks > 1 else None, **waits}
     monkeypatch.setattr(ringnet.jobs, "train_run", train_run)
     monkeypatch.setattr(validation, "measure_compute", lambda models: compute)
     # a core per rank: no contention (the profile at a run's speed would drop it)
@@ -248,6 +250,11 @@ def test_each_run_s_cpu_time_gives_the_speed_its_prediction_takes(monkeypatch, t
     # the control groups' CPU per step where the run could read it, nothing where not
     kept = {m["np"]: m.get("group_cpu_ms") for m in record["rounds"][0]["measured"]}
     assert kept == {1: None, 2: pytest.approx(1e3 * 0.1 / 5)}
+    # the training thread's waits per step, where the run counted them
+    waited = {m["np"]: [m.get(k) for k in ("wait_cpu_ms", "waits_per_step",
+                                           "waits_slept_per_step")]
+              for m in record["rounds"][0]["measured"]}
+    assert waited == {1: [None] * 3, 2: [pytest.approx(0.8), pytest.approx(14.0), 1.5]}
     rows = pm.validation_rows(record)
     by = {(r["mode"], r["delay"], r["np"]): r for r in rows}
     for r in rows:
@@ -255,6 +262,9 @@ def test_each_run_s_cpu_time_gives_the_speed_its_prediction_takes(monkeypatch, t
         assert r["error_at_run"] == pytest.approx((r["at_run_ms"] - 20.0) / 20.0)
         assert r["error"] == pytest.approx((r["predicted_ms"] - 20.0) / 20.0)
     single, ring = by[("single", 0, 1)], by[("ring", 0, 2)]
+    assert "waits" not in single
+    assert ring["waits"] == {"cpu_ms": pytest.approx(0.8), "count": pytest.approx(14.0),
+                             "slept": 1.5}
     assert single["at_run_ms"] == pytest.approx(1.5 * single["predicted_ms"])
     assert ring["predicted_ms"] < ring["at_run_ms"] < 1.5 * ring["predicted_ms"]
     # a batch per rank between the profile's: its line through them
@@ -355,6 +365,18 @@ def test_where_a_quota_bounds_the_step_the_diagnosis_is_the_node_s_cpu():
              for rnd in record["rounds"] for m in rnd["measured"]
              if m["model"] == "lenet" and m["mode"] == "split-fc" and m["np"] == 1]
     assert f"; {statistics.median(alone):.1f} ms at N=1, which sends nothing)" in text
+    # a record that holds no counts of the waits says nothing of them
+    assert "waits" not in row and "waits for transfers" not in text
+    # one that does: their medians over the rounds, named after the node's CPU
+    for i, m in enumerate(runs):
+        m.update(wait_cpu_ms=0.8 + 0.1 * i, waits_per_step=21.0 - i, waits_slept_per_step=0.2 * i)
+    rows = pm.validation_rows(record)
+    row = next(r for r in rows if r["model"] == "lenet" and r["mode"] == "split-fc"
+               and r["np"] == 4)
+    assert row["waits"] == {"cpu_ms": pytest.approx(1.0), "count": 19.0,
+                            "slept": pytest.approx(0.4)}
+    assert ("; 1.0 ms in the training thread's waits for transfers (19.0 a step, 0.4 of them "
+            "past the spin, a peer held up)") in pm.diagnose(row, rows)
     # without the control groups' CPU: the step's parts, as before
     for rnd in record["rounds"]:
         for m in rnd["measured"]:
