@@ -10,7 +10,7 @@ from ringnet.perfmodel.links import LINKS
 from ringnet.perfmodel.report import markdown_validation, print_tables
 from ringnet.perfmodel.sweeps import PAPER_NP, mode_label
 from ringnet.perfmodel.validation import (budget_note, diagnose, drift_note, measured_note,
-                                          row_error, row_error_at_run, row_label)
+                                          row_error, row_error_at_run, row_label, waits_note)
 
 __all__ = ["print_report", "print_validation"]
 
@@ -144,6 +144,9 @@ def print_validation(args, validation, record):
     budget = budget_note(record)
     if budget:
         print(f"  {budget}")
+    waited = waits_note(validation)
+    if waited:
+        print(f"  {waited}")
     both = [r for r in validation
             if min(map(abs, r.get("errors") or [1.0])) <= 0.15 < max(map(abs, r.get("errors") or [0.0]))]
     if both:

@@ -19,7 +19,7 @@ from ringnet.models import build_model
 
 __all__ = ["VALIDATION_NP", "VALIDATION_MODES", "validate", "validation_rows", "measured_ms",
            "measured_note", "row_error", "row_label", "diagnose", "SpeedProbe", "drift_of",
-           "drift_note", "run_speed", "row_error_at_run", "budget_note"]
+           "drift_note", "run_speed", "row_error_at_run", "budget_note", "waits_note"]
 
 VALIDATION_NP = (1, 2, 4)
 VALIDATION_MODES = tuple(md for md in MODES if communicates(md[0]))
@@ -367,6 +367,29 @@ def budget_note(record):
              for n, v in sorted(by_n.items())]
     return ("the nodes' CPU per step (train's group_cpu_s) over their quota's share of the "
             "mean step, run by run: " + "; ".join(parts))
+
+
+def waits_note(rows):
+    """One line on the training thread's waits for transfers where the runs counted them:
+    for each row whose runs waited, the medians over its rounds of train's ``waits``,
+    ``waits_slept`` and ``wait_cpu_s`` per step, beside the CPU the model prices the step's
+    transfers at where a node's quota bounds the step; None where no row waited."""
+    said = []
+    for r in rows:
+        waits = r.get("waits")
+        if not waits or not waits["count"]:
+            continue
+        text = (f"{r['model']} {row_label(r)} N={r['np']}: {waits['count']:.1f} waits, "
+                f"{waits['slept']:.1f} past the spin, {waits['cpu_ms']:.2f} ms")
+        priced = (r.get("cpu") or {}).get("transfers_ms")
+        if priced is not None:
+            text += f" (the model's transfers: {priced:.2f} ms)"
+        said.append(text)
+    if not said:
+        return None
+    return ("the training thread's waits for transfers per step, where the runs waited "
+            "(train's waits, waits_slept and wait_cpu_s; medians over the rounds): "
+            + "; ".join(said))
 
 
 def measured_note(record):

@@ -385,3 +385,37 @@ def test_where_a_quota_bounds_the_step_the_diagnosis_is_the_node_s_cpu():
     row = next(r for r in rows if r["model"] == "lenet" and r["mode"] == "split-fc"
                and r["np"] == 4)
     assert "cpu" not in row and "exposed communication" in pm.diagnose(row, rows)
+
+
+def test_the_waits_note_gives_each_waiting_row_s_medians_beside_the_model_s_transfers():
+    """``waits_note`` on docs/scaling.md's record whose runs counted their waits: for each
+    row whose runs waited on the training thread (split-fc's activations), the medians over
+    its rounds of train's waits, waits_slept and wait_cpu_s per step, worked out here from
+    the record; rows that did not wait (their exchanges run on a stream) are left out, and
+    a record without the counts has no such line."""
+    import os
+    import statistics
+    from ringnet.perfmodel.validation import waits_note
+    docs = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
+    with open(os.path.join(docs, "bench-model-validation-1gbit-avx512-waits.json")) as f:
+        record = json.load(f)
+    rows = pm.validation_rows(record)
+    note = waits_note(rows)
+    waited = {}
+    for rnd in record["rounds"]:
+        for m in rnd["measured"]:
+            waited.setdefault((m["model"], m["mode"], m["delay"], m["np"]), []).append(m)
+    said = 0
+    for (model, mode, delay, n), runs in waited.items():
+        count = statistics.median(m["waits_per_step"] for m in runs)
+        if not count:
+            assert f"{model} {mode} d{delay} N={n}:" not in note
+            continue
+        slept = statistics.median(m["waits_slept_per_step"] for m in runs)
+        cpu = statistics.median(m["wait_cpu_ms"] for m in runs)
+        assert (f"{model} {mode} d{delay} N={n}: {count:.1f} waits, {slept:.1f} past the "
+                f"spin, {cpu:.2f} ms") in note, note
+        said += 1
+    assert said == 4 and note.count(" past the spin, ") == 4
+    with open(os.path.join(docs, "bench-model-validation-1gbit-avx512-minsplit.json")) as f:
+        assert waits_note(pm.validation_rows(json.load(f))) is None
