@@ -553,17 +553,26 @@ def cluster_replot(command, tmp_path):
 
 def validation_diagnosis(command, tmp_path):
     """The reprint of a validation record (its report, not a table) names, for a row its
-    node's quota bounds, the node's CPU and the transfers' part of it: the figures
-    docs/scaling.md quotes of it, in the paragraph that shows the command, are the ones it
-    prints."""
+    node's quota bounds, the node's CPU and the transfers' part of it, and for each row
+    whose runs waited on the training thread, those waits: the figures docs/scaling.md
+    quotes of it, in the paragraph that shows the command, are the ones it prints."""
     text = page("docs/scaling.md")
     at = text.index(f"`{command}`")
     paragraph = text[text.rfind("\n\n", 0, at):text.find("\n\n", at)]
     quoted = re.findall(r"predicted\s+([\d.]+)\s+ms,\s+([\d.]+)\s+of\s+it\s+the\s+transfers;"
                         r"\s+measured\s+([\d.]+)\s+ms,\s+([\d.]+)\s+of\s+it\s+outside",
                         paragraph)
-    assert quoted, f"docs/scaling.md quotes no node CPU of {command}'s report"
+    # the training thread's waits per step, as its waits line gives them
+    waits = re.findall(r"([\w-]+\s+[\w-]+\s+d\d\s+N=\d+):\s+([\d.]+)\s+waits,\s+([\d.]+)\s+past"
+                       r"\s+the\s+spin,\s+([\d.]+)\s+ms(?:\s+\(the\s+model's\s+transfers:\s+"
+                       r"([\d.]+)\s+ms\))?", paragraph)
+    assert quoted or waits, f"docs/scaling.md quotes no node CPU or waits of {command}'s report"
     out = run(command).stdout
+    for row, count, slept, cpu, priced in waits:
+        said = f"{' '.join(row.split())}: {count} waits, {slept} past the spin, {cpu} ms"
+        if priced:
+            said += f" (the model's transfers: {priced} ms)"
+        assert said in out, (said, out)
     for predicted, transfers, measured, outside in quoted:
         assert (f"predicted {predicted} ms, {transfers} of it the transfers; measured "
                 f"{measured} ms, {outside} of it outside") in out, out
@@ -985,6 +994,20 @@ COMMANDS = {
     "docs/bench-model-validation-unshaped-avx512-minsplit.json --table validation --markdown": doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-1gbit-avx512-minsplit.json": validation_diagnosis,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-1gbit-avx512-waits.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-waits.json --table validation --markdown": doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-waits.json": validation_diagnosis,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-unshaped-avx512-waits.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-unshaped-avx512-waits.json --table validation --markdown": doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-unshaped-avx512-waits.json": validation_diagnosis,
     'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
     '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-unshaped-avx512-buckets.json': NODES,
