@@ -19,7 +19,7 @@ from ringnet.backend import to_numpy
 from ringnet.comm.stream import progress_all
 from ringnet.layers import Dropout
 from ringnet.parallel.delayed_update import DelayedUpdate
-from ringnet.parallel.plans import LocalPlan, exchange_buckets
+from ringnet.parallel.plans import LocalPlan, exchange_buckets, exchange_on_stream
 from ringnet.parallel.traffic import StepTraffic
 from ringnet.stats import StepStats
 
@@ -148,7 +148,8 @@ class Strategy:
         # layer index whose backward completes bucket k -> k
         self._bucket_at = {layer: k for k, (_, _, layer) in enumerate(self.buckets)}
         self._it = 0
-        stream = comm.new_stream() if comm is not None and (self.delay or self.buckets) else None
+        on_stream = comm is not None and exchange_on_stream(self.delay, self.buckets)
+        stream = comm.new_stream() if on_stream else None
         self.engine = DelayedUpdate(params, grads, plan,
                                     self.make_optimizer(plan.owned.stop - plan.owned.start),
                                     self.stats, delay=self.delay, stream=stream,

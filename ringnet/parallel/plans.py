@@ -24,7 +24,7 @@ from ringnet.parallel.traffic import Part, Transfer, clip_bounds
 from ringnet.shards import shard_bounds
 
 __all__ = ["LocalPlan", "ShardedPlan", "RootedPlan", "BUCKET_BYTES", "bucket_bytes",
-           "backward_buckets", "exchange_buckets", "layer_param_ranges"]
+           "backward_buckets", "exchange_buckets", "exchange_on_stream", "layer_param_ranges"]
 
 # Delay-0 bucket size: a part is closed once it holds this many bytes of gradient.
 BUCKET_BYTES = 256 * 1024
@@ -82,6 +82,14 @@ def backward_buckets(model, stop_layer, size_bytes):
     if current is not None:
         buckets.append(tuple(current))
     return buckets if len(buckets) > 1 else []
+
+
+def exchange_on_stream(delay, buckets):
+    """Whether a strategy's exchange engine runs its exchange on a stream: at delay 1, and
+    at delay 0 where the exchange is cut into ``buckets`` that the backward starts; else
+    the training thread exchanges, blocking (the performance model prices the transfers'
+    CPU by the same rule)."""
+    return bool(delay or buckets)
 
 
 def exchange_buckets(model, stop_layer, delay, bucket_size=None):

@@ -12,6 +12,7 @@ from ringnet.perfmodel.simulate import layer_timeline, progress_of, simulate_ops
 from ringnet.perfmodel.topology import hierarchical_items, spans_nodes
 from ringnet.parallel import MODES as REGISTRY
 from ringnet.parallel.fc_slices import fc_blocks
+from ringnet.parallel.plans import exchange_on_stream
 from ringnet.shards import shard_bounds as _shard_bounds
 
 __all__ = ["Prediction", "predict", "transfer_cpu_s"]
@@ -131,9 +132,10 @@ def transfer_cpu_s(system, model, mode, n, batch, delay=0):
     pieces = None if rooted_concurrent() else 1
     total = [0.0] * n
     blocking = system.cpu_blocking or system.cpu_stream
-    # the strategies' exchange engine takes a stream only for delay 1 or buckets: at delay
-    # 0 with none (a region that makes one bucket) the training thread exchanges, blocking
-    streamed = system.cpu_stream or system.cpu_blocking if delay or buckets else blocking
+    # where the strategies' exchange engine takes no stream (delay 0 and a region that
+    # makes one bucket) the training thread exchanges, blocking
+    streamed = (system.cpu_stream or system.cpu_blocking if exchange_on_stream(delay, buckets)
+                else blocking)
     for transfers, cost in ((whole.activations, blocking),
                             ([t for part in bucketed.parts for t in part.transfers], streamed)):
         for t in transfers:

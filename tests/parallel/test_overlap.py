@@ -234,3 +234,28 @@ def test_bench_overlap_prints_a_row_per_variant():
                          env=ENV, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("ringnet: error: --variants")
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("bucket_size", [0, 256 * 1024])
+@pytest.mark.parametrize("delay", [0, 1])
+def test_the_engine_takes_a_stream_where_the_model_prices_the_stream_s_cpu(delay, bucket_size):
+    """The exchange engine runs the exchange on a stream at delay 1 and in delay-0 buckets,
+    else on the training thread: ``exchange_on_stream``, the rule the performance model's
+    ``transfer_cpu_s`` prices the transfers' CPU by; for the code's own bucket size the
+    model's buckets are the engine's."""
+    from ringnet.parallel.plans import exchange_on_stream
+    from ringnet.perfmodel import sends
+    from ringnet.perfmodel.codefacts import facts, code_facts
+    model = build_model("cifar10_quick", dtype="float64", seed=3)
+    strategy = RingStrategy(model, _optimizer, None, _RecordingComm(), delay=delay,
+                            bucket_size=bucket_size)
+    try:
+        on_stream = strategy.engine.stream is not None
+        assert on_stream == exchange_on_stream(delay, strategy.buckets)
+        assert on_stream == bool(delay or bucket_size)
+        with facts(dict(code_facts(), bucket_bytes=bucket_size)):
+            _, _, buckets = sends.step(model, "ring", 4, 64, delay)
+        assert [(lo, hi) for lo, hi, _ in buckets] == \
+            [(lo, hi) for lo, hi, _ in strategy.buckets]
+    finally:
+        strategy.close()
