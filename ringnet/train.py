@@ -388,8 +388,8 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
     saver = resume.saver(cfg, world, strategy, spe, dataset)   # --save-every, heartbeat
     saver.start(step)
     first_step = step
-    sent_before, _ = strategy.bytes_moved()   # bytes_per_step counts the training steps only
-    waits_before = strategy.wait_totals()
+    # bytes_per_step and the waits count the training steps only
+    sent_before, waits_before = strategy.bytes_moved()[0], strategy.wait_totals()
     from ringnet.placement import group_cpu_s
     group_before = group_cpu_s()    # the control group's CPU over the loop (group_cpu_s)
     t_train = time.perf_counter()
@@ -453,8 +453,7 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
             tracer.stop()
     train_s = time.perf_counter() - t_train
     group_after = group_cpu_s()
-    group_used = (group_after - group_before if None not in (group_before, group_after)
-                  else float("nan"))
+    group_used = group_after - group_before if None not in (group_before, group_after) else float("nan")
     step_bytes = strategy.bytes_moved()[0] - sent_before
     waited = [b - a for a, b in zip(waits_before, strategy.wait_totals())]
 
@@ -523,15 +522,11 @@ def _train(cfg, world, deadline, rank, size, t_start, stopper, held):
         "train_loss": train_loss,
         "images_per_sec": steps_run * cfg.batch_size / (train_s - eval_s) if train_s > eval_s else 0.0,
         "step_ms": step_ms, "step_mean_ms": step_mean_ms,
-        "time_s": time.perf_counter() - t_start, "train_s": train_s,
-        "eval_s": eval_s,
-        "compute_s": mean[0], "compute_cpu_s": mean[10], "comm_wait_s": mean[1],
-        "update_s": mean[2], "data_s": mean[3],
+        "time_s": time.perf_counter() - t_start, "train_s": train_s, "eval_s": eval_s,
+        "compute_s": mean[0], "compute_cpu_s": mean[10], "comm_wait_s": mean[1], "update_s": mean[2],
+        "data_s": mean[3], "wait_cpu_s": mean[12], "waits": mean[13], "waits_slept": mean[14],
         # the ranks' control groups (a node's, on hpc/cluster.sh): their CPU over the loop
         "group_cpu_s": float(mean[11]) if np.isfinite(mean[11]) else None,
-        # the training thread's waits for transfers over the loop: their CPU, how many, and
-        # how many polled out their spin and slept (per-rank means)
-        "wait_cpu_s": mean[12], "waits": mean[13], "waits_slept": mean[14],
         "comm_total_s": mean[4], "overlap": stats.overlap(),
         "bytes_sent": int(mean[5]), "bytes_recv": int(mean[6]),
         "bytes_per_step": int(mean[7] / steps_run) if steps_run else 0,
