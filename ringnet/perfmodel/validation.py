@@ -450,11 +450,11 @@ def diagnose(row, rows):
             if alone:
                 said += f"; {statistics.median(alone):.1f} ms at N=1, which sends nothing"
             said += ")"
-            waits = row.get("waits")
-            if waits and waits["count"]:
-                said += (f"; {waits['cpu_ms']:.1f} ms in the training thread's waits for "
-                         f"transfers ({waits['count']:.1f} a step, {waits['slept']:.1f} of them "
-                         f"past the spin, a peer held up)")
+        waits = row.get("waits")
+        if waits and waits["count"]:
+            said += (f"; {waits['cpu_ms']:.1f} ms in the training thread's waits for "
+                     f"transfers ({waits['count']:.1f} a step, {waits['slept']:.1f} of them "
+                     f"past the spin, a peer held up)")
         words.append(said)
     elif measured:
         diffs = {k: p - m for k, (p, m) in measured.items()}
