@@ -36,6 +36,10 @@ STREAM_MAX_PAUSE_S = 0.0005
 # 10 at half a core) and the message it waited for is seen that late. The training thread
 # there spins as briefly as a stream thread and then sleeps.
 QUOTA_SPIN_S = STREAM_SPIN_S
+# Past the spin a wait sleeps between polls, each pause this much longer than the one before
+# (up to its MAX_PAUSE_S): a peer held for the rest of a quota's period (ms) is seen within
+# a fraction of it, for a few tens of polls.
+PAUSE_STEP_S = 1e-5
 # Yielding polls between looks at the clock and the driven streams (auto's lean path has
 # its own such loop, without even this function's entry: see ringnet.comm._lean).
 YIELD_ROUNDS = 32
@@ -418,11 +422,19 @@ class MpiTransport(Transport):
         while not test(requests):
             if time.perf_counter() - start > self.timeout_s:
                 self._expire(requests, what, receives)
-            if training:
-                progress_all()
-            pause = min(max_pause_s, pause + 1e-5)
-            time.sleep(pause)
+            pause = self._sleep_poll(min(max_pause_s, pause + PAUSE_STEP_S), training)
         return True
+
+    @staticmethod
+    def _sleep_poll(pause, training):
+        """One of :meth:`_poll`'s sleeping polls past the spin (after its look at the
+        requests): on the ``training`` thread it progresses the streams that sleep on
+        transfers, then it sleeps ``pause``; returns ``pause``. (The performance model's
+        calibration times it: its CPU is what a wait on a peer held up costs per poll.)"""
+        if training:
+            progress_all()
+        time.sleep(pause)
+        return pause
 
     def _expire(self, requests, what, receives=()):
         """Give up ``requests`` at their deadline: cancel the ``receives`` among them (MPI can

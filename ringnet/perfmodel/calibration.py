@@ -197,7 +197,10 @@ def calibration_record(n, raw, add_s_per_elem):
             # waits, and on the stream's thread beside compute (older records: none)
             "cpu_blocking": _fit_cpu(n, raw.get("blocking_cpu")),
             "cpu_stream": _fit_cpu(n, raw.get("streamed_cpu")),
-            "delayed_rate": _delayed_rates(n, raw), "raw": raw}
+            "delayed_rate": _delayed_rates(n, raw),
+            # what a wait's sleeping poll costs, and the machines the nodes ran on (older
+            # records: none)
+            "polls": raw.get("polls"), "hosts": raw.get("hosts"), "raw": raw}
 
 
 def _delayed_rates(n, raw):

@@ -15,7 +15,7 @@ from ringnet.parallel.fc_slices import fc_blocks
 from ringnet.parallel.plans import exchange_on_stream
 from ringnet.shards import shard_bounds as _shard_bounds
 
-__all__ = ["Prediction", "predict", "transfer_cpu_s"]
+__all__ = ["Prediction", "predict", "transfer_cpu_s", "held_waits"]
 
 
 @dataclasses.dataclass
@@ -24,7 +24,9 @@ class Prediction:
     weights' work: this rank's update and, at delay 1, the step boundary's passes. Where a
     node's CPU quota bounds the step (its CPU time over the quota), ``node_cpu_s`` is that
     CPU time and ``transfers_cpu_s`` the part of it the step's transfers cost (None where
-    the calibration did not measure it); both None elsewhere."""
+    the calibration did not measure it); both None elsewhere. ``held``: where the step's
+    waits on peers held by their quotas were simulated (:func:`held_waits`), the
+    :class:`~ringnet.perfmodel.held.Held` figures; else None."""
     step_s: float
     compute_s: float
     comm_s: float
@@ -34,6 +36,7 @@ class Prediction:
     bytes_max: int
     node_cpu_s: float = None
     transfers_cpu_s: float = None
+    held: object = None
 
 
 def _hierarchical_on(layout, system, n, part, update_s, after_idle=False):
@@ -100,6 +103,14 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
                                    rate=(system.delayed_rate or {}).get(model.name, system.rate))
         p = _predict_on(held, model, mode, delay, n, batch, topology)
     spent = transfer_cpu_s(system, model, mode, n, batch, delay)
+    sim = held_waits(system, model, mode, delay, n, batch)
+    if sim is not None:
+        own = _predict_on(dataclasses.replace(free, steal=0.0), model, mode, delay, n, batch,
+                          topology)
+        return dataclasses.replace(
+            p, step_s=max(sim.step_s, p.step_s), compute_s=own.compute_s / q,
+            update_s=own.update_s / q, exposed_s=0.0, node_cpu_s=sim.cpu_s,
+            transfers_cpu_s=sim.cpu_s - own.compute_s - own.update_s, held=sim)
     if spent is None:
         busy = (fast.compute_s + fast.update_s) / q
     else:
@@ -138,15 +149,90 @@ def transfer_cpu_s(system, model, mode, n, batch, delay=0):
                 else blocking)
     for transfers, cost in ((whole.activations, blocking),
                             ([t for part in bucketed.parts for t in part.transfers], streamed)):
-        for t in transfers:
-            link = (system.rooted or {}).get(t.route) or system.link_of(n)
-            for r, (msgs, sent) in enumerate(zip(t.messages(n, pieces), t.sent(n))):
-                if not msgs:
-                    continue
-                # a wait spins (its cost per message) no longer than the message takes
-                lasts = link.alpha_s + sent / msgs / link.beta_Bps
-                total[r] += min(cost["per_msg_s"], lasts) * msgs + cost["per_byte_s"] * sent
+        total = [a + b for a, b in zip(total, _transfers_cpu(system, n, transfers, cost, pieces))]
     return max(total)
+
+
+def _transfers_cpu(system, n, transfers, cost, pieces):
+    """Per rank, the CPU seconds ``transfers`` cost at ``cost`` per message and per byte
+    (:func:`transfer_cpu_s`)."""
+    total = [0.0] * n
+    for t in transfers:
+        link = (system.rooted or {}).get(t.route) or system.link_of(n)
+        for r, (msgs, sent) in enumerate(zip(t.messages(n, pieces), t.sent(n))):
+            if not msgs:
+                continue
+            # a wait spins (its cost per message) no longer than the message takes
+            lasts = link.alpha_s + sent / msgs / link.beta_Bps
+            total[r] += min(cost["per_msg_s"], lasts) * msgs + cost["per_byte_s"] * sent
+    return total
+
+
+def held_waits(system, model, mode, delay, n, batch):
+    """Split-fc at delay 0 on N nodes held to a CFS quota, one rank a node: its step, whose
+    blocking collectives often find a peer held by its node's quota, simulated
+    (:func:`ringnet.perfmodel.held.simulate`): the compute between the collectives at a
+    full core's speed, each collective's rounds at the link's time, the waits as the code
+    spins and polls (its spin under a quota, the calibration's cost of a sleeping poll).
+    None where the calibration did not time the polls or name the machines the nodes ran
+    on, where the nodes that share a machine outnumber its CPUs (the cores hold them too),
+    and for other modes. ``system``: as :meth:`System.at` gives it for N."""
+    polls, hosts, q = system.polls, system.hosts, system.quota
+    if (mode != "split-fc" or delay or n < 2 or q is None or not polls or not hosts
+            or -(-n // hosts["hosts"]) > hosts["cpus"]):
+        return None
+    from ringnet.comm.mpi_transport import MAX_PAUSE_S, PAUSE_STEP_S, wait_spin_s
+    from ringnet.perfmodel.held import Cpu, Sync, simulate
+    free = dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None,
+                               rate=min(1.0, system.rate / q))
+    cp, name = free.compute, model.name
+    slow = free.contention(n, name)
+    whole, bucketed, buckets = sends.step(model, mode, n, batch, delay)
+    blocks = fc_blocks(model)
+    if len(whole.activations) != 1 + 2 * len(blocks):
+        return None
+    start, local = whole.stop_layer, batch / n
+    share = {bname: max(b - a for a, b in _shard_bounds(layer.out_features, n))
+             / layer.out_features for bname, layer, _ in blocks}
+
+    def layers(names, b, part, which):
+        return sum(cp.layer(name, lname, b, part)[which] for lname in names) * slow
+
+    per_byte = (system.cpu_blocking or {}).get("per_byte_s", 0.0)
+
+    def sync(t, polls=True):
+        rounds = n - 1
+        seconds = ring_time(free, t.bounds, t.itemsize, RING_KINDS[t.op], after_idle=True)
+        return [Sync(rounds, seconds / rounds, polls), Cpu(per_byte * max(t.sent(n)))]
+
+    convs = [lname for lname, _ in model.layers[:start]]
+    own = [[bname] + [e for e, _ in extra] for bname, _, extra in blocks]
+    acts = whole.activations
+    step = [Cpu(layers(convs, local, 1.0, 0))] + sync(acts[0])
+    for k, names in enumerate(own):
+        step += [Cpu(layers(names, batch, share[names[0]], 0))] + sync(acts[1 + k])
+    step.append(Cpu(cp.overhead_s(name, batch) * slow))
+    for k, names in enumerate(reversed(own)):
+        step += [Cpu(layers(names, batch, share[names[0]], 1))] + sync(acts[1 + len(own) + k])
+    step.append(Cpu(layers(convs, local, 1.0, 1)))
+    (part,) = whole.parts
+    fc_rows = sum(max(b - a for a, b in _shard_bounds(layer.out_features, n))
+                  * (layer.in_features + 1) for _, layer, _ in blocks)
+    tail = (cp.update(part.updated) + cp.update(fc_rows, 2 * len(blocks))) * slow
+    if exchange_on_stream(delay, buckets):
+        # the conv part's exchange on the stream beside the backward: its CPU from the same
+        # budget, and the step waits (without polling) for its last round
+        cost = system.cpu_stream or system.cpu_blocking
+        streamed = max(_transfers_cpu(system, n, [t for p in bucketed.parts for t in p.transfers],
+                                      cost, None if rooted_concurrent() else 1)) if cost else 0.0
+        step.append(Cpu(tail + streamed))
+        step += [Sync(1, 0.0, polls=False)]
+    else:
+        for t in part.transfers:
+            step += sync(t)
+        step.append(Cpu(tail))
+    return simulate(step, n, q, system.quota_period_s, wait_spin_s(q, 1), polls["cpu_s"],
+                    polls["extra_s"], PAUSE_STEP_S, MAX_PAUSE_S)
 
 
 def _predict_on(system, model, mode, delay, n, batch, topology):

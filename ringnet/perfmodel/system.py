@@ -65,6 +65,8 @@ class System:
     cpu_blocking: dict = None        # local: CPU a blocking transfer costs its rank's process
     cpu_stream: dict = None          # ... and one on the stream's thread ({"per_msg_s",
     #                                  "per_byte_s"}: per message and per byte sent)
+    polls: dict = None               # local: a wait's sleeping poll ({"cpu_s", "extra_s"})
+    hosts: dict = None               # local: {"hosts": machines the ranks ran on, "cpus": each's}
     delayed_rate: dict = None        # local under a quota: model -> the rate of its delayed
     #                                  exchange beside one step of it, as training runs it
     as_run: bool = False             # the compute profile taken at the speed a run's own
@@ -108,7 +110,8 @@ class System:
                                    quota_period_s=c.get("quota_period_s"),
                                    cpu_blocking=c.get("cpu_blocking"),
                                    cpu_stream=c.get("cpu_stream"),
-                                   delayed_rate=c.get("delayed_rate") or None)
+                                   delayed_rate=c.get("delayed_rate") or None,
+                                   polls=c.get("polls"), hosts=c.get("hosts"))
 
     def _node_link(self):
         """Local on a cluster with several ranks a node: the link the calibration measured

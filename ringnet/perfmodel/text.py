@@ -54,6 +54,9 @@ def print_report(args, compute, profiles, calibration, nps, predictions, allredu
                 print(f"# local at N={n}: {hint}")
             if c.get("quota"):
                 print(f"# local at N={n}: {quota_line(c['quota'])}")
+            held = held_line(n, c)
+            if held:
+                print(f"# local at N={n}: {held}")
             costs = transfer_cpu_line(c)
             if costs:
                 print(f"# local at N={n}: {costs}")
@@ -171,6 +174,9 @@ def print_validation(args, validation, record):
                     print(f"# round {i + 1}, N={n}: {hint}")
                 if c.get("quota"):
                     print(f"# round {i + 1}, N={n}: {quota_line(c['quota'])}")
+                held = held_line(n, c)
+                if held:
+                    print(f"# round {i + 1}, N={n}: {held}")
                 costs = transfer_cpu_line(c)
                 if costs:
                     print(f"# round {i + 1}, N={n}: {costs}")
@@ -192,6 +198,24 @@ def quota_line(quota):
     return (f"nodes held to a CPU quota of {quota:g} core: one rank a node computes at a full "
             f"core's speed while the period's budget lasts (the profile times {quota:g}), and "
             f"no step is shorter than its CPU time / {quota:g}")
+
+
+def held_line(n, record):
+    """On nodes held to a quota, whether the model simulates split-fc's waits on peers
+    held by their quotas at N (:func:`ringnet.perfmodel.prediction.held_waits`) and with
+    what: a sleeping poll's cost as the calibration ``record`` measured it, the machines
+    the nodes ran on; None where it has no quota or did not measure them."""
+    polls, hosts = record.get("polls"), record.get("hosts")
+    if not record.get("quota") or not polls or not hosts or n < 2:
+        return None
+    per_host = -(-n // hosts["hosts"])
+    where = (f"{n} nodes on {hosts['hosts']} machine(s) of {hosts['cpus']} CPUs")
+    if per_host > hosts["cpus"]:
+        return (f"split-fc's waits on held peers not simulated: {where}, so the machine's "
+                f"cores hold the nodes as well as their quotas")
+    return (f"split-fc's waits on peers held by their quotas simulated ({where}): a sleeping "
+            f"poll costs {polls['cpu_s'] * 1e6:.1f} us of CPU and sleeps "
+            f"{polls['extra_s'] * 1e6:.0f} us beyond its pause")
 
 
 def transfer_cpu_line(record):

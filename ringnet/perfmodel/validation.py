@@ -224,7 +224,7 @@ def _validation_rows(record):
             entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": [],
                                            "followed": [], "drift": [], "at_run": [],
                                            "speed": [], "cpu": [], "outside": [],
-                                           "waits": []})
+                                           "waits": [], "simulated": []})
             entry["predicted"].append(pred.step_s * 1e3)
             entry["followed"].append(moved.step_s * 1e3)
             entry["drift"].append(drift)
@@ -241,6 +241,7 @@ def _validation_rows(record):
             entry["cpu"].append(_node_cpu(part, m))
             entry["outside"].append(_outside_ms(m))
             entry["waits"].append(_waits(m))
+            entry["simulated"].append(_simulated(part))
     rows = []
     for k, v in table.items():
         parts = {}
@@ -262,6 +263,9 @@ def _validation_rows(record):
         if all(w is not None for w in v["waits"]):
             cpu["waits"] = {name: statistics.median(w[name] for w in v["waits"])
                             for name in v["waits"][0]}
+        if all(w is not None for w in v["simulated"]):
+            cpu["simulated"] = {name: statistics.median(w[name] for w in v["simulated"])
+                                for name in v["simulated"][0]}
         if v["cpu"] and all(c is not None for c in v["cpu"]):
             cpu["cpu"] = {name: _median_of_known(c[name] for c in v["cpu"])
                           for name in v["cpu"][0]}
@@ -299,6 +303,16 @@ def _waits(m):
         return None
     return {"cpu_ms": m["wait_cpu_ms"], "count": m["waits_per_step"],
             "slept": m["waits_slept_per_step"]}
+
+
+def _simulated(prediction):
+    """The waits per step of a prediction that simulated them (nodes held to a quota whose
+    ranks wait for each other, :func:`~ringnet.perfmodel.prediction.held_waits`), as
+    :func:`_waits` gives the measured ones; None where it did not."""
+    held = prediction.held
+    if held is None:
+        return None
+    return {"cpu_ms": held.wait_cpu_s * 1e3, "count": held.waits, "slept": held.held}
 
 
 def _node_cpu(prediction, m):
@@ -373,7 +387,9 @@ def waits_note(rows):
     """One line on the training thread's waits for transfers where the runs counted them:
     for each row whose runs waited, the medians over its rounds of train's ``waits``,
     ``waits_slept`` and ``wait_cpu_s`` per step, beside the CPU the model prices the step's
-    transfers at where a node's quota bounds the step; None where no row waited."""
+    transfers at where a node's quota bounds the step, or where the model simulated the
+    waits (nodes held to a quota, :func:`~ringnet.perfmodel.prediction.held_waits`) the
+    simulated figures; None where no row waited."""
     said = []
     for r in rows:
         waits = r.get("waits")
@@ -381,8 +397,12 @@ def waits_note(rows):
             continue
         text = (f"{r['model']} {row_label(r)} N={r['np']}: {waits['count']:.1f} waits, "
                 f"{waits['slept']:.1f} past the spin, {waits['cpu_ms']:.2f} ms")
+        sim = r.get("simulated")
         priced = (r.get("cpu") or {}).get("transfers_ms")
-        if priced is not None:
+        if sim is not None:
+            text += (f" (simulated: {sim['count']:.1f} waits, {sim['slept']:.1f} past the "
+                     f"spin, {sim['cpu_ms']:.2f} ms)")
+        elif priced is not None:
             text += f" (the model's transfers: {priced:.2f} ms)"
         said.append(text)
     if not said:
@@ -454,7 +474,12 @@ def diagnose(row, rows):
         if waits and waits["count"]:
             said += (f"; {waits['cpu_ms']:.1f} ms in the training thread's waits for "
                      f"transfers ({waits['count']:.1f} a step, {waits['slept']:.1f} of them "
-                     f"past the spin, a peer held up)")
+                     f"past the spin, a peer held up")
+            sim = row.get("simulated")
+            if sim is not None:
+                said += (f"; simulated {sim['cpu_ms']:.1f} ms, {sim['count']:.1f} a step, "
+                         f"{sim['slept']:.1f} past the spin")
+            said += ")"
         words.append(said)
     elif measured:
         diffs = {k: p - m for k, (p, m) in measured.items()}

@@ -2,6 +2,7 @@
 time the ring communicator blocking and on its stream beside compute, one JSON line on rank 0."""
 import json
 import math
+import os
 import time
 
 import numpy as np
@@ -74,6 +75,8 @@ def calibrate_worker(iters, models=(), batch=0):
 
     from ringnet.placement import cpu_period_s, cpu_quota
     quota, period = cpu_quota(), cpu_period_s()
+    polls = sleeping_polls(transport, mean_over_ranks)
+    hosts = host_share(world)
     work()
     solo, together = [], []
     for _ in range(iters):
@@ -241,7 +244,7 @@ def calibrate_worker(iters, models=(), batch=0):
     stream.close()
     if rank == 0:
         print(json.dumps({"np": n, "cores": usable_cores(), "quota": quota,
-                          "quota_period_s": period,
+                          "quota_period_s": period, "polls": polls, "hosts": hosts,
                           "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
                           "blocking": blocking, "streamed": streamed,
@@ -250,6 +253,45 @@ def calibrate_worker(iters, models=(), batch=0):
                           "waits": {k: float(np.median(v)) for k, v in waits.items()}}),
               flush=True)
     return 0
+
+
+# sleeping polls timed in a row (their pauses ramped as a wait's are: about 8 ms in all)
+POLLS_TIMED = 40
+
+
+def sleeping_polls(transport, mean_over_ranks):
+    """What one sleeping poll of the training thread's wait costs (past its spin, on a peer
+    held up): {"cpu_s": its CPU, "extra_s": its wall time beyond the pause it asked for},
+    means over :data:`POLLS_TIMED` polls ramped as the wait ramps them, and over the ranks.
+    The polls look at a receive nothing matches, as a wait on a held peer does."""
+    from mpi4py import MPI
+    from ringnet.comm.mpi_transport import MAX_PAUSE_S, PAUSE_STEP_S
+    buf = np.empty(1, np.float32)
+    requests = [MPI.COMM_SELF.Irecv(buf, source=0, tag=31)]
+    pause = asked = 0.0
+    c0, t0 = time.thread_time(), time.perf_counter()
+    for _ in range(POLLS_TIMED):
+        transport._test(requests)
+        pause = transport._sleep_poll(min(MAX_PAUSE_S, pause + PAUSE_STEP_S), True)
+        asked += pause
+    cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+    requests[0].Cancel()
+    requests[0].Wait()
+    return {"cpu_s": mean_over_ranks(cpu / POLLS_TIMED),
+            "extra_s": mean_over_ranks((wall - asked) / POLLS_TIMED)}
+
+
+def host_share(world):
+    """{"hosts": the machines the ranks run on (by their kernels' boot ids: nodes that a
+    cluster emulates on one machine share one), "cpus": rank 0's machine's CPUs}."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = None
+    boots = world.allgather(boot)
+    hosts = len(set(boots)) if None not in boots else world.Get_size()
+    return {"hosts": hosts, "cpus": os.cpu_count()}
 
 
 # exchanges in a row of the calibration's wait measurement (two counts: per wait, per message)
