@@ -565,17 +565,24 @@ def validation_diagnosis(command, tmp_path):
     # the training thread's waits per step, as its waits line gives them
     waits = re.findall(r"([\w-]+\s+[\w-]+\s+d\d\s+N=\d+):\s+([\d.]+)\s+waits,\s+([\d.]+)\s+past"
                        r"\s+the\s+spin,\s+([\d.]+)\s+ms(?:\s+\(the\s+model's\s+transfers:\s+"
-                       r"([\d.]+)\s+ms\))?", paragraph)
+                       r"([\d.]+)\s+ms\))?(?:\s+\(simulated:\s+([\d.]+)\s+waits,\s+([\d.]+)\s+"
+                       r"past\s+the\s+spin,\s+([\d.]+)\s+ms\))?", paragraph)
     assert quoted or waits, f"docs/scaling.md quotes no node CPU or waits of {command}'s report"
     out = run(command).stdout
-    for row, count, slept, cpu, priced in waits:
+    for row, count, slept, cpu, priced, *simulated in waits:
         said = f"{' '.join(row.split())}: {count} waits, {slept} past the spin, {cpu} ms"
         if priced:
             said += f" (the model's transfers: {priced} ms)"
+        if simulated[0]:
+            said += (f" (simulated: {simulated[0]} waits, {simulated[1]} past the spin, "
+                     f"{simulated[2]} ms)")
         assert said in out, (said, out)
     for predicted, transfers, measured, outside in quoted:
         assert (f"predicted {predicted} ms, {transfers} of it the transfers; measured "
                 f"{measured} ms, {outside} of it outside") in out, out
+    for lo, hi in re.findall(r"its\s+nodes\s+spent\s+([\d.]+)\s+to\s+([\d.]+)\s+of\s+their\s+"
+                             r"quota's\s+share", paragraph):
+        assert f"its nodes spent {lo} to {hi} of their quota's share" in out, out
     for alone in re.findall(r"([\d.]+)\s+ms\s+at\s+N=1,\s+which\s+sends\s+nothing", paragraph):
         assert f"; {alone} ms at N=1, which sends nothing" in out, out
 
@@ -1004,6 +1011,20 @@ COMMANDS = {
     'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
     '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-unshaped-avx512-waits.json': NODES,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-unshaped-avx512-held.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-unshaped-avx512-held.json --table validation --markdown": doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-unshaped-avx512-held.json": validation_diagnosis,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-1gbit-avx512-held.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-held.json --table validation --markdown": doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-held.json": validation_diagnosis,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-unshaped-avx512-waits.json --table validation --markdown": doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "

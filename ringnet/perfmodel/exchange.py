@@ -21,11 +21,13 @@ def _pieces(length, itemsize, route, n):
     return rooted_pieces(route, length, itemsize, n)
 
 
-def ring_time(system, bounds, itemsize, kind, after_idle=False):
+def ring_time(system, bounds, itemsize, kind, after_idle=False, tokens=None):
     """Seconds of one ring reduce-scatter ("rs", with adds) or all-gather ("ag") over
     ``bounds``; ``after_idle``: the collective follows compute, so a shaped link's token
-    bucket is full when it starts."""
-    return sum(seconds for _, seconds in _ring_items(system, bounds, itemsize, kind, after_idle))
+    bucket is full when it starts; ``tokens``: each rank's tokens as it starts, left as it
+    ends them (:func:`_ring_items`)."""
+    return sum(seconds for _, seconds in _ring_items(system, bounds, itemsize, kind, after_idle,
+                                                     tokens))
 
 
 def _ring_items(system, bounds, itemsize, kind, after_idle=False, tokens=None):

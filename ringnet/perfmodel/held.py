@@ -100,7 +100,8 @@ def simulate(step, n, quota, period, spin_s, poll_cpu_s, poll_extra_s, pause_ste
     ``max_pause_s``) plus ``poll_extra_s``; it goes on when a poll or its spin sees the
     round done. Returns a :class:`Held`."""
     totals = [0.0] * 5
-    for phases in _phases(n, period):
+    every = _phases(n, period)
+    for phases in every:
         nodes = [_Node(quota, period, p) for p in phases]
         t = [0.0] * n
         cpu = [0.0] * n
@@ -146,4 +147,4 @@ def simulate(step, n, quota, period, spin_s, poll_cpu_s, poll_extra_s, pause_ste
         for j, v in enumerate(((max(t) - start) / STEPS, sum(cpu) / k, waits / k, held / k,
                                wait_cpu / k)):
             totals[j] += v
-    return Held(*(v / PHASES for v in totals))
+    return Held(*(v / len(every) for v in totals))

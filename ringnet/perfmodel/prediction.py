@@ -7,7 +7,7 @@ import numpy as np
 
 from ringnet.perfmodel import sends
 from ringnet.perfmodel.codefacts import boundary_s, code_facts, rooted_concurrent
-from ringnet.perfmodel.exchange import RING_KINDS, flat_items, ring_time
+from ringnet.perfmodel.exchange import RING_KINDS, flat_items, refill, ring_time
 from ringnet.perfmodel.simulate import layer_timeline, progress_of, simulate_ops
 from ringnet.perfmodel.topology import hierarchical_items, spans_nodes
 from ringnet.parallel import MODES as REGISTRY
@@ -198,23 +198,17 @@ def held_waits(system, model, mode, delay, n, batch):
     def layers(names, b, part, which):
         return sum(cp.layer(name, lname, b, part)[which] for lname in names) * slow
 
-    per_byte = (system.cpu_blocking or {}).get("per_byte_s", 0.0)
-
-    def sync(t, polls=True):
-        rounds = n - 1
-        seconds = ring_time(free, t.bounds, t.itemsize, RING_KINDS[t.op], after_idle=True)
-        return [Sync(rounds, seconds / rounds, polls), Cpu(per_byte * max(t.sent(n)))]
-
     convs = [lname for lname, _ in model.layers[:start]]
     own = [[bname] + [e for e, _ in extra] for bname, _, extra in blocks]
     acts = whole.activations
-    step = [Cpu(layers(convs, local, 1.0, 0))] + sync(acts[0])
+    # the step as the training thread runs it: compute, and the collectives it blocks in
+    plan = [Cpu(layers(convs, local, 1.0, 0)), acts[0]]
     for k, names in enumerate(own):
-        step += [Cpu(layers(names, batch, share[names[0]], 0))] + sync(acts[1 + k])
-    step.append(Cpu(cp.overhead_s(name, batch) * slow))
+        plan += [Cpu(layers(names, batch, share[names[0]], 0)), acts[1 + k]]
+    plan.append(Cpu(cp.overhead_s(name, batch) * slow))
     for k, names in enumerate(reversed(own)):
-        step += [Cpu(layers(names, batch, share[names[0]], 1))] + sync(acts[1 + len(own) + k])
-    step.append(Cpu(layers(convs, local, 1.0, 1)))
+        plan += [Cpu(layers(names, batch, share[names[0]], 1)), acts[1 + len(own) + k]]
+    plan.append(Cpu(layers(convs, local, 1.0, 1)))
     (part,) = whole.parts
     fc_rows = sum(max(b - a for a, b in _shard_bounds(layer.out_features, n))
                   * (layer.in_features + 1) for _, layer, _ in blocks)
@@ -225,14 +219,37 @@ def held_waits(system, model, mode, delay, n, batch):
         cost = system.cpu_stream or system.cpu_blocking
         streamed = max(_transfers_cpu(system, n, [t for p in bucketed.parts for t in p.transfers],
                                       cost, None if rooted_concurrent() else 1)) if cost else 0.0
-        step.append(Cpu(tail + streamed))
-        step += [Sync(1, 0.0, polls=False)]
+        plan += [Cpu(tail + streamed), Sync(1, 0.0, polls=False)]
     else:
-        for t in part.transfers:
-            step += sync(t)
-        step.append(Cpu(tail))
+        plan += list(part.transfers) + [Cpu(tail)]
+    step = _timed_plan(free, n, plan, (system.cpu_blocking or {}).get("per_byte_s", 0.0))
     return simulate(step, n, q, system.quota_period_s, wait_spin_s(q, 1), polls["cpu_s"],
                     polls["extra_s"], PAUSE_STEP_S, MAX_PAUSE_S)
+
+
+def _timed_plan(system, n, plan, per_byte_s):
+    """:func:`held_waits`'s step with each of its collectives (the library's transfers in
+    ``plan``) a :class:`~ringnet.perfmodel.held.Sync` of N - 1 rounds at the link's time,
+    followed by its bytes' CPU (``per_byte_s``). A shaped link's token buckets carry from
+    one collective to the next and refill during the compute between them (for its CPU
+    time: a hold between them refills them more); the step's first collective meets them as
+    the step before left them (the plan walked twice)."""
+    from ringnet.perfmodel.held import Cpu, Sync
+    tokens = [system.link_of(n).burst_bytes] * n
+    for _ in range(2):
+        step = []
+        for item in plan:
+            if isinstance(item, (Cpu, Sync)):
+                step.append(item)
+                if isinstance(item, Cpu):
+                    refill(system, n, tokens, item.seconds)
+                continue
+            seconds = ring_time(system, item.bounds, item.itemsize, RING_KINDS[item.op],
+                                tokens=tokens)
+            cpu = per_byte_s * max(item.sent(n))
+            refill(system, n, tokens, cpu)
+            step += [Sync(n - 1, seconds / (n - 1)), Cpu(cpu)]
+    return step
 
 
 def _predict_on(system, model, mode, delay, n, batch, topology):

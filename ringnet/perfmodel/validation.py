@@ -242,6 +242,9 @@ def _validation_rows(record):
             entry["outside"].append(_outside_ms(m))
             entry["waits"].append(_waits(m))
             entry["simulated"].append(_simulated(part))
+            if system.quota is not None and m.get("group_cpu_ms") and m.get("step_mean_ms"):
+                entry.setdefault("budget", []).append(
+                    m["group_cpu_ms"] / (system.quota * m["step_mean_ms"]))
     rows = []
     for k, v in table.items():
         parts = {}
@@ -263,6 +266,8 @@ def _validation_rows(record):
         if all(w is not None for w in v["waits"]):
             cpu["waits"] = {name: statistics.median(w[name] for w in v["waits"])
                             for name in v["waits"][0]}
+        if len(v.get("budget", ())) == len(v["measured"]):
+            cpu["budget"] = v["budget"]
         if all(w is not None for w in v["simulated"]):
             cpu["simulated"] = {name: statistics.median(w[name] for w in v["simulated"])
                                 for name in v["simulated"][0]}
@@ -480,6 +485,10 @@ def diagnose(row, rows):
                 said += (f"; simulated {sim['cpu_ms']:.1f} ms, {sim['count']:.1f} a step, "
                          f"{sim['slept']:.1f} past the spin")
             said += ")"
+        spent = row.get("budget")
+        if spent:
+            said += (f"; its nodes spent {min(spent):.2f} to {max(spent):.2f} of their quota's "
+                     f"share of the step, round by round")
         words.append(said)
     elif measured:
         diffs = {k: p - m for k, (p, m) in measured.items()}

@@ -30,7 +30,9 @@ def calibrate_worker(iters, models=(), batch=0):
     small exchange (1 and 4 ring all-reduces of 4 KiB on the stream, waited for as
     training waits) entered idle and entered right after the work unit, and per model the
     delayed step as training runs it (its gradient's all-reduce on the stream beside one
-    step, then waited for) against that all-reduce alone.
+    step, then waited for) against that all-reduce alone; what a wait's sleeping poll
+    costs (``polls``, :func:`sleeping_polls`) and the machines the ranks ran on
+    (``hosts``, :func:`host_share`).
     """
     from mpi4py import MPI
     from ringnet.comm import (MasterSlaveCommunicator, MpiTransport, RingCommunicator,

@@ -306,7 +306,13 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
         assert 0.0 <= spent <= 2 * max(raw["streamed"][size]) + 1e-3
         if n > 1:       # the stream's thread moved the bytes: it spent some CPU
             assert spent > 0.0
+    # a sleeping poll's CPU, and its wall time beyond the pause it asked for (which holds
+    # that CPU and the sleep's overshoot); every rank on this one machine (one boot id)
+    polls = raw["polls"]
+    assert 0.0 < polls["cpu_s"] <= polls["extra_s"] < 2e-3
+    assert raw["hosts"] == {"hosts": 1, "cpus": os.cpu_count()}
     record = calibration.calibration_record(n, raw, 0.0)
+    assert (record["polls"], record["hosts"]) == (raw["polls"], raw["hosts"])
     assert record["model_cores"]["lenet"] > 0
     if n <= raw["cores"]:
         assert record["slice_s"] == record["msg_slice_s"] == 0.0
