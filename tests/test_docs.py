@@ -1026,6 +1026,9 @@ COMMANDS = {
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-1gbit-avx512-held.json": validation_diagnosis,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-held-repeat.json --table validation --markdown":
+    doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-unshaped-avx512-waits.json --table validation --markdown": doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-unshaped-avx512-waits.json": validation_diagnosis,
