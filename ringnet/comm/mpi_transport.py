@@ -422,17 +422,19 @@ class MpiTransport(Transport):
         while not test(requests):
             if time.perf_counter() - start > self.timeout_s:
                 self._expire(requests, what, receives)
-            pause = self._sleep_poll(min(max_pause_s, pause + PAUSE_STEP_S), training)
+            pause = self._sleep_poll(pause, max_pause_s, training)
         return True
 
     @staticmethod
-    def _sleep_poll(pause, training):
+    def _sleep_poll(pause, max_pause_s, training):
         """One of :meth:`_poll`'s sleeping polls past the spin (after its look at the
         requests): on the ``training`` thread it progresses the streams that sleep on
-        transfers, then it sleeps ``pause``; returns ``pause``. (The performance model's
-        calibration times it: its CPU is what a wait on a peer held up costs per poll.)"""
+        transfers, then it sleeps the pause after ``pause`` (PAUSE_STEP_S longer, at most
+        ``max_pause_s``) and returns it. (The performance model's calibration times it: its
+        CPU is what a wait on a peer held up costs per poll.)"""
         if training:
             progress_all()
+        pause = min(max_pause_s, pause + PAUSE_STEP_S)
         time.sleep(pause)
         return pause
 

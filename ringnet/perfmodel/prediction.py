@@ -83,8 +83,7 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     compute back to back), and no steal (the thread polls on a CPU of its own; what its
     polls cost the budget is in the CPU time below)."""
     q = system.quota
-    free = dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None,
-                               rate=min(1.0, system.rate / q))
+    free = _unheld(system)
     fast = _predict_on(free, model, mode, delay, n, batch, topology)
     period = system.quota_period_s
     if period and fast.compute_s > q * period:
@@ -102,7 +101,6 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
         held = dataclasses.replace(system, quota=None, steal=0.0,
                                    rate=(system.delayed_rate or {}).get(model.name, system.rate))
         p = _predict_on(held, model, mode, delay, n, batch, topology)
-    spent = transfer_cpu_s(system, model, mode, n, batch, delay)
     sim = held_waits(system, model, mode, delay, n, batch)
     if sim is not None:
         own = _predict_on(dataclasses.replace(free, steal=0.0), model, mode, delay, n, batch,
@@ -111,6 +109,7 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
             p, step_s=max(sim.step_s, p.step_s), compute_s=own.compute_s / q,
             update_s=own.update_s / q, exposed_s=0.0, node_cpu_s=sim.cpu_s,
             transfers_cpu_s=sim.cpu_s - own.compute_s - own.update_s, held=sim)
+    spent = transfer_cpu_s(system, model, mode, n, batch, delay)
     if spent is None:
         busy = (fast.compute_s + fast.update_s) / q
     else:
@@ -124,6 +123,14 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     return dataclasses.replace(p, step_s=busy, compute_s=fast.compute_s / q,
                                update_s=fast.update_s / q, exposed_s=0.0,
                                node_cpu_s=busy * q, transfers_cpu_s=spent)
+
+
+def _unheld(system):
+    """The system a rank held to ``system.quota`` (< 1 core) sees while its budget lasts:
+    the profile at a full core's speed, no quota, the stream's rate / q (at most 1)."""
+    q = system.quota
+    return dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None,
+                               rate=min(1.0, system.rate / q))
 
 
 def transfer_cpu_s(system, model, mode, n, batch, delay=0):
@@ -183,8 +190,7 @@ def held_waits(system, model, mode, delay, n, batch):
         return None
     from ringnet.comm.mpi_transport import MAX_PAUSE_S, PAUSE_STEP_S, wait_spin_s
     from ringnet.perfmodel.held import Cpu, Sync, simulate
-    free = dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None,
-                               rate=min(1.0, system.rate / q))
+    free = _unheld(system)
     cp, name = free.compute, model.name
     slow = free.contention(n, name)
     whole, bucketed, buckets = sends.step(model, mode, n, batch, delay)

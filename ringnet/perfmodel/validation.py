@@ -224,7 +224,7 @@ def _validation_rows(record):
             entry = table.setdefault(key, {"predicted": [], "measured": [], "parts": [],
                                            "followed": [], "drift": [], "at_run": [],
                                            "speed": [], "cpu": [], "outside": [],
-                                           "waits": [], "simulated": []})
+                                           "waits": [], "simulated": [], "budget": []})
             entry["predicted"].append(pred.step_s * 1e3)
             entry["followed"].append(moved.step_s * 1e3)
             entry["drift"].append(drift)
@@ -242,9 +242,9 @@ def _validation_rows(record):
             entry["outside"].append(_outside_ms(m))
             entry["waits"].append(_waits(m))
             entry["simulated"].append(_simulated(part))
-            if system.quota is not None and m.get("group_cpu_ms") and m.get("step_mean_ms"):
-                entry.setdefault("budget", []).append(
-                    m["group_cpu_ms"] / (system.quota * m["step_mean_ms"]))
+            spent = _budget_spent(m, system)
+            if spent is not None:
+                entry["budget"].append(spent)
     rows = []
     for k, v in table.items():
         parts = {}
@@ -266,7 +266,7 @@ def _validation_rows(record):
         if all(w is not None for w in v["waits"]):
             cpu["waits"] = {name: statistics.median(w[name] for w in v["waits"])
                             for name in v["waits"][0]}
-        if len(v.get("budget", ())) == len(v["measured"]):
+        if len(v["budget"]) == len(v["measured"]):
             cpu["budget"] = v["budget"]
         if all(w is not None for w in v["simulated"]):
             cpu["simulated"] = {name: statistics.median(w[name] for w in v["simulated"])
@@ -365,6 +365,15 @@ def drift_note(rows):
             f"within 15% of {len(errors)}")
 
 
+def _budget_spent(m, system):
+    """How much of its quota validation entry ``m``'s nodes spent: their CPU per step
+    (``group_cpu_ms``) over the quota's share of the measured step; None where the run did
+    not read its control group's CPU or no quota held it."""
+    if system.quota is None or m.get("group_cpu_ms") is None:
+        return None
+    return m["group_cpu_ms"] / (system.quota * measured_ms(m, system))
+
+
 def budget_note(record):
     """One line on how much of their CPU quota the runs' nodes spent, where the record has
     each run's control-group CPU (train's ``group_cpu_s`` per step, ``group_cpu_ms``) and
@@ -377,9 +386,9 @@ def budget_note(record):
         if system.quota is None:
             continue
         for m in rnd["measured"]:
-            if m.get("group_cpu_ms") is not None:
-                by_n.setdefault(m["np"], []).append(
-                    m["group_cpu_ms"] / (system.quota * measured_ms(m, system)))
+            spent = _budget_spent(m, system)
+            if spent is not None:
+                by_n.setdefault(m["np"], []).append(spent)
     if not by_n:
         return None
     parts = [f"N = {n}: {min(v):.2f} to {max(v):.2f} (median {statistics.median(v):.2f})"

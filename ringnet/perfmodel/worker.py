@@ -267,14 +267,14 @@ def sleeping_polls(transport, mean_over_ranks):
     means over :data:`POLLS_TIMED` polls ramped as the wait ramps them, and over the ranks.
     The polls look at a receive nothing matches, as a wait on a held peer does."""
     from mpi4py import MPI
-    from ringnet.comm.mpi_transport import MAX_PAUSE_S, PAUSE_STEP_S
+    from ringnet.comm.mpi_transport import MAX_PAUSE_S
     buf = np.empty(1, np.float32)
     requests = [MPI.COMM_SELF.Irecv(buf, source=0, tag=31)]
     pause = asked = 0.0
     c0, t0 = time.thread_time(), time.perf_counter()
     for _ in range(POLLS_TIMED):
         transport._test(requests)
-        pause = transport._sleep_poll(min(MAX_PAUSE_S, pause + PAUSE_STEP_S), True)
+        pause = transport._sleep_poll(pause, MAX_PAUSE_S, True)
         asked += pause
     cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
     requests[0].Cancel()
