@@ -11,7 +11,10 @@
 #           (A.B.C.2.. of --subnet, default 10.27.0.0/24) and link (a veth pair) to a bridge
 #           that holds A.B.C.1; one slurmd per node under one slurmctld in this machine's
 #           namespace. --link RATE shapes every link in both directions with
-#           `tc qdisc ... tbf rate RATE` (e.g. 1gbit, 10gbit; no --link: unshaped). Writes
+#           `tc qdisc ... tbf rate RATE` (e.g. 1gbit, 10gbit; no --link: unshaped). A node's
+#           route to the others acknowledges TCP data at once (`quickack 1`): a node held by
+#           its quota would otherwise send its delayed acknowledgements only when it runs
+#           again, past the sender's loss-probe timeout. Writes
 #           the hosts file and the launcher that mpirun needs to reach the nodes (see env).
 #           --cpus-per-node C: every process of a node (its slurmd and the jobs it starts,
 #           and what mpirun starts there through the launcher) runs in a control group of
@@ -534,6 +537,8 @@ start_nodes() {  # start_nodes K RATE PREFIX SUBNET CPUS-PER-NODE (empty: nproc 
     try "cannot address $name" ip -n "$name" addr add "$addr/24" dev eth0
     try "cannot bring up $name's eth0" ip -n "$name" link set eth0 up
     try "cannot bring up $name's lo" ip -n "$name" link set lo up
+    try "cannot set $name's route to acknowledge at once" \
+      ip -n "$name" route replace "$subnet" dev eth0 proto kernel scope link src "$addr" quickack 1
     if [ -n "$rate" ]; then
       shape "" "$name-h" "$rate"       # towards the node
       shape "$name" eth0 "$rate"       # from the node

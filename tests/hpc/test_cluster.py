@@ -3,10 +3,10 @@
 A cluster is started here in a temporary folder with its own node names, addresses and
 port, so it runs beside any other (CI's single node included). Checked against the
 system's own view, not the script's: the namespaces (`ip netns`), the addresses and host
-names inside them, the tbf on both ends of each link (`tc`), each node's control group and
-its CPU quota (the cgroup files), SLURM's nodes (`srun hostname`), mpirun through the
-cluster's launcher, and, after stop, that no namespace, link, mount, control group, daemon
-or file of it is left. Each bad input is one line, a non-zero exit, and nothing made.
+names inside them, each node's route (`ip route`: quick acknowledgements), the tbf on both
+ends of each link (`tc`), each node's control group and its CPU quota (the cgroup files),
+SLURM's nodes (`srun hostname`), mpirun through the cluster's launcher, and, after stop,
+that no namespace, link, mount, control group, daemon or file of it is left. Each bad input is one line, a non-zero exit, and nothing made.
 Starting a cluster needs root and SLURM; those tests skip saying why.
 """
 import glob
@@ -294,6 +294,9 @@ def test_start_makes_the_nodes_and_stop_removes_all_of_it(settings, tmp_path):
                 status.stdout
             # the system's view of the node: its address, its host name, tbf on both ends
             assert f"inet {address}/24" in _sh("ip", "-n", name, "addr", "show", "dev", "eth0")
+            # its route to the others acknowledges TCP data at once
+            route = _sh("ip", "-n", name, "-4", "route", "show", "dev", "eth0")
+            assert f"src {address} quickack 1" in route, route
             assert _sh("nsenter", f"--uts={state}/uts/{name}", "hostname").strip() == name
             for qdisc in (_sh("tc", "qdisc", "show", "dev", f"{name}-h"),
                           _sh("tc", "-n", name, "qdisc", "show", "dev", "eth0")):

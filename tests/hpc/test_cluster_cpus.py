@@ -1,8 +1,8 @@
 """Each node of ``hpc/cluster.sh start --nodes K --cpus-per-node C`` has cores of its own:
 its processes run in a control group of the node's own, held to C cores by CFS bandwidth.
 
-On a 2-node cluster of C = min(1, cores / 4) each (started here in a temporary folder; half
-the machine left to what runs outside it):
+On a 2-node cluster of C = min(1, cores / 4) each and links of 1 Gbit/s (started here in a
+temporary folder; half the machine left to what runs outside it):
 
 * every process of a node is in the node's group: an srun task, a rank mpirun starts
   through the cluster's launcher, a command of the launcher itself (``/proc/self/cgroup``);
@@ -14,6 +14,9 @@ the machine left to what runs outside it):
   second node idles or runs a job of busy loops, twice as many as the machine has cores
   (the loops stopped and let run in turns of half a second during the training, its steps
   sorted by turn on the trace's timeline; the median of three runs' ratios, within 10%);
+* a held node acknowledges TCP data at once (its route's ``quickack 1``): split-fc across
+  the two nodes' 1 Gbit/s link sends no loss probes, or a quarter as many as with delayed
+  acknowledgements;
 * a node that failed and came back runs in its group again.
 
 Run as a script, the same isolation measurement prints the figure docs/clusters.md shows on
@@ -54,13 +57,14 @@ STEP = ["-m", "ringnet.train", "--model", "lenet", "--dataset", "synthetic", "--
         "--quiet", "--json"]
 
 
-def start_cluster(state, nodes, cpus):
-    """Start a cluster in folder ``state``; (its Cluster, its RINGNET_SLURM_* settings)."""
+def start_cluster(state, nodes, cpus, link=None):
+    """Start a cluster in folder ``state`` (links of rate ``link``; None: unshaped); (its
+    Cluster, its RINGNET_SLURM_* settings)."""
     port, subnet, prefix = free_settings()
     state_env = {"RINGNET_SLURM_DIR": str(state), "RINGNET_SLURM_PORT": str(port)}
     env = dict(os.environ, **state_env)
     args = ["start", "--nodes", str(nodes), "--cpus-per-node", str(cpus), "--prefix", prefix,
-            "--subnet", subnet]
+            "--subnet", subnet] + (["--link", link] if link else [])
     started = script(*args, env=env)
     assert started.returncode == 0, started.stderr
     status = script("status", env=env)
@@ -75,7 +79,8 @@ def cluster(tmp_path_factory):
     why = missing_for_a_cluster()
     if why:
         pytest.skip(f"no cluster here: {why}")
-    started, env = start_cluster(tmp_path_factory.mktemp("cpus") / "slurm", 2, CPUS)
+    # shaped as the 4-node benchmarks' clusters are (a rank on one node sends nothing)
+    started, env = start_cluster(tmp_path_factory.mktemp("cpus") / "slurm", 2, CPUS, "1gbit")
     try:
         yield started
     finally:
@@ -380,6 +385,71 @@ def test_train_reports_the_cpu_its_node_spent_over_the_loop(cluster):
     assert summary["compute_cpu_s"] <= got <= used + 0.01, (got, used, summary["compute_cpu_s"])
     # a busy rank spends its node's budget, and no more: about C cores over the loop
     assert 0.3 * CPUS <= got / loop <= 1.1 * CPUS + 0.02, f"{got:.3f} s of CPU in {loop:.3f} s"
+
+
+# -- a held node's acknowledgements ---------------------------------------------------------
+
+def tcp_counters(name):
+    """Node ``name``'s TCP counters: the TcpExt lines of /proc/net/netstat in its namespace."""
+    text = subprocess.run(["ip", "netns", "exec", name, "cat", "/proc/net/netstat"],
+                          capture_output=True, text=True, timeout=30, check=True).stdout
+    lines = text.splitlines()
+    for head, values in zip(lines[::2], lines[1::2]):
+        if head.startswith("TcpExt:"):
+            return dict(zip(head.split()[1:], map(int, values.split()[1:])))
+    raise AssertionError(f"no TcpExt counters in node {name}'s /proc/net/netstat")
+
+
+def node_route(name):
+    """Node ``name``'s route to the cluster's subnet, as ``ip route`` prints it."""
+    return subprocess.run(["ip", "-n", name, "-4", "route", "show", "dev", "eth0"],
+                          capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+
+
+def acknowledge_at_once(cluster, on):
+    """Set (or clear) ``quickack`` on every node's route, the rest of the route as it is."""
+    for name in cluster.names:
+        words = node_route(name).split()
+        if "quickack" in words:
+            del words[words.index("quickack"):words.index("quickack") + 2]
+        words = [w for w in words if w != "linkdown"]
+        subprocess.run(["ip", "-n", name, "route", "replace", *words, "dev", "eth0",
+                        "quickack", str(int(on))], check=True, timeout=30)
+
+
+def loss_probes(cluster, steps):
+    """The TCP loss probes both nodes sent while split-fc trained LeNet ``steps`` steps across
+    them, one rank a node."""
+    before = [tcp_counters(name)["TCPLossProbes"] for name in cluster.names]
+    run = cluster.run(["srun", "-N", "2", "--ntasks-per-node", "1", "--mpi=pmi2",
+                       sys.executable, *STEP, "--mode", "split-fc", "--steps", str(steps)])
+    assert run.returncode == 0, run.stderr[-2000:]
+    return sum(tcp_counters(name)["TCPLossProbes"] - b for name, b in zip(cluster.names, before))
+
+
+def test_a_held_node_acknowledges_at_once(cluster):
+    """A node held by its quota would send a delayed acknowledgement only when it runs again,
+    milliseconds later, past the sender's loss-probe timeout: the sender probes, and the
+    exchange stalls for tens of milliseconds now and then (on a node with cores of its own,
+    none of this). Each node's route acknowledges at once (``quickack 1``): split-fc's
+    exchanges across the 1 Gbit/s link then send no loss probes (at most a quarter of what
+    the same run sends with delayed acknowledgements, one every few dozen steps here)."""
+    for name in cluster.names:
+        assert "quickack 1" in node_route(name), node_route(name)
+    steps = 500
+    quick = loss_probes(cluster, steps)
+    try:
+        acknowledge_at_once(cluster, False)
+        delayed = loss_probes(cluster, steps)
+    finally:
+        acknowledge_at_once(cluster, True)
+    assert all("quickack 1" in node_route(name) for name in cluster.names)
+    if delayed < 8:
+        pytest.skip(f"with delayed acknowledgements the nodes sent {delayed} loss probes in "
+                    f"{steps} steps ({quick} acknowledging at once): nodes of {CPUS:g} core "
+                    "are not held long enough here to compare")
+    assert quick <= delayed / 4, f"{quick} loss probes acknowledging at once, " \
+        f"{delayed} with delayed acknowledgements, in {steps} steps"
 
 
 # -- a node that failed and came back -------------------------------------------------------
