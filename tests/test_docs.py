@@ -1028,6 +1028,25 @@ COMMANDS = {
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-1gbit-avx512-held-repeat.json --table validation --markdown":
     doc_table,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-1gbit-avx512-quickack.json': NODES,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-1gbit-avx512-quickack-repeat.json': NODES,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-unshaped-avx512-quickack.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-quickack.json --table validation --markdown": doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-quickack.json": validation_diagnosis,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-quickack-repeat.json --table validation --markdown":
+    doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-unshaped-avx512-quickack.json --table validation --markdown":
+    doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-unshaped-avx512-waits.json --table validation --markdown": doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
