@@ -921,6 +921,9 @@ COMMANDS = {
     'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --scaling weak '
     '--batch-size 64 --modes ring,tree,master,split-fc --topologies flat,hierarchical --model lenet '
     '--steps 20 --repeats 2 --csv docs/scaling-nodes-lenet-1gbit.csv --markdown': doc_table,
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 4 --scaling weak '
+    '--batch-size 64 --modes ring,tree,master,split-fc --topologies flat --model lenet '
+    '--steps 20 --repeats 2 --markdown': doc_table,
     'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --scaling weak '
     '--batch-size 64 --modes ring,tree,master,split-fc --topologies flat,hierarchical --model cifar10_quick '
     '--steps 20 --repeats 2 --csv docs/scaling-nodes-cifar10_quick-1gbit.csv --markdown': doc_table,
