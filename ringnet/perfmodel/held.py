@@ -14,7 +14,7 @@ import dataclasses
 import math
 import random
 
-__all__ = ["Cpu", "Sync", "Held", "simulate", "PHASES", "STEPS", "WARMUP"]
+__all__ = ["Cpu", "Sync", "Held", "simulate", "applies", "PHASES", "STEPS", "WARMUP"]
 
 # relative period phases simulated (evenly spaced at N = 2, drawn with a fixed seed beyond)
 PHASES = 8
@@ -81,6 +81,13 @@ class _Node:
             spent += r
             self.used[m] = self.used.get(m, 0.0) + r
         return t, spent
+
+
+def applies(n, hosts):
+    """Whether :func:`simulate` holds for N nodes, one rank each, on the machines ``hosts``
+    ({"hosts": how many, "cpus": each one's}, as the calibration names them): the nodes
+    that share a machine do not outnumber its CPUs."""
+    return -(-n // hosts["hosts"]) <= hosts["cpus"]
 
 
 def _phases(n, period):

@@ -184,12 +184,12 @@ def held_waits(system, model, mode, delay, n, batch):
     None where the calibration did not time the polls or name the machines the nodes ran
     on, where the nodes that share a machine outnumber its CPUs (the cores hold them too),
     and for other modes. ``system``: as :meth:`System.at` gives it for N."""
+    from ringnet.perfmodel.held import Cpu, Sync, applies, simulate
     polls, hosts, q = system.polls, system.hosts, system.quota
     if (mode != "split-fc" or delay or n < 2 or q is None or not polls or not hosts
-            or -(-n // hosts["hosts"]) > hosts["cpus"]):
+            or not applies(n, hosts)):
         return None
     from ringnet.comm.mpi_transport import MAX_PAUSE_S, PAUSE_STEP_S, wait_spin_s
-    from ringnet.perfmodel.held import Cpu, Sync, simulate
     free = _unheld(system)
     cp, name = free.compute, model.name
     slow = free.contention(n, name)

@@ -6,6 +6,7 @@ import statistics
 from ringnet.perfmodel.calibration import calibration_record, describe_contention
 from ringnet.perfmodel.codefacts import OLD_FACTS, code_facts, describe_facts
 from ringnet.perfmodel.compute import profile_method
+from ringnet.perfmodel.held import applies
 from ringnet.perfmodel.links import LINKS
 from ringnet.perfmodel.report import markdown_validation, print_tables
 from ringnet.perfmodel.sweeps import PAPER_NP, mode_label
@@ -49,20 +50,8 @@ def print_report(args, compute, profiles, calibration, nps, predictions, allredu
                   f"{c['cores']:.2f}; all ranks busy against one alone: {c['slowdown']:.2f}, "
                   f"{c['raw'].get('cores', '?')} cores here); "
                   f"stream steals {c['steal']:.2f} of a core; {describe_contention(n, c)}")
-            hint = inter_link_hint(n, c)
-            if hint:
-                print(f"# local at N={n}: {hint}")
-            if c.get("quota"):
-                print(f"# local at N={n}: {quota_line(c['quota'])}")
-            held = held_line(n, c)
-            if held:
-                print(f"# local at N={n}: {held}")
-            costs = transfer_cpu_line(c)
-            if costs:
-                print(f"# local at N={n}: {costs}")
-            delayed = delayed_rate_line(c)
-            if delayed:
-                print(f"# local at N={n}: {delayed}")
+            for line in calibration_lines(n, c):
+                print(f"# local at N={n}: {line}")
     print_tables(predictions, args.batch_size, args.scaling, nps)
     if allreduces:
         print("\n# all-reduce of the whole gradient by the auto communicator (the algorithm the code "
@@ -169,20 +158,8 @@ def print_validation(args, validation, record):
             if "raw" in c:
                 c = calibration_record(n, c["raw"], rnd["compute"]["add_ns_per_element"] * 1e-9)
                 print(f"# round {i + 1}, N={n}: {describe_contention(n, c)}")
-                hint = inter_link_hint(n, c)
-                if hint:
-                    print(f"# round {i + 1}, N={n}: {hint}")
-                if c.get("quota"):
-                    print(f"# round {i + 1}, N={n}: {quota_line(c['quota'])}")
-                held = held_line(n, c)
-                if held:
-                    print(f"# round {i + 1}, N={n}: {held}")
-                costs = transfer_cpu_line(c)
-                if costs:
-                    print(f"# round {i + 1}, N={n}: {costs}")
-                delayed = delayed_rate_line(c)
-                if delayed:
-                    print(f"# round {i + 1}, N={n}: {delayed}")
+                for line in calibration_lines(n, c):
+                    print(f"# round {i + 1}, N={n}: {line}")
     print(f"# load average now: {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
           "(timings on a loaded machine move by tens of percent)")
     if args.validate:
@@ -191,6 +168,16 @@ def print_validation(args, validation, record):
               f"--compute k40 --np {' '.join(map(str, sorted({r['np'] for r in validation})))} "
               f"--validation {where} --table validation --markdown`):")
         print(markdown_validation(validation))
+
+
+def calibration_lines(n, record):
+    """The lines the reports print under a calibration ``record`` at N, where it has what
+    each needs: the --inter-link its links price at, what the model does under its nodes'
+    quota and with their held waits, its transfers' CPU, its delayed exchange's rate."""
+    lines = [inter_link_hint(n, record),
+             quota_line(record["quota"]) if record.get("quota") else None,
+             held_line(n, record), transfer_cpu_line(record), delayed_rate_line(record)]
+    return [line for line in lines if line]
 
 
 def quota_line(quota):
@@ -208,9 +195,8 @@ def held_line(n, record):
     polls, hosts = record.get("polls"), record.get("hosts")
     if not record.get("quota") or not polls or not hosts or n < 2:
         return None
-    per_host = -(-n // hosts["hosts"])
     where = (f"{n} nodes on {hosts['hosts']} machine(s) of {hosts['cpus']} CPUs")
-    if per_host > hosts["cpus"]:
+    if not applies(n, hosts):
         return (f"split-fc's waits on held peers not simulated: {where}, so the machine's "
                 f"cores hold the nodes as well as their quotas")
     return (f"split-fc's waits on peers held by their quotas simulated ({where}): a sleeping "
