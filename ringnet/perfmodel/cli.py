@@ -132,11 +132,24 @@ def _checked(args):
     return models, sorted(set(args.np)), profiles
 
 
+def _read_record(path, what, fields):
+    """The JSON object in ``path``, with each of ``fields`` (name: type); else one UsageError."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc}") from None
+    missing = [k for k, kind in fields.items()
+               if not isinstance(record, dict) or not isinstance(record.get(k), kind)]
+    if missing:
+        raise UsageError(f"{path} is not a {what} of bench model: it lacks {', '.join(missing)}")
+    return record
+
+
 def _calibration(args, compute, models, profiles):
     """The local calibration: read from --calibration, or run here when profile local needs it."""
     if args.calibration and os.path.exists(args.calibration) and not args.calibrate:
-        with open(args.calibration) as f:
-            return json.load(f)
+        return _read_record(args.calibration, "calibration", {"by_np": dict})
     if not (args.calibrate or "local" in profiles):
         return None
     if compute.device != "cpu":
@@ -164,11 +177,14 @@ def _validation(args, models, nps):
         return validation_rows(record), record
     if not args.validation:
         return [], None
-    try:
-        with open(args.validation) as f:
-            record = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read validation record {args.validation}: {exc}") from None
+    record = _read_record(args.validation, "validation record",
+                          {"batch_size": int, "steps": int, "rounds": list})
+    if not record["rounds"] or not all(isinstance(r, dict) and {"compute", "calibration",
+                                                                "measured"} <= set(r)
+                                       for r in record["rounds"]):
+        raise UsageError(f"{args.validation} is not a validation record of bench model: its "
+                         f"rounds lack "
+                         f"compute, calibration or measured")
     args.validate_batch, args.validate_steps = record["batch_size"], record["steps"]
     args.validate_repeats = len(record["rounds"])
     return validation_rows(record), record

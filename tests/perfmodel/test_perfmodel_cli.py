@@ -64,6 +64,26 @@ def test_cli_bad_input_is_one_line(args, words):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("option, text, words", [
+    ("--calibration", "", "cannot read calibration"),
+    ("--calibration", "{}", "is not a calibration of bench model: it lacks by_np"),
+    ("--calibration", '{"by_np": [1]}', "it lacks by_np"),
+    ("--validation", "{not json", "cannot read validation record"),
+    ("--validation", "[]", "it lacks batch_size, steps, rounds"),
+    ("--validation", '{"batch_size": 64, "steps": 40, "rounds": [{"compute": {}}]}',
+     "rounds lack compute, calibration or measured"),
+])
+def test_cli_a_bad_record_file_is_one_line_naming_it(tmp_path, option, text, words):
+    path = tmp_path / "record.json"
+    path.write_text(text)
+    profile = ("--profile", "local") if option == "--calibration" else ()
+    proc = run_model_cli("--compute", "k40", "--np", "1", "2", *profile, option, str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("ringnet: error: ") and words in proc.stderr
+    assert str(path) in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_compute_profile_cli_saves_a_training_steps_profile(tmp_path):
     # the command as a user runs it: the profile it saves says how it was measured and has
     # the median step of every batch size it ran (the times themselves are checked against
