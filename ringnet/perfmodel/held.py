@@ -14,7 +14,7 @@ import dataclasses
 import math
 import random
 
-__all__ = ["Cpu", "Sync", "Held", "simulate", "applies", "PHASES", "STEPS", "WARMUP"]
+__all__ = ["Cpu", "Sync", "Held", "simulate", "applies", "share", "PHASES", "STEPS", "WARMUP"]
 
 # relative period phases simulated (evenly spaced at N = 2, drawn with a fixed seed beyond)
 PHASES = 8
@@ -83,11 +83,18 @@ class _Node:
         return t, spent
 
 
+def share(n, hosts):
+    """The share of a core each of N nodes, one rank each, gets on the machines ``hosts``
+    ({"hosts": how many, "cpus": each one's}, as the calibration names them) while all of
+    them compute at once: 1 where the nodes that share a machine do not outnumber its
+    CPUs, else its CPUs over those nodes (the kernel shares the CPUs out evenly)."""
+    return min(1.0, hosts["cpus"] / -(-n // hosts["hosts"]))
+
+
 def applies(n, hosts):
-    """Whether :func:`simulate` holds for N nodes, one rank each, on the machines ``hosts``
-    ({"hosts": how many, "cpus": each one's}, as the calibration names them): the nodes
-    that share a machine do not outnumber its CPUs."""
-    return -(-n // hosts["hosts"]) <= hosts["cpus"]
+    """Whether :func:`simulate` holds for N nodes on the machines ``hosts``: each can run
+    at a full core's speed while the others do (:func:`share`)."""
+    return share(n, hosts) >= 1.0
 
 
 def _phases(n, period):

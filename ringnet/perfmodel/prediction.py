@@ -2,6 +2,7 @@
 library says the step sends (``ringnet.parallel.step_traffic``), timed by each route's rule."""
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
@@ -74,6 +75,13 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     for 1 - q of the time: running, the transfer moves at that rate / q (at most its
     blocking speed); its steal, a ratio of two times both held alike, stands.
 
+    Where the nodes outnumber the CPUs of the machine they share (the calibration's
+    ``hosts``; :func:`_shared`), their ranks, which compute at once, each get a share of
+    a core below a full one while all compute: the compute runs at that share (and at the
+    quota's rate once the period's budget is spent, where the share is the larger), the
+    ranks share cores, so no rank's step is its own and the calibration's imbalance,
+    measured there with the CPUs shared out, does not lengthen it.
+
     At delay 1 across nodes the previous step's exchange runs beside the whole of this
     step's compute, its thread polling on the node's other CPU from the same budget: the
     compute never finds the period's budget unspent and is held as the busy profile was
@@ -86,7 +94,16 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     free = _unheld(system)
     fast = _predict_on(free, model, mode, delay, n, batch, topology)
     period = system.quota_period_s
-    if period and fast.compute_s > q * period:
+    burst = _shared(system, mode, n)
+    if burst < 1.0:
+        # the nodes outnumber the CPUs of the machine they share, and compute at once: each
+        # at its share of a core, until its period's budget is spent (where the share
+        # exceeds the quota) and at the quota's rate after; the ranks share cores, so no
+        # rank's step is its own (no imbalance), and the stream's polls cost the budget
+        p = _predict_on(dataclasses.replace(
+            free, held_after_s=q * period if burst > q and period else math.inf, held_rate=q,
+            held_burst=burst, steal=0.0, imbalance=None), model, mode, delay, n, batch, topology)
+    elif period and fast.compute_s > q * period:
         # a compute longer than one period's budget: the wait before it leaves it that
         # budget at most (the kernel carries none over to the next period), so its first
         # q * period run at a full core's speed and the rest at the quota's rate; there
@@ -123,6 +140,20 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     return dataclasses.replace(p, step_s=busy, compute_s=fast.compute_s / q,
                                update_s=fast.update_s / q, exposed_s=0.0,
                                node_cpu_s=busy * q, transfers_cpu_s=spent)
+
+
+def _shared(system, mode, n):
+    """The share of a core a rank's compute gets where the nodes it runs on outnumber the
+    CPUs of the machine they share (:func:`ringnet.perfmodel.held.share`; 1 elsewhere, and
+    where the calibration did not name the machines). Split-fc's compute is cut by its
+    blocking activation collectives: its ranks' compute alternates with waits, so they do
+    not all compute at once, and its step is bounded by the node's CPU time over the quota
+    (measured on 4 nodes of 0.5 core on 2 CPUs: LeNet's compute's wall time 1.3 times its
+    CPU time, the other modes' 1.7 to 2.0)."""
+    from ringnet.perfmodel.held import share
+    if not system.hosts or n < 2 or mode == "split-fc":
+        return 1.0
+    return share(n, system.hosts)
 
 
 def _unheld(system):
@@ -311,7 +342,7 @@ def _predict_on(system, model, mode, delay, n, batch, topology):
         compute, act, fixed = timeline.end, 0.0, 0.0
 
     if system.held_after_s is not None:
-        timeline = timeline.held(system.held_after_s, system.held_rate)
+        timeline = timeline.held(system.held_after_s, system.held_rate, system.held_burst)
         compute = timeline.end - act - fixed
 
     def update_of(part):

@@ -31,12 +31,13 @@ class Timeline:
     ready: dict
     end: float
 
-    def held(self, after_s, rate):
-        """The same compute where the thread runs at full speed for ``after_s`` and at
-        ``rate`` of it from then on (a CFS quota's budget spent): every time t past
-        ``after_s`` becomes after_s + (t - after_s) / rate."""
+    def held(self, after_s, rate, burst=1.0):
+        """The same compute where the thread runs at ``burst`` of full speed for the first
+        ``after_s`` of its work and at ``rate`` of it from then on (a CFS quota's budget
+        spent): a time t of the full-speed timeline becomes t / burst up to ``after_s``, and
+        after_s / burst + (t - after_s) / rate past it."""
         def warp(t):
-            return t if t <= after_s else after_s + (t - after_s) / rate
+            return t / burst if t <= after_s else after_s / burst + (t - after_s) / rate
         return Timeline([warp(p) for p in self.points], [(warp(a), warp(b)) for a, b in self.dense],
                         {k: warp(t) for k, t in self.ready.items()}, warp(self.end))
 

@@ -30,8 +30,10 @@ class System:
     a thread at a full core's speed while the period's budget lasts and holds it once it is
     spent, so a step whose rank waits for the network computes faster than a busy one (for
     one period's budget: ``held_after_s`` and ``held_rate`` say from when and at what share
-    of a core its compute runs after), and no step is shorter than its CPU time over the
-    quota (:func:`ringnet.perfmodel.prediction.predict`).
+    of a core its compute runs after, ``held_burst`` at what share before: below 1 where
+    the nodes outnumber the CPUs of the machine they share and compute at once), and no
+    step is shorter than its CPU time over the quota
+    (:func:`ringnet.perfmodel.prediction.predict`).
     That CPU time counts what the step's transfers cost the rank's process, per message and
     per byte it sends, as the calibration measured them: ``cpu_blocking`` on the training
     thread's blocking waits (split-fc's activations), ``cpu_stream`` on the stream's thread.
@@ -62,6 +64,7 @@ class System:
     quota_period_s: float = None     # ... and the period it is a share of
     held_after_s: float = None       # a step's compute runs at a full core's speed this long,
     held_rate: float = None          # ... and at this share of it after (a quota's budget spent)
+    held_burst: float = 1.0          # ... and at this share of it before (a machine's CPUs shared)
     cpu_blocking: dict = None        # local: CPU a blocking transfer costs its rank's process
     cpu_stream: dict = None          # ... and one on the stream's thread ({"per_msg_s",
     #                                  "per_byte_s"}: per message and per byte sent)

@@ -6,7 +6,7 @@ import statistics
 from ringnet.perfmodel.calibration import calibration_record, describe_contention
 from ringnet.perfmodel.codefacts import OLD_FACTS, code_facts, describe_facts
 from ringnet.perfmodel.compute import profile_method
-from ringnet.perfmodel.held import applies
+from ringnet.perfmodel.held import applies, share
 from ringnet.perfmodel.links import LINKS
 from ringnet.perfmodel.report import markdown_validation, print_tables
 from ringnet.perfmodel.sweeps import PAPER_NP, mode_label
@@ -175,13 +175,22 @@ def calibration_lines(n, record):
     each needs: the --inter-link its links price at, what the model does under its nodes'
     quota and with their held waits, its transfers' CPU, its delayed exchange's rate."""
     lines = [inter_link_hint(n, record),
-             quota_line(record["quota"]) if record.get("quota") else None,
+             quota_line(record["quota"], n, record.get("hosts")) if record.get("quota") else None,
              held_line(n, record), transfer_cpu_line(record), delayed_rate_line(record)]
     return [line for line in lines if line]
 
 
-def quota_line(quota):
-    """What the model does with nodes held to a CFS quota of ``quota`` (< 1) cores."""
+def quota_line(quota, n=None, hosts=None):
+    """What the model does with N nodes held to a CFS quota of ``quota`` (< 1) cores, on
+    the machines ``hosts`` (as the calibration names them; None: not named)."""
+    burst = share(n, hosts) if hosts and n and n > 1 else 1.0
+    if burst < 1.0:
+        return (f"nodes held to a CPU quota of {quota:g} core, {n} of them on "
+                f"{hosts['hosts']} machine(s) of {hosts['cpus']} CPUs: one rank a node "
+                f"computes at {burst:.2g} of a core while all compute at once (split-fc, "
+                f"whose ranks compute between blocking collectives: at a full core's speed "
+                f"while the period's budget lasts), no rank's step its own (the CPUs are "
+                f"shared), and no step is shorter than its CPU time / {quota:g}")
     return (f"nodes held to a CPU quota of {quota:g} core: one rank a node computes at a full "
             f"core's speed while the period's budget lasts (the profile times {quota:g}), and "
             f"no step is shorter than its CPU time / {quota:g}")

@@ -218,3 +218,63 @@ def test_split_fc_on_held_nodes_takes_the_simulated_step_where_the_nodes_fit_the
     crowded = dataclasses.replace(simulated, hosts={"hosts": 1, "cpus": 1})
     assert pm.predict(crowded, lenet, "split-fc", 0, 2, 64).held is None
     assert pm.predict(simulated, lenet, "ring", 0, 2, 64).held is None
+
+
+def test_a_node_s_share_of_a_core_where_the_nodes_outnumber_the_machine_s_cpus():
+    one = {"hosts": 1, "cpus": 2}
+    assert [held.share(n, one) for n in (1, 2, 3, 4, 8)] == pytest.approx([1, 1, 2 / 3, 0.5, 0.25])
+    # nodes spread over machines in turn: 4 nodes on 2 machines of 2 CPUs have a CPU each
+    assert held.share(4, {"hosts": 2, "cpus": 2}) == 1.0
+    assert held.share(5, {"hosts": 2, "cpus": 2}) == pytest.approx(2 / 3)
+    assert held.applies(2, one) and not held.applies(3, one)
+
+
+def test_nodes_that_outnumber_the_machine_s_cpus_compute_at_their_share_of_them():
+    """Two nodes of half a core on a machine of one CPU compute at once at half a core each:
+    a rank's compute is the profile as measured busy under the quota (the machine's CPU
+    shared instead of the quota's periods, the same rate), not the full core's speed it
+    gets for a period's budget where the machine has a CPU for each; its ranks share the
+    CPU, so no rank's step is its own (the calibration's imbalance does not apply). On a
+    machine of 3 CPUs shared by 4 nodes a node bursts at 3/4 of a core for its period's
+    budget. Split-fc keeps the full core: its ranks' compute alternates with its blocking
+    collectives."""
+    lenet = build_model("lenet")
+    # a slow link and long periods: the rank waits for the network with budget to spare
+    slow = pm.Link("slow", 1e-4, 5e7)
+    roomy = dataclasses.replace(_held_system(hosts={"hosts": 1, "cpus": 2}), inter=slow,
+                                intra=slow, quota_period_s=0.1)
+    crowded = dataclasses.replace(roomy, hosts={"hosts": 1, "cpus": 1})
+    profile = pm.predict(dataclasses.replace(roomy, quota=None), lenet, "ring", 0, 2, 64)
+    fast = pm.predict(roomy, lenet, "ring", 0, 2, 64)
+    shared = pm.predict(crowded, lenet, "ring", 0, 2, 64)
+    assert shared.compute_s == pytest.approx(profile.compute_s, rel=1e-6)
+    assert fast.compute_s < 0.9 * shared.compute_s and shared.step_s > fast.step_s
+    skewed = {"imbalance": {"lenet": 1.5}}
+    assert pm.predict(dataclasses.replace(roomy, **skewed), lenet, "ring", 0, 2, 64).step_s \
+        > fast.step_s + 0.3 * fast.compute_s
+    assert pm.predict(dataclasses.replace(crowded, **skewed), lenet, "ring", 0, 2, 64).step_s \
+        == pytest.approx(shared.step_s, rel=1e-9)
+    # 3/4 of a core for the period's budget (q x period of full-speed work), then q
+    c = pm.predict(dataclasses.replace(roomy, quota_period_s=1.0), lenet, "tree", 0, 2, 64)
+    full = c.compute_s                                    # all of it within the budget
+    period = full / (0.5 * 2)                             # the budget: half the work
+    three = dataclasses.replace(roomy, quota_period_s=period, hosts={"hosts": 1, "cpus": 1.5})
+    got = pm.predict(three, lenet, "tree", 0, 2, 64)
+    assert got.compute_s == pytest.approx(0.5 * full / 0.75 + 0.5 * full / 0.5, rel=1e-6)
+    assert pm.predict(crowded, lenet, "split-fc", 0, 2, 64).compute_s == pytest.approx(
+        pm.predict(dataclasses.replace(roomy, hosts=None), lenet, "split-fc", 0, 2, 64)
+        .compute_s, rel=1e-9)
+
+
+def test_the_report_says_which_rule_a_quota_s_row_takes():
+    from ringnet.perfmodel.text import calibration_lines
+    record = {"quota": 0.5, "hosts": {"hosts": 1, "cpus": 2}}
+    (two,), (four,) = calibration_lines(2, record), calibration_lines(4, record)
+    assert "computes at a full core's speed while the period's budget lasts" in two
+    assert "4 of them on 1 machine(s) of 2 CPUs" in four
+    assert "computes at 0.5 of a core while all compute at once" in four
+    assert "CPU time / 0.5" in two and "CPU time / 0.5" in four
+    (three,) = calibration_lines(3, record)
+    assert "at 0.67 of a core" in three
+    (unnamed,) = calibration_lines(4, {"quota": 0.5})
+    assert unnamed == two

@@ -232,6 +232,15 @@ def test_a_held_timeline_runs_at_the_quota_s_rate_past_the_budget():
     assert line.ready == {0: 4.0, 1: 1.5} and line.end == 4.0
 
 
+def test_a_held_timeline_may_run_below_a_full_core_before_the_budget_is_spent():
+    from ringnet.perfmodel.simulate import Timeline
+    line = Timeline([1.0, 2.0, 3.0], [(2.5, 3.0)], {0: 3.0, 1: 1.5}, 3.0).held(2.0, 0.5, 0.8)
+    # 2 s of work at 0.8 of a core take 2.5 s; the last second at 0.5 takes 2
+    assert line.points == pytest.approx([1.25, 2.5, 4.5])
+    assert line.dense[0] == pytest.approx((3.5, 4.5)) and line.end == pytest.approx(4.5)
+    assert line.ready == pytest.approx({0: 4.5, 1: 1.875})
+
+
 def test_the_step_s_transfers_cost_cpu_per_message_and_per_byte_sent():
     """``transfer_cpu_s`` against a count by hand: a delay-1 ring at N = 4 sends 2(N-1) = 6
     messages of LeNet's gradient, 2(N-1)/N of it per rank, all on the stream; split-fc's
