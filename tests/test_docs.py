@@ -8,6 +8,7 @@ only shorten it, run by a named test elsewhere, or not runnable here (installs, 
 from the internet, SLURM) with the reason. A command added to the docs without an entry
 fails ``test_every_documented_command_has_a_check``.
 """
+import functools
 import itertools
 import json
 import os
@@ -382,6 +383,9 @@ STATIC = {
     ("exit code", "meaning"): "tests/test_docs_pages.py (the codes of ringnet.errors)",
     ("mode", "inside the graph", "outside it"):
         "tests/test_graphs.py (what GraphStep captures per strategy)",
+    ("record", "links", "rows within 10%, before → after", "within 15% after",
+     "misses after (beyond 10%)"):
+        "test_the_cluster_records_counts_are_today_s_model_s (the model's counts per record)",
 }
 # Measured tables whose benchmark prints them as text, assembled into Markdown by hand:
 # none (every benchmark table comes from its command's --markdown).
@@ -585,6 +589,57 @@ def validation_diagnosis(command, tmp_path):
         assert f"its nodes spent {lo} to {hi} of their quota's share" in out, out
     for alone in re.findall(r"([\d.]+)\s+ms\s+at\s+N=1,\s+which\s+sends\s+nothing", paragraph):
         assert f"; {alone} ms at N=1, which sends nothing" in out, out
+
+
+@functools.lru_cache(maxsize=None)
+def _record_rows(name):
+    """Today's model's validation rows of docs/bench-model-validation-NAME.json."""
+    from ringnet.perfmodel.validation import validation_rows
+    with open(os.path.join(ROOT, "docs", f"bench-model-validation-{name}.json")) as f:
+        return validation_rows(json.load(f))
+
+
+def _record_counts(table_lines):
+    """For the rows of docs/scaling.md's table of validation records (record, links, within
+    10% before → after, within 15% after, misses after): whether each row's figures after
+    the change are today's model's, as a list of (record, what differs)."""
+    from ringnet.tables import parse_markdown
+    _, rows = parse_markdown("\n".join(table_lines))
+    wrong = []
+    for record, _, counts, within15, misses in rows:
+        name = record.split()[0]
+        got = _record_rows(name)
+        errors = [abs(r["error_at_run"]) for r in got]
+        said = {(m, mode, int(n), int(e.replace("−", "-")))
+                for m, mode, n, e in re.findall(r"(LeNet|cifar10_quick) ((?:ring d\d)|tree|master|"
+                                                r"split-fc) N=(\d) ([+−]\d+)%", misses)}
+        label = {"lenet": "LeNet"}
+        missed = {(label.get(r["model"], r["model"]),
+                   f"ring d{r['delay']}" if r["mode"] == "ring" else r["mode"], r["np"],
+                   round(100 * r["error_at_run"])) for r in got if abs(r["error_at_run"]) > 0.10}
+        if (counts.split("→")[-1].strip() != str(sum(e <= 0.10 for e in errors))
+                or within15.strip() != str(sum(e <= 0.15 for e in errors)) or said != missed):
+            wrong.append((name, counts, within15, misses, missed))
+    return wrong
+
+
+def test_the_cluster_records_counts_are_today_s_model_s():
+    """docs/scaling.md's table of the cluster's validation records ("Nodes that share the
+    machine's CPUs"): each record's rows within 10% and 15% after the change and its misses
+    are what today's model makes of the record (the counts before are the model's then)."""
+    header = ("| record | links | rows within 10%, before → after | within 15% after | "
+              "misses after (beyond 10%) |")
+    lines = page("docs/scaling.md").splitlines()
+    start = lines.index(header)
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    table = lines[start:end]
+    assert len(table) > 4
+    assert _record_counts(table) == []
+    # a changed count or a miss left out fails
+    changed = [table[0], table[1], table[2].replace("31 → 31", "31 → 32")] + table[3:]
+    assert [w[0] for w in _record_counts(changed)] == ["1gbit-avx512-held"]
+    dropped = table[:4] + [table[4].replace("LeNet split-fc N=4 +12%", "–")] + table[5:]
+    assert [w[0] for w in _record_counts(dropped)] == ["1gbit-avx512-quickack"]
 
 
 def test_delay_table_check_fails_on_a_changed_cell():
@@ -1049,6 +1104,19 @@ COMMANDS = {
     doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-unshaped-avx512-quickack.json --table validation --markdown":
+    doc_table,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-1gbit-avx512-unseen.json': NODES,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-unshaped-avx512-unseen.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-unseen.json --table validation --markdown": doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-unseen.json": validation_diagnosis,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-unshaped-avx512-unseen.json --table validation --markdown":
     doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-unshaped-avx512-waits.json --table validation --markdown": doc_table,
