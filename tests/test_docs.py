@@ -985,6 +985,15 @@ COMMANDS = {
     'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 4 --batch-size 256 '
     '--modes ring --delays 1 --model cifar10_quick --ceiling --steps 20 --repeats 2':
         "tests/bench/test_bench_scaling.py::test_the_ceiling_is_single_at_the_per_rank_batch",
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 4 --batch-size 256 '
+    '--modes ring --delays 1 --model cifar10_quick --ceiling --steps 20 --repeats 3':
+        "tests/bench/test_bench_scaling.py::test_the_ceiling_is_single_at_the_per_rank_batch",
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 2 4 2x2 --scaling weak '
+    '--batch-size 64 --modes ring,tree,master,split-fc --topologies flat,hierarchical '
+    '--model cifar10_quick --steps 20 --repeats 2 --markdown': doc_table,
+    'python -m ringnet.bench scaling --launcher "srun --mpi=pmi2" --nodes 1 4 --scaling weak '
+    '--batch-size 64 --modes ring --delays 1 --topologies flat,hierarchical '
+    '--model cifar10_quick --steps 20 --repeats 3 --markdown': doc_table,
     'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
     '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
     'docs/bench-model-validation-1gbit.json': NODES,
