@@ -183,8 +183,7 @@ def _validation(args, models, nps):
                                                                 "measured"} <= set(r)
                                        for r in record["rounds"]):
         raise UsageError(f"{args.validation} is not a validation record of bench model: its "
-                         f"rounds lack "
-                         f"compute, calibration or measured")
+                         f"rounds lack compute, calibration or measured")
     args.validate_batch, args.validate_steps = record["batch_size"], record["steps"]
     args.validate_repeats = len(record["rounds"])
     return validation_rows(record), record
