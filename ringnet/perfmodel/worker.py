@@ -128,16 +128,20 @@ def calibrate_worker(iters, models=(), batch=0):
                        "imbalance": float(np.median(imbalance))}
     def timed(exchange, buf, cpu=False):
         """Median (over iters) of the slowest rank's time of ``exchange(buf)``, entered
-        together; with ``cpu``, also the CPU time the rank's process spent in it (median over
-        iters of the mean over ranks), else None."""
+        together; with ``cpu``, also the CPU time the rank's thread spent in it (median over
+        iters of the mean over ranks), else None: the exchange blocks the calling thread, as
+        split-fc's collectives block the training thread, whose waits train times the same
+        way (``time.thread_time``). The process's CPU clock would add whatever else the
+        process runs meanwhile, and Linux counts a thread busy on another CPU only at its
+        scheduler ticks: a 25 us exchange read 4 ms beside such a thread."""
         samples, spent = [], []
         for _ in range(iters):
             idle_barrier()
-            c0 = time.process_time()
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             exchange(buf)
             t1 = time.perf_counter()
-            spent.append(time.process_time() - c0)
+            spent.append(time.thread_time() - c0)
             samples.append(slowest(t1 - t0))
         return (float(np.median(samples)),
                 float(np.median([mean_over_ranks(c) for c in spent])) if cpu else None)
