@@ -9,6 +9,7 @@ import numpy as np
 from ringnet.perfmodel import sends
 from ringnet.perfmodel.codefacts import boundary_s, code_facts, rooted_concurrent
 from ringnet.perfmodel.exchange import RING_KINDS, flat_items, refill, ring_time
+from ringnet.perfmodel.held import Cpu, Sync, applies, share, simulate
 from ringnet.perfmodel.simulate import layer_timeline, progress_of, simulate_ops
 from ringnet.perfmodel.topology import hierarchical_items, spans_nodes
 from ringnet.parallel import MODES as REGISTRY
@@ -150,7 +151,6 @@ def _shared(system, mode, n):
     not all compute at once, and its step is bounded by the node's CPU time over the quota
     (measured on 4 nodes of 0.5 core on 2 CPUs: LeNet's compute's wall time 1.3 times its
     CPU time, the other modes' 1.7 to 2.0)."""
-    from ringnet.perfmodel.held import share
     if not system.hosts or n < 2 or mode == "split-fc":
         return 1.0
     return share(n, system.hosts)
@@ -215,7 +215,6 @@ def held_waits(system, model, mode, delay, n, batch):
     None where the calibration did not time the polls or name the machines the nodes ran
     on, where the nodes that share a machine outnumber its CPUs (the cores hold them too),
     and for other modes. ``system``: as :meth:`System.at` gives it for N."""
-    from ringnet.perfmodel.held import Cpu, Sync, applies, simulate
     polls, hosts, q = system.polls, system.hosts, system.quota
     if (mode != "split-fc" or delay or n < 2 or q is None or not polls or not hosts
             or not applies(n, hosts)):
@@ -271,7 +270,6 @@ def _timed_plan(system, n, plan, per_byte_s):
     one collective to the next and refill during the compute between them (for its CPU
     time: a hold between them refills them more); the step's first collective meets them as
     the step before left them (the plan walked twice)."""
-    from ringnet.perfmodel.held import Cpu, Sync
     tokens = [system.link_of(n).burst_bytes] * n
     for _ in range(2):
         step = []

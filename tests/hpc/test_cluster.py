@@ -6,7 +6,8 @@ system's own view, not the script's: the namespaces (`ip netns`), the addresses 
 names inside them, each node's route (`ip route`: quick acknowledgements), the tbf on both
 ends of each link (`tc`), each node's control group and its CPU quota (the cgroup files),
 SLURM's nodes (`srun hostname`), mpirun through the cluster's launcher, and, after stop,
-that no namespace, link, mount, control group, daemon or file of it is left. Each bad input is one line, a non-zero exit, and nothing made.
+that no namespace, link, mount, control group, daemon or file of it is left. Each bad
+input is one line, a non-zero exit, and nothing made.
 Starting a cluster needs root and SLURM; those tests skip saying why.
 """
 import glob
