@@ -6,9 +6,10 @@ that reaches a blocking collective often finds a peer held: it spins (spending i
 node's budget) for the wait's spin, then sleeps between polls until the peer's next
 period lets it go on. :func:`simulate` runs a step of CPU segments and ring collectives on
 N such nodes, phase by phase, as the code waits (``MpiTransport._poll``), and returns the
-step and what the waits cost. It holds where the nodes that share a machine can all run
-at a full core at once (one rank a node); where they cannot, the machine's cores hold
-them as well and the simulation does not apply.
+step and what the waits cost. Where the nodes that share a machine outnumber its CPUs, the
+machine's CPUs hold them as well as their quotas: there it runs the nodes together, event
+by event, sharing each machine's CPUs among the ranks that compute, a spinning wait taking
+only what they leave (it yields).
 """
 import dataclasses
 import math
@@ -21,6 +22,10 @@ PHASES = 8
 # steps simulated per phase, after WARMUP steps that settle the ranks into their pattern
 STEPS = 100
 WARMUP = 30
+# where the nodes run together on shared CPUs (each step an event walk of them all): the
+# sharing soon locks them into one pattern whatever their periods' phases (on the cluster
+# records' steps 4 phases of 40 steps gave the step of 8 of 100 to 1e-12)
+SHARED_PHASES, SHARED_STEPS, SHARED_WARMUP = 4, 40, 10
 _EPS = 1e-12
 
 
@@ -92,8 +97,9 @@ def share(n, hosts):
 
 
 def applies(n, hosts):
-    """Whether :func:`simulate` holds for N nodes on the machines ``hosts``: each can run
-    at a full core's speed while the others do (:func:`share`)."""
+    """Whether N nodes on the machines ``hosts`` can each run at a full core's speed while
+    the others do (:func:`share`): :func:`simulate` then runs them phase by phase, each on
+    its own, else together on the machines' shared CPUs."""
     return share(n, hosts) >= 1.0
 
 
@@ -105,14 +111,20 @@ def _phases(n, period):
 
 
 def simulate(step, n, quota, period, spin_s, poll_cpu_s, poll_extra_s, pause_step_s,
-             max_pause_s):
+             max_pause_s, hosts=None):
     """Simulate ``step`` (a list of :class:`Cpu` and :class:`Sync`, the same on every rank,
     repeated) on ``n`` nodes, each held to ``quota`` cores of every ``period``, the periods
     at relative phases (:data:`PHASES` of them, averaged). A waiting rank spins for
     ``spin_s`` of wall time (spending its budget while it runs), then polls, each poll
     costing ``poll_cpu_s`` and sleeping its pause (ramped by ``pause_step_s`` up to
     ``max_pause_s``) plus ``poll_extra_s``; it goes on when a poll or its spin sees the
-    round done. Returns a :class:`Held`."""
+    round done. ``hosts`` ({"hosts", "cpus"}, the nodes filling the machines in order):
+    where the nodes of a machine outnumber its CPUs (:func:`applies`), the nodes run
+    together on them (:func:`_shared`); None or else: each on a core of its own. Returns a
+    :class:`Held`."""
+    if hosts and not applies(n, hosts):
+        return _shared(step, n, quota, period, hosts, spin_s, poll_cpu_s, poll_extra_s,
+                       pause_step_s, max_pause_s)
     totals = [0.0] * 5
     every = _phases(n, period)
     for phases in every:
@@ -161,4 +173,140 @@ def simulate(step, n, quota, period, spin_s, poll_cpu_s, poll_extra_s, pause_ste
         for j, v in enumerate(((max(t) - start) / STEPS, sum(cpu) / k, waits / k, held / k,
                                wait_cpu / k)):
             totals[j] += v
+    return Held(*(v / len(every) for v in totals))
+
+
+def _rounds(step):
+    """``step`` as the ranks walk it: ("cpu", seconds) and, per round of a collective,
+    ("sync", latency, polls)."""
+    walk = []
+    for item in step:
+        if isinstance(item, Cpu):
+            if item.seconds > 0:
+                walk.append(("cpu", item.seconds, False))
+        else:
+            walk += [("sync", item.latency_s, item.polls)] * item.rounds
+    return walk
+
+
+def _shared(step, n, quota, period, hosts, spin_s, poll_cpu_s, poll_extra_s, pause_step_s,
+            max_pause_s):
+    """:func:`simulate` where the nodes that share a machine outnumber its CPUs: all ranks
+    run together, event by event. On each machine the ranks that compute (or poll) share
+    its CPUs evenly, at most a core each; a spinning wait yields, so it runs on what they
+    leave (shared evenly, at most a core); a node held by its quota runs nothing until its
+    next period, and every CPU second a rank gets spends its node's budget. A round ends
+    for a rank ``latency`` after it and both its neighbours have entered it; a spin sees
+    that at once where its node is not held, else when it runs again. A stream's wait
+    (``polls`` False) takes no CPU. The step is each rank's own, averaged."""
+    walk = _rounds(step)
+    length, budget = len(walk), quota * period
+    phased, steps, warmup = SHARED_PHASES, SHARED_STEPS, SHARED_WARMUP
+    per, cpus = -(-n // hosts["hosts"]), hosts["cpus"]
+    machines = [list(range(m, min(m + per, n))) for m in range(0, n, per)]
+    totals = [0.0] * 5
+    every = _phases(n, period)[:phased]
+    for phases in every:
+        t = 0.0
+        at = [0] * n                       # each rank's place in the walk, counted from 0
+        state, left, until, pause = ["cpu"] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        entered = {}                       # (rank, place) -> when it entered that round
+        start = [phases[i] - period * math.ceil(phases[i] / period) for i in range(n)]
+        end = [s + period for s in start]  # each node's current period ...
+        used = [0.0] * n                   # ... and the budget spent in it
+        cpu, wait_cpu, waits, held = [0.0] * n, [0.0] * n, [0] * n, [0] * n
+        marks = [[] for _ in range(n)]
+
+        def done(i):
+            g = at[i]
+            ends = [entered.get((k % n, g)) for k in (i - 1, i, i + 1)]
+            return None if None in ends else max(ends) + walk[g % length][1]
+
+        def enter(i):
+            g = at[i]
+            if g % length == 0 and g // length in (warmup, warmup + steps):
+                marks[i].append((t, cpu[i], waits[i], held[i], wait_cpu[i]))
+                if g // length == warmup + steps:
+                    state[i] = "end"
+                    return
+            kind, value, polls = walk[g % length]
+            if kind == "cpu":
+                state[i], left[i] = "cpu", value
+                return
+            entered[(i, g)] = t
+            if polls:
+                waits[i] += 1
+                state[i], until[i], pause[i] = "spin", t + spin_s, 0.0
+            else:
+                state[i] = "block"
+
+        for i in range(n):
+            enter(i)
+        while state.count("end") < n:
+            rate = [0.0] * n
+            for machine in machines:
+                busy = [i for i in machine if state[i] in ("cpu", "poll")
+                        and budget - used[i] > _EPS]
+                spin = [i for i in machine if state[i] == "spin" and budget - used[i] > _EPS]
+                each = min(1.0, cpus / len(busy)) if busy else 0.0
+                for i in busy:
+                    rate[i] = each
+                if spin:
+                    rest = min(1.0, max(0.0, cpus - each * len(busy)) / len(spin))
+                    for i in spin:
+                        rate[i] = rest
+            step_s = min(end) - t
+            finish = [None] * n
+            for i in range(n):
+                if rate[i] > 0:
+                    step_s = min(step_s, (budget - used[i]) / rate[i])
+                    if state[i] in ("cpu", "poll"):
+                        step_s = min(step_s, left[i] / rate[i])
+                if state[i] in ("spin", "sleep") and until[i] > t:
+                    step_s = min(step_s, until[i] - t)
+                if state[i] in ("spin", "block", "sleep", "poll"):
+                    finish[i] = done(i)
+                    if finish[i] is None:
+                        continue
+                    if finish[i] > t + _EPS:
+                        step_s = min(step_s, finish[i] - t)
+                    elif state[i] == "block" or state[i] == "spin" and budget - used[i] > _EPS:
+                        step_s = 0.0            # it goes on now
+            step_s = max(step_s, 0.0)
+            for i in range(n):
+                if rate[i] > 0:
+                    c = rate[i] * step_s
+                    used[i] += c
+                    cpu[i] += c
+                    if state[i] in ("cpu", "poll"):
+                        left[i] -= c
+                    if state[i] in ("spin", "poll"):
+                        wait_cpu[i] += c
+            t += step_s
+            for i in range(n):
+                if end[i] - t <= _EPS:
+                    start[i], end[i], used[i] = end[i], end[i] + period, 0.0
+            for i in range(n):
+                s, seen = state[i], finish[i] is not None and finish[i] <= t + _EPS
+                free = budget - used[i] > _EPS
+                if s == "cpu" and left[i] <= _EPS or s == "block" and seen:
+                    at[i] += 1
+                    enter(i)
+                elif s == "spin" and free and seen:
+                    at[i] += 1
+                    enter(i)
+                elif s == "spin" and free and until[i] <= t + _EPS:
+                    held[i] += 1
+                    state[i], left[i] = "poll", poll_cpu_s
+                elif s == "sleep" and until[i] <= t + _EPS:
+                    state[i], left[i] = "poll", poll_cpu_s
+                elif s == "poll" and left[i] <= _EPS:
+                    if seen:
+                        at[i] += 1
+                        enter(i)
+                    else:
+                        pause[i] = min(max_pause_s, pause[i] + pause_step_s)
+                        state[i], until[i] = "sleep", t + pause[i] + poll_extra_s
+        for j in range(5):
+            totals[j] += sum(b[j] - a[j] for a, b in marks) / (steps * n)
     return Held(*(v / len(every) for v in totals))

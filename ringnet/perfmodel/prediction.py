@@ -9,7 +9,7 @@ import numpy as np
 from ringnet.perfmodel import sends
 from ringnet.perfmodel.codefacts import boundary_s, code_facts, rooted_concurrent
 from ringnet.perfmodel.exchange import RING_KINDS, flat_items, refill, ring_time
-from ringnet.perfmodel.held import Cpu, Sync, applies, share, simulate
+from ringnet.perfmodel.held import Cpu, Sync, share, simulate
 from ringnet.perfmodel.simulate import layer_timeline, progress_of, simulate_ops
 from ringnet.perfmodel.topology import hierarchical_items, spans_nodes
 from ringnet.parallel import MODES as REGISTRY
@@ -212,12 +212,13 @@ def held_waits(system, model, mode, delay, n, batch):
     (:func:`ringnet.perfmodel.held.simulate`): the compute between the collectives at a
     full core's speed, each collective's rounds at the link's time, the waits as the code
     spins and polls (its spin under a quota, the calibration's cost of a sleeping poll).
-    None where the calibration did not time the polls or name the machines the nodes ran
-    on, where the nodes that share a machine outnumber its CPUs (the cores hold them too),
-    and for other modes. ``system``: as :meth:`System.at` gives it for N."""
+    Where the nodes that share a machine outnumber its CPUs, the machine's CPUs hold them
+    too: the simulation runs them together on those CPUs, a spinning wait yielding to the
+    ranks that compute. None where the calibration did not time the polls or name the
+    machines the nodes ran on, and for other modes. ``system``: as :meth:`System.at` gives
+    it for N."""
     polls, hosts, q = system.polls, system.hosts, system.quota
-    if (mode != "split-fc" or delay or n < 2 or q is None or not polls or not hosts
-            or not applies(n, hosts)):
+    if mode != "split-fc" or delay or n < 2 or q is None or not polls or not hosts:
         return None
     from ringnet.comm.mpi_transport import MAX_PAUSE_S, PAUSE_STEP_S, wait_spin_s
     free = _unheld(system)
@@ -260,7 +261,7 @@ def held_waits(system, model, mode, delay, n, batch):
         plan += list(part.transfers) + [Cpu(tail)]
     step = _timed_plan(free, n, plan, (system.cpu_blocking or {}).get("per_byte_s", 0.0))
     return simulate(step, n, q, system.quota_period_s, wait_spin_s(q, 1), polls["cpu_s"],
-                    polls["extra_s"], PAUSE_STEP_S, MAX_PAUSE_S)
+                    polls["extra_s"], PAUSE_STEP_S, MAX_PAUSE_S, hosts=hosts)
 
 
 def _timed_plan(system, n, plan, per_byte_s):

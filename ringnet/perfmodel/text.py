@@ -197,17 +197,18 @@ def quota_line(quota, n=None, hosts=None):
 
 
 def held_line(n, record):
-    """On nodes held to a quota, whether the model simulates split-fc's waits on peers
-    held by their quotas at N (:func:`ringnet.perfmodel.prediction.held_waits`) and with
-    what: a sleeping poll's cost as the calibration ``record`` measured it, the machines
-    the nodes ran on; None where it has no quota or did not measure them."""
+    """On nodes held to a quota, how the model simulates split-fc's waits on peers held by
+    their quotas at N (:func:`ringnet.perfmodel.prediction.held_waits`): the machines the
+    nodes ran on (together on a machine's CPUs where they outnumber them) and a sleeping
+    poll's cost as the calibration ``record`` measured them; None where it has no quota or
+    did not measure them."""
     polls, hosts = record.get("polls"), record.get("hosts")
     if not record.get("quota") or not polls or not hosts or n < 2:
         return None
     where = (f"{n} nodes on {hosts['hosts']} machine(s) of {hosts['cpus']} CPUs")
     if not applies(n, hosts):
-        return (f"split-fc's waits on held peers not simulated: {where}, so the machine's "
-                f"cores hold the nodes as well as their quotas")
+        where += (": the nodes run together on the machine's CPUs, shared among the ranks "
+                  "that compute, a spinning wait taking what they leave")
     return (f"split-fc's waits on peers held by their quotas simulated ({where}): a sleeping "
             f"poll costs {polls['cpu_s'] * 1e6:.1f} us of CPU and sleeps "
             f"{polls['extra_s'] * 1e6:.0f} us beyond its pause")

@@ -14,11 +14,15 @@ from ringnet.models import build_model
 SPIN, POLL, EXTRA, PAUSE_STEP, MAX_PAUSE = 5e-4, 1e-5, 4e-5, 1e-5, 1e-3
 
 
-def _ticked(step, n, quota, period, phases, steps, warmup, dt=5e-6):
+def _ticked(step, n, quota, period, phases, steps, warmup, dt=5e-6, machines=None, cpus=1):
     """The same nodes on a clock of ``dt`` ticks: each tick a rank with budget left in its
-    node's period runs (computes, spins or polls) for the tick; a spinning rank looks at its
-    round each tick it runs, a sleeping one wakes at its pause's end and polls. Returns
-    (step, held waits per step and rank, wait CPU per step and rank)."""
+    node's period runs (computes, spins or polls) for the tick, or for what budget is left
+    of it; a spinning rank looks at its
+    round each tick it runs, a sleeping one wakes at its pause's end and polls. With
+    ``machines`` (lists of ranks sharing ``cpus`` CPUs) a rank runs for its share of the
+    tick: those that compute or poll share the CPUs (a core at most), those that spin
+    share what they leave, and a spinning rank with budget left looks at its round each
+    tick. Returns (step, held waits per step and rank, wait CPU per step and rank)."""
     program = []
     for item in step:
         if isinstance(item, Cpu):
@@ -67,13 +71,26 @@ def _ticked(step, n, quota, period, phases, steps, warmup, dt=5e-6):
             m = math.floor((now - phases[i]) / period)
             if m != window[i]:
                 window[i], used[i] = m, 0.0
+        tick = [dt] * n
+        for machine in machines or []:
+            ready = [i for i in machine if used[i] < budget - 1e-12]
+            busy = [i for i in ready if state[i][0] in ("cpu", "poll")]
+            spin = [i for i in ready if state[i][0] == "spin"]
+            for i in machine:
+                tick[i] = 0.0
+            for i in busy:
+                tick[i] = dt * min(1.0, cpus / len(busy))
+            for i in spin:
+                tick[i] = dt * min(1.0, (cpus - sum(tick[j] for j in busy) / dt) / len(spin))
+        for i in range(n):
             s = state[i]
             counted = done_steps[i] >= warmup
-            runs = used[i] + dt <= budget + 1e-12
+            runs = used[i] < budget - 1e-12          # what budget is left, it runs for
+            tick[i] = min(tick[i], budget - used[i])
             if s[0] == "cpu":
-                if runs:
-                    used[i] += dt
-                    s[1] -= dt
+                if runs and tick[i]:
+                    used[i] += tick[i]
+                    s[1] -= tick[i]
                     if s[1] <= 1e-12:
                         advance(i)
             elif s[0] == "block":
@@ -82,8 +99,8 @@ def _ticked(step, n, quota, period, phases, steps, warmup, dt=5e-6):
                     advance(i)
             elif s[0] == "spin":
                 if runs:
-                    used[i] += dt
-                    wait_cpu[i] += dt if counted else 0.0
+                    used[i] += tick[i]
+                    wait_cpu[i] += tick[i] if counted else 0.0
                     if now >= done_at(i, s[2]):
                         reached[i] += 1
                         advance(i)
@@ -91,10 +108,10 @@ def _ticked(step, n, quota, period, phases, steps, warmup, dt=5e-6):
                         state[i] = ["poll", POLL, s[2], 0.0]
                         held_waits[i] += counted
             elif s[0] == "poll":
-                if runs:
-                    used[i] += dt
-                    wait_cpu[i] += dt if counted else 0.0
-                    s[1] -= dt
+                if runs and tick[i]:
+                    used[i] += tick[i]
+                    wait_cpu[i] += tick[i] if counted else 0.0
+                    s[1] -= tick[i]
                     if s[1] <= 1e-12:
                         if now >= done_at(i, s[2]):
                             reached[i] += 1
@@ -131,6 +148,54 @@ def test_the_simulation_matches_a_clock_tick_simulation_of_the_same_nodes(n, mon
     assert got.waits == 4                           # the rounds that poll, a step
     # the quota holds them: some waits outlast the spin beyond the one 0.8 ms round
     assert got.held > 1.05
+
+
+@pytest.mark.parametrize("quota, hosts", [(0.5, {"hosts": 1, "cpus": 2}),
+                                          (0.3, {"hosts": 1, "cpus": 2}),
+                                          (0.5, {"hosts": 1, "cpus": 3}),
+                                          (0.4, {"hosts": 1, "cpus": 1.5}),
+                                          (0.5, {"hosts": 2, "cpus": 1})])
+def test_nodes_that_outnumber_their_machine_s_cpus_match_a_clock_tick_simulation(
+        quota, hosts, monkeypatch):
+    """Four nodes on machines with fewer CPUs than nodes, run together event by event
+    (the ranks that compute share the CPUs, a spin takes what they leave) and tick by tick
+    (5 us): the step, the waits past the spin and what the waits cost agree, where the
+    quota holds the nodes (0.3, and 0.5 on 3 CPUs) and where the CPUs do (0.5 on 2)."""
+    monkeypatch.setattr(held, "SHARED_STEPS", 12)
+    monkeypatch.setattr(held, "SHARED_WARMUP", 6)
+    got = simulate(STEP, 4, quota, 0.01, SPIN, POLL, EXTRA, PAUSE_STEP, MAX_PAUSE, hosts=hosts)
+    per = 4 // hosts["hosts"]
+    machines = [list(range(m, m + per)) for m in range(0, 4, per)]
+    ticks = [_ticked(STEP, 4, quota, 0.01, phases, 12, 6, machines=machines, cpus=hosts["cpus"])
+             for phases in held._phases(4, 0.01)[:held.SHARED_PHASES]]
+    step, held_waits, wait_cpu = (sum(t[j] for t in ticks) / len(ticks) for j in range(3))
+    assert got.step_s == pytest.approx(step, rel=0.02)
+    assert got.held == pytest.approx(held_waits, abs=0.15)
+    assert got.wait_cpu_s == pytest.approx(wait_cpu, rel=0.05, abs=2e-5)
+    assert got.waits == 4
+    # a spin that yields to the ranks that compute costs less than one on a CPU of its own
+    own = simulate(STEP, 4, quota, 0.01, SPIN, POLL, EXTRA, PAUSE_STEP, MAX_PAUSE)
+    assert got.wait_cpu_s < own.wait_cpu_s
+
+
+def test_nodes_sharing_cpus_closed_forms():
+    """Two nodes on one CPU with a whole core's quota compute at half a core each and spin
+    through the round together at half a core each; four nodes of half a core on two CPUs
+    are held by the CPUs at the quota's own rate, never by the quota (the step twice the
+    CPU); at a quarter core each the quota holds them (the step the CPU over the quota)."""
+    args = (SPIN, POLL, EXTRA, PAUSE_STEP, MAX_PAUSE)
+    two = simulate([Cpu(2e-3), Sync(1, 1e-4)], 2, 1.0, 0.01, *args, hosts={"hosts": 1, "cpus": 1})
+    assert two.step_s == pytest.approx(4.1e-3, rel=1e-9)
+    assert two.cpu_s == pytest.approx(2.05e-3, rel=1e-9)
+    assert two.wait_cpu_s == pytest.approx(0.05e-3, rel=1e-9)
+    assert (two.waits, two.held) == (1, 0)
+    machine = {"hosts": 1, "cpus": 2}
+    half = simulate([Cpu(3e-3), Sync(1, 0.0)], 4, 0.5, 0.01, *args, hosts=machine)
+    assert half.step_s == pytest.approx(6e-3, rel=1e-9) and half.held == 0
+    quarter = simulate([Cpu(3e-3), Sync(1, 0.0, polls=False)], 4, 0.25, 0.01, *args,
+                       hosts=machine)
+    assert quarter.step_s == pytest.approx(3e-3 / 0.25, rel=0.02)
+    assert quarter.cpu_s == pytest.approx(3e-3, rel=1e-9)
 
 
 def test_a_ring_round_waits_for_both_neighbours(monkeypatch):
@@ -199,8 +264,8 @@ def _held_system(**calibration):
 def test_split_fc_on_held_nodes_takes_the_simulated_step_where_the_nodes_fit_the_machine():
     """With a sleeping poll's cost calibrated and the nodes on a machine with a CPU each,
     split-fc's step under a quota is the simulated one (its waits on held peers cost CPU
-    the plain CPU-over-quota rule leaves out); other modes, nodes that outnumber the
-    machine's CPUs and calibrations without the polls keep the rule."""
+    the plain CPU-over-quota rule leaves out); other modes and calibrations without the
+    polls keep the rule."""
     lenet = build_model("lenet")
     plain = _held_system()
     simulated = _held_system(polls={"cpu_s": POLL, "extra_s": EXTRA},
@@ -215,9 +280,14 @@ def test_split_fc_on_held_nodes_takes_the_simulated_step_where_the_nodes_fit_the
     costly = _held_system(polls={"cpu_s": 5 * POLL, "extra_s": EXTRA},
                           hosts={"hosts": 1, "cpus": 2})
     assert pm.predict(costly, lenet, "split-fc", 0, 2, 64).step_s > after.step_s
-    crowded = dataclasses.replace(simulated, hosts={"hosts": 1, "cpus": 1})
-    assert pm.predict(crowded, lenet, "split-fc", 0, 2, 64).held is None
     assert pm.predict(simulated, lenet, "ring", 0, 2, 64).held is None
+    # two nodes on one CPU: simulated together on it, the step the node's CPU over the
+    # quota, and a spin yields to the peer that computes, so the waits cost less
+    crowded = pm.predict(dataclasses.replace(simulated, hosts={"hosts": 1, "cpus": 1}),
+                         lenet, "split-fc", 0, 2, 64)
+    assert crowded.held is not None and crowded.held.held == 0
+    assert crowded.step_s == pytest.approx(crowded.held.cpu_s / 0.5, rel=1e-6)
+    assert crowded.held.wait_cpu_s < 0.5 * after.held.wait_cpu_s
 
 
 def test_a_node_s_share_of_a_core_where_the_nodes_outnumber_the_machine_s_cpus():
