@@ -648,9 +648,9 @@ def test_the_cluster_records_counts_are_today_s_model_s():
     end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
     from ringnet.tables import parse_markdown
     _, rows = parse_markdown("\n".join(lines[start:end]))
-    assert len(rows) == 8
+    assert len(rows) == 10
     for record, *errors in rows:
-        got = {r["model"]: r for r in _record_rows(record) if r["mode"] == "split-fc"
+        got = {r["model"]: r for r in _record_rows(record.split()[0]) if r["mode"] == "split-fc"
                and r["np"] == 4}
         for model, said in zip(("lenet", "cifar10_quick"), errors):
             after = int(said.split("→")[-1].strip().rstrip("%").replace("−", "-"))
@@ -1141,6 +1141,17 @@ COMMANDS = {
     "docs/bench-model-validation-1gbit-avx512-unseen.json": validation_diagnosis,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-unshaped-avx512-unseen.json --table validation --markdown":
+    doc_table,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-1gbit-avx512-shared.json': NODES,
+    'python -m ringnet.bench model --np 1 2 4 --profile pcie3 --validate --validate-repeats 5 '
+    '--validate-steps 40 --launcher "srun --mpi=pmi2" --ranks-per-node 1 --validation '
+    'docs/bench-model-validation-unshaped-avx512-shared.json': NODES,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-1gbit-avx512-shared.json --table validation --markdown": doc_table,
+    "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
+    "docs/bench-model-validation-unshaped-avx512-shared.json --table validation --markdown":
     doc_table,
     "python -m ringnet.bench model --compute k40 --np 1 2 4 --validation "
     "docs/bench-model-validation-unshaped-avx512-waits.json --table validation --markdown": doc_table,

@@ -211,8 +211,8 @@ def _shared(step, n, quota, period, hosts, spin_s, poll_cpu_s, poll_extra_s, pau
         at = [0] * n                       # each rank's place in the walk, counted from 0
         state, left, until, pause = ["cpu"] * n, [0.0] * n, [0.0] * n, [0.0] * n
         entered = {}                       # (rank, place) -> when it entered that round
-        start = [phases[i] - period * math.ceil(phases[i] / period) for i in range(n)]
-        end = [s + period for s in start]  # each node's current period ...
+        # each node's current period ends ...
+        end = [phases[i] - period * math.ceil(phases[i] / period) + period for i in range(n)]
         used = [0.0] * n                   # ... and the budget spent in it
         cpu, wait_cpu, waits, held = [0.0] * n, [0.0] * n, [0] * n, [0] * n
         marks = [[] for _ in range(n)]
@@ -285,14 +285,12 @@ def _shared(step, n, quota, period, hosts, spin_s, poll_cpu_s, poll_extra_s, pau
             t += step_s
             for i in range(n):
                 if end[i] - t <= _EPS:
-                    start[i], end[i], used[i] = end[i], end[i] + period, 0.0
+                    end[i], used[i] = end[i] + period, 0.0
             for i in range(n):
                 s, seen = state[i], finish[i] is not None and finish[i] <= t + _EPS
                 free = budget - used[i] > _EPS
-                if s == "cpu" and left[i] <= _EPS or s == "block" and seen:
-                    at[i] += 1
-                    enter(i)
-                elif s == "spin" and free and seen:
+                if s == "cpu" and left[i] <= _EPS or s == "block" and seen \
+                        or s == "spin" and free and seen:
                     at[i] += 1
                     enter(i)
                 elif s == "spin" and free and until[i] <= t + _EPS:
