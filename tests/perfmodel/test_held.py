@@ -348,3 +348,7 @@ def test_the_report_says_which_rule_a_quota_s_row_takes():
     assert "at 0.67 of a core" in three
     (unnamed,) = calibration_lines(4, {"quota": 0.5})
     assert unnamed == two
+    from ringnet.perfmodel.text import held_line
+    polled = dict(record, polls={"cpu_s": 8e-6, "extra_s": 6e-5})
+    assert "run together on the machine's CPUs" in held_line(4, polled)
+    assert "together" not in held_line(2, polled) and "8.0 us of CPU" in held_line(2, polled)
