@@ -120,10 +120,10 @@ def simulate(step, n, quota, period, spin_s, poll_cpu_s, poll_extra_s, pause_ste
     ``max_pause_s``) plus ``poll_extra_s``; it goes on when a poll or its spin sees the
     round done. ``hosts`` ({"hosts", "cpus"}, the nodes filling the machines in order):
     where the nodes of a machine outnumber its CPUs (:func:`applies`), the nodes run
-    together on them (:func:`_shared`); None or else: each on a core of its own. Returns a
+    together on them (:func:`_together`); None or else: each on a core of its own. Returns a
     :class:`Held`."""
     if hosts and not applies(n, hosts):
-        return _shared(step, n, quota, period, hosts, spin_s, poll_cpu_s, poll_extra_s,
+        return _together(step, n, quota, period, hosts, spin_s, poll_cpu_s, poll_extra_s,
                        pause_step_s, max_pause_s)
     totals = [0.0] * 5
     every = _phases(n, period)
@@ -189,7 +189,7 @@ def _rounds(step):
     return walk
 
 
-def _shared(step, n, quota, period, hosts, spin_s, poll_cpu_s, poll_extra_s, pause_step_s,
+def _together(step, n, quota, period, hosts, spin_s, poll_cpu_s, poll_extra_s, pause_step_s,
             max_pause_s):
     """:func:`simulate` where the nodes that share a machine outnumber its CPUs: all ranks
     run together, event by event. On each machine the ranks that compute (or poll) share
@@ -243,11 +243,11 @@ def _shared(step, n, quota, period, hosts, spin_s, poll_cpu_s, poll_extra_s, pau
         for i in range(n):
             enter(i)
         while state.count("end") < n:
+            free = [budget - used[i] > _EPS for i in range(n)]     # not held by its quota
             rate = [0.0] * n
             for machine in machines:
-                busy = [i for i in machine if state[i] in ("cpu", "poll")
-                        and budget - used[i] > _EPS]
-                spin = [i for i in machine if state[i] == "spin" and budget - used[i] > _EPS]
+                busy = [i for i in machine if state[i] in ("cpu", "poll") and free[i]]
+                spin = [i for i in machine if state[i] == "spin" and free[i]]
                 each = min(1.0, cpus / len(busy)) if busy else 0.0
                 for i in busy:
                     rate[i] = each
@@ -270,7 +270,7 @@ def _shared(step, n, quota, period, hosts, spin_s, poll_cpu_s, poll_extra_s, pau
                         continue
                     if finish[i] > t + _EPS:
                         step_s = min(step_s, finish[i] - t)
-                    elif state[i] == "block" or state[i] == "spin" and budget - used[i] > _EPS:
+                    elif state[i] == "block" or state[i] == "spin" and free[i]:
                         step_s = 0.0            # it goes on now
             step_s = max(step_s, 0.0)
             for i in range(n):
@@ -288,12 +288,12 @@ def _shared(step, n, quota, period, hosts, spin_s, poll_cpu_s, poll_extra_s, pau
                     end[i], used[i] = end[i] + period, 0.0
             for i in range(n):
                 s, seen = state[i], finish[i] is not None and finish[i] <= t + _EPS
-                free = budget - used[i] > _EPS
+                runs = budget - used[i] > _EPS             # after this step's spending
                 if s == "cpu" and left[i] <= _EPS or s == "block" and seen \
-                        or s == "spin" and free and seen:
+                        or s == "spin" and runs and seen:
                     at[i] += 1
                     enter(i)
-                elif s == "spin" and free and until[i] <= t + _EPS:
+                elif s == "spin" and runs and until[i] <= t + _EPS:
                     held[i] += 1
                     state[i], left[i] = "poll", poll_cpu_s
                 elif s == "sleep" and until[i] <= t + _EPS:

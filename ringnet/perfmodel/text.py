@@ -185,15 +185,19 @@ def quota_line(quota, n=None, hosts=None):
     the machines ``hosts`` (as the calibration names them; None: not named)."""
     burst = share(n, hosts) if hosts and n and n > 1 else 1.0
     if burst < 1.0:
-        return (f"nodes held to a CPU quota of {quota:g} core, {n} of them on "
-                f"{hosts['hosts']} machine(s) of {hosts['cpus']} CPUs: one rank a node "
-                f"computes at {burst:.2g} of a core while all compute at once (split-fc, "
-                f"whose ranks compute between blocking collectives: at a full core's speed "
-                f"while the period's budget lasts), no rank's step its own (the CPUs are "
-                f"shared), and no step is shorter than its CPU time / {quota:g}")
+        return (f"nodes held to a CPU quota of {quota:g} core, {n} of them {_on(hosts)}: one "
+                f"rank a node computes at {burst:.2g} of a core while all compute at once "
+                f"(split-fc, whose ranks compute between blocking collectives: at a full "
+                f"core's speed while the period's budget lasts), no rank's step its own (the "
+                f"CPUs are shared), and no step is shorter than its CPU time / {quota:g}")
     return (f"nodes held to a CPU quota of {quota:g} core: one rank a node computes at a full "
             f"core's speed while the period's budget lasts (the profile times {quota:g}), and "
             f"no step is shorter than its CPU time / {quota:g}")
+
+
+def _on(hosts):
+    """The machines ``hosts`` names, as the report's quota and held lines say them."""
+    return f"on {hosts['hosts']} machine(s) of {hosts['cpus']} CPUs"
 
 
 def held_line(n, record):
@@ -205,7 +209,7 @@ def held_line(n, record):
     polls, hosts = record.get("polls"), record.get("hosts")
     if not record.get("quota") or not polls or not hosts or n < 2:
         return None
-    where = (f"{n} nodes on {hosts['hosts']} machine(s) of {hosts['cpus']} CPUs")
+    where = f"{n} nodes {_on(hosts)}"
     if not applies(n, hosts):
         where += (": the nodes run together on the machine's CPUs, shared among the ranks "
                   "that compute, a spinning wait taking what they leave")
