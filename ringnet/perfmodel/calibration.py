@@ -151,15 +151,15 @@ def calibration_record(n, raw, add_s_per_elem):
     burst = tbf_burst_bytes(shaped) if shaped else 0.0
     alpha, beta = fit(n, blocking, add_s_per_elem) if n > 1 else (0.0, 1e30)
     together = raw["together_s"]
-    rates, steals = [], []
-    for size, (span, work) in sorted((int(k), v) for k, v in raw["streamed"].items()):
-        alone = dict(blocking).get(size)
-        overlap = min(span, work)
-        if not alone or overlap <= 0:
-            continue
-        tail = max(0.0, span - work)            # ran after the compute, at blocking speed
-        rates.append(min(1.0, max(1e-3, (alone - min(tail, alone)) / overlap)))
-        steals.append(min(0.9, max(0.0, (work - together) / overlap)))
+    rates, steals = _stream_rates(dict(blocking), raw["streamed"], together)
+    # the tree's and master's reduce + broadcast beside the same compute, against their own
+    # blocking times (older records: none, and the ring's rate stands for them)
+    rooted_rate = {}
+    for mode, sizes in (raw.get("streamed_rooted") or {}).items():
+        alone = {int(k): v for k, v in (raw.get("rooted") or {}).get(mode, {}).items()}
+        got, _ = _stream_rates(alone, sizes, together)
+        if got:
+            rooted_rate[mode] = float(np.mean(got))
     rooted = {mode: dict(zip(("alpha_s", "beta_Bps"),
                              _fit_rooted(mode, n, sorted((int(k), v) for k, v in sizes.items()),
                                          add_s_per_elem, burst)))
@@ -192,6 +192,7 @@ def calibration_record(n, raw, add_s_per_elem):
                           for name, v in raw.get("models", {}).items() if "imbalance" in v},
             "slice_s": slice_s, "msg_slice_s": msg_slice_s,
             "rate": float(np.mean(rates)) if rates else 1.0,
+            "rooted_rate": rooted_rate or None,
             "steal": float(np.mean(steals)) if steals else 0.0,
             # the CPU a transfer costs its rank's process: on the training thread's blocking
             # waits, and on the stream's thread beside compute (older records: none)
@@ -201,6 +202,24 @@ def calibration_record(n, raw, add_s_per_elem):
             # what a wait's sleeping poll costs, and the machines the nodes ran on (older
             # records: none)
             "polls": raw.get("polls"), "hosts": raw.get("hosts"), "raw": raw}
+
+
+def _stream_rates(alone, streamed, together):
+    """The rates and steals of the exchanges timed on the stream beside the work unit
+    (``streamed``: {size: (span, work)}) against the same exchanges alone (``alone``:
+    {size: seconds}): the part of it not left for after the work (its tail, at blocking
+    speed) moved during their overlap; the work's excess over ``together`` (every rank
+    busy, no exchange) is what the stream took from it."""
+    rates, steals = [], []
+    for size, (span, work) in sorted((int(k), v) for k, v in streamed.items()):
+        own = alone.get(size)
+        overlap = min(span, work)
+        if not own or overlap <= 0:
+            continue
+        tail = max(0.0, span - work)            # ran after the compute, at blocking speed
+        rates.append(min(1.0, max(1e-3, (own - min(tail, own)) / overlap)))
+        steals.append(min(0.9, max(0.0, (work - together) / overlap)))
+    return rates, steals
 
 
 def _delayed_rates(n, raw):

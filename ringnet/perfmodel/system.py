@@ -49,6 +49,8 @@ class System:
     cores: float = None
     steal: float = 0.0
     rate: float = 1.0
+    rooted_rate: dict = None         # local: route ("tree", "master") -> the rate of its reduce
+    #                                  + broadcast beside compute, where measured (else ``rate``)
     rooted: dict = None              # local: mode -> Link calibrated on that communicator
     calibrated: dict = None
     ranks_here: int = 1              # ranks of this job on one node (set per prediction)
@@ -104,6 +106,7 @@ class System:
         wait = scheduling_wait(n, cores_here, c.get("slice_s", 0.0))
         per_msg = scheduling_wait(n, cores_here, c.get("msg_slice_s", 0.0))
         return dataclasses.replace(self, intra=link, inter=link, rate=c["rate"], rooted=rooted,
+                                   rooted_rate=c.get("rooted_rate") or None,
                                    node_link=self._node_link(),
                                    cores=c.get("cores") or usable_cores(), steal=c["steal"],
                                    model_cores=c.get("model_cores") or None, wait_s=wait,

@@ -176,7 +176,8 @@ def calibration_lines(n, record):
     quota and with their held waits, its transfers' CPU, its delayed exchange's rate."""
     lines = [inter_link_hint(n, record),
              quota_line(record["quota"], n, record.get("hosts")) if record.get("quota") else None,
-             held_line(n, record), transfer_cpu_line(record), delayed_rate_line(record)]
+             held_line(n, record), transfer_cpu_line(record), rooted_rate_line(n, record),
+             delayed_rate_line(record)]
     return [line for line in lines if line]
 
 
@@ -226,6 +227,19 @@ def transfer_cpu_line(record):
              for where, cost in (("blocking", record.get("cpu_blocking")),
                                  ("on the stream", record.get("cpu_stream"))) if cost]
     return "CPU a transfer costs its rank: " + "; ".join(costs) if costs else None
+
+
+def rooted_rate_line(n, record):
+    """The rate of the tree's and master's reduce + broadcast beside compute that a
+    calibration ``record`` measured at N (their buckets beside the backward take it),
+    against the ring's; None where it measured none."""
+    rates = record.get("rooted_rate")
+    if not rates or n < 2:
+        return None
+    each = ", ".join(f"{rates[route]:.2f} ({route})" for route in ("master", "tree")
+                     if route in rates)
+    return (f"beside compute a reduce + broadcast moves at {each} of its blocking speed, "
+            f"the ring's all-reduce at {record['rate']:.2f}")
 
 
 def delayed_rate_line(record):

@@ -26,7 +26,8 @@ def calibrate_worker(iters, models=(), batch=0):
     with every rank busy, each of ``models``' training step (forward, loss, backward) at
     the per-rank ``batch`` alone and on every rank at once, blocking reduce-scatter+all-gather per size (and the
     CPU time each rank's process spent in it), per stream size the exchange's own duration,
-    the work unit's time while it ran and the stream thread's CPU time, and a
+    the work unit's time while it ran and the stream thread's CPU time (and the first two
+    for the tree's and the master's reduce + broadcast, ``streamed_rooted``), and a
     small exchange (1 and 4 ring all-reduces of 4 KiB on the stream, waited for as
     training waits) entered idle and entered right after the work unit, and per model the
     delayed step as training runs it (its gradient's all-reduce on the stream beside one
@@ -170,7 +171,6 @@ def calibrate_worker(iters, models=(), batch=0):
     # the tree's and master's reduce + broadcast: their messages are fewer and larger
     by_mode = {mode: sizes_timed(rooted_allreduce(comm)) for mode, comm in rooted.items()}
     stream = ring.new_stream()
-    streamed = {}
     try:                                 # progress at layer boundaries, as the strategies do
         from ringnet.comm.stream import progress_all
     except ImportError:
@@ -181,31 +181,39 @@ def calibrate_worker(iters, models=(), batch=0):
         if progress_all is not None and hasattr(net, "layer_hook"):
             net.layer_hook = lambda phase, index: progress_all()
     progressed(model)
-    streamed_cpu = {}
-    for size in STREAM_SIZES:
-        buf = np.ones(size // 4, np.float32)
-        spans, works, cpus = [], [], []
+    def beside_work(allreduce):
+        """Per size of STREAM_SIZES, ``allreduce`` on the stream beside the work unit:
+        ({size: (span, work)}, {size: the stream thread's CPU}), medians over iters."""
+        spans_by, cpu_by = {}, {}
+        for size in STREAM_SIZES:
+            buf = np.ones(size // 4, np.float32)
+            spans, works, cpus = [], [], []
 
-        def exchange(out):
-            t0 = time.perf_counter()
-            ring.reduce_scatter(buf)
-            ring.allgather(buf)
-            out.append(time.perf_counter() - t0)
-        for _ in range(iters):
-            idle_barrier()
-            got = []
-            c0, own0 = time.process_time(), time.thread_time()
-            t0 = time.perf_counter()
-            handle = stream.submit(exchange, got)
-            work()
-            t_work = time.perf_counter() - t0
-            handle.wait()
-            # the stream thread's CPU: the process's less this (training) thread's
-            cpus.append((time.process_time() - c0) - (time.thread_time() - own0))
-            spans.append(slowest(got[0]))
-            works.append(slowest(t_work))
-        streamed[size] = (float(np.median(spans)), float(np.median(works)))
-        streamed_cpu[size] = float(np.median([mean_over_ranks(c) for c in cpus]))
+            def exchange(out):
+                t0 = time.perf_counter()
+                allreduce(buf)
+                out.append(time.perf_counter() - t0)
+            for _ in range(iters):
+                idle_barrier()
+                got = []
+                c0, own0 = time.process_time(), time.thread_time()
+                t0 = time.perf_counter()
+                handle = stream.submit(exchange, got)
+                work()
+                t_work = time.perf_counter() - t0
+                handle.wait()
+                # the stream thread's CPU: the process's less this (training) thread's
+                cpus.append((time.process_time() - c0) - (time.thread_time() - own0))
+                spans.append(slowest(got[0]))
+                works.append(slowest(t_work))
+            spans_by[size] = (float(np.median(spans)), float(np.median(works)))
+            cpu_by[size] = float(np.median([mean_over_ranks(c) for c in cpus]))
+        return spans_by, cpu_by
+    streamed, streamed_cpu = beside_work(ring_allreduce)
+    # the tree's and master's reduce + broadcast beside the same work: their hops forward
+    # other pieces than the ring's (the master's none), so they wait otherwise for a CPU
+    streamed_rooted = {mode: beside_work(rooted_allreduce(comm))[0]
+                       for mode, comm in rooted.items()}
     # the delayed step as training runs it: each model's gradient exchanged on the stream
     # beside one step of the model at its per-rank batch, then waited for, step after step
     # (``loop_s``, the ranks' mean), against that exchange alone, blocking (``alone_s``). On a
@@ -254,6 +262,7 @@ def calibrate_worker(iters, models=(), batch=0):
                           "solo_s": float(np.median(solo)),
                           "together_s": float(np.median(together)),
                           "blocking": blocking, "streamed": streamed,
+                          "streamed_rooted": streamed_rooted,
                           "blocking_cpu": blocking_cpu, "streamed_cpu": streamed_cpu,
                           "rooted": by_mode, "models": steps, "delayed": delayed,
                           "waits": {k: float(np.median(v)) for k, v in waits.items()}}),

@@ -35,6 +35,34 @@ def test_calibration_record_from_raw_timings():
     assert calibration.calibration_record(2, raw, 0.0)["rate"] == pytest.approx(0.5)
 
 
+def test_rooted_routes_rates_beside_compute_from_their_own_timings():
+    # the master's reduce + broadcast: 30 ms alone; beside 40 ms of work it spans 50 ms,
+    # 10 ms after the work, so 20 ms of it moved in the 40 ms of overlap: rate 0.5; the
+    # tree's 20 ms alone, done within the work (spans 16 ms): 20 / 16 clamps to 1
+    raw = {"solo_s": 0.020, "together_s": 0.030,
+           "blocking": {"4096": 0.004, "1048576": 0.010},
+           "streamed": {"1048576": [0.050, 0.040]},
+           "rooted": {"master": {"1048576": 0.030}, "tree": {"1048576": 0.020}},
+           "streamed_rooted": {"master": {"1048576": [0.050, 0.040]},
+                               "tree": {"1048576": [0.016, 0.040]}}}
+    record = calibration.calibration_record(2, raw, 0.0)
+    assert record["rooted_rate"] == pytest.approx({"master": 0.5, "tree": 1.0})
+    assert record["rate"] == pytest.approx(1e-3)      # the ring's, from its own timings
+    # a route timed beside compute at a size it was not timed alone at gives no rate
+    raw["streamed_rooted"]["tree"] = {"65536": [0.016, 0.040]}
+    assert calibration.calibration_record(2, raw, 0.0)["rooted_rate"] == pytest.approx(
+        {"master": 0.5})
+    # the report's line says each route's rate beside the ring's
+    from ringnet.perfmodel.text import rooted_rate_line
+    assert rooted_rate_line(2, calibration.calibration_record(2, raw, 0.0)) == (
+        "beside compute a reduce + broadcast moves at 0.50 (master) of its blocking speed, "
+        "the ring's all-reduce at 0.00")
+    # older records: none timed, none given (the ring's rate stands for every route)
+    del raw["streamed_rooted"]
+    assert calibration.calibration_record(2, raw, 0.0)["rooted_rate"] is None
+    assert rooted_rate_line(2, calibration.calibration_record(2, raw, 0.0)) is None
+
+
 def test_ranks_beyond_the_cores_share_them(monkeypatch):
     # 4 ranks busy at once took 2x one alone (waits that sleep): 2 effective cores, each
     # rank's compute 2x slower at N = 4, none at N = 1, 2
@@ -306,6 +334,16 @@ def test_calibration_worker_times_the_model_steps_and_the_waits(capsys):
         assert 0.0 <= spent <= 2 * max(raw["streamed"][size]) + 1e-3
         if n > 1:       # the stream's thread moved the bytes: it spent some CPU
             assert spent > 0.0
+    # the tree's and the master's reduce + broadcast beside the same work: per size, the
+    # exchange's own span and the work's time; across ranks each route gets a rate in (0, 1]
+    assert sorted(raw["streamed_rooted"]) == ["master", "tree"]
+    for route, sizes in raw["streamed_rooted"].items():
+        assert sorted(map(int, sizes)) == sorted(worker.STREAM_SIZES)
+        assert all(span > 0 and work > 0 for span, work in sizes.values())
+    if n > 1:
+        rates = calibration.calibration_record(n, raw, 0.0)["rooted_rate"]
+        assert sorted(rates) == ["master", "tree"]
+        assert all(0.0 < r <= 1.0 for r in rates.values())
     # a sleeping poll's CPU, and its wall time beyond the pause it asked for (which holds
     # that CPU and the sleep's overshoot); every rank on this one machine (one boot id)
     polls = raw["polls"]
