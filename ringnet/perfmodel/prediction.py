@@ -17,7 +17,7 @@ from ringnet.parallel.fc_slices import fc_blocks
 from ringnet.parallel.plans import exchange_on_stream
 from ringnet.shards import shard_bounds as _shard_bounds
 
-__all__ = ["Prediction", "predict", "transfer_cpu_s", "held_waits"]
+__all__ = ["Prediction", "predict", "transfer_cpu_s", "held_waits", "stream_rate"]
 
 
 @dataclasses.dataclass
@@ -39,6 +39,18 @@ class Prediction:
     node_cpu_s: float = None
     transfers_cpu_s: float = None
     held: object = None
+
+
+def stream_rate(system, part):
+    """The rate (a fraction of its blocking speed) at which ``part``'s exchange moves on the
+    stream beside compute: where it is a rooted reduce + broadcast whose route the
+    calibration timed beside compute (``System.rooted_rate``), that route's; else the
+    ring's (``System.rate``). The ring's every hop forwards a piece that has just arrived,
+    so each waits for its rank's thread to get a CPU; the master's workers and root post
+    all their pieces at once and forward none, the tree's middle ranks forward theirs:
+    where the CPUs are scarce each moves at its own rate."""
+    route = part.transfers[0].route if part.transfers else None
+    return (system.rooted_rate or {}).get(route, system.rate)
 
 
 def _hierarchical_on(layout, system, n, part, update_s, after_idle=False):
@@ -74,14 +86,17 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     stream's steal). The busy single step is the profile itself. The stream's rate beside
     compute was measured on such a node, where the quota held compute and stream alike
     for 1 - q of the time: running, the transfer moves at that rate / q (at most its
-    blocking speed); its steal, a ratio of two times both held alike, stands.
+    blocking speed; the rooted routes' own rates alike, where the calibration timed them,
+    :func:`stream_rate`); its steal, a ratio of two times both held alike, stands.
 
     Where the nodes outnumber the CPUs of the machine they share (the calibration's
     ``hosts``; :func:`_shared`), their ranks, which compute at once, each get a share of
     a core below a full one while all compute: the compute runs at that share (and at the
     quota's rate once the period's budget is spent, where the share is the larger), the
     ranks share cores, so no rank's step is its own and the calibration's imbalance,
-    measured there with the CPUs shared out, does not lengthen it.
+    measured there with the CPUs shared out, does not lengthen it. The stream beside that
+    compute moves at the rate the calibration measured, not that rate / q: there every
+    node computed at once on the same shared CPUs, as training's do.
 
     At delay 1 across nodes the previous step's exchange runs beside the whole of this
     step's compute, its thread polling on the node's other CPU from the same budget: the
@@ -101,9 +116,13 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
         # at its share of a core, until its period's budget is spent (where the share
         # exceeds the quota) and at the quota's rate after; the ranks share cores, so no
         # rank's step is its own (no imbalance), and the stream's polls cost the budget
+        # the stream beside it at the rate the calibration measured beside compute there,
+        # where every node computed at once on the same shared CPUs (not / q: no rank's
+        # compute runs at a full core's speed)
         p = _predict_on(dataclasses.replace(
             free, held_after_s=q * period if burst > q and period else math.inf, held_rate=q,
-            held_burst=burst, steal=0.0, imbalance=None), model, mode, delay, n, batch, topology)
+            held_burst=burst, steal=0.0, imbalance=None, rate=system.rate,
+            rooted_rate=system.rooted_rate), model, mode, delay, n, batch, topology)
     elif period and fast.compute_s > q * period:
         # a compute longer than one period's budget: the wait before it leaves it that
         # budget at most (the kernel carries none over to the next period), so its first
@@ -116,7 +135,7 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
     else:
         p = fast
     if delay and n > 1:
-        held = dataclasses.replace(system, quota=None, steal=0.0,
+        held = dataclasses.replace(system, quota=None, steal=0.0, rooted_rate=None,
                                    rate=(system.delayed_rate or {}).get(model.name, system.rate))
         p = _predict_on(held, model, mode, delay, n, batch, topology)
     sim = held_waits(system, model, mode, delay, n, batch)
@@ -160,8 +179,9 @@ def _unheld(system):
     """The system a rank held to ``system.quota`` (< 1 core) sees while its budget lasts:
     the profile at a full core's speed, no quota, the stream's rate / q (at most 1)."""
     q = system.quota
+    rooted_rate = {route: min(1.0, r / q) for route, r in (system.rooted_rate or {}).items()}
     return dataclasses.replace(system, compute=system.compute.full_speed(q), quota=None,
-                               rate=min(1.0, system.rate / q))
+                               rate=min(1.0, system.rate / q), rooted_rate=rooted_rate or None)
 
 
 def transfer_cpu_s(system, model, mode, n, batch, delay=0):
@@ -364,15 +384,17 @@ def _predict_on(system, model, mode, delay, n, batch, topology):
     boundary = (boundary_s(cp, region, code_facts().get("delay_compensation", "lookahead")) * slow
                 if delay else 0.0)
     update = update_of(everything) + fixed + boundary
-    ops = []
+    ops, parts = [], []
     if delay and n > 1:
-        ops = [(0.0, exchange)]
+        ops, parts = [(0.0, exchange)], [everything]
     elif bucket_list:
         ops = [(timeline.ready[layer],
                 exchange_items(system, n, part, update_of(part), after_idle=not k))
                for k, ((_, _, layer), part) in enumerate(zip(bucket_list, bucketed.parts))]
+        parts = bucketed.parts
     if ops:
-        step, shift = simulate_ops(system, timeline, ops, progress)
+        step, shift = simulate_ops(system, timeline, ops, progress,
+                                   rates=[stream_rate(system, part) for part in parts])
         compute += shift                # the stream's work the compute waited for on its core
     else:
         step = timeline.end + sum(t for _, t in exchange)

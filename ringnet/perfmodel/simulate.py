@@ -68,7 +68,7 @@ def layer_timeline(cp, model, segments, slow):
     return Timeline(points, dense, ready, t)
 
 
-def simulate_ops(system, timeline, ops, progress):
+def simulate_ops(system, timeline, ops, progress, rates=None):
     """Step time when ``ops`` [(ready time, items)] run in order on the stream beside the compute.
 
     A transfer is a wait ("msg") and a copy ("copy"); together they take its blocking time.
@@ -80,12 +80,14 @@ def simulate_ops(system, timeline, ops, progress):
     transfer moves at the calibrated ``rate`` of its blocking speed and takes ``steal`` of
     the core meanwhile), ``gpu`` (transfers overlap the compute). The stream's adds and
     update are work on the rank's core (or device): they delay the compute unless a spare
-    core is free.
+    core is free. ``rates``: per op, the rate its transfers move at beside compute where
+    it is not the calibrated one (None: the calibrated ``rate`` for every op).
     """
     n_spare = progress != "gpu" and system.cores is not None and system.cores >= 2 * system.ranks_here
     shift, t = 0.0, 0.0
-    rate, steal = max(system.rate, 1e-3), min(system.steal, 0.9)
-    for ready, items in ops:
+    steal = min(system.steal, 0.9)
+    for k, (ready, items) in enumerate(ops):
+        rate = max(system.rate if rates is None else rates[k], 1e-3)
         t = max(t, ready + shift)
         for kind, seconds in items:
             computing = t < timeline.end + shift

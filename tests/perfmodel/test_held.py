@@ -334,6 +334,24 @@ def test_nodes_that_outnumber_the_machine_s_cpus_compute_at_their_share_of_them(
     assert pm.predict(crowded, lenet, "split-fc", 0, 2, 64).compute_s == pytest.approx(
         pm.predict(dataclasses.replace(roomy, hosts=None), lenet, "split-fc", 0, 2, 64)
         .compute_s, rel=1e-9)
+    # the stream beside that compute at the rate the calibration measured there, where the
+    # nodes computed at once on the same CPUs (not over the quota, as on a CPU each): the
+    # step of a rank computing at half a core (its work at a full core's speed, the
+    # profile times q, held at 0.5 throughout) beside a stream at that very rate; the
+    # ring's rate and a rooted route's own alike, and slower than the same rate over q
+    for mode, rates, over_q in (("ring", {"rate": 0.3}, {"rate": 0.6}),
+                                ("master", {"rooted_rate": {"master": 0.2}},
+                                 {"rooted_rate": {"master": 0.4}})):
+        on_shared = pm.predict(dataclasses.replace(crowded, steal=0.0, **rates), lenet, mode, 0,
+                               2, 64)
+
+        def at_half_a_core(**stream):
+            return pm.predict(dataclasses.replace(
+                roomy, quota=None, steal=0.0, imbalance=None,
+                compute=roomy.compute.full_speed(0.5), held_after_s=math.inf, held_rate=0.5,
+                held_burst=0.5, **stream), lenet, mode, 0, 2, 64)
+        assert on_shared.step_s == pytest.approx(at_half_a_core(**rates).step_s, rel=1e-9)
+        assert on_shared.step_s > at_half_a_core(**over_q).step_s + 1e-3
 
 
 def test_the_report_says_which_rule_a_quota_s_row_takes():

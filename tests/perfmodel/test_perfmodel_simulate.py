@@ -24,6 +24,24 @@ def test_polled_stream_overlap_hand_computed():
     assert simulate.simulate_ops(system, long, ops, "poll")[0] == pytest.approx(12.0)
 
 
+def test_each_op_at_its_own_rate_beside_compute():
+    system = round_system()
+    system.cores, system.steal, system.rate, system.ranks_here = 2.0, 0.0, 0.25, 2
+    compute = pm.Timeline([], [], {}, 4.0)
+    ops = [(0.0, [("msg", 1.0)]), (0.0, [("msg", 1.0)])]
+    # the calibrated rate for both: 2 s of exchange need 8 s beside the compute; by its
+    # end (4 s) 1 s is done, the other 1 s at full speed after
+    assert simulate.simulate_ops(system, compute, ops, "poll")[0] == pytest.approx(5.0)
+    assert simulate.simulate_ops(system, compute, ops, "poll", rates=[0.25, 0.25])[0] == \
+        pytest.approx(5.0)
+    # the first at full speed (1 s), the second at 0.5: 3 s of compute left move 1 s
+    assert simulate.simulate_ops(system, compute, ops, "poll", rates=[1.0, 0.5])[0] == \
+        pytest.approx(4.0)
+    # the first at 0.5 (2 s), the second at the ring's 0.25 (0.5 s in the 2 s left, 0.5 after)
+    assert simulate.simulate_ops(system, compute, ops, "poll", rates=[0.5, 0.25])[0] == \
+        pytest.approx(4.5)
+
+
 def test_driven_stream_waits_for_layer_boundaries():
     system = round_system()
     system.cores, system.ranks_here = 1.0, 1

@@ -205,6 +205,37 @@ def test_a_node_held_to_a_quota_computes_at_full_speed_while_it_waits():
     assert pm.predict(shared, lenet, "ring", 1, 4, 64).step_s == pm.predict(plain, lenet, "ring", 1, 4, 64).step_s
 
 
+def test_a_rooted_route_s_buckets_move_at_the_rate_measured_for_it():
+    """Where the calibration timed the master's (or tree's) reduce + broadcast beside
+    compute, that route's delay-0 buckets move at its rate, not the ring's: the same step as
+    a system whose ring rate is that rate; the other routes keep the ring's; under a quota
+    of q it runs at rate / q (at most 1) as the ring's does; the delayed step keeps the
+    rate measured beside one step of the model."""
+    compute = pm.roofline_compute("k40", ("lenet",)).scaled(40.0)
+    lenet = build_model("lenet")
+    held = pm.make_system("local", compute, 1, _half_core_nodes())
+    slow = dataclasses.replace(held.at(4), calibrated=None, steal=0.0, quota=None, rate=0.2,
+                               inter=pm.Link("slow", 1e-3, 5e7), intra=pm.Link("slow", 1e-3, 5e7))
+    own = dataclasses.replace(slow, rooted_rate={"master": 0.6})
+    as_ring = dataclasses.replace(slow, rate=0.6)
+    master, by_hand, ring_rate = (pm.predict(s, lenet, "master", 0, 4, 64).step_s
+                                  for s in (own, as_ring, slow))
+    assert master == pytest.approx(by_hand, rel=1e-12)
+    assert master < ring_rate                           # a faster stream hides more
+    for mode in ("tree", "ring"):
+        assert pm.predict(own, lenet, mode, 0, 4, 64).step_s == \
+            pm.predict(slow, lenet, mode, 0, 4, 64).step_s
+    # under a quota of 0.5: 0.3 measured there runs at 0.6, as a ring rate of 0.3 does
+    quota = dataclasses.replace(slow, quota=0.5, rooted_rate={"master": 0.3})
+    ring_quota = dataclasses.replace(slow, quota=0.5, rate=0.3)
+    assert pm.predict(quota, lenet, "master", 0, 4, 64).step_s == pytest.approx(
+        pm.predict(ring_quota, lenet, "master", 0, 4, 64).step_s, rel=1e-12)
+    # delay 1 under the quota: the rate beside one step of the model, whatever the route's
+    delayed = dataclasses.replace(quota, delayed_rate={"lenet": 0.5})
+    assert pm.predict(delayed, lenet, "master", 1, 4, 64).step_s == pm.predict(
+        dataclasses.replace(delayed, rooted_rate=None), lenet, "master", 1, 4, 64).step_s
+
+
 def test_a_compute_longer_than_a_period_s_budget_is_held_past_it():
     """Under a quota of q = 0.5 with period P, a rank that waited computes at a full core's
     speed only for the period's budget q P (the kernel carries none over) and at the quota's
