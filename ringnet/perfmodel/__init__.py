@@ -44,7 +44,8 @@ and the stream's transfers, adds and update are walked beside it (``simulate_ops
 GPU transfers overlap and the adds/update share the device; on the CPU with driven
 progress a transfer is noticed at the next layer boundary (the training thread tests
 it there), and with a polling thread the exchange moves at a measured fraction ρ of its
-blocking speed and steals a measured fraction κ of the core. Where the code has a choice
+blocking speed (the ring's, and the tree's and master's own where the calibration timed
+them beside compute) and steals a measured fraction κ of the core. Where the code has a choice
 (progress mode, bucket size, concurrent rooted receives) the model reads it from the
 code (``code_facts``). Ranks beyond the cores share them: compute takes
 ``s(N) = max(1, N / cores)`` times as long (``cores``: measured with each model's own step
