@@ -115,10 +115,10 @@ def _under_quota(system, model, mode, delay, n, batch, topology):
         # the nodes outnumber the CPUs of the machine they share, and compute at once: each
         # at its share of a core, until its period's budget is spent (where the share
         # exceeds the quota) and at the quota's rate after; the ranks share cores, so no
-        # rank's step is its own (no imbalance), and the stream's polls cost the budget
-        # the stream beside it at the rate the calibration measured beside compute there,
-        # where every node computed at once on the same shared CPUs (not / q: no rank's
-        # compute runs at a full core's speed)
+        # rank's step is its own (no imbalance), and the stream's polls cost the budget;
+        # the stream moves at the rates the calibration measured beside compute there,
+        # where every node computed at once on the same shared CPUs (not over q, as free's
+        # are: no rank's compute runs at a full core's speed)
         p = _predict_on(dataclasses.replace(
             free, held_after_s=q * period if burst > q and period else math.inf, held_rate=q,
             held_burst=burst, steal=0.0, imbalance=None, rate=system.rate,

@@ -181,6 +181,7 @@ def calibrate_worker(iters, models=(), batch=0):
         if progress_all is not None and hasattr(net, "layer_hook"):
             net.layer_hook = lambda phase, index: progress_all()
     progressed(model)
+
     def beside_work(allreduce):
         """Per size of STREAM_SIZES, ``allreduce`` on the stream beside the work unit:
         ({size: (span, work)}, {size: the stream thread's CPU}), medians over iters."""
